@@ -1,0 +1,186 @@
+"""The registry of named benchmark configurations that ``lightning-perf bench`` and the auto-tuner run.
+
+A configuration says what to add to a plain Trainer: callbacks, a strategy, Trainer keyword arguments. Factories
+build fresh objects inside the benchmark's worker process, so nothing but the configuration's name crosses a process
+boundary. Names joined with ``+`` form a stack (``channels_last+compile``): callbacks in the order given, Trainer
+arguments merged (a conflict is an error).
+
+Each optimization registers its configuration here with :func:`register_config` (one entry in ``_builtin_configs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+CallbackFactory = Callable[[], list[Any]]
+StrategyFactory = Callable[[], Any]
+# Returns why the configuration cannot run on ``device`` (e.g. "needs CUDA"), or None when it can.
+Applicability = Callable[[torch.device], "str | None"]
+
+
+def _no_callbacks() -> list[Any]:
+    return []
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """A named way to train: what it adds to a plain fp32 Trainer.
+
+    Args:
+        name: registry name, lower case, no ``+`` or ``,``.
+        description: one line for ``lightning-perf bench --list``.
+        callbacks: builds the callbacks, called once per run inside the worker process.
+        trainer_kwargs: extra ``Trainer`` arguments (e.g. ``{"precision": "bf16-mixed"}``).
+        strategy: builds the strategy, or ``None`` for Lightning's default.
+        applies_to: says why the configuration cannot run on a device, or ``None`` when it can.
+        parts: the names a stack was built from (just ``(name,)`` for a single configuration).
+    """
+
+    name: str
+    description: str
+    callbacks: CallbackFactory = _no_callbacks
+    trainer_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    strategy: StrategyFactory | None = None
+    applies_to: Applicability | None = None
+    parts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c in self.name for c in "+, ") or self.name != self.name.strip():
+            raise ValueError(f"`BenchConfig(name={self.name!r})` is not a valid name: expected a non-empty word.")
+        object.__setattr__(self, "trainer_kwargs", MappingProxyType(dict(self.trainer_kwargs)))
+        if not self.parts:
+            object.__setattr__(self, "parts", (self.name,))
+
+    def why_not(self, device: torch.device) -> str | None:
+        """Why this configuration cannot run on ``device``, or ``None``."""
+        return self.applies_to(device) if self.applies_to is not None else None
+
+
+_REGISTRY: dict[str, BenchConfig] = {}
+
+
+def register_config(config: BenchConfig, *, replace: bool = False) -> BenchConfig:
+    """Add ``config`` to the registry; a second registration of a name is an error unless ``replace``."""
+    if config.name in _REGISTRY and not replace:
+        raise ValueError(f"A benchmark configuration named {config.name!r} is already registered.")
+    _REGISTRY[config.name] = config
+    return config
+
+
+def available_configs() -> list[str]:
+    """The registered configuration names, ``baseline`` first."""
+    _ensure_builtins()
+    return sorted(_REGISTRY, key=lambda n: (n != "baseline", n))
+
+
+def get_config(name: str) -> BenchConfig:
+    """The configuration called ``name``, or the stack ``a+b+...`` of registered ones.
+
+    Raises:
+        ValueError: for an unknown name, listing the valid ones.
+    """
+    _ensure_builtins()
+    parts = [p.strip() for p in name.split("+")]
+    unknown = [p for p in parts if p not in _REGISTRY]
+    if unknown or not parts:
+        raise ValueError(
+            f"Unknown benchmark configuration {unknown[0] if unknown else name!r} in {name!r}. "
+            f"Valid names: {', '.join(available_configs())}; join several with '+' to stack them."
+        )
+    if len(parts) == 1:
+        return _REGISTRY[parts[0]]
+    return stack_configs([_REGISTRY[p] for p in parts])
+
+
+def resolve_configs(names: str | Iterable[str]) -> list[BenchConfig]:
+    """Parse a comma-separated list (or an iterable) of names into configurations, keeping order, no duplicates."""
+    items = [n.strip() for n in names.split(",")] if isinstance(names, str) else [n.strip() for n in names]
+    items = [n for n in items if n]
+    if not items:
+        raise ValueError("No benchmark configuration given: expected a comma-separated list of names.")
+    seen: dict[str, BenchConfig] = {}
+    for item in items:
+        config = get_config(item)
+        seen.setdefault(config.name, config)
+    return list(seen.values())
+
+
+def stack_configs(configs: list[BenchConfig]) -> BenchConfig:
+    """Combine configurations into one: callbacks in order, Trainer arguments merged, at most one strategy."""
+    if any(len(c.parts) > 1 for c in configs):  # a stack of stacks: flatten to registered single configurations
+        configs = [_REGISTRY[p] for c in configs for p in c.parts]
+    trainer_kwargs: dict[str, Any] = {}
+    for config in configs:
+        for key, value in config.trainer_kwargs.items():
+            if key in trainer_kwargs and trainer_kwargs[key] != value:
+                raise ValueError(
+                    f"Cannot stack {'+'.join(c.name for c in configs)!r}: both set Trainer({key}=...) "
+                    f"to different values ({trainer_kwargs[key]!r} and {value!r})."
+                )
+            trainer_kwargs[key] = value
+    strategies = [c for c in configs if c.strategy is not None]
+    if len(strategies) > 1:
+        raise ValueError(f"Cannot stack {', '.join(c.name for c in strategies)}: each sets a strategy.")
+    factories = [c.callbacks for c in configs]
+
+    def callbacks() -> list[Any]:
+        return [cb for factory in factories for cb in factory()]
+
+    def applies_to(device: torch.device) -> str | None:
+        reasons = [f"{c.name}: {r}" for c in configs if (r := c.why_not(device)) is not None]
+        return "; ".join(reasons) or None
+
+    return BenchConfig(
+        name="+".join(c.name for c in configs),
+        description=" + ".join(c.description for c in configs),
+        callbacks=callbacks,
+        trainer_kwargs=trainer_kwargs,
+        strategy=strategies[0].strategy if strategies else None,
+        applies_to=applies_to,
+        parts=tuple(c.name for c in configs),
+    )
+
+
+def _needs_cuda(device: torch.device) -> str | None:
+    return None if device.type == "cuda" else "needs a CUDA device"
+
+
+def _needs_bf16(device: torch.device) -> str | None:
+    from lightning_perf._device import supports_bf16
+
+    return None if supports_bf16(device) else f"{device} does not support bfloat16"
+
+
+_builtins_loaded = False
+
+
+def _ensure_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for config in _builtin_configs():
+            register_config(config, replace=True)
+
+
+def _builtin_configs() -> list[BenchConfig]:
+    """The configurations shipped with lightning_perf. Each optimization adds its entry here."""
+    return [
+        BenchConfig("baseline", "plain Lightning, fp32 (the reference every ratio is taken against)"),
+        BenchConfig(
+            "bf16-mixed",
+            "Lightning's own bf16 autocast (Trainer(precision='bf16-mixed'))",
+            trainer_kwargs={"precision": "bf16-mixed"},
+            applies_to=_needs_bf16,
+        ),
+        BenchConfig(
+            "16-mixed",
+            "Lightning's own fp16 autocast with gradient scaling (Trainer(precision='16-mixed'))",
+            trainer_kwargs={"precision": "16-mixed"},
+            applies_to=_needs_cuda,
+        ),
+    ]

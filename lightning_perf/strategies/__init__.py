@@ -1,0 +1,3 @@
+"""Lightning strategies (gradient compression for DDP)."""
+
+__all__: list[str] = []
