@@ -51,3 +51,52 @@ def discard_pending_surgery(pl_module: pl.LightningModule) -> None:
     """Remove the shadowing wrapper (call from ``teardown`` in case ``configure_model`` never ran)."""
     pl_module.__dict__.pop(_QUEUE_ATTR, None)
     pl_module.__dict__.pop("configure_model", None)
+
+
+_TRANSFORMS_ATTR = "_lightning_perf_batch_transforms"
+
+BatchTransform = Callable[[Any], Any]
+
+
+class _AfterBatchTransfer:
+    """Stands in for the module's ``on_after_batch_transfer``: the class's hook first, then each transform.
+
+    A small class rather than a closure so that a module carrying it still pickles (``ddp_spawn``).
+    """
+
+    def __init__(self, module: pl.LightningModule, transforms: list[BatchTransform]) -> None:
+        self.module = module
+        self.transforms = transforms
+
+    def __call__(self, batch: Any, dataloader_idx: int) -> Any:
+        batch = type(self.module).on_after_batch_transfer(self.module, batch, dataloader_idx)
+        for transform in self.transforms:
+            batch = transform(batch)
+        return batch
+
+
+def add_batch_transform(pl_module: pl.LightningModule, transform: BatchTransform) -> None:
+    """Apply ``transform`` to every batch once it is on the device, after the module's own hook.
+
+    Callbacks have no ``on_after_batch_transfer`` hook; this chains onto the module's, for training, validation, test
+    and predict alike. Call :func:`remove_batch_transform` in ``teardown``. Adding the same transform twice is a no-op.
+    """
+    transforms: list[BatchTransform] | None = pl_module.__dict__.get(_TRANSFORMS_ATTR)
+    if transforms is None:
+        transforms = []
+        object.__setattr__(pl_module, _TRANSFORMS_ATTR, transforms)
+        object.__setattr__(pl_module, "on_after_batch_transfer", _AfterBatchTransfer(pl_module, transforms))
+    if transform not in transforms:
+        transforms.append(transform)
+
+
+def remove_batch_transform(pl_module: pl.LightningModule, transform: BatchTransform) -> None:
+    """Undo :func:`add_batch_transform`; the module's own hook is back once no transform is left."""
+    transforms: list[BatchTransform] | None = pl_module.__dict__.get(_TRANSFORMS_ATTR)
+    if transforms is None:
+        return
+    if transform in transforms:
+        transforms.remove(transform)
+    if not transforms:
+        pl_module.__dict__.pop(_TRANSFORMS_ATTR, None)
+        pl_module.__dict__.pop("on_after_batch_transfer", None)

@@ -1,0 +1,257 @@
+"""One benchmark run: train a reference workload under one configuration and measure it, in its own process.
+
+The runner starts ``python -m lightning_perf.benchmark.worker SPEC.json RESULT.json`` once per configuration and
+repeat, so no compiled graph, allocator cache or global flag leaks from one configuration into the next. CPU memory is
+measured as peak resident memory with ``MALLOC_MMAP_THRESHOLD_`` set by the runner (see
+:mod:`lightning_perf.profiling.memory` for why plain RSS would overstate it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_perf._device import as_device, synchronize
+from lightning_perf.profiling import MemoryProbe, PhaseTimer, summarize
+
+
+@dataclass
+class RunSpec:
+    """What one worker process runs. Only plain values, so it travels as JSON."""
+
+    workload: str
+    config: str
+    preset: str = "default"
+    steps: int = 20
+    warmup_steps: int = 5
+    batch_size: int | None = None
+    precision: str = "32-true"
+    device: str = "cpu"
+    seed: int = 0
+    predict_batches: int = 10
+    num_workers: int = 0
+    repeat: int = 0
+
+
+@dataclass
+class RunResult:
+    """What one worker measured. Times in seconds, memory in bytes."""
+
+    spec: dict[str, Any]
+    ok: bool = True
+    skipped: str | None = None
+    error: str | None = None
+    batch_size: int | None = None
+    model_init_s: float | None = None
+    first_batch_s: float | None = None
+    first_forward_s: float | None = None
+    warmup_s: float | None = None
+    step_s: dict[str, float] = field(default_factory=dict)  # Stats of steady-state step times
+    step_times_s: list[float] = field(default_factory=list)
+    throughput: float | None = None  # training samples per second at the median step
+    peak_memory_bytes: int | None = None
+    step_memory_bytes: int | None = None  # steady-state peak minus memory in use before the steps
+    memory_source: str | None = None
+    predict_step_s: dict[str, float] = field(default_factory=dict)
+    predict_throughput: float | None = None
+    final_train_loss: float | None = None
+    wall_s: float | None = None
+
+
+class _StepClock(Callback):
+    """Times training steps end to end (data fetch included) and the first batch's fetch and forward.
+
+    A steady-state step is the interval between two consecutive ``on_train_batch_end`` calls, so data loading,
+    the transfer to the device, forward, backward and the optimizer step all count, as a user would experience.
+    """
+
+    def __init__(self, device: torch.device, warmup_steps: int) -> None:
+        self.device = device
+        self.timer = PhaseTimer(device=device, warmup_steps=warmup_steps)
+        self.probe = MemoryProbe(device)
+        self.warmup_steps = warmup_steps
+        self.first_batch_s: float | None = None
+        self.first_forward_s: float | None = None
+        self.warmup_s: float | None = None
+        self.memory_before_steps: int | None = None
+        self.last_loss: float | None = None
+        self._epoch_start_ns: int | None = None
+        self._batch_start_ns: int | None = None
+        self._train_start_ns: int | None = None
+        self._batches_done = 0
+        self._loss: torch.Tensor | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._train_start_ns = time.perf_counter_ns()
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._epoch_start_ns is None:
+            self._epoch_start_ns = time.perf_counter_ns()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if self._batches_done == 0:
+            assert self._epoch_start_ns is not None
+            self._batch_start_ns = time.perf_counter_ns()
+            self.first_batch_s = (self._batch_start_ns - self._epoch_start_ns) / 1e9
+            self.timer.start("step")
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._batches_done == 0 and self.first_forward_s is None:
+            synchronize(self.device)  # once, on the first step only
+            assert self._batch_start_ns is not None
+            self.first_forward_s = (time.perf_counter_ns() - self._batch_start_ns) / 1e9
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        self.timer.stop("step")
+        self.timer.end_step()
+        self._batches_done += 1
+        if self._batches_done == self.warmup_steps:
+            synchronize(self.device)  # once, at the warm-up boundary, so warm-up time is complete
+            assert self._train_start_ns is not None
+            self.warmup_s = (time.perf_counter_ns() - self._train_start_ns) / 1e9
+            self.memory_before_steps = self.probe.sample().allocated
+            self.probe.reset_peak()
+        if trainer.global_step < trainer.max_steps:
+            self.timer.start("step")
+        if isinstance(outputs, dict) and "loss" in outputs:
+            self._loss = outputs["loss"]
+        elif isinstance(outputs, torch.Tensor):
+            self._loss = outputs
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._loss is not None:
+            self.last_loss = float(self._loss.detach().float().cpu())
+
+
+class _PredictClock(Callback):
+    def __init__(self, device: torch.device, warmup_batches: int) -> None:
+        self.timer = PhaseTimer(device=device, warmup_steps=warmup_batches)
+
+    @override
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int, dl_idx: int = 0
+    ) -> None:
+        self.timer.start("predict")
+
+    @override
+    def on_predict_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int, dl_idx: int = 0
+    ) -> None:
+        self.timer.stop("predict")
+        self.timer.end_step()
+
+
+def run(spec: RunSpec) -> RunResult:
+    """Train and measure one configuration in this process."""
+    from lightning_perf.benchmark.configs import get_config
+    from lightning_perf.demos import make_workload
+
+    wall_start = time.perf_counter()
+    result = RunResult(spec=asdict(spec))
+    device = as_device(spec.device)
+    config = get_config(spec.config)
+    reason = config.why_not(device)
+    if reason is not None:
+        result.ok, result.skipped = False, reason
+        return result
+
+    pl.seed_everything(spec.seed, workers=True, verbose=False)
+    t0 = time.perf_counter()
+    model, datamodule = make_workload(
+        spec.workload, spec.preset, batch_size=spec.batch_size, seed=spec.seed, num_workers=spec.num_workers
+    )
+    result.model_init_s = time.perf_counter() - t0
+    result.batch_size = int(datamodule.batch_size)
+
+    clock = _StepClock(device, spec.warmup_steps)
+    trainer_kwargs: dict[str, Any] = {
+        "accelerator": device.type,
+        "devices": 1,
+        "precision": spec.precision,
+        "max_steps": spec.warmup_steps + spec.steps,
+        "max_epochs": -1,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    trainer_kwargs.update(config.trainer_kwargs)
+    if config.strategy is not None:
+        trainer_kwargs["strategy"] = config.strategy()
+    callbacks = config.callbacks()
+    trainer = pl.Trainer(callbacks=[clock, *callbacks], **trainer_kwargs)
+    trainer.fit(model, datamodule=datamodule)
+
+    steady = clock.timer.summary()
+    if "step" not in steady or steady["step"].count == 0:
+        raise RuntimeError(f"No steady-state step was measured: raise --steps (got {spec.steps}).")
+    step_stats = steady["step"]
+    result.first_batch_s = clock.first_batch_s
+    result.first_forward_s = clock.first_forward_s
+    result.warmup_s = clock.warmup_s
+    result.step_s = step_stats.to_dict()
+    result.step_times_s = [record["step"] for record in clock.timer.steps]
+    result.throughput = result.batch_size / step_stats.median
+    sample = clock.probe.sample()
+    result.peak_memory_bytes = int(sample.peak)
+    if clock.memory_before_steps is not None:
+        result.step_memory_bytes = max(0, int(sample.peak) - int(clock.memory_before_steps))
+    result.memory_source = sample.source
+    result.final_train_loss = clock.last_loss
+
+    if spec.predict_batches > 0:
+        warmup_batches = min(2, spec.predict_batches - 1)
+        predict_clock = _PredictClock(device, warmup_batches)
+        predictor = pl.Trainer(
+            callbacks=[predict_clock, *callbacks],
+            **{
+                **{k: v for k, v in trainer_kwargs.items() if k not in ("max_steps", "max_epochs", "strategy")},
+                "limit_predict_batches": spec.predict_batches,
+            },
+        )
+        predictor.predict(model, datamodule=datamodule, return_predictions=False)
+        predict_stats = predict_clock.timer.summary().get("predict")
+        if predict_stats is not None and predict_stats.count:
+            result.predict_step_s = predict_stats.to_dict()
+            result.predict_throughput = result.batch_size / predict_stats.median
+    result.wall_s = time.perf_counter() - wall_start
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m lightning_perf.benchmark.worker SPEC.json RESULT.json", file=sys.stderr)
+        return 2
+    spec = RunSpec(**json.loads(Path(args[0]).read_text()))
+    try:
+        result = run(spec)
+    except Exception as exc:  # the runner reports the failure of one configuration and goes on with the others
+        result = RunResult(spec=asdict(spec), ok=False, error=f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+    Path(args[1]).write_text(json.dumps(asdict(result), default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_perf.benchmark import configs
+from lightning_perf.benchmark.configs import BenchConfig, available_configs, get_config, resolve_configs
+
+
+class _A(Callback):
+    pass
+
+
+class _B(Callback):
+    pass
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two extra configurations, removed again after the test."""
+    monkeypatch.setattr(configs, "_REGISTRY", dict(configs._REGISTRY))
+    configs._ensure_builtins()
+    configs.register_config(BenchConfig("a", "adds A", callbacks=lambda: [_A()], trainer_kwargs={"benchmark": True}))
+    configs.register_config(BenchConfig("b", "adds B", callbacks=lambda: [_B()], trainer_kwargs={"benchmark": False}))
+    configs.register_config(BenchConfig("gpu_only", "needs cuda", applies_to=configs._needs_cuda))
+
+
+def test_baseline_first_and_bf16_registered() -> None:
+    names = available_configs()
+    assert names[0] == "baseline"
+    assert "bf16-mixed" in names
+    assert get_config("bf16-mixed").trainer_kwargs["precision"] == "bf16-mixed"
+
+
+def test_unknown_name_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"Unknown benchmark configuration 'nope'.*Valid names: baseline"):
+        get_config("nope")
+    with pytest.raises(ValueError, match="'nope' in 'baseline\\+nope'"):
+        get_config("baseline+nope")
+
+
+def test_stack_keeps_callback_order_and_merges_kwargs(registry: None) -> None:
+    stacked = get_config("a+bf16-mixed")
+    assert stacked.name == "a+bf16-mixed"
+    assert stacked.parts == ("a", "bf16-mixed")
+    assert [type(cb) for cb in stacked.callbacks()] == [_A]
+    assert dict(stacked.trainer_kwargs) == {"benchmark": True, "precision": "bf16-mixed"}
+    assert [type(cb) for cb in get_config("b+a").callbacks()] == [_B, _A]
+
+
+def test_conflicting_stack_is_an_error(registry: None) -> None:
+    with pytest.raises(ValueError, match=r"both set Trainer\(benchmark=...\)"):
+        get_config("a+b")
+
+
+def test_applicability_of_a_stack_names_the_part(registry: None) -> None:
+    stacked = get_config("a+gpu_only")
+    assert stacked.why_not(torch.device("cuda")) is None
+    assert stacked.why_not(torch.device("cpu")) == "gpu_only: needs a CUDA device"
+
+
+def test_resolve_keeps_order_and_drops_duplicates() -> None:
+    assert [c.name for c in resolve_configs("bf16-mixed, baseline,bf16-mixed")] == ["bf16-mixed", "baseline"]
+    with pytest.raises(ValueError, match="No benchmark configuration given"):
+        resolve_configs(" , ")
+
+
+@pytest.mark.parametrize("bad", ["", "a+b", "with space", "x,y"])
+def test_invalid_config_name(bad: str) -> None:
+    with pytest.raises(ValueError, match="is not a valid name"):
+        BenchConfig(bad, "desc")
+
+
+def test_duplicate_registration_is_an_error() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        configs.register_config(BenchConfig("baseline", "again"))

@@ -1,0 +1,67 @@
+"""The harness's arithmetic: paired ratios per repeat, spread over repeats, failures and skips kept visible."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_perf.benchmark.runner import BenchOptions, BenchReport, summarize_runs, table_rows
+from lightning_perf.benchmark.worker import RunResult
+
+
+def _result(config: str, repeat: int, step: float, memory: int = 100, predict: float = 10.0) -> RunResult:
+    return RunResult(
+        spec={"config": config, "repeat": repeat},
+        batch_size=4,
+        step_s={"median": step},
+        step_times_s=[step * 0.9, step, step * 1.1],
+        throughput=4 / step,
+        warmup_s=1.0,
+        step_memory_bytes=memory,
+        peak_memory_bytes=memory * 2,
+        predict_throughput=predict,
+        final_train_loss=0.5,
+    )
+
+
+def test_ratios_are_paired_within_a_repeat() -> None:
+    # The machine got twice as slow in repeat 1; paired ratios stay exactly 2x, unpaired medians would not.
+    results = {
+        "baseline": [_result("baseline", 0, 0.2, memory=400), _result("baseline", 1, 0.4, memory=400)],
+        "fast": [_result("fast", 0, 0.1, memory=100, predict=30.0), _result("fast", 1, 0.2, memory=100, predict=30.0)],
+    }
+    baseline, fast = summarize_runs(results)
+    assert baseline.speedup == pytest.approx(1.0)
+    assert fast.speedup == pytest.approx(2.0)
+    assert (fast.speedup_min, fast.speedup_max) == (pytest.approx(2.0), pytest.approx(2.0))
+    assert fast.step_median_s == pytest.approx(0.15)
+    assert (fast.step_min_s, fast.step_max_s) == (pytest.approx(0.1), pytest.approx(0.2))
+    assert fast.memory_ratio == pytest.approx(0.25)
+    assert fast.predict_speedup == pytest.approx(3.0)
+
+
+def test_failures_and_skips_are_reported_not_dropped() -> None:
+    results = {
+        "baseline": [_result("baseline", 0, 0.2)],
+        "broken": [RunResult(spec={"config": "broken", "repeat": 0}, ok=False, error="RuntimeError: boom")],
+        "gpu": [RunResult(spec={"config": "gpu", "repeat": 0}, ok=False, skipped="needs a CUDA device")],
+    }
+    summaries = summarize_runs(results)
+    by_name = {s.config: s for s in summaries}
+    assert by_name["broken"].error == "RuntimeError: boom" and by_name["broken"].speedup is None
+    assert by_name["gpu"].skipped == "needs a CUDA device" and by_name["gpu"].error is None
+    report = BenchReport(options={}, command="x", summaries=summaries)
+    assert [s.config for s in report.failed] == ["broken"]
+    rows = {row[0]: row for row in table_rows(report)}
+    assert rows["broken"][1] == "failed: RuntimeError: boom"
+    assert rows["gpu"][1] == "skipped: needs a CUDA device"
+
+
+def test_options_add_baseline_and_validate() -> None:
+    options = BenchOptions(workload="convnet", configs=["bf16-mixed"], preset="tiny")
+    assert list(options.configs) == ["baseline", "bf16-mixed"]
+    with pytest.raises(ValueError, match=r"workload='nope' is unknown. Expected one of: convnet"):
+        BenchOptions(workload="nope")
+    with pytest.raises(ValueError, match=r"steps=0 is not valid"):
+        BenchOptions(steps=0)
+    with pytest.raises(ValueError, match=r"device='tpu' is not valid"):
+        BenchOptions(device="tpu")

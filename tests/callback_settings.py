@@ -1,0 +1,96 @@
+"""The registry of every public callback and strategy, with the model, data and arguments to test it on.
+
+Generic tests (``tests/test_generic.py``) run over every entry: short fit, fit twice, fit -> validate -> test ->
+predict, resume equal to an uninterrupted run, checkpoint keys, LightningCLI construction, pickling, 2-process DDP.
+A public ``Callback`` or ``Strategy`` in :mod:`lightning_perf.callbacks` / :mod:`lightning_perf.strategies` without
+an entry here fails ``test_every_public_class_has_a_setting``.
+
+To add an optimization: append one ``Setting`` to ``SETTINGS``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import Strategy
+
+from tests._trivial import CountingCallback
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How to test one public class.
+
+    Args:
+        cls: the callback or strategy class.
+        kwargs: constructor arguments (plain YAML-able values: the LightningCLI test builds it from YAML too).
+        workload: reference workload from :mod:`lightning_perf.demos` to train.
+        preset: its size preset.
+        trainer_kwargs: extra Trainer arguments this class needs (e.g. a precision).
+        resume_atol: tolerance of "resume equals uninterrupted" (0 means bit-identical).
+        ddp: whether the 2-process DDP test applies.
+        marks: pytest marks for every generic test of this entry (e.g. ``pytest.mark.slow``).
+        test_only: entries that exist only to exercise the generic tests.
+    """
+
+    cls: type
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    workload: str = "convnet"
+    preset: str = "tiny"
+    trainer_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    resume_atol: float = 1e-6
+    ddp: bool = True
+    marks: tuple[Any, ...] = ()
+    test_only: bool = False
+    name: str | None = None
+
+    @property
+    def id(self) -> str:
+        return self.name or self.cls.__name__
+
+    @property
+    def is_strategy(self) -> bool:
+        return issubclass(self.cls, Strategy)
+
+    @property
+    def class_path(self) -> str:
+        return f"{self.cls.__module__}.{self.cls.__qualname__}"
+
+    def build(self) -> Any:
+        return self.cls(**copy.deepcopy(dict(self.kwargs)))
+
+
+SETTINGS: list[Setting] = [
+    Setting(CountingCallback, {"start": 0}, test_only=True),
+    Setting(CountingCallback, {"start": 0}, workload="lm", test_only=True, name="CountingCallback-lm"),
+]
+
+
+def get_setting(setting_id: str) -> Setting:
+    for setting in SETTINGS:
+        if setting.id == setting_id:
+            return setting
+    raise KeyError(setting_id)
+
+
+def public_classes() -> list[type]:
+    """Every public Callback/Strategy subclass exported by lightning_perf."""
+    found = []
+    for package in ("lightning_perf.callbacks", "lightning_perf.strategies"):
+        module = importlib.import_module(package)
+        for name in getattr(module, "__all__", ()):
+            obj = getattr(module, name)
+            if isinstance(obj, type) and issubclass(obj, (Callback, Strategy)):
+                found.append(obj)
+    return found
+
+
+def params(settings: list[Setting] | None = None) -> list[Any]:
+    """``pytest.param`` per setting, with its marks and id."""
+    return [pytest.param(s, marks=s.marks, id=s.id) for s in (SETTINGS if settings is None else settings)]

@@ -1,0 +1,56 @@
+"""Shared test set-up: hardware markers, opt-in benchmarks, and a guard that no test leaves global state changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_perf._warnings import reset_warn_once
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    run_benchmarks = config.getoption("benchmark_only", False) or config.getoption("benchmark_enable", False)
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_bench = pytest.mark.skip(reason="a timing benchmark: run with `pytest tests/benchmarks --benchmark-only`")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "benchmark" in item.keywords and not run_benchmarks:
+            item.add_marker(skip_bench)
+
+
+def _global_torch_state() -> dict[str, object]:
+    state: dict[str, object] = {
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "flash_sdp": torch.backends.cuda.flash_sdp_enabled(),
+        "mem_efficient_sdp": torch.backends.cuda.mem_efficient_sdp_enabled(),
+        "math_sdp": torch.backends.cuda.math_sdp_enabled(),
+        "default_dtype": torch.get_default_dtype(),
+        "grad_enabled": torch.is_grad_enabled(),
+    }
+    return state
+
+
+@pytest.fixture(autouse=True)
+def _global_state_unchanged():
+    """Every test must leave process-global torch settings as it found them (DESIGN.md: restored at teardown)."""
+    reset_warn_once()
+    before = _global_torch_state()
+    yield
+    after = _global_torch_state()
+    changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    # Put things back so one failure does not cascade into every later test, then fail this one.
+    if changed:
+        torch.backends.cudnn.benchmark = bool(before["cudnn.benchmark"])
+        torch.backends.cudnn.deterministic = bool(before["cudnn.deterministic"])
+        torch.backends.cudnn.allow_tf32 = bool(before["cudnn.allow_tf32"])
+        torch.backends.cuda.matmul.allow_tf32 = bool(before["matmul.allow_tf32"])
+        torch.set_float32_matmul_precision(str(before["float32_matmul_precision"]))
+        torch.use_deterministic_algorithms(bool(before["deterministic_algorithms"]))
+        torch.set_default_dtype(before["default_dtype"])  # type: ignore[arg-type]
+        pytest.fail(f"test left global torch state changed: {changed}")

@@ -1,0 +1,67 @@
+"""`import lightning_perf` stays cheap, and a missing optional dependency names the extra that installs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_perf import _imports
+
+HEAVY = ("torchao", "onnx", "onnxscript", "onnxruntime", "tensorrt", "torch_tensorrt", "flash_attn", "matplotlib")
+
+_PROBE = """
+import json, sys
+before = set(sys.modules)
+import {target}
+print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))
+"""
+
+
+def _top_level_modules_after(target: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(target=target)], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    return set(json.loads(out.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("target", ["lightning_perf", "lightning_perf.callbacks, lightning_perf.strategies"])
+def test_import_pulls_no_optional_dependency(target: str) -> None:
+    # Lightning itself imports matplotlib when it is installed; we may not add anything on top of what it loads.
+    lightning_only = _top_level_modules_after("lightning.pytorch")
+    ours = _top_level_modules_after(target)
+    added = sorted(m for m in HEAVY if m in ours and m not in lightning_only)
+    assert not added, f"`import {target}` imported optional dependencies: {added}"
+    assert not {"torchao", "onnx", "onnxruntime", "tensorrt", "torch_tensorrt", "flash_attn"} & ours
+
+
+def test_require_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_imports, "is_available", lambda module: False)
+    with pytest.raises(ModuleNotFoundError, match=r"lightning-perf\[qat\]") as info:
+        _imports.require("torchao", purpose="QATCallback(backend='torchao')")
+    assert "QATCallback(backend='torchao') needs `torchao`" in str(info.value)
+    assert info.value.name == "torchao"
+
+
+def test_available_package_is_imported() -> None:
+    assert _imports.is_available("matplotlib")
+    assert _imports.require("matplotlib").__name__ == "matplotlib"
+
+
+def test_unknown_optional_dependency_is_a_key_error() -> None:
+    with pytest.raises(KeyError):
+        _imports.is_available("not_a_dependency")
+
+
+def test_local_folder_does_not_pass_for_the_package(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A folder named like the package but without installed metadata must not count as the package.
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _imports.is_available.cache_clear()
+    try:
+        assert not _imports.is_available("flash_attn")
+    finally:
+        _imports.is_available.cache_clear()
