@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+import torch.distributed as dist
 
 
 class LightningPerfWarning(UserWarning):
@@ -26,18 +27,27 @@ class MeasurementWarning(LightningPerfWarning):
 _emitted: set[tuple[type[Warning], str]] = set()
 
 
-def warn_once(message: str, category: type[Warning] = NoEffectWarning, stacklevel: int = 3) -> None:
+def warn_once(message: str, category: type[Warning] = NoEffectWarning, stacklevel: int = 2) -> None:
     """Warn on rank zero, once per process for a given category and message."""
     key = (category, message)
     if key in _emitted:
         return
     _emitted.add(key)
-    _rank_zero_warn(message, category, stacklevel)
+    if global_rank() == 0:
+        warnings.warn(message, category, stacklevel=stacklevel)
 
 
-@rank_zero_only
-def _rank_zero_warn(message: str, category: type[Warning], stacklevel: int) -> None:
-    warnings.warn(message, category, stacklevel=stacklevel + 1)
+def global_rank() -> int:
+    """This process's rank: from the process group once it exists, else from the launcher's environment.
+
+    Plain torch, so the functional and measurement layers can warn on rank zero without importing Lightning.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if (value := os.environ.get(key)) is not None:
+            return int(value)
+    return 0
 
 
 def reset_warn_once() -> None:

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--quiet", action="store_true", help="no progress display")
     bench.set_defaults(handler=_bench, subparser=bench)
+    from lightning_perf.export_cli import add_export_parser
+
+    add_export_parser(sub)
     return parser
 
 
@@ -87,10 +90,19 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequ
     from rich.console import Console
 
     from lightning_perf.benchmark.configs import available_configs, get_config
-    from lightning_perf.benchmark.runner import TABLE_COLUMNS, BenchOptions, run_benchmark, table_rows, write_outputs
+    from lightning_perf.benchmark.runner import (
+        TABLE_COLUMNS,
+        TABLE_LEGEND,
+        BenchOptions,
+        run_benchmark,
+        table_rows,
+        write_outputs,
+    )
     from lightning_perf.profiling import print_table
 
     console = Console()
+    if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+        console = Console(width=160)
     if args.list:
         rows = [[name, get_config(name).description] for name in available_configs()]
         print_table(["configuration", "what it adds to a plain Trainer"], rows, title="Configurations", console=console)
@@ -143,6 +155,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequ
 
     title = f"{options.workload} ({options.preset}) on {options.device}: {options.repeats} repeats x {options.steps} steps"
     print_table(list(TABLE_COLUMNS), table_rows(report), title=title, console=console)
+    console.print(TABLE_LEGEND, style="dim")
     for path in write_outputs(report, output):
         console.print(f"wrote {path}")
     if report.failed:

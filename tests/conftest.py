@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,9 +15,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_bench = pytest.mark.skip(reason="a timing benchmark: run with `pytest tests/benchmarks --benchmark-only`")
     for item in items:
-        if "gpu" in item.keywords and not torch.cuda.is_available():
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-        if "benchmark" in item.keywords and not run_benchmarks:
+        if item.get_closest_marker("benchmark") is not None and not run_benchmarks:
             item.add_marker(skip_bench)
 
 
@@ -34,6 +36,21 @@ def _global_torch_state() -> dict[str, object]:
         "grad_enabled": torch.is_grad_enabled(),
     }
     return state
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Put ``os.environ`` back after each test.
+
+    An in-process DDP fit (a strategy's generic tests on ``devices=1``) leaves ``LOCAL_RANK``, ``MASTER_PORT`` and
+    more behind; a 2-process test started later would inherit them, and Lightning would take it for an externally
+    launched rank and never start rank 1.
+    """
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(autouse=True)

@@ -50,11 +50,12 @@ class BenchConfig:
     parts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.name or any(c in self.name for c in "+, ") or self.name != self.name.strip():
-            raise ValueError(f"`BenchConfig(name={self.name!r})` is not a valid name: expected a non-empty word.")
-        object.__setattr__(self, "trainer_kwargs", MappingProxyType(dict(self.trainer_kwargs)))
         if not self.parts:
             object.__setattr__(self, "parts", (self.name,))
+        # A stack is named after its parts ("a+b"); every part is a plain word.
+        if "+".join(self.parts) != self.name or any(not p or any(c in p for c in "+, ") for p in self.parts):
+            raise ValueError(f"`BenchConfig(name={self.name!r})` is not a valid name: expected a non-empty word.")
+        object.__setattr__(self, "trainer_kwargs", MappingProxyType(dict(self.trainer_kwargs)))
 
     def why_not(self, device: torch.device) -> str | None:
         """Why this configuration cannot run on ``device``, or ``None``."""
@@ -156,6 +157,50 @@ def _needs_bf16(device: torch.device) -> str | None:
     return None if supports_bf16(device) else f"{device} does not support bfloat16"
 
 
+def _channels_last() -> list[Any]:
+    from lightning_perf.callbacks import ChannelsLastCallback
+
+    return [ChannelsLastCallback()]
+
+
+def _fused_optimizer() -> list[Any]:
+    from lightning_perf.callbacks import FusedOptimizerCallback
+
+    return [FusedOptimizerCallback()]
+
+
+def _backend_flags() -> list[Any]:
+    from lightning_perf.callbacks import BackendFlagsCallback
+
+    return [BackendFlagsCallback(preset="fastest")]
+
+
+def _backend_flags_apply(device: torch.device) -> str | None:
+    from lightning_perf.functional.backend_flags import fastest_flags
+
+    if fastest_flags(device).requested():
+        return None
+    return f"no backend flag speeds up float32 training on {device} (no TF32, no oneDNN bf16 matmuls)"
+
+
+def _grad_checkpoint() -> list[Any]:
+    from lightning_perf.callbacks import GradCheckpointCallback
+
+    return [GradCheckpointCallback()]
+
+
+def _flash_attention() -> list[Any]:
+    from lightning_perf.callbacks import FlashAttentionCallback
+
+    return [FlashAttentionCallback()]
+
+
+def _compile() -> list[Any]:
+    from lightning_perf.callbacks import CompileCallback
+
+    return [CompileCallback()]
+
+
 _builtins_loaded = False
 
 
@@ -182,5 +227,36 @@ def _builtin_configs() -> list[BenchConfig]:
             "Lightning's own fp16 autocast with gradient scaling (Trainer(precision='16-mixed'))",
             trainer_kwargs={"precision": "16-mixed"},
             applies_to=_needs_cuda,
+        ),
+        BenchConfig(
+            "channels_last",
+            "ChannelsLastCallback: conv weights and 4D/5D inputs in channels-last memory format",
+            callbacks=_channels_last,
+        ),
+        BenchConfig(
+            "compile",
+            "CompileCallback(): torch.compile of the LightningModule's forward, in place (inductor, default mode)",
+            callbacks=_compile,
+        ),
+        BenchConfig(
+            "backend_flags",
+            "BackendFlagsCallback(preset='fastest'): CUDA: cudnn.benchmark + TF32; CPU: bf16 float32 matmuls (oneDNN)",
+            callbacks=_backend_flags,
+            applies_to=_backend_flags_apply,
+        ),
+        BenchConfig(
+            "fused_optimizer",
+            "FusedOptimizerCallback: the optimizers step with torch's fused (else foreach) kernels",
+            callbacks=_fused_optimizer,
+        ),
+        BenchConfig(
+            "grad_checkpoint",
+            "GradCheckpointCallback(): activation checkpointing of every repeated block (less memory, more compute)",
+            callbacks=_grad_checkpoint,
+        ),
+        BenchConfig(
+            "flash_attention",
+            "FlashAttentionCallback(): attention through flash-attn 2 (CUDA, fp16/bf16) or fused SDPA kernels",
+            callbacks=_flash_attention,
         ),
     ]

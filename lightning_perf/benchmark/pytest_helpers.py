@@ -30,15 +30,18 @@ class _StepTimes(Callback):
     """Step time from one batch end to the next within a fit, so the Trainer's set-up never counts."""
 
     def __init__(self) -> None:
-        self.timer = PhaseTimer()
+        self.timer: PhaseTimer | None = None
         self._open = False
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.timer is None:  # on the device the model trains on, not whatever device happens to exist
+            self.timer = PhaseTimer(device=pl_module.device)
         self._open = False
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        assert self.timer is not None
         if self._open:
             self.timer.stop("step")
             self.timer.end_step()
@@ -105,7 +108,7 @@ def benchmark_training_steps(
     if warmup_steps:
         fit(warmup_steps, timed=False)
     result = benchmark.pedantic(fit, args=(steps, True), rounds=rounds, iterations=1)
-    stats = clock.timer.summary().get("step")
+    stats = clock.timer.summary().get("step") if clock.timer is not None else None
     benchmark.extra_info.update(
         steps=steps,
         warmup_steps=warmup_steps,

@@ -250,15 +250,21 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
 
 TABLE_COLUMNS = (
     "config",
-    "step ms (median, min-max of repeats)",
-    "speed-up vs baseline",
+    "step ms",
+    "speed-up",
     "samples/s",
     "warm-up s",
     "step memory",
-    "memory vs baseline",
-    "predict samples/s",
+    "memory",
+    "predict/s",
     "predict speed-up",
     "final loss",
+)
+TABLE_LEGEND = (
+    "step ms: steady-state median (min-max of the per-repeat medians); speed-up: baseline step time / step time, "
+    "paired within a repeat (median, min-max); warm-up s: first warm-up steps, compilation included; step memory: "
+    "steady-state peak above the memory in use after warm-up, and its ratio to baseline's; predict: inference "
+    "throughput and its ratio to baseline's."
 )
 
 
@@ -320,9 +326,9 @@ def markdown_report(report: BenchReport) -> str:
         markdown_table(TABLE_COLUMNS, table_rows(report)),
         "",
         f"{opts['repeats']} repeats x {opts['steps']} steady-state steps after {opts['warmup_steps']} warm-up steps; "
-        "each run in a fresh process, configurations interleaved. Speed-up is baseline step time / step time, paired "
-        "within a repeat (median, min-max). Step memory is the steady-state peak above the memory in use after "
-        "warm-up (CPU: peak RSS with MALLOC_MMAP_THRESHOLD_=65536; CUDA: max_memory_allocated).",
+        f"each run in a fresh process, configurations interleaved. {TABLE_LEGEND} Memory on CPU is peak RSS with "
+        "MALLOC_MMAP_THRESHOLD_=65536 (freed tensors go back to the OS, so the peak is truthful); on CUDA "
+        "max_memory_allocated.",
         "",
     ]
     return "\n".join(lines)

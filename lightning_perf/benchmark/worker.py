@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_perf._device import as_device, synchronize
-from lightning_perf.profiling import MemoryProbe, PhaseTimer, summarize
+from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer
 
 
 @dataclass
@@ -126,7 +126,7 @@ class _StepClock(Callback):
             synchronize(self.device)  # once, at the warm-up boundary, so warm-up time is complete
             assert self._train_start_ns is not None
             self.warmup_s = (time.perf_counter_ns() - self._train_start_ns) / 1e9
-            self.memory_before_steps = self.probe.sample().allocated
+            self.memory_before_steps = _comparable_to_peak(self.probe.sample())
             self.probe.reset_peak()
         if trainer.global_step < trainer.max_steps:
             self.timer.start("step")
@@ -157,6 +157,11 @@ class _PredictClock(Callback):
     ) -> None:
         self.timer.stop("predict")
         self.timer.end_step()
+
+
+def _comparable_to_peak(sample: MemorySample) -> int:
+    """The in-use figure measured on the same scale as ``sample.peak``: allocator bytes on CUDA, RSS on CPU."""
+    return sample.allocated if sample.source == "cuda" else sample.reserved
 
 
 def run(spec: RunSpec) -> RunResult:
@@ -220,13 +225,18 @@ def run(spec: RunSpec) -> RunResult:
     result.final_train_loss = clock.last_loss
 
     if spec.predict_batches > 0:
-        warmup_batches = min(2, spec.predict_batches - 1)
+        datamodule.setup("predict")
+        available = len(datamodule.predict_dataloader())
+        if available < 2:
+            raise RuntimeError(f"The predict split has {available} batch(es); inference timing needs at least 2.")
+        predict_batches = min(spec.predict_batches, available)
+        warmup_batches = min(2, predict_batches - 1)  # at least one steady batch remains
         predict_clock = _PredictClock(device, warmup_batches)
         predictor = pl.Trainer(
             callbacks=[predict_clock, *callbacks],
             **{
                 **{k: v for k, v in trainer_kwargs.items() if k not in ("max_steps", "max_epochs", "strategy")},
-                "limit_predict_batches": spec.predict_batches,
+                "limit_predict_batches": predict_batches,
             },
         )
         predictor.predict(model, datamodule=datamodule, return_predictions=False)

@@ -22,7 +22,8 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(configs, "_REGISTRY", dict(configs._REGISTRY))
     configs._ensure_builtins()
     configs.register_config(BenchConfig("a", "adds A", callbacks=lambda: [_A()], trainer_kwargs={"benchmark": True}))
-    configs.register_config(BenchConfig("b", "adds B", callbacks=lambda: [_B()], trainer_kwargs={"benchmark": False}))
+    configs.register_config(BenchConfig("b", "adds B", callbacks=lambda: [_B()]))
+    configs.register_config(BenchConfig("no_bench", "unsets benchmark", trainer_kwargs={"benchmark": False}))
     configs.register_config(BenchConfig("gpu_only", "needs cuda", applies_to=configs._needs_cuda))
 
 
@@ -51,7 +52,7 @@ def test_stack_keeps_callback_order_and_merges_kwargs(registry: None) -> None:
 
 def test_conflicting_stack_is_an_error(registry: None) -> None:
     with pytest.raises(ValueError, match=r"both set Trainer\(benchmark=...\)"):
-        get_config("a+b")
+        get_config("a+no_bench")
 
 
 def test_applicability_of_a_stack_names_the_part(registry: None) -> None:

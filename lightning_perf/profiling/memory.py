@@ -1,0 +1,335 @@
+"""Memory in use and peak memory, per device, cheap enough to sample every step.
+
+CUDA figures come from PyTorch's caching allocator and are exact: ``allocated`` is
+``torch.cuda.memory_allocated`` (bytes in live tensors), ``reserved`` is ``torch.cuda.memory_reserved`` (held by
+the caching allocator), ``peak`` is ``torch.cuda.max_memory_allocated`` since the last reset.
+
+PyTorch keeps no allocator statistics for CPU tensors, so on CPU the probe reads the process (Linux, glibc):
+
+- ``allocated``: bytes in use in the C heap, glibc ``mallinfo2()`` ``uordblks + hblkhd`` (small chunks plus
+  mmapped large ones; CPU tensors come from ``malloc``). **Exact at the instant sampled**, but it misses peaks
+  that come and go between two samples. It counts glibc's allocator only: under an ``LD_PRELOAD``-ed jemalloc or
+  tcmalloc it is meaningless. Without ``mallinfo2`` (non-glibc, glibc < 2.33) it falls back to RSS, with a
+  :class:`~lightning_perf.MeasurementWarning`.
+- ``reserved``: resident set size (``VmRSS``). Overstates memory in use after frees, because glibc keeps freed
+  memory for reuse: an activation-memory comparison based on RSS can be off by 2x (FINDINGS.md).
+- ``peak``: peak resident set size (``VmHWM``), reset by writing ``5`` to ``/proc/self/clear_refs``. It sees every
+  peak, however short, but it is RSS, so it only equals the true peak of memory in use when freed memory really
+  goes back to the OS: run the measured process with :data:`TRUTHFUL_CPU_MEMORY_ENV`
+  (``MALLOC_MMAP_THRESHOLD_=65536``, so every block of 64 KiB or more is its own mmap, unmapped on free).
+  It also includes the interpreter and libraries, so report ``peak`` minus the ``reserved`` of a sample taken
+  right after :meth:`MemoryProbe.reset_peak`, not minus ``allocated``: :meth:`MemorySample.peak_above` does that.
+
+``VmRSS`` and ``VmHWM`` come from one ``pread`` of ``/proc/self/status`` on a descriptor kept open (a few
+microseconds; re-opened after a fork); psutil is the fallback off Linux, where the peak is the process lifetime's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from lightning_perf._device import as_device
+
+__all__ = ["TRUTHFUL_CPU_MEMORY_ENV", "MemoryProbe", "MemorySample", "peak_rss_bytes"]
+
+TRUTHFUL_CPU_MEMORY_ENV: dict[str, str] = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+"""Environment for a subprocess whose CPU peak RSS must equal its peak memory in use (see the module docstring)."""
+
+SOURCES: dict[str, dict[str, str]] = {
+    "cuda": {
+        "allocated": "torch.cuda.memory_allocated: bytes in live tensors",
+        "reserved": "torch.cuda.memory_reserved: bytes held by the caching allocator",
+        "peak": "torch.cuda.max_memory_allocated since the last reset",
+    },
+    "cpu-mallinfo2": {
+        "allocated": "glibc mallinfo2 uordblks + hblkhd: C heap bytes in use now (exact now, misses short peaks)",
+        "reserved": "VmRSS: resident set size (overstates use after frees)",
+        "peak": "VmHWM: peak RSS (exact peak of use only under MALLOC_MMAP_THRESHOLD_=65536)",
+    },
+    "cpu-rss": {
+        "allocated": "resident set size (no mallinfo2 here: overstates use after frees)",
+        "reserved": "resident set size",
+        "peak": "peak RSS",
+    },
+}
+"""What each field of a :class:`MemorySample` means, by its ``source``."""
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """One reading of a :class:`MemoryProbe`; sizes in bytes.
+
+    Attributes:
+        device: the device measured, e.g. ``"cuda:0"`` or ``"cpu"``.
+        allocated: memory in use (see :data:`SOURCES` for its exact meaning per ``source``).
+        reserved: memory held from the system (CUDA: caching allocator; CPU: resident set size).
+        peak: high-water mark since ``peak_since_reset`` (CUDA: of ``allocated``; CPU: of the resident set).
+        timestamp_ns: ``time.perf_counter_ns()`` when sampled, the default clock of ``PhaseTimer``.
+        source: ``"cuda"``, ``"cpu-mallinfo2"`` or ``"cpu-rss"``; :attr:`notes` spells out each field.
+        peak_since_reset: True when ``peak`` covers the time since this probe's last successful
+            :meth:`MemoryProbe.reset_peak`; False when it covers the whole process lifetime. Resets are
+            process-wide: any other reset in the process (another probe, other code) restarts it too.
+    """
+
+    device: str
+    allocated: int
+    reserved: int
+    peak: int
+    timestamp_ns: int
+    source: str
+    peak_since_reset: bool
+
+    @property
+    def notes(self) -> dict[str, str]:
+        """What ``allocated``, ``reserved`` and ``peak`` mean for this sample's ``source``."""
+        return dict(SOURCES.get(self.source, {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict, for JSON reports."""
+        return asdict(self)
+
+    def peak_above(self, before: MemorySample) -> int:
+        """Bytes by which this sample's ``peak`` rose above the memory in use at ``before``.
+
+        Compares like with like: on CUDA ``peak`` is a high-water mark of ``allocated``, on CPU one of the resident
+        set (``reserved``); subtracting the CPU ``allocated`` instead would add the interpreter and libraries.
+        Take ``before`` right after :meth:`MemoryProbe.reset_peak`.
+
+        Raises:
+            ValueError: if the two samples come from different devices or sources.
+        """
+        if (before.device, before.source) != (self.device, self.source):
+            raise ValueError(
+                f"`peak_above()` compares samples of one probe; got {self.device}/{self.source} and "
+                f"{before.device}/{before.source}."
+            )
+        return self.peak - (before.allocated if self.source == "cuda" else before.reserved)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process in bytes (``ru_maxrss``; Linux reports KiB, macOS bytes).
+
+    Unlike ``VmHWM``, ``ru_maxrss`` may include the high-water mark of the process image replaced by ``exec``; it
+    is the figure to read in a fresh subprocess started with :data:`TRUTHFUL_CPU_MEMORY_ENV`.
+    """
+    try:
+        import resource
+    except ImportError:  # Windows
+        import psutil
+
+        info = psutil.Process().memory_info()
+        return int(getattr(info, "peak_wset", info.rss))
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss if sys.platform == "darwin" else maxrss * 1024)
+
+
+class _MallInfo2(ctypes.Structure):
+    # struct mallinfo2 from <malloc.h>, glibc >= 2.33: ten size_t fields in this order.
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _load_mallinfo2() -> Any | None:
+    """The C function ``mallinfo2``, or None where glibc does not provide it."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = []
+    fn.restype = _MallInfo2
+    return fn
+
+
+_STATUS_PATH = "/proc/self/status"
+_CLEAR_REFS_PATH = "/proc/self/clear_refs"
+_HAS_PROC_STATUS = os.path.exists(_STATUS_PATH)
+
+
+def _status_kib(buf: bytes, key: bytes) -> int:
+    start = buf.index(key) + len(key)
+    return int(buf[start : buf.index(b"kB", start)])
+
+
+class MemoryProbe:
+    """Sample memory in use and peak memory on a device; see the module docstring for what each figure means.
+
+    Args:
+        device: the device to measure; ``None`` means CUDA when available, else CPU.
+
+    Raises:
+        ValueError: for a device other than CPU or CUDA.
+
+    Example::
+
+        probe = MemoryProbe("cpu")
+        probe.reset_peak()
+        before = probe.sample()
+        train_one_step()
+        step_memory = probe.sample().peak - before.reserved
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = as_device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"`MemoryProbe(device={str(self.device)!r})` is not supported. Expected a CPU or CUDA device."
+            )
+        self._cuda = self.device.type == "cuda"
+        self._peak_since_reset = False
+        self._status_fd: int | None = None
+        self._status_pid = -1
+        self._finalizer: weakref.finalize | None = None
+        self._mallinfo2 = None if self._cuda else _load_mallinfo2()
+        if self._cuda:
+            self.source = "cuda"
+        elif self._mallinfo2 is not None:
+            self.source = "cpu-mallinfo2"
+        else:
+            self.source = "cpu-rss"
+            from lightning_perf._warnings import MeasurementWarning, warn_once
+
+            warn_once(
+                "MemoryProbe: glibc `mallinfo2` is not available on this system, so CPU `allocated` falls back to "
+                "the resident set size, which overstates memory in use after frees.",
+                MeasurementWarning,
+            )
+
+    # ---------------------------------------------------------------------------------------------------- CPU
+
+    def _status(self) -> bytes | None:
+        """The bytes of /proc/self/status, from a descriptor opened once per process (None off Linux)."""
+        if not _HAS_PROC_STATUS:
+            return None
+        pid = os.getpid()
+        if self._status_fd is None or self._status_pid != pid:
+            # "/proc/self" is resolved at open(): a descriptor inherited through fork would describe the parent.
+            self._close_status()
+            self._status_fd = os.open(_STATUS_PATH, os.O_RDONLY)
+            self._status_pid = pid
+            self._finalizer = weakref.finalize(self, os.close, self._status_fd)
+        return os.pread(self._status_fd, 8192, 0)
+
+    def _close_status(self) -> None:
+        if self._finalizer is not None:
+            # After a fork this closes the child's own copy of the descriptor; the parent's stays open.
+            self._finalizer()
+        self._finalizer = None
+        self._status_fd = None
+
+    def _rss_and_peak(self) -> tuple[int, int]:
+        try:
+            buf = self._status()
+        except OSError:  # /proc present but not readable (a locked-down sandbox)
+            buf = None
+        if buf is not None:
+            try:
+                return _status_kib(buf, b"VmRSS:") * 1024, _status_kib(buf, b"VmHWM:") * 1024
+            except ValueError:  # a /proc without these lines: use the portable route below
+                pass
+        import psutil
+
+        rss = int(psutil.Process().memory_info().rss)
+        return rss, max(rss, peak_rss_bytes())
+
+    def _cpu_sample(self) -> MemorySample:
+        rss, peak = self._rss_and_peak()
+        if self._mallinfo2 is not None:
+            info = self._mallinfo2()
+            allocated = int(info.uordblks + info.hblkhd)
+        else:
+            allocated = rss
+        return MemorySample(
+            device=str(self.device),
+            allocated=allocated,
+            reserved=rss,
+            peak=peak,
+            timestamp_ns=time.perf_counter_ns(),
+            source=self.source,
+            peak_since_reset=self._peak_since_reset,
+        )
+
+    # --------------------------------------------------------------------------------------------------- public
+
+    def sample(self) -> MemorySample:
+        """Read the current figures (a few microseconds on CPU; no device synchronization on CUDA)."""
+        if not self._cuda:
+            return self._cpu_sample()
+        return MemorySample(
+            device=str(self.device),
+            allocated=int(torch.cuda.memory_allocated(self.device)),
+            reserved=int(torch.cuda.memory_reserved(self.device)),
+            peak=int(torch.cuda.max_memory_allocated(self.device)),
+            timestamp_ns=time.perf_counter_ns(),
+            source=self.source,
+            peak_since_reset=self._peak_since_reset,
+        )
+
+    def reset_peak(self) -> bool:
+        """Restart the peak from the current level (process-wide). Returns whether the reset was possible.
+
+        On CPU this writes ``5`` to ``/proc/self/clear_refs`` (Linux 4.0+). Where that is not permitted the peak
+        stays the process lifetime's, later samples say so (``peak_since_reset=False``) and a
+        :class:`~lightning_perf.MeasurementWarning` is emitted once.
+        """
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._peak_since_reset = True
+            return True
+        try:
+            with open(_CLEAR_REFS_PATH, "w") as f:
+                f.write("5")
+        except OSError as err:
+            from lightning_perf._warnings import MeasurementWarning, warn_once
+
+            warn_once(
+                f"MemoryProbe: cannot reset the CPU peak ({_CLEAR_REFS_PATH}: {err.strerror or err}); "
+                "`peak` is the peak resident set size of the whole process lifetime.",
+                MeasurementWarning,
+            )
+            self._peak_since_reset = False
+            return False
+        self._peak_since_reset = True
+        return True
+
+    def close(self) -> None:
+        """Close the descriptor kept open on /proc/self/status (also done when the probe is garbage collected)."""
+        self._close_status()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A descriptor and a ctypes function do not survive pickling: the copy reopens and reloads them.
+        state = self.__dict__.copy()
+        # The peak reset happened in this process, not in the one that unpickles.
+        state.update(_status_fd=None, _status_pid=-1, _finalizer=None, _mallinfo2=None, _peak_since_reset=False)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.source == "cpu-mallinfo2":
+            self._mallinfo2 = _load_mallinfo2()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={str(self.device)!r}, source={self.source!r})"

@@ -1,0 +1,384 @@
+"""Per-step phase timing that never stalls the device on the hot path.
+
+A training step is split into named phases (``"forward"``, ``"backward"``, ``"optimizer"``...). On CPU a phase is
+timed with a host clock (``time.perf_counter_ns`` unless one is injected). On CUDA the host runs ahead of the
+device, so a host clock would time kernel *launches*; instead each ``start``/``stop`` records a pair of
+``torch.cuda.Event(enable_timing=True)`` on the current stream and the durations are read back later:
+
+- opportunistically at :meth:`PhaseTimer.end_step`, for the oldest closed steps whose events have all completed
+  (``Event.query()``, which never blocks);
+- at the latest when results are asked for (:attr:`~PhaseTimer.steps`, :meth:`~PhaseTimer.summary`,
+  :meth:`~PhaseTimer.finalize`...), with at most one ``torch.cuda.synchronize`` for all remaining steps.
+
+At most ``max_pending_steps`` closed steps (16 by default) wait unresolved. Should the device fall further behind
+than that, ``end_step`` waits on the events of the *oldest* pending step only (``Event.synchronize``): the device
+finished that step ``max_pending_steps`` steps ago unless the host is that far ahead, in which case CUDA's launch
+queue would soon block the host anyway. This bounds memory while never waiting on recent work.
+
+The first ``warmup_steps`` steps (compilation, cudnn autotuning, allocator growth) are kept apart from steady
+state. The timer also measures its own cost, the host time spent inside its methods, so an observer can report it.
+A ``PhaseTimer`` is not thread-safe: use one per thread.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lightning_perf._device import as_device
+from lightning_perf.profiling.stats import Stats, summarize
+
+__all__ = ["PhaseTimer"]
+
+Clock = Callable[[], int]
+
+
+class _PhaseAccumulator:
+    """What one phase accumulated within one step: host nanoseconds, added seconds, CUDA event pairs."""
+
+    __slots__ = ("added_s", "events", "ns")
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self.added_s = 0.0
+        self.events: list[tuple[Any, Any]] = []
+
+
+class _Phase:
+    # A tiny class instead of ``contextlib.contextmanager``: this runs every step, and a generator costs more.
+    __slots__ = ("_name", "_timer")
+
+    def __init__(self, timer: PhaseTimer, name: str) -> None:
+        self._timer = timer
+        self._name = name
+
+    def __enter__(self) -> None:
+        self._timer.start(self._name)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._timer.stop(self._name)
+
+
+class PhaseTimer:
+    """Time named phases of each step, device-aware, with warm-up steps reported apart from steady state.
+
+    A phase may run several times within a step (e.g. several ``manual_backward`` calls): its durations add up
+    for that step. Different phases may nest. A step's record maps each phase that ran in it to seconds; a
+    phase that did not run in a step is absent from that step's record (not zero), so :meth:`summary` describes
+    the steps in which the phase occurred.
+
+    Args:
+        device: where the timed work runs; ``None`` means CUDA when available, else CPU. CUDA work is timed with
+            CUDA events recorded on the current stream, anything else with ``clock``.
+        warmup_steps: number of leading steps reported apart as warm-up.
+        clock: a monotonic clock in integer nanoseconds; it times CPU phases and the timer's own overhead.
+        max_pending_steps: on CUDA, how many closed steps may wait unresolved (see the module docstring).
+
+    Raises:
+        ValueError: if ``warmup_steps`` is not an int >= 0 or ``max_pending_steps`` is not an int >= 1.
+        TypeError: if ``clock`` is not callable.
+
+    Example::
+
+        timer = PhaseTimer(device="cpu", warmup_steps=2)
+        for batch in batches:
+            with timer.phase("forward"):
+                loss = model(batch).sum()
+            with timer.phase("backward"):
+                loss.backward()
+            timer.end_step()
+        print(timer.summary()["forward"].median, timer.overhead_ns)
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        warmup_steps: int = 0,
+        clock: Clock = time.perf_counter_ns,
+        max_pending_steps: int = 16,
+    ) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(
+                f"`PhaseTimer(warmup_steps={warmup_steps!r})` is not valid. Expected an int >= 0 (steps to report "
+                "apart as warm-up)."
+            )
+        if isinstance(max_pending_steps, bool) or not isinstance(max_pending_steps, int) or max_pending_steps < 1:
+            raise ValueError(
+                f"`PhaseTimer(max_pending_steps={max_pending_steps!r})` is not valid. Expected an int >= 1."
+            )
+        if not callable(clock):
+            raise TypeError(
+                f"`PhaseTimer(clock={clock!r})` is not callable. Expected a function returning nanoseconds as int, "
+                "like `time.perf_counter_ns`."
+            )
+        self.device = as_device(device)
+        self.warmup_steps = warmup_steps
+        self.max_pending_steps = max_pending_steps
+        self._cuda = self.device.type == "cuda"
+        self._clock = clock
+        self._open: dict[str, Any] = {}  # phase -> start ns (CPU) or start event (CUDA)
+        self._current: dict[str, _PhaseAccumulator] = {}
+        self._num_steps = 0
+        self._pending: deque[tuple[int, dict[str, _PhaseAccumulator]]] = deque()
+        self._event_pool: list[Any] = []
+        self._warmup_records: list[dict[str, float]] = []
+        self._steady_records: list[dict[str, float]] = []
+        self._overhead_records: list[int] = []  # per closed step, ns
+        self._overhead_current_ns = 0
+
+    # ----------------------------------------------------------------------------------------------------- hot path
+
+    def start(self, name: str) -> None:
+        """Start phase ``name`` in the current step.
+
+        Raises:
+            RuntimeError: if ``name`` is already running.
+        """
+        entry = self._clock()
+        if name in self._open:
+            raise RuntimeError(f"`PhaseTimer.start({name!r})`: phase {name!r} is already running. Stop it first.")
+        if self._cuda:
+            event = self._event_pool.pop() if self._event_pool else torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._open[name] = event
+            self._overhead_current_ns += self._clock() - entry
+        else:
+            # The phase starts at the last clock read, so the bookkeeping above is not billed to it.
+            now = self._clock()
+            self._open[name] = now
+            self._overhead_current_ns += now - entry
+
+    def stop(self, name: str) -> None:
+        """Stop phase ``name``; its duration is added to the phase's total for the current step.
+
+        Raises:
+            RuntimeError: if ``name`` was not started.
+        """
+        entry = self._clock()  # first thing: the phase ends here, not after the bookkeeping below
+        began = self._open.pop(name, None)
+        if began is None:
+            running = ", ".join(repr(n) for n in self._open) or "none"
+            raise RuntimeError(
+                f"`PhaseTimer.stop({name!r})` without a matching `start({name!r})`. Running phases: {running}."
+            )
+        acc = self._current.get(name)
+        if acc is None:
+            acc = self._current[name] = _PhaseAccumulator()
+        if self._cuda:
+            end = self._event_pool.pop() if self._event_pool else torch.cuda.Event(enable_timing=True)
+            end.record()
+            acc.events.append((began, end))
+        else:
+            acc.ns += entry - began
+        self._overhead_current_ns += self._clock() - entry
+
+    def phase(self, name: str) -> _Phase:
+        """A context manager timing its body as phase ``name`` (stopped even if the body raises).
+
+        Example::
+
+            with timer.phase("forward"):
+                out = model(x)
+        """
+        return _Phase(self, name)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add an externally measured duration to phase ``name`` in the current step.
+
+        Raises:
+            ValueError: if ``seconds`` is negative or not finite.
+        """
+        entry = self._clock()
+        seconds = float(seconds)
+        if not math.isfinite(seconds) or seconds < 0.0:
+            raise ValueError(f"`PhaseTimer.add({name!r}, seconds={seconds!r})`: expected a finite number >= 0.")
+        acc = self._current.get(name)
+        if acc is None:
+            acc = self._current[name] = _PhaseAccumulator()
+        acc.added_s += seconds
+        self._overhead_current_ns += self._clock() - entry
+
+    def end_step(self) -> None:
+        """Close the current step (numbered from 0) and open the next.
+
+        Raises:
+            RuntimeError: if a phase is still running; nothing is changed, so the caller may stop it and retry.
+        """
+        entry = self._clock()
+        if self._open:
+            running = ", ".join(repr(n) for n in self._open)
+            raise RuntimeError(
+                f"`PhaseTimer.end_step()` while phases are still running: {running}. Stop them before ending the step."
+            )
+        index = self._num_steps
+        self._num_steps += 1
+        current, self._current = self._current, {}
+        if self._cuda:
+            self._pending.append((index, current))
+            self._resolve_completed()
+        else:
+            self._store(index, {name: acc.ns / 1e9 + acc.added_s for name, acc in current.items()})
+        self._overhead_records.append(self._overhead_current_ns + self._clock() - entry)
+        self._overhead_current_ns = 0
+
+    # ------------------------------------------------------------------------------------------------ resolution
+
+    def _store(self, index: int, record: dict[str, float]) -> None:
+        (self._warmup_records if index < self.warmup_steps else self._steady_records).append(record)
+
+    def _resolve(self, index: int, current: dict[str, _PhaseAccumulator]) -> None:
+        record: dict[str, float] = {}
+        for name, acc in current.items():
+            ms = 0.0
+            for began, end in acc.events:
+                ms += began.elapsed_time(end)
+                self._event_pool.append(began)
+                self._event_pool.append(end)
+            record[name] = ms / 1e3 + acc.added_s
+        self._store(index, record)
+
+    @staticmethod
+    def _completed(current: dict[str, _PhaseAccumulator]) -> bool:
+        return all(began.query() and end.query() for acc in current.values() for began, end in acc.events)
+
+    def _resolve_completed(self) -> None:
+        # Oldest first: stream order makes later steps finish later, so stop at the first one still running.
+        while self._pending and self._completed(self._pending[0][1]):
+            self._resolve(*self._pending.popleft())
+        while len(self._pending) > self.max_pending_steps:
+            index, current = self._pending.popleft()
+            for acc in current.values():
+                for began, end in acc.events:
+                    began.synchronize()
+                    end.synchronize()
+            self._resolve(index, current)
+
+    def finalize(self) -> None:
+        """Resolve every closed step now; on CUDA at most one ``torch.cuda.synchronize``. Idempotent.
+
+        Called by every result accessor, so calling it yourself is only needed to choose *when* the wait happens.
+        The step in progress (not yet ended) is not included in any result.
+        """
+        synchronized = False
+        while self._pending:
+            if not synchronized and not self._completed(self._pending[0][1]):
+                torch.cuda.synchronize(self.device)
+                synchronized = True
+            self._resolve(*self._pending.popleft())
+
+    # --------------------------------------------------------------------------------------------------- results
+
+    @property
+    def num_steps(self) -> int:
+        """Steps closed so far, warm-up included (resolved or not)."""
+        return self._num_steps
+
+    @property
+    def pending_steps(self) -> int:
+        """Closed CUDA steps whose events are not read back yet (always 0 on CPU)."""
+        return len(self._pending)
+
+    @property
+    def running(self) -> tuple[str, ...]:
+        """Phases started and not stopped yet, in start order."""
+        return tuple(self._open)
+
+    @property
+    def steps(self) -> list[dict[str, float]]:
+        """Steady-state step records, oldest first: ``{phase: seconds}`` (a copy)."""
+        self.finalize()
+        return [dict(record) for record in self._steady_records]
+
+    @property
+    def warmup_steps_records(self) -> list[dict[str, float]]:
+        """Warm-up step records, oldest first: ``{phase: seconds}`` (a copy)."""
+        self.finalize()
+        return [dict(record) for record in self._warmup_records]
+
+    def recent_steps(self, count: int) -> list[dict[str, float]]:
+        """The last ``count`` step records already read back, oldest first, warm-up included, without waiting.
+
+        Unlike every other accessor this never synchronizes: on CUDA it leaves out the closed steps whose events the
+        device has not reached yet, so live reporting (a progress bar, a logger) can call it every few steps.
+        """
+        if count <= 0:
+            return []
+        recent = self._steady_records[-count:]
+        if len(recent) < count:
+            recent = self._warmup_records[len(recent) - count :] + recent
+        return [dict(record) for record in recent]
+
+    def _records(self, warmup: bool) -> list[dict[str, float]]:
+        self.finalize()
+        return self._warmup_records if warmup else self._steady_records
+
+    def summary(self, warmup: bool = False) -> dict[str, Stats]:
+        """Statistics per phase over the steady-state steps (or the warm-up steps) in which it ran.
+
+        Args:
+            warmup: summarize the warm-up steps instead.
+
+        Returns:
+            ``{phase: Stats}`` in seconds, phases in order of first appearance; empty when no step was closed.
+        """
+        values: dict[str, list[float]] = {}
+        for record in self._records(warmup):
+            for name, seconds in record.items():
+                values.setdefault(name, []).append(seconds)
+        return {name: summarize(v) for name, v in values.items()}
+
+    def step_totals(self, warmup: bool = False, phases: Sequence[str] | None = None) -> list[float]:
+        """Per step, the sum of its phase durations in seconds.
+
+        Args:
+            warmup: use the warm-up steps instead of steady state.
+            phases: which phases to add up (default: all). Pass the top-level ones when phases nest, or nested time
+                is counted twice.
+        """
+        wanted = None if phases is None else set(phases)
+        return [
+            math.fsum(s for name, s in record.items() if wanted is None or name in wanted)
+            for record in self._records(warmup)
+        ]
+
+    @property
+    def overhead_ns(self) -> int:
+        """Total host time spent inside this timer's methods so far, in nanoseconds (all steps and the open one)."""
+        return sum(self._overhead_records) + self._overhead_current_ns
+
+    def overhead_per_step_ns(self, warmup: bool = False) -> Stats:
+        """Statistics of the timer's own cost per closed step, in nanoseconds (steady state unless ``warmup``)."""
+        split = min(self.warmup_steps, len(self._overhead_records))
+        return summarize(self._overhead_records[:split] if warmup else self._overhead_records[split:])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything measured, as plain JSON-ready data (NaN in empty statistics; ``write_json`` writes null)."""
+        self.finalize()
+        return {
+            "device": str(self.device),
+            "warmup_steps": self.warmup_steps,
+            "num_steps": self._num_steps,
+            "summary": {name: stats.to_dict() for name, stats in self.summary().items()},
+            "warmup_summary": {name: stats.to_dict() for name, stats in self.summary(warmup=True).items()},
+            "steps": self.steps,
+            "warmup": self.warmup_steps_records,
+            "overhead": {"total_ns": self.overhead_ns, "per_step_ns": self.overhead_per_step_ns().to_dict()},
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        # CUDA events cannot travel between processes: read everything back first and drop the spare ones.
+        self.finalize()
+        state = self.__dict__.copy()
+        state["_event_pool"] = []
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(device={str(self.device)!r}, warmup_steps={self.warmup_steps}, "
+            f"num_steps={self._num_steps})"
+        )
