@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -22,6 +23,27 @@ __all__ = [
 ]
 
 _LAZY_SUBPACKAGES = ("callbacks", "strategies")
+
+# Names for `Trainer(strategy="...")`, registered on any `lightning_perf` import without importing the strategies
+# (Lightning is loaded already: `_warnings` imports it). The entry builds the class on first use.
+_STRATEGY_NAMES = {"ddp_powersgd": "PowerSGDDDPStrategy"}
+
+
+def _build_strategy(class_name: str, **kwargs: Any) -> Any:
+    return getattr(importlib.import_module("lightning_perf.strategies"), class_name)(**kwargs)
+
+
+def _register_strategy_names() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name, class_name in _STRATEGY_NAMES.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(
+                name, functools.partial(_build_strategy, class_name), description=f"lightning_perf {class_name}"
+            )
+
+
+_register_strategy_names()
 
 
 def __getattr__(name: str) -> Any:

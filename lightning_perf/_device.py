@@ -41,6 +41,14 @@ def supports_bf16(device: torch.device | str | None = None) -> bool:
     return dev.type == "cpu"
 
 
+def has_fast_cpu_bf16() -> bool:
+    """Whether oneDNN has bf16 kernels for this CPU (avx512_bf16, AMX): the hardware, not just the dtype."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
 def synchronize(device: torch.device | str | None) -> None:
     """Wait for queued work on ``device`` (a no-op on CPU). Never call this per step on a hot path."""
     if is_cuda(device):

@@ -153,7 +153,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequ
 
             report = run_benchmark(options, progress=progress, command=command)
 
-    title = f"{options.workload} ({options.preset}) on {options.device}: {options.repeats} repeats x {options.steps} steps"
+    title = (
+        f"{options.workload} ({options.preset}) on {options.device}: {options.repeats} repeats x {options.steps} steps"
+    )
     print_table(list(TABLE_COLUMNS), table_rows(report), title=title, console=console)
     console.print(TABLE_LEGEND, style="dim")
     for path in write_outputs(report, output):

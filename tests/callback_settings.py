@@ -20,6 +20,19 @@ import pytest
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import Strategy
 
+from lightning_perf.callbacks import (
+    BackendFlagsCallback,
+    BottleneckCallback,
+    ChannelsLastCallback,
+    CompileCallback,
+    FlashAttentionCallback,
+    FusedOptimizerCallback,
+    GradCheckpointCallback,
+    MemoryProfilerCallback,
+    QATCallback,
+    TensorRTExportCallback,
+)
+from lightning_perf.strategies import PowerSGDDDPStrategy
 from tests._trivial import CountingCallback
 
 
@@ -69,6 +82,51 @@ class Setting:
 SETTINGS: list[Setting] = [
     Setting(CountingCallback, {"start": 0}, test_only=True),
     Setting(CountingCallback, {"start": 0}, workload="lm", test_only=True, name="CountingCallback-lm"),
+    Setting(ChannelsLastCallback),
+    Setting(ChannelsLastCallback, workload="unet3d", name="ChannelsLastCallback-unet3d"),
+    # Changes global state on every device without a no-effect warning (CPUs have flash and math kernels too).
+    Setting(BackendFlagsCallback, {"sdpa_backends": ["flash", "math"]}, workload="vit"),
+    Setting(FusedOptimizerCallback),
+    # Exports at every fit end (about 2 s of ONNX export each): two validation batch sizes, no timing.
+    Setting(
+        TensorRTExportCallback,
+        {"backends": ["onnx"], "batch_range": [1, 2, 2], "latency_iterations": 0, "device": "cpu"},
+        marks=(pytest.mark.slow,),
+    ),
+    Setting(GradCheckpointCallback, workload="vit"),
+    Setting(
+        GradCheckpointCallback,
+        {"modules": "lightning_perf.demos.lm.LMBlock", "every_n": 2},
+        workload="lm",
+        name="GradCheckpointCallback-lm",
+    ),
+    Setting(FlashAttentionCallback, workload="vit"),
+    Setting(FlashAttentionCallback, workload="lm", name="FlashAttentionCallback-lm"),
+    # A cheap backend: aot_eager still captures forward and backward graphs with dynamo and AOT autograd (guards,
+    # caches, counters, state_dict keys), without inductor's 10-30 s cold compile per process. Inductor is covered by
+    # one slow test in tests/callbacks/test_compile.py and by the `compile` bench configuration.
+    Setting(CompileCallback, {"backend": "aot_eager"}),
+    # Compresses from the third step on (the generic fits run 3-4 steps), on one process and, in the DDP test, two.
+    Setting(PowerSGDDDPStrategy, {"start_powerSGD_iter": 2}),
+    # Observers: one steady step after warm-up, with the host-sync check (a TorchFunctionMode) on the warm-up step,
+    # so every generic test, resume and DDP included, also checks that observing leaves training unchanged.
+    Setting(BottleneckCallback, {"warmup_steps": 1, "sync_check_steps": 1}),
+    Setting(
+        BottleneckCallback,
+        {"warmup_steps": 1, "sync_check_steps": 1, "log_every_n_steps": 1, "progress_bar": True},
+        workload="lm",
+        name="BottleneckCallback-lm",
+    ),
+    Setting(MemoryProfilerCallback, {"every_n_steps": 1, "warmup_steps": 1}),
+    # Converts, validates (one batch) and saves the int8 model at every fit end; no compiled timing (tens of seconds).
+    # Its checkpoints keep the plain model's keys: the quantization state travels in the callback's own entry.
+    Setting(QATCallback, {"benchmark": False, "validation_batches": 1}),
+    Setting(
+        QATCallback,
+        {"backend": "torchao", "benchmark": False, "validation_batches": 1},
+        workload="lm",
+        name="QATCallback-torchao",
+    ),
 ]
 
 

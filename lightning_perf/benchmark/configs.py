@@ -201,6 +201,19 @@ def _compile() -> list[Any]:
     return [CompileCallback()]
 
 
+def _qat() -> list[Any]:
+    from lightning_perf.callbacks import QATCallback
+
+    # Training only: the int8 model's own speed is what QATCallback's end-of-fit report measures.
+    return [QATCallback(export=False)]
+
+
+def _qat_applies(device: torch.device) -> str | None:
+    from lightning_perf._imports import install_hint, is_torchao_available
+
+    return None if is_torchao_available() else install_hint("torchao")
+
+
 _builtins_loaded = False
 
 
@@ -258,5 +271,11 @@ def _builtin_configs() -> list[BenchConfig]:
             "flash_attention",
             "FlashAttentionCallback(): attention through flash-attn 2 (CUDA, fp16/bf16) or fused SDPA kernels",
             callbacks=_flash_attention,
+        ),
+        BenchConfig(
+            "qat",
+            "QATCallback(export=False): x86 PT2E fake quantization during training (the step overhead of QAT)",
+            callbacks=_qat,
+            applies_to=_qat_applies,
         ),
     ]

@@ -240,9 +240,17 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
         if paired:
             ratios = [b.step_s["median"] / r.step_s["median"] for b, r in paired]
             summary.speedup, summary.speedup_min, summary.speedup_max = median(ratios), min(ratios), max(ratios)
-            mem = [r.step_memory_bytes / b.step_memory_bytes for b, r in paired if b.step_memory_bytes and r.step_memory_bytes]
+            mem = [
+                r.step_memory_bytes / b.step_memory_bytes
+                for b, r in paired
+                if b.step_memory_bytes and r.step_memory_bytes
+            ]
             summary.memory_ratio = median(mem) if mem else None
-            pred = [r.predict_throughput / b.predict_throughput for b, r in paired if b.predict_throughput and r.predict_throughput]
+            pred = [
+                r.predict_throughput / b.predict_throughput
+                for b, r in paired
+                if b.predict_throughput and r.predict_throughput
+            ]
             summary.predict_speedup = median(pred) if pred else None
         summaries.append(summary)
     return summaries

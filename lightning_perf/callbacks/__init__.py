@@ -1,3 +1,25 @@
 """Lightning callbacks, one optimization or observer each; the logic lives in :mod:`lightning_perf.functional`."""
 
-__all__: list[str] = []
+from lightning_perf.callbacks.backend_flags import BackendFlagsCallback
+from lightning_perf.callbacks.bottleneck import BottleneckCallback
+from lightning_perf.callbacks.channels_last import ChannelsLastCallback
+from lightning_perf.callbacks.compile import CompileCallback
+from lightning_perf.callbacks.flash_attention import FlashAttentionCallback
+from lightning_perf.callbacks.fused_optimizer import FusedOptimizerCallback
+from lightning_perf.callbacks.grad_checkpoint import GradCheckpointCallback
+from lightning_perf.callbacks.memory_profiler import MemoryProfilerCallback
+from lightning_perf.callbacks.qat import QATCallback
+from lightning_perf.callbacks.tensorrt_export import TensorRTExportCallback
+
+__all__: list[str] = [
+    "BackendFlagsCallback",
+    "BottleneckCallback",
+    "ChannelsLastCallback",
+    "CompileCallback",
+    "FlashAttentionCallback",
+    "FusedOptimizerCallback",
+    "GradCheckpointCallback",
+    "MemoryProfilerCallback",
+    "QATCallback",
+    "TensorRTExportCallback",
+]

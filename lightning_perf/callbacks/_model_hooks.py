@@ -8,7 +8,7 @@ queued and run right after it. Several callbacks may queue work; it runs in the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -53,50 +53,105 @@ def discard_pending_surgery(pl_module: pl.LightningModule) -> None:
     pl_module.__dict__.pop("configure_model", None)
 
 
-_TRANSFORMS_ATTR = "_lightning_perf_batch_transforms"
-
 BatchTransform = Callable[[Any], Any]
+HookOwner = Union["pl.LightningModule", "pl.LightningDataModule"]
+
+BATCH_HOOKS: tuple[str, ...] = ("on_before_batch_transfer", "on_after_batch_transfer")
+"""The module hooks a batch transform can chain onto: before the batch moves to the device, or once it is there."""
+
+# Where each hook's transforms are kept on the owner (the after-transfer name predates the before-transfer one).
+_TRANSFORMS_ATTRS = {
+    "on_before_batch_transfer": "_lightning_perf_before_transfer_transforms",
+    "on_after_batch_transfer": "_lightning_perf_batch_transforms",
+}
 
 
-class _AfterBatchTransfer:
-    """Stands in for the module's ``on_after_batch_transfer``: the class's hook first, then each transform.
+class _ChainedBatchHook:
+    """Stands in for a batch-transfer hook (see :data:`BATCH_HOOKS`): the class's hook first, then each transform.
 
-    A small class rather than a closure so that a module carrying it still pickles (``ddp_spawn``).
+    ``__wrapped__`` is the class's own hook, so Lightning's ``is_overridden`` (which decides whether the module's or
+    the datamodule's hook runs, and warns when both exist) sees exactly what it would see without the stand-in. A
+    small class rather than a closure so that an object carrying it still pickles (``ddp_spawn``).
     """
 
-    def __init__(self, module: pl.LightningModule, transforms: list[BatchTransform]) -> None:
-        self.module = module
+    def __init__(
+        self, owner: HookOwner, transforms: list[BatchTransform], hook: str = "on_after_batch_transfer"
+    ) -> None:
+        self.owner = owner
         self.transforms = transforms
+        self.hook = hook
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return getattr(type(self.owner), self.hook)  # type: ignore[no-any-return]
 
     def __call__(self, batch: Any, dataloader_idx: int) -> Any:
-        batch = type(self.module).on_after_batch_transfer(self.module, batch, dataloader_idx)
+        batch = self.__wrapped__(self.owner, batch, dataloader_idx)
         for transform in self.transforms:
             batch = transform(batch)
         return batch
 
 
-def add_batch_transform(pl_module: pl.LightningModule, transform: BatchTransform) -> None:
-    """Apply ``transform`` to every batch once it is on the device, after the module's own hook.
+def _datamodule(pl_module: pl.LightningModule) -> pl.LightningDataModule | None:
+    trainer = getattr(pl_module, "_trainer", None)
+    return getattr(trainer, "datamodule", None) if trainer is not None else None
 
-    Callbacks have no ``on_after_batch_transfer`` hook; this chains onto the module's, for training, validation, test
-    and predict alike. Call :func:`remove_batch_transform` in ``teardown``. Adding the same transform twice is a no-op.
+
+def _hook_owner(pl_module: pl.LightningModule, hook: str) -> HookOwner:
+    """Whose ``hook`` Lightning calls: the datamodule's when it overrides the hook, else the module's (Lightning's
+    ``_DataHookSelector``)."""
+    datamodule = _datamodule(pl_module)
+    if datamodule is not None and is_overridden(hook, datamodule):
+        return datamodule
+    return pl_module
+
+
+def _check_hook(hook: str) -> str:
+    if hook not in _TRANSFORMS_ATTRS:
+        raise ValueError(f"`hook={hook!r}` is not a batch-transfer hook. Expected one of: {', '.join(BATCH_HOOKS)}.")
+    return _TRANSFORMS_ATTRS[hook]
+
+
+def add_batch_transform(
+    pl_module: pl.LightningModule, transform: BatchTransform, hook: str = "on_after_batch_transfer"
+) -> None:
+    """Apply ``transform`` to every batch right after the user's ``hook`` (by default once it is on the device).
+
+    Callbacks have no batch-transfer hooks; this chains onto the one Lightning calls (the datamodule's if it overrides
+    the hook, else the module's), for training, validation, test and predict alike. With
+    ``hook="on_before_batch_transfer"`` the transform sees the batch still on the host, just before it is moved.
+    Call it once the module is attached to its Trainer (``setup``) and :func:`remove_batch_transform` in
+    ``teardown``. Adding the same transform twice is a no-op.
+
+    Raises:
+        ValueError: if ``hook`` is not one of :data:`BATCH_HOOKS`.
     """
-    transforms: list[BatchTransform] | None = pl_module.__dict__.get(_TRANSFORMS_ATTR)
+    attr = _check_hook(hook)
+    owner = _hook_owner(pl_module, hook)
+    transforms: list[BatchTransform] | None = owner.__dict__.get(attr)
     if transforms is None:
         transforms = []
-        object.__setattr__(pl_module, _TRANSFORMS_ATTR, transforms)
-        object.__setattr__(pl_module, "on_after_batch_transfer", _AfterBatchTransfer(pl_module, transforms))
+        object.__setattr__(owner, attr, transforms)
+        object.__setattr__(owner, hook, _ChainedBatchHook(owner, transforms, hook))
     if transform not in transforms:
         transforms.append(transform)
 
 
-def remove_batch_transform(pl_module: pl.LightningModule, transform: BatchTransform) -> None:
-    """Undo :func:`add_batch_transform`; the module's own hook is back once no transform is left."""
-    transforms: list[BatchTransform] | None = pl_module.__dict__.get(_TRANSFORMS_ATTR)
-    if transforms is None:
-        return
-    if transform in transforms:
-        transforms.remove(transform)
-    if not transforms:
-        pl_module.__dict__.pop(_TRANSFORMS_ATTR, None)
-        pl_module.__dict__.pop("on_after_batch_transfer", None)
+def remove_batch_transform(
+    pl_module: pl.LightningModule, transform: BatchTransform, hook: str = "on_after_batch_transfer"
+) -> None:
+    """Undo :func:`add_batch_transform`; the class's own hook is back once no transform is left.
+
+    Raises:
+        ValueError: if ``hook`` is not one of :data:`BATCH_HOOKS`.
+    """
+    attr = _check_hook(hook)
+    for owner in (pl_module, _datamodule(pl_module)):
+        transforms: list[BatchTransform] | None = None if owner is None else owner.__dict__.get(attr)
+        if owner is None or transforms is None:
+            continue
+        if transform in transforms:
+            transforms.remove(transform)
+        if not transforms:
+            owner.__dict__.pop(attr, None)
+            owner.__dict__.pop(hook, None)

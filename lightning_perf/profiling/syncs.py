@@ -125,7 +125,7 @@ class _SyncCallMode(TorchFunctionMode):
         if kind is not None:
             site = _call_site()
             if site is not None:
-                self.counts[(kind, *site)] += 1
+                self.counts[(kind, site[0], site[1], site[2])] += 1
         return func(*args, **kwargs)
 
 

@@ -1,3 +1,7 @@
 """Lightning strategies (gradient compression for DDP)."""
 
-__all__: list[str] = []
+from lightning_perf.strategies.powersgd import PowerSGDDDPStrategy
+
+__all__: list[str] = [
+    "PowerSGDDDPStrategy",
+]

@@ -105,3 +105,84 @@ def test_batch_transforms_chain_after_the_module_hook_and_come_off() -> None:
     add_batch_transform(module, torch.neg)
     clone = pickle.loads(pickle.dumps(module))
     assert clone.on_after_batch_transfer(torch.tensor(1.0), 0).item() == -2.0
+
+
+def test_batch_transform_keeps_lightnings_view_of_which_hook_is_overridden(tmp_path) -> None:
+    """Lightning asks `is_overridden` to pick the module's or the datamodule's hook (and warns when both exist): the
+    stand-in must not change that answer, and rides on the datamodule's hook when that is the one Lightning calls."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_perf.callbacks._model_hooks import add_batch_transform, remove_batch_transform
+
+    plain = Eager()
+    add_batch_transform(plain, torch.neg)
+    assert not is_overridden("on_after_batch_transfer", plain)
+    shifted = Shifted()
+    add_batch_transform(shifted, torch.neg)
+    assert is_overridden("on_after_batch_transfer", shifted)
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):
+            return [batch[0] + 1]
+
+    seen: list[torch.Tensor] = []
+
+    class Model(Eager):
+        def training_step(self, batch, batch_idx):
+            seen.append(batch[0])
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def times_ten(batch):
+        return [batch[0] * 10]
+
+    class Transform(pl.Callback):
+        def setup(self, trainer, pl_module, stage):
+            add_batch_transform(pl_module, times_ten)
+
+        def teardown(self, trainer, pl_module, stage):
+            remove_batch_transform(pl_module, times_ten)
+
+    data = Data()
+    trainer = pl.Trainer(
+        max_steps=1,
+        callbacks=[Transform()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Model(), datamodule=data)
+    assert torch.equal(seen[0], torch.full((2, 2), 20.0))  # the datamodule's hook first, then the transform
+    assert "on_after_batch_transfer" not in data.__dict__
+
+
+class Doubled(pl.LightningModule):
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return batch * 2
+
+
+def test_before_transfer_transforms_see_the_host_batch_after_the_users_hook() -> None:
+    import pickle
+
+    import pytest
+
+    from lightning_perf.callbacks._model_hooks import add_batch_transform, remove_batch_transform
+
+    module = Doubled()
+    add_batch_transform(module, torch.neg, hook="on_before_batch_transfer")
+    add_batch_transform(module, torch.abs)  # the after-transfer chain is separate
+    assert module.on_before_batch_transfer(torch.tensor(3.0), 0).item() == -6.0  # the user's hook first
+    assert module.on_after_batch_transfer(torch.tensor(-1.0), 0).item() == 1.0
+    clone = pickle.loads(pickle.dumps(module))
+    assert clone.on_before_batch_transfer(torch.tensor(1.0), 0).item() == -2.0
+    remove_batch_transform(module, torch.neg, hook="on_before_batch_transfer")
+    assert "on_before_batch_transfer" not in module.__dict__ and "on_after_batch_transfer" in module.__dict__
+    with pytest.raises(ValueError, match="not a batch-transfer hook"):
+        add_batch_transform(module, torch.neg, hook="on_train_batch_start")

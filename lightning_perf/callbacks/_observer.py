@@ -1,0 +1,105 @@
+"""What the observer callbacks (``BottleneckCallback``, ``MemoryProfilerCallback``) share: argument checks, where
+reports go, logging to the Trainer's loggers, the cross-rank summary at fit end, and optional charts."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_perf._imports import install_hint, is_matplotlib_available
+
+
+def check_int(owner: str, name: str, value: Any, minimum: int, allow_none: bool = False) -> Any:
+    """Return ``value`` if it is an int >= ``minimum`` (or None when allowed), else raise ``ValueError``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = f"an int >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected {expected}.")
+    return value
+
+
+def check_dirpath(owner: str, dirpath: Any) -> str | None:
+    """Return ``dirpath`` as a string (None stays None), else raise ``TypeError``."""
+    if dirpath is None:
+        return None
+    if not isinstance(dirpath, (str, os.PathLike)):
+        raise TypeError(f"`{owner}(dirpath={dirpath!r})` is not valid. Expected a path or None.")
+    return os.fspath(dirpath)
+
+
+def check_filename(owner: str, filename: Any) -> str:
+    """Return ``filename`` if it is a plain file stem, else raise ``ValueError``."""
+    if not isinstance(filename, str) or not filename or os.sep in filename or filename in (".", ".."):
+        raise ValueError(
+            f"`{owner}(filename={filename!r})` is not valid. Expected a file name without a directory, e.g. 'report'."
+        )
+    return filename
+
+
+def report_dir(trainer: pl.Trainer, dirpath: str | None) -> Path:
+    """Where reports go: ``dirpath``, else the Trainer's ``log_dir`` (its ``default_root_dir`` without a logger).
+
+    Call it on every rank: ``Trainer.log_dir`` broadcasts rank zero's value.
+    """
+    if dirpath is not None:
+        return Path(dirpath)
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+def log_metrics(trainer: pl.Trainer, metrics: Mapping[str, float]) -> None:
+    """Send ``metrics`` to every logger of the Trainer at its current step, from rank zero only."""
+    if not trainer.is_global_zero:
+        return
+    clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+    if not clean:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(clean, step=trainer.global_step)
+
+
+def across_ranks(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, values: Mapping[str, float]
+) -> dict[str, dict[str, float]] | None:
+    """Min, mean and max of each value over the ranks; None with a single process.
+
+    One ``all_gather`` of a small tensor: call it on every rank, and only at the end of a run, never per step.
+    NaN (a rank without the figure) is left out of that figure's summary.
+    """
+    if trainer.world_size <= 1:
+        return None
+    keys = list(values)
+    local = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=pl_module.device)
+    gathered = trainer.strategy.all_gather(local).reshape(-1, len(keys)).cpu()
+    summary: dict[str, dict[str, float]] = {}
+    for index, key in enumerate(keys):
+        column = [float(v) for v in gathered[:, index].tolist() if not math.isnan(float(v))]
+        if not column:
+            summary[key] = {"min": math.nan, "mean": math.nan, "max": math.nan}
+            continue
+        summary[key] = {"min": min(column), "mean": sum(column) / len(column), "max": max(column)}
+    return summary
+
+
+def draw_chart(draw: Callable[[Path], Path], path: Path, owner: str) -> tuple[str | None, str | None]:
+    """Draw a PNG with ``draw(path)`` if matplotlib is installed; return ``(path, None)`` or ``(None, note)``.
+
+    Without matplotlib the note says how to get charts, and is shown once on rank zero instead of failing the run.
+    """
+    if not is_matplotlib_available():
+        note = f"{owner}: no chart was drawn. " + install_hint("matplotlib")
+        rank_zero_info(note)
+        return None, note
+    return str(draw(path)), None
+
+
+def class_names(trainer: pl.Trainer) -> frozenset[str]:
+    """Names of the classes of the Trainer's callbacks (to tell which of this library's are already in use)."""
+    return frozenset(type(callback).__name__ for callback in trainer.callbacks)  # type: ignore[attr-defined]

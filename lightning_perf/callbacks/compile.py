@@ -1,0 +1,373 @@
+"""Compile the model (or its repeated blocks) with ``torch.compile``, in place, and report what compiling cost."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_perf._warnings import NoEffectWarning, warn_once
+from lightning_perf.functional.compile import (
+    STAGES,
+    CompiledModules,
+    CompileMonitor,
+    compile_options,
+    select_regions,
+    top_level_blocks,
+    validate_regions,
+)
+from lightning_perf.profiling import PhaseTimer, format_seconds
+
+# The loop whose first batch shows whether the step method calls the compiled forward, per trainer entry point.
+_MAIN_LOOP = {"fit": "train", "validate": "validation", "test": "test", "predict": "predict"}
+_STEP_METHOD = {
+    "train": "training_step",
+    "validation": "validation_step",
+    "test": "test_step",
+    "predict": "predict_step",
+}
+
+
+class CompileCallback(Callback):
+    """Compile the LightningModule's ``forward``, or its repeated blocks, with ``torch.compile``, in place.
+
+    What is compiled (``regions``):
+
+    - ``None`` (default): the LightningModule's ``forward``, i.e. what ``self(x)`` runs inside ``training_step`` and
+      the other step methods. The loss, metrics and ``self.log`` calls around it stay eager, which keeps graph breaks
+      out of the compiled code. If the step method turns out not to call ``self(...)`` (it calls ``self.net(x)``, say:
+      nothing compiled ran in the first batch), the module's own sub-modules holding parameters are compiled instead,
+      which is said once on rank zero.
+    - ``"auto"``: the largest group of repeated sibling blocks of one class (a transformer's layers, a ResNet's
+      residual blocks), found by structure. Identical blocks share one compiled code object, so the model compiles
+      about as fast as one block: use it to cut cold-start time.
+    - a list of module classes, or class paths as strings for YAML (``"torch.nn.TransformerEncoderLayer"``), or bare
+      class names: their outermost instances are compiled.
+
+    Compilation is in place (``nn.Module.compile`` style): module objects, parameters and ``state_dict`` keys stay as
+    they are, so checkpoints carry no ``_orig_mod.`` prefix and load with or without the callback. It is applied at
+    the start of each trainer entry point listed in ``stages`` (``fit`` covers its validation loop too), after every
+    ``setup`` and after DDP wrapping, so it sees the final modules whatever surgery other callbacks did, in any order;
+    ``teardown`` makes the modules plain again (torch keeps its compiled code, so a second ``fit`` reuses it). Under
+    DDP each rank compiles its modules inside the DDP wrapper (Lightning routes ``training_step`` through the
+    LightningModule's ``__call__`` there; that outer call runs eager and the step's ``self(x)`` compiled). The
+    gradients of a compiled region are ready when its compiled backward ends, so finer regions overlap the gradient
+    all-reduce with computation better.
+
+    A compiler failure (raised lazily, at a module's first call) re-runs that call eagerly and turns compilation off
+    for that module class, with a :class:`~lightning_perf.FallbackWarning` carrying the cause; ``strict=True`` raises
+    instead. An error of the model itself propagates unchanged.
+
+    ``mode="reduce-overhead"`` records CUDA graphs on a CUDA device for training and inference (each batch is marked as
+    a new CUDA graph step); on another device it warns once (:class:`~lightning_perf.NoEffectWarning`) and compiles
+    without them.
+
+    At the end of ``fit``, on rank zero, it reports the compile time (spent in torch's compiler, and the first
+    ``warmup_steps`` training steps in all) apart from the steady-state step time, with the graphs, graph breaks and
+    recompilations seen during the fit (process-wide counters). The figures are kept in :attr:`report` and logged to
+    the trainer's loggers under ``compile/``.
+
+    Args:
+        mode: ``None`` (default), ``"default"``, ``"reduce-overhead"``, ``"max-autotune"`` or
+            ``"max-autotune-no-cudagraphs"``.
+        fullgraph: make a graph break an error (a compiler failure: falls back, or raises if ``strict``).
+        dynamic: ``None`` (automatic dynamic shapes after a recompilation), ``True`` or ``False``.
+        backend: a torch.compile backend name or callable; ``"inductor"`` by default.
+        options: inductor options (not together with ``mode``).
+        regions: ``None``, ``"auto"`` or a list of module classes / class paths / class names (see above).
+        stages: the trainer entry points that run compiled, among ``"fit"``, ``"validate"``, ``"test"`` and
+            ``"predict"`` (default: all); the others run eager.
+        strict: raise compiler failures instead of falling back to eager.
+        warmup_steps: leading training steps reported as warm-up (they include compilation).
+
+    Raises:
+        ValueError: for an unknown mode, backend name, stage or region class path, ``mode`` with ``options``, empty
+            ``regions`` or ``stages``, or ``warmup_steps`` < 1.
+        TypeError: for an argument of the wrong type.
+
+    Attributes:
+        report: the figures of the last ``fit`` (empty before): ``compiled`` (module names, ``""`` the LightningModule),
+            ``compile_time_s``, ``compilations``, ``recompiles``, ``unique_graphs``, ``graph_breaks``,
+            ``graph_break_reasons``, ``cudagraph_recordings``, ``warmup_steps``, ``warmup_time_s``, ``steady_steps``,
+            ``steady_step_time_s`` (median), ``fallbacks`` (module class -> cause).
+
+    Example::
+
+        trainer = Trainer(callbacks=[CompileCallback(regions="auto")])
+        trainer.fit(model, datamodule=data)
+        print(trainer.callbacks[0].report["compile_time_s"])
+    """
+
+    def __init__(
+        self,
+        mode: str | None = None,
+        *,
+        fullgraph: bool = False,
+        dynamic: bool | None = None,
+        backend: str | Callable[..., Any] = "inductor",
+        options: Mapping[str, Any] | None = None,
+        regions: str | Sequence[type[nn.Module] | str] | None = None,
+        stages: str | Iterable[str] = STAGES,
+        strict: bool = False,
+        warmup_steps: int = 2,
+    ) -> None:
+        owner = type(self).__name__
+        self._compile_kwargs = compile_options(
+            mode=mode, fullgraph=fullgraph, dynamic=dynamic, backend=backend, options=options, owner=owner
+        )
+        self.mode = mode
+        self.backend = backend
+        self.regions = validate_regions(regions, owner)
+        self.stages = _validate_stages(stages, owner)
+        if not isinstance(strict, bool):
+            raise TypeError(f"`{owner}(strict={strict!r})` is not valid. Expected True or False.")
+        self.strict = strict
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(
+                f"`{owner}(warmup_steps={warmup_steps!r})` is not valid. Expected an int >= 1 (the first training "
+                "steps, which include compilation)."
+            )
+        self.warmup_steps = warmup_steps
+        self.report: dict[str, Any] = {}
+        self._compiled: CompiledModules | None = None
+        self._entry_check: str | None = None  # the loop whose first batch must have called the compiled forward
+        self._monitor = CompileMonitor()
+        self._timer: PhaseTimer | None = None
+        self._cudagraph_steps = False
+
+    # ------------------------------------------------------------------------------------------ applying, undoing
+
+    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stage = trainer.state.fn.value if trainer.state.fn is not None else None
+        if self._compiled is not None or stage not in self.stages:
+            return  # compiled already in this entry point (fit's validation loop), or this stage runs eager
+        modules = select_regions(pl_module, self.regions)
+        if not modules:
+            warn_once(
+                f"`{type(self).__name__}(regions={self.regions!r})` found nothing to compile in "
+                f"{type(pl_module).__name__}: no repeated blocks holding parameters, or no module of the classes "
+                "given. The model runs eagerly.",
+                NoEffectWarning,
+            )
+        if self.mode == "reduce-overhead":
+            if pl_module.device.type == "cuda":
+                self._cudagraph_steps = True
+            else:
+                warn_once(
+                    f"`{type(self).__name__}(mode='reduce-overhead')` uses CUDA graphs, which need a CUDA device; on "
+                    f"{pl_module.device.type} it compiles without them (as the default mode).",
+                    NoEffectWarning,
+                )
+        self._compiled = CompiledModules(modules, self._compile_kwargs, strict=self.strict)
+        self._entry_check = _MAIN_LOOP[stage] if self.regions is None else None
+        self._monitor.start()
+        if stage == "fit":
+            self._timer = PhaseTimer(pl_module.device, warmup_steps=self.warmup_steps)
+
+    def _undo(self) -> None:
+        if self._compiled is not None:
+            self._compiled.remove()
+            self._compiled = None
+        self._monitor.stop()
+        self._timer = None
+        self._entry_check = None
+        self._cudagraph_steps = False
+
+    def _check_forward_ran(self, pl_module: pl.LightningModule, loop: str) -> None:
+        """After the first batch of the main loop: if the compiled forward never ran, compile the sub-modules."""
+        if self._entry_check != loop or self._compiled is None:
+            return
+        self._entry_check = None
+        if self._compiled.calls > 0:
+            return
+        self._compiled.remove()
+        blocks = top_level_blocks(pl_module)
+        self._compiled = CompiledModules(blocks, self._compile_kwargs, strict=self.strict)
+        method = f"{type(pl_module).__name__}.{_STEP_METHOD[loop]}"
+        if blocks:
+            rank_zero_info(
+                f"{type(self).__name__}: {method} does not call the module's forward (`self(...)`), so compiling it "
+                f"had no effect; compiling its sub-modules instead: {', '.join(name for name, _ in blocks)}."
+            )
+        else:
+            warn_once(
+                f"`{type(self).__name__}()`: {method} does not call the module's forward (`self(...)`) and the module "
+                "has no sub-module holding parameters, so nothing runs compiled. Pass `regions=[...]` naming the "
+                "module classes to compile.",
+                NoEffectWarning,
+            )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply(trainer, pl_module)
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply(trainer, pl_module)
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply(trainer, pl_module)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._undo()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls `on_exception`, not `teardown`, when a run fails.
+        self._undo()
+
+    # ---------------------------------------------------------------------------------------------- per batch
+
+    def _batch_start(self) -> None:
+        if self._cudagraph_steps:
+            # CUDA graph trees reuse output memory from one step to the next; tell them where a step begins.
+            torch.compiler.cudagraph_mark_step_begin()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batch_start()
+        if self._timer is not None:
+            self._timer.start("step")
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._timer is not None and "step" in self._timer.running:
+            self._timer.stop("step")
+            self._timer.end_step()
+        self._check_forward_ran(pl_module, "train")
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._batch_start()
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._check_forward_ran(pl_module, "validation")
+
+    @override
+    def on_test_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._batch_start()
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._check_forward_ran(pl_module, "test")
+
+    @override
+    def on_predict_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._batch_start()
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._check_forward_ran(pl_module, "predict")
+
+    # ------------------------------------------------------------------------------------------------- report
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._compiled is None:
+            return
+        stats = self._monitor.stats
+        report: dict[str, Any] = {"compiled": list(self._compiled.names), **stats.to_dict()}
+        warmup = self._timer.step_totals(warmup=True) if self._timer is not None else []
+        steady = self._timer.summary().get("step") if self._timer is not None else None
+        report["warmup_steps"] = len(warmup)
+        report["warmup_time_s"] = math.fsum(warmup)
+        report["steady_steps"] = steady.count if steady is not None else 0
+        report["steady_step_time_s"] = steady.median if steady is not None else float("nan")
+        report["fallbacks"] = dict(self._compiled.failures)
+        self.report = report
+        rank_zero_info(self._describe(report))
+        metrics = {
+            f"compile/{key}": float(report[key])
+            for key in ("compile_time_s", "recompiles", "unique_graphs", "graph_breaks", "warmup_time_s")
+        }
+        if report["steady_steps"]:
+            metrics["compile/steady_step_time_s"] = float(report["steady_step_time_s"])
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _describe(self, report: dict[str, Any]) -> str:
+        names = report["compiled"]
+        what = "the LightningModule's forward" if names == [""] else f"{len(names)} module(s) ({', '.join(names[:4])}"
+        what += "" if names == [""] else (", ...)" if len(names) > 4 else ")")
+        backend = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "custom")
+        lines = [
+            f"{type(self).__name__}: compiled {what} with backend={backend!r}, mode={self.mode!r}.",
+            f"  compiling: {format_seconds(report['compile_time_s'])} in torch.compile, {report['unique_graphs']} "
+            f"graph(s), {report['graph_breaks']} graph break(s), {report['recompiles']} recompilation(s)",
+            f"  warm-up: {report['warmup_steps']} step(s) in {format_seconds(report['warmup_time_s'])}; steady state: "
+            f"median {format_seconds(report['steady_step_time_s'])} per step over {report['steady_steps']} step(s)",
+        ]
+        for cls, cause in report["fallbacks"].items():
+            lines.append(f"  fell back to eager for {cls}: {cause}")
+        return "\n".join(lines)
+
+    # -------------------------------------------------------------------------------------------------- pickling
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Live compile state (modules, CUDA events, registered compiler callbacks) stays with this process.
+        state = self.__dict__.copy()
+        state.update(_compiled=None, _timer=None, _entry_check=None, _cudagraph_steps=False, _monitor=CompileMonitor())
+        return state
+
+
+def _validate_stages(stages: Any, owner: str) -> tuple[str, ...]:
+    items = [stages] if isinstance(stages, str) else stages
+    if not isinstance(items, Iterable):
+        raise TypeError(f"`{owner}(stages={stages!r})` is not valid. Expected a list of: {', '.join(STAGES)}.")
+    items = list(items)
+    unknown = [item for item in items if item not in STAGES]
+    if unknown or not items:
+        raise ValueError(
+            f"`{owner}(stages={stages!r})` is not valid"
+            + (f": unknown stage {unknown[0]!r}" if unknown else ": no stage")
+            + f". Expected a non-empty list of: {', '.join(STAGES)}."
+        )
+    return tuple(dict.fromkeys(items))

@@ -1,0 +1,162 @@
+"""Swap the model's attention modules for fused kernels (flash-attn 2 or SDPA) while the Trainer runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from lightning_perf._warnings import warn_once
+from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
+from lightning_perf.functional.attention import UNCHANGED, AttentionAdapter, AttentionDecision, swap_attention
+from lightning_perf.functional.surgery import restore_modules
+
+
+class FlashAttentionCallback(Callback):
+    """Runs the model's attention through flash-attn 2 where it applies, else PyTorch's fused SDPA kernels.
+
+    In ``setup`` (after ``configure_model``, before the optimizer and DDP exist) every attention module an adapter
+    knows is swapped for a version that computes through a fused kernel, after a parity check against the original on
+    random inputs (forward and backward); in ``teardown`` the originals go back, holding the trained weights. The
+    swapped modules hold the original parameters under the same names: ``state_dict`` keys, checkpoints and the
+    optimizer are unaffected.
+
+    Kernel per module: flash-attn 2 (``pip install 'lightning-perf[flash]'``) on CUDA GPUs of compute capability 8.0+
+    when attention computes in fp16/bf16 (``precision="bf16-mixed"`` or ``"16-mixed"``) with head size <= 256 and no
+    arbitrary mask; otherwise SDPA, whose dispatcher picks the best backend for the device (flash / memory-efficient /
+    cuDNN on CUDA, a fused flash kernel on CPU). Each choice and its reason is logged on rank zero and kept in
+    :attr:`decisions`.
+
+    Modules it knows: ``nn.MultiheadAttention`` (on its own or inside ``nn.TransformerEncoderLayer`` /
+    ``DecoderLayer``; calls with ``need_weights=True``, its default, keep the original path, so pass
+    ``need_weights=False`` where you discard the weights), the common hand-written pattern (a fused q/k/v ``Linear``,
+    eager softmax attention, an output ``Linear``; causal or not), and whatever your own
+    :class:`~lightning_perf.functional.attention.AttentionAdapter` knows. A module it cannot swap stays unchanged, with
+    the reason in :attr:`decisions`.
+
+    When it helps: attention-heavy models, long sequences (the fused kernels never build the ``(T, T)`` score
+    matrix: memory grows with ``T`` instead of ``T^2``), hand-written attention. When it does nothing:
+    ``nn.MultiheadAttention`` called with ``need_weights=False`` already runs SDPA inside torch, so the gain there
+    comes from flash-attn on GPUs only.
+
+    Args:
+        adapters: extra :class:`~lightning_perf.functional.attention.AttentionAdapter` instances, or class paths of
+            adapters built without arguments (YAML), tried before the registered and built-in ones.
+        filter_fn: ``filter_fn(module, name) -> bool`` restricting which modules are considered.
+        parity_check: compare each swapped module with its original before installing it. A mismatch keeps the
+            original and warns with a :class:`~lightning_perf.FallbackWarning`.
+        strict: raise instead of falling back when a parity check fails.
+
+    Attributes:
+        decisions: module name -> ``(kernel, reason)`` for every attention module found in the last ``setup``;
+            ``kernel`` is ``"flash_attn"``, ``"sdpa"`` or ``"unchanged"``.
+
+    Raises:
+        ValueError: for an adapter class path that does not import or does not name an ``AttentionAdapter``.
+
+    Example::
+
+        from lightning_perf.callbacks import FlashAttentionCallback
+
+        trainer = Trainer(precision="bf16-mixed", callbacks=[FlashAttentionCallback()])
+    """
+
+    def __init__(
+        self,
+        adapters: Sequence[AttentionAdapter | str] = (),
+        filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        parity_check: bool = True,
+        strict: bool = False,
+    ) -> None:
+        if isinstance(adapters, (str, AttentionAdapter)):
+            adapters = [adapters]
+        self.adapters = [_resolve_adapter(a) for a in adapters]
+        if filter_fn is not None and not callable(filter_fn):
+            raise TypeError(f"`FlashAttentionCallback(filter_fn={filter_fn!r})` is not callable.")
+        self.filter_fn = filter_fn
+        self.parity_check = parity_check
+        self.strict = strict
+        self.decisions: dict[str, AttentionDecision] = {}
+        self._replaced: dict[str, tuple[nn.Module, nn.Module]] = {}
+        self._device = torch.device("cpu")
+        self._compute_dtype: torch.dtype | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._device = trainer.strategy.root_device
+        self._compute_dtype = compute_dtype(str(trainer.precision))
+        run_after_configure_model(pl_module, self._swap)
+
+    def _swap(self, pl_module: pl.LightningModule) -> None:
+        result = swap_attention(
+            pl_module,
+            adapters=self.adapters,
+            device=self._device,
+            compute_dtype=self._compute_dtype,
+            filter_fn=self.filter_fn,
+            parity_check=self.parity_check,
+            strict=self.strict,
+        )
+        self.decisions = result.decisions
+        self._replaced = result.replaced
+        if not result.decisions:
+            warn_once(
+                f"FlashAttentionCallback found no attention module in {type(pl_module).__name__} that it knows "
+                "(nn.MultiheadAttention, fused-QKV self-attention, or one a registered AttentionAdapter matches): "
+                "nothing changes."
+            )
+            return
+        lines = [f"  {name}: {kernel} ({reason})" for name, (kernel, reason) in result.decisions.items()]
+        rank_zero_info(
+            f"FlashAttentionCallback: {len(result.swapped)} of {len(result.decisions)} attention modules swapped\n"
+            + "\n".join(lines)
+        )
+        if not result.swapped:
+            warn_once(
+                "FlashAttentionCallback left every attention module unchanged: "
+                + "; ".join(f"{name}: {reason}" for name, (_, reason) in result.decisions.items())
+            )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        discard_pending_surgery(pl_module)
+        restore_modules(pl_module, self._replaced)
+        self._replaced = {}
+
+    @property
+    def swapped(self) -> list[str]:
+        """Names of the modules swapped in the last ``setup``."""
+        return [name for name, decision in self.decisions.items() if decision.kernel != UNCHANGED]
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype attention computes in under a Lightning ``precision`` setting (``None``: full precision)."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return None
+
+
+def _resolve_adapter(adapter: AttentionAdapter | str) -> AttentionAdapter:
+    if isinstance(adapter, AttentionAdapter):
+        return adapter
+    if isinstance(adapter, str):
+        import importlib
+
+        module_path, _, name = adapter.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_path), name) if module_path else None
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"`FlashAttentionCallback(adapters=[{adapter!r}])`: cannot import it ({err}).") from err
+        if isinstance(cls, type) and issubclass(cls, AttentionAdapter):
+            return cls()
+    raise ValueError(
+        f"`FlashAttentionCallback(adapters=[{adapter!r}])` is not valid. Expected AttentionAdapter instances or class "
+        "paths of AttentionAdapter subclasses, such as 'my_project.attention.MyAttentionAdapter'."
+    )

@@ -1,0 +1,93 @@
+"""Switch the optimizers ``configure_optimizers`` built to torch's fused or foreach implementations."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_perf._warnings import NoEffectWarning, warn_once
+from lightning_perf.functional.fused_optimizer import (
+    Implementation,
+    set_implementation,
+    switch_implementation,
+    validate_mode,
+)
+
+
+def _reapply(optimizer: Optimizer, implementation: Implementation) -> None:
+    # `Optimizer.load_state_dict` replaces the param groups' flags with the checkpoint's: put ours back.
+    set_implementation(optimizer, implementation)
+
+
+class FusedOptimizerCallback(Callback):
+    """Make the optimizers of a run step with torch's fused (or foreach) kernels, without changing the module's code.
+
+    The optimizers ``configure_optimizers`` built are switched in place: the same objects, with their state, param
+    groups and learning-rate schedulers, step through the fused implementation (one kernel over all parameters) where
+    torch has one for the optimizer class, device and dtype (Adam, AdamW, SGD, Adagrad on CPU and CUDA in torch 2.13),
+    else through the foreach (multi-tensor) one. When a checkpoint is resumed, the switch is made again right after
+    the optimizer state is loaded. What was switched and why the others were not is logged once on rank zero; if
+    nothing could be switched, one :class:`~lightning_perf.NoEffectWarning` says why.
+
+    An optimizer built with ``fused=False`` or ``foreach=False`` is left alone: that is torch's way of asking for the
+    single-tensor loop.
+
+    Args:
+        mode: ``"auto"`` (default): fused where supported, else foreach. ``"fused"``: fused only. ``"foreach"``:
+            foreach only.
+
+    Raises:
+        ValueError: if ``mode`` is not ``"auto"``, ``"fused"`` or ``"foreach"``.
+
+    Example::
+
+        trainer = Trainer(callbacks=[FusedOptimizerCallback()])
+    """
+
+    def __init__(self, mode: Literal["auto", "fused", "foreach"] = "auto") -> None:
+        self.mode = validate_mode(mode, type(self).__name__)
+        self._handles: list[RemovableHandle] = []
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The first hook after `strategy.setup` has called `configure_optimizers` (in `setup` no optimizer exists
+        # yet). This is not model surgery: the parameters stay the same objects, so DDP is unaffected. A resumed
+        # run loads the optimizer state after this hook; the post-load hook registered here switches it back.
+        sparse = [m.weight for m in pl_module.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+        name = type(self).__name__
+        changed, skipped = [], []
+        for index, optimizer in enumerate(trainer.optimizers):
+            label = f"optimizer {index} ({type(optimizer).__name__})"
+            choice = switch_implementation(optimizer, self.mode, sparse)
+            if choice.implementation is None:
+                skipped.append(f"{label} left as it is: {choice.reason}")
+                continue
+            changed.append(f"{label} -> {choice.implementation}")
+            hook = partial(_reapply, implementation=choice.implementation)
+            self._handles.append(optimizer.register_load_state_dict_post_hook(hook))
+        if not changed:
+            why = "; ".join(skipped) if skipped else "the run has no optimizer"
+            warn_once(f"`{name}(mode={self.mode!r})` changed nothing: {why}.", NoEffectWarning)
+            return
+        rank_zero_info(f"{name}: " + "; ".join(changed + skipped) + ".")
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_hooks()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()

@@ -1,0 +1,849 @@
+"""Quantization-aware training (or post-training quantization) that ends in a real, validated, faster int8 model.
+
+The logic is :mod:`lightning_perf.functional.qat`; this callback picks the submodule and its example input, prepares
+it before the optimizers and DDP exist, runs the observer / batch-norm / fake-quant schedule, keeps checkpoints
+loadable both ways, and converts, validates, saves and times the quantized model once training ends.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelPruning
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from typing_extensions import override
+
+from lightning_perf._imports import require
+from lightning_perf._warnings import FallbackWarning, NoEffectWarning, warn_once
+from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
+from lightning_perf.callbacks.tensorrt_export import _through_batch_hooks, _val_dataloader
+from lightning_perf.functional.export import as_input_tuple, split_inputs
+from lightning_perf.functional.qat import (
+    BACKENDS,
+    MODES,
+    NothingToQuantizeError,
+    QuantizationError,
+    QuantizationRecipe,
+    QuantizationReport,
+    base_config_spec,
+    batchnorm_modules,
+    calibrate,
+    compare_models,
+    convert,
+    export_quantized,
+    float_copy,
+    freeze_batchnorm_stats,
+    is_prepared,
+    make_recipe,
+    prepare,
+    quantization_state_keys,
+    recipe_of,
+    resolve_base_config,
+    set_fake_quant,
+    set_observers,
+)
+from lightning_perf.functional.surgery import replace_modules
+
+__all__ = ["QATCallback"]
+
+SCHEDULE_UNITS = ("epoch", "step")
+
+
+class _InputCaptured(Exception):
+    """Raised by a forward pre-hook to stop a forward once the submodule's inputs are known."""
+
+
+class _RestoreBeforeWeights:
+    """Stands in for the module's ``on_load_checkpoint`` during a Trainer run: its own hook first, then each callback
+    prepares the model as the checkpoint's recipe says and puts the quantization state back, before Lightning loads
+    the weights (Lightning calls this hook right before ``load_state_dict``). A small class, not a closure, so that a
+    module carrying it still pickles."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self.module = module
+        self.callbacks: list[QATCallback] = []
+
+    @property
+    def __wrapped__(self) -> Any:
+        return type(self.module).on_load_checkpoint
+
+    def __call__(self, checkpoint: dict[str, Any]) -> None:
+        type(self.module).on_load_checkpoint(self.module, checkpoint)
+        for callback in self.callbacks:
+            callback.before_weights_load(self.module, checkpoint)
+
+
+class QATCallback(Callback):
+    """Quantization-aware training that yields a real int8 model: prepared before training, converted after it.
+
+    **QAT** (``mode="qat"``). In ``setup`` (after ``configure_model``, before the optimizers and DDP exist) the chosen
+    submodule is replaced by its prepared version, so the fake-quantize and observer state is trained, checkpointed
+    and synchronized across ranks like any other:
+
+    - ``backend="x86"`` (CNNs and general models for CPU deployment): captured with ``torch.export`` and prepared by
+      torchao's PT2E ``X86InductorQuantizer`` (int8 activations, per-channel int8 weights, conv-BN folded). Lightning's
+      ``model.train()`` / ``model.eval()`` work on it (batch norm and dropout switch behaviour); Python branches on
+      ``self.training`` inside the submodule are fixed at capture.
+    - ``backend="torchao"`` (Linear-heavy models such as transformers): ``quantize_(submodule, QATConfig(base_config,
+      step="prepare"))`` swaps its ``nn.Linear`` layers in place for fake-quantized ones.
+
+    The submodule is ``submodule`` (a dotted name) or, by default, the LightningModule's only child holding
+    parameters (the LightningModule itself cannot be exported). Its example input is what it receives when the
+    LightningModule runs ``example_input_array`` (else the inputs of the first training batch); the batch dimension
+    stays dynamic.
+
+    Schedules, in epochs or steps (``schedule_unit``): fake quantization starts after ``fake_quant_after``
+    (observers collect ranges from the start), observers stop after ``disable_observers_after`` (the ranges freeze),
+    batch-norm statistics freeze after ``freeze_bn_after``. Every ``eval_converted_every_n_epochs`` epochs a converted
+    copy is compared with the fake-quantized model on validation batches and the figures are logged under ``qat/``
+    (cosine, top-1 agreement, and with ``(inputs, labels)`` batches the accuracy gap in percentage points).
+
+    At the end of ``fit``, on rank zero, the trained model stays as it is and a converted copy is validated against
+    it on validation batches (cosine similarity, max abs difference, accuracies), saved atomically as
+    ``<dirpath>/<filename>.pt2`` (``torch.export.save``; ``onnx=True`` adds an ONNX file), timed against the float
+    model with both compiled by inductor with weight freezing at ``benchmark_batch_sizes`` (``benchmark=False``
+    skips it: compiling takes tens of seconds), and described in ``<filename>.json``. A failure there warns with a
+    :class:`~lightning_perf.FallbackWarning` and leaves the trained model and the checkpoints untouched
+    (``strict=True`` raises).
+
+    **PTQ** (``mode="ptq"``): training is not touched; at the end of ``fit``, or of a ``Trainer.validate`` run, a
+    copy of the submodule is calibrated on ``calibration_batches`` validation batches (x86; the torchao configs
+    quantize activations dynamically and need none), converted, validated on the following batches, saved and timed
+    as above.
+
+    **Checkpoints.** The recipe (backend, config, example input shapes) is in this callback's ``state_dict``. A
+    checkpoint's ``state_dict`` keeps the plain model's keys (QAT-trained float weights: it loads into the model
+    without the callback); the observer and fake-quantize state travels in this callback's entry. With the callback,
+    a Trainer that loads the checkpoint (resuming ``fit``, ``test``/``validate``/``predict`` with ``ckpt_path``)
+    first prepares the model as the recipe says, so resuming, testing a checkpoint, fitting twice and loading into a
+    fresh model all work; outside a Trainer use :meth:`load_checkpoint`. A checkpoint saved with
+    ``save_weights_only=True`` has no callback state: its quantization state stays under the model's keys.
+
+    Args:
+        backend: ``"x86"`` or ``"torchao"``.
+        mode: ``"qat"`` or ``"ptq"``.
+        submodule: dotted name of the submodule to quantize; default the only child holding parameters.
+        base_config: ``torchao`` backend: the torchao PTQ config to train for (default
+            ``"Int8DynamicActivationIntxWeightConfig"``): a config object, a class name, or for YAML
+            ``{class name: {field: value}}`` (see :func:`~lightning_perf.functional.qat.resolve_base_config`).
+        disable_observers_after: stop the observers after this many epochs/steps (``x86``).
+        freeze_bn_after: freeze batch-norm statistics after this many epochs/steps.
+        fake_quant_after: start fake quantization after this many epochs/steps (0: from the start).
+        schedule_unit: ``"epoch"`` or ``"step"``, the unit of the three schedules.
+        eval_converted_every_n_epochs: compare a converted copy with the model every this many epochs.
+        calibration_batches: validation batches to calibrate on (PTQ).
+        validation_batches: validation batches to validate the converted model on (``None``: all).
+        min_cosine: the converted model's outputs must have at least this cosine similarity to the reference's.
+        export: convert, validate, save and time the quantized model at the end of ``fit`` (``False``: QAT only; the
+            trained checkpoint converts later with :meth:`load_checkpoint` and
+            :func:`~lightning_perf.functional.qat.export_quantized`).
+        benchmark: time the quantized against the float model, both compiled, at the end.
+        benchmark_batch_sizes: batch sizes to time at.
+        latency_iterations: timed calls per batch size and model.
+        latency_warmup: untimed calls first (they include compilation).
+        dirpath: where to write; default the ``ModelCheckpoint``'s directory, else ``<default_root_dir>/quantized``.
+        filename: stem of the artifact names (``<filename>.pt2``, ``.json``, ``.onnx``).
+        onnx: also export the quantized model to ONNX.
+        input_key: the model input's key when batches are dicts.
+        strict: raise instead of warning when converting, validating or saving at the end fails.
+
+    Raises:
+        ValueError: for an invalid option (unknown backend or mode, a base config torchao cannot train, negative
+            schedule...).
+        ModuleNotFoundError: if torchao is not installed (the ``qat`` extra).
+
+    Example::
+
+        trainer = Trainer(callbacks=[QATCallback(backend="x86", disable_observers_after=3, freeze_bn_after=2)])
+        trainer.fit(model, datamodule=data)  # then <checkpoint dir>/model_int8.pt2 + model_int8.json
+    """
+
+    def __init__(
+        self,
+        backend: str = "x86",
+        mode: str = "qat",
+        *,
+        submodule: str | None = None,
+        base_config: Any = None,
+        disable_observers_after: int | None = None,
+        freeze_bn_after: int | None = None,
+        fake_quant_after: int = 0,
+        schedule_unit: str = "epoch",
+        eval_converted_every_n_epochs: int | None = None,
+        calibration_batches: int = 8,
+        validation_batches: int | None = 4,
+        min_cosine: float = 0.99,
+        export: bool = True,
+        benchmark: bool = True,
+        benchmark_batch_sizes: Sequence[int] = (1, 32),
+        latency_iterations: int = 20,
+        latency_warmup: int = 3,
+        dirpath: str | Path | None = None,
+        filename: str = "model_int8",
+        onnx: bool = False,
+        input_key: str | None = None,
+        strict: bool = False,
+    ) -> None:
+        owner = type(self).__name__
+        if backend not in BACKENDS:
+            raise ValueError(f"`{owner}(backend={backend!r})` is not valid. Expected one of: {', '.join(BACKENDS)}.")
+        if mode not in MODES:
+            raise ValueError(f"`{owner}(mode={mode!r})` is not valid. Expected one of: {', '.join(MODES)}.")
+        require("torchao", f"{owner}(backend={backend!r})")
+        if backend == "torchao":
+            self.base_config: dict[str, Any] | None = base_config_spec(resolve_base_config(base_config, owner))
+        elif base_config is not None:
+            make_recipe(backend, mode, base_config, input_shapes=[(1,)], owner=owner)  # raises with the reason
+        else:
+            self.base_config = None
+        if submodule is not None and (not isinstance(submodule, str) or not submodule):
+            raise ValueError(f"`{owner}(submodule={submodule!r})` is not valid. Expected a dotted module name.")
+        for name, value in (
+            ("disable_observers_after", disable_observers_after),
+            ("freeze_bn_after", freeze_bn_after),
+            ("eval_converted_every_n_epochs", eval_converted_every_n_epochs),
+            ("validation_batches", validation_batches),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected None or an int >= 0.")
+        for name, value, minimum in (
+            ("fake_quant_after", fake_quant_after, 0),
+            ("calibration_batches", calibration_batches, 1),
+            ("latency_iterations", latency_iterations, 1),
+            ("latency_warmup", latency_warmup, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected an int >= {minimum}.")
+        if eval_converted_every_n_epochs == 0:
+            raise ValueError(f"`{owner}(eval_converted_every_n_epochs=0)` is not valid. Expected None or an int >= 1.")
+        if schedule_unit not in SCHEDULE_UNITS:
+            raise ValueError(
+                f"`{owner}(schedule_unit={schedule_unit!r})` is not valid. "
+                f"Expected one of: {', '.join(SCHEDULE_UNITS)}."
+            )
+        if mode == "ptq" and not export:
+            raise ValueError(f"`{owner}(mode='ptq', export=False)` would do nothing. PTQ exports the quantized model.")
+        if mode == "ptq" and (disable_observers_after, freeze_bn_after, fake_quant_after) != (None, None, 0):
+            raise ValueError(
+                f"`{owner}(mode='ptq', ...)`: the observer, batch-norm and fake-quant schedules apply to QAT only."
+            )
+        if isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float)) or not 0 <= min_cosine <= 1:
+            raise ValueError(f"`{owner}(min_cosine={min_cosine!r})` is not valid. Expected a number in [0, 1].")
+        sizes = [benchmark_batch_sizes] if isinstance(benchmark_batch_sizes, int) else list(benchmark_batch_sizes)
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+            raise ValueError(
+                f"`{owner}(benchmark_batch_sizes={benchmark_batch_sizes!r})` is not valid. Expected positive ints."
+            )
+        if not isinstance(filename, str) or not filename or "/" in filename or filename.startswith("."):
+            raise ValueError(f"`{owner}(filename={filename!r})` is not valid. Expected a plain, non-hidden file stem.")
+        self.backend = backend
+        self.mode = mode
+        self.submodule = submodule
+        self.disable_observers_after = disable_observers_after
+        self.freeze_bn_after = freeze_bn_after
+        self.fake_quant_after = fake_quant_after
+        self.schedule_unit = schedule_unit
+        self.eval_converted_every_n_epochs = eval_converted_every_n_epochs
+        self.calibration_batches = calibration_batches
+        self.validation_batches = validation_batches
+        self.min_cosine = float(min_cosine)
+        self.export = bool(export)
+        self.benchmark = bool(benchmark)
+        self.benchmark_batch_sizes = tuple(sizes)
+        self.latency_iterations = latency_iterations
+        self.latency_warmup = latency_warmup
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.filename = filename
+        self.onnx = bool(onnx)
+        self.input_key = input_key
+        self.strict = bool(strict)
+        self.report: QuantizationReport | None = None
+        """What the last end-of-training quantization produced (rank zero); ``None`` before one ran."""
+        self.history: list[dict[str, Any]] = []
+        """The periodic comparisons of a converted copy with the model (``eval_converted_every_n_epochs``)."""
+        self._recipe: QuantizationRecipe | None = None
+        self._submodule_name: str | None = None
+        self._float_module: nn.Module | None = None  # x86: what the prepared graph was captured from (shared params)
+        self._applied: tuple[bool, bool, bool] | None = None
+        self._eager_batchnorms: list[nn.Module] = []
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(submodule=self.submodule)
+
+    @property
+    def recipe(self) -> QuantizationRecipe | None:
+        """The recipe of the prepared (QAT) or last quantized (PTQ) model."""
+        return self._recipe
+
+    # --------------------------------------------------------------------------------------------- the submodule
+
+    def _resolve(self, pl_module: pl.LightningModule, name: str | None = None) -> tuple[str, nn.Module]:
+        name = name or self.submodule
+        if name is not None:
+            try:
+                return name, pl_module.get_submodule(name)
+            except AttributeError:
+                children = [n for n, _ in pl_module.named_children()]
+                raise ValueError(
+                    f"`{type(self).__name__}(submodule={name!r})`: {type(pl_module).__name__} has no submodule "
+                    f"{name!r}. Its children: {', '.join(children) or 'none'}."
+                ) from None
+        holders = [(n, c) for n, c in pl_module.named_children() if next(c.parameters(), None) is not None]
+        if len(holders) != 1:
+            found = ", ".join(n for n, _ in holders) or "none"
+            raise ValueError(
+                f"`{type(self).__name__}()` quantizes one submodule of the LightningModule (which itself cannot be "
+                f"exported) and could not choose in {type(pl_module).__name__}: children holding parameters: {found}. "
+                'Pass `submodule="<name>"`.'
+            )
+        return holders[0]
+
+    def _replace(self, pl_module: pl.LightningModule, name: str, new: nn.Module) -> None:
+        replace_modules(pl_module, [name], lambda module, _: new, check_state_dict=False)
+
+    def _example_inputs(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, module: nn.Module, split: str
+    ) -> tuple[torch.Tensor, ...]:
+        """What ``module`` receives when the LightningModule runs its ``example_input_array`` (else the inputs of the
+        first batch of ``split``), on the CPU."""
+        example = pl_module.example_input_array
+        source = "example_input_array"
+        if example is None:
+            batch = _first_batch(trainer, pl_module, split)
+            if batch is None:
+                raise ValueError(
+                    f"`{type(self).__name__}` needs an example input: set `example_input_array` on "
+                    f"{type(pl_module).__name__} or give the trainer data."
+                )
+            example, source = split_inputs(batch, self.input_key), "the first batch"
+        elif not isinstance(example, dict):
+            example = _through_batch_hooks(pl_module, example)
+        return _submodule_inputs(pl_module, module, example, source)
+
+    def _submodule_batches(self, pl_module: pl.LightningModule, module: nn.Module, loader: Any) -> Iterator[Any]:
+        """Validation batches as ``(submodule inputs, labels)``: what ``module`` receives for each, and the labels."""
+        for batch in loader:
+            batch = _through_batch_hooks(pl_module, batch)
+            inputs = _submodule_inputs(pl_module, module, split_inputs(batch, self.input_key), "a validation batch")
+            labels = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
+            yield (inputs, labels)
+
+    # ------------------------------------------------------------------------------------------------- preparing
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        restorer = pl_module.__dict__.get("on_load_checkpoint")
+        if not isinstance(restorer, _RestoreBeforeWeights):
+            restorer = _RestoreBeforeWeights(pl_module)
+            object.__setattr__(pl_module, "on_load_checkpoint", restorer)
+        if self not in restorer.callbacks:
+            restorer.callbacks.append(self)
+        if self.mode == "qat" and stage == "fit":
+            self._check_pruning(trainer)
+            run_after_configure_model(pl_module, self._prepare_for_fit)
+
+    def _check_pruning(self, trainer: pl.Trainer) -> None:
+        """Refuse the combinations with Lightning's ``ModelPruning`` in which pruning would silently do nothing.
+
+        ``ModelPruning`` collects its modules in its own ``setup`` and masks their weights through forward hooks. An
+        exported x86 graph reads the weights directly and runs no module hooks; with the torchao backend the pruner
+        must see the fake-quantized layers, so it must come after this callback.
+        """
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        pruners = [cb for cb in callbacks if isinstance(cb, ModelPruning)]
+        if not pruners:
+            return
+        owner = type(self).__name__
+        if self.backend == "x86":
+            raise ValueError(
+                f"`{owner}(backend='x86')` cannot train with `ModelPruning`: the exported graph reads the weights "
+                "directly and never runs the pruning hooks, so nothing would be pruned. Use backend='torchao' (with "
+                f"{owner} before ModelPruning in `callbacks`), or prune and make it permanent before QAT."
+            )
+        position = callbacks.index(self)
+        if any(callbacks.index(p) < position for p in pruners):
+            raise ValueError(
+                f"Put `{owner}` before `ModelPruning` in `Trainer(callbacks=[...])`: the pruner collects its layers in "
+                "its own `setup`, and must find the fake-quantized ones, not the float layers they replace."
+            )
+
+    def _prepare_for_fit(self, pl_module: pl.LightningModule) -> None:
+        name, module = self._resolve(pl_module)
+        self._submodule_name = name
+        if is_prepared(module):  # a second fit of the same model: it goes on training as it is
+            recipe = recipe_of(module)
+            assert recipe is not None
+            if (recipe.backend, recipe.mode, recipe.base_config) != (self.backend, "qat", self.base_config):
+                raise ValueError(
+                    f"`{type(self).__name__}(backend={self.backend!r})`: {name!r} was already prepared with "
+                    f"{recipe.to_dict()}. Quantize a fresh model, or use the same settings."
+                )
+            self._recipe = recipe
+            self._collect_batchnorms(module)
+            return
+        example = self._example_inputs(pl_module.trainer, pl_module, module, "train")
+        recipe = make_recipe(self.backend, "qat", self.base_config, example, owner=type(self).__name__)
+        try:
+            self._install(pl_module, name, module, recipe, example)
+        except NothingToQuantizeError as exc:
+            self._submodule_name = None
+            warn_once(f"{type(self).__name__}: {exc} Training goes on in float, unchanged.", NoEffectWarning)
+            return
+        rank_zero_info(
+            f"{type(self).__name__}: prepared {name!r} ({type(module).__name__}) for quantization-aware training with "
+            f"backend {self.backend!r}; example input shapes {[list(s) for s in recipe.input_shapes]}."
+        )
+
+    def _install(
+        self, pl_module: pl.LightningModule, name: str, module: nn.Module, recipe: QuantizationRecipe, example: Any
+    ) -> None:
+        prepared = prepare(module, recipe, example)
+        if prepared is not module:
+            self._replace(pl_module, name, prepared)
+        self._float_module = module if recipe.backend == "x86" else None
+        self._recipe = recipe
+        self._submodule_name = name
+        self._applied = None
+        self._collect_batchnorms(prepared)
+        if recipe.backend == "torchao" and self.disable_observers_after is not None:
+            warn_once(
+                f"`{type(self).__name__}(backend='torchao', disable_observers_after=...)` has no effect: torchao's QAT "
+                "configs quantize activations dynamically and have no observers.",
+                NoEffectWarning,
+            )
+
+    def _collect_batchnorms(self, prepared: nn.Module) -> None:
+        eager = self.freeze_bn_after is not None and not isinstance(prepared, torch.fx.GraphModule)
+        self._eager_batchnorms = batchnorm_modules(prepared) if eager else []
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": None if self._recipe is None else self._recipe.to_dict(),
+            "submodule": self._submodule_name,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The model was prepared from this state before its weights were loaded (`before_weights_load`).
+        if state_dict.get("recipe") is not None and self._recipe is None:
+            self._recipe = QuantizationRecipe.from_dict(state_dict["recipe"])
+        self._submodule_name = state_dict.get("submodule") or self._submodule_name
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self.mode != "qat" or self._submodule_name is None:
+            return
+        module = pl_module.get_submodule(self._submodule_name)
+        weights = checkpoint["state_dict"]
+        keys = [f"{self._submodule_name}.{key}" for key in quantization_state_keys(module)]
+        # The plain model's keys stay in `state_dict`; the observer / fake-quantize state rides in this entry.
+        checkpoint["callbacks"][self.state_key]["quantization_state"] = {
+            k: weights.pop(k) for k in keys if k in weights
+        }
+
+    def before_weights_load(self, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Prepare ``pl_module`` as the checkpoint's recipe says and put its quantization state back into
+        ``checkpoint["state_dict"]``, so that a strict ``load_state_dict`` of the checkpoint succeeds.
+
+        Lightning runs this (through the module's ``on_load_checkpoint``) right before it loads the weights; without a
+        recipe in the checkpoint (written without the callback, or weights only) a prepared model keeps its current
+        quantization state for the keys the checkpoint lacks.
+        """
+        state = (checkpoint.get("callbacks") or {}).get(self.state_key) or {}
+        weights = checkpoint["state_dict"]
+        recipe_data = state.get("recipe")
+        name, module = self._resolve(pl_module, state.get("submodule") or self._submodule_name)
+        if recipe_data is not None and recipe_data.get("mode") == "qat":
+            recipe = QuantizationRecipe.from_dict(recipe_data)
+            if recipe_of(module) != recipe:
+                float_module = module if not is_prepared(module) else self._float_source(module)
+                self._install(pl_module, name, float_module, recipe, None)
+                module = pl_module.get_submodule(name)
+                rank_zero_info(
+                    f"{type(self).__name__}: prepared {name!r} with the checkpoint's recipe (backend "
+                    f"{recipe.backend!r}, input shapes {[list(s) for s in recipe.input_shapes]}) before loading it."
+                )
+            self._recipe, self._submodule_name = recipe, name
+            for key, value in (state.get("quantization_state") or {}).items():
+                weights.setdefault(key, value)
+        if is_prepared(module):
+            current = module.state_dict()
+            for key in quantization_state_keys(module):
+                weights.setdefault(f"{name}.{key}", current[key])
+
+    def _float_source(self, module: nn.Module) -> nn.Module:
+        recipe = recipe_of(module)
+        if recipe is not None and recipe.backend == "torchao":
+            return float_copy(module)
+        if self._float_module is None:
+            raise ValueError(
+                f"`{type(self).__name__}`: the model was prepared with {recipe.to_dict() if recipe else None} but the "
+                "checkpoint needs another recipe, and the float module it came from is unknown. Load the checkpoint "
+                "into a fresh model."
+            )
+        return self._float_module
+
+    @staticmethod
+    def load_checkpoint(
+        pl_module: pl.LightningModule, checkpoint_path: str | Path, map_location: Any = "cpu"
+    ) -> QuantizationRecipe:
+        """Load a checkpoint written with this callback into a fresh (float) ``pl_module``, outside a Trainer.
+
+        The submodule is prepared as the checkpoint's recipe says and the checkpoint's weights and quantization
+        state are loaded (strictly). Returns the recipe.
+
+        Raises:
+            ValueError: if the checkpoint holds no ``QATCallback`` state.
+        """
+        try:
+            checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError:
+            # Hyperparameters of types no allow-list knows; the caller chose to trust this file.
+            checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=False)
+        entries = {k: v for k, v in (checkpoint.get("callbacks") or {}).items() if k.startswith("QATCallback")}
+        states = [v for v in entries.values() if (v.get("recipe") or {}).get("mode") == "qat"]
+        if len(states) != 1:
+            raise ValueError(
+                f"{checkpoint_path} holds {len(states)} QATCallback states with a QAT recipe; expected exactly one."
+            )
+        state = states[0]
+        recipe = QuantizationRecipe.from_dict(state["recipe"])
+        callback = QATCallback(recipe.backend, base_config=recipe.base_config, benchmark=False)
+        callback.before_weights_load(pl_module, {**checkpoint, "callbacks": {callback.state_key: state}})
+        pl_module.load_state_dict(checkpoint["state_dict"])
+        return recipe
+
+    # ------------------------------------------------------------------------------------------------- schedules
+
+    def _wanted(self, progress: int) -> tuple[bool, bool, bool]:
+        observers = self.disable_observers_after is None or progress < self.disable_observers_after
+        bn_frozen = self.freeze_bn_after is not None and progress >= self.freeze_bn_after
+        return observers, bn_frozen, progress >= self.fake_quant_after
+
+    def _apply_schedule(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.mode != "qat" or self._submodule_name is None:
+            return
+        progress = trainer.current_epoch if self.schedule_unit == "epoch" else trainer.global_step
+        wanted = self._wanted(progress)
+        if wanted != self._applied:
+            module = pl_module.get_submodule(self._submodule_name)
+            observers, bn_frozen, fake_quant = wanted
+            if self._recipe is not None and self._recipe.backend == "x86":
+                set_observers(module, observers)
+            if isinstance(module, torch.fx.GraphModule):
+                freeze_batchnorm_stats(module, bn_frozen)
+            set_fake_quant(module, fake_quant)
+            if self._applied is not None:
+                rank_zero_info(
+                    f"{type(self).__name__}: at {self.schedule_unit} {progress}: observers "
+                    f"{'on' if observers else 'off'}, batch-norm statistics {'frozen' if bn_frozen else 'updating'}, "
+                    f"fake quantization {'on' if fake_quant else 'off'}."
+                )
+            self._applied = wanted
+        if wanted[1]:
+            for layer in self._eager_batchnorms:  # `model.train()` puts them back in training mode each epoch
+                if layer.training:
+                    layer.eval()
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._apply_schedule(trainer, pl_module)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.schedule_unit == "step" or self._eager_batchnorms:
+            self._apply_schedule(trainer, pl_module)
+
+    # ------------------------------------------------------------------------------------------ converted checks
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        every = self.eval_converted_every_n_epochs
+        if self.mode != "qat" or every is None or (trainer.current_epoch + 1) % every or not trainer.is_global_zero:
+            return
+        if self._submodule_name is None:
+            return
+        loader = _val_dataloader(trainer, pl_module)
+        if loader is None:
+            warn_once(f"`{type(self).__name__}(eval_converted_every_n_epochs=...)` needs validation data.")
+            return
+        module = pl_module.get_submodule(self._submodule_name)
+        try:
+            summary = compare_models(
+                _reference(module),
+                convert(module),
+                self._submodule_batches(pl_module, module, loader),
+                max_batches=self.validation_batches,
+                min_cosine=self.min_cosine,
+            )
+        except Exception as exc:
+            warnings.warn(
+                f"{type(self).__name__} could not check the converted model at epoch {trainer.current_epoch}: "
+                f"{type(exc).__name__}: {exc}",
+                FallbackWarning,
+                stacklevel=2,
+            )
+            return
+        entry = {"epoch": trainer.current_epoch, "global_step": trainer.global_step, **summary.to_dict()}
+        self.history.append(entry)
+        metrics = {
+            f"qat/{key}": float(value)
+            for key, value in (
+                ("int8_cosine", summary.cosine),
+                ("int8_top1_agreement", summary.top1_agreement),
+                ("fake_quant_accuracy", summary.reference_accuracy),
+                ("int8_accuracy", summary.quantized_accuracy),
+                ("accuracy_gap_pp", summary.accuracy_gap),
+            )
+            if value is not None
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        rank_zero_info(f"{type(self).__name__}: converted model at epoch {trainer.current_epoch}: {_describe(summary)}")
+
+    # ------------------------------------------------------------------------------------------- end of training
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and self.export:
+            self._finish(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # PTQ of a model that is not trained here: `Trainer.validate` with the callback quantizes it.
+        if (
+            self.mode == "ptq"
+            and trainer.state.fn == "validate"
+            and trainer.is_global_zero
+            and not trainer.sanity_checking
+        ):
+            self._finish(trainer, pl_module)
+
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            self.report = self._quantize(trainer, pl_module)
+        except Exception as exc:
+            if self.strict:
+                if isinstance(exc, QuantizationError):
+                    raise
+                raise QuantizationError(
+                    f"{type(self).__name__} could not quantize the model: {type(exc).__name__}: {exc}"
+                ) from exc
+            warnings.warn(
+                f"{type(self).__name__} could not quantize the model ({type(exc).__name__}: {exc}); the trained model "
+                "and its checkpoints are unchanged.",
+                FallbackWarning,
+                stacklevel=2,
+            )
+            return
+        rank_zero_info(_summary(type(self).__name__, self.report))
+
+    def _quantize(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> QuantizationReport | None:
+        if self.mode == "qat" and self._submodule_name is None:
+            return None  # nothing was prepared in this run
+        name, module = self._resolve(pl_module, self._submodule_name if self.mode == "qat" else None)
+        loader = _val_dataloader(trainer, pl_module)
+        batches = (
+            list(_limited(self._submodule_batches(pl_module, module, loader), self._batches_needed()))
+            if loader is not None
+            else []
+        )
+        common: dict[str, Any] = {
+            "validation_batches": self.validation_batches,
+            "min_cosine": self.min_cosine,
+            "dirpath": self.dirpath or _default_dirpath(trainer),
+            "filename": self.filename,
+            "benchmark": self.benchmark,
+            "batch_sizes": self.benchmark_batch_sizes,
+            "latency_iterations": self.latency_iterations,
+            "latency_warmup": self.latency_warmup,
+            "onnx": self.onnx,
+            "strict": self.strict,
+            "metadata": {
+                "global_step": trainer.global_step,
+                "epoch": trainer.current_epoch,
+                "model_class": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
+            },
+        }
+        common["metadata"]["submodule"] = name
+        if self.mode == "qat":
+            if not is_prepared(module):
+                return None
+            return export_quantized(module, float_model=self._float_module, validation_data=batches, **common)
+        if is_prepared(module):
+            raise ValueError(f"{name!r} is prepared for QAT; post-training quantization needs the float model.")
+        example = self._example_inputs(trainer, pl_module, module, "val")
+        float_module = module if self.backend == "torchao" else _cpu_copy(module)
+        recipe = make_recipe(self.backend, "ptq", self.base_config, example, owner=type(self).__name__)
+        prepared = prepare(float_module, recipe, example)
+        calibration, held_out = batches[: self.calibration_batches], batches[self.calibration_batches :]
+        common["metadata"]["calibration_samples"] = calibrate(prepared, calibration)
+        self._recipe, self._submodule_name = recipe, name
+        return export_quantized(
+            prepared,
+            float_model=float_module,
+            validation_data=held_out or calibration,
+            example_inputs=example,
+            **common,
+        )
+
+    def _batches_needed(self) -> int | None:
+        if self.validation_batches is None:
+            return None
+        return self.validation_batches + (self.calibration_batches if self.mode == "ptq" else 0)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        discard_pending_surgery(pl_module)
+        restorer = pl_module.__dict__.get("on_load_checkpoint")
+        if isinstance(restorer, _RestoreBeforeWeights):
+            if self in restorer.callbacks:
+                restorer.callbacks.remove(self)
+            if not restorer.callbacks:
+                del pl_module.__dict__["on_load_checkpoint"]
+        self._applied = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The float module, the layer list and the logging functions Lightning attaches belong to this process's
+        # model (an exported model does not pickle: torch.export's guard module holds a local function).
+        state = {**self.__dict__, "_float_module": None, "_eager_batchnorms": []}
+        state.pop("log", None)
+        state.pop("log_dict", None)
+        return state
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+
+def _reference(module: nn.Module) -> nn.Module:
+    """A copy of the fake-quantized model whose observers no longer move: the reference a converted model (whose
+    quantization parameters are fixed) must match."""
+    from lightning_perf.functional.qat import _quiet_deepcopy
+
+    copy = _quiet_deepcopy(module)
+    set_observers(copy, False)
+    return copy
+
+
+def _cpu_copy(module: nn.Module) -> nn.Module:
+    from lightning_perf.functional.qat import _quiet_deepcopy
+
+    return _quiet_deepcopy(module).cpu()
+
+
+def _submodule_inputs(pl_module: pl.LightningModule, module: nn.Module, inputs: Any, source: str) -> tuple[Any, ...]:
+    """What ``module`` receives when the LightningModule's ``forward`` runs on ``inputs``, on the CPU.
+
+    A forward pre-hook on the submodule records its positional inputs and stops the forward there, so whatever the
+    LightningModule does to its input first (reshaping, normalizing) is seen. Without a ``forward`` (a
+    LightningModule that calls its submodule directly in its step methods), ``inputs`` are the submodule's inputs.
+
+    Raises:
+        ValueError: if the submodule is called with keyword arguments.
+    """
+    inputs = apply_to_collection(inputs, torch.Tensor, lambda t: t.to(pl_module.device))
+    captured: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def record(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        captured.append((args, kwargs))
+        raise _InputCaptured
+
+    handle = module.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            if isinstance(inputs, dict):
+                pl_module(**inputs)
+            elif isinstance(inputs, (tuple, list)):
+                pl_module(*inputs)
+            else:
+                pl_module(inputs)
+    except (_InputCaptured, NotImplementedError):
+        pass
+    finally:
+        handle.remove()
+    if not captured:
+        found = as_input_tuple(inputs, f"{type(pl_module).__name__} {source}")
+    else:
+        args, kwargs = captured[0]
+        if kwargs:
+            raise ValueError(
+                f"`QATCallback`: the submodule is called with keyword arguments ({', '.join(kwargs)}); quantization "
+                "captures positional tensor inputs only."
+            )
+        found = as_input_tuple(args, f"the inputs of the submodule for {source}")
+    return tuple(t.detach().cpu() for t in found)
+
+
+def _limited(batches: Iterator[Any], limit: int | None) -> Iterator[Any]:
+    for index, batch in enumerate(batches):
+        if limit is not None and index >= limit:
+            return
+        yield batch
+
+
+def _first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, split: str) -> Any:
+    if split == "train":
+        source = getattr(trainer.fit_loop, "_data_source", None)
+        loader = source.dataloader() if source is not None and source.is_defined() else None
+    else:
+        loader = _val_dataloader(trainer, pl_module)
+    if loader is None:
+        return None
+    for batch in loader:
+        return _through_batch_hooks(pl_module, batch)
+    return None
+
+
+def _default_dirpath(trainer: pl.Trainer) -> Path:
+    callback = trainer.checkpoint_callback
+    dirpath = getattr(callback, "dirpath", None) if callback is not None else None
+    return Path(dirpath) if dirpath else Path(trainer.default_root_dir) / "quantized"
+
+
+def _describe(summary: Any) -> str:
+    text = f"cosine {summary.cosine:.5f}, max abs diff {summary.max_abs_diff:.3g}"
+    if summary.top1_agreement is not None:
+        text += f", top-1 agreement {100 * summary.top1_agreement:.1f}%"
+    if summary.accuracy_gap is not None:
+        text += (
+            f", accuracy {100 * summary.reference_accuracy:.2f}% (fake-quantized) vs "
+            f"{100 * summary.quantized_accuracy:.2f}% (int8), gap {summary.accuracy_gap:+.2f} pp"
+        )
+    return text
+
+
+def _summary(owner: str, report: QuantizationReport | None) -> str:
+    if report is None:
+        return f"{owner}: nothing to quantize."
+    if not report.ok:
+        return f"{owner}: no quantized model ({'; '.join(report.problems)}). Report: {report.report_path}"
+    lines = [f"{owner}: saved {report.artifact} ({report.recipe.backend}, {report.recipe.mode})"]
+    if report.validation is not None:
+        lines.append(
+            f"  against the {'fake-quantized' if report.recipe.mode == 'qat' else 'float'} model: "
+            + _describe(report.validation)
+        )
+    for row in report.latency:
+        lines.append(
+            f"  batch {row.batch_size}: {1e3 * row.quantized_median_s:.2f} ms quantized vs "
+            f"{1e3 * row.float_median_s:.2f} ms float, both compiled: {row.speedup:.2f}x"
+        )
+    lines.append(f"  report: {report.report_path}")
+    return "\n".join(lines)

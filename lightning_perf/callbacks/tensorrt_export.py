@@ -1,0 +1,299 @@
+"""Export the trained model for deployment when ``fit`` ends: TensorRT, or ONNX when TensorRT cannot run, validated.
+
+The logic is :func:`lightning_perf.functional.export.export_model`; this callback picks the weights (the best
+checkpoint of a ``ModelCheckpoint`` when there is one), the example input and the held-out batches, and runs it once,
+on rank zero, after training.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_perf._warnings import FallbackWarning
+from lightning_perf.functional.export import (
+    BACKENDS,
+    ExportError,
+    ExportReport,
+    as_input_tuple,
+    example_inputs_from_shapes,
+    export_model,
+    split_inputs,
+    validate_options,
+)
+
+__all__ = ["TensorRTExportCallback"]
+
+
+class TensorRTExportCallback(Callback):
+    """At the end of ``fit``, export the model (TensorRT, falling back to ONNX), prove it matches, and time it.
+
+    On rank zero only, a deep copy of the model in eval mode gets the weights of the best checkpoint of the trainer's
+    ``ModelCheckpoint`` (the final weights when there is none) and is exported with each backend in turn until one
+    produces an artifact that passes validation on held-out batches of the validation data at several batch sizes
+    (output names, shapes, NaN/Inf, max abs/rel difference, cosine similarity). The trained model and the checkpoints
+    are never modified. The artifact, and ``<filename>.export.json`` with the validation figures and the latency of
+    the export against eager PyTorch, are written atomically next to the checkpoints (or in ``dirpath``).
+
+    A backend that cannot run (TensorRT not installed, no CUDA) or fails falls back to the next with a
+    :class:`~lightning_perf.FallbackWarning`; the fit itself never fails because of the export unless
+    ``strict=True``. Bad options fail at construction; a model with no obtainable example input fails in ``setup``,
+    before any training.
+
+    Args:
+        backends: tried in order: ``"tensorrt"`` (torch-tensorrt, CUDA only) and/or ``"onnx"`` (onnxruntime).
+        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` of the export.
+        batch_range: ``(min, opt, max)`` of the dynamic batch dimension.
+        dynamic_dims: other dynamic dimensions, ``{dim: (min, opt, max)}`` for the first input or a list of such
+            dicts, one per input (e.g. a sequence length).
+        dirpath: where to write; default the ``ModelCheckpoint``'s directory, else ``<default_root_dir>/export``.
+        filename: stem of the artifact names (``model.onnx``, ``model.trt.pt2``, ``model.export.json``).
+        input_shapes: per-input sample shapes without the batch dimension (float inputs) to trace with. Without them
+            the example is the module's ``example_input_array``, else the inputs of the first validation batch.
+        input_key: the model input's key when batches are dicts.
+        validation_batch_sizes: batch sizes to validate and time; default min, opt and max of ``batch_range``.
+        tolerance: override of the precision's default tolerance, e.g. ``{"atol": 1e-3}``.
+        latency_iterations: timed calls per batch size (0 skips timing).
+        latency_warmup: untimed calls first.
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; default the model's device if it is a GPU, else CUDA when
+            available, else CPU.
+        onnx_providers: onnxruntime execution providers in order of preference.
+        opset: ONNX opset (default: the exporter's).
+        use_best_checkpoint: export the best checkpoint's weights rather than the final ones.
+        strict: raise when a backend fails instead of falling back (the fit then fails).
+
+    Raises:
+        ValueError: for an invalid option (unknown backend or precision, ``min > opt`` or ``opt > max``...).
+
+    Example::
+
+        trainer = Trainer(callbacks=[ModelCheckpoint(monitor="val_loss"), TensorRTExportCallback(precision="fp16")])
+        trainer.fit(model, datamodule=data)  # then: <checkpoint dir>/model.trt.pt2 (or model.onnx) + model.export.json
+    """
+
+    def __init__(
+        self,
+        backends: Sequence[str] = BACKENDS,
+        precision: str = "fp32",
+        batch_range: Sequence[int] = (1, 8, 32),
+        dynamic_dims: Mapping[int, Sequence[int]] | Sequence[Mapping[int, Sequence[int]]] | None = None,
+        dirpath: str | Path | None = None,
+        filename: str = "model",
+        input_shapes: Sequence[Sequence[int]] | None = None,
+        input_key: str | None = None,
+        validation_batch_sizes: Sequence[int] | None = None,
+        tolerance: Mapping[str, float] | None = None,
+        latency_iterations: int = 20,
+        latency_warmup: int = 3,
+        device: str | None = None,
+        onnx_providers: Sequence[str] | None = None,
+        opset: int | None = None,
+        use_best_checkpoint: bool = True,
+        strict: bool = False,
+    ) -> None:
+        self.export_kwargs: dict[str, Any] = {
+            "backends": [backends] if isinstance(backends, str) else list(backends),
+            "precision": precision,
+            "batch_range": batch_range,
+            "dynamic_dims": dynamic_dims,
+            "validation_batch_sizes": validation_batch_sizes,
+            "tolerance": tolerance,
+            "latency_iterations": latency_iterations,
+            "latency_warmup": latency_warmup,
+            "onnx_providers": onnx_providers,
+            "opset": opset,
+            "strict": strict,
+        }
+        batch = validate_options(**self.export_kwargs, device=device, owner=type(self).__name__).batch_range
+        self.export_kwargs["batch_range"] = (batch.min, batch.opt, batch.max)
+        if input_shapes is not None:
+            example_inputs_from_shapes(input_shapes)  # raises on a bad shape, now rather than after training
+        if not isinstance(filename, str) or not filename or "/" in filename or filename.startswith("."):
+            raise ValueError(
+                f"`TensorRTExportCallback(filename={filename!r})` is not valid. Expected a plain, non-hidden file stem."
+            )
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.filename = filename
+        self.input_shapes = None if input_shapes is None else [tuple(s) for s in input_shapes]
+        self.input_key = input_key
+        self.device = device
+        self.use_best_checkpoint = bool(use_best_checkpoint)
+        self.report: ExportReport | None = None
+        """The report of the last export (rank zero), ``None`` before one ran or when it could not start."""
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.input_shapes is not None:
+            return
+        example = pl_module.example_input_array
+        if example is not None:
+            as_input_tuple(example, f"{type(pl_module).__name__}.example_input_array")  # a dict input fails here
+            return
+        if not _has_val_data(trainer, pl_module):
+            raise ValueError(
+                f"`TensorRTExportCallback` has no example input for {type(pl_module).__name__}: set "
+                "`example_input_array` on the module, give the trainer validation data, or pass "
+                "`TensorRTExportCallback(input_shapes=[...])`."
+            )
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        try:
+            self.report = self._export(trainer, pl_module)
+        except ExportError:
+            raise
+        except Exception as exc:
+            if self.export_kwargs["strict"]:
+                raise ExportError(f"TensorRTExportCallback could not export: {type(exc).__name__}: {exc}") from exc
+            warnings.warn(
+                f"TensorRTExportCallback could not export the model ({type(exc).__name__}: {exc}); the trained model "
+                "and its checkpoints are unchanged.",
+                FallbackWarning,
+                stacklevel=2,
+            )
+            return
+        _log_summary(self.report)
+
+    def _export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ExportReport:
+        checkpoint = _best_checkpoint(trainer) if self.use_best_checkpoint else None
+        model = _detached_copy(pl_module, trainer)
+        if checkpoint is not None:
+            model.load_state_dict(_load_state_dict(checkpoint))
+
+        val_loader = _val_dataloader(trainer, pl_module)
+        batches = _model_inputs(pl_module, val_loader) if val_loader is not None else None
+        if self.input_shapes is not None:
+            example = example_inputs_from_shapes(self.input_shapes, batch_size=self.export_kwargs["batch_range"][2])
+        elif pl_module.example_input_array is not None:
+            example = as_input_tuple(_through_batch_hooks(pl_module, pl_module.example_input_array))
+        else:
+            first = next(_model_inputs(pl_module, val_loader), None) if val_loader is not None else None
+            if first is None:
+                raise ValueError("the validation data is empty, so no example input could be taken from it.")
+            example = split_inputs(first, self.input_key)
+
+        device = self.device
+        if device is None and pl_module.device.type == "cuda":
+            device = str(pl_module.device)
+        metadata = {
+            "source": "checkpoint" if checkpoint is not None else "final weights",
+            "checkpoint": None if checkpoint is None else str(checkpoint),
+            "global_step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "model_class": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
+        }
+        return export_model(
+            model,
+            example,
+            **self.export_kwargs,
+            dirpath=self.dirpath or _default_dirpath(trainer),
+            filename=self.filename,
+            validation_data=batches,
+            input_key=self.input_key,
+            device=device,
+            metadata=metadata,
+        )
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+
+def _detached_copy(pl_module: pl.LightningModule, trainer: pl.Trainer) -> pl.LightningModule:
+    """A deep copy of the module without its trainer (copying the trainer would copy loaders, loggers, processes).
+
+    ``deepcopy`` looks every object up in ``memo`` first: mapping the trainer to ``None`` makes the copy's trainer
+    reference ``None`` and leaves the trainer itself alone.
+    """
+    return copy.deepcopy(pl_module, memo={id(trainer): None})
+
+
+def _best_checkpoint(trainer: pl.Trainer) -> Path | None:
+    """The best checkpoint of the trainer's (first) ``ModelCheckpoint``, if it wrote one."""
+    callback = trainer.checkpoint_callback
+    best = getattr(callback, "best_model_path", "") if callback is not None else ""
+    return Path(best) if best and Path(best).is_file() else None
+
+
+def _load_state_dict(path: Path) -> dict[str, Any]:
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # This trainer run wrote the file, so it is trusted; it may hold hyperparameters no allow-list knows.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    return checkpoint["state_dict"]
+
+
+def _default_dirpath(trainer: pl.Trainer) -> Path:
+    callback = trainer.checkpoint_callback
+    dirpath = getattr(callback, "dirpath", None) if callback is not None else None
+    return Path(dirpath) if dirpath else Path(trainer.default_root_dir) / "export"
+
+
+def _val_source(trainer: pl.Trainer) -> Any:
+    # Lightning's own `Trainer.enable_validation` reads this to know whether validation data was given in any form.
+    return getattr(getattr(getattr(trainer.fit_loop, "epoch_loop", None), "val_loop", None), "_data_source", None)
+
+
+def _has_val_data(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    source = _val_source(trainer)
+    if source is not None:
+        return bool(source.is_defined())
+    datamodule = getattr(trainer, "datamodule", None)  # set by the data connector, not declared on the class
+    return (datamodule is not None and is_overridden("val_dataloader", datamodule)) or is_overridden(
+        "val_dataloader", pl_module
+    )
+
+
+def _val_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """The first validation loader the fit used, or the one the data source defines if validation never ran."""
+    loaders = trainer.val_dataloaders
+    if loaders is None and _has_val_data(trainer, pl_module):
+        source = _val_source(trainer)
+        loaders = source.dataloader() if source is not None else None
+    if isinstance(loaders, Mapping):
+        loaders = next(iter(loaders.values()), None)
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    return loaders
+
+
+def _through_batch_hooks(pl_module: pl.LightningModule, batch: Any) -> Any:
+    """The batch as ``forward`` sees it in a loop: after the module's before/after batch-transfer hooks.
+
+    The transfer itself is left to the export, which moves inputs to its own device.
+    """
+    batch = pl_module.on_before_batch_transfer(batch, 0)
+    return pl_module.on_after_batch_transfer(batch, 0)
+
+
+def _model_inputs(pl_module: pl.LightningModule, loader: Any) -> Iterator[Any]:
+    for batch in loader:
+        yield _through_batch_hooks(pl_module, batch)
+
+
+def _log_summary(report: ExportReport) -> None:
+    attempt = report.attempt
+    if attempt is None:
+        rank_zero_info(f"TensorRTExportCallback: no validated export. Report: {report.report_path}")
+        return
+    sizes = ", ".join(str(v.batch_size) for v in attempt.validation)
+    speed = "; ".join(f"batch {r.batch_size}: {r.speedup:.2f}x eager" for r in attempt.latency)
+    rank_zero_info(
+        f"TensorRTExportCallback: exported with {report.backend} ({report.precision}) to {report.artifact}, "
+        f"validated at batch sizes {sizes}{'; ' + speed if speed else ''}. Report: {report.report_path}"
+    )

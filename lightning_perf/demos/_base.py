@@ -1,0 +1,333 @@
+"""Shared pieces of the reference workloads: presets, deterministic seeding and sampling, and the base classes.
+
+Every workload's data is synthetic and a pure function of ``(seed, split, index)``, and its training order a pure
+function of ``(seed, epoch)``: two data modules built with the same seed yield identical batches, and a run resumed
+from a checkpoint at an epoch boundary sees exactly the batches an uninterrupted run sees.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchmetrics import Metric
+from typing_extensions import override
+
+PRESETS: tuple[str, ...] = ("tiny", "default")
+"""Size presets every workload offers: ``tiny`` for tests (milliseconds per step), ``default`` for benchmarks."""
+
+SPLITS: tuple[str, ...] = ("train", "val", "test", "predict")
+
+SCHEDULE_EPOCHS = 100
+"""Default length of the per-epoch cosine learning-rate schedule. A fixed hyperparameter rather than the trainer's
+``max_epochs``: a run resumed under another epoch limit (or a max_steps-only run) follows the same schedule."""
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def mix_seed(*parts: int) -> int:
+    """Combine integers into one well-spread 63-bit seed; the same parts always give the same seed.
+
+    Unlike ``seed * K + index``, distinct tuples do not collide in practice, and the result does not depend on the
+    platform or on Python's hash randomization.
+    """
+    state = 0
+    for part in parts:
+        state = _splitmix64(state ^ (int(part) & _MASK64))
+    return state >> 1  # torch.Generator.manual_seed takes any int, but a non-negative 63-bit one is portable
+
+
+def generator_for(*parts: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded from ``mix_seed(*parts)``."""
+    return torch.Generator().manual_seed(mix_seed(*parts))
+
+
+def check_preset(preset: str, owner: str) -> None:
+    """Raise ``ValueError`` naming ``preset`` and the valid ones unless it is one of :data:`PRESETS`."""
+    if preset not in PRESETS:
+        raise ValueError(f"`{owner}(preset={preset!r})` is not a known preset. Expected one of: {', '.join(PRESETS)}.")
+
+
+def resolve_preset(
+    table: Mapping[str, Mapping[str, Any]], preset: str, overrides: Mapping[str, Any], owner: str
+) -> dict[str, Any]:
+    """The preset's settings with every override that is not ``None`` put on top.
+
+    Args:
+        table: preset name -> settings.
+        preset: which preset to start from.
+        overrides: constructor arguments; ``None`` means "take the preset's value".
+        owner: the class name, for error messages.
+
+    Raises:
+        ValueError: if ``preset`` is unknown, or an integer setting is not a positive integer, or a float is negative.
+    """
+    check_preset(preset, owner)
+    config = dict(table[preset])
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        expected = config[key]
+        if isinstance(expected, int):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{owner}({key}={value!r})` is not valid. Expected a positive integer.")
+        elif isinstance(expected, float) and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+        ):
+            raise ValueError(f"`{owner}({key}={value!r})` is not valid. Expected a non-negative number.")
+        config[key] = value
+    return config
+
+
+class EpochSeededRandomSampler(Sampler[int]):
+    """A random permutation of ``range(num_samples)`` that depends only on ``(seed, epoch)``.
+
+    Lightning calls :meth:`set_epoch` at the start of every training epoch (also through its distributed sampler
+    wrapper), so the order of epoch ``e`` is the same whether the run went straight through or was resumed from a
+    checkpoint at an epoch boundary; no global RNG state is read.
+
+    Args:
+        num_samples: dataset length.
+        seed: base seed of every epoch's permutation.
+
+    Raises:
+        ValueError: if ``num_samples`` is not a positive integer or ``seed`` not an integer.
+
+    Example::
+
+        sampler = EpochSeededRandomSampler(8, seed=0)
+        sampler.set_epoch(1)
+        order = list(sampler)  # the same list every time for (seed=0, epoch=1)
+    """
+
+    def __init__(self, num_samples: int, seed: int = 0) -> None:
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(
+                f"`EpochSeededRandomSampler(num_samples={num_samples!r})` is not valid. Expected a positive integer."
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"`EpochSeededRandomSampler(seed={seed!r})` is not valid. Expected an integer.")
+        self.num_samples = num_samples
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the permutation of ``epoch`` for the next iteration."""
+        self.epoch = int(epoch)
+
+    @override
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.num_samples, generator=generator_for(self.seed, self.epoch))
+        return iter(order.tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class SyntheticDataModule(pl.LightningDataModule):
+    """Base of the workloads' data modules: synthetic splits sized by a preset, loaders with a seeded order.
+
+    A subclass sets :attr:`SIZES` (per preset: ``batch_size`` and the ``train``/``val``/``test``/``predict`` sample
+    counts) and implements :meth:`make_dataset`. Its constructor calls ``self.save_hyperparameters()``.
+
+    The data seed is saved in checkpoints (:meth:`state_dict`) so that a resumed run continues on the data it
+    started with, whatever seed the fresh data module was built with.
+
+    Args:
+        preset: one of :data:`PRESETS`.
+        batch_size: samples per batch; ``None`` takes the preset's.
+        num_workers: ``DataLoader`` worker processes.
+        pin_memory: passed to every ``DataLoader``.
+        persistent_workers: keep workers alive between epochs (only used when ``num_workers > 0``).
+        seed: selects the samples of every split and the training order; the task itself does not depend on it.
+
+    Raises:
+        ValueError: if an argument is out of range or the preset unknown.
+    """
+
+    SIZES: ClassVar[Mapping[str, Mapping[str, int]]] = {}
+    SHAPE_KEYS: ClassVar[tuple[str, ...]] = ()
+    """Constructor arguments the model must agree on (e.g. ``image_size``); ``make_workload`` passes them to both."""
+
+    def __init__(
+        self,
+        preset: str = "default",
+        batch_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        check_preset(preset, owner)
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+        ):
+            raise ValueError(f"`{owner}(batch_size={batch_size!r})` is not valid. Expected a positive integer or None.")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"`{owner}(num_workers={num_workers!r})` is not valid. Expected an integer >= 0.")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"`{owner}(seed={seed!r})` is not valid. Expected an integer.")
+        sizes = self.SIZES[preset]
+        self.preset = preset
+        self.batch_size: int = batch_size if batch_size is not None else int(sizes["batch_size"])
+        self.num_samples: dict[str, int] = {split: int(sizes[split]) for split in SPLITS}
+        self.num_workers = num_workers
+        self.pin_memory = bool(pin_memory)
+        self.persistent_workers = bool(persistent_workers)
+        self.seed = seed
+        self.datasets: dict[str, Dataset] = {}
+
+    def make_dataset(self, split: str, num_samples: int) -> Dataset:
+        """Build the dataset of ``split`` (one of ``train``, ``val``, ``test``, ``predict``) from ``self.seed``."""
+        raise NotImplementedError
+
+    def dataset(self, split: str) -> Dataset:
+        """The dataset of ``split``, built on first use (``setup`` builds them all)."""
+        if split not in self.datasets:
+            self.datasets[split] = self.make_dataset(split, self.num_samples[split])
+        return self.datasets[split]
+
+    @override
+    def setup(self, stage: str) -> None:
+        # Samples are generated on access, so building every split is cheap whatever the stage.
+        for split in SPLITS:
+            self.dataset(split)
+
+    def _loader(self, split: str, sampler: Sampler[int] | None = None, drop_last: bool = False) -> DataLoader:
+        extra: dict[str, Any] = {"persistent_workers": self.persistent_workers} if self.num_workers > 0 else {}
+        return DataLoader(
+            self.dataset(split),
+            batch_size=self.batch_size,
+            sampler=sampler,
+            shuffle=False,
+            drop_last=drop_last,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            **extra,
+        )
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        dataset = self.dataset("train")
+        sampler = EpochSeededRandomSampler(len(dataset), self.seed)  # type: ignore[arg-type]
+        # Full batches only: every step has the same shapes (compilers and CUDA graphs recompile on a short batch).
+        return self._loader("train", sampler=sampler, drop_last=len(dataset) >= self.batch_size)  # type: ignore[arg-type]
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("predict")
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        seed = int(state_dict["seed"])
+        if seed != self.seed:
+            self.seed = seed
+            self.hparams["seed"] = seed
+            self.datasets = {}  # rebuilt from the restored seed on next use
+
+
+class DemoModule(pl.LightningModule):
+    """Base of the workloads' modules: one network in ``self.net``, metrics per stage, AdamW with a cosine schedule.
+
+    A subclass builds ``self.net`` (the single child holding every parameter), its metrics with
+    :meth:`init_metrics`, its optimizer settings with :meth:`use_optimizer_settings`, sets ``example_input_array``,
+    and calls ``self.save_hyperparameters()``. It may override :meth:`split_batch` and :meth:`compute` when its batch
+    or loss differ from ``(inputs, labels)`` classification.
+
+    The cosine schedule is stepped once per epoch and spans ``schedule_epochs`` epochs (see :data:`SCHEDULE_EPOCHS`).
+    """
+
+    metric_name: ClassVar[str] = "acc"
+
+    net: nn.Module
+    train_metric: Metric
+    val_metric: Metric
+    test_metric: Metric
+    lr: float
+    weight_decay: float
+    schedule_epochs: int
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def use_optimizer_settings(self, config: Mapping[str, Any]) -> None:
+        """Take ``lr``, ``weight_decay`` and ``schedule_epochs`` from a resolved preset."""
+        self.lr = float(config["lr"])
+        self.weight_decay = float(config["weight_decay"])
+        self.schedule_epochs = int(config["schedule_epochs"])
+
+    def init_metrics(self, factory: Callable[[], Metric]) -> None:
+        """Give the train, validation and test stages each their own metric from ``factory``."""
+        self.train_metric, self.val_metric, self.test_metric = factory(), factory(), factory()
+
+    def split_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
+        """The network input and the target of a batch (default: an ``(inputs, targets)`` pair)."""
+        inputs, target = batch
+        return inputs, target
+
+    def compute(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """Loss, metric predictions and metric targets of a batch (default: multi-class cross-entropy on logits)."""
+        inputs, target = self.split_batch(batch)
+        logits = self(inputs)
+        loss = nn.functional.cross_entropy(logits, target)
+        return loss, logits.detach(), target
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss, preds, target = self.compute(batch)
+        self.train_metric(preds, target)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log(f"train_{self.metric_name}", self.train_metric, on_step=True, on_epoch=False)
+        return loss
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_metric)
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_metric)
+
+    def _evaluate(self, batch: Any, stage: str, metric: Metric) -> None:
+        loss, preds, target = self.compute(batch)
+        metric.update(preds, target)
+        self.log(f"{stage}_loss", loss, prog_bar=stage == "val")
+        self.log(f"{stage}_{self.metric_name}", metric, on_step=False, on_epoch=True, prog_bar=stage == "val")
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        inputs, _ = self.split_batch(batch)
+        return self(inputs)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.schedule_epochs)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch", "frequency": 1}}

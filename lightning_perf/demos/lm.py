@@ -1,0 +1,351 @@
+"""Reference workload ``lm``: a small decoder-only transformer language model on a synthetic Markov chain.
+
+The attention is written out eagerly (``softmax(q @ k^T * scale + causal mask) @ v``) in a module of its own,
+:class:`CausalSelfAttention`, and deliberately does not call ``scaled_dot_product_attention``: an attention-swap
+optimization has something to replace, and the benchmark measures what it gains.
+
+The tokens follow a fixed random sparse Markov chain: each token has a few likely successors, so the best possible
+next-token loss (about 1.1 nats) is far below the ``ln(vocab_size)`` of a model that has learned nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from itertools import accumulate
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
+
+from lightning_perf.demos._base import (
+    SCHEDULE_EPOCHS,
+    SPLITS,
+    DemoModule,
+    SyntheticDataModule,
+    generator_for,
+    resolve_preset,
+)
+
+# The chain is part of the task's definition, not of the data seed.
+_CHAIN_SEED = 2_000_003
+SUCCESSOR_PROBS: tuple[float, ...] = (0.55, 0.25, 0.12, 0.08)
+"""Transition probabilities to each token's successors, most likely first (entropy ~1.13 nats)."""
+
+
+def markov_successors(vocab_size: int, num_successors: int = len(SUCCESSOR_PROBS)) -> Tensor:
+    """Fixed random successors of each token: a long tensor ``(vocab_size, num_successors)``, distinct per row."""
+    g = generator_for(_CHAIN_SEED, vocab_size)
+    return torch.stack([torch.randperm(vocab_size, generator=g)[:num_successors] for _ in range(vocab_size)])
+
+
+class MarkovTokenDataset(Dataset):
+    """Sample ``i`` is ``{"input_ids", "labels"}``: a walk on the Markov chain generated from ``(seed, i)``.
+
+    ``labels`` is ``input_ids`` shifted left by one, i.e. the next token at every position.
+
+    Args:
+        num_samples: dataset length.
+        seq_len: tokens per sample.
+        vocab_size: vocabulary size (at least the number of successors per token).
+        seed: data seed.
+        split: a tag mixed into every sample's seed so the splits do not share samples.
+    """
+
+    def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0, split: int = 0) -> None:
+        if vocab_size < len(SUCCESSOR_PROBS):
+            raise ValueError(f"vocab_size={vocab_size!r} is too small. Expected at least {len(SUCCESSOR_PROBS)}.")
+        self.num_samples = num_samples
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.split = split
+        self._successors: list[list[int]] = markov_successors(vocab_size).tolist()
+        self._cdf = list(accumulate(SUCCESSOR_PROBS))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"index {index} is out of range for a dataset of {self.num_samples} samples")
+        g = generator_for(self.seed, self.split, index)
+        token = int(torch.randint(self.vocab_size, (), generator=g))
+        last = len(self._cdf) - 1
+        tokens = [token]
+        # A Python walk: each step depends on the last, and plain lists beat per-step tensor ops at this size.
+        for u in torch.rand(self.seq_len, generator=g).tolist():
+            token = self._successors[token][min(bisect.bisect_right(self._cdf, u), last)]
+            tokens.append(token)
+        sequence = torch.tensor(tokens)
+        return {"input_ids": sequence[:-1], "labels": sequence[1:]}
+
+
+_DATA_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"batch_size": 32, "train": 512, "val": 128, "test": 128, "predict": 64, "seq_len": 32, "vocab_size": 64},
+    "default": {
+        "batch_size": 16,
+        "train": 2048,
+        "val": 256,
+        "test": 256,
+        "predict": 256,
+        "seq_len": 128,
+        "vocab_size": 512,
+    },
+}
+
+_MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "dim": 32,
+        "depth": 2,
+        "num_heads": 2,
+        "mlp_ratio": 4,
+        "lr": 3e-3,
+        "weight_decay": 0.01,
+        "schedule_epochs": SCHEDULE_EPOCHS,
+    },
+    "default": {
+        "dim": 128,
+        "depth": 6,
+        "num_heads": 4,
+        "mlp_ratio": 4,
+        "lr": 1e-3,
+        "weight_decay": 0.01,
+        "schedule_epochs": SCHEDULE_EPOCHS,
+    },
+}
+for _name, _settings in _MODEL_PRESETS.items():
+    _settings.update(seq_len=_DATA_SIZES[_name]["seq_len"], vocab_size=_DATA_SIZES[_name]["vocab_size"])
+
+
+class LMDataModule(SyntheticDataModule):
+    """Markov-chain token sequences for :class:`LMModule`.
+
+    ``tiny``: 32 tokens over a 64-token vocabulary. ``default``: 128 tokens over 512. Batches are dicts
+    ``{"input_ids": LongTensor[B, T], "labels": LongTensor[B, T]}`` with ``labels`` the next tokens.
+
+    Args:
+        preset: one of ``tiny`` and ``default``.
+        batch_size: sequences per batch; ``None`` takes the preset's.
+        num_workers: ``DataLoader`` worker processes.
+        pin_memory: passed to every ``DataLoader``.
+        persistent_workers: keep workers alive between epochs (only used when ``num_workers > 0``).
+        seed: selects the sequences and the training order.
+        seq_len: tokens per sequence; ``None`` takes the preset's.
+        vocab_size: vocabulary size; ``None`` takes the preset's.
+
+    Example::
+
+        data = LMDataModule("tiny", seed=0)
+        data.setup("fit")
+        batch = next(iter(data.train_dataloader()))  # batch["input_ids"].shape == (32, 32)
+    """
+
+    SIZES = _DATA_SIZES
+    SHAPE_KEYS = ("seq_len", "vocab_size")
+
+    def __init__(
+        self,
+        preset: str = "default",
+        batch_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        seed: int = 0,
+        seq_len: int | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        super().__init__(preset, batch_size, num_workers, pin_memory, persistent_workers, seed)
+        shape = resolve_preset(self.SIZES, preset, {"seq_len": seq_len, "vocab_size": vocab_size}, type(self).__name__)
+        self.seq_len: int = shape["seq_len"]
+        self.vocab_size: int = shape["vocab_size"]
+        self.save_hyperparameters()
+
+    @override
+    def make_dataset(self, split: str, num_samples: int) -> Dataset:
+        return MarkovTokenDataset(num_samples, self.seq_len, self.vocab_size, seed=self.seed, split=SPLITS.index(split))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention computed eagerly, with one fused ``qkv`` projection and an output ``proj``.
+
+    Args:
+        dim: embedding width.
+        num_heads: attention heads (must divide ``dim``).
+        max_seq_len: longest sequence the causal mask covers.
+    """
+
+    future_mask: Tensor
+
+    def __init__(self, dim: int, num_heads: int, max_seq_len: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        # True above the diagonal: the future positions a token may not attend to. Not a parameter, not saved.
+        future = torch.ones(max_seq_len, max_seq_len, dtype=torch.bool).triu(diagonal=1)
+        self.register_buffer("future_mask", future, persistent=False)
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq_len, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, seq_len, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, heads, T, T)
+        scores = scores.masked_fill(self.future_mask[:seq_len, :seq_len], float("-inf"))
+        out = scores.softmax(dim=-1) @ v  # (B, heads, T, head_dim)
+        return self.proj(out.transpose(1, 2).reshape(batch, seq_len, dim))
+
+
+class LMBlock(nn.Module):
+    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    Args:
+        dim: embedding width.
+        num_heads: attention heads.
+        mlp_ratio: MLP hidden width as a multiple of ``dim``.
+        max_seq_len: longest sequence the causal mask covers.
+    """
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: int, max_seq_len: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, num_heads, max_seq_len)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only transformer: token and learned position embeddings, :class:`LMBlock` stack, norm, untied head.
+
+    Args:
+        vocab_size: vocabulary size.
+        seq_len: longest input sequence.
+        dim: embedding width.
+        depth: number of blocks.
+        num_heads: attention heads per block.
+        mlp_ratio: MLP hidden width as a multiple of ``dim``.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, dim: int, depth: int, num_heads: int, mlp_ratio: int) -> None:
+        super().__init__()
+        self.tok_embed = nn.Embedding(vocab_size, dim)
+        self.pos_embed = nn.Embedding(seq_len, dim)
+        self.blocks = nn.ModuleList(LMBlock(dim, num_heads, mlp_ratio, seq_len) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual-branch output projections so the residual stream does not grow with depth.
+        for name, param in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * depth))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    @override
+    def forward(self, input_ids: Tensor) -> Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.tok_embed(input_ids) + self.pos_embed(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class LMModule(DemoModule):
+    """Next-token language model of :class:`LMDataModule` sequences.
+
+    ``tiny``: vocabulary 64, 32 tokens, dim 32, depth 2, 2 heads. ``default``: vocabulary 512, 128 tokens, dim 128,
+    depth 6, 4 heads. ``forward(input_ids)`` returns logits ``(B, T, vocab_size)``. Logs ``train_loss``/``train_acc``,
+    ``val_loss``/``val_acc``, ``test_loss``/``test_acc`` (next-token accuracy).
+
+    Args:
+        preset: one of ``tiny`` and ``default``; the other arguments override its values when not ``None``.
+        vocab_size: vocabulary size.
+        seq_len: longest sequence (sets the position table and the causal mask).
+        dim: embedding width.
+        depth: number of blocks.
+        num_heads: attention heads (must divide ``dim``).
+        mlp_ratio: MLP hidden width as a multiple of ``dim``.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        schedule_epochs: epochs over which the cosine schedule takes the learning rate from ``lr`` to 0.
+
+    Raises:
+        ValueError: if the preset is unknown, a value out of range or ``num_heads`` does not divide ``dim``.
+
+    Example::
+
+        model = LMModule("tiny")
+        logits = model(model.example_input_array)  # (1, 32, 64)
+    """
+
+    def __init__(
+        self,
+        preset: str = "default",
+        vocab_size: int | None = None,
+        seq_len: int | None = None,
+        dim: int | None = None,
+        depth: int | None = None,
+        num_heads: int | None = None,
+        mlp_ratio: int | None = None,
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        schedule_epochs: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        overrides = dict(
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            dim=dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            lr=lr,
+            weight_decay=weight_decay,
+            schedule_epochs=schedule_epochs,
+        )
+        config = resolve_preset(_MODEL_PRESETS, preset, overrides, type(self).__name__)
+        if config["dim"] % config["num_heads"]:
+            raise ValueError(
+                f"`LMModule(num_heads={config['num_heads']!r})` does not divide dim={config['dim']!r}."
+                " Expected a divisor of dim."
+            )
+        self.use_optimizer_settings(config)
+        self.vocab_size: int = config["vocab_size"]
+        self.net = TransformerLM(
+            config["vocab_size"],
+            config["seq_len"],
+            config["dim"],
+            config["depth"],
+            config["num_heads"],
+            config["mlp_ratio"],
+        )
+        self.init_metrics(lambda: MulticlassAccuracy(config["vocab_size"], average="micro"))
+        self.example_input_array = torch.zeros(1, config["seq_len"], dtype=torch.long)
+
+    @override
+    def split_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
+        return batch["input_ids"], batch["labels"]
+
+    @override
+    def compute(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+        input_ids, labels = self.split_batch(batch)
+        logits = self(input_ids).flatten(0, 1)  # (B*T, vocab)
+        labels = labels.flatten()
+        return F.cross_entropy(logits, labels), logits.detach(), labels

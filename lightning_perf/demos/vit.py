@@ -1,0 +1,219 @@
+"""Reference workload ``vit``: a Vision Transformer classifier on the synthetic template images of ``convnet``.
+
+Its blocks are repeated siblings in one ``nn.ModuleList`` and use ``nn.MultiheadAttention``, which is what
+activation checkpointing, per-block compilation and attention-related optimizations look for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
+
+from lightning_perf.demos._base import SCHEDULE_EPOCHS, DemoModule, resolve_preset
+from lightning_perf.demos.convnet import TemplateImageDataModule
+
+_DATA_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"batch_size": 32, "train": 512, "val": 128, "test": 128, "predict": 64, "image_size": 16},
+    "default": {"batch_size": 32, "train": 2048, "val": 256, "test": 256, "predict": 256, "image_size": 32},
+}
+for _sizes in _DATA_SIZES.values():
+    _sizes["num_classes"] = 10
+
+_MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "patch_size": 4,
+        "dim": 32,
+        "depth": 2,
+        "num_heads": 2,
+        "mlp_ratio": 4,
+        "lr": 3e-3,
+        "weight_decay": 0.01,
+        "schedule_epochs": SCHEDULE_EPOCHS,
+    },
+    "default": {
+        "patch_size": 4,
+        "dim": 128,
+        "depth": 8,
+        "num_heads": 4,
+        "mlp_ratio": 4,
+        "lr": 1e-3,
+        "weight_decay": 0.01,
+        "schedule_epochs": SCHEDULE_EPOCHS,
+    },
+}
+for _name, _settings in _MODEL_PRESETS.items():
+    _settings.update(image_size=_DATA_SIZES[_name]["image_size"], num_classes=_DATA_SIZES[_name]["num_classes"])
+
+
+class ViTDataModule(TemplateImageDataModule):
+    """Template images for :class:`ViTModule`: 3x16x16 (``tiny``) or 3x32x32 (``default``), 10 classes.
+
+    The same task and dataset as :class:`~lightning_perf.demos.convnet.ConvNetDataModule`, at the ViT's sizes.
+    Batches are ``(images, labels)``: float ``(B, 3, S, S)`` and long ``(B,)``.
+
+    Args:
+        preset: one of ``tiny`` and ``default``.
+        batch_size: samples per batch; ``None`` takes the preset's (32).
+        num_workers: ``DataLoader`` worker processes.
+        pin_memory: passed to every ``DataLoader``.
+        persistent_workers: keep workers alive between epochs (only used when ``num_workers > 0``).
+        seed: selects the samples and the training order.
+        image_size: side of the square images; ``None`` takes the preset's.
+        num_classes: number of classes; ``None`` takes the preset's.
+    """
+
+    SIZES = _DATA_SIZES
+
+
+class ViTBlock(nn.Module):
+    """Pre-norm transformer encoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    Args:
+        dim: embedding width.
+        num_heads: attention heads (must divide ``dim``).
+        mlp_ratio: hidden width of the MLP as a multiple of ``dim``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, num_heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_ratio * dim), nn.GELU(), nn.Linear(mlp_ratio * dim, dim))
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class VisionTransformer(nn.Module):
+    """ViT classifier: conv patch embedding, class token, learned positions, :class:`ViTBlock` stack, norm, head.
+
+    Args:
+        image_size: side of the square input images (a multiple of ``patch_size``).
+        patch_size: side of the square patches.
+        dim: embedding width.
+        depth: number of blocks.
+        num_heads: attention heads per block.
+        mlp_ratio: MLP hidden width as a multiple of ``dim``.
+        num_classes: outputs of the head.
+        in_channels: image channels.
+    """
+
+    def __init__(
+        self,
+        image_size: int,
+        patch_size: int,
+        dim: int,
+        depth: int,
+        num_heads: int,
+        mlp_ratio: int,
+        num_classes: int,
+        in_channels: int = 3,
+    ) -> None:
+        super().__init__()
+        num_patches = (image_size // patch_size) ** 2
+        self.patch_embed = nn.Conv2d(in_channels, dim, patch_size, stride=patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, dim))
+        self.blocks = nn.ModuleList(ViTBlock(dim, num_heads, mlp_ratio) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.patch_embed(x).flatten(2).transpose(1, 2)  # (B, patches, dim)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)[:, 0])
+
+
+class ViTModule(DemoModule):
+    """Vision Transformer classifier of :class:`ViTDataModule` images.
+
+    ``tiny``: 16x16 inputs, patch 4, dim 32, depth 2, 2 heads. ``default``: 32x32 inputs, patch 4, dim 128, depth 8,
+    4 heads. Logs ``train_loss``/``train_acc``, ``val_loss``/``val_acc``, ``test_loss``/``test_acc``.
+
+    Args:
+        preset: one of ``tiny`` and ``default``; the other arguments override its values when not ``None``.
+        image_size: input side length (a multiple of ``patch_size``).
+        patch_size: patch side length.
+        dim: embedding width.
+        depth: number of transformer blocks.
+        num_heads: attention heads (must divide ``dim``).
+        mlp_ratio: MLP hidden width as a multiple of ``dim``.
+        num_classes: number of classes.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        schedule_epochs: epochs over which the cosine schedule takes the learning rate from ``lr`` to 0.
+
+    Raises:
+        ValueError: if the preset is unknown, a value out of range, ``patch_size`` does not divide ``image_size`` or
+            ``num_heads`` does not divide ``dim``.
+
+    Example::
+
+        model = ViTModule("tiny")
+        logits = model(model.example_input_array)  # (1, 10)
+    """
+
+    def __init__(
+        self,
+        preset: str = "default",
+        image_size: int | None = None,
+        patch_size: int | None = None,
+        dim: int | None = None,
+        depth: int | None = None,
+        num_heads: int | None = None,
+        mlp_ratio: int | None = None,
+        num_classes: int | None = None,
+        lr: float | None = None,
+        weight_decay: float | None = None,
+        schedule_epochs: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        overrides = dict(
+            image_size=image_size,
+            patch_size=patch_size,
+            dim=dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            num_classes=num_classes,
+            lr=lr,
+            weight_decay=weight_decay,
+            schedule_epochs=schedule_epochs,
+        )
+        config = resolve_preset(_MODEL_PRESETS, preset, overrides, type(self).__name__)
+        if config["image_size"] % config["patch_size"]:
+            raise ValueError(
+                f"`ViTModule(patch_size={config['patch_size']!r})` does not divide image_size={config['image_size']!r}."
+                " Expected a patch size that tiles the image."
+            )
+        if config["dim"] % config["num_heads"]:
+            raise ValueError(
+                f"`ViTModule(num_heads={config['num_heads']!r})` does not divide dim={config['dim']!r}."
+                " Expected a divisor of dim."
+            )
+        self.use_optimizer_settings(config)
+        self.net = VisionTransformer(
+            config["image_size"],
+            config["patch_size"],
+            config["dim"],
+            config["depth"],
+            config["num_heads"],
+            config["mlp_ratio"],
+            config["num_classes"],
+        )
+        self.init_metrics(lambda: MulticlassAccuracy(config["num_classes"], average="micro"))
+        self.example_input_array = torch.zeros(1, 3, config["image_size"], config["image_size"])

@@ -1,0 +1,557 @@
+"""``torch.compile`` applied in place, to a whole model or to its repeated blocks, with a fallback to eager.
+
+Compiling in place (the module's ``_compiled_call_impl``, what ``nn.Module.compile()`` sets) keeps the module
+object, its parameters and its ``state_dict`` keys: no ``_orig_mod.`` prefix, so a checkpoint written while compiled
+loads into a plain model and the other way round. :meth:`CompiledModules.remove` puts every module back as it was;
+compiled code stays in torch's caches, so compiling the same modules again later costs no recompilation.
+
+Regional compilation compiles each of a model's repeated blocks (the layers of a transformer, the residual blocks of
+a ResNet) instead of the whole model. Identical blocks share one compiled code object: torch guards on the code and
+treats parameters as graph inputs, so the second and later blocks reuse the first one's graph without recompiling,
+which cuts cold-start time roughly by the number of blocks (the "regional compilation" recipe in PyTorch's docs).
+
+What the plain ``nn.Module.compile()`` of torch 2.13 does not handle, and this module does:
+
+- For a built-in layer (``nn.TransformerEncoderLayer``, ``nn.Linear``...) both ``Module._call_impl`` and its
+  ``forward`` live in files torch's compiler skips, so ``module.compile()`` captures nothing and runs eager
+  (pytorch/pytorch#150915). Such modules get the extra frame ``torch.compile(module)`` itself adds
+  (``torch._dynamo.external_utils.wrap_inline``).
+- Compilation is lazy: a compiler failure surfaces at the first call, deep inside a training step. Each compiled
+  call is wrapped so that a failure of the compiler (any ``torch._dynamo.exc.TorchDynamoException``:
+  ``BackendCompilerFailed``, ``Unsupported``, ``InternalTorchDynamoError``...) re-runs the call eagerly and, if that
+  succeeds, turns compilation off for every compiled module of that class with a
+  :class:`~lightning_perf.FallbackWarning` carrying the cause (``strict=True`` raises the compiler's error instead).
+  If the eager call fails too, the error is the model's own and propagates exactly as it would without compilation.
+  Work done before the failure in the same call (an earlier graph of a call split by a graph break) is done again
+  by the eager re-run. A failure while compiling the backward pass (torch compiles it lazily, at the first
+  ``backward``) is not caught.
+- A call made while the module's ``forward`` is swapped for another function runs eagerly: Lightning's forward
+  redirection (DDP, FSDP) routes ``training_step`` through the LightningModule's ``__call__`` that way, and
+  compiling it would compile the whole step, logging and metrics included; the step's own ``self(x)`` still runs
+  compiled.
+
+:class:`CompileMonitor` counts what the compiler did in a window: time spent compiling, graphs, graph breaks and
+recompilations. The counters it reads are process-global, so it reports everything compiled in the window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_perf._warnings import FallbackWarning, warn_once
+from lightning_perf.functional.surgery import find_modules, find_repeated_blocks, import_module_class
+
+__all__ = [
+    "COMPILE_MODES",
+    "STAGES",
+    "CompileMonitor",
+    "CompileStats",
+    "CompiledModules",
+    "compile_modules",
+    "compile_options",
+    "compile_regions",
+    "is_compiler_error",
+    "select_regions",
+    "top_level_blocks",
+    "validate_regions",
+]
+
+#: The ``mode`` values ``torch.compile`` accepts (``None`` means ``"default"``).
+COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+#: Trainer entry points, as Lightning names them in ``Callback.setup(stage=...)``.
+STAGES: tuple[str, ...] = ("fit", "validate", "test", "predict")
+
+Regions = str | Sequence["type[nn.Module] | str"] | None
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+
+
+def compile_options(
+    *,
+    mode: str | None = None,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    backend: str | Callable[..., Any] = "inductor",
+    options: Mapping[str, Any] | None = None,
+    owner: str = "compile_regions",
+) -> dict[str, Any]:
+    """Check ``torch.compile`` arguments and return them as keyword arguments for it.
+
+    Args:
+        mode: ``None`` or one of :data:`COMPILE_MODES`.
+        fullgraph: ``True`` makes a graph break an error (which then falls back, or raises under ``strict``).
+        dynamic: ``None`` (automatic), ``True`` or ``False``.
+        backend: a registered backend name (``torch._dynamo.list_backends(exclude_tags=())``) or a callable
+            ``backend(graph_module, example_inputs) -> callable``.
+        options: inductor options (``torch._inductor.list_options()``); not together with ``mode``.
+        owner: what to name in error messages.
+
+    Raises:
+        TypeError: if an argument has the wrong type.
+        ValueError: if ``mode`` or a ``backend`` name is unknown, or ``mode`` and ``options`` are both given.
+    """
+    if mode is not None and (not isinstance(mode, str) or mode not in COMPILE_MODES):
+        raise ValueError(
+            f"`{owner}(mode={mode!r})` is not a torch.compile mode. "
+            f"Expected None or one of: {', '.join(COMPILE_MODES)}."
+        )
+    if not isinstance(fullgraph, bool):
+        raise TypeError(f"`{owner}(fullgraph={fullgraph!r})` is not valid. Expected True or False.")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise TypeError(f"`{owner}(dynamic={dynamic!r})` is not valid. Expected None, True or False.")
+    if isinstance(backend, str):
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(
+                f"`{owner}(backend={backend!r})` is not a registered torch.compile backend. Expected a callable or "
+                f"one of: {', '.join(sorted(known))}."
+            )
+    elif not callable(backend):
+        raise TypeError(
+            f"`{owner}(backend={backend!r})` is not valid. Expected a backend name such as 'inductor' or a callable "
+            "`backend(graph_module, example_inputs)`."
+        )
+    if options is not None:
+        if not isinstance(options, Mapping) or not all(isinstance(key, str) for key in options):
+            raise TypeError(f"`{owner}(options={options!r})` is not valid. Expected None or a dict with string keys.")
+        if mode is not None:
+            raise ValueError(
+                f"`{owner}(mode={mode!r}, options=...)`: torch.compile takes a mode or options, not both. "
+                "Pass the options only (e.g. {'triton.cudagraphs': True} for reduce-overhead)."
+            )
+    kwargs: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend, "mode": mode}
+    kwargs["options"] = None if options is None else dict(options)
+    return kwargs
+
+
+def validate_regions(regions: Any, owner: str = "compile_regions") -> str | tuple[type[nn.Module] | str, ...] | None:
+    """Check and normalize ``regions``: ``None``, ``"auto"``, or a non-empty list of module classes or class names.
+
+    A dotted string (``"torch.nn.TransformerEncoderLayer"``, ``"my_pkg.model.Block"``) is imported here, so a typo
+    fails at once; a bare name (``"Block"``) matches modules whose class has that name.
+
+    Raises:
+        TypeError: if ``regions`` or one of its items has the wrong type.
+        ValueError: if the list is empty, or a dotted path does not import to an ``nn.Module`` subclass.
+    """
+    if regions is None or regions == "auto":
+        return regions  # type: ignore[no-any-return]
+    if isinstance(regions, (str, type)):
+        regions = [regions]  # one class, or one class name: as a one-item list
+    if not isinstance(regions, (list, tuple)):
+        raise TypeError(
+            f"`{owner}(regions={regions!r})` is not valid. Expected None (the whole model), 'auto' (its largest group "
+            "of repeated blocks) or a list of module classes or class paths."
+        )
+    if not regions:
+        raise ValueError(
+            f"`{owner}(regions=[])` selects nothing. Expected None, 'auto' or a non-empty list of module classes."
+        )
+    resolved: list[type[nn.Module] | str] = []
+    for item in regions:
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            resolved.append(item)
+        elif isinstance(item, str) and item.strip():
+            resolved.append(_module_class(item.strip(), owner) if "." in item else item.strip())
+        else:
+            raise TypeError(
+                f"`{owner}(regions=[..., {item!r}, ...])`: {item!r} is not valid. Expected an nn.Module subclass or "
+                "its class path as a string (e.g. 'torch.nn.TransformerEncoderLayer')."
+            )
+    return tuple(resolved)
+
+
+# ------------------------------------------------------------------------------------------------ choosing regions
+
+
+def _module_class(path: str, owner: str) -> type[nn.Module]:
+    try:
+        return import_module_class(path)
+    except ValueError as error:
+        raise ValueError(
+            f"`{owner}(regions=[{path!r}])`: {error} Expected the class path of an nn.Module subclass, e.g. "
+            "'torch.nn.TransformerEncoderLayer'."
+        ) from error
+
+
+def top_level_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost sub-modules of ``model`` that hold parameters, looking through plain containers."""
+    return find_modules(model, _is_top_level_block, outermost=True)
+
+
+def _is_top_level_block(module: nn.Module, name: str) -> bool:
+    plain_container = type(module) in (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    return not plain_container and next(module.parameters(), None) is not None
+
+
+def select_regions(model: nn.Module, regions: Regions) -> list[tuple[str, nn.Module]]:
+    """The modules that :func:`compile_regions` compiles, as ``[(qualified_name, module), ...]``.
+
+    Args:
+        model: the model.
+        regions: ``None`` for ``model`` itself (name ``""``); ``"auto"`` for its main repeated blocks
+            (:func:`lightning_perf.functional.surgery.find_repeated_blocks`, as activation checkpointing picks them);
+            or module classes / class names (see :func:`validate_regions`), of which the outermost matching modules
+            are taken (a match inside another match is compiled as part of it), never ``model`` itself.
+    """
+    normalized = validate_regions(regions, "select_regions")
+    if normalized is None:
+        return [("", model)]
+    if normalized == "auto":
+        return find_repeated_blocks(model)
+    classes = tuple(item for item in normalized if isinstance(item, type))
+    names = {item for item in normalized if isinstance(item, str)}
+    return find_modules(
+        model, lambda module, _: isinstance(module, classes) or type(module).__name__ in names, outermost=True
+    )
+
+
+# ------------------------------------------------------------------------------------------------------- compiling
+
+
+def is_compiler_error(error: BaseException) -> bool:
+    """Whether ``error`` was raised by torch's compiler (dynamo, AOT autograd, inductor) rather than by the model."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    if isinstance(error, TorchDynamoException):
+        return True
+    try:
+        from torch._inductor.exc import CppCompileError, InvalidCxxCompiler, OperatorIssue
+    except ImportError:  # pragma: no cover - torch without inductor
+        return False
+    return isinstance(error, (CppCompileError, InvalidCxxCompiler, OperatorIssue))
+
+
+def _with_recompile_limit(
+    compile_kwargs: Mapping[str, Any], modules: Sequence[tuple[str, nn.Module]]
+) -> dict[str, Any]:
+    """Raise torch's recompile limit in proportion to the distinct configurations among blocks sharing code.
+
+    Torch caches compiled graphs per code object (a class's ``forward``) and stops compiling one after
+    ``torch._dynamo.config.recompile_limit`` (8) variants, running it eagerly from then on. Blocks of one class with
+    different shapes or settings (the first block of each ResNet stage, say) each need their own graphs, times the
+    training/evaluation/inference variants, so give every distinct configuration the default budget.
+    """
+    kwargs = dict(compile_kwargs)
+    configurations = len({repr(module) for _, module in modules}) if len(modules) > 1 else 1
+    if configurations > 1 and "recompile_limit" in inspect.signature(torch.compile).parameters:
+        kwargs["recompile_limit"] = torch._dynamo.config.recompile_limit * configurations
+    return kwargs
+
+
+def _compiled_call(module: nn.Module, compile_kwargs: Mapping[str, Any]) -> Callable[..., Any]:
+    call: Callable[..., Any] = module._call_impl
+    try:
+        from torch._dynamo import external_utils, trace_rules
+
+        if trace_rules.check(module.forward):
+            # A built-in layer: no frame of its call is traced, so give torch one (what torch.compile(module) does).
+            call = external_utils.wrap_inline(call)
+    except (ImportError, AttributeError):  # pragma: no cover - private helpers moved in a later torch
+        pass
+    kwargs = dict(compile_kwargs)
+    if kwargs.get("options") is not None:
+        kwargs["options"] = dict(kwargs["options"])  # torch.compile pops keys from it
+    return torch.compile(call, **kwargs)
+
+
+class _CompiledCall:
+    """What a compiled module's ``__call__`` runs: the compiled call, with the fallback on a compiler failure."""
+
+    __slots__ = ("calls", "compiled", "forward", "module", "name", "owner")
+
+    def __init__(self, owner: CompiledModules, name: str, module: nn.Module, compiled: Callable[..., Any]) -> None:
+        self.owner = owner
+        self.name = name
+        self.module = module
+        self.compiled = compiled
+        self.forward = _function_of(module.forward)
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _function_of(self.module.forward) is not self.forward:
+            # `forward` was swapped for this call: Lightning's forward redirection (DDP, FSDP) sends `training_step`
+            # through the module's `__call__`. Compiling that would compile the whole step (logging included); run
+            # it eagerly instead, and the step's own `self(x)` runs compiled.
+            return self.module._call_impl(*args, **kwargs)
+        self.calls += 1
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as error:
+            if not is_compiler_error(error):
+                raise
+            return self.owner._fall_back(self, error, args, kwargs)
+
+
+def _function_of(method: Any) -> Any:
+    return getattr(method, "__func__", method)
+
+
+class CompiledModules:
+    """Modules compiled in place by :func:`compile_modules`; :meth:`remove` makes them plain modules again.
+
+    Attributes:
+        names: qualified names of the compiled modules, in order (``""`` is the model itself).
+        failures: per module class name, the compiler error that turned compilation off for that class.
+        strict: whether a compiler failure raises instead of falling back.
+    """
+
+    def __init__(
+        self, modules: Iterable[tuple[str, nn.Module]], compile_kwargs: Mapping[str, Any], strict: bool = False
+    ) -> None:
+        self.strict = strict
+        self.failures: dict[str, str] = {}
+        self._calls: list[_CompiledCall] = []
+        modules = list(modules)
+        compile_kwargs = _with_recompile_limit(compile_kwargs, modules)
+        for name, module in modules:
+            call = _CompiledCall(self, name, module, _compiled_call(module, compile_kwargs))
+            module._compiled_call_impl = call
+            self._calls.append(call)
+        self.names: list[str] = [call.name for call in self._calls]
+
+    @property
+    def calls(self) -> int:
+        """How many times a compiled module was called (compiled or, after a fallback, not)."""
+        return sum(call.calls for call in self._calls)
+
+    @property
+    def active(self) -> list[str]:
+        """Names of the modules that still run compiled."""
+        return [call.name for call in self._calls if call.module._compiled_call_impl is call]
+
+    def remove(self) -> None:
+        """Make every module plain again (a module compiled by someone else since is left alone). Idempotent."""
+        for call in self._calls:
+            if call.module._compiled_call_impl is call:
+                call.module._compiled_call_impl = None
+
+    def _fall_back(self, failed: _CompiledCall, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # The eager call decides whose error it is: if it fails too, that error (the model's) propagates unchanged.
+        result = failed.module._call_impl(*args, **kwargs)
+        if self.strict:
+            raise error
+        cls = type(failed.module)
+        siblings = [call for call in self._calls if type(call.module) is cls]
+        for call in siblings:  # the same code would fail the same way: do not pay for it once per block
+            if call.module._compiled_call_impl is call:
+                call.module._compiled_call_impl = None
+        cause = f"{type(error).__name__}: {_summary(error)}"
+        self.failures[cls.__name__] = cause
+        warn_once(
+            f"torch.compile failed for {cls.__name__}: the {len(siblings)} compiled module(s) of that class now run "
+            f"eagerly, and nothing else changes. Cause: {cause}. Pass strict=True to raise instead.",
+            FallbackWarning,
+        )
+        return result
+
+
+def _summary(error: BaseException) -> str:
+    """The first line of an error's message, and the next when the first only leads into it ("backend raised:")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
+def compile_modules(
+    modules: Iterable[tuple[str, nn.Module]], *, strict: bool = False, **compile_kwargs: Any
+) -> CompiledModules:
+    """Compile each ``(name, module)`` in place with ``torch.compile(**compile_kwargs)``.
+
+    ``compile_kwargs`` are checked by :func:`compile_options`. Compilation happens at each module's first call.
+    """
+    return CompiledModules(modules, compile_options(**compile_kwargs, owner="compile_modules"), strict=strict)
+
+
+def compile_regions(
+    model: nn.Module,
+    regions: Regions = None,
+    *,
+    mode: str | None = None,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    backend: str | Callable[..., Any] = "inductor",
+    options: Mapping[str, Any] | None = None,
+    strict: bool = False,
+) -> CompiledModules:
+    """Compile ``model`` (or its repeated blocks) in place; ``state_dict`` keys do not change.
+
+    Args:
+        model: the model.
+        regions: what to compile: ``None`` the model's own ``forward``; ``"auto"`` its main repeated blocks
+            (:func:`~lightning_perf.functional.surgery.find_repeated_blocks`); or a list of module classes, class
+            paths or class names, whose outermost instances are compiled (the model itself never is).
+        mode, fullgraph, dynamic, backend, options: passed to ``torch.compile`` (see :func:`compile_options`).
+        strict: raise a compiler failure instead of falling back to eager with a ``FallbackWarning``.
+
+    Returns:
+        The handle: ``.names`` of what was compiled (empty if ``regions`` matched nothing), ``.remove()`` to undo.
+
+    Example::
+
+        compiled = compile_regions(model, "auto", backend="inductor")
+        loss = model(x).sum()  # the first call compiles
+        compiled.remove()      # plain model again
+    """
+    kwargs = compile_options(
+        mode=mode, fullgraph=fullgraph, dynamic=dynamic, backend=backend, options=options, owner="compile_regions"
+    )
+    if not isinstance(strict, bool):
+        raise TypeError(f"`compile_regions(strict={strict!r})` is not valid. Expected True or False.")
+    return CompiledModules(select_regions(model, validate_regions(regions)), kwargs, strict=strict)
+
+
+# ------------------------------------------------------------------------------------------------------ monitoring
+
+
+@dataclass
+class CompileStats:
+    """What torch's compiler did in a window (process-wide).
+
+    Attributes:
+        compile_time_s: seconds spent compiling: tracing, backend compilation (also of a lazily compiled backward)
+            and CUDA graph recording.
+        compilations: frames compiled, recompilations included.
+        recompiles: compilations of a frame that had been compiled before (guards failed: new shapes, dtypes,
+            ``training`` flag, grad mode...).
+        unique_graphs: graphs handed to the backend (a graph break splits a frame into several).
+        graph_breaks: graph breaks, each a return to Python inside a compiled frame.
+        graph_break_reasons: the reasons, with how often each occurred.
+        cudagraph_recordings: CUDA graphs recorded (``mode="reduce-overhead"`` on CUDA).
+    """
+
+    compile_time_s: float = 0.0
+    compilations: int = 0
+    recompiles: int = 0
+    unique_graphs: int = 0
+    graph_breaks: int = 0
+    graph_break_reasons: dict[str, int] = field(default_factory=dict)
+    cudagraph_recordings: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "compile_time_s": self.compile_time_s,
+            "compilations": self.compilations,
+            "recompiles": self.recompiles,
+            "unique_graphs": self.unique_graphs,
+            "graph_breaks": self.graph_breaks,
+            "graph_break_reasons": dict(self.graph_break_reasons),
+            "cudagraph_recordings": self.cudagraph_recordings,
+        }
+
+
+def _counters() -> dict[str, Counter[str]]:
+    from torch._dynamo.utils import counters
+
+    return counters  # type: ignore[return-value]
+
+
+class CompileMonitor:
+    """Count compile time, graphs, graph breaks and recompilations between :meth:`start` and :meth:`stop`.
+
+    Graphs and graph breaks are deltas of ``torch._dynamo.utils.counters``; compile time, compilations,
+    recompilations and CUDA graph recordings come from torch's compile start/end callbacks
+    (``torch._dynamo.callback_handler``), which ``torch._dynamo.reset()`` clears: a reset inside the window loses
+    what follows it.
+
+    Example::
+
+        monitor = CompileMonitor()
+        monitor.start()
+        model(x)
+        stats = monitor.stop()
+        print(stats.compile_time_s, stats.recompiles)
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._running = False
+        self._baseline: dict[str, Counter[str]] = {}
+        self._began: float | None = None
+        self._compile_ids: set[str] = set()
+        self._stats = CompileStats()
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def start(self) -> None:
+        """Open a new window (a running one is restarted)."""
+        self.stop()
+        self._stats = CompileStats()
+        self._compile_ids = set()
+        self._baseline = {key: Counter(_counters()[key]) for key in ("stats", "graph_break")}
+        handler = torch._dynamo.callback_handler
+        handler.register_start_callback(self._on_compile_start)
+        handler.register_end_callback(self._on_compile_end)
+        self._running = True
+
+    def stop(self) -> CompileStats:
+        """Close the window and return its figures (the last window's again when none is open)."""
+        if self._running:
+            self._stats = self.stats
+            self._running = False
+            handler = torch._dynamo.callback_handler
+            for remove, callback in (
+                (handler.remove_start_callback, self._on_compile_start),
+                (handler.remove_end_callback, self._on_compile_end),
+            ):
+                with contextlib.suppress(ValueError):  # torch._dynamo.reset() cleared it
+                    remove(callback)
+        return replace(self._stats, graph_break_reasons=dict(self._stats.graph_break_reasons))
+
+    @property
+    def stats(self) -> CompileStats:
+        """The figures so far (a copy); the window stays open."""
+        if not self._running:
+            return replace(self._stats, graph_break_reasons=dict(self._stats.graph_break_reasons))
+        counters = _counters()
+        stats = self._baseline.get("stats", Counter())
+        breaks = Counter(counters["graph_break"])
+        breaks.subtract(self._baseline.get("graph_break", Counter()))
+        reasons: Counter[str] = Counter()
+        for reason, count in breaks.items():
+            if count > 0:  # torch's reasons run over several lines; the first one names the cause
+                reasons[reason.strip().splitlines()[0] if reason.strip() else reason] += count
+        return CompileStats(
+            compile_time_s=self._stats.compile_time_s,
+            compilations=self._stats.compilations,
+            recompiles=self._stats.recompiles,
+            unique_graphs=max(0, counters["stats"]["unique_graphs"] - stats["unique_graphs"]),
+            graph_breaks=sum(reasons.values()),
+            graph_break_reasons=dict(reasons),
+            cudagraph_recordings=self._stats.cudagraph_recordings,
+        )
+
+    def _on_compile_start(self, args: Any) -> None:
+        self._began = self._clock()
+
+    def _on_compile_end(self, args: Any) -> None:
+        from torch._dynamo.callback import CallbackTrigger
+
+        if self._began is not None:
+            self._stats.compile_time_s += self._clock() - self._began
+            self._began = None
+        trigger = getattr(args, "callback_trigger", None)
+        compile_id = str(getattr(args, "compile_id", ""))
+        if trigger is CallbackTrigger.CUDAGRAPH_RECORDING:
+            self._stats.cudagraph_recordings += 1
+        elif trigger is CallbackTrigger.DYNAMO and compile_id not in self._compile_ids:
+            self._compile_ids.add(compile_id)
+            self._stats.compilations += 1
+            # "frame/attempt-of-this-frame", or "!autograd/frame/attempt": a later attempt is a recompilation.
+            tail = compile_id.rsplit("/", 1)[-1]
+            if tail.isdigit() and int(tail) > 0:
+                self._stats.recompiles += 1

@@ -1,0 +1,265 @@
+"""Activation (gradient) checkpointing: drop a block's intermediate activations in forward, recompute them in backward.
+
+Each chosen block's ``forward`` is patched in place (:class:`~lightning_perf.functional.surgery.ForwardPatch`) to run
+under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. Nothing is wrapped in a new module, so module
+names, ``isinstance`` checks and ``state_dict`` keys stay exactly those of the plain model (torch's
+``checkpoint_wrapper`` adds ``_checkpoint_wrapped_module.`` to every name and needs state-dict hooks to hide it; its
+parameters' names stay prefixed).
+
+What the non-reentrant checkpoint keeps right by itself: the RNG state (dropout masks are the same in the recompute),
+the autocast state, gradients (identical to the plain model's up to float reassociation, usually bit-identical). What
+it does not: a module that updates a buffer in forward does it again in the recompute. For BatchNorm (any
+``_NormBase`` with running statistics) that would apply the momentum update twice and count the batch twice;
+:class:`CheckpointedForward` saves those buffers before the recompute and puts them back after it, so running
+statistics match the plain model's exactly. Under ``torch.compile`` the recompute is part of the compiled backward
+graph, which does not repeat buffer mutations, so nothing needs restoring there.
+
+Under no_grad (validation, prediction) a patched block runs its plain forward: there is nothing to save memory on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_perf.functional.surgery import (
+    FilterFn,
+    ForwardPatch,
+    find_forward_patch,
+    find_modules,
+    find_repeated_blocks,
+    import_module_class,
+    patch_forward,
+    unpatch_forward,
+)
+
+
+class _RestoreBuffers(contextlib.AbstractContextManager):
+    """Put the given modules' buffers back as they were when the context was entered (the recompute's context)."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        self.modules = modules
+        self.saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def __enter__(self) -> _RestoreBuffers:
+        self.saved = [[(b, b.clone()) for b in m.buffers(recurse=False)] for m in self.modules if m.training]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for pairs in self.saved:
+                for buffer, value in pairs:
+                    buffer.copy_(value)
+        self.saved = []
+
+
+class CheckpointedForward(ForwardPatch):
+    """A block's forward run under non-reentrant activation checkpointing; see :func:`apply_activation_checkpointing`.
+
+    Args:
+        module: the block.
+        preserve_rng_state: restore the RNG state for the recompute, so dropout draws the same masks (torch's default;
+            ``False`` is a little faster for blocks without randomness).
+    """
+
+    def __init__(self, module: nn.Module, preserve_rng_state: bool = True) -> None:
+        super().__init__(module)
+        self.preserve_rng_state = preserve_rng_state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.call_original(*args, **kwargs)
+        options: dict[str, Any] = {}
+        # Looked up per call, not at patching: Lightning's sync_batchnorm=True replaces BatchNorm modules afterwards.
+        stat_modules = [
+            m for m in self.module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+        ]
+        if stat_modules and not torch.compiler.is_compiling():
+            options["context_fn"] = lambda: (contextlib.nullcontext(), _RestoreBuffers(stat_modules))
+        return checkpoint(
+            self.call_original,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=self.preserve_rng_state,
+            **options,
+            **kwargs,
+        )
+
+
+def resolve_module_classes(modules: Any) -> tuple[list[type[nn.Module]], list[str]]:
+    """Split a ``modules=`` argument into classes (dotted paths imported now) and bare class names (matched later).
+
+    Raises:
+        ValueError: for a dotted path that does not import or is not a module class.
+        TypeError: for anything else than classes and strings.
+    """
+    if isinstance(modules, (str, type)):
+        items = [modules]
+    elif isinstance(modules, (list, tuple)):
+        items = list(modules)
+    else:
+        items = [modules]  # rejected below with the expected forms
+    classes: list[type[nn.Module]] = []
+    names: list[str] = []
+    for item in items:
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            classes.append(item)
+        elif isinstance(item, str) and "." in item:
+            classes.append(import_module_class(item))
+        elif isinstance(item, str) and item.isidentifier():
+            names.append(item)
+        else:
+            raise TypeError(
+                f"`modules` got {item!r}. Expected 'auto', nn.Module subclasses, class paths such as "
+                "'torch.nn.TransformerEncoderLayer', or class names such as 'Block'."
+            )
+    if not items:
+        raise ValueError("`modules` is empty. Expected 'auto' or at least one module class.")
+    return classes, names
+
+
+def select_blocks(
+    model: nn.Module,
+    modules: Any = "auto",
+    filter_fn: FilterFn | None = None,
+) -> list[tuple[str, nn.Module]]:
+    """The blocks to checkpoint, outermost only, in ``named_modules`` order.
+
+    Args:
+        model: the model.
+        modules: ``"auto"`` (the largest group of repeated blocks, see
+            :func:`~lightning_perf.functional.surgery.find_repeated_blocks`), or module classes: classes, dotted class
+            paths, or bare class names matched against the class names in ``model``.
+        filter_fn: ``filter_fn(module, name) -> bool`` instead of ``modules``.
+
+    Raises:
+        ValueError: for a bare class name that no module of ``model`` has (with the names it does have).
+    """
+    if filter_fn is not None:
+        return find_modules(model, filter_fn, outermost=True)
+    if modules == "auto":
+        return find_repeated_blocks(model)
+    classes, names = resolve_module_classes(modules)
+    if names:
+        present = {type(m).__name__ for m in model.modules()}
+        unknown = [n for n in names if n not in present]
+        if unknown:
+            import difflib
+
+            hints = [
+                f"{n!r} (did you mean {', '.join(repr(h) for h in close)}?)" if close else repr(n)
+                for n in unknown
+                for close in [difflib.get_close_matches(n, present, n=2)]
+            ]
+            raise ValueError(
+                f"`modules` names classes that no module of {type(model).__name__} has: {', '.join(hints)}. "
+                "Give a class, a dotted class path, or the name of a class used in the model."
+            )
+    wanted_classes, wanted_names = tuple(classes), set(names)
+    return find_modules(
+        model,
+        lambda m, _: isinstance(m, wanted_classes) or type(m).__name__ in wanted_names,
+        outermost=True,
+    )
+
+
+def validate_portion(every_n: int | None, fraction: float | None) -> None:
+    """Check ``every_n`` / ``fraction`` arguments.
+
+    Raises:
+        ValueError: if both are given, ``every_n < 1`` or ``fraction`` is outside ``(0, 1]``.
+        TypeError: for values of the wrong type.
+    """
+    if every_n is not None and fraction is not None:
+        raise ValueError(f"Give `every_n` or `fraction`, not both (got every_n={every_n!r}, fraction={fraction!r}).")
+    if every_n is not None:
+        if isinstance(every_n, bool) or not isinstance(every_n, int):
+            raise TypeError(f"`every_n={every_n!r}` is not valid. Expected an int >= 1.")
+        if every_n < 1:
+            raise ValueError(f"`every_n={every_n!r}` is not valid. Expected an int >= 1 (1 checkpoints every block).")
+    if fraction is not None:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise TypeError(f"`fraction={fraction!r}` is not valid. Expected a number in (0, 1].")
+        if not (0 < fraction <= 1) or math.isnan(fraction):
+            raise ValueError(
+                f"`fraction={fraction!r}` is not valid. Expected a number in (0, 1] (1 means every block)."
+            )
+
+
+def take_portion(blocks: list[Any], every_n: int | None = None, fraction: float | None = None) -> list[Any]:
+    """The part of ``blocks`` to checkpoint: every ``every_n``-th (from the first), or the first ``fraction`` of them.
+
+    The first blocks are taken for a fraction because in networks that downsample (ResNets, U-Nets) they hold the
+    largest activations; in a transformer every block's activations are the same size, so which does not matter.
+    """
+    validate_portion(every_n, fraction)
+    if every_n is not None:
+        return blocks[::every_n]
+    if fraction is not None:
+        return blocks[: math.ceil(fraction * len(blocks) - 1e-9)]
+    return list(blocks)
+
+
+def apply_activation_checkpointing(
+    model: nn.Module,
+    modules: Any = "auto",
+    *,
+    filter_fn: FilterFn | None = None,
+    every_n: int | None = None,
+    fraction: float | None = None,
+    preserve_rng_state: bool = True,
+) -> list[str]:
+    """Turn on activation checkpointing for blocks of ``model``, in place; returns the names of the blocks wrapped.
+
+    Call it before building the optimizer (it does not change parameters, so an existing optimizer also stays valid).
+    Blocks already checkpointed are left as they are, and are not in the returned list.
+
+    Args:
+        model: the model.
+        modules: which blocks, see :func:`select_blocks` (``"auto"``: the largest group of repeated blocks).
+        filter_fn: ``filter_fn(module, name) -> bool`` instead of ``modules``.
+        every_n: checkpoint only every ``every_n``-th of the selected blocks (less recompute, less memory saved).
+        fraction: checkpoint only the first ``fraction`` of the selected blocks, in ``(0, 1]``.
+        preserve_rng_state: see :class:`CheckpointedForward`.
+
+    Example::
+
+        >>> layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        >>> model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        >>> apply_activation_checkpointing(model, fraction=0.5)
+        ['layers.0', 'layers.1']
+    """
+    blocks = take_portion(select_blocks(model, modules, filter_fn), every_n, fraction)
+    wrapped = []
+    for name, block in blocks:
+        if patch_forward(block, lambda m: CheckpointedForward(m, preserve_rng_state)) is not None:
+            wrapped.append(name)
+    return wrapped
+
+
+def checkpointed_modules(model: nn.Module) -> list[str]:
+    """Names of the submodules of ``model`` that run under activation checkpointing."""
+    return [name for name, m in model.named_modules() if find_forward_patch(m, CheckpointedForward) is not None]
+
+
+def remove_activation_checkpointing(model: nn.Module) -> list[str]:
+    """Undo :func:`apply_activation_checkpointing` in all of ``model``; returns the names of the blocks unpatched."""
+    return [name for name, m in model.named_modules() if unpatch_forward(m, CheckpointedForward)]
+
+
+__all__: list[str] = [
+    "CheckpointedForward",
+    "apply_activation_checkpointing",
+    "checkpointed_modules",
+    "remove_activation_checkpointing",
+    "resolve_module_classes",
+    "select_blocks",
+    "take_portion",
+    "validate_portion",
+]

@@ -1,0 +1,90 @@
+"""CUDA memory history and out-of-memory snapshots, viewable in PyTorch's memory visualizer (pytorch.org/memory_viz).
+
+Thin, safe wrappers over PyTorch's private allocator API, no Lightning:
+
+- :func:`start_history` / :func:`stop_history`: record every allocation and free with its stack trace
+  (``torch.cuda.memory._record_memory_history``); :func:`dump_snapshot` writes the allocator state and that history
+  as a pickle the visualizer reads.
+- :func:`on_out_of_memory`: call a function when the allocator is about to raise ``torch.OutOfMemoryError``
+  (``torch._C._cuda_attach_out_of_memory_observer``). Torch observers cannot be detached, so one dispatcher is
+  attached per process, once, and the returned handle removes only this listener. CUDA is initialized first: an
+  observer attached to an uninitialized allocator crashes the process (pytorch/pytorch#102796, #107330). The
+  exception itself still propagates to the caller; a listener that fails is reported, never raised from inside the
+  allocator.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_perf._io import atomic_path
+
+__all__ = ["OomListener", "dump_snapshot", "on_out_of_memory", "start_history", "stop_history"]
+
+OomListener = Callable[[int, int, int, int], None]
+"""``listener(device, bytes_requested, bytes_allocated_on_device, bytes_free_on_device)``."""
+
+_listeners: list[OomListener] = []
+_attached = False
+
+
+def start_history(max_entries: int = 100_000) -> None:
+    """Start recording allocations and frees with Python and C++ stacks (keeps the last ``max_entries``)."""
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def stop_history() -> None:
+    """Stop recording (the history recorded so far is dropped with the next :func:`start_history`)."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def dump_snapshot(path: str | Path) -> Path:
+    """Write the allocator's state (and the recorded history, if any) as a pickle, atomically; returns ``path``."""
+    snapshot = torch.cuda.memory._snapshot()
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        pickle.dump(snapshot, f)
+    return Path(path)
+
+
+def _dispatch(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+    for listener in list(_listeners):
+        try:
+            listener(device, alloc, device_alloc, device_free)
+        except Exception as err:  # never raise inside the allocator: the OOM error must reach the user intact
+            print(f"lightning_perf: an out-of-memory listener failed: {err!r}", file=sys.stderr)
+
+
+class _Handle:
+    def __init__(self, listener: OomListener) -> None:
+        self.listener = listener
+
+    def remove(self) -> None:
+        """Stop calling the listener (idempotent)."""
+        if self.listener in _listeners:
+            _listeners.remove(self.listener)
+
+
+def on_out_of_memory(listener: OomListener) -> Any:
+    """Call ``listener`` each time the CUDA allocator runs out of memory; returns a handle with ``remove()``.
+
+    The allocator may call it more than once for one failed operation (a convolution retrying with a smaller
+    workspace).
+
+    Raises:
+        RuntimeError: if CUDA is not available.
+    """
+    global _attached
+    if not torch.cuda.is_available():
+        raise RuntimeError("`on_out_of_memory()` needs CUDA: there is no CUDA allocator to observe.")
+    if not _attached:
+        torch.cuda.init()  # the observer must meet an initialized allocator (see the module docstring)
+        torch._C._cuda_attach_out_of_memory_observer(_dispatch)  # type: ignore[attr-defined]
+        _attached = True
+    _listeners.append(listener)
+    return _Handle(listener)

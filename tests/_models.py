@@ -1,0 +1,193 @@
+"""Small models we did not design for lightning_perf: built from torch's own layers or written the usual ways."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+
+def encoder(depth: int = 3, dim: int = 16, heads: int = 2, dropout: float = 0.0) -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=dropout, batch_first=True)
+    return nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """torchvision-style: a stem, stages as plain ``nn.Sequential`` of blocks, a head."""
+
+    def __init__(self, blocks_per_stage: int = 2, widths: tuple[int, ...] = (4, 8)) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]))
+        stages, cin = [], widths[0]
+        for i, width in enumerate(widths):
+            blocks = [
+                BasicBlock(cin if j == 0 else width, width, 2 if i and j == 0 else 1) for j in range(blocks_per_stage)
+            ]
+            stages.append(nn.Sequential(*blocks))
+            cin = width
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Linear(cin, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.stages(F.relu(self.stem(x))).mean((2, 3)))
+
+
+class Stage(nn.Module):
+    """A custom stage class holding its blocks (timm-style), so stages are themselves repeated siblings."""
+
+    def __init__(self, dim: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.0) for _ in range(depth))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class NanoGPTAttention(nn.Module):
+    """nanoGPT's ``CausalSelfAttention`` written out eagerly, with its dropouts and its causal ``bias`` buffer."""
+
+    def __init__(self, n_embd: int = 16, n_head: int = 2, block_size: int = 32, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.n_head, self.n_embd = n_head, n_embd
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class PerHeadQKVAttention(nn.Module):
+    """Bidirectional attention whose fused projection is laid out per head (GPT-NeoX style), no head-count attribute."""
+
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.to_out = nn.Linear(dim, dim)
+        self._h = heads
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.to_qkv(x).view(B, T, self._h, 3, C // self._h).permute(3, 0, 2, 1, 4)
+        att = (q @ k.transpose(-2, -1) / math.sqrt(C // self._h)).softmax(-1)
+        return self.to_out((att @ v).transpose(1, 2).reshape(B, T, C))
+
+
+class ScaledDifferentlyAttention(PerHeadQKVAttention):
+    """Looks like fused-QKV attention but scales scores by ``1 / head_dim`` (muP): no standard variant matches."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.to_qkv(x).view(B, T, self._h, 3, C // self._h).permute(3, 0, 2, 1, 4)
+        att = (q @ k.transpose(-2, -1) / (C // self._h)).softmax(-1)
+        return self.to_out((att @ v).transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, attention: nn.Module, dim: int = 16) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = attention
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, depth: int = 2, dim: int = 16, vocab: int = 11, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(NanoGPTAttention(dim, 2, 32, dropout), dim) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class SequenceModule(pl.LightningModule):
+    """A LightningModule around any ``(B, T, dim) -> (B, T, dim)`` network, regressing a fixed random target.
+
+    Deterministic data (no shuffling), so two runs with the same seed train identically.
+    """
+
+    def __init__(self, net: nn.Module | None = None, dim: int = 16, seq: int = 8, samples: int = 32) -> None:
+        super().__init__()
+        self.net = net if net is not None else encoder(dim=dim)
+        g = torch.Generator().manual_seed(0)
+        self.data = torch.utils.data.TensorDataset(torch.randn(samples, seq, dim, generator=g))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        loss = self(batch[0]).pow(2).mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self(batch[0]).pow(2).mean())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.data, batch_size=8)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.data, batch_size=8)
+
+
+def trainer(root: object, **kwargs: object) -> pl.Trainer:
+    options: dict = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 3,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 1,
+        "default_root_dir": root,
+    }
+    options.update(kwargs)
+    return pl.Trainer(**options)

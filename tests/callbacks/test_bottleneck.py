@@ -1,0 +1,413 @@
+"""BottleneckCallback: phase attribution (exact, on a scripted clock), live logging, advice, reports, safety."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_perf.callbacks import BottleneckCallback, MemoryProfilerCallback
+from lightning_perf.demos import make_workload
+from lightning_perf.profiling.advice import PHASES
+from tests.callbacks._quiet import quiet_trainer
+
+MS = 1_000_000
+
+
+class ScriptedClock:
+    """Time that moves only when the test's model, data or optimizer says so (nanoseconds)."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, ms: float) -> None:
+        self.now += int(ms * MS)
+
+
+class SlowData(Dataset):
+    """Each sample costs ``ms`` on the scripted clock to load."""
+
+    def __init__(self, clock: ScriptedClock, ms: float, n: int = 64) -> None:
+        self.clock, self.ms, self.n = clock, ms, n
+        self.x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.clock.advance(self.ms)
+        return self.x[i]
+
+
+class TimedSGD(torch.optim.SGD):
+    """SGD whose update costs ``ms`` on the scripted clock, after the closure (forward and backward) has run."""
+
+    def __init__(self, params: Any, clock: ScriptedClock, ms: float) -> None:
+        super().__init__(params, lr=0.1)
+        self.clock, self.ms = clock, ms
+
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.clock.advance(self.ms)
+        super().step()
+        return loss
+
+
+class Scripted(pl.LightningModule):
+    """Every phase costs a known time on the scripted clock: forward 3, backward 5, optimizer 2, transfer 0.25 ms."""
+
+    cost = {"forward": 3.0, "backward": 5.0, "optimizer": 2.0, "transfer": 0.25, "validation": 7.0}
+
+    def __init__(self, clock: ScriptedClock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.layer = nn.Linear(4, 1)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        self.clock.advance(self.cost["transfer"])
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.clock.advance(self.cost["forward"])
+        return self.layer(batch).pow(2).mean()
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.clock.advance(self.cost["backward"])
+        super().backward(loss, *args, **kwargs)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.clock.advance(self.cost["validation"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return TimedSGD(self.parameters(), self.clock, self.cost["optimizer"])
+
+
+class ScriptedManual(Scripted):
+    """Manual optimization: two forward/backward pairs and one optimizer step per training step."""
+
+    def __init__(self, clock: ScriptedClock) -> None:
+        super().__init__(clock)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers()
+        for _ in range(2):
+            self.clock.advance(self.cost["forward"])
+            self.manual_backward(self.layer(batch).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        self.clock.advance(1.0)  # user code after the step: forward-side work of the step
+
+
+def scripted_fit(tmp_path: Path, model_cls: type = Scripted, data_ms: float = 0.5, **kwargs: Any) -> BottleneckCallback:
+    clock = ScriptedClock()
+    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, verbose=False)
+    callback._clock = clock
+    model = model_cls(clock)
+    data = DataLoader(SlowData(clock, data_ms), batch_size=2)
+    kwargs.setdefault("max_steps", 6)
+    quiet_trainer(tmp_path, [callback], **kwargs).fit(model, data)
+    return callback
+
+
+def steady_records(callback: BottleneckCallback) -> list[dict[str, float]]:
+    assert callback.report is not None
+    return callback.report["per_step"]["records"]
+
+
+# ---------------------------------------------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"warmup_steps": -1}, "warmup_steps=-1"),
+        ({"log_every_n_steps": 0}, "log_every_n_steps=0"),
+        ({"sync_check_steps": 3, "warmup_steps": 2}, "at most warmup_steps"),
+        ({"sync_check_steps": -1}, "sync_check_steps=-1"),
+        ({"thresholds": {"forward": 0.5}}, "'forward' is not a phase with a threshold"),
+        ({"thresholds": {"data": 1.5}}, "strictly between 0 and 1"),
+        ({"thresholds": {"data": 0}}, "strictly between 0 and 1"),
+        ({"filename": "sub/report"}, "without a directory"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BottleneckCallback(**kwargs)
+
+
+def test_thresholds_must_be_a_mapping() -> None:
+    with pytest.raises(TypeError, match="Expected a dict from phase name"):
+        BottleneckCallback(thresholds=[0.2])  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------- attribution
+
+
+def test_each_phase_gets_exactly_its_time(tmp_path: Path) -> None:
+    callback = scripted_fit(tmp_path)
+    records = steady_records(callback)
+    assert len(records) == 5  # 6 steps, 1 warm-up
+    for record in records:
+        assert record["data"] == pytest.approx(0.001)  # two samples of 0.5 ms
+        assert record["transfer"] == pytest.approx(0.00025)
+        assert record["forward"] == pytest.approx(0.003)
+        assert record["backward"] == pytest.approx(0.005)
+        assert record["optimizer"] == pytest.approx(0.002)
+        assert record["other"] == pytest.approx(0.0, abs=1e-12)
+        assert record["step"] == pytest.approx(0.01125)
+    shares = callback.report["steady_state"]["shares"]
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares["backward"] == pytest.approx(5 / 11.25)
+
+
+def test_under_gradient_accumulation_the_optimizer_runs_once_per_window(tmp_path: Path) -> None:
+    callback = scripted_fit(tmp_path, accumulate_grad_batches=2, max_steps=4)  # 8 batches
+    records = steady_records(callback)
+    assert len(records) == 7
+    optimizer = [r["optimizer"] for r in records]
+    # Batches 1, 3, 5, 7 step the optimizer (batch 0 is warm-up); the others only accumulate, after zero_grad
+    # (the first batch of each window: free on the scripted clock).
+    assert optimizer == pytest.approx([0.002, 0.0, 0.002, 0.0, 0.002, 0.0, 0.002])
+    assert all(r["forward"] == pytest.approx(0.003) and r["backward"] == pytest.approx(0.005) for r in records)
+    assert callback.report["steady_state"]["phases"]["optimizer"]["median"] == pytest.approx(0.002)
+    assert callback.report["steady_state"]["shares"]["optimizer"] == pytest.approx(4 * 0.002 / (7 * 0.00925 + 0.008))
+
+
+def test_manual_optimization_sums_the_phases_of_every_call(tmp_path: Path) -> None:
+    callback = scripted_fit(tmp_path, model_cls=ScriptedManual)
+    for record in steady_records(callback):
+        assert record["forward"] == pytest.approx(0.003 * 2 + 0.001)
+        assert record["backward"] == pytest.approx(0.005 * 2)
+        assert record["optimizer"] == pytest.approx(0.002)
+        assert record["other"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_validation_is_timed_apart_and_never_reaches_the_training_phases(tmp_path: Path) -> None:
+    clock = ScriptedClock()
+    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, verbose=False)
+    callback._clock = clock
+    data = DataLoader(SlowData(clock, 0.5), batch_size=2)
+    val = DataLoader(SlowData(clock, 0.5, n=4), batch_size=2)
+    quiet_trainer(tmp_path, [callback], max_steps=8, val_check_interval=3, limit_val_batches=2).fit(
+        Scripted(clock), data, val
+    )
+    report = callback.report
+    assert report["validation"]["runs"] == 2
+    # Each run: two batches of 1 ms loading and 0.25 ms transfer, plus 7 ms of validation_step.
+    assert report["validation"]["median_s"] == pytest.approx(2 * (0.001 + 0.00025 + 0.007))
+    assert report["steps"]["interrupted"] == 2  # the steps right after each validation run
+    clean = [r for r, cut in zip(steady_records(callback), report["per_step"]["interrupted"]) if not cut]
+    assert len(clean) == 5 and all(
+        r["data"] == pytest.approx(0.001) and r["step"] == pytest.approx(0.01125) for r in clean
+    )
+    assert report["steady_state"]["phases"]["data"]["median"] == pytest.approx(0.001)
+
+
+def test_slow_data_is_diagnosed_with_the_loader_settings_as_evidence(tmp_path: Path) -> None:
+    callback = scripted_fit(tmp_path, data_ms=20.0)  # 40 ms of loading against 10.25 ms of work
+    report = callback.report
+    assert report["dataloader"].num_workers == 0
+    (rec,) = [r for r in report["recommendations"] if r.rule == "data_wait"]
+    assert rec.severity == "high"
+    assert "num_workers=0" in rec.evidence and "data is 80% of step time" in rec.evidence
+    assert any("set DataLoader(num_workers=" in action for action in rec.actions)
+    saved = json.loads(Path(report["json"]).read_text())
+    assert saved["recommendations"][0]["rule"] == "data_wait"
+
+
+# ------------------------------------------------------------------------------------------- reports and output
+
+
+def test_reports_are_written_to_the_default_root_dir(tmp_path: Path) -> None:
+    callback = scripted_fit(tmp_path)
+    saved = json.loads((tmp_path / "bottleneck.json").read_text())
+    assert saved["callback"] == "BottleneckCallback"
+    assert set(saved["steady_state"]["shares"]) == set(PHASES)
+    assert saved["steps"] == {"total": 6, "warmup": 1, "steady": 5, "interrupted": 0}
+    assert saved["throughput"]["batch_size_median"] == 2
+    # The hooks' own cost is read from the real clock, so it shows even though the phases ran on a scripted one.
+    assert saved["overhead"]["hooks_ns_total"] > 0 and saved["overhead"]["share_of_step"] > 0
+    assert (tmp_path / "bottleneck.png").stat().st_size > 0
+    assert saved["plot"] == str(tmp_path / "bottleneck.png")
+    assert callback.report["json"] == str(tmp_path / "bottleneck.json")
+
+
+def test_without_matplotlib_a_note_replaces_the_chart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("lightning_perf.callbacks._observer.is_matplotlib_available", lambda: False)
+    callback = scripted_fit(tmp_path)
+    assert not (tmp_path / "bottleneck.png").exists()
+    assert callback.report["plot"] is None
+    assert "pip install 'lightning-perf[plot]'" in callback.report["plot_note"]
+
+
+def test_live_figures_reach_the_logger_and_the_progress_bar(tmp_path: Path) -> None:
+    clock = ScriptedClock()
+    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, log_every_n_steps=2, progress_bar=True)
+    callback._clock = clock
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    fit = quiet_trainer(tmp_path, [callback], max_steps=6, logger=logger)
+    fit.fit(Scripted(clock), DataLoader(SlowData(clock, 0.5), batch_size=2))
+    rows = list(csv.DictReader((tmp_path / "run" / "version_0" / "metrics.csv").open()))
+    logged = [r for r in rows if r.get("bottleneck/backward")]
+    assert [int(r["step"]) for r in logged] == [2, 4, 6]
+    assert float(logged[-1]["bottleneck/backward"]) == pytest.approx(5 / 11.25)
+    assert float(logged[-1]["bottleneck/samples_per_s"]) == pytest.approx(2 / 0.01125)
+    assert fit.progress_bar_metrics["bwd%"] == pytest.approx(44.4)
+    assert fit.progress_bar_metrics["samples/s"] == pytest.approx(177.8)
+    assert (tmp_path / "run" / "version_0" / "bottleneck.json").exists()  # the logger's log_dir
+
+
+# ------------------------------------------------------------------------------------------ host synchronizations
+
+
+class SyncingModel(Scripted):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.seen = loss.item()  # SYNC-LINE
+        return loss
+
+
+def _line_of(marker: str) -> int:
+    return next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if line.endswith(marker))
+
+
+def test_host_syncs_in_the_training_step_are_found_with_their_line(tmp_path: Path) -> None:
+    clock = ScriptedClock()
+    callback = BottleneckCallback(warmup_steps=3, sync_check_steps=2, verbose=False)
+    data = DataLoader(SlowData(clock, 0.5), batch_size=2)
+    quiet_trainer(tmp_path, [callback], max_steps=5).fit(SyncingModel(clock), data)
+    syncs = callback.report["host_syncs"]
+    assert syncs["method"] == "torch-function-mode" and syncs["steps_checked"] == 2
+    (site,) = syncs["sites"]
+    assert (site.kind, site.filename, site.lineno, site.count) == ("item", __file__, _line_of("# SYNC-LINE"), 2)
+    (rec,) = [r for r in callback.report["recommendations"] if r.rule == "host_syncs"]
+    assert f"test_bottleneck.py:{site.lineno}" in rec.evidence and "1.0 per step" in rec.evidence
+    assert torch._C._len_torch_function_stack() == 0  # the mode is gone after the checked steps
+
+
+class FailingModel(Scripted):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        raise RuntimeError("model failure")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.opt = super().configure_optimizers()
+        return self.opt
+
+
+def test_a_failing_step_leaves_no_mode_or_hook_behind(tmp_path: Path) -> None:
+    clock = ScriptedClock()
+    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=1)
+    model = FailingModel(clock)
+    with pytest.raises(RuntimeError, match="model failure"):
+        quiet_trainer(tmp_path, [callback], max_steps=2).fit(model, DataLoader(SlowData(clock, 0.5), batch_size=2))
+    assert torch._C._len_torch_function_stack() == 0
+    assert "on_before_batch_transfer" not in model.__dict__ and "on_after_batch_transfer" not in model.__dict__
+    assert not model.opt._optimizer_step_post_hooks
+
+
+# --------------------------------------------------------------------------------------------- training unchanged
+
+
+def _fit_convnet(tmp_path: Path, callbacks: list[pl.Callback]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses: list[float] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *args: Any) -> None:
+            losses.append(float(outputs["loss"]))
+
+    pl.seed_everything(0, verbose=False)
+    model, data = make_workload("convnet", "tiny", seed=0)
+    quiet_trainer(tmp_path, [*callbacks, Record()], max_steps=6, limit_val_batches=2, val_check_interval=3).fit(
+        model, datamodule=data
+    )
+    return losses, model.state_dict()
+
+
+def test_observing_does_not_change_training(tmp_path: Path) -> None:
+    plain_losses, plain_state = _fit_convnet(tmp_path / "plain", [])
+    observers = [
+        BottleneckCallback(warmup_steps=2, sync_check_steps=2, verbose=False),
+        MemoryProfilerCallback(every_n_steps=1, warmup_steps=1, verbose=False),
+    ]
+    observed_losses, observed_state = _fit_convnet(tmp_path / "observed", observers)
+    assert observed_losses == plain_losses
+    for key, value in plain_state.items():
+        assert torch.equal(observed_state[key], value), key
+
+
+def test_lm_dict_batches_give_the_batch_size(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    model, data = make_workload("lm", "tiny", seed=0, batch_size=8)
+    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=1, verbose=False)
+    quiet_trainer(tmp_path, [callback], max_steps=3).fit(model, datamodule=data)
+    assert callback.report["throughput"]["batch_size_median"] == 8
+    assert math.isfinite(callback.report["throughput"]["samples_per_s"])
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+def test_no_device_synchronize_per_step_on_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = torch.cuda.synchronize
+
+    def counting(device: Any = None) -> None:
+        calls.append("sync")
+        real(device)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", counting)
+
+    class Count(pl.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            per_step.append(len(calls))
+
+    per_step: list[int] = []
+    pl.seed_everything(0, verbose=False)
+    model, data = make_workload("convnet", "tiny", seed=0)
+    observers = [BottleneckCallback(warmup_steps=2, sync_check_steps=1, verbose=False), MemoryProfilerCallback()]
+    quiet_trainer(tmp_path, [*observers, Count()], accelerator="cuda", max_steps=12).fit(model, datamodule=data)
+    assert per_step == [0] * 12  # nothing synchronized the device during training
+    assert len(calls) <= 1  # the timer reads every pending step back at fit end, with at most one wait
+    assert torch.cuda.get_sync_debug_mode() == 0
+    assert observers[0].report["host_syncs"]["method"] == "cuda-sync-debug-mode"
+    assert observers[0].report["device"].startswith("cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_sync_debug_mode_finds_item_in_the_step(tmp_path: Path) -> None:
+    class ItemModel(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = self.layer(batch).pow(2).mean()
+            self.seen = loss.item()  # CUDA-SYNC-LINE
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callback = BottleneckCallback(warmup_steps=2, sync_check_steps=2, verbose=False)
+    data = DataLoader(torch.randn(16, 4), batch_size=2)
+    quiet_trainer(tmp_path, [callback], accelerator="cuda", max_steps=4).fit(ItemModel(), data)
+    sites = callback.report["host_syncs"]["sites"]
+    assert any(s.lineno == _line_of("# CUDA-SYNC-LINE") for s in sites), sites
+    assert torch.cuda.get_sync_debug_mode() == 0

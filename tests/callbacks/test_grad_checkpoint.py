@@ -1,0 +1,164 @@
+"""GradCheckpointCallback: what it wraps and reports, when it refuses, and that training is the plain model's."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.strategies import FSDPStrategy
+from torch import nn
+
+from lightning_perf import NoEffectWarning
+from lightning_perf.callbacks import GradCheckpointCallback
+from lightning_perf.functional.grad_checkpoint import CheckpointedForward, checkpointed_modules
+from lightning_perf.functional.surgery import find_forward_patch
+from tests._models import SequenceModule, encoder, trainer
+
+
+class Spy(GradCheckpointCallback):
+    """Records which blocks are checkpointed while training runs."""
+
+    seen: list[str]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self.seen = checkpointed_modules(pl_module)
+
+
+def test_fit_checkpoints_the_layers_reports_them_and_unwraps_after(tmp_path: Path, caplog) -> None:
+    model = SequenceModule(encoder(depth=3))
+    callback = Spy()
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, callbacks=[callback]).fit(model)
+    assert callback.wrapped == callback.seen == ["net.layers.0", "net.layers.1", "net.layers.2"]
+    assert "activation checkpointing on 3 of 3 blocks (TransformerEncoderLayer): net.layers.0" in caplog.text
+    assert checkpointed_modules(model) == []  # the model is the user's again after fit
+
+
+def test_training_equals_the_plain_model(tmp_path: Path) -> None:
+    results = []
+    for callbacks in ([], [GradCheckpointCallback("torch.nn.TransformerEncoderLayer")]):
+        torch.manual_seed(0)
+        model = SequenceModule(encoder(depth=2, dropout=0.1))
+        trainer(tmp_path, callbacks=callbacks, max_steps=4).fit(model)
+        results.append(model.state_dict())
+    for key in results[0]:
+        torch.testing.assert_close(results[1][key], results[0][key], atol=0, rtol=0, msg=key)
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    def fit(max_epochs: int, ckpt: Path | None = None, save: Path | None = None) -> SequenceModule:
+        torch.manual_seed(0)
+        model = SequenceModule(encoder(depth=2))  # no dropout: Lightning does not restore the global RNG on resume
+        run = trainer(tmp_path, callbacks=[GradCheckpointCallback()], max_steps=-1, max_epochs=max_epochs)
+        run.fit(model, ckpt_path=ckpt)
+        if save is not None:
+            run.save_checkpoint(save)
+        return model
+
+    straight = fit(2)
+    fit(1, save=tmp_path / "one.ckpt")
+    resumed = fit(2, ckpt=tmp_path / "one.ckpt")
+    for key, value in straight.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, atol=0, rtol=0, msg=key)
+
+
+def test_checkpoint_loads_into_the_plain_model_and_back(tmp_path: Path) -> None:
+    model = SequenceModule(encoder(depth=2))
+    run = trainer(tmp_path, callbacks=[GradCheckpointCallback()])
+    run.fit(model)
+    run.save_checkpoint(tmp_path / "with.ckpt")
+    state = torch.load(tmp_path / "with.ckpt", weights_only=True)["state_dict"]
+    plain = SequenceModule(encoder(depth=2))
+    assert set(state) == set(plain.state_dict())
+    plain.load_state_dict(state)
+    again = SequenceModule(encoder(depth=2))
+    trainer(tmp_path, callbacks=[GradCheckpointCallback()], max_steps=4).fit(again, ckpt_path=tmp_path / "with.ckpt")
+
+
+def test_layers_built_in_configure_model_are_found(tmp_path: Path) -> None:
+    class Deferred(SequenceModule):
+        def __init__(self) -> None:
+            super().__init__(nn.Identity())
+
+        def configure_model(self) -> None:
+            if isinstance(self.net, nn.Identity):
+                self.net = encoder(depth=2)
+
+    callback = Spy()
+    trainer(tmp_path, callbacks=[callback]).fit(Deferred())
+    assert callback.seen == ["net.layers.0", "net.layers.1"]
+
+
+def test_every_n_and_fit_twice(tmp_path: Path) -> None:
+    model = SequenceModule(encoder(depth=4))
+    callback = Spy(every_n=2)
+    for _ in range(2):
+        trainer(tmp_path, callbacks=[callback]).fit(model)
+        assert callback.seen == ["net.layers.0", "net.layers.2"]
+        assert all(find_forward_patch(m, CheckpointedForward) is None for m in model.modules())
+
+
+def test_already_checkpointed_blocks_are_reported_and_left_to_their_owner(tmp_path: Path, caplog) -> None:
+    from lightning_perf.functional.grad_checkpoint import apply_activation_checkpointing
+
+    model = SequenceModule(encoder(depth=2))
+    apply_activation_checkpointing(model, filter_fn=lambda m, n: n == "net.layers.0")
+    callback = GradCheckpointCallback()
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, callbacks=[callback]).fit(model)
+    assert callback.wrapped == ["net.layers.1"]
+    assert "already checkpointed before: net.layers.0" in caplog.text
+    assert checkpointed_modules(model) == ["net.layers.0"]
+
+
+def test_nothing_to_checkpoint_warns(tmp_path: Path) -> None:
+    model = SequenceModule(nn.Linear(16, 16))
+    with pytest.warns(NoEffectWarning, match=r"GradCheckpointCallback\(modules='auto'\) found no repeated blocks"):
+        trainer(tmp_path, callbacks=[GradCheckpointCallback()]).fit(model)
+    with pytest.warns(NoEffectWarning, match="filter_fn='nothing'.*matched nothing"):
+
+        def nothing(module: nn.Module, name: str) -> bool:
+            return False
+
+        trainer(tmp_path, callbacks=[GradCheckpointCallback(filter_fn=nothing)]).fit(SequenceModule())
+
+
+def test_unknown_class_name_fails_at_setup(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'TransformerEncoderLayr' \\(did you mean 'TransformerEncoderLayer'"):
+        trainer(tmp_path, callbacks=[GradCheckpointCallback("TransformerEncoderLayr")]).fit(SequenceModule())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"modules": "torch.nn.NoSuchLayer"}, ValueError, "Cannot import the module class 'torch.nn.NoSuchLayer'"),
+        ({"modules": 3}, TypeError, "`modules` got 3"),
+        ({"modules": []}, ValueError, "`modules` is empty"),
+        ({"modules": "Block", "filter_fn": lambda m, n: True}, ValueError, "either `modules` or `filter_fn`"),
+        ({"filter_fn": "layers"}, TypeError, "not callable"),
+        ({"fraction": 0.0}, ValueError, r"fraction=0.0.*\(0, 1\]"),
+        ({"every_n": -1}, ValueError, "every_n=-1"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        GradCheckpointCallback(**kwargs)
+
+
+def test_fsdp_warns_with_the_advice_and_leaves_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    class FakeTrainer:
+        strategy = FSDPStrategy()
+
+    model = SequenceModule(encoder(depth=2))
+    with pytest.warns(NoEffectWarning, match=r"under FSDP.*activation_checkpointing_policy"):
+        GradCheckpointCallback().setup(FakeTrainer(), model, "fit")  # type: ignore[arg-type]
+    assert checkpointed_modules(model) == []
+
+
+def test_bf16_mixed_precision(tmp_path: Path) -> None:
+    model = SequenceModule(encoder(depth=2))
+    callback = Spy()
+    trainer(tmp_path, callbacks=[callback], precision="bf16-mixed").fit(model)
+    assert callback.seen == ["net.layers.0", "net.layers.1"]

@@ -1,0 +1,482 @@
+"""QATCallback: the open bugs of Lightning 1.x's QuantizationAwareTraining are the test list (resume, test from a
+checkpoint, fit twice, loading into a fresh model, keyword arguments to forward, pruning), plus schedules, PTQ,
+the end-of-fit artifact, fallbacks and early errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelPruning
+from lightning.pytorch.loggers import Logger
+from torch import nn
+
+from lightning_perf import FallbackWarning, NoEffectWarning, _imports
+from lightning_perf.callbacks import QATCallback
+from lightning_perf.callbacks import qat as callback_module
+from lightning_perf.demos import ConvNetModule, make_workload
+from lightning_perf.functional import qat
+
+pytest.importorskip("torchao")
+
+QUICK = {"benchmark": False, "validation_batches": 1}
+
+
+def _trainer(root: Path, callbacks: list[Any], **overrides: Any) -> pl.Trainer:
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 3,
+        "limit_val_batches": 2,
+        "limit_test_batches": 2,
+        "limit_predict_batches": 1,
+        "num_sanity_val_steps": 0,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": root,
+        **overrides,
+    }
+    return pl.Trainer(callbacks=callbacks, **kwargs)
+
+
+def _convnet(seed: int = 0) -> tuple[pl.LightningModule, pl.LightningDataModule]:
+    pl.seed_everything(seed, verbose=False)
+    return make_workload("convnet", "tiny", seed=seed)
+
+
+# ---------------------------------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backend": "fbgemm"}, r"QATCallback\(backend='fbgemm'\)` is not valid. Expected one of: x86, torchao"),
+        ({"mode": "int8"}, r"mode='int8'"),
+        ({"base_config": "IntxWeightOnlyConfig"}, r"x86 backend .* takes no base config"),
+        ({"backend": "torchao", "base_config": "Int8DynamicActivationInt8WeightConfig"}, r"cannot train"),
+        ({"freeze_bn_after": -1}, r"freeze_bn_after=-1"),
+        ({"fake_quant_after": 1.5}, r"fake_quant_after=1.5"),
+        ({"schedule_unit": "batch"}, r"schedule_unit='batch'.*epoch, step"),
+        ({"mode": "ptq", "freeze_bn_after": 1}, r"apply to QAT only"),
+        ({"eval_converted_every_n_epochs": 0}, r"eval_converted_every_n_epochs=0"),
+        ({"benchmark_batch_sizes": [1, 0]}, r"benchmark_batch_sizes"),
+        ({"filename": "../x"}, r"filename='../x'"),
+        ({"min_cosine": 2}, r"min_cosine=2"),
+        ({"submodule": ""}, r"submodule=''"),
+    ],
+)
+def test_bad_options_fail_at_construction(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        QATCallback(**kwargs)
+
+
+def test_torchao_missing_names_the_qat_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_imports, "is_available", lambda module: False)
+    with pytest.raises(
+        ModuleNotFoundError, match=r"QATCallback\(backend='x86'\) needs `torchao`.*lightning-perf\[qat\]"
+    ):
+        QATCallback()
+
+
+def test_base_config_from_yaml_is_kept_as_plain_data() -> None:
+    callback = QATCallback(
+        "torchao", base_config={"Int8DynamicActivationIntxWeightConfig": {"weight_dtype": "int4"}}, benchmark=False
+    )
+    assert callback.base_config == {"Int8DynamicActivationIntxWeightConfig": {"weight_dtype": "int4"}}
+
+
+# ------------------------------------------------------------------------------------------------ bad models
+
+
+def test_unknown_submodule_is_named(tmp_path: Path) -> None:
+    model, data = _convnet()
+    with pytest.raises(ValueError, match=r"has no submodule 'backbone'. Its children: net, train_metric"):
+        _trainer(tmp_path, [QATCallback(submodule="backbone", **QUICK)]).fit(model, datamodule=data)
+
+
+def test_two_parameter_holders_need_a_name(tmp_path: Path) -> None:
+    model, data = _convnet()
+    model.extra = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"children holding parameters: net, extra. Pass `submodule="):
+        _trainer(tmp_path, [QATCallback(**QUICK)]).fit(model, datamodule=data)
+
+
+class _NotExportable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.fc(x.flatten(1))
+        return logits if bool(x.mean() > 0) else -logits
+
+
+def test_model_that_cannot_be_exported_fails_in_setup_with_the_reason(tmp_path: Path) -> None:
+    model, data = _convnet()
+    model.net = _NotExportable()
+    with pytest.raises(qat.QuantizationError, match=r"torch.export could not capture _NotExportable .*data-dependent"):
+        _trainer(tmp_path, [QATCallback(**QUICK)]).fit(model, datamodule=data)
+
+
+def test_nothing_to_quantize_warns_and_trains_unchanged(tmp_path: Path) -> None:
+    model, data = make_workload("unet3d", "tiny")  # 3D convolutions: X86InductorQuantizer has nothing to do
+    float_net = model.net
+    callback = QATCallback(**QUICK)
+    with pytest.warns(NoEffectWarning, match="found nothing to quantize in UNet3D"):
+        _trainer(tmp_path, [callback]).fit(model, datamodule=data)
+    assert model.net is float_net and callback.report is None and callback.state_dict()["recipe"] is None
+
+
+def test_x86_refuses_model_pruning(tmp_path: Path) -> None:
+    model, data = _convnet()
+    callbacks = [QATCallback(**QUICK), ModelPruning("l1_unstructured", amount=0.5)]
+    with pytest.raises(ValueError, match=r"cannot train with `ModelPruning`"):
+        _trainer(tmp_path, callbacks).fit(model, datamodule=data)
+
+
+# ----------------------------------------------------------------------------------------------------- x86 QAT
+
+
+def test_fit_prepares_before_optimizers_and_exports_at_the_end(tmp_path: Path) -> None:
+    model, data = _convnet()
+    float_net = model.net
+    callback = QATCallback(**QUICK)
+    trainer = _trainer(tmp_path, [callback])
+    trainer.fit(model, datamodule=data)
+    assert isinstance(model.net, qat.PreparedGraphModule)
+    # The optimizer trained the prepared graph's parameters (the float module's own Parameter objects).
+    optimizer_params = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert optimizer_params == {id(p) for p in model.parameters()} == {id(p) for p in float_net.parameters()}
+    report = callback.report
+    assert report is not None and report.ok, report and report.problems
+    assert report.artifact == tmp_path / "quantized" / "model_int8.pt2"
+    data_json = json.loads((tmp_path / "quantized" / "model_int8.json").read_text())
+    assert data_json["recipe"]["input_shapes"] == [[3, 16, 16]]
+    assert data_json["validation"]["cosine"] > 0.99 and data_json["metadata"]["submodule"] == "net"
+    program = torch.export.load(report.artifact).module()
+    assert program(torch.randn(2, 3, 16, 16)).shape == (2, 10)
+    assert callback.state_dict()["recipe"]["backend"] == "x86"
+    # The trained model stays trainable and usable for every other entry point.
+    (val,) = trainer.validate(model, datamodule=data, verbose=False)
+    predictions = trainer.predict(model, datamodule=data)
+    assert val["val_loss"] > 0 and predictions and predictions[0].shape[-1] == 10
+    assert model.training is False or isinstance(model.training, bool)
+
+
+def test_fit_twice_keeps_training_the_same_prepared_model(tmp_path: Path) -> None:
+    model, data = _convnet()
+    callback = QATCallback(**QUICK)
+    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
+    prepared = model.net
+    before = {k: v.clone() for k, v in prepared.state_dict().items()}
+    trainer = _trainer(tmp_path, [callback])
+    trainer.fit(model, datamodule=data)
+    assert model.net is prepared and trainer.global_step == 3
+    assert any(not torch.equal(v, before[k]) for k, v in prepared.state_dict().items())
+    assert callback.report is not None and callback.report.ok
+
+
+def _checkpoint(tmp_path: Path, **callback_kwargs: Any) -> tuple[pl.LightningModule, Path, QATCallback]:
+    model, data = _convnet()
+    callback = QATCallback(**{**QUICK, **callback_kwargs})
+    trainer = _trainer(tmp_path / "run", [callback])
+    trainer.fit(model, datamodule=data)
+    path = tmp_path / "qat.ckpt"
+    trainer.save_checkpoint(path)
+    return model, path, callback
+
+
+def test_checkpoint_has_plain_keys_and_the_quantization_state_in_the_callback_entry(tmp_path: Path) -> None:
+    model, path, callback = _checkpoint(tmp_path)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    plain, _ = _convnet()
+    assert set(checkpoint["state_dict"]) == set(plain.state_dict())
+    entry = checkpoint["callbacks"][callback.state_key]
+    assert entry["recipe"] == callback.state_dict()["recipe"]
+    expected = {f"net.{k}" for k in qat.quantization_state_keys(model.net)}
+    assert set(entry["quantization_state"]) == expected and expected
+
+
+def test_resume_reprepares_before_the_weights_load(tmp_path: Path) -> None:
+    model, path, _ = _checkpoint(tmp_path)
+    fresh, data = _convnet(seed=1)
+    callback = QATCallback(**QUICK)
+    # max_steps equal to the checkpoint's: the run restores everything and stops, so the state is the checkpoint's.
+    _trainer(tmp_path / "resumed", [callback]).fit(fresh, datamodule=data, ckpt_path=path)
+    assert isinstance(fresh.net, qat.PreparedGraphModule)
+    expected = model.state_dict()
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
+    assert callback.recipe == qat.recipe_of(model.net)
+
+
+def test_test_with_ckpt_path_on_a_fresh_model(tmp_path: Path) -> None:
+    model, path, _ = _checkpoint(tmp_path)
+    _, data = _convnet()
+    (trained,) = _trainer(tmp_path / "a", [QATCallback(**QUICK)]).test(model, datamodule=data, verbose=False)
+    fresh, _ = _convnet(seed=3)
+    (restored,) = _trainer(tmp_path / "b", [QATCallback(**QUICK)]).test(
+        fresh, datamodule=data, ckpt_path=path, verbose=False
+    )
+    assert isinstance(fresh.net, qat.PreparedGraphModule)
+    assert restored == pytest.approx(trained, abs=1e-6)
+
+
+def test_checkpoint_recipe_wins_over_the_callback_settings(tmp_path: Path) -> None:
+    """A checkpoint from the torchao backend, tested with a default (x86) callback: prepared as the checkpoint says."""
+    model, data = make_workload("lm", "tiny")
+    trainer = _trainer(tmp_path / "run", [QATCallback("torchao", **QUICK)])
+    trainer.fit(model, datamodule=data)
+    trainer.save_checkpoint(tmp_path / "lm.ckpt")
+    fresh, _ = make_workload("lm", "tiny", seed=5)
+    _trainer(tmp_path / "t", [QATCallback(**QUICK)]).test(fresh, datamodule=data, ckpt_path=tmp_path / "lm.ckpt")
+    assert qat.recipe_of(fresh.net).backend == "torchao"
+
+
+def test_load_checkpoint_into_a_fresh_model(tmp_path: Path) -> None:
+    model, path, _ = _checkpoint(tmp_path)
+    fresh, _ = _convnet(seed=7)
+    recipe = QATCallback.load_checkpoint(fresh, path)
+    assert recipe == qat.recipe_of(model.net)
+    x = torch.randn(5, 3, 16, 16)
+    model.eval()
+    fresh.eval()
+    torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
+
+
+def test_checkpoint_without_the_callback_state_loads_into_a_prepared_model(tmp_path: Path) -> None:
+    """A float checkpoint (or a weights-only one) fine-tuned with QAT: the observers start from where they are."""
+    model, data = _convnet()
+    trainer = _trainer(tmp_path, [], max_steps=2)
+    trainer.fit(model, datamodule=data)
+    trainer.save_checkpoint(tmp_path / "float.ckpt")
+    fresh, _ = _convnet(seed=1)
+    resumed = _trainer(tmp_path, [QATCallback(**QUICK)], max_steps=3)
+    resumed.fit(fresh, datamodule=data, ckpt_path=tmp_path / "float.ckpt")
+    assert resumed.global_step == 3 and isinstance(fresh.net, qat.PreparedGraphModule)
+
+
+class _KeywordForward(ConvNetModule):
+    """`forward` takes a keyword argument: Lightning 1.x's callback replaced forward and dropped it."""
+
+    def forward(self, x: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+        return self.net(x) / temperature
+
+    def compute(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        inputs, target = batch
+        logits = self(inputs, temperature=2.0)
+        return nn.functional.cross_entropy(logits, target), logits.detach(), target
+
+
+def test_forward_keyword_arguments_still_reach_the_model(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    model = _KeywordForward("tiny")
+    _, data = _convnet()
+    _trainer(tmp_path, [QATCallback(**QUICK)]).fit(model, datamodule=data)
+    x = torch.randn(2, 3, 16, 16)
+    model.eval()
+    torch.testing.assert_close(model(x, temperature=4.0) * 2, model(x, temperature=2.0))
+
+
+class _Flattening(ConvNetModule):
+    """The LightningModule reshapes its input before the submodule, and has no `example_input_array`."""
+
+    def __init__(self) -> None:
+        super().__init__("tiny")
+        self.net = nn.Sequential(nn.Linear(3 * 16 * 16, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.example_input_array = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))
+
+
+def test_example_input_is_what_the_submodule_receives_from_the_first_batch(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    model = _Flattening()
+    _, data = _convnet()
+    callback = QATCallback(**QUICK)
+    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
+    assert callback.recipe is not None and callback.recipe.input_shapes == ((3 * 16 * 16,),)
+
+
+class _Probe(Callback):
+    """Records, after every training forward, what the step ran with: observers, batch-norm training, fake quant.
+
+    After each validation Lightning puts the modules back in training mode by assigning ``module.training``
+    directly: the graph must follow that too, or training would go on with inference batch norm.
+    """
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, bool, bool, bool]] = []
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        state = pl_module.net.state_dict()
+        observers = all(int(v) == 1 for k, v in state.items() if k.endswith("observer_enabled"))
+        fake_quant = all(int(v) == 1 for k, v in state.items() if k.endswith("fake_quant_enabled"))
+        bn_training = [n.args[5] for n in pl_module.net.graph.nodes if n.target is torch.ops.aten.batch_norm.default]
+        self.seen.append((trainer.global_step, observers, all(bn_training), fake_quant))
+
+
+def test_step_schedules(tmp_path: Path) -> None:
+    model, data = _convnet()
+    probe = _Probe()
+    callback = QATCallback(
+        disable_observers_after=3, freeze_bn_after=2, fake_quant_after=1, schedule_unit="step", **QUICK
+    )
+    _trainer(tmp_path, [callback, probe], max_steps=4).fit(model, datamodule=data)
+    assert probe.seen == [
+        (0, True, True, False),
+        (1, True, True, True),
+        (2, True, False, True),
+        (3, False, False, True),
+    ]
+
+
+def test_epoch_schedules_and_periodic_converted_checks(tmp_path: Path) -> None:
+    class Metrics(Logger):
+        name, version = "memory", "0"
+        logged: list[dict[str, float]] = []
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.logged.append(metrics)
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    model, data = _convnet()
+    probe = _Probe()
+    callback = QATCallback(disable_observers_after=1, eval_converted_every_n_epochs=1, **QUICK)
+    trainer = _trainer(tmp_path, [callback, probe], max_steps=-1, max_epochs=2, limit_train_batches=2, logger=Metrics())
+    trainer.fit(model, datamodule=data)
+    assert [s[1] for s in probe.seen] == [True, True, False, False]
+    assert all(s[2] for s in probe.seen)  # batch norm trains in epoch 2 too, after the first validation
+    assert [h["epoch"] for h in callback.history] == [0, 1]
+    assert all(h["cosine"] > 0.99 and h["accuracy_gap_pp"] is not None for h in callback.history)
+    logged = [m for m in Metrics.logged if "qat/accuracy_gap_pp" in m]
+    assert len(logged) == 2 and "qat/int8_top1_agreement" in logged[0]
+
+
+def test_eval_does_not_move_the_quantization_ranges(tmp_path: Path) -> None:
+    model, data = _convnet()
+    _trainer(tmp_path, [QATCallback(**QUICK)]).fit(model, datamodule=data)
+    ranges = ("min_val", "max_val", "scale", "zero_point")
+    before = {k: v.clone() for k, v in model.net.state_dict().items() if k.endswith(ranges)}
+    assert before
+    _trainer(tmp_path, [QATCallback(**QUICK)]).validate(model, datamodule=data, verbose=False)
+    after = model.net.state_dict()
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
+
+
+# ------------------------------------------------------------------------------------- failures at the end
+
+
+def test_failure_at_the_end_warns_and_leaves_model_and_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("export exploded")
+
+    monkeypatch.setattr(callback_module, "export_quantized", broken)
+    model, data = _convnet()
+    trainer = _trainer(tmp_path, [QATCallback(**QUICK)], enable_checkpointing=True)
+    with pytest.warns(FallbackWarning, match="export exploded.*unchanged"):
+        trainer.fit(model, datamodule=data)
+    checkpoints = list((tmp_path / "checkpoints").glob("*.ckpt")) if (tmp_path / "checkpoints").exists() else []
+    checkpoints = checkpoints or list(tmp_path.rglob("*.ckpt"))
+    assert checkpoints and isinstance(model.net, qat.PreparedGraphModule)
+    assert set(torch.load(checkpoints[0], weights_only=True)["state_dict"]) == set(_convnet()[0].state_dict())
+    model2, data2 = _convnet()
+    with pytest.raises(qat.QuantizationError, match="export exploded"):
+        _trainer(tmp_path / "strict", [QATCallback(strict=True, **QUICK)]).fit(model2, datamodule=data2)
+
+
+# --------------------------------------------------------------------------------------------- torchao backend
+
+
+def test_torchao_backend_on_the_language_model(tmp_path: Path) -> None:
+    model, data = make_workload("lm", "tiny")
+    keys = set(model.state_dict())
+    callback = QATCallback("torchao", **QUICK)
+    trainer = _trainer(tmp_path, [callback])
+    trainer.fit(model, datamodule=data)
+    assert set(model.state_dict()) == keys
+    assert callback.report is not None and callback.report.ok, callback.report.problems
+    assert callback.report.validation.cosine > 0.99
+    program = torch.export.load(callback.report.artifact).module()
+    assert program(torch.zeros(2, 32, dtype=torch.long)).shape[:2] == (2, 32)
+
+
+def test_torchao_backend_with_pruning(tmp_path: Path) -> None:
+    model, data = make_workload("lm", "tiny")
+    pruning = ModelPruning("l1_unstructured", amount=0.5, parameter_names=["weight"], verbose=0)
+    callback = QATCallback("torchao", **QUICK)
+    _trainer(tmp_path, [callback, pruning], max_steps=-1, max_epochs=1, limit_train_batches=2).fit(
+        model, datamodule=data
+    )
+    assert type(model.net.blocks[0].mlp[0]).__name__ == "FakeQuantizedLinear"
+    # Global L1 pruning of every `weight` (amount 0.5), applied to the fake-quantized layers and made permanent.
+    weights = [m.weight for m in model.net.modules() if isinstance(getattr(m, "weight", None), nn.Parameter)]
+    zeros = sum(int((w == 0).sum()) for w in weights) / sum(w.numel() for w in weights)
+    assert zeros == pytest.approx(0.5, abs=0.01)
+    assert all(not hasattr(m, "weight_orig") for m in model.net.modules())
+    assert callback.report is not None and callback.report.ok
+
+
+def test_torchao_pruner_first_is_refused(tmp_path: Path) -> None:
+    model, data = make_workload("lm", "tiny")
+    callbacks = [ModelPruning("l1_unstructured", amount=0.5), QATCallback("torchao", **QUICK)]
+    with pytest.raises(ValueError, match="Put `QATCallback` before `ModelPruning`"):
+        _trainer(tmp_path, callbacks).fit(model, datamodule=data)
+
+
+def test_torchao_observer_schedule_has_no_effect(tmp_path: Path) -> None:
+    model, data = make_workload("lm", "tiny")
+    with pytest.warns(NoEffectWarning, match="no observers"):
+        _trainer(tmp_path, [QATCallback("torchao", disable_observers_after=1, **QUICK)], max_steps=1).fit(
+            model, datamodule=data
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------- PTQ
+
+
+def test_ptq_after_fit_leaves_training_alone(tmp_path: Path) -> None:
+    model, data = _convnet()
+    float_net = model.net
+    callback = QATCallback(mode="ptq", calibration_batches=1, **QUICK)
+    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
+    assert model.net is float_net and not qat.is_prepared(model.net)
+    report = callback.report
+    assert report is not None and report.ok, report.problems
+    assert report.recipe.mode == "ptq" and report.metadata["calibration_samples"] == 32
+    assert report.validation.batches == 1
+
+
+def test_ptq_through_validate(tmp_path: Path) -> None:
+    model, data = _convnet()
+    callback = QATCallback(mode="ptq", calibration_batches=1, filename="ptq", **QUICK)
+    _trainer(tmp_path, [callback]).validate(model, datamodule=data, verbose=False)
+    assert callback.report is not None and callback.report.ok
+    assert (tmp_path / "quantized" / "ptq.pt2").is_file()
+
+
+# --------------------------------------------------------------------------------------------------------- timing
+
+
+@pytest.mark.slow
+def test_end_of_fit_benchmark_times_both_compiled_models(tmp_path: Path) -> None:
+    model, data = _convnet()
+    callback = QATCallback(benchmark_batch_sizes=(1, 4), latency_iterations=2, latency_warmup=1, validation_batches=1)
+    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
+    rows = callback.report.latency
+    assert [r.batch_size for r in rows] == [1, 4]
+    assert all(r.float_median_s > 0 and r.quantized_median_s > 0 for r in rows)
+    saved = json.loads(callback.report.report_path.read_text())
+    assert [row["batch_size"] for row in saved["latency"]] == [1, 4]

@@ -1,0 +1,248 @@
+"""TensorRTExportCallback: best checkpoint, untouched model and checkpoints, rank zero, fallback, early errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_perf import FallbackWarning
+from lightning_perf._imports import is_onnx_available, is_onnxruntime_available
+from lightning_perf.callbacks import TensorRTExportCallback
+from lightning_perf.callbacks import tensorrt_export as callback_module
+from lightning_perf.demos import ConvNetModule, make_workload
+from lightning_perf.functional.export import ExportError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+needs_onnx = pytest.mark.skipif(
+    not (is_onnx_available() and is_onnxruntime_available()), reason="needs the `onnx` extra"
+)
+QUICK = {"batch_range": (1, 2, 4), "latency_iterations": 2, "latency_warmup": 1, "device": "cpu"}
+
+
+def _trainer(root: Path, callbacks: list[Any], **overrides: Any) -> pl.Trainer:
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 3,
+        "limit_val_batches": 2,
+        "num_sanity_val_steps": 0,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": root,
+        **overrides,
+    }
+    return pl.Trainer(callbacks=callbacks, **kwargs)
+
+
+class _FirstStepIsBest(ConvNetModule):
+    """Logs the step as the monitored metric (mode "min"): the best checkpoint is the first one, not the final weights.
+
+    It has no ``example_input_array``, so the callback takes its example from the first validation batch.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.example_input_array = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("order", float(self.global_step))
+        return super().training_step(batch, batch_idx)
+
+
+@needs_onnx
+@pytest.mark.slow
+def test_exports_the_best_checkpoint_and_leaves_model_and_checkpoints_untouched(tmp_path: Path, monkeypatch) -> None:
+    pl.seed_everything(0, verbose=False)
+    model = _FirstStepIsBest("tiny")
+    _, data = make_workload("convnet", "tiny", seed=0)
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", monitor="order", mode="min", every_n_train_steps=1, save_top_k=1
+    )
+    callback = TensorRTExportCallback(backends=["onnx"], **QUICK)
+
+    seen: dict[str, Any] = {}
+    real_export = callback_module.export_model
+
+    def spy(model_copy: Any, *args: Any, **kwargs: Any) -> Any:
+        # State at the moment of export, to compare with the state after it.
+        seen["files"] = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "ckpt").glob("*.ckpt")}
+        seen["training"] = trained.training
+        seen["params"] = {k: v.clone() for k, v in trained.state_dict().items()}
+        seen["copy_is_model"] = model_copy is trained
+        return real_export(model_copy, *args, **kwargs)
+
+    trained = model
+    monkeypatch.setattr(callback_module, "export_model", spy)
+    trainer = _trainer(tmp_path, [checkpoint, callback], enable_checkpointing=True)
+    trainer.fit(model, datamodule=data)
+
+    best = Path(checkpoint.best_model_path)
+    assert best.name == "epoch=0-step=1.ckpt"  # the first step's weights, not the final ones
+    assert not seen["copy_is_model"]
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "ckpt").glob("*.ckpt")} == seen["files"]
+    assert model.training is seen["training"]
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, seen["params"][key], rtol=0, atol=0, msg=key)
+
+    report = callback.report
+    assert report is not None and report.ok and report.backend == "onnx"
+    assert report.artifact == tmp_path / "ckpt" / "model.onnx"  # next to the checkpoints
+    assert report.metadata["checkpoint"] == str(best) and report.metadata["source"] == "checkpoint"
+    assert report.validation_source == "validation_data"
+    saved = json.loads((tmp_path / "ckpt" / "model.export.json").read_text())
+    assert saved["metadata"]["global_step"] == 3
+
+    # The artifact computes what the best checkpoint computes, not what the final weights compute.
+    import onnxruntime as ort
+
+    x = next(iter(data.val_dataloader()))[0][:4]
+    (out,) = ort.InferenceSession(str(report.artifact), providers=["CPUExecutionProvider"]).run(
+        None, {"input": x.numpy()}
+    )
+    best_model = _FirstStepIsBest.load_from_checkpoint(best, map_location="cpu").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(out), best_model(x), atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(torch.from_numpy(out), model.eval()(x), atol=1e-4)
+
+
+def test_tensorrt_unavailable_warns_and_the_fit_still_succeeds(tmp_path: Path) -> None:
+    model, data = make_workload("convnet", "tiny", seed=0)
+    callback = TensorRTExportCallback(backends=["tensorrt"], **QUICK)  # on the CPU TensorRT cannot run anywhere
+    trainer = _trainer(tmp_path, [callback])
+    with pytest.warns(FallbackWarning, match="'tensorrt' is unavailable"):
+        trainer.fit(model, datamodule=data)
+    assert trainer.state.finished and trainer.global_step == 3
+    assert callback.report is not None and not callback.report.ok
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["model.export.json"]
+
+
+def test_strict_makes_an_export_failure_fail_the_fit(tmp_path: Path) -> None:
+    model, data = make_workload("convnet", "tiny", seed=0)
+    trainer = _trainer(tmp_path, [TensorRTExportCallback(backends=["tensorrt"], strict=True, **QUICK)])
+    with pytest.raises(ExportError, match="'tensorrt' is unavailable"):
+        trainer.fit(model, datamodule=data)
+    assert trainer.global_step == 3  # training itself ran to the end
+
+
+def test_a_failure_outside_the_export_warns_and_keeps_the_fit(tmp_path: Path, monkeypatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("cannot copy this model")
+
+    monkeypatch.setattr(callback_module, "_detached_copy", broken)
+    model, data = make_workload("convnet", "tiny", seed=0)
+    callback = TensorRTExportCallback(backends=["onnx"], **QUICK)
+    with pytest.warns(FallbackWarning, match="could not export the model .*cannot copy this model.*unchanged"):
+        _trainer(tmp_path, [callback]).fit(model, datamodule=data)
+    assert callback.report is None
+
+    strict = TensorRTExportCallback(backends=["onnx"], strict=True, **QUICK)
+    with pytest.raises(ExportError, match="cannot copy this model"):
+        _trainer(tmp_path, [strict]).fit(model, datamodule=data)
+
+
+def test_only_rank_zero_exports(tmp_path: Path, monkeypatch) -> None:
+    def must_not_run(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a rank other than zero exported")
+
+    monkeypatch.setattr(callback_module, "export_model", must_not_run)
+    monkeypatch.setattr(callback_module, "_detached_copy", must_not_run)
+    callback = TensorRTExportCallback(backends=["onnx"], dirpath=tmp_path, **QUICK)
+    rank_one = SimpleNamespace(is_global_zero=False, global_rank=1)
+    callback.on_fit_end(rank_one, ConvNetModule("tiny"))  # type: ignore[arg-type]
+    assert callback.report is None and list(tmp_path.iterdir()) == []
+
+
+@needs_onnx
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_process_ddp_writes_one_artifact_set(tmp_path: Path) -> None:
+    result = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "tests" / "_ddp_fit.py"),
+            "TensorRTExportCallback",
+            str(result),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(result.read_text())["world_size"] == 2
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [
+        "model.export.json",
+        "model.onnx",
+        "model.onnx.data",
+    ]
+
+
+# --------------------------------------------------------------------------------------------- early errors
+
+
+class _NoExample(ConvNetModule):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.example_input_array = None
+
+
+class _DictExample(ConvNetModule):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.example_input_array = {"x": torch.zeros(1, 3, 16, 16)}
+
+
+def test_no_example_input_fails_in_setup_before_training(tmp_path: Path) -> None:
+    _, data = make_workload("convnet", "tiny", seed=0)
+    data.setup("fit")
+    trainer = _trainer(tmp_path, [TensorRTExportCallback(backends=["onnx"], **QUICK)])
+    with pytest.raises(ValueError, match=r"no example input for _NoExample.*input_shapes"):
+        trainer.fit(_NoExample("tiny"), train_dataloaders=data.train_dataloader())
+    assert trainer.global_step == 0
+
+
+def test_dict_example_input_fails_in_setup(tmp_path: Path) -> None:
+    _, data = make_workload("convnet", "tiny", seed=0)
+    trainer = _trainer(tmp_path, [TensorRTExportCallback(backends=["onnx"], **QUICK)])
+    with pytest.raises(ValueError, match="example_input_array is a dict"):
+        trainer.fit(_DictExample("tiny"), datamodule=data)
+    assert trainer.global_step == 0
+
+
+def test_input_shapes_stand_in_for_a_missing_example(tmp_path: Path) -> None:
+    callback = TensorRTExportCallback(backends=["onnx"], input_shapes=[(3, 16, 16)], **QUICK)
+    trainer = SimpleNamespace()
+    callback.setup(trainer, _NoExample("tiny"), "fit")  # type: ignore[arg-type]  # no error: the shapes suffice
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"backends": ["tensorrt", "tflite"]}, r"TensorRTExportCallback\(backends=\['tensorrt', 'tflite'\]\)"),
+        ({"precision": "fp8"}, r"TensorRTExportCallback\(precision='fp8'\).*fp32, fp16, bf16"),
+        ({"batch_range": (16, 8, 32)}, "min <= opt <= max, got min=16, opt=8, max=32"),
+        ({"batch_range": (1, 64, 32)}, "got min=1, opt=64, max=32"),
+        ({"input_shapes": [(3, -1)]}, "positive integer sizes"),
+        ({"filename": "../model"}, "filename='../model'"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TensorRTExportCallback(**kwargs)

@@ -1,0 +1,349 @@
+"""The reference workloads: shapes, determinism of data and sampling, learnability, checkpoints, errors."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import SequentialSampler
+
+from lightning_perf.demos import PRESETS, WORKLOADS, EpochSeededRandomSampler, make_workload, workload_names
+from lightning_perf.demos.lm import CausalSelfAttention, LMBlock, LMModule
+from lightning_perf.demos.vit import ViTBlock, ViTModule
+
+NAMES = ["convnet", "unet3d", "vit", "lm"]
+
+# Batch shapes of the tiny presets: (inputs, targets, model output).
+TINY_SHAPES: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {
+    "convnet": ((32, 3, 16, 16), (32,), (32, 10)),
+    "unet3d": ((4, 1, 16, 16, 16), (4, 1, 16, 16, 16), (4, 1, 16, 16, 16)),
+    "vit": ((32, 3, 16, 16), (32,), (32, 10)),
+    "lm": ((32, 32), (32, 32), (32, 32, 64)),
+}
+
+# Learnability after LEARN_STEPS steps on `tiny`. Observed over seeds 0-7 (the test uses seed 0): val_acc >= 0.81
+# convnet, >= 0.72 vit, >= 0.52 lm (chance 1/64; the chain allows ~0.55); val_dice >= 0.77 unet3d (all-foreground
+# scores ~0.22); mean of the last 5 training losses <= 0.5x the first. The thresholds keep a wide margin below that.
+LEARN_STEPS = 40
+MIN_METRIC = {"convnet": 0.5, "vit": 0.4, "lm": 0.3, "unet3d": 0.5}
+MAX_LOSS_RATIO = 0.7
+
+
+def _inputs_and_targets(name: str, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if name == "lm":
+        return batch["input_ids"], batch["labels"]
+    return batch
+
+
+def _first_batch(data: pl.LightningDataModule, split: str = "train") -> Any:
+    data.setup("fit")
+    return next(iter(getattr(data, f"{split}_dataloader")()))
+
+
+def _assert_batches_equal(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        a, b = list(a.values()), list(b.values())
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def _trainer(**overrides: Any) -> pl.Trainer:
+    kwargs: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    kwargs.update(overrides)
+    return pl.Trainer(**kwargs)
+
+
+class _LossRecorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_registry() -> None:
+    assert workload_names() == NAMES == list(WORKLOADS)
+    assert PRESETS == ("tiny", "default")
+    for name, workload in WORKLOADS.items():
+        assert workload.name == name
+        assert workload.task in ("classification", "segmentation", "language-modeling")
+        assert issubclass(workload.module_cls, pl.LightningModule)
+        assert issubclass(workload.datamodule_cls, pl.LightningDataModule)
+        assert workload.description
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_shapes_and_single_parameter_child(name: str) -> None:
+    model, data = make_workload(name, "tiny")
+    inputs, targets = _inputs_and_targets(name, _first_batch(data))
+    in_shape, target_shape, out_shape = TINY_SHAPES[name]
+    assert tuple(inputs.shape) == in_shape
+    assert tuple(targets.shape) == target_shape
+    assert targets.dtype == torch.long
+    assert data.batch_size == in_shape[0]
+    with torch.no_grad():
+        assert tuple(model(inputs).shape) == out_shape
+        assert tuple(model.predict_step(_first_batch(data, "predict"), 0).shape) == out_shape
+        example = model(model.example_input_array)
+    assert tuple(example.shape) == (1, *out_shape[1:])
+    # Tools find "the single child module that holds the parameters".
+    holders = [child for child in model.children() if any(True for _ in child.parameters())]
+    assert holders == [model.net]
+    assert not any(isinstance(module, nn.Dropout) for module in model.modules())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_same_seed_same_data_and_model(name: str) -> None:
+    model_a, data_a = make_workload(name, "tiny", seed=0)
+    model_b, data_b = make_workload(name, "tiny", seed=0)
+    _assert_batches_equal(_first_batch(data_a), _first_batch(data_b))
+    _assert_batches_equal(_first_batch(data_a, "val"), _first_batch(data_b, "val"))
+    for key, value in model_a.state_dict().items():
+        assert torch.equal(value, model_b.state_dict()[key]), key
+
+    model_c, data_c = make_workload(name, "tiny", seed=1)
+    inputs_a, _ = _inputs_and_targets(name, _first_batch(data_a))
+    inputs_c, _ = _inputs_and_targets(name, _first_batch(data_c))
+    assert not torch.equal(inputs_a, inputs_c)
+    assert not all(torch.equal(v, model_c.state_dict()[k]) for k, v in model_a.state_dict().items())
+
+
+def test_make_workload_leaves_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    make_workload("vit", "tiny", seed=5)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_sampler_order_depends_only_on_seed_and_epoch() -> None:
+    straight = EpochSeededRandomSampler(50, seed=3)
+    orders = []
+    for epoch in range(3):
+        straight.set_epoch(epoch)
+        orders.append(list(straight))
+    assert all(sorted(order) == list(range(50)) for order in orders)
+    assert orders[0] != orders[1] != orders[2]
+
+    torch.manual_seed(999)  # the global RNG plays no part
+    fresh = EpochSeededRandomSampler(50, seed=3)
+    fresh.set_epoch(2)
+    assert list(fresh) == orders[2]
+    assert list(fresh) == orders[2]  # iterating twice in one epoch repeats the order
+
+    other_seed = EpochSeededRandomSampler(50, seed=4)
+    other_seed.set_epoch(2)
+    assert list(other_seed) != orders[2]
+    assert len(fresh) == 50
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_sampler_rejects_bad_length(bad: Any) -> None:
+    with pytest.raises(ValueError, match=rf"num_samples={bad!r}"):
+        EpochSeededRandomSampler(bad)
+
+
+def test_loaders_shuffle_train_only_and_pass_worker_options() -> None:
+    _, data = make_workload("convnet", "tiny", seed=0, pin_memory=True, persistent_workers=True)
+    data.setup("fit")
+    train = data.train_dataloader()
+    assert isinstance(train.sampler, EpochSeededRandomSampler)
+    assert train.drop_last
+    assert train.pin_memory
+    assert not train.persistent_workers  # only meaningful with workers
+    for split in ("val", "test", "predict"):
+        assert isinstance(getattr(data, f"{split}_dataloader")().sampler, SequentialSampler)
+
+    _, workers = make_workload("convnet", "tiny", num_workers=2, persistent_workers=True)
+    workers.setup("fit")
+    assert workers.train_dataloader().persistent_workers
+
+
+def test_checkpointed_data_seed_wins() -> None:
+    """A resumed run continues on the data of the checkpoint, whatever seed the fresh data module was given."""
+    _, original = make_workload("lm", "tiny", seed=0)
+    _, fresh = make_workload("lm", "tiny", seed=7)
+    fresh.setup("fit")
+    fresh.load_state_dict(original.state_dict())
+    assert fresh.hparams["seed"] == 0
+    _assert_batches_equal(_first_batch(fresh), _first_batch(original))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_is_learnable(name: str) -> None:
+    model, data = make_workload(name, "tiny", seed=0)
+    recorder = _LossRecorder()
+    trainer = _trainer(max_steps=LEARN_STEPS, limit_val_batches=0, callbacks=[recorder])
+    trainer.fit(model, datamodule=data)
+    assert len(recorder.losses) == LEARN_STEPS
+    assert sum(recorder.losses[-5:]) / 5 < MAX_LOSS_RATIO * recorder.losses[0], recorder.losses
+
+    (metrics,) = _trainer().validate(model, datamodule=data, verbose=False)
+    metric_name = "val_dice" if name == "unet3d" else "val_acc"
+    assert metrics[metric_name] > MIN_METRIC[name], metrics
+    if name == "lm":
+        assert recorder.losses[0] == pytest.approx(math.log(64), rel=0.05)  # an untrained model knows nothing
+        assert metrics["val_loss"] < 0.6 * math.log(64), metrics
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_from_checkpoint_round_trip(name: str, tmp_path: Path) -> None:
+    model, data = make_workload(name, "tiny", seed=0, lr=2e-3)
+    trainer = _trainer(max_steps=2, limit_val_batches=1, default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=data)
+    path = tmp_path / "model.ckpt"
+    trainer.save_checkpoint(path)
+
+    workload = WORKLOADS[name]
+    loaded = workload.module_cls.load_from_checkpoint(path, map_location="cpu")
+    assert loaded.hparams["preset"] == "tiny" and loaded.hparams["lr"] == 2e-3
+    expected = model.state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(model.example_input_array), model(model.example_input_array))
+
+    loaded_data = workload.datamodule_cls.load_from_checkpoint(path)
+    assert loaded_data.hparams["preset"] == "tiny" and loaded_data.batch_size == data.batch_size
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_resume_at_epoch_boundary_is_bit_identical(name: str, tmp_path: Path) -> None:
+    """One epoch, a checkpoint, a resumed second epoch (fresh objects, other seed) equal two epochs in one go."""
+    limits = {"limit_train_batches": 2, "limit_val_batches": 1, "max_epochs": 2}
+    straight_model, straight_data = make_workload(name, "tiny", seed=0)
+    _trainer(**limits).fit(straight_model, datamodule=straight_data)
+
+    first_model, first_data = make_workload(name, "tiny", seed=0)
+    first = _trainer(**{**limits, "max_epochs": 1})
+    first.fit(first_model, datamodule=first_data)
+    first.save_checkpoint(tmp_path / "epoch1.ckpt")
+
+    resumed_model, resumed_data = make_workload(name, "tiny", seed=1)  # the checkpoint's weights and data seed win
+    resumed = _trainer(**limits)
+    resumed.fit(resumed_model, datamodule=resumed_data, ckpt_path=tmp_path / "epoch1.ckpt")
+    assert resumed.global_step == 4
+    expected = straight_model.state_dict()
+    for key, value in resumed_model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_optimizer_and_epoch_cosine_schedule(name: str) -> None:
+    model, _ = make_workload(name, "tiny", weight_decay=0.05, schedule_epochs=4)
+    config = model.configure_optimizers()
+    optimizer = config["optimizer"]
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert optimizer.defaults["weight_decay"] == 0.05
+    assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {id(p) for p in model.parameters()}
+    scheduler = config["lr_scheduler"]
+    assert scheduler["interval"] == "epoch"
+    assert isinstance(scheduler["scheduler"], torch.optim.lr_scheduler.CosineAnnealingLR)
+    # A fixed length, not the trainer's max_epochs: an interrupted run and a straight one share the schedule.
+    assert scheduler["scheduler"].T_max == 4
+
+
+def test_transformer_blocks_are_repeated_siblings() -> None:
+    vit, _ = make_workload("vit", "tiny", depth=3)
+    assert isinstance(vit, ViTModule)
+    blocks = vit.net.blocks
+    assert isinstance(blocks, nn.ModuleList) and len(blocks) == 3
+    assert all(type(block) is ViTBlock for block in blocks)
+    assert all(isinstance(block.attn, nn.MultiheadAttention) and block.attn.batch_first for block in blocks)
+
+    lm, _ = make_workload("lm", "tiny")
+    assert isinstance(lm, LMModule)
+    assert all(type(block) is LMBlock and type(block.attn) is CausalSelfAttention for block in lm.net.blocks)
+
+
+def test_lm_attention_is_eager_and_causal(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the LM must not call scaled_dot_product_attention")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", forbidden)
+    model, data = make_workload("lm", "tiny")
+    model.eval()
+    input_ids = _first_batch(data)["input_ids"][:2]
+    changed = input_ids.clone()
+    changed[:, 20:] = (changed[:, 20:] + 1) % 64
+    with torch.no_grad():
+        before, after = model(input_ids), model(changed)
+    torch.testing.assert_close(after[:, :20], before[:, :20])  # the past does not see the future
+    assert not torch.allclose(after[:, 20:], before[:, 20:])
+    assert not any("future_mask" in key for key in model.state_dict())  # a non-persistent buffer
+
+
+def test_shape_overrides_reach_the_data_module() -> None:
+    model, data = make_workload("vit", "tiny", image_size=8, patch_size=4, num_classes=3, batch_size=5)
+    images, labels = _first_batch(data)
+    assert tuple(images.shape) == (5, 3, 8, 8)
+    assert int(labels.max()) < 3
+    with torch.no_grad():
+        assert tuple(model(images).shape) == (5, 3)
+
+
+def test_unknown_workload_and_preset() -> None:
+    with pytest.raises(ValueError, match=r"name='resnet9'.*Expected one of: convnet, unet3d, vit, lm"):
+        make_workload("resnet9")
+    with pytest.raises(ValueError, match=r"preset='huge'.*Expected one of: tiny, default"):
+        make_workload("convnet", "huge")
+    for workload in WORKLOADS.values():
+        with pytest.raises(ValueError, match=rf"{workload.module_cls.__name__}\(preset='huge'\).*tiny, default"):
+            workload.module_cls("huge")
+        with pytest.raises(ValueError, match=rf"{workload.datamodule_cls.__name__}\(preset='huge'\).*tiny, default"):
+            workload.datamodule_cls("huge")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"depth": 0}, r"ViTModule\(depth=0\).*positive integer"),
+        ({"lr": -1.0}, r"ViTModule\(lr=-1.0\).*non-negative"),
+        ({"num_heads": 3}, r"ViTModule\(num_heads=3\).*divide"),
+        ({"batch_size": 0}, r"ViTDataModule\(batch_size=0\).*positive integer"),
+    ],
+)
+def test_bad_arguments_name_the_value(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_workload("vit", "tiny", **kwargs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_built_by_lightning_cli(name: str) -> None:
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    workload = WORKLOADS[name]
+    cli = LightningCLI(
+        workload.module_cls,
+        workload.datamodule_cls,
+        run=False,
+        args=[
+            "--model.preset=tiny",
+            "--model.lr=0.01",
+            "--data.preset=tiny",
+            "--data.batch_size=3",
+            "--trainer.logger=false",
+        ],
+        save_config_callback=None,
+    )
+    assert isinstance(cli.model, workload.module_cls) and cli.model.hparams["lr"] == 0.01
+    assert isinstance(cli.datamodule, workload.datamodule_cls) and cli.datamodule.batch_size == 3

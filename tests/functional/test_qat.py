@@ -1,0 +1,435 @@
+"""The QAT/PTQ functional core on tiny models: recipes and configs, prepare, train/eval, schedules, convert, save."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_perf import FallbackWarning, _imports
+from lightning_perf.functional import qat
+
+pytest.importorskip("torchao")
+
+BATCH_NORM = torch.ops.aten.batch_norm.default
+
+
+class TinyConvNet(nn.Module):
+    """Conv-BN-ReLU, a residual conv-BN with the same ReLU module applied twice (as ResNet blocks do), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.relu(self.bn2(self.conv2(x)) + x)
+        return self.head(self.drop(x.mean(dim=(2, 3))))
+
+
+class TinyMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _images(n: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 4) -> None:
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _bn_flags(gm: torch.fx.GraphModule) -> list[bool]:
+    return [node.args[5] for node in gm.graph.nodes if node.target is BATCH_NORM]
+
+
+@pytest.fixture(scope="module")
+def prepared_conv() -> tuple[nn.Module, nn.Module]:
+    """A float TinyConvNet and its x86 QAT-prepared module after a few training steps (shared by read-only tests)."""
+    torch.manual_seed(0)
+    float_model = TinyConvNet()
+    x, y = _images()
+    prepared = qat.prepare(float_model, qat.make_recipe("x86", "qat", example_inputs=x[:1]))
+    _train(prepared, x, y)
+    return float_model, prepared
+
+
+# ---------------------------------------------------------------------------------------------- recipes, configs
+
+
+def test_recipe_round_trips_and_records_per_sample_shapes() -> None:
+    recipe = qat.make_recipe(
+        "x86", "qat", example_inputs=(torch.zeros(5, 3, 8, 8), torch.zeros(5, 7, dtype=torch.long))
+    )
+    assert recipe.input_shapes == ((3, 8, 8), (7,))
+    assert recipe.input_dtypes == ("float32", "int64")
+    assert qat.QuantizationRecipe.from_dict(json.loads(json.dumps(recipe.to_dict()))) == recipe
+    assert [tuple(t.shape) for t in recipe.example_inputs(2)] == [(2, 3, 8, 8), (2, 7)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backend": "arm"}, r"backend='arm'.*'x86', 'torchao'"),
+        ({"mode": "fp8"}, r"mode='fp8'.*'qat', 'ptq'"),
+        ({"base_config": "IntxWeightOnlyConfig"}, r"x86 backend .* takes no base config"),
+        ({"example_inputs": None}, r"needs example_inputs or input_shapes"),
+    ],
+)
+def test_make_recipe_rejects_bad_options(kwargs: dict[str, Any], match: str) -> None:
+    options = {"example_inputs": torch.zeros(1, 4), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        qat.make_recipe(**options)
+
+
+def test_recipe_from_garbage_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="Not a quantization recipe"):
+        qat.QuantizationRecipe.from_dict({"backend": "x86"})
+    with pytest.raises(ValueError, match="newer"):
+        qat.QuantizationRecipe.from_dict({"version": 99, "backend": "x86"})
+
+
+def test_base_config_from_yaml_spec() -> None:
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, MappingType, PerAxis, PerGroup
+
+    spec = {
+        "Int8DynamicActivationIntxWeightConfig": {
+            "weight_dtype": "int4",
+            "weight_granularity": {"PerGroup": 16},
+            "weight_mapping_type": "symmetric",
+        }
+    }
+    config = qat.resolve_base_config(spec)
+    assert isinstance(config, Int8DynamicActivationIntxWeightConfig)
+    assert config.weight_dtype is torch.int4
+    assert config.weight_granularity == PerGroup(16)
+    assert config.weight_mapping_type is MappingType.SYMMETRIC
+    # The normalized spec names only what differs from the defaults, in plain YAML-able values.
+    normalized = qat.base_config_spec(config)
+    assert normalized == {
+        "Int8DynamicActivationIntxWeightConfig": {
+            "weight_dtype": "int4",
+            "weight_granularity": {"PerGroup": {"group_size": 16}},
+        }
+    }
+    assert qat.base_config_spec(qat.resolve_base_config(normalized)) == normalized
+    assert qat.base_config_spec(qat.resolve_base_config(None)) == {"Int8DynamicActivationIntxWeightConfig": {}}
+    by_name = qat.resolve_base_config({"IntxWeightOnlyConfig": {"granularity": {"PerAxis": {"axis": 0}}}})
+    assert by_name.granularity == PerAxis(0)
+    assert qat.resolve_base_config(config) is config
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("NoSuchConfig", r"'NoSuchConfig' is not a torchao.quantization config"),
+        ({"Int8DynamicActivationIntxWeightConfig": {"colour": 1}}, r"has no field 'colour'"),
+        ({"Int8DynamicActivationIntxWeightConfig": {"weight_dtype": "int42"}}, r"not a torch dtype"),
+        ({"Int8DynamicActivationIntxWeightConfig": {"weight_mapping_type": "sideways"}}, r"not a MappingType"),
+        ({"A": {}, "B": {}}, r"one class"),
+        # QATConfig cannot derive fake quantization from this one (measured: torchao 0.18 rejects it).
+        ("Int8DynamicActivationInt8WeightConfig", r"cannot train Int8DynamicActivationInt8WeightConfig with QAT"),
+    ],
+)
+def test_bad_base_configs_are_rejected_with_the_reason(spec: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        qat.resolve_base_config(spec)
+
+
+def test_torchao_missing_names_the_qat_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_imports, "is_available", lambda module: False)
+    recipe = qat.make_recipe("x86", "qat", example_inputs=torch.zeros(1, 32))
+    with pytest.raises(ModuleNotFoundError, match=r"lightning-perf\[qat\]"):
+        qat.prepare(TinyMLP(), recipe)
+
+
+# --------------------------------------------------------------------------------------------- x86: prepare
+
+
+def test_x86_prepare_keeps_float_keys_and_shares_parameters(prepared_conv: tuple[nn.Module, nn.Module]) -> None:
+    float_model, prepared = prepared_conv
+    assert isinstance(prepared, qat.PreparedGraphModule)
+    assert qat.is_prepared(prepared) and qat.recipe_of(prepared).backend == "x86"
+    extra = qat.quantization_state_keys(prepared)
+    assert extra and all(k.startswith("activation_post_process_") for k in extra)
+    assert set(prepared.state_dict()) == set(float_model.state_dict()) | set(extra)
+    # The prepared graph trains the float model's own Parameter objects.
+    float_params = {id(p) for p in float_model.parameters()}
+    assert all(id(p) in float_params for p in prepared.parameters())
+
+
+def test_repeated_module_calls_are_told_apart() -> None:
+    # torchao groups nodes by module path; a ReLU applied twice used to make one partition with two outputs.
+    gm = torch.export.export(TinyConvNet(), (torch.zeros(2, 3, 8, 8),)).module()
+    assert qat._distinguish_repeated_module_calls(gm) >= 1
+    assert qat._distinguish_repeated_module_calls(gm) == 0  # idempotent
+
+
+def test_batch_dimension_stays_dynamic(prepared_conv: tuple[nn.Module, nn.Module]) -> None:
+    _, prepared = prepared_conv
+    model = copy.deepcopy(prepared).eval()
+    for batch in (1, 3, 40):
+        assert model(torch.randn(batch, 3, 8, 8)).shape == (batch, 4)
+
+
+def test_train_and_eval_switch_the_graph(prepared_conv: tuple[nn.Module, nn.Module]) -> None:
+    _, prepared = prepared_conv
+    model = copy.deepcopy(prepared)
+    assert type(model).__mro__[1] is qat.PreparedGraphModule  # deepcopy keeps the class
+    model.eval()
+    assert not model.training and not any(_bn_flags(model))
+    dropout = [n.args[2] for n in model.graph.nodes if n.target is torch.ops.aten.dropout.default]
+    assert dropout == [False]
+    x = torch.randn(4, 3, 8, 8)
+    torch.testing.assert_close(model(x), model(x))  # inference: deterministic, running statistics
+    model.train()
+    assert model.training and all(_bn_flags(model))
+
+
+def test_graph_follows_a_training_flag_set_directly(prepared_conv: tuple[nn.Module, nn.Module]) -> None:
+    # Lightning restores modes after validation by assigning `module.training`, without calling train().
+    _, prepared = prepared_conv
+    model = copy.deepcopy(prepared).eval()
+    for module in model.modules():
+        module.training = True
+    model(torch.randn(4, 3, 8, 8))
+    assert all(_bn_flags(model))
+    assert all(int(v) == 1 for k, v in model.state_dict().items() if k.endswith("observer_enabled"))
+
+
+def test_frozen_batchnorm_stays_frozen_through_train(prepared_conv: tuple[nn.Module, nn.Module]) -> None:
+    _, prepared = prepared_conv
+    model = copy.deepcopy(prepared).train()
+    assert qat.freeze_batchnorm_stats(model) == 2
+    model.eval()
+    model.train()
+    assert model.training and not any(_bn_flags(model))
+    running = [b.clone() for name, b in model.named_buffers() if name.endswith("running_mean")]
+    model(torch.randn(4, 3, 8, 8))
+    after = [b for name, b in model.named_buffers() if name.endswith("running_mean")]
+    assert all(torch.equal(a, b) for a, b in zip(running, after))
+    qat.freeze_batchnorm_stats(model, False)
+    assert all(_bn_flags(model))
+
+
+def test_observer_and_fake_quant_switches(prepared_conv: tuple[nn.Module, nn.Module]) -> None:
+    _, prepared = prepared_conv
+    model = copy.deepcopy(prepared)
+    n = qat.set_observers(model, False)
+    assert n > 0 and all(int(b) == 0 for k, b in model.state_dict().items() if k.endswith("observer_enabled"))
+    assert qat.set_fake_quant(model, False) == n
+    assert all(int(b) == 0 for k, b in model.state_dict().items() if k.endswith("fake_quant_enabled"))
+
+
+def test_capture_failure_names_torch_export_and_its_reason() -> None:
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+    with pytest.raises(
+        qat.QuantizationError,
+        match=r"torch.export could not capture DataDependent for quantization: \w+: .*data-dependent",
+    ):
+        qat.prepare(DataDependent(), qat.make_recipe("x86", "qat", example_inputs=torch.ones(1, 4)))
+
+
+def test_nothing_to_quantize_is_an_error() -> None:
+    model = nn.Sequential(nn.LayerNorm(4))
+    with pytest.raises(qat.QuantizationError, match="found nothing to quantize"):
+        qat.prepare(model, qat.make_recipe("x86", "qat", example_inputs=torch.ones(1, 4)))
+
+
+def test_torchao_internals_are_restored_after_prepare() -> None:
+    from torchao.quantization.pt2e import qat_utils, utils
+
+    before = (utils._get_aten_graph_module_for_pattern, qat_utils._fold_conv_bn_qat_helper)
+    with pytest.raises(RuntimeError), qat._fast_pattern_matching():
+        assert utils._get_aten_graph_module_for_pattern is not before[0]
+        raise RuntimeError
+    assert (utils._get_aten_graph_module_for_pattern, qat_utils._fold_conv_bn_qat_helper) == before
+
+
+# --------------------------------------------------------------------------------------------- x86: convert
+
+
+def test_convert_matches_the_fake_quantized_model_and_leaves_it_alone(
+    prepared_conv: tuple[nn.Module, nn.Module],
+) -> None:
+    _, prepared = prepared_conv
+    state = {k: v.clone() for k, v in prepared.state_dict().items()}
+    code = prepared.code
+    quantized = qat.convert(prepared)
+    assert prepared.code == code and prepared.training
+    for key, value in prepared.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)
+    assert not qat.is_prepared(quantized) and not quantized.training
+    targets = {str(n.target) for n in quantized.graph.nodes}
+    assert any("quantize_per_tensor" in t for t in targets)
+    x, y = _images(32, seed=1)
+    reference = copy.deepcopy(prepared)
+    qat.set_observers(reference, False)
+    summary = qat.compare_models(reference, quantized, [(x, y)])
+    assert summary.passed, summary.problem
+    assert summary.cosine > 0.99 and summary.top1_agreement > 0.8
+    assert summary.reference_accuracy is not None and summary.accuracy_gap is not None
+
+
+def test_compare_models_fails_below_min_cosine() -> None:
+    torch.manual_seed(0)
+    a, b = TinyMLP(), TinyMLP()
+    summary = qat.compare_models(a, b, [torch.randn(8, 32)], min_cosine=0.999)
+    assert not summary.passed and "cosine similarity" in summary.problem
+    assert summary.reference_accuracy is None  # no labels
+    with pytest.raises(ValueError, match="no batch"):
+        qat.compare_models(a, b, [])
+
+
+def test_ptq_calibrates_converts_and_saves(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    float_model = TinyConvNet().eval()
+    x, y = _images(32)
+    recipe = qat.make_recipe("x86", "ptq", example_inputs=x[:1])
+    prepared = qat.prepare(float_model, recipe)
+    assert not prepared.training
+    assert qat.calibrate(prepared, [(x[:16], y[:16]), (x[16:], y[16:])]) == 32
+    quantized = qat.convert(prepared)
+    summary = qat.compare_models(float_model, quantized, [(x, y)])
+    assert summary.passed, summary.problem
+    path = qat.save_quantized(quantized, x[:1], tmp_path / "ptq.pt2")
+    loaded = torch.export.load(path).module()
+    torch.testing.assert_close(loaded(x[:5]), quantized(x[:5]))
+    assert [p.name for p in tmp_path.iterdir()] == ["ptq.pt2"]  # no temporary file left behind
+
+
+# ------------------------------------------------------------------------------------------------- torchao
+
+
+def test_torchao_prepare_in_place_convert_and_float_copy() -> None:
+    from torchao.quantization.qat import FakeQuantizedLinear
+
+    torch.manual_seed(0)
+    model = TinyMLP()
+    keys = list(model.state_dict())
+    recipe = qat.make_recipe("torchao", "qat", example_inputs=torch.zeros(1, 32))
+    prepared = qat.prepare(model, recipe)
+    assert prepared is model and isinstance(model.fc1, FakeQuantizedLinear)
+    assert list(model.state_dict()) == keys and qat.quantization_state_keys(model) == []
+    x = torch.randn(8, 32)
+    y = torch.randint(0, 4, (8,))
+    _train(model, x, y)
+    assert qat.set_fake_quant(model, False) >= 2
+    assert not model.fc1.weight_fake_quantizer.enabled
+    qat.set_fake_quant(model, True)
+    quantized = qat.convert(model)
+    assert isinstance(model.fc1, FakeQuantizedLinear)  # the trainable model is untouched
+    assert type(quantized.fc1.weight).__name__ != "Parameter" or quantized.fc1.weight.dtype != torch.float32
+    summary = qat.compare_models(model, quantized, [(x, y)])
+    assert summary.passed, summary.problem
+    plain = qat.float_copy(model)
+    assert type(plain.fc1) is nn.Linear and not qat.is_prepared(plain)
+    torch.testing.assert_close(plain.fc1.weight, model.fc1.weight)
+
+
+def test_torchao_ptq_leaves_the_float_model_alone() -> None:
+    model = TinyMLP()
+    prepared = qat.prepare(model, qat.make_recipe("torchao", "ptq", example_inputs=torch.zeros(1, 32)))
+    assert prepared is not model and type(model.fc1) is nn.Linear
+    assert qat.calibrate(prepared, [torch.randn(4, 32)]) == 4
+    quantized = qat.convert(prepared)
+    assert qat.compare_models(model, quantized, [torch.randn(8, 32)]).passed
+
+
+def test_torchao_rejects_a_bare_linear() -> None:
+    with pytest.raises(qat.QuantizationError, match="is one itself"):
+        qat.prepare(nn.Linear(4, 4), qat.make_recipe("torchao", "qat", example_inputs=torch.zeros(1, 4)))
+
+
+# ------------------------------------------------------------------------------------------ export_quantized
+
+
+def test_export_quantized_writes_artifact_and_report(
+    prepared_conv: tuple[nn.Module, nn.Module], tmp_path: Path
+) -> None:
+    float_model, prepared = prepared_conv
+    x, y = _images(16, seed=2)
+    report = qat.export_quantized(
+        prepared, float_model=float_model, validation_data=[(x, y)], dirpath=tmp_path, benchmark=False
+    )
+    assert report.ok, report.problems
+    assert report.artifact == tmp_path / "model_int8.pt2" and report.artifact.is_file()
+    data = json.loads((tmp_path / "model_int8.json").read_text())
+    assert data["ok"] and data["recipe"]["backend"] == "x86"
+    assert data["validation"]["cosine"] > 0.99 and data["validation"]["samples"] == 16
+    assert data["latency"] == []
+    loaded = torch.export.load(report.artifact).module()
+    assert loaded(x[:3]).shape == (3, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model_int8.json", "model_int8.pt2"]
+
+
+def test_export_failure_warns_and_leaves_the_model(
+    prepared_conv: tuple[nn.Module, nn.Module], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, prepared = prepared_conv
+    state = {k: v.clone() for k, v in prepared.state_dict().items()}
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("convert exploded")
+
+    monkeypatch.setattr(qat, "convert", broken)
+    with pytest.warns(FallbackWarning, match="convert exploded"):
+        report = qat.export_quantized(prepared, dirpath=tmp_path, benchmark=False)
+    assert not report.ok and report.artifact is None
+    assert [p.name for p in tmp_path.iterdir()] == ["model_int8.json"]
+    for key, value in prepared.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0)
+    with pytest.raises(qat.QuantizationError, match="convert exploded"):
+        qat.export_quantized(prepared, dirpath=tmp_path, benchmark=False, strict=True)
+
+
+def test_failed_validation_is_saved_under_a_failed_name(
+    prepared_conv: tuple[nn.Module, nn.Module], tmp_path: Path
+) -> None:
+    _, prepared = prepared_conv
+    with pytest.warns(FallbackWarning, match="cosine similarity"):
+        report = qat.export_quantized(prepared, dirpath=tmp_path, benchmark=False, min_cosine=1.01)
+    assert not report.ok and report.artifact == tmp_path / "model_int8.failed.pt2"
+
+
+@pytest.mark.slow
+def test_compiled_latency_times_both_models(prepared_conv: tuple[nn.Module, nn.Module]) -> None:
+    float_model, prepared = prepared_conv
+    quantized = qat.convert(prepared)
+    rows = qat.compiled_latency(float_model, quantized, torch.randn(1, 3, 8, 8), (1, 4), iterations=4, warmup=1)
+    assert [r.batch_size for r in rows] == [1, 4]
+    for row in rows:
+        assert row.float_median_s > 0 and row.quantized_median_s > 0 and row.iterations == 4
+        assert row.float_compile_s > 0 and row.quantized_compile_s > 0
+    assert not torch._inductor.config.freezing  # scoped to the measurement
