@@ -11,7 +11,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from types import ModuleType
 
 
@@ -42,7 +42,7 @@ OPTIONAL_DEPENDENCIES: dict[str, OptionalDependency] = {
 _ALTERNATIVE_DISTRIBUTIONS = {"onnxruntime": ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training")}
 
 
-@lru_cache(maxsize=None)
+@cache
 def is_available(module: str) -> bool:
     """Whether the optional package ``module`` is installed, without importing it.
 

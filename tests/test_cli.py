@@ -12,8 +12,26 @@ from lightning_perf.cli import main
 
 def test_bench_writes_measured_json_markdown_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "report.json"
-    argv = ["bench", "--workload", "convnet", "--preset", "tiny", "--configs", "baseline,bf16-mixed", "--steps", "3",
-            "--warmup-steps", "1", "--repeats", "1", "--predict-batches", "3", "--output", str(out), "--quiet"]
+    argv = [
+        "bench",
+        "--workload",
+        "convnet",
+        "--preset",
+        "tiny",
+        "--configs",
+        "baseline,bf16-mixed",
+        "--steps",
+        "3",
+        "--warmup-steps",
+        "1",
+        "--repeats",
+        "1",
+        "--predict-batches",
+        "3",
+        "--output",
+        str(out),
+        "--quiet",
+    ]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["schema_version"] >= 1
@@ -32,7 +50,12 @@ def test_bench_writes_measured_json_markdown_and_png(tmp_path: Path, capsys: pyt
         report["runs"][0]["step_s"]["median"] / run["step_s"]["median"]
     )
     markdown = out.with_suffix(".md").read_text()
-    assert "speed-up" in markdown and "paired within a repeat" in markdown and "lightning-perf bench" in markdown and "bf16-mixed" in markdown
+    assert (
+        "speed-up" in markdown
+        and "paired within a repeat" in markdown
+        and "lightning-perf bench" in markdown
+        and "bf16-mixed" in markdown
+    )
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "bf16-mixed" in printed and "wrote" in printed

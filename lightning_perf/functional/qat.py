@@ -16,10 +16,11 @@ A :class:`QuantizationRecipe` records what was done (backend, mode, base config,
 as plain data, so a checkpoint can carry it and the same preparation can be repeated before weights are loaded.
 
 Exported modules refuse ``.train()`` / ``.eval()``; the x86 prepared model is a :class:`PreparedGraphModule`, whose
-``train(mode)`` switches the graph's batch-norm and dropout nodes between training and inference behaviour (and keeps
-batch-norm statistics frozen once :func:`freeze_batchnorm_stats` was called), so a training loop (or Lightning) may
-call ``model.train()`` / ``model.eval()`` as usual. Its ``state_dict`` keys are the float module's, plus the
-observer and fake-quantize state (``activation_post_process_<i>.*``); :func:`quantization_state_keys` names the latter.
+graph follows its ``training`` flag (set by ``train()`` / ``eval()`` or assigned directly, as Lightning does after
+validation): batch-norm and dropout nodes switch between training and inference behaviour (batch norm stays in
+inference behaviour once :func:`freeze_batchnorm_stats` was called) and observers pause in eval mode. Its
+``state_dict`` keys are the float module's plus the observer and fake-quantize state
+(``activation_post_process_<i>.*``), which :func:`quantization_state_keys` names.
 
 :func:`export_quantized` is the end-of-training step: convert a copy, validate it against the fake-quantized (or
 calibrated) model on real batches, save it atomically with ``torch.export.save``, time it against the float model
@@ -556,6 +557,8 @@ def _tensor_meta(value: Any) -> Any:
 def _pattern_key(pattern: Any, example_inputs: Sequence[Any], is_cuda: bool, kwargs: Mapping[str, Any]) -> Any:
     fn = getattr(pattern, "fn", pattern)  # torchao wraps some patterns in a WrapperModule(fn)
     closure = tuple(cell.cell_contents for cell in (fn.__closure__ or ()))
+    if any(isinstance(value, Tensor) for value in closure):
+        raise TypeError("a pattern closing over a tensor depends on its values: not cached")
     key = (
         type(pattern),
         fn.__code__,
@@ -578,8 +581,8 @@ def _fast_pattern_matching() -> Iterator[None]:
 
     Conv-BN fusion (``prepare_qat_pt2e``) and folding (``convert_pt2e``) build their match and replacement patterns
     by ``torch.export``-ing small functions: for every kind of convolution (1d, 2d, transposed 1d/2d) whether the
-    model has one or not, 12 exports in prepare and 96 in convert, each about a second on a small CPU. Within this
-    context (1) each pattern is exported once per process and reused (a pattern is a pure function of its code, its
+    model has one or not: 12 exports in prepare and 96 in convert, 40 s and more per convert on a 2-core CPU. Within
+    this context (1) each pattern is exported once per process and reused (a pattern is a pure function of its code, its
     closure and the shapes and dtypes of its example inputs; a deep copy is handed out each time) and (2) the
     per-kind passes skip convolution kinds the graph does not contain, which cannot match. Should torchao's
     internals move, the context does nothing and the steps run as they are.

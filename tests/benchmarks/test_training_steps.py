@@ -37,7 +37,13 @@ def test_training_steps(benchmark, workload: str, config_name: str) -> None:
     if config.strategy is not None:
         trainer_kwargs["strategy"] = config.strategy()
     benchmark_training_steps(
-        benchmark, model, data, callbacks=config.callbacks(), steps=5, warmup_steps=3, rounds=5,
+        benchmark,
+        model,
+        data,
+        callbacks=config.callbacks(),
+        steps=5,
+        warmup_steps=3,
+        rounds=5,
         trainer_kwargs=trainer_kwargs,
     )
     assert benchmark.extra_info["step_median_s"] > 0

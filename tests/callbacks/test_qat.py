@@ -69,6 +69,7 @@ def _convnet(seed: int = 0) -> tuple[pl.LightningModule, pl.LightningDataModule]
         ({"filename": "../x"}, r"filename='../x'"),
         ({"min_cosine": 2}, r"min_cosine=2"),
         ({"submodule": ""}, r"submodule=''"),
+        ({"mode": "ptq", "export": False}, r"would do nothing"),
     ],
 )
 def test_bad_options_fail_at_construction(kwargs: dict[str, Any], match: str) -> None:
@@ -166,7 +167,14 @@ def test_fit_prepares_before_optimizers_and_exports_at_the_end(tmp_path: Path) -
     (val,) = trainer.validate(model, datamodule=data, verbose=False)
     predictions = trainer.predict(model, datamodule=data)
     assert val["val_loss"] > 0 and predictions and predictions[0].shape[-1] == 10
-    assert model.training is False or isinstance(model.training, bool)
+
+
+def test_export_false_trains_without_converting(tmp_path: Path) -> None:
+    model, data = _convnet()
+    callback = QATCallback(export=False)
+    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
+    assert isinstance(model.net, qat.PreparedGraphModule) and callback.report is None
+    assert not (tmp_path / "quantized").exists()
 
 
 def test_fit_twice_keeps_training_the_same_prepared_model(tmp_path: Path) -> None:
@@ -383,15 +391,23 @@ def test_failure_at_the_end_warns_and_leaves_model_and_checkpoints(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("export exploded")
 
+    class Snapshot(Callback):
+        """Reads the checkpoint files when fit ends, before QATCallback's end-of-fit work (it comes first)."""
+
+        files: dict[Path, bytes] = {}
+
+        def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            Snapshot.files = {path: path.read_bytes() for path in tmp_path.rglob("*.ckpt")}
+
     monkeypatch.setattr(callback_module, "export_quantized", broken)
     model, data = _convnet()
-    trainer = _trainer(tmp_path, [QATCallback(**QUICK)], enable_checkpointing=True)
+    trainer = _trainer(tmp_path, [Snapshot(), QATCallback(**QUICK)], enable_checkpointing=True)
     with pytest.warns(FallbackWarning, match="export exploded.*unchanged"):
         trainer.fit(model, datamodule=data)
-    checkpoints = list((tmp_path / "checkpoints").glob("*.ckpt")) if (tmp_path / "checkpoints").exists() else []
-    checkpoints = checkpoints or list(tmp_path.rglob("*.ckpt"))
-    assert checkpoints and isinstance(model.net, qat.PreparedGraphModule)
-    assert set(torch.load(checkpoints[0], weights_only=True)["state_dict"]) == set(_convnet()[0].state_dict())
+    assert Snapshot.files and {p: p.read_bytes() for p in tmp_path.rglob("*.ckpt")} == Snapshot.files
+    assert isinstance(model.net, qat.PreparedGraphModule)
+    first = next(iter(Snapshot.files))
+    assert set(torch.load(first, weights_only=True)["state_dict"]) == set(_convnet()[0].state_dict())
     model2, data2 = _convnet()
     with pytest.raises(qat.QuantizationError, match="export exploded"):
         _trainer(tmp_path / "strict", [QATCallback(strict=True, **QUICK)]).fit(model2, datamodule=data2)

@@ -394,6 +394,21 @@ def test_export_quantized_writes_artifact_and_report(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model_int8.json", "model_int8.pt2"]
 
 
+@pytest.mark.skipif(not _imports.is_onnxruntime_available() or not _imports.is_onnx_available(), reason="needs onnx")
+def test_export_quantized_to_onnx_too(prepared_conv: tuple[nn.Module, nn.Module], tmp_path: Path) -> None:
+    import onnxruntime
+
+    _, prepared = prepared_conv
+    report = qat.export_quantized(prepared, dirpath=tmp_path, benchmark=False, onnx=True)
+    assert report.ok and report.onnx == tmp_path / "model_int8.onnx"
+    assert (tmp_path / "model_int8.onnx.data").is_file()
+    session = onnxruntime.InferenceSession(str(report.onnx), providers=["CPUExecutionProvider"])
+    x = torch.randn(3, 3, 8, 8)
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    expected = torch.export.load(report.artifact).module()(x)
+    assert torch.nn.functional.cosine_similarity(torch.from_numpy(out).flatten(), expected.flatten(), dim=0) > 0.99
+
+
 def test_export_failure_warns_and_leaves_the_model(
     prepared_conv: tuple[nn.Module, nn.Module], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
