@@ -6,6 +6,7 @@ from lightning_perf.functional.compile import CompileMonitor, compile_regions
 from lightning_perf.functional.export import ExportReport, export_model
 from lightning_perf.functional.fused_optimizer import switch_implementation
 from lightning_perf.functional.powersgd import gather_state_dict, register_powersgd_hook
+from lightning_perf.functional.qat import export_quantized
 
 __all__ = [
     "BackendFlags",
@@ -15,6 +16,7 @@ __all__ = [
     "batch_to_channels_last",
     "compile_regions",
     "export_model",
+    "export_quantized",
     "gather_state_dict",
     "register_powersgd_hook",
     "switch_implementation",
