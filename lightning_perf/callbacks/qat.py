@@ -7,6 +7,8 @@ loadable both ways, and converts, validates, saves and times the quantized model
 
 from __future__ import annotations
 
+import copy
+import itertools
 import pickle
 import warnings
 from collections.abc import Iterator, Sequence
@@ -125,7 +127,8 @@ class QATCallback(Callback):
     a Trainer that loads the checkpoint (resuming ``fit``, ``test``/``validate``/``predict`` with ``ckpt_path``)
     first prepares the model as the recipe says, so resuming, testing a checkpoint, fitting twice and loading into a
     fresh model all work; outside a Trainer use :meth:`load_checkpoint`. A checkpoint saved with
-    ``save_weights_only=True`` has no callback state: its quantization state stays under the model's keys.
+    ``save_weights_only=True`` has no callback state: its quantization state stays under the model's keys. The
+    ``x86`` prepared model does not pickle (``torch.export``'s guard module holds a local function): use checkpoints.
 
     Args:
         backend: ``"x86"`` or ``"torchao"``.
@@ -587,7 +590,7 @@ class QATCallback(Callback):
         module = pl_module.get_submodule(self._submodule_name)
         try:
             summary = compare_models(
-                _reference(module),
+                module,  # in eval mode nothing moves: observers pause, batch norm uses its running statistics
                 convert(module),
                 self._submodule_batches(pl_module, module, loader),
                 max_batches=self.validation_batches,
@@ -661,7 +664,7 @@ class QATCallback(Callback):
         name, module = self._resolve(pl_module, self._submodule_name if self.mode == "qat" else None)
         loader = _val_dataloader(trainer, pl_module)
         batches = (
-            list(_limited(self._submodule_batches(pl_module, module, loader), self._batches_needed()))
+            list(itertools.islice(self._submodule_batches(pl_module, module, loader), self._batches_needed()))
             if loader is not None
             else []
         )
@@ -690,7 +693,7 @@ class QATCallback(Callback):
         if is_prepared(module):
             raise ValueError(f"{name!r} is prepared for QAT; post-training quantization needs the float model.")
         example = self._example_inputs(trainer, pl_module, module, "val")
-        float_module = module if self.backend == "torchao" else _cpu_copy(module)
+        float_module = module if self.backend == "torchao" else copy.deepcopy(module).cpu()
         recipe = make_recipe(self.backend, "ptq", self.base_config, example, owner=type(self).__name__)
         prepared = prepare(float_module, recipe, example)
         calibration, held_out = batches[: self.calibration_batches], batches[self.calibration_batches :]
@@ -730,22 +733,6 @@ class QATCallback(Callback):
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-
-
-def _reference(module: nn.Module) -> nn.Module:
-    """A copy of the fake-quantized model whose observers no longer move: the reference a converted model (whose
-    quantization parameters are fixed) must match."""
-    from lightning_perf.functional.qat import _quiet_deepcopy
-
-    copy = _quiet_deepcopy(module)
-    set_observers(copy, False)
-    return copy
-
-
-def _cpu_copy(module: nn.Module) -> nn.Module:
-    from lightning_perf.functional.qat import _quiet_deepcopy
-
-    return _quiet_deepcopy(module).cpu()
 
 
 def _submodule_inputs(pl_module: pl.LightningModule, module: nn.Module, inputs: Any, source: str) -> tuple[Any, ...]:
@@ -789,13 +776,6 @@ def _submodule_inputs(pl_module: pl.LightningModule, module: nn.Module, inputs: 
             )
         found = as_input_tuple(args, f"the inputs of the submodule for {source}")
     return tuple(t.detach().cpu() for t in found)
-
-
-def _limited(batches: Iterator[Any], limit: int | None) -> Iterator[Any]:
-    for index, batch in enumerate(batches):
-        if limit is not None and index >= limit:
-            return
-        yield batch
 
 
 def _first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, split: str) -> Any:

@@ -205,7 +205,10 @@ def test_train_and_eval_switch_the_graph(prepared_conv: tuple[nn.Module, nn.Modu
     dropout = [n.args[2] for n in model.graph.nodes if n.target is torch.ops.aten.dropout.default]
     assert dropout == [False]
     x = torch.randn(4, 3, 8, 8)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     torch.testing.assert_close(model(x), model(x))  # inference: deterministic, running statistics
+    for key, value in model.state_dict().items():  # and nothing moves: statistics, ranges, batch counters
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)
     model.train()
     assert model.training and all(_bn_flags(model))
 
@@ -293,6 +296,7 @@ def test_convert_matches_the_fake_quantized_model_and_leaves_it_alone(
     assert not qat.is_prepared(quantized) and not quantized.training
     targets = {str(n.target) for n in quantized.graph.nodes}
     assert any("quantize_per_tensor" in t for t in targets)
+    assert "aten.add_.Tensor" not in targets  # no batch counting left in the inference graph
     x, y = _images(32, seed=1)
     reference = copy.deepcopy(prepared)
     qat.set_observers(reference, False)
