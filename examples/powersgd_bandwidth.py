@@ -108,6 +108,10 @@ def worker(args: argparse.Namespace) -> None:
         callbacks=[clock],
     )
     trainer.fit(model, datamodule=data)
+    if torch.distributed.is_initialized():
+        # Lightning leaves the process group alive after fit; gloo's threads can then abort the interpreter's exit.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     if trainer.global_rank != 0:
         return
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -55,6 +55,10 @@ def main() -> None:
             "ranks_agree": bool(all(torch.allclose(g, gathered[0], rtol=0, atol=1e-6) for g in gathered)),
         }
         result_path.write_text(json.dumps(result))
+    # Lightning leaves the process group alive after fit; gloo's worker threads then die during interpreter
+    # finalization and abort the process (SIGABRT, "terminate called without an active exception") now and then.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

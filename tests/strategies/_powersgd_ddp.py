@@ -232,6 +232,9 @@ def main() -> None:
     result["world_size"] = dist.get_world_size()
     if dist.get_rank() == 0:
         result_path.write_text(json.dumps(result, indent=1))
+    # Lightning leaves the process group alive after fit; without this gloo's threads can abort the interpreter's exit.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
