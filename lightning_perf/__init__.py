@@ -22,7 +22,7 @@ __all__ = [
     "__version__",
 ]
 
-_LAZY_SUBPACKAGES = ("callbacks", "strategies")
+_LAZY_SUBPACKAGES = ("callbacks", "strategies", "tuning")
 
 # Names for `Trainer(strategy="...")`, registered on any `lightning_perf` import without importing the strategies
 # (Lightning is loaded already: `_warnings` imports it). The entry builds the class on first use.

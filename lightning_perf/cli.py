@@ -1,7 +1,9 @@
 """The ``lightning-perf`` command (also ``python -m lightning_perf``).
 
 ``lightning-perf bench`` trains a reference workload under named configurations, each in a fresh process, and shows
-their effect side by side against ``baseline``. Bad arguments exit with status 2 and say what is valid.
+their effect side by side against ``baseline``; ``lightning-perf autotune`` measures a model (a reference workload or
+the user's own classes) and recommends its fastest safe configuration; ``lightning-perf export`` exports a checkpoint
+for deployment. Bad arguments exit with status 2 and say what is valid.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     from lightning_perf.export_cli import add_export_parser
 
     add_export_parser(sub)
+    from lightning_perf.tuning.cli import add_autotune_parser
+
+    add_autotune_parser(sub)
     return parser
 
 

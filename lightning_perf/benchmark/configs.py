@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 CallbackFactory = Callable[[], list[Any]]
+# A callback as LightningCLI writes it: its import path and its keyword arguments.
+CallbackSpec = tuple[str, Mapping[str, Any]]
 StrategyFactory = Callable[[], Any]
 # Returns why the configuration cannot run on ``device`` (e.g. "needs CUDA"), or None when it can.
 Applicability = Callable[[torch.device], "str | None"]
@@ -25,6 +27,17 @@ Applicability = Callable[[torch.device], "str | None"]
 
 def _no_callbacks() -> list[Any]:
     return []
+
+
+def instantiate_callbacks(specs: Iterable[CallbackSpec]) -> list[Any]:
+    """Build callbacks from ``(class_path, init_args)`` pairs, importing each class."""
+    import importlib
+
+    callbacks = []
+    for class_path, init_args in specs:
+        module, _, name = class_path.rpartition(".")
+        callbacks.append(getattr(importlib.import_module(module), name)(**dict(init_args)))
+    return callbacks
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,8 @@ class BenchConfig:
         strategy: builds the strategy, or ``None`` for Lightning's default.
         applies_to: says why the configuration cannot run on a device, or ``None`` when it can.
         parts: the names a stack was built from (just ``(name,)`` for a single configuration).
+        callback_specs: the callbacks as ``(class_path, init_args)`` pairs; given instead of ``callbacks``, they let
+            the auto-tuner write the configuration as a LightningCLI file.
     """
 
     name: str
@@ -48,8 +63,17 @@ class BenchConfig:
     strategy: StrategyFactory | None = None
     applies_to: Applicability | None = None
     parts: tuple[str, ...] = ()
+    callback_specs: tuple[CallbackSpec, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.callback_specs is not None:
+            if self.callbacks is not _no_callbacks:
+                raise ValueError(f"`BenchConfig(name={self.name!r})`: give `callbacks` or `callback_specs`, not both.")
+            specs = tuple((path, MappingProxyType(dict(args))) for path, args in self.callback_specs)
+            object.__setattr__(self, "callback_specs", specs)
+            object.__setattr__(self, "callbacks", lambda: instantiate_callbacks(specs))
+        elif self.callbacks is _no_callbacks:
+            object.__setattr__(self, "callback_specs", ())
         if not self.parts:
             object.__setattr__(self, "parts", (self.name,))
         # A stack is named after its parts ("a+b"); every part is a plain word.
@@ -128,6 +152,9 @@ def stack_configs(configs: list[BenchConfig]) -> BenchConfig:
     if len(strategies) > 1:
         raise ValueError(f"Cannot stack {', '.join(c.name for c in strategies)}: each sets a strategy.")
     factories = [c.callbacks for c in configs]
+    specs = None
+    if all(c.callback_specs is not None for c in configs):
+        specs = tuple(spec for c in configs for spec in c.callback_specs)  # type: ignore[union-attr]
 
     def callbacks() -> list[Any]:
         return [cb for factory in factories for cb in factory()]
@@ -139,7 +166,8 @@ def stack_configs(configs: list[BenchConfig]) -> BenchConfig:
     return BenchConfig(
         name="+".join(c.name for c in configs),
         description=" + ".join(c.description for c in configs),
-        callbacks=callbacks,
+        callbacks=callbacks if specs is None else _no_callbacks,
+        callback_specs=specs,
         trainer_kwargs=trainer_kwargs,
         strategy=strategies[0].strategy if strategies else None,
         applies_to=applies_to,
@@ -157,24 +185,6 @@ def _needs_bf16(device: torch.device) -> str | None:
     return None if supports_bf16(device) else f"{device} does not support bfloat16"
 
 
-def _channels_last() -> list[Any]:
-    from lightning_perf.callbacks import ChannelsLastCallback
-
-    return [ChannelsLastCallback()]
-
-
-def _fused_optimizer() -> list[Any]:
-    from lightning_perf.callbacks import FusedOptimizerCallback
-
-    return [FusedOptimizerCallback()]
-
-
-def _backend_flags() -> list[Any]:
-    from lightning_perf.callbacks import BackendFlagsCallback
-
-    return [BackendFlagsCallback(preset="fastest")]
-
-
 def _backend_flags_apply(device: torch.device) -> str | None:
     from lightning_perf.functional.backend_flags import fastest_flags
 
@@ -183,29 +193,8 @@ def _backend_flags_apply(device: torch.device) -> str | None:
     return f"no backend flag speeds up float32 training on {device} (no TF32, no oneDNN bf16 matmuls)"
 
 
-def _grad_checkpoint() -> list[Any]:
-    from lightning_perf.callbacks import GradCheckpointCallback
-
-    return [GradCheckpointCallback()]
-
-
-def _flash_attention() -> list[Any]:
-    from lightning_perf.callbacks import FlashAttentionCallback
-
-    return [FlashAttentionCallback()]
-
-
-def _compile() -> list[Any]:
-    from lightning_perf.callbacks import CompileCallback
-
-    return [CompileCallback()]
-
-
-def _qat() -> list[Any]:
-    from lightning_perf.callbacks import QATCallback
-
-    # Training only: the int8 model's own speed is what QATCallback's end-of-fit report measures.
-    return [QATCallback(export=False)]
+def _callback(name: str, **init_args: Any) -> tuple[CallbackSpec, ...]:
+    return ((f"lightning_perf.callbacks.{name}", init_args),)
 
 
 def _qat_applies(device: torch.device) -> str | None:
@@ -244,38 +233,39 @@ def _builtin_configs() -> list[BenchConfig]:
         BenchConfig(
             "channels_last",
             "ChannelsLastCallback: conv weights and 4D/5D inputs in channels-last memory format",
-            callbacks=_channels_last,
+            callback_specs=_callback("ChannelsLastCallback"),
         ),
         BenchConfig(
             "compile",
             "CompileCallback(): torch.compile of the LightningModule's forward, in place (inductor, default mode)",
-            callbacks=_compile,
+            callback_specs=_callback("CompileCallback"),
         ),
         BenchConfig(
             "backend_flags",
             "BackendFlagsCallback(preset='fastest'): CUDA: cudnn.benchmark + TF32; CPU: bf16 float32 matmuls (oneDNN)",
-            callbacks=_backend_flags,
+            callback_specs=_callback("BackendFlagsCallback", preset="fastest"),
             applies_to=_backend_flags_apply,
         ),
         BenchConfig(
             "fused_optimizer",
             "FusedOptimizerCallback: the optimizers step with torch's fused (else foreach) kernels",
-            callbacks=_fused_optimizer,
+            callback_specs=_callback("FusedOptimizerCallback"),
         ),
         BenchConfig(
             "grad_checkpoint",
             "GradCheckpointCallback(): activation checkpointing of every repeated block (less memory, more compute)",
-            callbacks=_grad_checkpoint,
+            callback_specs=_callback("GradCheckpointCallback"),
         ),
         BenchConfig(
             "flash_attention",
             "FlashAttentionCallback(): attention through flash-attn 2 (CUDA, fp16/bf16) or fused SDPA kernels",
-            callbacks=_flash_attention,
+            callback_specs=_callback("FlashAttentionCallback"),
         ),
         BenchConfig(
             "qat",
             "QATCallback(export=False): x86 PT2E fake quantization during training (the step overhead of QAT)",
-            callbacks=_qat,
+            # Training only: the int8 model's own speed is what QATCallback's end-of-fit report measures.
+            callback_specs=_callback("QATCallback", export=False),
             applies_to=_qat_applies,
         ),
     ]

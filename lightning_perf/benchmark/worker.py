@@ -12,6 +12,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,10 @@ class RunSpec:
     seed: int = 0
     predict_batches: int = 10
     num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
     repeat: int = 0
+    loader_overrides: dict[str, Any] = field(default_factory=dict)  # the auto-tuner's DataLoader settings
 
 
 @dataclass
@@ -51,6 +55,7 @@ class RunResult:
     ok: bool = True
     skipped: str | None = None
     error: str | None = None
+    traceback: str | None = None  # the failing code's own traceback, for errors raised by the user's model
     batch_size: int | None = None
     model_init_s: float | None = None
     first_batch_s: float | None = None
@@ -65,6 +70,8 @@ class RunResult:
     predict_step_s: dict[str, float] = field(default_factory=dict)
     predict_throughput: float | None = None
     final_train_loss: float | None = None
+    losses: list[float] = field(default_factory=list)  # every training step's loss, warm-up included
+    data_wait_s: list[float] = field(default_factory=list)  # steady-state time between a step's end and the next start
     wall_s: float | None = None
 
 
@@ -90,6 +97,10 @@ class _StepClock(Callback):
         self._train_start_ns: int | None = None
         self._batches_done = 0
         self._loss: torch.Tensor | None = None
+        self._losses: list[torch.Tensor] = []
+        self._batch_end_ns: int | None = None
+        self.data_wait_s: list[float] = []
+        self.losses: list[float] = []
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -102,6 +113,9 @@ class _StepClock(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if self._batch_end_ns is not None and self._batches_done >= self.warmup_steps:
+            # Lightning fetches the next batch between one step's end and the next one's start.
+            self.data_wait_s.append((time.perf_counter_ns() - self._batch_end_ns) / 1e9)
         if self._batches_done == 0:
             assert self._epoch_start_ns is not None
             self._batch_start_ns = time.perf_counter_ns()
@@ -134,11 +148,15 @@ class _StepClock(Callback):
             self._loss = outputs["loss"]
         elif isinstance(outputs, torch.Tensor):
             self._loss = outputs
+        if self._loss is not None:
+            self._losses.append(self._loss.detach())  # read after training: no device sync per step
+        self._batch_end_ns = time.perf_counter_ns()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._loss is not None:
             self.last_loss = float(self._loss.detach().float().cpu())
+        self.losses = [float(loss.float().cpu()) for loss in self._losses]
 
 
 class _PredictClock(Callback):
@@ -159,15 +177,49 @@ class _PredictClock(Callback):
         self.timer.end_step()
 
 
+def _batch_size_of(model: pl.LightningModule, datamodule: pl.LightningDataModule, spec: RunSpec) -> int | None:
+    """The batch size the run trains with: the spec's, else a ``batch_size`` where Lightning's tuner looks for it."""
+    from lightning_perf.tuning.sources import batch_size_holder
+
+    if spec.batch_size is not None:
+        return spec.batch_size
+    holder = batch_size_holder(model, datamodule)
+    return holder[1] if holder is not None else None
+
+
 def _comparable_to_peak(sample: MemorySample) -> int:
     """The in-use figure measured on the same scale as ``sample.peak``: allocator bytes on CUDA, RSS on CPU."""
     return sample.allocated if sample.source == "cuda" else sample.reserved
 
 
-def run(spec: RunSpec) -> RunResult:
-    """Train and measure one configuration in this process."""
-    from lightning_perf.benchmark.configs import get_config
+Builder = Callable[[RunSpec], "tuple[pl.LightningModule, pl.LightningDataModule]"]
+
+
+def build_reference_workload(spec: RunSpec) -> tuple[pl.LightningModule, pl.LightningDataModule]:
+    """The default builder: the reference workload ``spec.workload`` with the spec's data settings."""
     from lightning_perf.demos import make_workload
+
+    return make_workload(
+        spec.workload,
+        spec.preset,
+        batch_size=spec.batch_size,
+        seed=spec.seed,
+        **{
+            "num_workers": spec.num_workers,
+            "pin_memory": spec.pin_memory,
+            "persistent_workers": spec.persistent_workers,
+            **spec.loader_overrides,
+        },
+    )
+
+
+def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
+    """Train and measure one configuration in this process.
+
+    ``build`` makes the model and data module (default: :func:`build_reference_workload`); the auto-tuner passes one
+    that loads the user's own and applies the spec's batch size and loader settings to them.
+    """
+    from lightning_perf.benchmark.configs import get_config
 
     wall_start = time.perf_counter()
     result = RunResult(spec=asdict(spec))
@@ -180,11 +232,9 @@ def run(spec: RunSpec) -> RunResult:
 
     pl.seed_everything(spec.seed, workers=True, verbose=False)
     t0 = time.perf_counter()
-    model, datamodule = make_workload(
-        spec.workload, spec.preset, batch_size=spec.batch_size, seed=spec.seed, num_workers=spec.num_workers
-    )
+    model, datamodule = (build or build_reference_workload)(spec)
     result.model_init_s = time.perf_counter() - t0
-    result.batch_size = int(datamodule.batch_size)
+    result.batch_size = _batch_size_of(model, datamodule, spec)
 
     clock = _StepClock(device, spec.warmup_steps)
     trainer_kwargs: dict[str, Any] = {
@@ -216,13 +266,15 @@ def run(spec: RunSpec) -> RunResult:
     result.warmup_s = clock.warmup_s
     result.step_s = step_stats.to_dict()
     result.step_times_s = [record["step"] for record in clock.timer.steps]
-    result.throughput = result.batch_size / step_stats.median
+    result.throughput = result.batch_size / step_stats.median if result.batch_size else None
     sample = clock.probe.sample()
     result.peak_memory_bytes = int(sample.peak)
     if clock.memory_before_steps is not None:
         result.step_memory_bytes = max(0, int(sample.peak) - int(clock.memory_before_steps))
     result.memory_source = sample.source
     result.final_train_loss = clock.last_loss
+    result.losses = clock.losses
+    result.data_wait_s = clock.data_wait_s
 
     if spec.predict_batches > 0:
         datamodule.setup("predict")
@@ -243,7 +295,7 @@ def run(spec: RunSpec) -> RunResult:
         predict_stats = predict_clock.timer.summary().get("predict")
         if predict_stats is not None and predict_stats.count:
             result.predict_step_s = predict_stats.to_dict()
-            result.predict_throughput = result.batch_size / predict_stats.median
+            result.predict_throughput = result.batch_size / predict_stats.median if result.batch_size else None
     result.wall_s = time.perf_counter() - wall_start
     return result
 
@@ -257,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(spec)
     except Exception as exc:  # the runner reports the failure of one configuration and goes on with the others
-        result = RunResult(spec=asdict(spec), ok=False, error=f"{type(exc).__name__}: {exc}")
+        result = RunResult(
+            spec=asdict(spec), ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
+        )
         traceback.print_exc()
     Path(args[1]).write_text(json.dumps(asdict(result), default=str))
     return 0

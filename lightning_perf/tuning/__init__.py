@@ -1,1 +1,30 @@
 """The auto-tuner: measures a user's own model and recommends the fastest safe configuration."""
+
+from lightning_perf.tuning.sources import ImportSource, ModelSource, ObjectSource, WorkloadSource
+from lightning_perf.tuning.tuner import (
+    AutoTuner,
+    Candidate,
+    ModelError,
+    Recommendation,
+    Trial,
+    TuningError,
+    TuningResult,
+    compare,
+    loss_deviation,
+)
+
+__all__ = [
+    "AutoTuner",
+    "Candidate",
+    "ImportSource",
+    "ModelError",
+    "ModelSource",
+    "ObjectSource",
+    "Recommendation",
+    "Trial",
+    "TuningError",
+    "TuningResult",
+    "WorkloadSource",
+    "compare",
+    "loss_deviation",
+]

@@ -1,0 +1,984 @@
+"""The auto-tuner: try the optimizations on the user's own model, one measured trial at a time, keep what helps.
+
+Every trial trains the user's model for a few warm-up steps and a few measured steps in a fresh process (``spawn``),
+through the same worker as ``lightning-perf bench``, so no compiled graph, backend flag or allocator state leaks from
+one trial into the next, and the objects the user passed are never modified. A candidate is kept only when it is
+measurably faster than the best configuration so far: its per-sample step time must be lower by ``min_gain`` at the
+median *and* lower in at least ``confidence`` of all (candidate step, incumbent step) pairs, so step-to-step noise is
+not mistaken for a win. Candidates that change numerics (mixed precision, compile) must also reproduce the baseline's
+per-step losses on the same batches within ``loss_rtol``.
+
+The search, in order, within ``time_budget_s``:
+
+1. ``baseline``: the model as given, fp32. If it fails, the tuner stops and shows the model's own error.
+2. precision: ``bf16-mixed`` (where the device supports bf16) and ``16-mixed`` (CUDA), as alternatives.
+3. optimizations, stacked greedily on the best so far: channels-last, fused optimizer, backend flags, compile.
+4. data loading: ``num_workers`` (with ``persistent_workers``; ``pin_memory`` on CUDA), when the measured data wait
+   is a noticeable share of the step.
+5. batch size: doublings of the current one up to ``max_batch_size`` (default 4x) that fit in memory; the best
+   throughput wins.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import pickle
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from lightning_perf.tuning.sources import (
+    LOADER_SETTINGS,
+    ModelSource,
+    ObjectSource,
+    WorkloadSource,
+    batch_size_holder,
+    init_parameters,
+)
+
+PRECISIONS = ("bf16-mixed", "16-mixed")
+OPTIMIZATIONS = ("channels_last", "fused_optimizer", "backend_flags", "compile")
+ISOLATION = ("auto", "process", "in-process")
+# Data wait below this share of the step leaves nothing for more loader workers to win.
+DATA_WAIT_THRESHOLD = 0.05
+# Rough cost of a trial relative to the last one: compiling adds a cold compilation to the warm-up.
+_COMPILE_COST_FACTOR = 4.0
+
+
+class TuningError(RuntimeError):
+    """The tuner cannot go on (a budget too small for one trial, no usable baseline)."""
+
+
+class ModelError(TuningError):
+    """The user's model failed under its own settings; the message carries the model's traceback."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration to measure: bench configuration names stacked, plus batch size and loader settings."""
+
+    label: str
+    stage: str
+    configs: tuple[str, ...] = ()
+    batch_size: int | None = None  # None: the model's own
+    loader: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def config_name(self) -> str:
+        return "+".join(self.configs) or "baseline"
+
+    def with_(self, label: str, stage: str, **changes: Any) -> Candidate:
+        return replace(self, label=label, stage=stage, **changes)
+
+
+@dataclass
+class Trial:
+    """What one trial measured and what the tuner decided about it."""
+
+    label: str
+    stage: str
+    config: str
+    batch_size: int | None
+    loader: dict[str, Any]
+    verdict: str  # baseline, kept, rejected, skipped, failed
+    reason: str = ""
+    step_median_s: float | None = None
+    step_p25_s: float | None = None
+    step_p75_s: float | None = None
+    throughput: float | None = None  # samples per second at the median step
+    speedup: float | None = None  # throughput / baseline throughput
+    gain: float | None = None  # per-sample speed vs the incumbent it was compared with
+    p_faster: float | None = None  # share of (candidate, incumbent) step pairs where the candidate was faster
+    data_wait_share: float | None = None
+    loss_deviation: float | None = None  # median relative difference of per-step losses vs baseline
+    warmup_s: float | None = None
+    peak_memory_bytes: int | None = None
+    step_memory_bytes: int | None = None
+    wall_s: float | None = None
+    error: str | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.step_median_s is not None
+
+
+@dataclass
+class Recommendation:
+    """The configuration the tuner recommends: callbacks, Trainer and data settings, and how it measured."""
+
+    configs: tuple[str, ...]
+    callback_specs: list[tuple[str, dict[str, Any]]]
+    trainer_kwargs: dict[str, Any]
+    batch_size: int | None  # None: keep the model's own
+    loader: dict[str, Any]
+    speedup: float  # throughput vs baseline, as the tuner measured it
+    notes: list[str] = field(default_factory=list)
+
+    def callbacks(self) -> list[Any]:
+        """Fresh instances of the recommended callbacks, ready for ``Trainer(callbacks=...)``."""
+        from lightning_perf.benchmark.configs import instantiate_callbacks
+
+        return instantiate_callbacks(self.callback_specs)
+
+    @property
+    def datamodule_kwargs(self) -> dict[str, Any]:
+        """Batch size and DataLoader settings to give the data module (or its DataLoaders)."""
+        return ({"batch_size": self.batch_size} if self.batch_size is not None else {}) | dict(self.loader)
+
+
+@dataclass
+class TuningResult:
+    """Every trial and the recommendation; writes itself as a table, JSON and a LightningCLI YAML file."""
+
+    source: str
+    device: str
+    time_budget_s: float
+    elapsed_s: float
+    trials: list[Trial]
+    recommendation: Recommendation
+    datamodule_init_args: list[str] = field(default_factory=list)
+    model_init_args: list[str] = field(default_factory=list)
+    batch_size_holder: str | None = None
+    bench_command: str | None = None
+
+    def ranked(self) -> list[Trial]:
+        """Measured trials, fastest per sample first, then the ones without a measurement."""
+        measured = sorted((t for t in self.trials if t.measured), key=lambda t: -(t.speedup or 0.0))
+        return measured + [t for t in self.trials if not t.measured]
+
+    def table_rows(self) -> list[list[str]]:
+        from lightning_perf.profiling import format_bytes
+
+        rows = []
+        for t in self.ranked():
+            rows.append(
+                [
+                    t.label,
+                    t.stage,
+                    t.verdict,
+                    _ms(t.step_median_s, t.step_p25_s, t.step_p75_s),
+                    _fmt(t.throughput, ".1f"),
+                    _fmt(t.speedup, ".2f", "x"),
+                    _fmt(t.p_faster, ".2f"),
+                    _fmt(None if t.data_wait_share is None else 100 * t.data_wait_share, ".1f", "%"),
+                    _fmt(t.loss_deviation, ".3f"),
+                    format_bytes(t.step_memory_bytes) if t.step_memory_bytes is not None else "n/a",
+                    _fmt(t.wall_s, ".1f"),
+                ]
+            )
+        return rows
+
+    TABLE_COLUMNS = (
+        "trial",
+        "stage",
+        "verdict",
+        "step ms (IQR)",
+        "samples/s",
+        "vs baseline",
+        "P(faster)",
+        "data wait",
+        "loss dev",
+        "step memory",
+        "trial s",
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        rec = asdict(self.recommendation)
+        rec["datamodule_kwargs"] = self.recommendation.datamodule_kwargs
+        return {
+            "kind": "lightning-perf-autotune",
+            "source": self.source,
+            "device": self.device,
+            "time_budget_s": self.time_budget_s,
+            "elapsed_s": self.elapsed_s,
+            "recommendation": rec,
+            "lightning_cli": self.lightning_cli_config(),
+            "bench_command": self.bench_command,
+            "trials": [asdict(t) for t in self.trials],
+        }
+
+    def lightning_cli_config(self) -> dict[str, Any]:
+        """The recommendation as a LightningCLI config: ``trainer`` callbacks and precision, ``data``/``model`` args.
+
+        A data setting is written only where the user's class takes it as an ``__init__`` argument (that is what the
+        CLI can set); the others are in :attr:`Recommendation.notes`.
+        """
+        rec = self.recommendation
+        trainer: dict[str, Any] = dict(rec.trainer_kwargs)
+        if rec.callback_specs:
+            trainer["callbacks"] = [{"class_path": path, "init_args": dict(args)} for path, args in rec.callback_specs]
+        config: dict[str, Any] = {"trainer": trainer}
+        data: dict[str, Any] = {k: v for k, v in rec.loader.items() if k in self.datamodule_init_args}
+        model: dict[str, Any] = {}
+        if rec.batch_size is not None:
+            if self.batch_size_holder == "datamodule" and "batch_size" in self.datamodule_init_args:
+                data["batch_size"] = rec.batch_size
+            elif self.batch_size_holder in ("model", "hparams") and "batch_size" in self.model_init_args:
+                model["batch_size"] = rec.batch_size
+        if data:
+            config["data"] = data
+        if model:
+            config["model"] = model
+        return config
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        rec = self.recommendation
+        header = [
+            "# lightning-perf autotune recommendation (a LightningCLI config: `--config` this file)",
+            f"# model: {self.source}; device: {self.device}",
+            f"# measured: {rec.speedup:.2f}x the baseline's training throughput "
+            f"({self.elapsed_s:.0f} s of tuning, {sum(t.measured for t in self.trials)} trials)",
+        ]
+        header += [f"# note: {note}" for note in rec.notes]
+        return "\n".join(header) + "\n" + yaml.safe_dump(self.lightning_cli_config(), sort_keys=False)
+
+    def write(self, yaml_path: str | os.PathLike[str] | None, json_path: str | os.PathLike[str] | None) -> list[Path]:
+        """Write the YAML and/or JSON files atomically; returns the paths written."""
+        from lightning_perf._io import atomic_write_text
+
+        written = []
+        if yaml_path is not None:
+            written.append(atomic_write_text(yaml_path, self.to_yaml()))
+        if json_path is not None:
+            written.append(atomic_write_text(json_path, json.dumps(self.to_dict(), indent=1, default=str)))
+        return written
+
+    def print(self, console: Any = None) -> None:
+        from rich.console import Console
+
+        from lightning_perf.profiling import print_table
+
+        if console is None:
+            console = Console()
+            if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+                console = Console(width=160)
+        print_table(
+            self.TABLE_COLUMNS,
+            self.table_rows(),
+            title=f"autotune: {self.source} on {self.device} ({self.elapsed_s:.0f} s)",
+            console=console,
+        )
+        rec = self.recommendation
+        lines = [f"  {t.label}: {t.verdict}, {t.reason}" for t in self.ranked() if t.reason]
+        lines.append(f"Recommended ({rec.speedup:.2f}x the baseline's throughput):")
+        lines.append(f"  callbacks: {', '.join(p.rsplit('.', 1)[-1] for p, _ in rec.callback_specs) or 'none'}")
+        lines.append(f"  trainer: {rec.trainer_kwargs or 'as is'}")
+        lines.append(f"  data: {rec.datamodule_kwargs or 'as is'}")
+        lines += [f"  note: {note}" for note in rec.notes]
+        if self.bench_command:
+            lines.append(f"  check it with: {self.bench_command}")
+        print("\n".join(lines), flush=True)
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{format(value, spec)}{suffix}"
+
+
+def _ms(med: float | None, lo: float | None, hi: float | None) -> str:
+    if med is None:
+        return "n/a"
+    return f"{med * 1e3:.1f} ({(lo or med) * 1e3:.1f}-{(hi or med) * 1e3:.1f})"
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def per_sample_times(result: Any) -> list[float]:
+    """Steady-state step times divided by the batch size (comparable across batch sizes)."""
+    batch = result.batch_size or 1
+    return [t / batch for t in result.step_times_s]
+
+
+def compare(candidate: Sequence[float], incumbent: Sequence[float]) -> tuple[float, float]:
+    """``(gain, p_faster)`` of the candidate's per-sample step times against the incumbent's.
+
+    ``gain`` is the ratio of medians (above 1: the candidate is faster); ``p_faster`` the share of all (candidate,
+    incumbent) pairs in which the candidate step was the faster one, ties counting half (the Mann-Whitney
+    probability of superiority). Noise alone keeps ``p_faster`` near 0.5 whatever the medians say.
+    """
+    if not candidate or not incumbent:
+        raise ValueError("compare() needs at least one step time on each side.")
+    gain = median(incumbent) / median(candidate)
+    wins = sum((c < i) + 0.5 * (c == i) for c in candidate for i in incumbent)
+    return gain, wins / (len(candidate) * len(incumbent))
+
+
+def loss_deviation(candidate: Sequence[float], reference: Sequence[float]) -> float:
+    """Median relative difference of per-step losses on the same batches; ``inf`` if the candidate's are not finite."""
+    if not candidate or any(not math.isfinite(v) for v in candidate):
+        return math.inf
+    pairs = list(zip(candidate, reference, strict=False))
+    if not pairs:
+        return math.inf
+    return median(abs(c - r) / max(abs(r), 1e-8) for c, r in pairs)
+
+
+@contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _trial_process(spec: dict[str, Any], source_path: str, result_path: str, log_path: str) -> None:
+    """Body of a trial's spawned process: load the source, train and measure, write the result as JSON."""
+    import traceback
+
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    from lightning_perf._io import atomic_write_text
+    from lightning_perf.benchmark.worker import RunResult, RunSpec, run
+
+    run_spec = RunSpec(**spec)
+    try:
+        source = pickle.loads(Path(source_path).read_bytes())
+        result = run(run_spec, build=source.build)
+    except BaseException as exc:  # reported to the tuner, which decides whether it is the model's fault
+        result = RunResult(
+            spec=asdict(run_spec), ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
+        )
+    atomic_write_text(result_path, json.dumps(asdict(result), default=str))
+
+
+class AutoTuner:
+    """Measure the user's own model and recommend the fastest configuration that keeps its losses.
+
+    Example::
+
+        tuner = AutoTuner(MyModel(), MyDataModule(), time_budget_s=300)
+        result = tuner.run()  # prints progress and the table
+        trainer = Trainer(callbacks=result.recommendation.callbacks(), **result.recommendation.trainer_kwargs)
+        result.write("tuned.yaml", "tuned.json")  # `python train.py fit --config tuned.yaml` with LightningCLI
+
+    Args:
+        model: the user's ``LightningModule`` (copied for every trial, never modified).
+        datamodule: its ``LightningDataModule`` (copied likewise).
+        workload: a reference workload name instead of ``model``/``datamodule`` (``preset`` picks its size).
+        source: a :class:`~lightning_perf.tuning.sources.ModelSource` instead of the above (the CLI's import paths).
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        time_budget_s: wall-clock budget for the whole search; trials that would not fit are skipped.
+        steps: measured steps per trial (after ``warmup_steps`` excluded ones).
+        warmup_steps: excluded steps at the start of each trial (compilation, allocator growth).
+        precisions: mixed precisions to try (default: those the device supports).
+        optimizations: bench configuration names to try stacking, in order (default :data:`OPTIMIZATIONS`).
+        tune_batch_size: try larger batch sizes (changes the optimization: scale the learning rate to match).
+        max_batch_size: largest batch size to try (default: 4x the model's own).
+        tune_data_loading: try DataLoader workers when the data wait is a noticeable share of the step.
+        max_num_workers: most DataLoader workers to try (default: the CPU count).
+        min_gain: smallest per-sample speed-up worth keeping (0.03: 3%).
+        confidence: required share of step pairs in which the candidate is faster (0.5-1).
+        loss_rtol: largest median relative difference of per-step losses from the baseline's.
+        isolation: ``"process"`` (a fresh spawned process per trial), ``"in-process"`` (copies of the objects,
+            global torch state restored after each trial), or ``"auto"`` (process unless the objects cannot travel).
+        progress: print a line per trial as it runs.
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        datamodule: Any = None,
+        *,
+        workload: str | None = None,
+        preset: str = "default",
+        source: ModelSource | None = None,
+        device: str = "cpu",
+        time_budget_s: float = 300.0,
+        steps: int = 10,
+        warmup_steps: int = 3,
+        precisions: Sequence[str] | None = None,
+        optimizations: Sequence[str] = OPTIMIZATIONS,
+        tune_batch_size: bool = True,
+        max_batch_size: int | None = None,
+        tune_data_loading: bool = True,
+        max_num_workers: int | None = None,
+        min_gain: float = 0.03,
+        confidence: float = 0.75,
+        loss_rtol: float = 0.05,
+        isolation: str = "auto",
+        seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        import lightning.pytorch as pl
+
+        from lightning_perf.benchmark.configs import get_config
+
+        given = [model is not None or datamodule is not None, workload is not None, source is not None]
+        if sum(given) != 1:
+            raise ValueError(
+                "AutoTuner needs exactly one of: `model` and `datamodule`, `workload=`, or `source=` "
+                f"(got model={type(model).__name__ if model is not None else None}, workload={workload!r}, "
+                f"source={source!r})."
+            )
+        if given[0]:
+            if not isinstance(model, pl.LightningModule):
+                raise ValueError(f"model={type(model).__name__} is not valid. Expected a LightningModule.")
+            if not isinstance(datamodule, pl.LightningDataModule):
+                raise ValueError(
+                    f"datamodule={type(datamodule).__name__} is not valid. Expected a LightningDataModule "
+                    "(wrap plain DataLoaders with `LightningDataModule.from_datasets`)."
+                )
+            source = ObjectSource.from_objects(model, datamodule)
+        elif workload is not None:
+            from lightning_perf.demos import PRESETS, workload_names
+
+            if workload not in workload_names():
+                raise ValueError(f"workload={workload!r} is unknown. Expected one of: {', '.join(workload_names())}.")
+            if preset not in PRESETS:
+                raise ValueError(f"preset={preset!r} is unknown. Expected one of: {', '.join(PRESETS)}.")
+            source = WorkloadSource(workload, preset, seed)
+        elif not isinstance(source, ModelSource):
+            raise ValueError(f"source={source!r} is not valid. Expected a lightning_perf.tuning.ModelSource.")
+        if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+            raise ValueError(f"device={device!r} is not valid. Expected 'cpu', 'cuda' or 'cuda:N'.")
+        if str(device).startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={device!r} is not available: torch sees no CUDA device.")
+        _check_number("time_budget_s", time_budget_s, 0.0, exclusive=True)
+        _check_int("steps", steps, 3)
+        _check_int("warmup_steps", warmup_steps, 1)
+        _check_number("min_gain", min_gain, 0.0)
+        _check_number("confidence", confidence, 0.5, 1.0)
+        _check_number("loss_rtol", loss_rtol, 0.0, exclusive=True)
+        if max_batch_size is not None:
+            _check_int("max_batch_size", max_batch_size, 1)
+        if max_num_workers is not None:
+            _check_int("max_num_workers", max_num_workers, 0)
+        if isolation not in ISOLATION:
+            raise ValueError(f"isolation={isolation!r} is not valid. Expected one of: {', '.join(ISOLATION)}.")
+        if precisions is not None:
+            bad = [p for p in precisions if p not in PRECISIONS]
+            if bad:
+                raise ValueError(f"precisions={list(precisions)!r}: {bad[0]!r} is not one of {', '.join(PRECISIONS)}.")
+        for name in optimizations:
+            config = get_config(name)  # raises for unknown names, listing the valid ones
+            if "precision" in config.trainer_kwargs:
+                raise ValueError(f"optimizations: {name!r} sets the precision; pass it in `precisions` instead.")
+        self.source = source
+        self.device = str(device)
+        self.time_budget_s = float(time_budget_s)
+        self.steps, self.warmup_steps = steps, warmup_steps
+        self.precisions = tuple(precisions) if precisions is not None else None
+        self.optimizations = tuple(optimizations)
+        self.tune_batch_size, self.max_batch_size = tune_batch_size, max_batch_size
+        self.tune_data_loading, self.max_num_workers = tune_data_loading, max_num_workers
+        self.min_gain, self.confidence, self.loss_rtol = float(min_gain), float(confidence), float(loss_rtol)
+        self.isolation = isolation
+        self.seed = seed
+        self.progress = progress
+        # Filled by run()
+        self._trials: list[Trial] = []
+        self._results: dict[int, Any] = {}
+        self._deadline = 0.0
+        self._tmp: Path | None = None
+        self._source_path: Path | None = None
+        self._count = 0
+
+    # ------------------------------------------------------------------ the search
+
+    def run(self) -> TuningResult:
+        """Run the search and return every trial with the recommendation. Raises :class:`ModelError` at once when
+        the model fails under its own settings, and :class:`TuningError` when the budget cannot fit two trials."""
+        start = time.monotonic()
+        self._deadline = start + self.time_budget_s
+        self._trials, self._results, self._count = [], {}, 0
+        model, datamodule = self.source.load()  # a private copy, for introspection only
+        holder = batch_size_holder(model, datamodule)
+        dm_params, model_params = sorted(init_parameters(datamodule)), sorted(init_parameters(model))
+        own_loader = {k: getattr(datamodule, k) for k in LOADER_SETTINGS if hasattr(datamodule, k)}
+        del model, datamodule
+        isolation = self._resolve_isolation()
+        self._say(
+            f"autotune: {self.source.describe()} on {self.device}, budget {self.time_budget_s:.0f} s, "
+            f"{self.warmup_steps}+{self.steps} steps per trial, {isolation}"
+        )
+
+        with tempfile.TemporaryDirectory(prefix="lightning-perf-autotune-") as tmp:
+            self._tmp = Path(tmp)
+            self._source_path = self._tmp / "source.pkl"
+            self._source_path.write_bytes(pickle.dumps(self.source, protocol=pickle.HIGHEST_PROTOCOL))
+            self._isolation = isolation
+            baseline_candidate = Candidate("baseline", "baseline")
+            baseline, base_result = self._baseline(baseline_candidate)
+            incumbent = (baseline_candidate, baseline, base_result)
+            incumbent = self._precision_stage(incumbent, base_result)
+            incumbent = self._optimization_stage(incumbent, base_result)
+            if self.tune_data_loading:
+                incumbent = self._data_stage(incumbent, base_result, own_loader)
+            if self.tune_batch_size:
+                incumbent = self._batch_size_stage(incumbent, holder)
+
+        candidate, best, _ = incumbent
+        recommendation = self._recommend(candidate, best, holder, dm_params)
+        result = TuningResult(
+            source=self.source.describe(),
+            device=self.device,
+            time_budget_s=self.time_budget_s,
+            elapsed_s=time.monotonic() - start,
+            trials=self._trials,
+            recommendation=recommendation,
+            datamodule_init_args=dm_params,
+            model_init_args=model_params,
+            batch_size_holder=holder[0] if holder else None,
+            bench_command=self._bench_command(candidate),
+        )
+        if self.progress:
+            result.print()
+        return result
+
+    def _baseline(self, candidate: Candidate) -> tuple[Trial, Any]:
+        result = self._measure(candidate, timeout=self.time_budget_s)
+        trial = self._record(candidate, result)
+        if result is None:
+            raise TuningError(
+                f"time_budget_s={self.time_budget_s:g} is too small: the baseline trial ({self.warmup_steps}+"
+                f"{self.steps} steps) did not finish within it. A run needs at least twice one trial's time; "
+                f"raise time_budget_s or lower steps."
+            )
+        if not result.ok:
+            raise ModelError(
+                "The model failed its baseline trial, trained as given (fp32, its own batch size and loaders), so "
+                "there is nothing to tune. This is the model's own error:\n\n"
+                + (result.traceback or result.error or "no traceback")
+            )
+        trial.verdict, trial.speedup = "baseline", 1.0
+        elapsed = result.wall_s or 0.0  # one trial, process start included
+        if elapsed * 2 > self.time_budget_s:
+            needed = math.ceil(elapsed * 2)
+            raise TuningError(
+                f"time_budget_s={self.time_budget_s:g} is too small: one trial of this model takes {elapsed:.0f} s, "
+                f"and tuning needs at least the baseline plus one trial: time_budget_s >= {needed} "
+                f"(about {math.ceil(elapsed * 8)} s tries every stage)."
+            )
+        return trial, result
+
+    def _precision_stage(self, incumbent: tuple[Candidate, Trial, Any], base: Any) -> tuple[Candidate, Trial, Any]:
+        import torch
+
+        from lightning_perf._device import supports_bf16
+
+        device = torch.device(self.device)
+        precisions = self.precisions
+        if precisions is None:
+            precisions = tuple(p for p in PRECISIONS if p != "16-mixed" or device.type == "cuda")
+        start = incumbent
+        best = incumbent
+        for precision in precisions:
+            candidate = start[0].with_(f"+{precision}", "precision", configs=(*start[0].configs, precision))
+            if precision == "bf16-mixed" and not supports_bf16(device):
+                self._skip(candidate, f"{device} does not support bfloat16")
+                continue
+            if precision == "16-mixed" and device.type != "cuda":
+                self._skip(candidate, "fp16 autocast with a gradient scaler is for CUDA devices")
+                continue
+            best = self._challenge(candidate, start, best, base)
+        return best
+
+    def _optimization_stage(self, incumbent: tuple[Candidate, Trial, Any], base: Any) -> tuple[Candidate, Trial, Any]:
+        import torch
+
+        from lightning_perf.benchmark.configs import get_config
+
+        for name in self.optimizations:
+            candidate = incumbent[0].with_(f"+{name}", "optimization", configs=(*incumbent[0].configs, name))
+            reason = get_config(name).why_not(torch.device(self.device))
+            if reason is not None:
+                self._skip(candidate, reason)
+                continue
+            incumbent = self._challenge(candidate, incumbent, incumbent, base)
+        return incumbent
+
+    def _data_stage(
+        self, incumbent: tuple[Candidate, Trial, Any], base: Any, own: dict[str, Any]
+    ) -> tuple[Candidate, Trial, Any]:
+        share = incumbent[1].data_wait_share
+        cpus = os.cpu_count() or 1
+        limit = self.max_num_workers if self.max_num_workers is not None else cpus
+        if share is None or share < DATA_WAIT_THRESHOLD:
+            self._skip(
+                incumbent[0].with_("num_workers", "data"),
+                f"data wait is {100 * (share or 0):.1f}% of the step (< {100 * DATA_WAIT_THRESHOLD:.0f}%): "
+                "more loader workers have nothing to win",
+            )
+            return incumbent
+        current = int(own.get("num_workers", 0) or 0)
+        counts = [n for n in (1, 2, 4, 8, 16, 32) if current < n <= limit]
+        if not counts:
+            self._skip(incumbent[0].with_("num_workers", "data"), f"already {current} workers (limit {limit})")
+            return incumbent
+        start = incumbent
+        best = incumbent
+        cuda = self.device.startswith("cuda")
+        for n in counts:
+            loader = dict(start[0].loader) | {"num_workers": n, "persistent_workers": True}
+            if cuda:
+                loader["pin_memory"] = True
+            label = f"num_workers={n}" + (" +pin_memory" if cuda else "")
+            candidate = start[0].with_(label, "data", loader=tuple(sorted(loader.items())))
+            previous = best
+            best = self._challenge(candidate, start, best, base)
+            if best is previous and self._trials[-1].verdict != "skipped":
+                break  # more workers than this did not help; more still will not either on the same cores
+        return best
+
+    def _batch_size_stage(
+        self, incumbent: tuple[Candidate, Trial, Any], holder: tuple[str, int] | None
+    ) -> tuple[Candidate, Trial, Any]:
+        if holder is None:
+            self._skip(
+                incumbent[0].with_("batch_size", "batch_size"),
+                "neither the model, its hparams nor the data module has an integer `batch_size` attribute",
+            )
+            return incumbent
+        own = holder[1]
+        cap = self.max_batch_size if self.max_batch_size is not None else own * 4
+        sizes = []
+        size = own * 2
+        while size <= cap:
+            sizes.append(size)
+            size *= 2
+        if not sizes:
+            self._skip(incumbent[0].with_("batch_size", "batch_size"), f"max_batch_size={cap} leaves no larger size")
+            return incumbent
+        start = incumbent
+        best = incumbent
+        for size in sizes:
+            candidate = start[0].with_(f"batch_size={size}", "batch_size", batch_size=size)
+            fits = self._fits_in_memory(start[2], own, size)
+            if fits is not None:
+                self._skip(candidate, fits)
+                break
+            best = self._challenge(candidate, start, best, None)
+            last = self._trials[-1]
+            if last.verdict == "failed" and "out of memory" in (last.error or "").lower():
+                last.reason = f"does not fit: {last.error}"
+                break
+        return best
+
+    def _fits_in_memory(self, result: Any, own: int, size: int) -> str | None:
+        """Why batch ``size`` would not fit in CPU memory, extrapolated from the measured step memory; None if fine."""
+        if self.device.startswith("cuda") or result.step_memory_bytes is None or result.peak_memory_bytes is None:
+            return None  # CUDA: the trial itself finds out (out of memory is caught and reported)
+        import psutil
+
+        from lightning_perf.profiling import format_bytes
+
+        batch = result.batch_size or own
+        needed = result.peak_memory_bytes + result.step_memory_bytes * (size / batch - 1)
+        available = psutil.virtual_memory().available
+        if needed > 0.8 * available:
+            return f"would need about {format_bytes(needed)}; {format_bytes(available)} is available"
+        return None
+
+    def _challenge(
+        self,
+        candidate: Candidate,
+        against: tuple[Candidate, Trial, Any],
+        best: tuple[Candidate, Trial, Any],
+        base: Any,
+    ) -> tuple[Candidate, Trial, Any]:
+        """Measure ``candidate``; it replaces ``best`` if it beats ``against`` (and ``best``) and keeps the losses."""
+        estimate = self._estimate(candidate, against)
+        remaining = self._deadline - time.monotonic()
+        if estimate > remaining:
+            self._skip(candidate, f"out of budget: needs about {estimate:.0f} s, {max(0.0, remaining):.0f} s left")
+            return best
+        result = self._measure(candidate, timeout=remaining)
+        trial = self._record(candidate, result)
+        if result is None:
+            trial.verdict, trial.reason = "skipped", "out of budget: stopped at the end of the time budget"
+            return best
+        if not result.ok:
+            trial.verdict, trial.reason = "failed", result.error or "failed"
+            return best
+        gain, p_faster = compare(per_sample_times(result), per_sample_times(against[2]))
+        trial.gain, trial.p_faster = gain, p_faster
+        if base is not None and candidate.batch_size == against[0].batch_size:
+            trial.loss_deviation = loss_deviation(result.losses, base.losses)
+            if trial.loss_deviation > self.loss_rtol:
+                trial.verdict = "rejected"
+                trial.reason = (
+                    f"losses differ from the baseline's by {trial.loss_deviation:.3g} (median relative, "
+                    f"limit loss_rtol={self.loss_rtol:g})"
+                )
+                return best
+        elif any(not math.isfinite(v) for v in result.losses):
+            trial.verdict, trial.reason = "rejected", "non-finite loss"
+            return best
+        if not self._wins(gain, p_faster):
+            trial.verdict = "rejected"
+            trial.reason = f"not measurably faster: {self._explain(gain, p_faster)}"
+            return best
+        if best is not against:  # an alternative to one kept earlier in this stage: it must beat that one too
+            best_gain, best_p = compare(per_sample_times(result), per_sample_times(best[2]))
+            if not self._wins(best_gain, best_p):
+                trial.verdict = "rejected"
+                trial.reason = f"not measurably faster than {best[0].label}: {self._explain(best_gain, best_p)}"
+                return best
+            best[1].verdict = "rejected"
+            best[1].reason = f"beaten by {candidate.label}"
+        trial.verdict = "kept"
+        trial.reason = f"{gain:.2f}x per sample vs {against[0].label}, faster in {100 * p_faster:.0f}% of step pairs"
+        return candidate, trial, result
+
+    def _wins(self, gain: float, p_faster: float) -> bool:
+        return gain >= 1 + self.min_gain and p_faster >= self.confidence
+
+    def _explain(self, gain: float, p_faster: float) -> str:
+        return (
+            f"{gain:.2f}x per sample, faster in {100 * p_faster:.0f}% of step pairs "
+            f"(needs >= {1 + self.min_gain:.2f}x and {100 * self.confidence:.0f}%)"
+        )
+
+    def _estimate(self, candidate: Candidate, against: tuple[Candidate, Trial, Any]) -> float:
+        wall = against[1].wall_s or 0.0
+        factor = 1.2
+        if "compile" in candidate.configs and "compile" not in against[0].configs:
+            factor = _COMPILE_COST_FACTOR
+        if candidate.batch_size is not None:
+            own = against[2].batch_size or candidate.batch_size
+            factor *= max(1.0, candidate.batch_size / own)
+        return wall * factor
+
+    # ------------------------------------------------------------------ running and recording trials
+
+    def _resolve_isolation(self) -> str:
+        if self.isolation != "auto":
+            return self.isolation
+        if isinstance(self.source, ObjectSource):
+            main = sys.modules.get("__main__")
+            interactive = main is not None and getattr(main, "__file__", None) is None
+            if interactive and b"__main__" in self.source.payload:
+                # Classes defined in a notebook or REPL cannot be re-imported by a fresh process.
+                return "in-process"
+        return "process"
+
+    def _spec(self, candidate: Candidate) -> Any:
+        from lightning_perf.benchmark.worker import RunSpec
+
+        self._count += 1
+        return RunSpec(
+            workload=self.source.describe(),
+            config=candidate.config_name,
+            steps=self.steps,
+            warmup_steps=self.warmup_steps,
+            batch_size=candidate.batch_size,
+            device=self.device,
+            seed=self.seed,
+            predict_batches=0,
+            repeat=self._count,
+            loader_overrides=dict(candidate.loader),
+        )
+
+    def _measure(self, candidate: Candidate, timeout: float) -> Any:
+        """Run one trial; ``None`` when it ran out of time."""
+        spec = self._spec(candidate)
+        self._say(f"[{self._count}] {candidate.label} ({candidate.stage}) ...", end="")
+        started = time.monotonic()
+        if self._isolation == "in-process":
+            result = self._measure_in_process(spec)
+        else:
+            result = self._measure_in_subprocess(spec, timeout)
+        if result is not None:
+            result.wall_s = time.monotonic() - started  # the whole trial, process start included
+        return result
+
+    def _measure_in_subprocess(self, spec: Any, timeout: float) -> Any:
+        from lightning_perf.benchmark.worker import RunResult
+        from lightning_perf.profiling import TRUTHFUL_CPU_MEMORY_ENV
+
+        assert self._tmp is not None and self._source_path is not None
+        result_path = self._tmp / f"trial-{self._count}.json"
+        log_path = self._tmp / f"trial-{self._count}.log"
+        context = multiprocessing.get_context("spawn")
+        process = context.Process(
+            target=_trial_process,
+            args=(asdict(spec), str(self._source_path), str(result_path), str(log_path)),
+            name=f"lightning-perf-autotune-{self._count}",
+        )
+        with _environ({**TRUTHFUL_CPU_MEMORY_ENV, "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}):
+            process.start()
+        process.join(max(1.0, timeout))
+        if process.is_alive():
+            process.kill()
+            process.join()
+            return None
+        if not result_path.exists():
+            log = log_path.read_text(errors="replace") if log_path.exists() else ""
+            error = f"trial process exited with status {process.exitcode}"
+            return RunResult(spec=asdict(spec), ok=False, error=error, traceback="\n".join(log.splitlines()[-8:]))
+        return RunResult(**json.loads(result_path.read_text()))
+
+    def _measure_in_process(self, spec: Any) -> Any:
+        import traceback
+
+        import torch
+
+        from lightning_perf.benchmark.worker import RunResult, run
+        from lightning_perf.functional import backend_flags
+
+        flags = backend_flags.capture()
+        dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+        rng = torch.random.get_rng_state()
+        try:
+            return run(spec, build=self.source.build)
+        except Exception as exc:
+            return RunResult(
+                spec=asdict(spec), ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
+            )
+        finally:
+            backend_flags.restore(flags)
+            torch.set_default_dtype(dtype)
+            torch.set_grad_enabled(grad)
+            torch.random.set_rng_state(rng)
+            torch._dynamo.reset()
+
+    def _record(self, candidate: Candidate, result: Any) -> Trial:
+        trial = Trial(
+            label=candidate.label,
+            stage=candidate.stage,
+            config=candidate.config_name,
+            batch_size=candidate.batch_size if result is None else result.batch_size,
+            loader=dict(candidate.loader),
+            verdict="failed",
+        )
+        if result is not None:
+            trial.wall_s = result.wall_s
+            trial.error = result.error
+            if result.ok and result.step_times_s:
+                times = result.step_times_s
+                trial.step_median_s = median(times)
+                trial.step_p25_s, trial.step_p75_s = _quantile(times, 0.25), _quantile(times, 0.75)
+                trial.throughput = result.throughput
+                trial.warmup_s = result.warmup_s
+                trial.peak_memory_bytes = result.peak_memory_bytes
+                trial.step_memory_bytes = result.step_memory_bytes
+                if result.data_wait_s:
+                    trial.data_wait_share = median(result.data_wait_s) / trial.step_median_s
+                base = self._trials[0] if self._trials else None
+                if base is not None and base.throughput and trial.throughput:
+                    trial.speedup = trial.throughput / base.throughput
+        self._trials.append(trial)
+        if result is None:
+            self._say(" out of time")
+        elif not result.ok:
+            self._say(f" failed ({trial.wall_s:.1f} s): {result.error}")
+        else:
+            self._say(
+                f" {trial.step_median_s * 1e3:.1f} ms/step, {_fmt(trial.speedup, '.2f', 'x')} ({trial.wall_s:.1f} s)"  # type: ignore[operator]
+            )
+        return trial
+
+    def _skip(self, candidate: Candidate, reason: str) -> None:
+        self._trials.append(
+            Trial(
+                label=candidate.label,
+                stage=candidate.stage,
+                config=candidate.config_name,
+                batch_size=candidate.batch_size,
+                loader=dict(candidate.loader),
+                verdict="skipped",
+                reason=reason,
+            )
+        )
+        self._say(f"[-] {candidate.label} ({candidate.stage}): skipped, {reason}")
+
+    def _say(self, text: str, end: str = "\n") -> None:
+        if self.progress:
+            print(text, end=end, flush=True)
+
+    # ------------------------------------------------------------------ the recommendation
+
+    def _recommend(
+        self, candidate: Candidate, best: Trial, holder: tuple[str, int] | None, dm_params: list[str]
+    ) -> Recommendation:
+        from lightning_perf.benchmark.configs import get_config
+
+        config = get_config(candidate.config_name)
+        specs = [(path, dict(args)) for path, args in (config.callback_specs or ())]
+        trainer_kwargs = dict(config.trainer_kwargs)
+        notes = []
+        if candidate.batch_size is not None and holder is not None:
+            notes.append(
+                f"batch size {holder[1]} -> {candidate.batch_size} changes the optimization: scale the learning "
+                f"rate with it (e.g. linearly) and check convergence"
+            )
+        loader = dict(candidate.loader)
+        missing = [k for k in loader if k not in dm_params]
+        if missing:
+            notes.append(
+                f"the data module's __init__ does not take {', '.join(missing)}: set "
+                f"{', '.join(f'{k}={loader[k]!r}' for k in missing)} in its DataLoaders"
+            )
+        if "compile" in candidate.configs:
+            notes.append(f"compile costs {best.warmup_s or 0:.0f} s of warm-up per run; it pays off on long runs")
+        return Recommendation(
+            configs=candidate.configs,
+            callback_specs=specs,
+            trainer_kwargs=trainer_kwargs,
+            batch_size=candidate.batch_size,
+            loader=dict(candidate.loader),
+            speedup=best.speedup or 1.0,
+            notes=notes,
+        )
+
+    def _bench_command(self, candidate: Candidate) -> str | None:
+        if not isinstance(self.source, WorkloadSource):
+            return None
+        parts = [
+            "lightning-perf bench",
+            f"--workload {self.source.workload}",
+            f"--preset {self.source.preset}",
+            f"--configs baseline,{candidate.config_name}" if candidate.configs else "--configs baseline",
+            f"--device {self.device}",
+        ]
+        if candidate.batch_size is not None:
+            parts.append(f"--batch-size {candidate.batch_size}")
+        workers = dict(candidate.loader).get("num_workers")
+        if workers:
+            parts.append(f"--num-workers {workers}")
+        return " ".join(parts)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r} is not valid. Expected an integer >= {minimum}.")
+
+
+def _check_number(
+    name: str, value: Any, minimum: float, maximum: float | None = None, *, exclusive: bool = False
+) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = value > minimum if exclusive else value >= minimum
+    if ok and maximum is not None:
+        ok = value <= maximum
+    if not ok:
+        bound = f"> {minimum:g}" if exclusive else f">= {minimum:g}"
+        if maximum is not None:
+            bound += f" and <= {maximum:g}"
+        raise ValueError(f"{name}={value!r} is not valid. Expected a number {bound}.")

@@ -1,0 +1,463 @@
+"""The auto-tuner: its decisions (on scripted measurements), its outputs, and real trials on a user's own model."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from lightning_perf.benchmark.worker import RunResult
+from lightning_perf.demos import make_workload
+from lightning_perf.tuning import (
+    AutoTuner,
+    Candidate,
+    ImportSource,
+    ModelError,
+    ObjectSource,
+    TuningError,
+    compare,
+    loss_deviation,
+)
+from lightning_perf.tuning.sources import apply_data_settings, batch_size_holder, rebuild_loader
+from tests.tuning._user_models import PlainDataModule, SmallConvNet
+
+# --------------------------------------------------------------------------- statistics
+
+
+def test_compare_separates_a_real_gain_from_noise() -> None:
+    incumbent = [0.100, 0.104, 0.098, 0.101, 0.099, 0.103, 0.097, 0.102]
+    faster = [t * 0.8 for t in incumbent]
+    gain, p = compare(faster, incumbent)
+    assert gain == pytest.approx(1.25) and p == 1.0
+    # The same distribution shifted by less than its own spread: a median gain, but no confidence.
+    noisy = [t * 0.98 for t in reversed(incumbent)]
+    gain, p = compare(noisy, incumbent)
+    assert gain > 1.0 and p < 0.75
+    gain, p = compare(incumbent, incumbent)
+    assert gain == 1.0 and p == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="at least one step time"):
+        compare([], incumbent)
+
+
+def test_loss_deviation() -> None:
+    assert loss_deviation([1.0, 0.9, 0.8], [1.0, 0.9, 0.8]) == 0.0
+    assert loss_deviation([1.1, 0.99, 0.88], [1.0, 0.9, 0.8]) == pytest.approx(0.1)
+    assert loss_deviation([1.0, math.nan], [1.0, 0.9]) == math.inf
+    assert loss_deviation([], [1.0]) == math.inf
+
+
+# --------------------------------------------------------------------------- construction errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"time_budget_s": 0}, r"time_budget_s=0 is not valid\. Expected a number > 0"),
+        ({"time_budget_s": "5m"}, r"time_budget_s='5m' is not valid"),
+        ({"steps": 2}, r"steps=2 is not valid\. Expected an integer >= 3"),
+        ({"confidence": 0.2}, r"confidence=0.2 is not valid"),
+        ({"device": "tpu"}, r"device='tpu' is not valid"),
+        ({"isolation": "thread"}, r"isolation='thread' is not valid"),
+        ({"precisions": ["fp8"]}, r"'fp8' is not one of"),
+        ({"optimizations": ["turbo"]}, r"Unknown benchmark configuration 'turbo'"),
+        ({"optimizations": ["bf16-mixed"]}, r"sets the precision; pass it in `precisions`"),
+        ({"max_batch_size": 0}, r"max_batch_size=0 is not valid"),
+        ({"preset": "huge"}, r"preset='huge' is unknown"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AutoTuner(workload="convnet", **{"preset": "tiny", **kwargs})
+
+
+def test_needs_exactly_one_source() -> None:
+    with pytest.raises(ValueError, match="exactly one of"):
+        AutoTuner()
+    with pytest.raises(ValueError, match="exactly one of"):
+        AutoTuner(SmallConvNet(), PlainDataModule(), workload="convnet")
+    with pytest.raises(ValueError, match=r"datamodule=NoneType is not valid"):
+        AutoTuner(SmallConvNet())
+    with pytest.raises(ValueError, match=r"model=Linear is not valid\. Expected a LightningModule"):
+        AutoTuner(torch.nn.Linear(2, 2), PlainDataModule())
+
+
+def test_objects_that_cannot_be_copied_are_refused_with_the_reason() -> None:
+    model = SmallConvNet()
+    model.hook = lambda: None  # a lambda does not pickle
+    with pytest.raises(ValueError, match=r"pickling them failed.*lightning-perf autotune --model"):
+        AutoTuner(model, PlainDataModule())
+
+
+# --------------------------------------------------------------------------- the search, on scripted measurements
+
+
+def _result(
+    step_s: float,
+    batch: int,
+    *,
+    wall: float = 2.0,
+    spread: float = 0.01,
+    losses: list[float] | None = None,
+    data_wait: float = 0.0,
+    ok: bool = True,
+    error: str | None = None,
+) -> RunResult:
+    times = [step_s * (1 + spread * ((i % 5) - 2) / 2) for i in range(10)]
+    return RunResult(
+        spec={},
+        ok=ok,
+        error=error,
+        traceback=None if ok else f"Traceback (most recent call last):\n  ...\n{error}",
+        batch_size=batch,
+        step_times_s=times if ok else [],
+        throughput=batch / sorted(times)[5] if ok else None,
+        warmup_s=1.0,
+        peak_memory_bytes=100 << 20,
+        step_memory_bytes=10 << 20,
+        losses=losses if losses is not None else [2.0 - 0.05 * i for i in range(13)],
+        data_wait_s=[step_s * data_wait] * 10,
+        wall_s=wall,
+    )
+
+
+def _scripted(monkeypatch: pytest.MonkeyPatch, script: dict[str, Any]) -> list[str]:
+    """Replace the trial runner: ``script`` maps a trial label to a result (or to a callable of the candidate)."""
+    ran: list[str] = []
+
+    def measure(self: AutoTuner, candidate: Candidate, timeout: float) -> Any:
+        ran.append(candidate.label)
+        value = script[candidate.label]
+        result = value(candidate) if callable(value) else value
+        self._count += 1
+        return result
+
+    monkeypatch.setattr(AutoTuner, "_measure", measure)
+    return ran
+
+
+def test_keeps_only_measurable_safe_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, data = make_workload("convnet", "tiny")
+    own = data.batch_size
+    ran = _scripted(
+        monkeypatch,
+        {
+            "baseline": _result(0.100, own, wall=10),
+            # Faster, but its losses drift 20% from the baseline's on the same batches: not safe.
+            "+bf16-mixed": _result(0.070, own, losses=[2.4 - 0.06 * i for i in range(13)]),
+            "+channels_last": _result(0.080, own, wall=30),
+            # 1.3% faster at the median, well inside its own spread: noise, not a win.
+            "+fused_optimizer": _result(0.079, own, spread=0.2),
+            "batch_size=" + str(own * 2): _result(0.140, own * 2),
+        },
+    )
+    tuner = AutoTuner(
+        workload="convnet",
+        preset="tiny",
+        time_budget_s=100,
+        precisions=["bf16-mixed"],
+        optimizations=["channels_last", "fused_optimizer", "compile"],
+        max_batch_size=own * 2,
+        progress=False,
+    )
+    monkeypatch.setattr("lightning_perf._device.supports_bf16", lambda device=None: True)
+    result = tuner.run()
+    verdicts = {t.label: (t.verdict, t.reason) for t in result.trials}
+
+    assert ran == ["baseline", "+bf16-mixed", "+channels_last", "+fused_optimizer", f"batch_size={own * 2}"]
+    assert verdicts["baseline"][0] == "baseline"
+    assert verdicts["+bf16-mixed"][0] == "rejected" and "losses differ" in verdicts["+bf16-mixed"][1]
+    assert verdicts["+channels_last"][0] == "kept"
+    assert verdicts["+fused_optimizer"][0] == "rejected" and "not measurably faster" in verdicts["+fused_optimizer"][1]
+    # compile is estimated at 4x the last trial (30 s): 120 s does not fit the 100 s budget.
+    assert verdicts["+compile"][0] == "skipped" and "out of budget" in verdicts["+compile"][1]
+    assert verdicts["num_workers"][0] == "skipped" and "data wait is 0.0%" in verdicts["num_workers"][1]
+    assert verdicts[f"batch_size={own * 2}"][0] == "kept"
+
+    rec = result.recommendation
+    assert rec.configs == ("channels_last",)
+    assert rec.batch_size == own * 2 and rec.datamodule_kwargs == {"batch_size": own * 2}
+    assert rec.speedup == pytest.approx((2 * own / 0.140) / (own / 0.100), rel=0.02)
+    assert any("learning rate" in note for note in rec.notes)
+    from lightning_perf.callbacks import ChannelsLastCallback
+
+    assert [type(cb) for cb in rec.callbacks()] == [ChannelsLastCallback]
+    assert result.bench_command is not None and "--configs baseline,channels_last" in result.bench_command
+    # Ranked fastest first (the unsafe bf16 run too, with its verdict); every trial, measured or not, is in the table.
+    assert [t.label for t in result.ranked()][:2] == ["+bf16-mixed", f"batch_size={own * 2}"]
+    assert len(result.table_rows()) == len(result.trials) == 7
+
+
+def test_recommendation_loads_in_lightning_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_perf.callbacks import ChannelsLastCallback
+    from lightning_perf.demos import WORKLOADS
+
+    _, data = make_workload("convnet", "tiny")
+    own = data.batch_size
+    _scripted(
+        monkeypatch,
+        {
+            "baseline": _result(0.100, own),
+            "+channels_last": _result(0.080, own),
+            f"batch_size={own * 2}": _result(0.140, own * 2),
+        },
+    )
+    result = AutoTuner(
+        workload="convnet",
+        preset="tiny",
+        precisions=[],
+        optimizations=["channels_last"],
+        tune_data_loading=False,
+        max_batch_size=own * 2,
+        progress=False,
+    ).run()
+    paths = result.write(tmp_path / "tuned.yaml", tmp_path / "tuned.json")
+    assert [p.name for p in paths] == ["tuned.yaml", "tuned.json"]
+    text = (tmp_path / "tuned.yaml").read_text()
+    assert text.startswith("# lightning-perf autotune recommendation")
+    config = yaml.safe_load(text)
+    assert config["trainer"]["callbacks"] == [
+        {"class_path": "lightning_perf.callbacks.ChannelsLastCallback", "init_args": {}}
+    ]
+    assert config["data"] == {"batch_size": own * 2}
+    report = json.loads((tmp_path / "tuned.json").read_text())
+    assert report["kind"] == "lightning-perf-autotune" and len(report["trials"]) == 3
+    assert report["recommendation"]["datamodule_kwargs"] == {"batch_size": own * 2}
+
+    workload = WORKLOADS["convnet"]
+    cli = LightningCLI(
+        workload.module_cls,
+        workload.datamodule_cls,
+        run=False,
+        args=[
+            "--config",
+            str(tmp_path / "tuned.yaml"),
+            "--model.preset=tiny",
+            "--data.preset=tiny",
+            "--trainer.logger=false",
+        ],
+        save_config_callback=None,
+    )
+    assert any(isinstance(cb, ChannelsLastCallback) for cb in cli.trainer.callbacks)
+    assert cli.datamodule.batch_size == own * 2
+
+
+def test_precision_alternatives_compete(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two mixed precisions both beat fp32: the faster one is kept, the other rejected as beaten."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("lightning_perf._device.supports_bf16", lambda device=None: True)
+    _scripted(
+        monkeypatch,
+        {
+            "baseline": _result(0.100, 8),
+            "+bf16-mixed": _result(0.060, 8),
+            "+16-mixed": _result(0.050, 8),
+        },
+    )
+    tuner = AutoTuner(
+        SmallConvNet(),
+        PlainDataModule(),
+        device="cuda",
+        optimizations=[],
+        tune_data_loading=False,
+        tune_batch_size=False,
+        progress=False,
+    )
+    result = tuner.run()
+    verdicts = {t.label: t.verdict for t in result.trials}
+    assert verdicts == {"baseline": "baseline", "+bf16-mixed": "rejected", "+16-mixed": "kept"}
+    assert result.recommendation.trainer_kwargs == {"precision": "16-mixed"}
+
+
+def test_data_loading_tried_when_the_step_waits_for_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    ran = _scripted(
+        monkeypatch,
+        {
+            "baseline": _result(0.100, 8, data_wait=0.4),
+            "num_workers=1": _result(0.070, 8, data_wait=0.1),
+            "num_workers=2": _result(0.069, 8, data_wait=0.05),  # within noise of 1 worker: not kept
+        },
+    )
+    result = AutoTuner(
+        SmallConvNet(), PlainDataModule(), precisions=[], optimizations=[], tune_batch_size=False, progress=False
+    ).run()
+    assert ran == ["baseline", "num_workers=1", "num_workers=2"]
+    assert result.trials[0].data_wait_share == pytest.approx(0.4, rel=0.05)
+    assert result.recommendation.loader == {"num_workers": 1, "persistent_workers": True}
+    # PlainDataModule does not take num_workers in __init__: not in the YAML, said in a note instead.
+    assert "data" not in result.lightning_cli_config()
+    assert any("does not take num_workers, persistent_workers" in n for n in result.recommendation.notes)
+
+
+def test_a_failing_model_stops_the_tuner_with_its_own_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    error = "ValueError: the user's own bug in training_step"
+    ran = _scripted(monkeypatch, {"baseline": _result(0.1, 8, ok=False, error=error)})
+    with pytest.raises(ModelError, match="This is the model's own error") as info:
+        AutoTuner(SmallConvNet(), PlainDataModule(), progress=False).run()
+    assert error in str(info.value) and "Traceback" in str(info.value)
+    assert ran == ["baseline"]
+
+
+def test_budget_too_small_for_two_trials(monkeypatch: pytest.MonkeyPatch) -> None:
+    _scripted(monkeypatch, {"baseline": _result(0.1, 8, wall=50)})
+    with pytest.raises(TuningError, match=r"time_budget_s=60 is too small.*takes 50 s.*time_budget_s >= 100"):
+        AutoTuner(SmallConvNet(), PlainDataModule(), time_budget_s=60, progress=False).run()
+    _scripted(monkeypatch, {"baseline": None})  # the baseline did not even finish within the budget
+    with pytest.raises(TuningError, match=r"time_budget_s=5 is too small: the baseline trial"):
+        AutoTuner(SmallConvNet(), PlainDataModule(), time_budget_s=5, progress=False).run()
+
+
+# --------------------------------------------------------------------------- data settings on a user's data module
+
+
+def test_batch_size_holder_follows_lightning_conventions() -> None:
+    assert batch_size_holder(SmallConvNet(), PlainDataModule(batch_size=5)) == ("datamodule", 5)
+
+    class NoBatch(PlainDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            del self.batch_size
+
+    class WithHparams(SmallConvNet):
+        def __init__(self, batch_size: int = 12) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+
+    assert batch_size_holder(WithHparams(), NoBatch()) == ("hparams", 12)
+    assert batch_size_holder(SmallConvNet(), NoBatch()) is None
+
+
+def test_loader_settings_reach_a_data_module_without_attributes() -> None:
+    model, data = SmallConvNet(), PlainDataModule(batch_size=4)
+    apply_data_settings(model, data, 16, {"num_workers": 2, "persistent_workers": True})
+    loader = data.train_dataloader()
+    assert data.batch_size == 16 and loader.batch_size == 16
+    assert loader.num_workers == 2 and loader.persistent_workers and loader.drop_last
+    assert isinstance(loader.sampler, torch.utils.data.RandomSampler)
+    # Back to zero workers: persistence must go too, or DataLoader refuses the combination.
+    assert rebuild_loader(loader, num_workers=0).persistent_workers is False
+    with pytest.raises(TypeError, match="returned a list"):
+        rebuild_loader([1, 2])  # type: ignore[arg-type]
+
+
+def test_import_source_names_the_bad_path() -> None:
+    with pytest.raises(ValueError, match=r"model='tests.tuning._user_models:Nope'.*has no attribute 'Nope'"):
+        ImportSource("tests.tuning._user_models:Nope", "tests.tuning._user_models:PlainDataModule").load()
+    with pytest.raises(ValueError, match=r"datamodule='no_such_pkg.mod:X': cannot import module"):
+        ImportSource("tests.tuning._user_models:SmallConvNet", "no_such_pkg.mod:X").load()
+    with pytest.raises(ValueError, match="is not an import path"):
+        ImportSource("SmallConvNet", "x:Y").load()
+
+
+# --------------------------------------------------------------------------- real trials
+
+
+def test_real_trials_in_process_leave_the_users_objects_alone() -> None:
+    model, data = SmallConvNet(), PlainDataModule(batch_size=8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tuner = AutoTuner(
+        model,
+        data,
+        precisions=[],
+        optimizations=["channels_last"],
+        max_batch_size=16,
+        steps=4,
+        warmup_steps=1,
+        isolation="in-process",
+        time_budget_s=300,
+        progress=False,
+    )
+    result = tuner.run()
+    labels = [t.label for t in result.trials]
+    assert labels[:2] == ["baseline", "+channels_last"] and "batch_size=16" in labels
+    baseline = result.trials[0]
+    assert baseline.verdict == "baseline" and baseline.step_median_s and baseline.throughput
+    assert baseline.wall_s and baseline.wall_s > 0
+    assert all(t.verdict in ("baseline", "kept", "rejected", "skipped") for t in result.trials), result.table_rows()
+    # The user's objects: same weights, same batch size, never attached to a Trainer.
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert data.batch_size == 8 and model._trainer is None
+    assert model.net[0].weight.is_contiguous()  # channels-last was tried on a copy
+
+
+def test_real_failure_in_a_spawned_trial_reports_the_models_traceback() -> None:
+    tuner = AutoTuner(SmallConvNet(fail_at_step=1), PlainDataModule(), isolation="process", progress=False)
+    with pytest.raises(ModelError) as info:
+        tuner.run()
+    message = str(info.value)
+    assert "ValueError: the user's own bug in training_step" in message
+    assert "_user_models.py" in message  # the traceback points into the user's code
+    assert len(tuner._trials) == 1
+
+
+def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_perf.cli import main
+
+    output = tmp_path / "tuned.yaml"
+    code = main(
+        [
+            "autotune",
+            "--model",
+            "tests.tuning._user_models:SmallConvNet",
+            "--datamodule",
+            "tests.tuning._user_models:PlainDataModule",
+            "--datamodule-args",
+            '{"batch_size": 8}',
+            "--optimizations",
+            "channels_last",
+            "--precisions",
+            "",
+            "--no-batch-size",
+            "--no-data-loading",
+            "--steps",
+            "3",
+            "--warmup-steps",
+            "1",
+            "--time-budget",
+            "300",
+            "--output",
+            str(output),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "Recommended" in out and f"wrote {output}" in out
+    report = json.loads(output.with_suffix(".json").read_text())
+    assert [t["label"] for t in report["trials"]] == ["baseline", "+channels_last"]
+    assert report["trials"][0]["step_median_s"] > 0
+    assert yaml.safe_load(output.read_text())["trainer"] is not None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "tests.tuning._user_models:SmallConvNet"], "--model needs --datamodule"),
+        (["--model", "nope.mod:X", "--datamodule", "nope.mod:Y"], "cannot import module 'nope.mod'"),
+        (["--workload", "convnet", "--time-budget", "-1"], r"time_budget_s=-1.0 is not valid"),
+        (["--workload", "convnet", "--model-args", "[1]"], "is not a JSON object"),
+    ],
+)
+def test_cli_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_perf.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["autotune", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_source_pickles_without_the_objects_being_touched() -> None:
+    model, data = SmallConvNet(), PlainDataModule()
+    source = ObjectSource.from_objects(model, data)
+    copy_model, copy_data = pickle.loads(pickle.dumps(source)).load()
+    assert copy_model is not model and copy_data is not data
+    assert torch.equal(copy_model.net[0].weight, model.net[0].weight)
