@@ -492,7 +492,6 @@ class AutoTuner:
         self.progress = progress
         # Filled by run()
         self._trials: list[Trial] = []
-        self._results: dict[int, Any] = {}
         self._deadline = 0.0
         self._tmp: Path | None = None
         self._source_path: Path | None = None
@@ -505,7 +504,7 @@ class AutoTuner:
         the model fails under its own settings, and :class:`TuningError` when the budget cannot fit two trials."""
         start = time.monotonic()
         self._deadline = start + self.time_budget_s
-        self._trials, self._results, self._count = [], {}, 0
+        self._trials, self._count = [], 0
         model, datamodule = self.source.load()  # a private copy, for introspection only
         holder = batch_size_holder(model, datamodule)
         dm_params, model_params = sorted(init_parameters(datamodule)), sorted(init_parameters(model))

@@ -76,3 +76,21 @@ def test_invalid_config_name(bad: str) -> None:
 def test_duplicate_registration_is_an_error() -> None:
     with pytest.raises(ValueError, match="already registered"):
         configs.register_config(BenchConfig("baseline", "again"))
+
+
+def test_callback_specs_build_the_callbacks_and_stack() -> None:
+    from lightning_perf.callbacks import BackendFlagsCallback, ChannelsLastCallback
+
+    stacked = get_config("channels_last+backend_flags+bf16-mixed")
+    assert stacked.callback_specs == (
+        ("lightning_perf.callbacks.ChannelsLastCallback", {}),
+        ("lightning_perf.callbacks.BackendFlagsCallback", {"preset": "fastest"}),
+    )
+    assert [type(cb) for cb in stacked.callbacks()] == [ChannelsLastCallback, BackendFlagsCallback]
+    assert get_config("baseline").callback_specs == ()
+
+
+def test_a_stack_with_a_factory_only_part_has_no_specs(registry: None) -> None:
+    assert get_config("a+channels_last").callback_specs is None
+    with pytest.raises(ValueError, match="give `callbacks` or `callback_specs`, not both"):
+        BenchConfig("both", "x", callbacks=lambda: [_A()], callback_specs=(("x.Y", {}),))

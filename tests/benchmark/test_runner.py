@@ -65,3 +65,22 @@ def test_options_add_baseline_and_validate() -> None:
         BenchOptions(steps=0)
     with pytest.raises(ValueError, match=r"device='tpu' is not valid"):
         BenchOptions(device="tpu")
+
+
+def test_worker_records_losses_and_data_wait_for_a_custom_builder() -> None:
+    """The auto-tuner's path through the worker: a builder of the user's objects, per-step losses, data wait."""
+    from lightning_perf.benchmark.worker import RunSpec, run
+    from lightning_perf.tuning.sources import apply_data_settings
+    from tests.tuning._user_models import PlainDataModule, SmallConvNet
+
+    def build(spec: RunSpec) -> tuple[SmallConvNet, PlainDataModule]:
+        model, data = SmallConvNet(), PlainDataModule(batch_size=4)
+        apply_data_settings(model, data, spec.batch_size, spec.loader_overrides)
+        return model, data
+
+    spec = RunSpec(workload="mine", config="baseline", steps=4, warmup_steps=2, predict_batches=0, batch_size=6)
+    result = run(spec, build=build)
+    assert result.ok and result.batch_size == 6
+    assert len(result.losses) == 6 and all(loss > 0 for loss in result.losses)
+    assert len(result.data_wait_s) == 4 and all(0 <= w < result.step_s["max"] for w in result.data_wait_s)
+    assert result.throughput == pytest.approx(6 / result.step_s["median"])
