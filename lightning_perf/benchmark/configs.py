@@ -241,6 +241,12 @@ def _builtin_configs() -> list[BenchConfig]:
             callback_specs=_callback("CompileCallback"),
         ),
         BenchConfig(
+            "compile_reduce_overhead",
+            "CompileCallback(mode='reduce-overhead'): torch.compile with CUDA graphs (replays whole steps' kernels)",
+            callback_specs=_callback("CompileCallback", mode="reduce-overhead"),
+            applies_to=_needs_cuda,
+        ),
+        BenchConfig(
             "backend_flags",
             "BackendFlagsCallback(preset='fastest'): CUDA: cudnn.benchmark + TF32; CPU: bf16 float32 matmuls (oneDNN)",
             callback_specs=_callback("BackendFlagsCallback", preset="fastest"),

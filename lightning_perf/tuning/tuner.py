@@ -12,7 +12,8 @@ The search, in order, within ``time_budget_s``:
 
 1. ``baseline``: the model as given, fp32. If it fails, the tuner stops and shows the model's own error.
 2. precision: ``bf16-mixed`` (where the device supports bf16) and ``16-mixed`` (CUDA), as alternatives.
-3. optimizations, stacked greedily on the best so far: channels-last, fused optimizer, backend flags, compile.
+3. optimizations, stacked greedily on the best so far: channels-last, fused optimizer, backend flags, the attention
+   swap, compile, and on CUDA compile with CUDA graphs in place of plain compile.
 4. data loading: ``num_workers`` (with ``persistent_workers``; ``pin_memory`` on CUDA), when the measured data wait
    is a noticeable share of the step.
 5. batch size: doublings of the current one up to ``max_batch_size`` (default 4x) that fit in memory; the best
@@ -46,7 +47,16 @@ from lightning_perf.tuning.sources import (
 )
 
 PRECISIONS = ("bf16-mixed", "16-mixed")
-OPTIMIZATIONS = ("channels_last", "fused_optimizer", "backend_flags", "compile")
+OPTIMIZATIONS = (
+    "channels_last",
+    "fused_optimizer",
+    "backend_flags",
+    "flash_attention",
+    "compile",
+    "compile_reduce_overhead",
+)
+# An optimization tried in place of another one already kept, not on top of it (two compiles do not stack).
+ALTERNATIVES = {"compile_reduce_overhead": "compile"}
 ISOLATION = ("auto", "process", "in-process")
 # Data wait below this share of the step leaves nothing for more loader workers to win.
 DATA_WAIT_THRESHOLD = 0.05
@@ -603,7 +613,13 @@ class AutoTuner:
         from lightning_perf.benchmark.configs import get_config
 
         for name in self.optimizations:
-            candidate = incumbent[0].with_(f"+{name}", "optimization", configs=(*incumbent[0].configs, name))
+            configs = incumbent[0].configs
+            label = f"+{name}"
+            replaced = ALTERNATIVES.get(name)
+            if replaced in configs:
+                configs = tuple(c for c in configs if c != replaced)
+                label = f"{name} instead of {replaced}"
+            candidate = incumbent[0].with_(label, "optimization", configs=(*configs, name))
             reason = get_config(name).why_not(torch.device(self.device))
             if reason is not None:
                 self._skip(candidate, reason)
@@ -756,7 +772,7 @@ class AutoTuner:
     def _estimate(self, candidate: Candidate, against: tuple[Candidate, Trial, Any]) -> float:
         wall = against[1].wall_s or 0.0
         factor = 1.2
-        if "compile" in candidate.configs and "compile" not in against[0].configs:
+        if any(c.startswith("compile") and c not in against[0].configs for c in candidate.configs):
             factor = _COMPILE_COST_FACTOR
         if candidate.batch_size is not None:
             own = against[2].batch_size or candidate.batch_size
@@ -933,7 +949,7 @@ class AutoTuner:
                 f"the data module's __init__ does not take {', '.join(missing)}: set "
                 f"{', '.join(f'{k}={loader[k]!r}' for k in missing)} in its DataLoaders"
             )
-        if "compile" in candidate.configs:
+        if any(c.startswith("compile") for c in candidate.configs):
             notes.append(f"compile costs {best.warmup_s or 0:.0f} s of warm-up per run; it pays off on long runs")
         return Recommendation(
             configs=candidate.configs,

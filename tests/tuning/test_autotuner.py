@@ -461,3 +461,43 @@ def test_source_pickles_without_the_objects_being_touched() -> None:
     copy_model, copy_data = pickle.loads(pickle.dumps(source)).load()
     assert copy_model is not model and copy_data is not data
     assert torch.equal(copy_model.net[0].weight, model.net[0].weight)
+
+
+def test_cuda_graphs_replace_plain_compile_instead_of_stacking(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    ran = _scripted(
+        monkeypatch,
+        {
+            "baseline": _result(0.100, 8),
+            "+compile": _result(0.070, 8),
+            "compile_reduce_overhead instead of compile": _result(0.050, 8),
+        },
+    )
+    result = AutoTuner(
+        SmallConvNet(),
+        PlainDataModule(),
+        device="cuda",
+        precisions=[],
+        optimizations=["compile", "compile_reduce_overhead"],
+        tune_data_loading=False,
+        tune_batch_size=False,
+        progress=False,
+    ).run()
+    assert ran == ["baseline", "+compile", "compile_reduce_overhead instead of compile"]
+    rec = result.recommendation
+    assert rec.configs == ("compile_reduce_overhead",)
+    assert rec.callback_specs == [("lightning_perf.callbacks.CompileCallback", {"mode": "reduce-overhead"})]
+    # On a CPU the CUDA-graphs variant is skipped and says why.
+    monkeypatch.undo()
+    _scripted(monkeypatch, {"baseline": _result(0.100, 8), "+compile": _result(0.070, 8)})
+    result = AutoTuner(
+        SmallConvNet(),
+        PlainDataModule(),
+        precisions=[],
+        optimizations=["compile", "compile_reduce_overhead"],
+        tune_data_loading=False,
+        tune_batch_size=False,
+        progress=False,
+    ).run()
+    skipped = result.trials[-1]
+    assert skipped.verdict == "skipped" and skipped.reason == "needs a CUDA device"
