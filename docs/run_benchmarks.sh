@@ -14,3 +14,23 @@ lightning-perf bench --workload vit --quiet --steps "$steps" --repeats "$repeats
   --configs baseline,channels_last,compile,backend_flags,grad_checkpoint,flash_attention
 lightning-perf bench --workload lm --quiet --steps "$steps" --repeats "$repeats" --output "$out/lm-cpu.json" \
   --configs baseline,grad_checkpoint,flash_attention,compile
+
+# The auto-tuner on each workload (budget 5 minutes), then the bench on its recommendation against the best single
+# configuration of the tables above (convnet: compile, unet3d: channels_last, vit: compile, lm: compile).
+for w in convnet vit lm unet3d; do
+  lightning-perf autotune --workload "$w" --time-budget 300 --output "$out/autotune-$w.yaml"
+done
+declare -A best=([convnet]=compile [unet3d]=channels_last [vit]=compile [lm]=compile)
+for w in convnet unet3d vit lm; do
+  stack=$(python -c "import json; print('+'.join(json.load(open('$out/autotune-$w.json'))['recommendation']['configs']))")
+  lightning-perf bench --workload "$w" --quiet --steps "$steps" --repeats "$repeats" --predict-batches 0 \
+    --configs "baseline,${best[$w]},$stack" --output "$out/tuned-$w-cpu.json"
+done
+
+# QAT: accuracy of the int8 model, its latency against fp32 (both compiled), the fake-quant training overhead.
+python examples/qat_convnet.py --preset default
+lightning-perf bench --workload convnet --quiet --steps "$steps" --repeats "$repeats" --output "$out/qat-convnet-cpu.json" \
+  --configs baseline,qat
+
+# Observers' cost against Lightning's profilers.
+python examples/observer_overhead.py --steps 200 --rounds 5 --output "$out/observer-overhead.json"

@@ -3,14 +3,16 @@
 Every trial trains the user's model for a few warm-up steps and a few measured steps in a fresh process (``spawn``),
 through the same worker as ``lightning-perf bench``, so no compiled graph, backend flag or allocator state leaks from
 one trial into the next, and the objects the user passed are never modified. A candidate is kept only when it is
-measurably faster than the best configuration so far: its per-sample step time must be lower by ``min_gain`` at the
-median *and* lower in at least ``confidence`` of all (candidate step, incumbent step) pairs, so step-to-step noise is
-not mistaken for a win. Candidates that change numerics (mixed precision, compile) must also reproduce the baseline's
+measurably faster than the best configuration so far: its per-sample step time must be lower at the median by
+``min_gain`` and by 1.5x the difference between two baseline runs (process-to-process noise), *and* lower in at
+least ``confidence`` of all (candidate step, incumbent step) pairs (step-to-step noise), so noise is not mistaken
+for a win. Candidates that change numerics (mixed precision, compile) must also reproduce the baseline's
 per-step losses on the same batches within ``loss_rtol``.
 
 The search, in order, within ``time_budget_s``:
 
-1. ``baseline``: the model as given, fp32. If it fails, the tuner stops and shows the model's own error.
+1. ``baseline``: the model as given, fp32, twice in two processes (their difference is the noise floor a gain must
+   clear). If it fails, the tuner stops and shows the model's own error.
 2. precision: ``bf16-mixed`` (where the device supports bf16) and ``16-mixed`` (CUDA), as alternatives.
 3. optimizations, stacked greedily on the best so far: channels-last, fused optimizer, backend flags, the attention
    swap, compile, and on CUDA compile with CUDA graphs in place of plain compile.
@@ -60,6 +62,8 @@ ALTERNATIVES = {"compile_reduce_overhead": "compile"}
 ISOLATION = ("auto", "process", "in-process")
 # Data wait below this share of the step leaves nothing for more loader workers to win.
 DATA_WAIT_THRESHOLD = 0.05
+# A gain must exceed this many times the difference between two baseline runs (process-to-process noise).
+NOISE_FACTOR = 1.5
 # Rough cost of a trial relative to the last one: compiling adds a cold compilation to the warm-up.
 _COMPILE_COST_FACTOR = 4.0
 
@@ -401,6 +405,8 @@ class AutoTuner:
         min_gain: smallest per-sample speed-up worth keeping (0.03: 3%).
         confidence: required share of step pairs in which the candidate is faster (0.5-1).
         loss_rtol: largest median relative difference of per-step losses from the baseline's.
+        noise_check: measure the baseline twice, in two processes, and require every gain to exceed
+            ``NOISE_FACTOR`` times their difference as well as ``min_gain`` (a noisy machine keeps only large wins).
         isolation: ``"process"`` (a fresh spawned process per trial), ``"in-process"`` (copies of the objects,
             global torch state restored after each trial), or ``"auto"`` (process unless the objects cannot travel).
         progress: print a line per trial as it runs.
@@ -427,6 +433,7 @@ class AutoTuner:
         min_gain: float = 0.03,
         confidence: float = 0.75,
         loss_rtol: float = 0.05,
+        noise_check: bool = True,
         isolation: str = "auto",
         seed: int = 0,
         progress: bool = True,
@@ -497,6 +504,7 @@ class AutoTuner:
         self.tune_batch_size, self.max_batch_size = tune_batch_size, max_batch_size
         self.tune_data_loading, self.max_num_workers = tune_data_loading, max_num_workers
         self.min_gain, self.confidence, self.loss_rtol = float(min_gain), float(confidence), float(loss_rtol)
+        self.noise_check = bool(noise_check)
         self.isolation = isolation
         self.seed = seed
         self.progress = progress
@@ -506,6 +514,8 @@ class AutoTuner:
         self._tmp: Path | None = None
         self._source_path: Path | None = None
         self._count = 0
+        self._required_gain = 1 + self.min_gain
+        self._base_throughput: float | None = None
 
     # ------------------------------------------------------------------ the search
 
@@ -515,6 +525,7 @@ class AutoTuner:
         start = time.monotonic()
         self._deadline = start + self.time_budget_s
         self._trials, self._count = [], 0
+        self._required_gain, self._base_throughput = 1 + self.min_gain, None
         model, datamodule = self.source.load()  # a private copy, for introspection only
         holder = batch_size_holder(model, datamodule)
         dm_params, model_params = sorted(init_parameters(datamodule)), sorted(init_parameters(model))
@@ -583,7 +594,34 @@ class AutoTuner:
                 f"and tuning needs at least the baseline plus one trial: time_budget_s >= {needed} "
                 f"(about {math.ceil(elapsed * 8)} s tries every stage)."
             )
+        if self.noise_check and elapsed * 3 <= self.time_budget_s:
+            result = self._repeat_baseline(candidate, trial, result)
         return trial, result
+
+    def _repeat_baseline(self, candidate: Candidate, trial: Trial, first: Any) -> Any:
+        """Measure the baseline in a second process: the gap between the two runs is the machine's process-to-process
+        noise, which step-to-step spread within one run does not show. A gain must exceed it to count; both runs'
+        steps are pooled into the reference the first candidates are compared with."""
+        repeat = candidate.with_("baseline (repeat)", "baseline")
+        second = self._measure(repeat, timeout=self._deadline - time.monotonic())
+        again = self._record(repeat, second)
+        if second is None or not second.ok:
+            again.verdict = "failed"
+            again.reason = "the repeat failed: the noise floor stays at min_gain"
+            return first
+        noise = abs(math.log(median(per_sample_times(second)) / median(per_sample_times(first))))
+        self._required_gain = max(1 + self.min_gain, math.exp(NOISE_FACTOR * noise))
+        pooled = replace(first, step_times_s=[*first.step_times_s, *second.step_times_s])
+        pooled.throughput = (pooled.batch_size or 1) / median(pooled.step_times_s)
+        self._base_throughput = pooled.throughput
+        again.verdict = "baseline"
+        again.reason = (
+            f"the two baseline runs differ by {100 * (math.exp(noise) - 1):.1f}%: a gain must reach "
+            f"{self._required_gain:.2f}x to count (min_gain={self.min_gain:g}, or {NOISE_FACTOR:g}x that difference)"
+        )
+        trial.speedup = trial.throughput / pooled.throughput if trial.throughput else None
+        again.speedup = again.throughput / pooled.throughput if again.throughput else None
+        return pooled
 
     def _precision_stage(self, incumbent: tuple[Candidate, Trial, Any], base: Any) -> tuple[Candidate, Trial, Any]:
         import torch
@@ -761,12 +799,12 @@ class AutoTuner:
         return candidate, trial, result
 
     def _wins(self, gain: float, p_faster: float) -> bool:
-        return gain >= 1 + self.min_gain and p_faster >= self.confidence
+        return gain >= self._required_gain and p_faster >= self.confidence
 
     def _explain(self, gain: float, p_faster: float) -> str:
         return (
             f"{gain:.2f}x per sample, faster in {100 * p_faster:.0f}% of step pairs "
-            f"(needs >= {1 + self.min_gain:.2f}x and {100 * self.confidence:.0f}%)"
+            f"(needs >= {self._required_gain:.2f}x and {100 * self.confidence:.0f}%)"
         )
 
     def _estimate(self, candidate: Candidate, against: tuple[Candidate, Trial, Any]) -> float:
@@ -894,9 +932,9 @@ class AutoTuner:
                 trial.step_memory_bytes = result.step_memory_bytes
                 if result.data_wait_s:
                     trial.data_wait_share = median(result.data_wait_s) / trial.step_median_s
-                base = self._trials[0] if self._trials else None
-                if base is not None and base.throughput and trial.throughput:
-                    trial.speedup = trial.throughput / base.throughput
+                base = self._base_throughput or (self._trials[0].throughput if self._trials else None)
+                if base and trial.throughput:
+                    trial.speedup = trial.throughput / base
         self._trials.append(trial)
         if result is None:
             self._say(" out of time")

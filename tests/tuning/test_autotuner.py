@@ -132,7 +132,8 @@ def _scripted(monkeypatch: pytest.MonkeyPatch, script: dict[str, Any]) -> list[s
 
     def measure(self: AutoTuner, candidate: Candidate, timeout: float) -> Any:
         ran.append(candidate.label)
-        value = script[candidate.label]
+        value = script.get(candidate.label, script["baseline"] if candidate.label == "baseline (repeat)" else None)
+        assert value is not None or candidate.label in script, f"no scripted result for {candidate.label!r}"
         result = value(candidate) if callable(value) else value
         self._count += 1
         return result
@@ -169,7 +170,14 @@ def test_keeps_only_measurable_safe_wins(monkeypatch: pytest.MonkeyPatch) -> Non
     result = tuner.run()
     verdicts = {t.label: (t.verdict, t.reason) for t in result.trials}
 
-    assert ran == ["baseline", "+bf16-mixed", "+channels_last", "+fused_optimizer", f"batch_size={own * 2}"]
+    assert ran == [
+        "baseline",
+        "baseline (repeat)",
+        "+bf16-mixed",
+        "+channels_last",
+        "+fused_optimizer",
+        f"batch_size={own * 2}",
+    ]
     assert verdicts["baseline"][0] == "baseline"
     assert verdicts["+bf16-mixed"][0] == "rejected" and "losses differ" in verdicts["+bf16-mixed"][1]
     assert verdicts["+channels_last"][0] == "kept"
@@ -190,7 +198,7 @@ def test_keeps_only_measurable_safe_wins(monkeypatch: pytest.MonkeyPatch) -> Non
     assert result.bench_command is not None and "--configs baseline,channels_last" in result.bench_command
     # Ranked fastest first (the unsafe bf16 run too, with its verdict); every trial, measured or not, is in the table.
     assert [t.label for t in result.ranked()][:2] == ["+bf16-mixed", f"batch_size={own * 2}"]
-    assert len(result.table_rows()) == len(result.trials) == 7
+    assert len(result.table_rows()) == len(result.trials) == 8
 
 
 def test_recommendation_loads_in_lightning_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -229,7 +237,7 @@ def test_recommendation_loads_in_lightning_cli(monkeypatch: pytest.MonkeyPatch, 
     ]
     assert config["data"] == {"batch_size": own * 2}
     report = json.loads((tmp_path / "tuned.json").read_text())
-    assert report["kind"] == "lightning-perf-autotune" and len(report["trials"]) == 3
+    assert report["kind"] == "lightning-perf-autotune" and len(report["trials"]) == 4
     assert report["recommendation"]["datamodule_kwargs"] == {"batch_size": own * 2}
 
     workload = WORKLOADS["convnet"]
@@ -273,7 +281,12 @@ def test_precision_alternatives_compete(monkeypatch: pytest.MonkeyPatch) -> None
     )
     result = tuner.run()
     verdicts = {t.label: t.verdict for t in result.trials}
-    assert verdicts == {"baseline": "baseline", "+bf16-mixed": "rejected", "+16-mixed": "kept"}
+    assert verdicts == {
+        "baseline": "baseline",
+        "baseline (repeat)": "baseline",
+        "+bf16-mixed": "rejected",
+        "+16-mixed": "kept",
+    }
     assert result.recommendation.trainer_kwargs == {"precision": "16-mixed"}
 
 
@@ -290,7 +303,7 @@ def test_data_loading_tried_when_the_step_waits_for_data(monkeypatch: pytest.Mon
     result = AutoTuner(
         SmallConvNet(), PlainDataModule(), precisions=[], optimizations=[], tune_batch_size=False, progress=False
     ).run()
-    assert ran == ["baseline", "num_workers=1", "num_workers=2"]
+    assert ran == ["baseline", "baseline (repeat)", "num_workers=1", "num_workers=2"]
     assert result.trials[0].data_wait_share == pytest.approx(0.4, rel=0.05)
     assert result.recommendation.loader == {"num_workers": 1, "persistent_workers": True}
     # PlainDataModule does not take num_workers in __init__: not in the YAML, said in a note instead.
@@ -378,7 +391,7 @@ def test_real_trials_in_process_leave_the_users_objects_alone() -> None:
     )
     result = tuner.run()
     labels = [t.label for t in result.trials]
-    assert labels[:2] == ["baseline", "+channels_last"] and "batch_size=16" in labels
+    assert labels[:3] == ["baseline", "baseline (repeat)", "+channels_last"] and "batch_size=16" in labels
     baseline = result.trials[0]
     assert baseline.verdict == "baseline" and baseline.step_median_s and baseline.throughput
     assert baseline.wall_s and baseline.wall_s > 0
@@ -432,7 +445,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert code == 0, out
     assert "Recommended" in out and f"wrote {output}" in out
     report = json.loads(output.with_suffix(".json").read_text())
-    assert [t["label"] for t in report["trials"]] == ["baseline", "+channels_last"]
+    assert [t["label"] for t in report["trials"]] == ["baseline", "baseline (repeat)", "+channels_last"]
     assert report["trials"][0]["step_median_s"] > 0
     assert yaml.safe_load(output.read_text())["trainer"] is not None
 
@@ -483,7 +496,7 @@ def test_cuda_graphs_replace_plain_compile_instead_of_stacking(monkeypatch: pyte
         tune_batch_size=False,
         progress=False,
     ).run()
-    assert ran == ["baseline", "+compile", "compile_reduce_overhead instead of compile"]
+    assert ran == ["baseline", "baseline (repeat)", "+compile", "compile_reduce_overhead instead of compile"]
     rec = result.recommendation
     assert rec.configs == ("compile_reduce_overhead",)
     assert rec.callback_specs == [("lightning_perf.callbacks.CompileCallback", {"mode": "reduce-overhead"})]
@@ -501,3 +514,52 @@ def test_cuda_graphs_replace_plain_compile_instead_of_stacking(monkeypatch: pyte
     ).run()
     skipped = result.trials[-1]
     assert skipped.verdict == "skipped" and skipped.reason == "needs a CUDA device"
+
+
+def test_the_noise_between_two_baseline_runs_raises_the_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two baseline processes 20% apart: a 1.2x candidate is within that noise, a 1.5x one is not."""
+    ran = _scripted(
+        monkeypatch,
+        {
+            "baseline": _result(0.100, 8),
+            "baseline (repeat)": _result(0.120, 8),
+            "+channels_last": _result(0.092, 8),  # 1.2x the pooled baseline's median
+            "+fused_optimizer": _result(0.070, 8),
+        },
+    )
+    result = AutoTuner(
+        SmallConvNet(),
+        PlainDataModule(),
+        precisions=[],
+        optimizations=["channels_last", "fused_optimizer"],
+        tune_data_loading=False,
+        tune_batch_size=False,
+        progress=False,
+    ).run()
+    assert ran[:2] == ["baseline", "baseline (repeat)"]
+    verdicts = {t.label: (t.verdict, t.reason) for t in result.trials}
+    assert (
+        "differ by 20.0%" in verdicts["baseline (repeat)"][1] and "1.31x to count" in verdicts["baseline (repeat)"][1]
+    )
+    assert verdicts["+channels_last"][0] == "rejected" and "needs >= 1.31x" in verdicts["+channels_last"][1]
+    assert verdicts["+fused_optimizer"][0] == "kept"
+    # Ratios are against both baseline runs pooled, not against the luckier one.
+    fused = next(t for t in result.trials if t.label == "+fused_optimizer")
+    assert 1.4 < fused.speedup < 1.72
+    # Without the check the bar is min_gain alone.
+    monkeypatch.undo()
+    ran = _scripted(
+        monkeypatch,
+        {"baseline": _result(0.100, 8), "+channels_last": _result(0.092, 8)},
+    )
+    result = AutoTuner(
+        SmallConvNet(),
+        PlainDataModule(),
+        precisions=[],
+        optimizations=["channels_last"],
+        tune_data_loading=False,
+        tune_batch_size=False,
+        noise_check=False,
+        progress=False,
+    ).run()
+    assert ran == ["baseline", "+channels_last"] and result.trials[-1].verdict == "kept"
