@@ -132,10 +132,14 @@ def _scripted(monkeypatch: pytest.MonkeyPatch, script: dict[str, Any]) -> list[s
 
     def measure(self: AutoTuner, candidate: Candidate, timeout: float) -> Any:
         ran.append(candidate.label)
-        value = script.get(candidate.label, script["baseline"] if candidate.label == "baseline (repeat)" else None)
-        assert value is not None or candidate.label in script, f"no scripted result for {candidate.label!r}"
+        label = candidate.label
+        if label not in script:  # a repeat of the baseline, or a confirming re-run: as scripted for the original
+            label = "baseline" if label == "baseline (repeat)" else label.removesuffix(" (again)")
+        value = script[label]
         result = value(candidate) if callable(value) else value
         self._count += 1
+        if result is not None and result.wall_s:
+            self._deadline -= result.wall_s  # the trial's time passes
         return result
 
     monkeypatch.setattr(AutoTuner, "_measure", measure)
@@ -151,7 +155,7 @@ def test_keeps_only_measurable_safe_wins(monkeypatch: pytest.MonkeyPatch) -> Non
             "baseline": _result(0.100, own, wall=10),
             # Faster, but its losses drift 20% from the baseline's on the same batches: not safe.
             "+bf16-mixed": _result(0.070, own, losses=[2.4 - 0.06 * i for i in range(13)]),
-            "+channels_last": _result(0.080, own, wall=30),
+            "+channels_last": _result(0.080, own, wall=50),
             # 1.3% faster at the median, well inside its own spread: noise, not a win.
             "+fused_optimizer": _result(0.079, own, spread=0.2),
             "batch_size=" + str(own * 2): _result(0.140, own * 2),
@@ -160,7 +164,7 @@ def test_keeps_only_measurable_safe_wins(monkeypatch: pytest.MonkeyPatch) -> Non
     tuner = AutoTuner(
         workload="convnet",
         preset="tiny",
-        time_budget_s=100,
+        time_budget_s=200,
         precisions=["bf16-mixed"],
         optimizations=["channels_last", "fused_optimizer", "compile"],
         max_batch_size=own * 2,
@@ -182,7 +186,7 @@ def test_keeps_only_measurable_safe_wins(monkeypatch: pytest.MonkeyPatch) -> Non
     assert verdicts["+bf16-mixed"][0] == "rejected" and "losses differ" in verdicts["+bf16-mixed"][1]
     assert verdicts["+channels_last"][0] == "kept"
     assert verdicts["+fused_optimizer"][0] == "rejected" and "not measurably faster" in verdicts["+fused_optimizer"][1]
-    # compile is estimated at 4x the last trial (30 s): 120 s does not fit the 100 s budget.
+    # compile is estimated at 4x the last trial (50 s): 200 s does not fit the 126 s left.
     assert verdicts["+compile"][0] == "skipped" and "out of budget" in verdicts["+compile"][1]
     assert verdicts["num_workers"][0] == "skipped" and "data wait is 0.0%" in verdicts["num_workers"][1]
     assert verdicts[f"batch_size={own * 2}"][0] == "kept"
@@ -523,7 +527,9 @@ def test_the_noise_between_two_baseline_runs_raises_the_bar(monkeypatch: pytest.
         {
             "baseline": _result(0.100, 8),
             "baseline (repeat)": _result(0.120, 8),
-            "+channels_last": _result(0.092, 8),  # 1.2x the pooled baseline's median
+            "+channels_last": _result(0.092, 8),  # 1.2x the pooled baseline's median: within the noise
+            "baseline (again)": _result(0.100, 8),
+            "+channels_last (again)": _result(0.101, 8),  # ... and measured again, no faster
             "+fused_optimizer": _result(0.070, 8),
         },
     )
@@ -541,7 +547,11 @@ def test_the_noise_between_two_baseline_runs_raises_the_bar(monkeypatch: pytest.
     assert (
         "differ by 20.0%" in verdicts["baseline (repeat)"][1] and "1.31x to count" in verdicts["baseline (repeat)"][1]
     )
-    assert verdicts["+channels_last"][0] == "rejected" and "needs >= 1.31x" in verdicts["+channels_last"][1]
+    assert verdicts["+channels_last"][0] == "rejected"
+    assert "not confirmed: 1.19x per sample" in verdicts["+channels_last"][1]
+    assert "then 0.99x" in verdicts["+channels_last"][1]
+    assert verdicts["baseline (again)"][0] == verdicts["+channels_last (again)"][0] == "confirm"
+    assert ran[2:5] == ["+channels_last", "baseline (again)", "+channels_last (again)"]
     assert verdicts["+fused_optimizer"][0] == "kept"
     # Ratios are against both baseline runs pooled, not against the luckier one.
     fused = next(t for t in result.trials if t.label == "+fused_optimizer")
@@ -563,3 +573,68 @@ def test_the_noise_between_two_baseline_runs_raises_the_bar(monkeypatch: pytest.
         progress=False,
     ).run()
     assert ran == ["baseline", "+channels_last"] and result.trials[-1].verdict == "kept"
+
+
+def test_a_trial_past_the_budget_is_stopped_not_left_running(tmp_path: Path) -> None:
+    import multiprocessing
+    import time
+
+    tuner = AutoTuner(SmallConvNet(), PlainDataModule(), progress=False)
+    tuner._tmp, tuner._source_path = tmp_path, tmp_path / "source.pkl"
+    tuner._source_path.write_bytes(pickle.dumps(tuner.source))
+    spec = tuner._spec(Candidate("baseline", "baseline"))
+    start = time.monotonic()
+    assert tuner._measure_in_subprocess(spec, timeout=1.0) is None  # importing torch alone takes longer
+    assert time.monotonic() - start < 15
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("lightning-perf-autotune")]
+
+
+def test_a_small_win_measured_again_and_confirmed_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran = _scripted(
+        monkeypatch,
+        {
+            "baseline": _result(0.100, 8),
+            "baseline (repeat)": _result(0.120, 8),  # 20% apart: the bar is 1.31x
+            "+compile": _result(0.092, 8),  # 1.2x: plausible, below the bar
+            "baseline (again)": _result(0.110, 8),
+            "+compile (again)": _result(0.090, 8),  # wins again: 1.22x
+        },
+    )
+    result = AutoTuner(
+        SmallConvNet(),
+        PlainDataModule(),
+        precisions=[],
+        optimizations=["compile"],
+        tune_data_loading=False,
+        tune_batch_size=False,
+        progress=False,
+    ).run()
+    assert ran == ["baseline", "baseline (repeat)", "+compile", "baseline (again)", "+compile (again)"]
+    kept = next(t for t in result.trials if t.label == "+compile")
+    assert kept.verdict == "kept" and "confirmed by a second pair of runs" in kept.reason
+    assert result.recommendation.configs == ("compile",)
+
+
+def test_no_budget_to_confirm_a_small_win_rejects_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    _scripted(
+        monkeypatch,
+        {
+            "baseline": _result(0.100, 8, wall=30),
+            "baseline (repeat)": _result(0.120, 8, wall=30),
+            "+compile": _result(0.092, 8, wall=20),
+        },
+    )
+    # 100 s: 60 for the two baselines, 20 for compile; confirming needs another baseline run (30 s) and more.
+    monkeypatch.setattr(AutoTuner, "_estimate", lambda self, candidate, against: 10.0)
+    result = AutoTuner(
+        SmallConvNet(),
+        PlainDataModule(),
+        time_budget_s=100,
+        precisions=[],
+        optimizations=["compile"],
+        tune_data_loading=False,
+        tune_batch_size=False,
+        progress=False,
+    ).run()
+    compile_trial = next(t for t in result.trials if t.label == "+compile")
+    assert compile_trial.verdict == "rejected" and "no budget left to measure it again" in compile_trial.reason
