@@ -6,8 +6,9 @@ one trial into the next, and the objects the user passed are never modified. A c
 measurably faster than the best configuration so far: its per-sample step time must be lower at the median by
 ``min_gain`` and by 1.5x the difference between two baseline runs (process-to-process noise), *and* lower in at
 least ``confidence`` of all (candidate step, incumbent step) pairs (step-to-step noise), so noise is not mistaken
-for a win. A candidate that wins within its pair of processes, but by less than that noise bar, is measured again
-with its incumbent in two more processes and kept only if it wins that second pair too. Candidates that change
+for a win. A candidate that wins within its pair of processes, but by less than that noise bar or than
+``confirm_below`` (1.5x), is measured again with its incumbent in two more processes and kept only if it wins that
+second pair too. Candidates that change
 numerics (mixed precision, compile) must also reproduce the baseline's per-step losses on the same batches within
 ``loss_rtol``.
 
@@ -425,6 +426,8 @@ class AutoTuner:
         loss_rtol: largest median relative difference of per-step losses from the baseline's.
         noise_check: measure the baseline twice, in two processes, and require every gain to exceed
             ``NOISE_FACTOR`` times their difference as well as ``min_gain`` (a noisy machine keeps only large wins).
+        confirm_below: a win smaller than this (per sample) is kept only if a second pair of processes (candidate and
+            incumbent measured again) confirms it; 1.0 keeps single-pair wins above the noise bar unconfirmed.
         isolation: ``"process"`` (a fresh spawned process per trial), ``"in-process"`` (copies of the objects,
             global torch state restored after each trial), or ``"auto"`` (process unless the objects cannot travel).
         progress: print a line per trial as it runs.
@@ -452,6 +455,7 @@ class AutoTuner:
         confidence: float = 0.75,
         loss_rtol: float = 0.05,
         noise_check: bool = True,
+        confirm_below: float = 1.5,
         isolation: str = "auto",
         seed: int = 0,
         progress: bool = True,
@@ -522,7 +526,9 @@ class AutoTuner:
         self.tune_batch_size, self.max_batch_size = tune_batch_size, max_batch_size
         self.tune_data_loading, self.max_num_workers = tune_data_loading, max_num_workers
         self.min_gain, self.confidence, self.loss_rtol = float(min_gain), float(confidence), float(loss_rtol)
+        _check_number("confirm_below", confirm_below, 1.0)
         self.noise_check = bool(noise_check)
+        self.confirm_below = float(confirm_below)
         self.isolation = isolation
         self.seed = seed
         self.progress = progress
@@ -801,13 +807,13 @@ class AutoTuner:
             trial.verdict, trial.reason = "rejected", "non-finite loss"
             return best
         confirmed = ""
-        if not self._wins(gain, p_faster):
-            if not self._plausible(gain, p_faster):
-                trial.verdict = "rejected"
-                trial.reason = f"not measurably faster: {self._explain(gain, p_faster)}"
-                return best
-            # Faster in this pair of processes, but by less than two processes of the same run can differ:
-            # measure both once more; a second independent win confirms it.
+        if not self._plausible(gain, p_faster):
+            trial.verdict = "rejected"
+            trial.reason = f"not measurably faster: {self._explain(gain, p_faster)}"
+            return best
+        if not self._wins(gain, p_faster) or gain < self.confirm_below:
+            # Faster in this pair of processes, but by less than one process can be luckier than another
+            # (the noise bar, or confirm_below): measure both once more; a second independent win confirms it.
             again = self._confirm(candidate, against, gain, p_faster)
             if isinstance(again, str):
                 trial.verdict, trial.reason = "rejected", again

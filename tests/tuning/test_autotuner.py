@@ -168,6 +168,7 @@ def test_keeps_only_measurable_safe_wins(monkeypatch: pytest.MonkeyPatch) -> Non
         precisions=["bf16-mixed"],
         optimizations=["channels_last", "fused_optimizer", "compile"],
         max_batch_size=own * 2,
+        confirm_below=1.0,  # single-pair wins: confirmation has its own test
         progress=False,
     )
     monkeypatch.setattr("lightning_perf._device.supports_bf16", lambda device=None: True)
@@ -229,6 +230,7 @@ def test_recommendation_loads_in_lightning_cli(monkeypatch: pytest.MonkeyPatch, 
         optimizations=["channels_last"],
         tune_data_loading=False,
         max_batch_size=own * 2,
+        confirm_below=1.0,  # single-pair wins: confirmation has its own test
         progress=False,
     ).run()
     paths = result.write(tmp_path / "tuned.yaml", tmp_path / "tuned.json")
@@ -305,7 +307,13 @@ def test_data_loading_tried_when_the_step_waits_for_data(monkeypatch: pytest.Mon
         },
     )
     result = AutoTuner(
-        SmallConvNet(), PlainDataModule(), precisions=[], optimizations=[], tune_batch_size=False, progress=False
+        SmallConvNet(),
+        PlainDataModule(),
+        precisions=[],
+        optimizations=[],
+        tune_batch_size=False,
+        confirm_below=1.0,
+        progress=False,
     ).run()
     assert ran == ["baseline", "baseline (repeat)", "num_workers=1", "num_workers=2"]
     assert result.trials[0].data_wait_share == pytest.approx(0.4, rel=0.05)
@@ -399,7 +407,9 @@ def test_real_trials_in_process_leave_the_users_objects_alone() -> None:
     baseline = result.trials[0]
     assert baseline.verdict == "baseline" and baseline.step_median_s and baseline.throughput
     assert baseline.wall_s and baseline.wall_s > 0
-    assert all(t.verdict in ("baseline", "kept", "rejected", "skipped") for t in result.trials), result.table_rows()
+    assert all(t.verdict in ("baseline", "kept", "rejected", "skipped", "confirm") for t in result.trials), (
+        result.table_rows()
+    )
     # The user's objects: same weights, same batch size, never attached to a Trainer.
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert data.batch_size == 8 and model._trainer is None
@@ -449,7 +459,9 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert code == 0, out
     assert "Recommended" in out and f"wrote {output}" in out
     report = json.loads(output.with_suffix(".json").read_text())
-    assert [t["label"] for t in report["trials"]] == ["baseline", "baseline (repeat)", "+channels_last"]
+    labels = [t["label"] for t in report["trials"]]
+    assert labels[:3] == ["baseline", "baseline (repeat)", "+channels_last"]
+    assert set(labels[3:]) <= {"baseline (again)", "+channels_last (again)"}  # a small win is measured again
     assert report["trials"][0]["step_median_s"] > 0
     assert yaml.safe_load(output.read_text())["trainer"] is not None
 
@@ -498,6 +510,7 @@ def test_cuda_graphs_replace_plain_compile_instead_of_stacking(monkeypatch: pyte
         optimizations=["compile", "compile_reduce_overhead"],
         tune_data_loading=False,
         tune_batch_size=False,
+        confirm_below=1.0,  # single-pair wins: confirmation has its own test
         progress=False,
     ).run()
     assert ran == ["baseline", "baseline (repeat)", "+compile", "compile_reduce_overhead instead of compile"]
@@ -570,6 +583,7 @@ def test_the_noise_between_two_baseline_runs_raises_the_bar(monkeypatch: pytest.
         tune_data_loading=False,
         tune_batch_size=False,
         noise_check=False,
+        confirm_below=1.0,
         progress=False,
     ).run()
     assert ran == ["baseline", "+channels_last"] and result.trials[-1].verdict == "kept"
@@ -638,3 +652,38 @@ def test_no_budget_to_confirm_a_small_win_rejects_it(monkeypatch: pytest.MonkeyP
     ).run()
     compile_trial = next(t for t in result.trials if t.label == "+compile")
     assert compile_trial.verdict == "rejected" and "no budget left to measure it again" in compile_trial.reason
+
+
+def test_a_win_below_confirm_below_needs_a_second_pair_of_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clear of the noise bar but below 1.5x: a lucky first process (a fluke) is caught by the second pair."""
+    ran = _scripted(
+        monkeypatch,
+        {
+            "baseline": _result(0.100, 8),
+            "+fused_optimizer": _result(0.075, 8),  # 1.33x in its first process...
+            "+fused_optimizer (again)": _result(0.099, 8),  # ... and nothing when measured again
+            "+compile": _result(0.060, 8),  # 1.67x: no second pair needed
+        },
+    )
+    result = AutoTuner(
+        SmallConvNet(),
+        PlainDataModule(),
+        precisions=[],
+        optimizations=["fused_optimizer", "compile"],
+        tune_data_loading=False,
+        tune_batch_size=False,
+        progress=False,
+    ).run()
+    assert ran == [
+        "baseline",
+        "baseline (repeat)",
+        "+fused_optimizer",
+        "baseline (again)",
+        "+fused_optimizer (again)",
+        "+compile",
+    ]
+    fused = next(t for t in result.trials if t.label == "+fused_optimizer")
+    assert fused.verdict == "rejected" and "then 1.01x" in fused.reason
+    assert result.recommendation.configs == ("compile",)
+    with pytest.raises(ValueError, match=r"confirm_below=0.9 is not valid"):
+        AutoTuner(SmallConvNet(), PlainDataModule(), confirm_below=0.9)
