@@ -53,3 +53,11 @@ def synchronize(device: torch.device | str | None) -> None:
     """Wait for queued work on ``device`` (a no-op on CPU). Never call this per step on a hot path."""
     if is_cuda(device):
         torch.cuda.synchronize(as_device(device))
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module`` lives: its first parameter's device, else its first buffer's, else the CPU."""
+    tensor: torch.Tensor | None = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")

@@ -14,6 +14,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
 
 from lightning_perf.demos import WORKLOADS, make_workload
 from tests.callback_settings import SETTINGS, Setting, params, public_classes
@@ -143,7 +144,6 @@ def test_checkpoint_loads_into_plain_model(setting: Setting, tmp_path: Path) -> 
 
 @pytest.mark.parametrize("setting", params())
 def test_built_from_lightning_cli_yaml(setting: Setting, tmp_path: Path) -> None:
-    yaml = pytest.importorskip("yaml")
     from lightning.pytorch.cli import LightningCLI
 
     entry = {"class_path": setting.class_path, "init_args": dict(setting.kwargs)}

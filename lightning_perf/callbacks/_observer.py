@@ -16,16 +16,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_perf._imports import install_hint, is_matplotlib_available
 
 
-def check_int(owner: str, name: str, value: Any, minimum: int, allow_none: bool = False) -> Any:
-    """Return ``value`` if it is an int >= ``minimum`` (or None when allowed), else raise ``ValueError``."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        expected = f"an int >= {minimum}" + (" or None" if allow_none else "")
-        raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected {expected}.")
-    return value
-
-
 def check_dirpath(owner: str, dirpath: Any) -> str | None:
     """Return ``dirpath`` as a string (None stays None), else raise ``TypeError``."""
     if dirpath is None:

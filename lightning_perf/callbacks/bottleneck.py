@@ -18,12 +18,12 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_perf._device import has_fast_cpu_bf16, is_sm_at_least, supports_tf32
+from lightning_perf._validation import check_int
 from lightning_perf.callbacks._model_hooks import add_batch_transform, remove_batch_transform
 from lightning_perf.callbacks._observer import (
     across_ranks,
     check_dirpath,
     check_filename,
-    check_int,
     class_names,
     draw_chart,
     log_metrics,

@@ -16,12 +16,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_perf._validation import check_int
 from lightning_perf._warnings import MeasurementWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks._observer import (
     across_ranks,
     check_dirpath,
     check_filename,
-    check_int,
     draw_chart,
     log_metrics,
     report_dir,

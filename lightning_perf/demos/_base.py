@@ -277,6 +277,14 @@ class DemoModule(pl.LightningModule):
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
+    def resolve_hparams(self, table: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+        """The preset saved as ``hparams["preset"]`` with the other saved constructor arguments on top
+        (:func:`resolve_preset`); only the settings the table knows count, so a subclass's own arguments stay out."""
+        preset = self.hparams["preset"]
+        check_preset(preset, type(self).__name__)
+        overrides = {key: self.hparams[key] for key in table[preset] if key in self.hparams}
+        return resolve_preset(table, preset, overrides, type(self).__name__)
+
     def use_optimizer_settings(self, config: Mapping[str, Any]) -> None:
         """Take ``lr``, ``weight_decay`` and ``schedule_epochs`` from a resolved preset."""
         self.lr = float(config["lr"])

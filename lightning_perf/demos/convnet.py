@@ -307,17 +307,7 @@ class ConvNetModule(DemoModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        overrides = dict(
-            width=width,
-            num_stages=num_stages,
-            blocks_per_stage=blocks_per_stage,
-            image_size=image_size,
-            num_classes=num_classes,
-            lr=lr,
-            weight_decay=weight_decay,
-            schedule_epochs=schedule_epochs,
-        )
-        config = resolve_preset(_MODEL_PRESETS, preset, overrides, type(self).__name__)
+        config = self.resolve_hparams(_MODEL_PRESETS)
         self.use_optimizer_settings(config)
         self.net = ResNet(config["num_classes"], config["width"], config["num_stages"], config["blocks_per_stage"])
         self.init_metrics(lambda: MulticlassAccuracy(config["num_classes"], average="micro"))

@@ -309,18 +309,7 @@ class LMModule(DemoModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        overrides = dict(
-            vocab_size=vocab_size,
-            seq_len=seq_len,
-            dim=dim,
-            depth=depth,
-            num_heads=num_heads,
-            mlp_ratio=mlp_ratio,
-            lr=lr,
-            weight_decay=weight_decay,
-            schedule_epochs=schedule_epochs,
-        )
-        config = resolve_preset(_MODEL_PRESETS, preset, overrides, type(self).__name__)
+        config = self.resolve_hparams(_MODEL_PRESETS)
         if config["dim"] % config["num_heads"]:
             raise ValueError(
                 f"`LMModule(num_heads={config['num_heads']!r})` does not divide dim={config['dim']!r}."

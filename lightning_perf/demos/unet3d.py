@@ -243,15 +243,7 @@ class UNet3DModule(DemoModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        overrides = dict(
-            width=width,
-            levels=levels,
-            volume_size=volume_size,
-            lr=lr,
-            weight_decay=weight_decay,
-            schedule_epochs=schedule_epochs,
-        )
-        config = resolve_preset(_MODEL_PRESETS, preset, overrides, type(self).__name__)
+        config = self.resolve_hparams(_MODEL_PRESETS)
         size, levels = config["volume_size"], config["levels"]
         if size % 2 ** (levels - 1):
             raise ValueError(

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from lightning_perf.demos._base import SCHEDULE_EPOCHS, DemoModule, resolve_preset
+from lightning_perf.demos._base import SCHEDULE_EPOCHS, DemoModule
 from lightning_perf.demos.convnet import TemplateImageDataModule
 
 _DATA_SIZES: dict[str, dict[str, int]] = {
@@ -182,19 +182,7 @@ class ViTModule(DemoModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        overrides = dict(
-            image_size=image_size,
-            patch_size=patch_size,
-            dim=dim,
-            depth=depth,
-            num_heads=num_heads,
-            mlp_ratio=mlp_ratio,
-            num_classes=num_classes,
-            lr=lr,
-            weight_decay=weight_decay,
-            schedule_epochs=schedule_epochs,
-        )
-        config = resolve_preset(_MODEL_PRESETS, preset, overrides, type(self).__name__)
+        config = self.resolve_hparams(_MODEL_PRESETS)
         if config["image_size"] % config["patch_size"]:
             raise ValueError(
                 f"`ViTModule(patch_size={config['patch_size']!r})` does not divide image_size={config['image_size']!r}."

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_perf._device import as_device, cuda_capability, is_sm_at_least
+from lightning_perf._device import as_device, cuda_capability, is_sm_at_least, module_device
 from lightning_perf._imports import is_flash_attn_available, require
 from lightning_perf._warnings import FallbackWarning, warn_once
 from lightning_perf.functional.surgery import FilterFn, adopt_tensors, find_modules, replace_modules
@@ -459,7 +459,7 @@ class AttentionAdapter:
         of 16, 8, 4, 2 that the module accepts."""
         embed = _embed_dim(module)
         for seq in (16, 8, 4, 2):
-            x = torch.randn(2, seq, embed, generator=generator).to(_module_device(module), _module_dtype(module))
+            x = torch.randn(2, seq, embed, generator=generator).to(module_device(module), _module_dtype(module))
             try:
                 with torch.no_grad(), _eval_without_dropout(module):
                     module(x)
@@ -746,8 +746,8 @@ def check_parity(
     point inputs and every parameter, each to a tolerance by dtype (relative to the largest magnitude). Nothing is
     left behind: no ``.grad``, no RNG draw (inputs come from ``calls``), modes and dropout restored.
     """
-    dev = as_device(device) if device is not None else _module_device(original)
-    if dev != _module_device(original):
+    dev = as_device(device) if device is not None else module_device(original)
+    if dev != module_device(original):
         original, swapped = copy.deepcopy((original, swapped))  # attention modules are small
         original.to(dev)
         swapped.to(dev)
@@ -791,13 +791,6 @@ def _is_float_tensor(value: Any) -> bool:
 
 def _module_dtype(module: nn.Module) -> torch.dtype:
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-
-
-def _module_device(module: nn.Module) -> torch.device:
-    tensor: Tensor | None = next(module.parameters(), None)
-    if tensor is None:
-        tensor = next(module.buffers(), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 # ------------------------------------------------------------------------------------------------------ swapping
@@ -850,7 +843,7 @@ def swap_attention(
     Raises:
         RuntimeError: with ``strict=True``, when a swapped module does not match its original.
     """
-    target = as_device(device) if device is not None else _module_device(model)
+    target = as_device(device) if device is not None else module_device(model)
     all_adapters = attention_adapters(adapters)
     result = SwapResult()
 

@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 from lightning_perf._device import as_device, synchronize
 from lightning_perf._imports import require
 from lightning_perf._io import atomic_path
+from lightning_perf._validation import check_int
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.profiling import PhaseTimer, Stats, write_json
 
@@ -901,9 +902,8 @@ def validate_options(
         raise TypeError(
             f"`{owner}(tolerance={tolerance!r})` is not valid. Expected a Tolerance or a dict of its fields."
         )
-    for name, value, minimum in (("latency_iterations", latency_iterations, 0), ("latency_warmup", latency_warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected an int >= {minimum}.")
+    check_int(owner, "latency_iterations", latency_iterations, 0)
+    check_int(owner, "latency_warmup", latency_warmup, 0)
     try:
         dev = as_device(device)
     except (RuntimeError, TypeError) as exc:

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_perf._device import module_device
 from lightning_perf._imports import require
 from lightning_perf._io import atomic_path
 from lightning_perf._warnings import FallbackWarning
@@ -820,7 +821,7 @@ def calibrate(prepared: nn.Module, batches: Iterable[Any], input_key: str | None
     number of samples seen. The model inputs of each batch are found with
     :func:`~lightning_perf.functional.export.split_inputs`.
     """
-    device = _module_device(prepared)
+    device = module_device(prepared)
     prepared.eval()
     seen = 0
     for batch in batches:
@@ -955,13 +956,6 @@ def freeze_batchnorm_stats(module: nn.Module, frozen: bool = True) -> int:
 # --------------------------------------------------------------------------------------------------- validation
 
 
-def _module_device(module: nn.Module) -> torch.device:
-    tensor: Tensor | None = next(module.parameters(), None)
-    if tensor is None:
-        tensor = next(module.buffers(), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
-
-
 @dataclass
 class ValidationSummary:
     """The quantized model against its reference (the fake-quantized or calibrated model) on real batches.
@@ -1033,8 +1027,8 @@ def compare_models(
             if max_batches is not None and count >= max_batches:
                 break
             inputs = split_inputs(batch, input_key)
-            ref_out, _ = _flat_outputs(reference(*(t.to(_module_device(reference)) for t in inputs)))
-            q_out, _ = _flat_outputs(quantized(*(t.to(_module_device(quantized)) for t in inputs)))
+            ref_out, _ = _flat_outputs(reference(*(t.to(module_device(reference)) for t in inputs)))
+            q_out, _ = _flat_outputs(quantized(*(t.to(module_device(quantized)) for t in inputs)))
             count += 1
             samples += int(inputs[0].shape[0])
             if len(ref_out) != len(q_out) or any(r.shape != q.shape for r, q in zip(ref_out, q_out)):
@@ -1130,7 +1124,7 @@ def compiled_latency(
     ``warmup`` untimed calls that include compilation (reported apart). Samples are reused cyclically to fill a batch.
     """
     example = as_input_tuple(inputs, "compiled_latency(inputs)")
-    device = _module_device(quantized)
+    device = module_device(quantized)
     rows = []
     with torch._inductor.config.patch(freezing=True):
         models = {"float": _lowered(float_model, example, device), "quantized": _lowered(quantized, example, device)}
@@ -1177,7 +1171,7 @@ def save_quantized(quantized: nn.Module, example_inputs: Any, path: str | os.Pat
         QuantizationError: if the model cannot be captured.
     """
     example = as_input_tuple(example_inputs, "save_quantized(example_inputs)")
-    device = _module_device(quantized)
+    device = module_device(quantized)
     program_source = quantized
     if isinstance(quantized, torch.fx.GraphModule):
         program_source = _quiet_deepcopy(quantized)

@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_perf._validation import check_bool, check_int, check_number
 from lightning_perf._warnings import FallbackWarning, warn_once
 from lightning_perf.functional.powersgd import (
     HOOK_VARIANTS,
@@ -31,24 +32,6 @@ from lightning_perf.functional.powersgd import (
 CHECKPOINT_KEY = "powersgd"
 # DDPStrategy arguments that would install another communication hook or a post-local-SGD averager.
 _COMM_HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
-
-
-def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected an integer >= {minimum}.")
-
-
-def _check_number(owner: str, name: str, value: Any, positive: bool = False) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):
-        raise ValueError(
-            f"`{owner}({name}={value!r})` is not valid. Expected a finite number {'> 0' if positive else '>= 0'}."
-        )
-
-
-def _check_bool(owner: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{owner}({name}={value!r})` is not valid. Expected True or False.")
 
 
 def default_start_iter(optimizer_steps: float) -> int:
@@ -169,7 +152,7 @@ class PowerSGDDDPStrategy(DDPStrategy):
             )
         if hook not in HOOK_VARIANTS:
             raise ValueError(f"`{owner}(hook={hook!r})` is not valid. Expected one of: {', '.join(HOOK_VARIANTS)}.")
-        _check_int(owner, "matrix_approximation_rank", matrix_approximation_rank, 1)
+        check_int(owner, "matrix_approximation_rank", matrix_approximation_rank, 1)
         for name, flag in (
             ("use_error_feedback", use_error_feedback),
             ("warm_start", warm_start),
@@ -178,22 +161,22 @@ class PowerSGDDDPStrategy(DDPStrategy):
             ("static_graph", static_graph),
             ("find_unused_parameters", find_unused_parameters),
         ):
-            _check_bool(owner, name, flag)
+            check_bool(owner, name, flag)
         if start_powerSGD_iter is not None:
-            _check_int(owner, "start_powerSGD_iter", start_powerSGD_iter, 0)
+            check_int(owner, "start_powerSGD_iter", start_powerSGD_iter, 0)
             if start_powerSGD_iter < 2 and (use_error_feedback or warm_start):
                 raise ValueError(
                     f"`{owner}(start_powerSGD_iter={start_powerSGD_iter})` is not valid with error feedback or warm "
                     "start: expected >= 2, because DDP rebuilds its buckets after the first iteration (torch's "
                     "PowerSGDState refuses less). Use a larger value, or turn both off."
                 )
-        _check_number(owner, "min_compression_rate", min_compression_rate)
-        _check_number(owner, "orthogonalization_epsilon", orthogonalization_epsilon)
-        _check_int(owner, "random_seed", random_seed, 0)
+        check_number(owner, "min_compression_rate", min_compression_rate)
+        check_number(owner, "orthogonalization_epsilon", orthogonalization_epsilon)
+        check_int(owner, "random_seed", random_seed, 0)
         for name in _COMM_HOOK_ARGUMENTS:  # LightningCLI passes every DDPStrategy argument, as None
             kwargs.pop(name, None)
         if bucket_cap_mb is not None:
-            _check_number(owner, "bucket_cap_mb", bucket_cap_mb, positive=True)
+            check_number(owner, "bucket_cap_mb", bucket_cap_mb, exclusive=True)
             kwargs["bucket_cap_mb"] = bucket_cap_mb
         super().__init__(
             accelerator=accelerator,

@@ -42,6 +42,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from lightning_perf._validation import check_int, check_number
 from lightning_perf.tuning.sources import (
     LOADER_SETTINGS,
     ModelSource,
@@ -497,16 +498,16 @@ class AutoTuner:
 
             if not torch.cuda.is_available():
                 raise ValueError(f"device={device!r} is not available: torch sees no CUDA device.")
-        _check_number("time_budget_s", time_budget_s, 0.0, exclusive=True)
-        _check_int("steps", steps, 3)
-        _check_int("warmup_steps", warmup_steps, 1)
-        _check_number("min_gain", min_gain, 0.0)
-        _check_number("confidence", confidence, 0.5, 1.0)
-        _check_number("loss_rtol", loss_rtol, 0.0, exclusive=True)
+        check_number("AutoTuner", "time_budget_s", time_budget_s, 0.0, exclusive=True)
+        check_int("AutoTuner", "steps", steps, 3)
+        check_int("AutoTuner", "warmup_steps", warmup_steps, 1)
+        check_number("AutoTuner", "min_gain", min_gain, 0.0)
+        check_number("AutoTuner", "confidence", confidence, 0.5, 1.0)
+        check_number("AutoTuner", "loss_rtol", loss_rtol, 0.0, exclusive=True)
         if max_batch_size is not None:
-            _check_int("max_batch_size", max_batch_size, 1)
+            check_int("AutoTuner", "max_batch_size", max_batch_size, 1)
         if max_num_workers is not None:
-            _check_int("max_num_workers", max_num_workers, 0)
+            check_int("AutoTuner", "max_num_workers", max_num_workers, 0)
         if isolation not in ISOLATION:
             raise ValueError(f"isolation={isolation!r} is not valid. Expected one of: {', '.join(ISOLATION)}.")
         if precisions is not None:
@@ -526,7 +527,7 @@ class AutoTuner:
         self.tune_batch_size, self.max_batch_size = tune_batch_size, max_batch_size
         self.tune_data_loading, self.max_num_workers = tune_data_loading, max_num_workers
         self.min_gain, self.confidence, self.loss_rtol = float(min_gain), float(confidence), float(loss_rtol)
-        _check_number("confirm_below", confirm_below, 1.0)
+        check_number("AutoTuner", "confirm_below", confirm_below, 1.0)
         self.noise_check = bool(noise_check)
         self.confirm_below = float(confirm_below)
         self.isolation = isolation
@@ -1091,23 +1092,3 @@ class AutoTuner:
         if workers:
             parts.append(f"--num-workers {workers}")
         return " ".join(parts)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} is not valid. Expected an integer >= {minimum}.")
-
-
-def _check_number(
-    name: str, value: Any, minimum: float, maximum: float | None = None, *, exclusive: bool = False
-) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = value > minimum if exclusive else value >= minimum
-    if ok and maximum is not None:
-        ok = value <= maximum
-    if not ok:
-        bound = f"> {minimum:g}" if exclusive else f">= {minimum:g}"
-        if maximum is not None:
-            bound += f" and <= {maximum:g}"
-        raise ValueError(f"{name}={value!r} is not valid. Expected a number {bound}.")

@@ -11,6 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchao  # noqa: F401  (the `test` extra installs it: a missing install fails here, not skips)
 from lightning.pytorch.callbacks import Callback, ModelPruning
 from lightning.pytorch.loggers import Logger
 from torch import nn
@@ -20,8 +21,6 @@ from lightning_perf.callbacks import QATCallback
 from lightning_perf.callbacks import qat as callback_module
 from lightning_perf.demos import ConvNetModule, make_workload
 from lightning_perf.functional import qat
-
-pytest.importorskip("torchao")
 
 QUICK = {"benchmark": False, "validation_batches": 1}
 

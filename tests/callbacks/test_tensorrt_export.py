@@ -227,9 +227,13 @@ def test_dict_example_input_fails_in_setup(tmp_path: Path) -> None:
 
 
 def test_input_shapes_stand_in_for_a_missing_example(tmp_path: Path) -> None:
+    trainer = SimpleNamespace(fit_loop=None)  # no validation data, and the module has no example input
+    without = TensorRTExportCallback(backends=["onnx"], **QUICK)
+    with pytest.raises(ValueError, match="no example input for _NoExample"):
+        without.setup(trainer, _NoExample("tiny"), "fit")  # type: ignore[arg-type]
     callback = TensorRTExportCallback(backends=["onnx"], input_shapes=[(3, 16, 16)], **QUICK)
-    trainer = SimpleNamespace()
-    callback.setup(trainer, _NoExample("tiny"), "fit")  # type: ignore[arg-type]  # no error: the shapes suffice
+    callback.setup(trainer, _NoExample("tiny"), "fit")  # type: ignore[arg-type]  # the shapes stand in: no error
+    assert callback.input_shapes == [(3, 16, 16)]
 
 
 @pytest.mark.parametrize(

@@ -328,7 +328,6 @@ def test_bad_arguments_name_the_value(kwargs: dict[str, Any], message: str) -> N
 
 @pytest.mark.parametrize("name", NAMES)
 def test_built_by_lightning_cli(name: str) -> None:
-    pytest.importorskip("jsonargparse")
     from lightning.pytorch.cli import LightningCLI
 
     workload = WORKLOADS[name]

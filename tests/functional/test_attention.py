@@ -475,7 +475,7 @@ def test_check_parity_reports_what_differs() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_real_flash_attn_on_cuda(dtype: torch.dtype) -> None:
-    pytest.importorskip("flash_attn")
+    pytest.importorskip("flash_attn", reason="flash-attn is an optional CUDA-only extra (`lightning-perf[flash]`)")
     if not torch.cuda.get_device_capability() >= (8, 0):
         pytest.skip("flash-attn needs compute capability 8.0+")
     torch.manual_seed(0)

@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+import torchao  # noqa: F401  (the `test` extra installs it: a missing install fails here, not skips)
 from torch import nn
 
 from lightning_perf import FallbackWarning, _imports
 from lightning_perf.functional import qat
-
-pytest.importorskip("torchao")
 
 BATCH_NORM = torch.ops.aten.batch_norm.default
 

@@ -58,16 +58,16 @@ def test_loss_deviation() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"time_budget_s": 0}, r"time_budget_s=0 is not valid\. Expected a number > 0"),
-        ({"time_budget_s": "5m"}, r"time_budget_s='5m' is not valid"),
-        ({"steps": 2}, r"steps=2 is not valid\. Expected an integer >= 3"),
-        ({"confidence": 0.2}, r"confidence=0.2 is not valid"),
+        ({"time_budget_s": 0}, r"time_budget_s=0\)` is not valid\. Expected a finite number > 0"),
+        ({"time_budget_s": "5m"}, r"time_budget_s='5m'\)` is not valid"),
+        ({"steps": 2}, r"AutoTuner\(steps=2\)` is not valid\. Expected an integer >= 3"),
+        ({"confidence": 0.2}, r"confidence=0.2\)` is not valid"),
         ({"device": "tpu"}, r"device='tpu' is not valid"),
         ({"isolation": "thread"}, r"isolation='thread' is not valid"),
         ({"precisions": ["fp8"]}, r"'fp8' is not one of"),
         ({"optimizations": ["turbo"]}, r"Unknown benchmark configuration 'turbo'"),
         ({"optimizations": ["bf16-mixed"]}, r"sets the precision; pass it in `precisions`"),
-        ({"max_batch_size": 0}, r"max_batch_size=0 is not valid"),
+        ({"max_batch_size": 0}, r"max_batch_size=0\)` is not valid"),
         ({"preset": "huge"}, r"preset='huge' is unknown"),
     ],
 )
@@ -207,7 +207,6 @@ def test_keeps_only_measurable_safe_wins(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_recommendation_loads_in_lightning_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    pytest.importorskip("jsonargparse")
     from lightning.pytorch.cli import LightningCLI
 
     from lightning_perf.callbacks import ChannelsLastCallback
@@ -471,7 +470,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     [
         (["--model", "tests.tuning._user_models:SmallConvNet"], "--model needs --datamodule"),
         (["--model", "nope.mod:X", "--datamodule", "nope.mod:Y"], "cannot import module 'nope.mod'"),
-        (["--workload", "convnet", "--time-budget", "-1"], r"time_budget_s=-1.0 is not valid"),
+        (["--workload", "convnet", "--time-budget", "-1"], "time_budget_s=-1.0)` is not valid"),
         (["--workload", "convnet", "--model-args", "[1]"], "is not a JSON object"),
     ],
 )
@@ -685,5 +684,5 @@ def test_a_win_below_confirm_below_needs_a_second_pair_of_runs(monkeypatch: pyte
     fused = next(t for t in result.trials if t.label == "+fused_optimizer")
     assert fused.verdict == "rejected" and "then 1.01x" in fused.reason
     assert result.recommendation.configs == ("compile",)
-    with pytest.raises(ValueError, match=r"confirm_below=0.9 is not valid"):
+    with pytest.raises(ValueError, match=r"confirm_below=0.9\)` is not valid"):
         AutoTuner(SmallConvNet(), PlainDataModule(), confirm_below=0.9)
