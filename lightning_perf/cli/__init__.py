@@ -14,27 +14,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_perf.cli._common import non_negative_int as _non_negative_int
+from lightning_perf.cli._common import positive_int as _positive_int
+
 DEFAULT_BENCH_CONFIGS = "baseline,bf16-mixed"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

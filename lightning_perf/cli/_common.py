@@ -1,0 +1,195 @@
+"""Pieces every ``lightning-perf`` command shares: the parser class and the argument validators.
+
+Stdlib only, so that building every parser (and answering ``--help``) imports neither torch nor Lightning.
+
+A validator is an argparse ``type=`` callable: it returns the parsed value or raises ``argparse.ArgumentTypeError``
+whose message names the value and what is expected; argparse prefixes the option, and :class:`CliParser` prints the
+result as one line on stderr and exits with status 2::
+
+    lightning-perf bench: error: argument --steps: '0' is not valid. Expected an integer >= 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = [
+    "CliParser",
+    "UsageError",
+    "choice_list",
+    "comma_names",
+    "device",
+    "existing_file",
+    "fail",
+    "finite_float",
+    "json_object",
+    "module_class_spec",
+    "non_negative_float",
+    "non_negative_int",
+    "one_line",
+    "positive_float",
+    "positive_int",
+]
+
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_MODULE_CLASS = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
+_DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+|mps)$")
+
+
+class UsageError(ValueError):
+    """A bad command-line value found after parsing (e.g. a class that does not import); the CLI exits 2 with it."""
+
+
+def one_line(text: str) -> str:
+    """``text`` with every run of whitespace (newlines included) folded into one space."""
+    return " ".join(str(text).split())
+
+
+def _invalid(text: str, expected: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.")
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (exit 2) and that never abbreviates long options.
+
+    Sub-parsers made through ``add_subparsers().add_parser`` are of this class too (argparse uses the parent's class).
+    """
+
+    def __init__(self, *args: Any, allow_abbrev: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            sys.stderr.write(message)
+        raise SystemExit(status)
+
+
+def fail(parser: argparse.ArgumentParser, option: str, value: Any, expected: str) -> NoReturn:
+    """Exit 2 with one line naming ``option``, ``value`` and what is expected (for checks made after parsing)."""
+    parser.error(f"argument {option}: {value!r} is not valid. Expected {one_line(expected)}.")
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise _invalid(text, f"an integer >= {minimum}") from None
+    if value < minimum:
+        raise _invalid(text, f"an integer >= {minimum}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """A finite number."""
+    return _float(text, None, False, "a finite number")
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    return _float(text, 0.0, True, "a finite number > 0")
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    return _float(text, 0.0, False, "a finite number >= 0")
+
+
+def _float(text: str, minimum: float | None, exclusive: bool, expected: str) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise _invalid(text, expected) from None
+    if not math.isfinite(value):
+        raise _invalid(text, expected)
+    if minimum is not None and (value <= minimum if exclusive else value < minimum):
+        raise _invalid(text, expected)
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object, e.g. ``'{"depth": 4}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _invalid(text, f'a JSON object such as {{"name": 1}} ({exc.msg} at column {exc.colno})') from None
+    if not isinstance(value, dict):
+        raise _invalid(text, f'a JSON object such as {{"name": 1}}, not a JSON {type(value).__name__}')
+    return value
+
+
+def existing_file(text: str) -> Path:
+    """The path of a file that exists."""
+    path = Path(text)
+    if not text or not path.is_file():
+        what = "a directory" if path.is_dir() else "missing"
+        raise _invalid(text, f"the path of an existing file ({what})")
+    return path
+
+
+def module_class_spec(text: str) -> str:
+    """``package.module:ClassName`` (the syntax only; nothing is imported). ``package.module.ClassName`` is accepted
+    and returned as ``package.module:ClassName``."""
+    spec = text.strip()
+    if ":" not in spec and "." in spec:
+        module, _, name = spec.rpartition(".")
+        spec = f"{module}:{name}"
+    if not _MODULE_CLASS.match(spec):
+        raise _invalid(text, "MODULE:CLASS, e.g. my_pkg.models:Net")
+    return spec
+
+
+def device(text: str) -> str:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``mps`` (the syntax only; whether the device exists is checked later)."""
+    if not _DEVICE.match(text.strip()):
+        raise _invalid(text, "cpu, cuda, cuda:N or mps")
+    return text.strip()
+
+
+def comma_names(text: str) -> list[str]:
+    """A non-empty comma-separated list of names (blanks dropped)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise _invalid(text, "one or more comma-separated names")
+    return names
+
+
+def choice_list(
+    choices: Iterable[str], *, extra: Iterable[str] = (), what: str = "names"
+) -> Callable[[str], list[str]]:
+    """A validator of a comma-separated list whose every item is one of ``choices``; a name in ``extra`` (e.g.
+    ``all``) is accepted alone."""
+    allowed = tuple(choices)
+    special = tuple(extra)
+
+    def parse(text: str) -> list[str]:
+        names = comma_names(text)
+        if len(names) == 1 and names[0] in special:
+            return names
+        unknown = [name for name in names if name not in allowed]
+        if unknown:
+            valid = ", ".join((*special, *allowed))
+            raise argparse.ArgumentTypeError(f"{text!r} is not valid: unknown {what} {unknown}. Expected {valid}.")
+        return names
+
+    parse.__name__ = f"{what} list"
+    return parse
