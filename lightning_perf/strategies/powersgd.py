@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import pickle
+import re
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -283,7 +286,20 @@ class PowerSGDDDPStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """Read a checkpoint with ``torch.load(weights_only=True)``, whatever ``weights_only`` asks: nothing from a
+        file is executed. A checkpoint that holds other objects needs them allowed by the user, explicitly, with
+        ``torch.serialization.add_safe_globals``; the error names the global it met."""
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+            met = f"the global `{found.group(1)}`" if found else "an object outside torch's weights-only allowlist"
+            raise pickle.UnpicklingError(
+                f"`{type(self).__name__}` reads checkpoints with `torch.load(weights_only=True)` only"
+                + (" (weights_only=False was asked for and is not honoured)" if weights_only is False else "")
+                + f"; {os.fspath(checkpoint_path)!r} holds {met}, which it does not load. If you trust the file, "
+                "allow its classes with `torch.serialization.add_safe_globals([...])`."
+            ) from exc
         self._loaded_state = checkpoint.get(CHECKPOINT_KEY)  # applied once the hook is registered in setup
         return checkpoint
 

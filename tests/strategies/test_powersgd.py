@@ -219,3 +219,36 @@ def test_accumulation_bf16_and_stacked_callbacks(ddp_report: dict[str, Any]) -> 
     assert torch.isfinite(torch.tensor(report["train_loss"])) and report["ranks_agree"]
     assert report["batched_metrics"]["powersgd/compression_rate"] > 10
     assert torch.isfinite(torch.tensor(report["batched_loss"])) and report["batched_ranks_agree"]
+
+
+class _CreatesAFileWhenUnpickled:
+    """A crafted checkpoint entry: unpickling it with ``weights_only=False`` would call ``open(marker, "w")``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("weights_only", [None, False, True])
+def test_load_checkpoint_never_executes_the_file(tmp_path: Path, weights_only: bool | None) -> None:
+    import pickle
+
+    marker = tmp_path / "executed"
+    path = tmp_path / "crafted.ckpt"
+    torch.save({"state_dict": {}, "payload": _CreatesAFileWhenUnpickled(marker)}, path)
+    strategy = PowerSGDDDPStrategy()
+    with pytest.raises(pickle.UnpicklingError, match=r"torch\.serialization\.add_safe_globals") as info:
+        strategy.load_checkpoint(path, weights_only=weights_only)
+    assert "weights_only=True" in str(info.value) and "`io.open`" in str(info.value)
+    assert not marker.exists()
+
+
+def test_load_checkpoint_reads_a_plain_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, CHECKPOINT_KEY: {"start_powerSGD_iter": 2}}, path)
+    strategy = PowerSGDDDPStrategy()
+    checkpoint = strategy.load_checkpoint(path)
+    assert torch.equal(checkpoint["state_dict"]["w"], torch.ones(2))
+    assert strategy._loaded_state == {"start_powerSGD_iter": 2}
