@@ -5,7 +5,8 @@ build fresh objects inside the benchmark's worker process, so nothing but the co
 boundary. Names joined with ``+`` form a stack (``channels_last+compile``): callbacks in the order given, Trainer
 arguments merged (a conflict is an error).
 
-Each optimization registers its configuration here with :func:`register_config` (one entry in ``_builtin_configs``).
+The configurations are derived from the one list of optimizations, :mod:`lightning_perf.optimizations`, plus
+``baseline``; :func:`register_config` adds a configuration that only the bench knows (tests, experiments).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from typing import Any
 
 import torch
 
+import lightning_perf.optimizations as optimizations
+from lightning_perf.optimizations import Optimization
+
+BASELINE = "baseline"
 CallbackFactory = Callable[[], list[Any]]
 # A callback as LightningCLI writes it: its import path and its keyword arguments.
 CallbackSpec = tuple[str, Mapping[str, Any]]
@@ -90,7 +95,12 @@ _REGISTRY: dict[str, BenchConfig] = {}
 
 
 def register_config(config: BenchConfig, *, replace: bool = False) -> BenchConfig:
-    """Add ``config`` to the registry; a second registration of a name is an error unless ``replace``."""
+    """Add ``config`` to the registry; a second registration of a name is an error unless ``replace``.
+
+    An optimization that the auto-tuner and the advice should know too is registered in
+    :mod:`lightning_perf.optimizations` instead: its configuration is derived from there.
+    """
+    _ensure_builtins()
     if config.name in _REGISTRY and not replace:
         raise ValueError(f"A benchmark configuration named {config.name!r} is already registered.")
     _REGISTRY[config.name] = config
@@ -100,7 +110,7 @@ def register_config(config: BenchConfig, *, replace: bool = False) -> BenchConfi
 def available_configs() -> list[str]:
     """The registered configuration names, ``baseline`` first."""
     _ensure_builtins()
-    return sorted(_REGISTRY, key=lambda n: (n != "baseline", n))
+    return sorted(_REGISTRY, key=lambda n: (n != BASELINE, n))
 
 
 def get_config(name: str) -> BenchConfig:
@@ -193,85 +203,57 @@ def _backend_flags_apply(device: torch.device) -> str | None:
     return f"no backend flag speeds up float32 training on {device} (no TF32, no oneDNN bf16 matmuls)"
 
 
-def _callback(name: str, **init_args: Any) -> tuple[CallbackSpec, ...]:
-    return ((f"lightning_perf.callbacks.{name}", init_args),)
-
-
-def _qat_applies(device: torch.device) -> str | None:
+def _torchao_applies(device: torch.device) -> str | None:
     from lightning_perf._imports import install_hint, is_torchao_available
 
     return None if is_torchao_available() else install_hint("torchao")
 
 
-_builtins_loaded = False
+_REQUIREMENT_CHECKS: dict[str, Applicability] = {
+    "cuda": _needs_cuda,
+    "bf16": _needs_bf16,
+    "backend_flags": _backend_flags_apply,
+    "torchao": _torchao_applies,
+}
+# name -> (the optimization entry, the configuration built from it), to follow later changes of the list.
+_DERIVED: dict[str, tuple[Optimization, BenchConfig]] = {}
+
+
+def config_from_optimization(optimization: Optimization) -> BenchConfig:
+    """The bench configuration of one entry of :mod:`lightning_perf.optimizations`."""
+    checks = [_REQUIREMENT_CHECKS[r] for r in optimization.requires]
+
+    def applies_to(device: torch.device) -> str | None:
+        for check in checks:
+            reason = check(device)
+            if reason is not None:
+                return reason
+        return None
+
+    specs = () if optimization.callback is None else ((optimization.callback, optimization.callback_kwargs),)
+    return BenchConfig(
+        optimization.name,
+        optimization.description,
+        callback_specs=specs,
+        trainer_kwargs=optimization.trainer_kwargs,
+        applies_to=applies_to if checks else None,
+    )
 
 
 def _ensure_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for config in _builtin_configs():
-            register_config(config, replace=True)
-
-
-def _builtin_configs() -> list[BenchConfig]:
-    """The configurations shipped with lightning_perf. Each optimization adds its entry here."""
-    return [
-        BenchConfig("baseline", "plain Lightning, fp32 (the reference every ratio is taken against)"),
-        BenchConfig(
-            "bf16-mixed",
-            "Lightning's own bf16 autocast (Trainer(precision='bf16-mixed'))",
-            trainer_kwargs={"precision": "bf16-mixed"},
-            applies_to=_needs_bf16,
-        ),
-        BenchConfig(
-            "16-mixed",
-            "Lightning's own fp16 autocast with gradient scaling (Trainer(precision='16-mixed'))",
-            trainer_kwargs={"precision": "16-mixed"},
-            applies_to=_needs_cuda,
-        ),
-        BenchConfig(
-            "channels_last",
-            "ChannelsLastCallback: conv weights and 4D/5D inputs in channels-last memory format",
-            callback_specs=_callback("ChannelsLastCallback"),
-        ),
-        BenchConfig(
-            "compile",
-            "CompileCallback(): torch.compile of the LightningModule's forward, in place (inductor, default mode)",
-            callback_specs=_callback("CompileCallback"),
-        ),
-        BenchConfig(
-            "compile_reduce_overhead",
-            "CompileCallback(mode='reduce-overhead'): torch.compile with CUDA graphs (replays whole steps' kernels)",
-            callback_specs=_callback("CompileCallback", mode="reduce-overhead"),
-            applies_to=_needs_cuda,
-        ),
-        BenchConfig(
-            "backend_flags",
-            "BackendFlagsCallback(preset='fastest'): CUDA: cudnn.benchmark + TF32; CPU: bf16 float32 matmuls (oneDNN)",
-            callback_specs=_callback("BackendFlagsCallback", preset="fastest"),
-            applies_to=_backend_flags_apply,
-        ),
-        BenchConfig(
-            "fused_optimizer",
-            "FusedOptimizerCallback: the optimizers step with torch's fused (else foreach) kernels",
-            callback_specs=_callback("FusedOptimizerCallback"),
-        ),
-        BenchConfig(
-            "grad_checkpoint",
-            "GradCheckpointCallback(): activation checkpointing of every repeated block (less memory, more compute)",
-            callback_specs=_callback("GradCheckpointCallback"),
-        ),
-        BenchConfig(
-            "flash_attention",
-            "FlashAttentionCallback(): attention through flash-attn 2 (CUDA, fp16/bf16) or fused SDPA kernels",
-            callback_specs=_callback("FlashAttentionCallback"),
-        ),
-        BenchConfig(
-            "qat",
-            "QATCallback(export=False): x86 PT2E fake quantization during training (the step overhead of QAT)",
-            # Training only: the int8 model's own speed is what QATCallback's end-of-fit report measures.
-            callback_specs=_callback("QATCallback", export=False),
-            applies_to=_qat_applies,
-        ),
-    ]
+    """Bring the registry in line with ``baseline`` and the list of optimizations (which may change at any time)."""
+    if BASELINE not in _REGISTRY:
+        _REGISTRY[BASELINE] = BenchConfig(
+            BASELINE, "plain Lightning, fp32 (the reference every ratio is taken against)"
+        )
+    current = {o.name: o for o in optimizations.optimizations()}
+    for name, (optimization, config) in list(_DERIVED.items()):
+        if current.get(name) is not optimization:
+            del _DERIVED[name]
+            if _REGISTRY.get(name) is config:
+                del _REGISTRY[name]
+    for name, optimization in current.items():
+        if name not in _REGISTRY:
+            config = config_from_optimization(optimization)
+            _REGISTRY[name] = config
+            _DERIVED[name] = (optimization, config)

@@ -22,15 +22,19 @@ Rules (thresholds are shares of steady-state step time, adjustable through ``Ste
 - Compute at least half of the step: make compute cheaper: mixed precision, ``ChannelsLastCallback`` (convolutions),
   ``CompileCallback``, ``BackendFlagsCallback`` (TF32 on Ampere or newer), ``GradCheckpointCallback`` to fit a larger
   batch. Callbacks already in use are not suggested again.
+
+Which optimizations each of the last three rules offers, and when, comes from the one list of optimizations
+(:mod:`lightning_perf.optimizations`, each entry's ``advice``): registering an entry there adds it here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import lightning_perf.optimizations as optimizations
 from lightning_perf.profiling.report import format_seconds
 from lightning_perf.profiling.syncs import SyncSite
 
@@ -342,10 +346,7 @@ def _transfer(b: StepBreakdown) -> Recommendation | None:
 def _optimizer(b: StepBreakdown) -> Recommendation | None:
     if b.share("optimizer") <= b.thresholds["optimizer"]:
         return None
-    actions, callbacks = [], []
-    if b.optimizers_fused is not True and "FusedOptimizerCallback" not in b.active_callbacks:
-        actions.append("step the optimizer with torch's fused or foreach kernels")
-        callbacks.append("FusedOptimizerCallback")
+    actions, callbacks = _registered_advice(b, "optimizer_step")
     actions.append("fewer parameter groups or tensors help too (each costs a kernel launch per step)")
     evidence = _phase_evidence(b, "optimizer") + " (zero_grad and the optimizer step, once per accumulation window)"
     if b.optimizers_fused is True:
@@ -408,10 +409,8 @@ def _device_idle(b: StepBreakdown) -> Recommendation | None:
     actions = [
         f"use a larger batch{f' than {batch}' if batch else ''} so fixed per-step costs are spread over more samples"
     ]
-    callbacks = []
-    if "CompileCallback" not in b.active_callbacks:
-        actions.append("compile the model: fewer, larger kernels (mode='reduce-overhead' also captures CUDA graphs)")
-        callbacks.append("CompileCallback")
+    more_actions, callbacks = _registered_advice(b, "device_idle")
+    actions += more_actions
     return Recommendation(
         "device_idle",
         "high",
@@ -426,22 +425,7 @@ def _compute_bound(b: StepBreakdown) -> Recommendation | None:
     compute = sum(b.share(p) for p in COMPUTE_PHASES)
     if compute < 0.5:
         return None
-    actions, callbacks = [], []
-    full_precision = b.precision in ("32", "32-true", "64", "64-true")
-    if full_precision and b.fast_bf16:
-        actions.append("train in mixed precision: Trainer(precision='bf16-mixed')")
-    if b.has_convolutions and "ChannelsLastCallback" not in b.active_callbacks:
-        actions.append("store convolution inputs and weights channels-last")
-        callbacks.append("ChannelsLastCallback")
-    if "CompileCallback" not in b.active_callbacks:
-        actions.append("compile the model (fused kernels)")
-        callbacks.append("CompileCallback")
-    if full_precision and b.tf32_capable and not b.tf32_enabled and "BackendFlagsCallback" not in b.active_callbacks:
-        actions.append("let float32 matmuls and convolutions use TF32 tensor cores")
-        callbacks.append("BackendFlagsCallback")
-    if b.device_type == "cuda" and "GradCheckpointCallback" not in b.active_callbacks:
-        actions.append("if memory limits the batch size, recompute activations to fit a larger batch")
-        callbacks.append("GradCheckpointCallback")
+    actions, callbacks = _registered_advice(b, "compute_bound")
     if not actions:
         return None
     return Recommendation(
@@ -453,6 +437,38 @@ def _compute_bound(b: StepBreakdown) -> Recommendation | None:
         tuple(actions),
         tuple(callbacks),
     )
+
+
+def _full_precision(b: StepBreakdown) -> bool:
+    return b.precision in ("32", "32-true", "64", "64-true")
+
+
+# The conditions an entry of the optimization list can name (``AdviceRule.when``), as predicates on the step.
+_CONDITIONS: dict[str, Callable[[StepBreakdown], bool]] = {
+    "always": lambda b: True,
+    "cuda": lambda b: b.device_type == "cuda",
+    "has_convolutions": lambda b: b.has_convolutions,
+    "full_precision_fast_bf16": lambda b: _full_precision(b) and b.fast_bf16,
+    "full_precision_tf32_off": lambda b: _full_precision(b) and b.tf32_capable and not b.tf32_enabled,
+    "optimizers_not_fused": lambda b: b.optimizers_fused is not True,
+}
+
+
+def _registered_advice(b: StepBreakdown, symptom: str) -> tuple[list[str], list[str]]:
+    """The actions and callbacks that the list of optimizations offers for ``symptom`` and that apply to ``b``;
+    a callback already in use is not suggested again."""
+    actions: list[str] = []
+    callbacks: list[str] = []
+    for optimization, rule in optimizations.advice_for(symptom):
+        name = optimization.callback_name
+        if name is not None and (name in b.active_callbacks or name in callbacks):
+            continue
+        if not _CONDITIONS[rule.when](b):
+            continue
+        actions.append(rule.action)
+        if name is not None:
+            callbacks.append(name)
+    return actions, callbacks
 
 
 _RULES = (

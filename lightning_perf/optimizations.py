@@ -1,0 +1,358 @@
+"""The one list of optimizations: what each adds to a Trainer, where the tuner tries it, and which symptom it answers.
+
+Plain data (standard library only, class paths as strings), so that every layer can read it: the bench
+configurations (:mod:`lightning_perf.benchmark.configs`), the auto-tuner's search list (:mod:`lightning_perf.tuning`)
+and the advice of :mod:`lightning_perf.profiling.advice` are all derived from it. Adding an optimization is one
+:func:`register` call (one entry in :func:`_builtin_optimizations` for the ones shipped here).
+
+Example::
+
+    from lightning_perf.optimizations import AdviceRule, Optimization, register
+
+    register(
+        Optimization(
+            "my_fusion",
+            "MyFusionCallback: fuses my layers",
+            callback="my_pkg.callbacks.MyFusionCallback",
+            tuner_stage="optimization",
+            tuner_order=35,
+            advice=(AdviceRule("compute_bound", "fuse my layers"),),
+        )
+    )
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = [
+    "CONDITIONS",
+    "REQUIREMENTS",
+    "SYMPTOMS",
+    "TUNER_STAGES",
+    "AdviceRule",
+    "Optimization",
+    "advice_for",
+    "get",
+    "names",
+    "optimizations",
+    "register",
+    "tuner_alternatives",
+    "tuner_search_list",
+    "unregister",
+]
+
+SYMPTOMS: tuple[str, ...] = ("compute_bound", "device_idle", "optimizer_step")
+"""Advice rules of :mod:`lightning_perf.profiling.advice` that recommend optimizations from this list."""
+
+CONDITIONS: tuple[str, ...] = (
+    "always",
+    "cuda",
+    "has_convolutions",
+    "full_precision_fast_bf16",
+    "full_precision_tf32_off",
+    "optimizers_not_fused",
+)
+"""When an advice rule applies, as named predicates on the measured step (evaluated by the advice module)."""
+
+REQUIREMENTS: tuple[str, ...] = ("cuda", "bf16", "backend_flags", "torchao")
+"""What an optimization needs to run, as named predicates on the device (evaluated by the bench configurations)."""
+
+TUNER_STAGES: tuple[str, ...] = ("precision", "optimization")
+"""The auto-tuner stages that try optimizations from this list (the data and batch-size stages are the tuner's own)."""
+
+
+@dataclass(frozen=True)
+class AdviceRule:
+    """When the advice recommends an optimization.
+
+    Args:
+        symptom: the advice rule it answers, one of :data:`SYMPTOMS`.
+        action: what to do, one short imperative phrase (shown to the user).
+        when: the condition under which it helps, one of :data:`CONDITIONS`.
+    """
+
+    symptom: str
+    action: str
+    when: str = "always"
+
+    def __post_init__(self) -> None:
+        if self.symptom not in SYMPTOMS:
+            raise ValueError(f"`AdviceRule(symptom={self.symptom!r})` is not valid. Expected one of: {SYMPTOMS}.")
+        if not isinstance(self.action, str) or not self.action.strip():
+            raise ValueError(f"`AdviceRule(action={self.action!r})` is not valid. Expected a non-empty string.")
+        if self.when not in CONDITIONS:
+            raise ValueError(f"`AdviceRule(when={self.when!r})` is not valid. Expected one of: {CONDITIONS}.")
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """One optimization: what it adds to a plain Trainer and where the tools use it.
+
+    Args:
+        name: the bench configuration name (a word: no ``+``, ``,`` or space).
+        description: one line for ``lightning-perf bench --list``.
+        callback: the callback's import path (``package.module.Class``), or ``None`` for Trainer arguments only.
+        callback_kwargs: the callback's keyword arguments.
+        trainer_kwargs: extra ``Trainer`` arguments (e.g. ``{"precision": "bf16-mixed"}``).
+        changes_numerics: whether the losses may differ from fp32 eager training (the tuner then checks them).
+        tuner_stage: the auto-tuner stage that tries it (one of :data:`TUNER_STAGES`), or ``None``: not searched.
+        tuner_order: position within the stage (lower first).
+        replaces: the name of an optimization this one is tried in place of, not on top of.
+        requires: what the device must offer (names from :data:`REQUIREMENTS`).
+        advice: when the advice recommends it.
+    """
+
+    name: str
+    description: str
+    callback: str | None = None
+    callback_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    trainer_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    changes_numerics: bool = False
+    tuner_stage: str | None = None
+    tuner_order: float = 0
+    replaces: str | None = None
+    requires: tuple[str, ...] = ()
+    advice: tuple[AdviceRule, ...] = ()
+
+    def __post_init__(self) -> None:
+        owner = f"Optimization(name={self.name!r})"
+        if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "+, "):
+            raise ValueError(f"`{owner}` is not a valid name. Expected a non-empty word without '+', ',' or spaces.")
+        if not isinstance(self.description, str) or not self.description.strip():
+            raise ValueError(f"`{owner}`: description={self.description!r} is not valid. Expected a non-empty string.")
+        if self.callback is not None and (not isinstance(self.callback, str) or "." not in self.callback.strip(".")):
+            raise ValueError(
+                f"`{owner}`: callback={self.callback!r} is not valid. Expected an import path 'package.module.Class'."
+            )
+        for arg in ("callback_kwargs", "trainer_kwargs"):
+            value = getattr(self, arg)
+            if not isinstance(value, Mapping):
+                raise TypeError(f"`{owner}`: {arg}={value!r} is not valid. Expected a dict.")
+            object.__setattr__(self, arg, MappingProxyType(dict(value)))
+        if self.callback_kwargs and self.callback is None:
+            raise ValueError(f"`{owner}`: callback_kwargs={dict(self.callback_kwargs)!r} given without a callback.")
+        if not isinstance(self.changes_numerics, bool):
+            raise TypeError(f"`{owner}`: changes_numerics={self.changes_numerics!r} is not valid. Expected a bool.")
+        if self.tuner_stage is not None and self.tuner_stage not in TUNER_STAGES:
+            raise ValueError(
+                f"`{owner}`: tuner_stage={self.tuner_stage!r} is not valid. Expected None or one of {TUNER_STAGES}."
+            )
+        order = self.tuner_order
+        if isinstance(order, bool) or not isinstance(order, (int, float)) or not math.isfinite(order):
+            raise ValueError(f"`{owner}`: tuner_order={order!r} is not valid. Expected a finite number.")
+        bad = [r for r in self.requires if r not in REQUIREMENTS]
+        if isinstance(self.requires, str) or bad:
+            raise ValueError(
+                f"`{owner}`: requires={self.requires!r} is not valid. Expected a tuple of names from {REQUIREMENTS}."
+            )
+        object.__setattr__(self, "requires", tuple(self.requires))
+        if isinstance(self.advice, AdviceRule) or any(not isinstance(a, AdviceRule) for a in self.advice):
+            raise TypeError(f"`{owner}`: advice={self.advice!r} is not valid. Expected a tuple of AdviceRule.")
+        object.__setattr__(self, "advice", tuple(self.advice))
+
+    @property
+    def callback_name(self) -> str | None:
+        """The callback's class name (what the advice prints and checks against the active callbacks)."""
+        return None if self.callback is None else self.callback.rsplit(".", 1)[-1]
+
+
+_REGISTRY: dict[str, Optimization] = {}
+
+
+def register(optimization: Optimization, *, replace: bool = False) -> Optimization:
+    """Add ``optimization`` to the list; a second registration of a name is an error unless ``replace``."""
+    if not isinstance(optimization, Optimization):
+        raise TypeError(f"`register({optimization!r})` is not valid. Expected an Optimization.")
+    _ensure_builtins()
+    if optimization.name in _REGISTRY and not replace:
+        raise ValueError(f"An optimization named {optimization.name!r} is already registered.")
+    _REGISTRY[optimization.name] = optimization
+    return optimization
+
+
+def unregister(name: str) -> None:
+    """Remove the optimization called ``name`` (a no-op when there is none)."""
+    _ensure_builtins()
+    _REGISTRY.pop(name, None)
+
+
+def get(name: str) -> Optimization:
+    """The optimization called ``name``.
+
+    Raises:
+        KeyError: for an unknown name.
+    """
+    _ensure_builtins()
+    return _REGISTRY[name]
+
+
+def optimizations() -> list[Optimization]:
+    """Every registered optimization, in registration order."""
+    _ensure_builtins()
+    return list(_REGISTRY.values())
+
+
+def names() -> list[str]:
+    """The registered names, in registration order."""
+    return [o.name for o in optimizations()]
+
+
+def tuner_search_list(stage: str = "optimization") -> tuple[str, ...]:
+    """The names the auto-tuner tries in ``stage``, in order."""
+    found = [(o.tuner_order, i, o.name) for i, o in enumerate(optimizations()) if o.tuner_stage == stage]
+    return tuple(name for _, _, name in sorted(found))
+
+
+def tuner_alternatives() -> dict[str, str]:
+    """Name -> the name it is tried in place of (two compiles do not stack)."""
+    return {o.name: o.replaces for o in optimizations() if o.replaces is not None}
+
+
+def advice_for(symptom: str) -> list[tuple[Optimization, AdviceRule]]:
+    """The optimizations that answer ``symptom``, in registration order, each with its rule."""
+    return [(o, rule) for o in optimizations() for rule in o.advice if rule.symptom == symptom]
+
+
+_builtins_loaded = False
+
+
+def _ensure_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        for optimization in _builtin_optimizations():
+            _REGISTRY.setdefault(optimization.name, optimization)
+
+
+def _callback(name: str) -> str:
+    return f"lightning_perf.callbacks.{name}"
+
+
+def _builtin_optimizations() -> list[Optimization]:
+    """The optimizations shipped with lightning_perf. Each one adds its entry here."""
+    return [
+        Optimization(
+            "bf16-mixed",
+            "Lightning's own bf16 autocast (Trainer(precision='bf16-mixed'))",
+            trainer_kwargs={"precision": "bf16-mixed"},
+            changes_numerics=True,
+            tuner_stage="precision",
+            tuner_order=10,
+            requires=("bf16",),
+            advice=(
+                AdviceRule(
+                    "compute_bound",
+                    "train in mixed precision: Trainer(precision='bf16-mixed')",
+                    "full_precision_fast_bf16",
+                ),
+            ),
+        ),
+        Optimization(
+            "16-mixed",
+            "Lightning's own fp16 autocast with gradient scaling (Trainer(precision='16-mixed'))",
+            trainer_kwargs={"precision": "16-mixed"},
+            changes_numerics=True,
+            tuner_stage="precision",
+            tuner_order=20,
+            requires=("cuda",),
+        ),
+        Optimization(
+            "channels_last",
+            "ChannelsLastCallback: conv weights and 4D/5D inputs in channels-last memory format",
+            callback=_callback("ChannelsLastCallback"),
+            tuner_stage="optimization",
+            tuner_order=10,
+            advice=(
+                AdviceRule("compute_bound", "store convolution inputs and weights channels-last", "has_convolutions"),
+            ),
+        ),
+        Optimization(
+            "compile",
+            "CompileCallback(): torch.compile of the LightningModule's forward, in place (inductor, default mode)",
+            callback=_callback("CompileCallback"),
+            changes_numerics=True,
+            tuner_stage="optimization",
+            tuner_order=50,
+            advice=(
+                AdviceRule(
+                    "device_idle",
+                    "compile the model: fewer, larger kernels (mode='reduce-overhead' also captures CUDA graphs)",
+                ),
+                AdviceRule("compute_bound", "compile the model (fused kernels)"),
+            ),
+        ),
+        Optimization(
+            "compile_reduce_overhead",
+            "CompileCallback(mode='reduce-overhead'): torch.compile with CUDA graphs (replays whole steps' kernels)",
+            callback=_callback("CompileCallback"),
+            callback_kwargs={"mode": "reduce-overhead"},
+            changes_numerics=True,
+            tuner_stage="optimization",
+            tuner_order=60,
+            replaces="compile",
+            requires=("cuda",),
+        ),
+        Optimization(
+            "backend_flags",
+            "BackendFlagsCallback(preset='fastest'): CUDA: cudnn.benchmark + TF32; CPU: bf16 float32 matmuls (oneDNN)",
+            callback=_callback("BackendFlagsCallback"),
+            callback_kwargs={"preset": "fastest"},
+            changes_numerics=True,
+            tuner_stage="optimization",
+            tuner_order=30,
+            requires=("backend_flags",),
+            advice=(
+                AdviceRule(
+                    "compute_bound",
+                    "let float32 matmuls and convolutions use TF32 tensor cores",
+                    "full_precision_tf32_off",
+                ),
+            ),
+        ),
+        Optimization(
+            "fused_optimizer",
+            "FusedOptimizerCallback: the optimizers step with torch's fused (else foreach) kernels",
+            callback=_callback("FusedOptimizerCallback"),
+            tuner_stage="optimization",
+            tuner_order=20,
+            advice=(
+                AdviceRule(
+                    "optimizer_step", "step the optimizer with torch's fused or foreach kernels", "optimizers_not_fused"
+                ),
+            ),
+        ),
+        Optimization(
+            "grad_checkpoint",
+            "GradCheckpointCallback(): activation checkpointing of every repeated block (less memory, more compute)",
+            callback=_callback("GradCheckpointCallback"),
+            advice=(
+                AdviceRule(
+                    "compute_bound",
+                    "if memory limits the batch size, recompute activations to fit a larger batch",
+                    "cuda",
+                ),
+            ),
+        ),
+        Optimization(
+            "flash_attention",
+            "FlashAttentionCallback(): attention through flash-attn 2 (CUDA, fp16/bf16) or fused SDPA kernels",
+            callback=_callback("FlashAttentionCallback"),
+            changes_numerics=True,
+            tuner_stage="optimization",
+            tuner_order=40,
+        ),
+        Optimization(
+            "qat",
+            "QATCallback(export=False): x86 PT2E fake quantization during training (the step overhead of QAT)",
+            # Training only: the int8 model's own speed is what QATCallback's end-of-fit report measures.
+            callback=_callback("QATCallback"),
+            callback_kwargs={"export": False},
+            changes_numerics=True,
+            requires=("torchao",),
+        ),
+    ]
