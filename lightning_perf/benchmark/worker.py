@@ -179,7 +179,7 @@ class _PredictClock(Callback):
 
 def _batch_size_of(model: pl.LightningModule, datamodule: pl.LightningDataModule, spec: RunSpec) -> int | None:
     """The batch size the run trains with: the spec's, else a ``batch_size`` where Lightning's tuner looks for it."""
-    from lightning_perf.tuning.sources import batch_size_holder
+    from lightning_perf.benchmark.sources import batch_size_holder
 
     if spec.batch_size is not None:
         return spec.batch_size

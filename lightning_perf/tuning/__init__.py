@@ -1,6 +1,6 @@
 """The auto-tuner: measures a user's own model and recommends the fastest safe configuration."""
 
-from lightning_perf.tuning.sources import ImportSource, ModelSource, ObjectSource, WorkloadSource
+from lightning_perf.benchmark.sources import ImportSource, ModelSource, ObjectSource, WorkloadSource
 from lightning_perf.tuning.tuner import (
     AutoTuner,
     Candidate,

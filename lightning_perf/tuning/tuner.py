@@ -43,7 +43,7 @@ from statistics import median
 from typing import Any
 
 from lightning_perf._validation import check_int, check_number
-from lightning_perf.tuning.sources import (
+from lightning_perf.benchmark.sources import (
     LOADER_SETTINGS,
     ModelSource,
     ObjectSource,
@@ -411,7 +411,7 @@ class AutoTuner:
         model: the user's ``LightningModule`` (copied for every trial, never modified).
         datamodule: its ``LightningDataModule`` (copied likewise).
         workload: a reference workload name instead of ``model``/``datamodule`` (``preset`` picks its size).
-        source: a :class:`~lightning_perf.tuning.sources.ModelSource` instead of the above (the CLI's import paths).
+        source: a :class:`~lightning_perf.benchmark.sources.ModelSource` instead of the above (the CLI's import paths).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         time_budget_s: wall-clock budget for the whole search; trials that would not fit are skipped.
         steps: measured steps per trial (after ``warmup_steps`` excluded ones).

@@ -24,7 +24,7 @@ from lightning_perf.tuning import (
     compare,
     loss_deviation,
 )
-from lightning_perf.tuning.sources import apply_data_settings, batch_size_holder, rebuild_loader
+from lightning_perf.benchmark.sources import apply_data_settings, batch_size_holder, rebuild_loader
 from tests.tuning._user_models import PlainDataModule, SmallConvNet
 
 # --------------------------------------------------------------------------- statistics
