@@ -1,3 +1,5 @@
+"""``python -m lightning_perf``: the ``lightning-perf`` command."""
+
 from lightning_perf.cli import main
 
 if __name__ == "__main__":

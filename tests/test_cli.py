@@ -64,10 +64,10 @@ def test_bench_writes_measured_json_markdown_and_png(tmp_path: Path, capsys: pyt
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["bench", "--configs", "baseline,warp_drive"], "Unknown benchmark configuration 'warp_drive'"),
-        (["bench", "--steps", "0"], "must be at least 1"),
+        (["bench", "--configs", "baseline,warp_drive"], "unknown configuration 'warp_drive'"),
+        (["bench", "--steps", "0"], "'0' is not valid. Expected an integer >= 1"),
         (["bench", "--workload", "mnist"], "invalid choice: 'mnist'"),
-        (["bench", "--device", "tpu"], "device='tpu' is not valid"),
+        (["bench", "--device", "tpu"], "'tpu' is not valid. Expected cpu, cuda"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )

@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 __all__ = [
+    "PRESET_NAMES",
+    "TRAINER_PRECISIONS",
+    "WORKLOAD_NAMES",
     "CliParser",
     "UsageError",
     "choice_list",
@@ -29,6 +32,7 @@ __all__ = [
     "existing_file",
     "fail",
     "finite_float",
+    "int_at_least",
     "json_object",
     "module_class_spec",
     "non_negative_float",
@@ -193,3 +197,25 @@ def choice_list(
 
     parse.__name__ = f"{what} list"
     return parse
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """A validator of an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        return _int_at_least(text, minimum)
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+# Names the parsers offer without importing the registries behind them (which import torch and Lightning);
+# tests/cli/test_names.py checks them against the real registries.
+WORKLOAD_NAMES: tuple[str, ...] = ("convnet", "unet3d", "vit", "lm")
+"""The reference workloads of :mod:`lightning_perf.demos` (``workload_names()``)."""
+
+PRESET_NAMES: tuple[str, ...] = ("tiny", "default")
+"""The workload sizes of :mod:`lightning_perf.demos` (``PRESETS``)."""
+
+TRAINER_PRECISIONS: tuple[str, ...] = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+"""The ``Trainer(precision=...)`` values the bench accepts."""

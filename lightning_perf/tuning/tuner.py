@@ -32,6 +32,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import re
 import sys
 import tempfile
 import time
@@ -42,7 +43,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from lightning_perf._validation import check_int, check_number
+from lightning_perf._validation import check_bool, check_int, check_number
 from lightning_perf.benchmark.sources import (
     LOADER_SETTINGS,
     ModelSource,
@@ -51,18 +52,12 @@ from lightning_perf.benchmark.sources import (
     batch_size_holder,
     init_parameters,
 )
+from lightning_perf.optimizations import tuner_alternatives, tuner_search_list
 
-PRECISIONS = ("bf16-mixed", "16-mixed")
-OPTIMIZATIONS = (
-    "channels_last",
-    "fused_optimizer",
-    "backend_flags",
-    "flash_attention",
-    "compile",
-    "compile_reduce_overhead",
-)
-# An optimization tried in place of another one already kept, not on top of it (two compiles do not stack).
-ALTERNATIVES = {"compile_reduce_overhead": "compile"}
+# The search lists, derived from the one list of optimizations (lightning_perf.optimizations) when a search starts;
+# these module constants are the lists as shipped, for reading.
+PRECISIONS = tuner_search_list("precision")
+OPTIMIZATIONS = tuner_search_list("optimization")
 ISOLATION = ("auto", "process", "in-process")
 # Data wait below this share of the step leaves nothing for more loader workers to win.
 DATA_WAIT_THRESHOLD = 0.05
@@ -417,7 +412,8 @@ class AutoTuner:
         steps: measured steps per trial (after ``warmup_steps`` excluded ones).
         warmup_steps: excluded steps at the start of each trial (compilation, allocator growth).
         precisions: mixed precisions to try (default: those the device supports).
-        optimizations: bench configuration names to try stacking, in order (default :data:`OPTIMIZATIONS`).
+        optimizations: bench configuration names to try stacking, in order (default: the optimization stage's
+            search list of :mod:`lightning_perf.optimizations`).
         tune_batch_size: try larger batch sizes (changes the optimization: scale the learning rate to match).
         max_batch_size: largest batch size to try (default: 4x the model's own).
         tune_data_loading: try DataLoader workers when the data wait is a noticeable share of the step.
@@ -447,7 +443,7 @@ class AutoTuner:
         steps: int = 10,
         warmup_steps: int = 3,
         precisions: Sequence[str] | None = None,
-        optimizations: Sequence[str] = OPTIMIZATIONS,
+        optimizations: Sequence[str] | None = None,
         tune_batch_size: bool = True,
         max_batch_size: int | None = None,
         tune_data_loading: bool = True,
@@ -491,13 +487,15 @@ class AutoTuner:
             source = WorkloadSource(workload, preset, seed)
         elif not isinstance(source, ModelSource):
             raise ValueError(f"source={source!r} is not valid. Expected a lightning_perf.tuning.ModelSource.")
-        if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
-            raise ValueError(f"device={device!r} is not valid. Expected 'cpu', 'cuda' or 'cuda:N'.")
+        if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda|cuda:\d+", device):
+            raise ValueError(f"`AutoTuner(device={device!r})` is not valid. Expected 'cpu', 'cuda' or 'cuda:N'.")
         if str(device).startswith("cuda"):
             import torch
 
             if not torch.cuda.is_available():
-                raise ValueError(f"device={device!r} is not available: torch sees no CUDA device.")
+                raise ValueError(
+                    f"`AutoTuner(device={device!r})` is not available: torch sees no CUDA device. Expected 'cpu'."
+                )
         check_number("AutoTuner", "time_budget_s", time_budget_s, 0.0, exclusive=True)
         check_int("AutoTuner", "steps", steps, 3)
         check_int("AutoTuner", "warmup_steps", warmup_steps, 1)
@@ -509,15 +507,48 @@ class AutoTuner:
         if max_num_workers is not None:
             check_int("AutoTuner", "max_num_workers", max_num_workers, 0)
         if isolation not in ISOLATION:
-            raise ValueError(f"isolation={isolation!r} is not valid. Expected one of: {', '.join(ISOLATION)}.")
+            raise ValueError(
+                f"`AutoTuner(isolation={isolation!r})` is not valid. Expected one of: {', '.join(ISOLATION)}."
+            )
+        for flag, value in (
+            ("tune_batch_size", tune_batch_size),
+            ("tune_data_loading", tune_data_loading),
+            ("noise_check", noise_check),
+            ("progress", progress),
+        ):
+            check_bool("AutoTuner", flag, value)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"`AutoTuner(seed={seed!r})` is not valid. Expected an integer.")
+        searchable = tuner_search_list("precision")
         if precisions is not None:
-            bad = [p for p in precisions if p not in PRECISIONS]
+            if isinstance(precisions, str) or not isinstance(precisions, Sequence):
+                raise TypeError(
+                    f"`AutoTuner(precisions={precisions!r})` is not valid. Expected a list of names from "
+                    f"{', '.join(searchable)}, or None."
+                )
+            bad = [p for p in precisions if p not in searchable]
             if bad:
-                raise ValueError(f"precisions={list(precisions)!r}: {bad[0]!r} is not one of {', '.join(PRECISIONS)}.")
+                raise ValueError(
+                    f"`AutoTuner(precisions={list(precisions)!r})` is not valid: {bad[0]!r} is unknown. Expected names "
+                    f"from {', '.join(searchable)}."
+                )
+        if optimizations is None:
+            optimizations = tuner_search_list("optimization")
+        elif isinstance(optimizations, str) or not isinstance(optimizations, Sequence):
+            raise TypeError(
+                f"`AutoTuner(optimizations={optimizations!r})` is not valid. Expected a list of bench configuration "
+                "names, or None."
+            )
         for name in optimizations:
-            config = get_config(name)  # raises for unknown names, listing the valid ones
+            try:
+                config = get_config(name)
+            except (TypeError, ValueError, AttributeError) as exc:
+                raise ValueError(f"`AutoTuner(optimizations={list(optimizations)!r})` is not valid: {exc}") from None
             if "precision" in config.trainer_kwargs:
-                raise ValueError(f"optimizations: {name!r} sets the precision; pass it in `precisions` instead.")
+                raise ValueError(
+                    f"`AutoTuner(optimizations={list(optimizations)!r})` is not valid: {name!r} sets the precision. "
+                    "Expected it in `precisions` instead."
+                )
         self.source = source
         self.device = str(device)
         self.time_budget_s = float(time_budget_s)
@@ -528,7 +559,7 @@ class AutoTuner:
         self.tune_data_loading, self.max_num_workers = tune_data_loading, max_num_workers
         self.min_gain, self.confidence, self.loss_rtol = float(min_gain), float(confidence), float(loss_rtol)
         check_number("AutoTuner", "confirm_below", confirm_below, 1.0)
-        self.noise_check = bool(noise_check)
+        self.noise_check = noise_check
         self.confirm_below = float(confirm_below)
         self.isolation = isolation
         self.seed = seed
@@ -675,10 +706,11 @@ class AutoTuner:
 
         from lightning_perf.benchmark.configs import get_config
 
+        alternatives = tuner_alternatives()
         for name in self.optimizations:
             configs = incumbent[0].configs
             label = f"+{name}"
-            replaced = ALTERNATIVES.get(name)
+            replaced = alternatives.get(name)
             if replaced in configs:
                 configs = tuple(c for c in configs if c != replaced)
                 label = f"{name} instead of {replaced}"

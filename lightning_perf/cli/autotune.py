@@ -1,0 +1,189 @@
+"""``lightning-perf autotune``: the auto-tuner from the command line.
+
+Either a reference workload (``--workload convnet``) or the user's own classes by import path::
+
+    lightning-perf autotune --model my_project.models:Segmenter --datamodule my_project.data:Scans \\
+        --model-args '{"depth": 4}' --time-budget 300 --output tuned.yaml
+
+writes ``tuned.yaml`` (a LightningCLI config: ``python train.py fit --config tuned.yaml``) and ``tuned.json``.
+The parser imports nothing heavy; the user's classes are imported after parsing, and a class that does not import
+still ends as one line on stderr with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from lightning_perf.cli._common import (
+    PRESET_NAMES,
+    WORKLOAD_NAMES,
+    UsageError,
+    choice_list,
+    device,
+    fail,
+    int_at_least,
+    json_object,
+    module_class_spec,
+    non_negative_float,
+    non_negative_int,
+    one_line,
+    positive_float,
+    positive_int,
+)
+
+
+def _search_lists() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The precisions and the optimizations the tuner searches (a light import: the list is plain data)."""
+    from lightning_perf.optimizations import optimizations, tuner_search_list
+
+    stackable = tuple(o.name for o in optimizations() if "precision" not in o.trainer_kwargs)
+    return tuner_search_list("precision"), stackable
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``autotune`` on the ``lightning-perf`` sub-parsers."""
+    precisions, stackable = _search_lists()
+    from lightning_perf.optimizations import tuner_search_list
+
+    default_search = tuner_search_list("optimization")
+    parser = subparsers.add_parser(
+        "autotune",
+        help="measure a model and recommend its fastest safe configuration",
+        description="Try precision, channels-last, compile, backend flags, fused optimizer, DataLoader workers and "
+        "batch size on a model, each trial in a fresh process, and keep only what measurably helps without "
+        "changing the losses. Writes the recommendation as a LightningCLI YAML and as JSON.",
+        allow_abbrev=False,
+    )
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--workload", choices=WORKLOAD_NAMES, help="a reference workload")
+    what.add_argument(
+        "--model", type=module_class_spec, metavar="MODULE:CLASS", help="the LightningModule class, e.g. pkg.mod:Net"
+    )
+    parser.add_argument("--preset", default="default", choices=PRESET_NAMES, help="workload size, default: %(default)s")
+    parser.add_argument(
+        "--datamodule",
+        type=module_class_spec,
+        metavar="MODULE:CLASS",
+        help="the LightningDataModule class (with --model)",
+    )
+    parser.add_argument("--model-args", type=json_object, default=None, help="JSON object of the model's arguments")
+    parser.add_argument("--datamodule-args", type=json_object, default=None, help="JSON object of its arguments")
+    parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument(
+        "--time-budget", type=positive_float, default=300.0, help="seconds for the whole search (default: %(default)s)"
+    )
+    parser.add_argument("--steps", type=int_at_least(3), default=10, help="measured steps per trial, >= 3 (default 10)")
+    parser.add_argument("--warmup-steps", type=positive_int, default=3, help="excluded steps per trial (default 3)")
+    parser.add_argument(
+        "--precisions",
+        type=choice_list(precisions, what="precision"),
+        default=None,
+        help=f"mixed precisions to try (default: those of {', '.join(precisions)} the device supports)",
+    )
+    parser.add_argument(
+        "--optimizations",
+        type=choice_list(stackable, what="optimization"),
+        default=None,
+        help=f"configurations to try stacking, in order (default: {','.join(default_search)})",
+    )
+    parser.add_argument("--max-batch-size", type=positive_int, default=None, help="default: 4x the model's own")
+    parser.add_argument("--no-batch-size", action="store_true", help="keep the model's batch size")
+    parser.add_argument("--no-data-loading", action="store_true", help="keep the DataLoader settings")
+    parser.add_argument("--max-num-workers", type=non_negative_int, default=None, help="default: the CPU count")
+    parser.add_argument(
+        "--min-gain", type=non_negative_float, default=0.03, help="smallest speed-up kept (default 0.03)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="YAML path; the JSON goes beside it (default: autotune-results/NAME.yaml)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.set_defaults(run=run, subparser=parser)
+    return parser
+
+
+def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Contradictory or incomplete options, found before anything heavy is imported."""
+    if args.model is not None and args.datamodule is None:
+        fail(parser, "--model", args.model, "--datamodule as well (the LightningDataModule class, pkg.mod:Class)")
+    if args.workload is not None:
+        for option, value in (
+            ("--datamodule", args.datamodule),
+            ("--model-args", args.model_args),
+            ("--datamodule-args", args.datamodule_args),
+        ):
+            if value is not None:
+                fail(parser, option, value, f"no {option} with --workload ({option} goes with --model)")
+    if args.device == "mps":
+        fail(parser, "--device", args.device, "cpu, cuda or cuda:N (the tuner does not run on mps)")
+    if args.output is not None and args.output.is_dir():
+        fail(parser, "--output", str(args.output), "a file path for the YAML, not a directory")
+    if args.no_batch_size and args.max_batch_size is not None:
+        fail(parser, "--max-batch-size", args.max_batch_size, "no --max-batch-size with --no-batch-size")
+    if args.no_data_loading and args.max_num_workers is not None:
+        fail(parser, "--max-num-workers", args.max_num_workers, "no --max-num-workers with --no-data-loading")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the tuner; exit status 0, 1 when the model fails under its own settings, 2 for bad arguments."""
+    _check_combinations(args, parser)
+    from lightning_perf.benchmark.sources import ImportClassError, ImportSource
+    from lightning_perf.tuning import AutoTuner, ModelError, TuningError
+
+    kwargs: dict[str, Any] = {}
+    if args.workload is not None:
+        kwargs.update(workload=args.workload, preset=args.preset)
+        name = f"{args.workload}-{args.preset}"
+    else:
+        source = ImportSource(args.model, args.datamodule, args.model_args or {}, args.datamodule_args or {})
+        try:
+            source.load()  # fail here, as a usage error, when the classes cannot be imported or built
+        except ImportClassError as exc:
+            option = "--model" if str(exc).startswith("model=") else "--datamodule"
+            raise UsageError(f"argument {option}: {exc}") from None
+        except Exception as exc:  # the user's __init__ refused the arguments given
+            raise UsageError(
+                f"argument --model-args/--datamodule-args: {args.model} or {args.datamodule} could not be built "
+                f"from {args.model_args or {}!r} and {args.datamodule_args or {}!r}: {type(exc).__name__}: "
+                f"{one_line(exc)}"
+            ) from None
+        kwargs["source"] = source
+        name = args.model.replace(":", ".").rsplit(".", 1)[-1]
+    try:
+        tuner = AutoTuner(
+            **kwargs,
+            device=args.device,
+            time_budget_s=args.time_budget,
+            steps=args.steps,
+            warmup_steps=args.warmup_steps,
+            precisions=args.precisions,
+            optimizations=args.optimizations,
+            tune_batch_size=not args.no_batch_size,
+            max_batch_size=args.max_batch_size,
+            tune_data_loading=not args.no_data_loading,
+            max_num_workers=args.max_num_workers,
+            min_gain=args.min_gain,
+            seed=args.seed,
+            progress=not args.quiet,
+        )
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        result = tuner.run()
+    except ModelError as exc:
+        print(str(exc))
+        return 1
+    except TuningError as exc:
+        raise UsageError(str(exc)) from None
+    if args.quiet:
+        result.print()
+    output = args.output or Path("autotune-results") / f"{name}.yaml"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    for path in result.write(output, output.with_suffix(".json")):
+        print(f"wrote {path}")
+    return 0

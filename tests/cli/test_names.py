@@ -1,0 +1,16 @@
+"""The names the parsers offer without importing torch match the registries they stand for."""
+
+from __future__ import annotations
+
+from lightning_perf.benchmark.configs import available_configs
+from lightning_perf.cli import _common, bench
+from lightning_perf.demos import PRESETS, workload_names
+
+
+def test_workload_and_preset_names_match_the_demos() -> None:
+    assert list(_common.WORKLOAD_NAMES) == workload_names()
+    assert tuple(_common.PRESET_NAMES) == tuple(PRESETS)
+
+
+def test_bench_configuration_names_match_the_bench_registry() -> None:
+    assert sorted(bench.config_names()) == sorted(available_configs())
