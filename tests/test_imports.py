@@ -65,3 +65,39 @@ def test_local_folder_does_not_pass_for_the_package(tmp_path, monkeypatch: pytes
         assert not _imports.is_available("flash_attn")
     finally:
         _imports.is_available.cache_clear()
+
+
+_ORDERS = {
+    "lightning_perf first": "import lightning_perf\nimport lightning.pytorch as pl\n",
+    "lightning first": "import lightning.pytorch as pl\nimport lightning_perf\n",
+    "functional layer first": "import lightning_perf.functional, lightning_perf.profiling\n"
+    "import lightning.pytorch as pl\n",
+    "strategies module only": "from lightning.pytorch.strategies import StrategyRegistry\nimport lightning_perf\n"
+    "import lightning.pytorch as pl\n",
+    "callbacks": "from lightning_perf.callbacks import ChannelsLastCallback\nimport lightning.pytorch as pl\n",
+}
+
+
+@pytest.mark.parametrize("order", sorted(_ORDERS))
+def test_strategy_name_registered_in_any_import_order(order: str) -> None:
+    # `import lightning_perf` loads no Lightning; the name is registered whenever Lightning's strategies load,
+    # before or after, and the strategies module keeps its own loader.
+    probe = _ORDERS[order] + (
+        "import sys\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert 'ddp_powersgd' in StrategyRegistry\n"
+        "module = sys.modules['lightning.pytorch.strategies']\n"
+        "assert type(module.__loader__).__name__ == 'SourceFileLoader', module.__loader__\n"
+        "assert not any(type(f).__name__ == '_StrategyNamesHook' for f in sys.meta_path)\n"
+        "trainer = pl.Trainer(strategy='ddp_powersgd', accelerator='cpu', devices=1, logger=False)\n"
+        "print(type(trainer.strategy).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "PowerSGDDDPStrategy"
+
+
+def test_import_lightning_perf_loads_no_lightning() -> None:
+    probe = "import sys, lightning_perf\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
