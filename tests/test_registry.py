@@ -1,0 +1,99 @@
+"""An optimization registered in the one list reaches the bench, the tuner's search list and the advice."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from lightning.pytorch.callbacks import Callback
+
+import lightning_perf.optimizations as optimizations
+from lightning_perf.optimizations import AdviceRule, Optimization
+
+
+class DummySpeedupCallback(Callback):
+    """Does nothing: stands for an optimization added by a contributor."""
+
+
+@pytest.fixture
+def dummy() -> Iterator[Optimization]:
+    entry = Optimization(
+        "dummy_speedup",
+        "DummySpeedupCallback: a registry test's stand-in",
+        callback=f"{__name__}.DummySpeedupCallback",
+        tuner_stage="optimization",
+        tuner_order=15,
+        advice=(AdviceRule("compute_bound", "try the dummy speed-up"),),
+    )
+    optimizations.register(entry)
+    yield entry
+    optimizations.unregister(entry.name)
+    assert "dummy_speedup" not in optimizations.names()
+
+
+def test_found_in_bench_list(dummy: Optimization, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_perf.benchmark.configs import get_config
+    from lightning_perf.cli import main
+
+    assert main(["bench", "--list"]) == 0
+    assert "dummy_speedup" in capsys.readouterr().out
+    config = get_config("channels_last+dummy_speedup")
+    assert [type(cb) for cb in config.callbacks()][-1] is DummySpeedupCallback
+
+
+def test_found_in_the_tuner_search_list(dummy: Optimization) -> None:
+    from lightning_perf.tuning import AutoTuner
+
+    tuner = AutoTuner(workload="convnet", preset="tiny", progress=False)
+    assert tuner.optimizations.index("dummy_speedup") == tuner.optimizations.index("channels_last") + 1
+
+
+def test_found_in_the_advice(dummy: Optimization) -> None:
+    from lightning_perf.profiling.advice import StepBreakdown, recommend
+
+    shares = {"data": 0.02, "transfer": 0.02, "forward": 0.4, "backward": 0.45, "optimizer": 0.05, "other": 0.06}
+    breakdown = StepBreakdown(shares=shares, medians={p: 0.01 for p in shares}, step_median_s=0.1, steps=20)
+    compute = next(rec for rec in recommend(breakdown) if rec.rule == "compute_bound")
+    assert "DummySpeedupCallback" in compute.callbacks and "try the dummy speed-up" in compute.actions
+    in_use = StepBreakdown(**{**breakdown.__dict__, "active_callbacks": frozenset({"DummySpeedupCallback"})})
+    assert all("DummySpeedupCallback" not in rec.callbacks for rec in recommend(in_use))
+
+
+def test_removed_entry_leaves_the_bench() -> None:
+    from lightning_perf.benchmark.configs import available_configs
+
+    entry = optimizations.register(Optimization("dummy_gone", "gone soon", callback=f"{__name__}.DummySpeedupCallback"))
+    assert "dummy_gone" in available_configs()
+    optimizations.unregister(entry.name)
+    assert "dummy_gone" not in available_configs()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"name": "a+b"}, "is not a valid name"),
+        ({"name": ""}, "is not a valid name"),
+        ({"description": ""}, "description=''"),
+        ({"callback": "NoDots"}, "callback='NoDots'"),
+        ({"callback_kwargs": {"x": 1}}, "without a callback"),
+        ({"trainer_kwargs": [("precision", "bf16")]}, "trainer_kwargs="),
+        ({"changes_numerics": "yes"}, "changes_numerics='yes'"),
+        ({"tuner_stage": "data"}, "tuner_stage='data'"),
+        ({"tuner_order": float("nan")}, "tuner_order=nan"),
+        ({"requires": ("tpu",)}, "requires=('tpu',)"),
+        ({"advice": AdviceRule("compute_bound", "x")}, "advice="),
+    ],
+)
+def test_bad_entries_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises((TypeError, ValueError)) as info:
+        Optimization(**{"name": "x", "description": "d", **kwargs})
+    assert message in str(info.value)
+
+
+def test_duplicate_and_bad_advice_rules() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        optimizations.register(Optimization("compile", "again"))
+    with pytest.raises(ValueError, match="symptom='slow'"):
+        AdviceRule("slow", "x")
+    with pytest.raises(ValueError, match="when='sometimes'"):
+        AdviceRule("compute_bound", "x", "sometimes")
