@@ -26,7 +26,7 @@ from lightning_perf.profiling.report import (
     write_json,
     write_markdown,
 )
-from lightning_perf.profiling.stats import Stats, summarize
+from lightning_perf.profiling.stats import Stats, median, percentile, summarize
 from lightning_perf.profiling.syncs import HostSyncRecorder, SyncSite
 from lightning_perf.profiling.timer import PhaseTimer
 
@@ -48,7 +48,9 @@ __all__ = [
     "format_bytes",
     "format_seconds",
     "markdown_table",
+    "median",
     "peak_rss_bytes",
+    "percentile",
     "plot_bars",
     "plot_lines",
     "plot_stacked_steps",

@@ -7,7 +7,7 @@ keeps losses or outputs together with their autograd graph, makes it climb by ab
 The growth rate is the Theil-Sen estimator: the median of the slopes between every pair of samples. Unlike a
 least-squares fit it ignores up to about 29% of wild samples (a garbage-collection pause, a one-off buffer, the
 first steps of a new epoch), so a clean run does not look like a leak because of a few spikes, and a leak is not
-hidden by them. Plain Python, no Lightning.
+hidden by them. No Lightning; medians come from :mod:`lightning_perf.profiling.stats`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning_perf.profiling.stats import median
+
 __all__ = ["MAX_TREND_POINTS", "LeakTrend", "detect_leaks", "theil_sen_slope"]
 
 MAX_TREND_POINTS = 256
 """Above this many samples, :func:`theil_sen_slope` first takes medians of consecutive groups (O(n^2) pairs)."""
-
-
-def _median(values: list[float]) -> float:
-    values.sort()
-    n = len(values)
-    mid = n // 2
-    return values[mid] if n % 2 else (values[mid - 1] + values[mid]) / 2.0
 
 
 def _thin(xs: Sequence[float], ys: Sequence[float], max_points: int) -> tuple[list[float], list[float]]:
@@ -38,8 +33,8 @@ def _thin(xs: Sequence[float], ys: Sequence[float], max_points: int) -> tuple[li
     out_x, out_y = [], []
     for g in range(max_points):
         lo, hi = g * n // max_points, (g + 1) * n // max_points
-        out_x.append(_median([float(x) for x in xs[lo:hi]]))
-        out_y.append(_median([float(y) for y in ys[lo:hi]]))
+        out_x.append(median([float(x) for x in xs[lo:hi]]))
+        out_y.append(median([float(y) for y in ys[lo:hi]]))
     return out_x, out_y
 
 
@@ -70,7 +65,7 @@ def theil_sen_slope(xs: Sequence[float], ys: Sequence[float], max_points: int = 
     slopes = [
         (py[j] - py[i]) / (px[j] - px[i]) for i in range(len(px)) for j in range(i + 1, len(px)) if px[j] != px[i]
     ]
-    return _median(slopes) if slopes else math.nan
+    return median(slopes) if slopes else math.nan
 
 
 @dataclass(frozen=True)

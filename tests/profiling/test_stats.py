@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from lightning_perf.profiling import Stats, summarize
-from lightning_perf.profiling.stats import percentile
+from lightning_perf.profiling.stats import median, percentile
 
 
 def test_known_values() -> None:
@@ -88,3 +88,12 @@ def test_percentile_ends() -> None:
     assert percentile(data, 100) == 10.0
     assert percentile(data, 75) == 6.0
     assert math.isnan(percentile([], 50))
+
+
+@pytest.mark.parametrize("values", [[3.0], [2.0, 1.0], [5.0, 1.0, 4.0], [1.0, 9.0, 2.0, 7.0], [0.5] * 6])
+def test_median_is_the_standard_librarys(values: list[float]) -> None:
+    assert median(values) == statistics.median(values)
+
+
+def test_median_of_nothing_is_nan() -> None:
+    assert math.isnan(median([]))
