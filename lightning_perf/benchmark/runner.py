@@ -7,30 +7,26 @@ Ratios against ``baseline`` are paired within a repeat and then summarized, so t
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shlex
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 from lightning_perf.benchmark.configs import resolve_configs
+from lightning_perf.benchmark.isolation import run_isolated
 from lightning_perf.benchmark.worker import RunResult, RunSpec
 from lightning_perf.profiling import (
-    TRUTHFUL_CPU_MEMORY_ENV,
     environment_info,
     format_bytes,
     markdown_table,
     plot_bars,
     write_json,
 )
+from lightning_perf.profiling.stats import percentile
 
 BASELINE = "baseline"
 
@@ -175,33 +171,16 @@ def _spec(options: BenchOptions, config: str, repeat: int) -> RunSpec:
 
 
 def _run_in_subprocess(spec: RunSpec, tmp: Path, timeout_s: float) -> RunResult:
-    stem = f"{spec.config.replace('+', '_')}-{spec.repeat}"
-    spec_path, result_path = tmp / f"{stem}.spec.json", tmp / f"{stem}.result.json"
-    spec_path.write_text(json.dumps(asdict(spec)))
-    env = {**os.environ, **TRUTHFUL_CPU_MEMORY_ENV, "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}
-    cmd = [sys.executable, "-m", "lightning_perf.benchmark.worker", str(spec_path), str(result_path)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
+    result = run_isolated(spec, tmp, timeout_s, name="lightning-perf-bench")
+    if result is None:
         return RunResult(spec=asdict(spec), ok=False, error=f"timed out after {timeout_s:.0f} s")
-    if not result_path.exists():
-        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-5:])
-        return RunResult(spec=asdict(spec), ok=False, error=f"worker exited with status {proc.returncode}: {tail}")
-    return RunResult(**json.loads(result_path.read_text()))
+    return result
 
 
 def _median(values: Sequence[float | int | None]) -> float | None:
-    present = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return median(present) if present else None
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    """The median of the values present (``None`` and NaN dropped), or ``None`` when there are none."""
+    present = sorted(float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v)))
+    return percentile(present, 50.0) if present else None
 
 
 def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
@@ -223,10 +202,12 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
         if failures:
             summary.error = f"{len(failures)} of {len(runs)} runs failed: {failures[0]}"
         medians = [r.step_s["median"] for r in ok]
-        summary.step_median_s = median(medians)
+        summary.step_median_s = _median(medians)
         summary.step_min_s, summary.step_max_s = min(medians), max(medians)
         pooled = [t for r in ok for t in r.step_times_s]
-        summary.step_p10_s, summary.step_p90_s = _percentile(pooled, 0.1), _percentile(pooled, 0.9)
+        if pooled:
+            ordered = sorted(pooled)
+            summary.step_p10_s, summary.step_p90_s = percentile(ordered, 10.0), percentile(ordered, 90.0)
         summary.throughput = _median([r.throughput for r in ok])
         summary.warmup_s = _median([r.warmup_s for r in ok])
         summary.model_init_s = _median([r.model_init_s for r in ok])
@@ -239,19 +220,19 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
         paired = [(baseline_by_repeat[r.spec["repeat"]], r) for r in ok if r.spec["repeat"] in baseline_by_repeat]
         if paired:
             ratios = [b.step_s["median"] / r.step_s["median"] for b, r in paired]
-            summary.speedup, summary.speedup_min, summary.speedup_max = median(ratios), min(ratios), max(ratios)
+            summary.speedup, summary.speedup_min, summary.speedup_max = _median(ratios), min(ratios), max(ratios)
             mem = [
                 r.step_memory_bytes / b.step_memory_bytes
                 for b, r in paired
                 if b.step_memory_bytes and r.step_memory_bytes
             ]
-            summary.memory_ratio = median(mem) if mem else None
+            summary.memory_ratio = _median(mem)
             pred = [
                 r.predict_throughput / b.predict_throughput
                 for b, r in paired
                 if b.predict_throughput and r.predict_throughput
             ]
-            summary.predict_speedup = median(pred) if pred else None
+            summary.predict_speedup = _median(pred)
         summaries.append(summary)
     return summaries
 

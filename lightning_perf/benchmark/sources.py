@@ -185,19 +185,27 @@ def batch_size_holder(model: pl.LightningModule, datamodule: pl.LightningDataMod
     last of them wins); ``None`` when none holds an integer ``batch_size``."""
     from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
-    with _datamodule_attached(model, datamodule):
-        if not lightning_hasattr(model, "batch_size"):
-            return None
-        value = lightning_getattr(model, "batch_size")
-    if not isinstance(value, int) or isinstance(value, bool):
+    def integer(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def where(value: Any) -> tuple[str, int] | None:
+        # Lightning's holders, last first (the last one wins, as in lightning_getattr).
+        dm_hparams = getattr(datamodule, "hparams", {}) if datamodule is not None else {}
+        model_hparams = getattr(model, "hparams", {})
+        for name, held in (
+            ("datamodule", dm_hparams.get("batch_size") if "batch_size" in dm_hparams else None),
+            ("datamodule", getattr(datamodule, "batch_size", None) if datamodule is not None else None),
+            ("hparams", model_hparams.get("batch_size") if "batch_size" in model_hparams else None),
+            ("model", getattr(model, "batch_size", None)),
+        ):
+            if integer(held) and (value is None or held == value):
+                return name, held
         return None
-    if datamodule is not None and (
-        hasattr(datamodule, "batch_size") or "batch_size" in getattr(datamodule, "hparams", {})
-    ):
-        return "datamodule", value
-    if "batch_size" in getattr(model, "hparams", {}):
-        return "hparams", value
-    return "model", value
+
+    with _datamodule_attached(model, datamodule):
+        value = lightning_getattr(model, "batch_size") if lightning_hasattr(model, "batch_size") else None
+    # A holder left at None (e.g. a `batch_size=None` init argument saved in hparams) yields to one with a value.
+    return where(value if integer(value) else None)
 
 
 def init_parameters(obj: Any) -> set[str]:

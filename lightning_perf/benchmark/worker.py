@@ -1,7 +1,8 @@
 """One benchmark run: train a reference workload under one configuration and measure it, in its own process.
 
-The runner starts ``python -m lightning_perf.benchmark.worker SPEC.json RESULT.json`` once per configuration and
-repeat, so no compiled graph, allocator cache or global flag leaks from one configuration into the next. CPU memory is
+:func:`lightning_perf.benchmark.isolation.run_isolated` runs :func:`run` in a fresh process once per configuration
+and repeat (for the bench and the tuner alike), so no compiled graph, allocator cache or global flag leaks from one
+configuration into the next. CPU memory is
 measured as peak resident memory with ``MALLOC_MMAP_THRESHOLD_`` set by the runner (see
 :mod:`lightning_perf.profiling.memory` for why plain RSS would overstate it).
 """

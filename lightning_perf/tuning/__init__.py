@@ -1,17 +1,9 @@
 """The auto-tuner: measures a user's own model and recommends the fastest safe configuration."""
 
 from lightning_perf.benchmark.sources import ImportSource, ModelSource, ObjectSource, WorkloadSource
-from lightning_perf.tuning.tuner import (
-    AutoTuner,
-    Candidate,
-    ModelError,
-    Recommendation,
-    Trial,
-    TuningError,
-    TuningResult,
-    compare,
-    loss_deviation,
-)
+from lightning_perf.tuning.results import Recommendation, Trial, TuningResult
+from lightning_perf.tuning.tuner import AutoTuner, Candidate, ModelError, TuningError
+from lightning_perf.tuning.verdicts import compare, loss_deviation
 
 __all__ = [
     "AutoTuner",

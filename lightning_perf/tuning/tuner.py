@@ -27,20 +27,15 @@ The search, in order, within ``time_budget_s``:
 
 from __future__ import annotations
 
-import json
 import math
-import multiprocessing
 import os
-import pickle
 import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from statistics import median
 from typing import Any
 
 from lightning_perf._validation import check_bool, check_int, check_number
@@ -53,6 +48,8 @@ from lightning_perf.benchmark.sources import (
     init_parameters,
 )
 from lightning_perf.optimizations import tuner_alternatives, tuner_search_list
+from lightning_perf.tuning.results import Recommendation, Trial, TuningResult, format_value
+from lightning_perf.tuning.verdicts import compare, loss_deviation, median, per_sample_times, quartiles
 
 # The search lists, derived from the one list of optimizations (lightning_perf.optimizations) when a search starts;
 # these module constants are the lists as shipped, for reading.
@@ -91,305 +88,6 @@ class Candidate:
 
     def with_(self, label: str, stage: str, **changes: Any) -> Candidate:
         return replace(self, label=label, stage=stage, **changes)
-
-
-@dataclass
-class Trial:
-    """What one trial measured and what the tuner decided about it."""
-
-    label: str
-    stage: str
-    config: str
-    batch_size: int | None
-    loader: dict[str, Any]
-    verdict: str  # baseline, kept, rejected, skipped, failed, confirm (a re-run that checks a small win)
-    reason: str = ""
-    step_median_s: float | None = None
-    step_p25_s: float | None = None
-    step_p75_s: float | None = None
-    throughput: float | None = None  # samples per second at the median step
-    speedup: float | None = None  # throughput / baseline throughput
-    gain: float | None = None  # per-sample speed vs the incumbent it was compared with
-    p_faster: float | None = None  # share of (candidate, incumbent) step pairs where the candidate was faster
-    data_wait_share: float | None = None
-    loss_deviation: float | None = None  # median relative difference of per-step losses vs baseline
-    warmup_s: float | None = None
-    peak_memory_bytes: int | None = None
-    step_memory_bytes: int | None = None
-    wall_s: float | None = None
-    error: str | None = None
-
-    @property
-    def measured(self) -> bool:
-        return self.step_median_s is not None
-
-
-@dataclass
-class Recommendation:
-    """The configuration the tuner recommends: callbacks, Trainer and data settings, and how it measured."""
-
-    configs: tuple[str, ...]
-    callback_specs: list[tuple[str, dict[str, Any]]]
-    trainer_kwargs: dict[str, Any]
-    batch_size: int | None  # None: keep the model's own
-    loader: dict[str, Any]
-    speedup: float  # throughput vs baseline, as the tuner measured it
-    notes: list[str] = field(default_factory=list)
-
-    def callbacks(self) -> list[Any]:
-        """Fresh instances of the recommended callbacks, ready for ``Trainer(callbacks=...)``."""
-        from lightning_perf.benchmark.configs import instantiate_callbacks
-
-        return instantiate_callbacks(self.callback_specs)
-
-    @property
-    def datamodule_kwargs(self) -> dict[str, Any]:
-        """Batch size and DataLoader settings to give the data module (or its DataLoaders)."""
-        return ({"batch_size": self.batch_size} if self.batch_size is not None else {}) | dict(self.loader)
-
-
-@dataclass
-class TuningResult:
-    """Every trial and the recommendation; writes itself as a table, JSON and a LightningCLI YAML file."""
-
-    source: str
-    device: str
-    time_budget_s: float
-    elapsed_s: float
-    trials: list[Trial]
-    recommendation: Recommendation
-    datamodule_init_args: list[str] = field(default_factory=list)
-    model_init_args: list[str] = field(default_factory=list)
-    batch_size_holder: str | None = None
-    bench_command: str | None = None
-
-    def ranked(self) -> list[Trial]:
-        """Measured trials, fastest per sample first, then the ones without a measurement."""
-        measured = sorted((t for t in self.trials if t.measured), key=lambda t: -(t.speedup or 0.0))
-        return measured + [t for t in self.trials if not t.measured]
-
-    def table_rows(self) -> list[list[str]]:
-        from lightning_perf.profiling import format_bytes
-
-        rows = []
-        for t in self.ranked():
-            rows.append(
-                [
-                    t.label,
-                    t.stage,
-                    t.verdict,
-                    _ms(t.step_median_s, t.step_p25_s, t.step_p75_s),
-                    _fmt(t.throughput, ".1f"),
-                    _fmt(t.speedup, ".2f", "x"),
-                    _fmt(t.p_faster, ".2f"),
-                    _fmt(None if t.data_wait_share is None else 100 * t.data_wait_share, ".1f", "%"),
-                    _fmt(t.loss_deviation, ".3f"),
-                    format_bytes(t.step_memory_bytes) if t.step_memory_bytes is not None else "n/a",
-                    _fmt(t.wall_s, ".1f"),
-                ]
-            )
-        return rows
-
-    TABLE_COLUMNS = (
-        "trial",
-        "stage",
-        "verdict",
-        "step ms (IQR)",
-        "samples/s",
-        "vs baseline",
-        "P(faster)",
-        "data wait",
-        "loss dev",
-        "step memory",
-        "trial s",
-    )
-
-    def to_dict(self) -> dict[str, Any]:
-        rec = asdict(self.recommendation)
-        rec["datamodule_kwargs"] = self.recommendation.datamodule_kwargs
-        return {
-            "kind": "lightning-perf-autotune",
-            "source": self.source,
-            "device": self.device,
-            "time_budget_s": self.time_budget_s,
-            "elapsed_s": self.elapsed_s,
-            "recommendation": rec,
-            "lightning_cli": self.lightning_cli_config(),
-            "bench_command": self.bench_command,
-            "trials": [asdict(t) for t in self.trials],
-        }
-
-    def lightning_cli_config(self) -> dict[str, Any]:
-        """The recommendation as a LightningCLI config: ``trainer`` callbacks and precision, ``data``/``model`` args.
-
-        A data setting is written only where the user's class takes it as an ``__init__`` argument (that is what the
-        CLI can set); the others are in :attr:`Recommendation.notes`.
-        """
-        rec = self.recommendation
-        trainer: dict[str, Any] = dict(rec.trainer_kwargs)
-        if rec.callback_specs:
-            trainer["callbacks"] = [{"class_path": path, "init_args": dict(args)} for path, args in rec.callback_specs]
-        config: dict[str, Any] = {"trainer": trainer}
-        data: dict[str, Any] = {k: v for k, v in rec.loader.items() if k in self.datamodule_init_args}
-        model: dict[str, Any] = {}
-        if rec.batch_size is not None:
-            if self.batch_size_holder == "datamodule" and "batch_size" in self.datamodule_init_args:
-                data["batch_size"] = rec.batch_size
-            elif self.batch_size_holder in ("model", "hparams") and "batch_size" in self.model_init_args:
-                model["batch_size"] = rec.batch_size
-        if data:
-            config["data"] = data
-        if model:
-            config["model"] = model
-        return config
-
-    def to_yaml(self) -> str:
-        import yaml
-
-        rec = self.recommendation
-        header = [
-            "# lightning-perf autotune recommendation (a LightningCLI config: `--config` this file)",
-            f"# model: {self.source}; device: {self.device}",
-            f"# measured: {rec.speedup:.2f}x the baseline's training throughput "
-            f"({self.elapsed_s:.0f} s of tuning, {sum(t.measured for t in self.trials)} trials)",
-        ]
-        header += [f"# note: {note}" for note in rec.notes]
-        return "\n".join(header) + "\n" + yaml.safe_dump(self.lightning_cli_config(), sort_keys=False)
-
-    def write(self, yaml_path: str | os.PathLike[str] | None, json_path: str | os.PathLike[str] | None) -> list[Path]:
-        """Write the YAML and/or JSON files atomically; returns the paths written."""
-        from lightning_perf._io import atomic_write_text
-
-        written = []
-        if yaml_path is not None:
-            written.append(atomic_write_text(yaml_path, self.to_yaml()))
-        if json_path is not None:
-            written.append(atomic_write_text(json_path, json.dumps(self.to_dict(), indent=1, default=str)))
-        return written
-
-    def print(self, console: Any = None) -> None:
-        from rich.console import Console
-
-        from lightning_perf.profiling import print_table
-
-        if console is None:
-            console = Console()
-            if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-                console = Console(width=160)
-        print_table(
-            self.TABLE_COLUMNS,
-            self.table_rows(),
-            title=f"autotune: {self.source} on {self.device} ({self.elapsed_s:.0f} s)",
-            console=console,
-        )
-        rec = self.recommendation
-        lines = [f"  {t.label}: {t.verdict}, {t.reason}" for t in self.ranked() if t.reason]
-        lines.append(f"Recommended ({rec.speedup:.2f}x the baseline's throughput):")
-        lines.append(f"  callbacks: {', '.join(p.rsplit('.', 1)[-1] for p, _ in rec.callback_specs) or 'none'}")
-        lines.append(f"  trainer: {rec.trainer_kwargs or 'as is'}")
-        lines.append(f"  data: {rec.datamodule_kwargs or 'as is'}")
-        lines += [f"  note: {note}" for note in rec.notes]
-        if self.bench_command:
-            lines.append(f"  check it with: {self.bench_command}")
-        print("\n".join(lines), flush=True)
-
-
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{format(value, spec)}{suffix}"
-
-
-def _ms(med: float | None, lo: float | None, hi: float | None) -> str:
-    if med is None:
-        return "n/a"
-    return f"{med * 1e3:.1f} ({(lo or med) * 1e3:.1f}-{(hi or med) * 1e3:.1f})"
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def per_sample_times(result: Any) -> list[float]:
-    """Steady-state step times divided by the batch size (comparable across batch sizes)."""
-    batch = result.batch_size or 1
-    return [t / batch for t in result.step_times_s]
-
-
-def compare(candidate: Sequence[float], incumbent: Sequence[float]) -> tuple[float, float]:
-    """``(gain, p_faster)`` of the candidate's per-sample step times against the incumbent's.
-
-    ``gain`` is the ratio of medians (above 1: the candidate is faster); ``p_faster`` the share of all (candidate,
-    incumbent) pairs in which the candidate step was the faster one, ties counting half (the Mann-Whitney
-    probability of superiority). Noise alone keeps ``p_faster`` near 0.5 whatever the medians say.
-    """
-    if not candidate or not incumbent:
-        raise ValueError("compare() needs at least one step time on each side.")
-    gain = median(incumbent) / median(candidate)
-    wins = sum((c < i) + 0.5 * (c == i) for c in candidate for i in incumbent)
-    return gain, wins / (len(candidate) * len(incumbent))
-
-
-def loss_deviation(candidate: Sequence[float], reference: Sequence[float]) -> float:
-    """Median relative difference of per-step losses on the same batches; ``inf`` if the candidate's are not finite."""
-    if not candidate or any(not math.isfinite(v) for v in candidate):
-        return math.inf
-    pairs = list(zip(candidate, reference, strict=False))
-    if not pairs:
-        return math.inf
-    return median(abs(c - r) / max(abs(r), 1e-8) for c, r in pairs)
-
-
-@contextmanager
-def _environ(extra: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _exit_with_parent(poll_s: float = 1.0) -> None:
-    """End this trial process when the tuner that started it is gone (killed, not just interrupted)."""
-    import threading
-
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent:
-                os._exit(3)
-
-    threading.Thread(target=watch, name="lightning-perf-parent-watch", daemon=True).start()
-
-
-def _trial_process(spec: dict[str, Any], source_path: str, result_path: str, log_path: str) -> None:
-    """Body of a trial's spawned process: load the source, train and measure, write the result as JSON."""
-    import traceback
-
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    _exit_with_parent()
-    from lightning_perf._io import atomic_write_text
-    from lightning_perf.benchmark.worker import RunResult, RunSpec, run
-
-    run_spec = RunSpec(**spec)
-    try:
-        source = pickle.loads(Path(source_path).read_bytes())
-        result = run(run_spec, build=source.build)
-    except BaseException as exc:  # reported to the tuner, which decides whether it is the model's fault
-        result = RunResult(
-            spec=asdict(run_spec), ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
-        )
-    atomic_write_text(result_path, json.dumps(asdict(result), default=str))
 
 
 class AutoTuner:
@@ -568,7 +266,6 @@ class AutoTuner:
         self._trials: list[Trial] = []
         self._deadline = 0.0
         self._tmp: Path | None = None
-        self._source_path: Path | None = None
         self._count = 0
         self._required_gain = 1 + self.min_gain
         self._base_throughput: float | None = None
@@ -595,8 +292,6 @@ class AutoTuner:
 
         with tempfile.TemporaryDirectory(prefix="lightning-perf-autotune-") as tmp:
             self._tmp = Path(tmp)
-            self._source_path = self._tmp / "source.pkl"
-            self._source_path.write_bytes(pickle.dumps(self.source, protocol=pickle.HIGHEST_PROTOCOL))
             self._isolation = isolation
             baseline_candidate = Candidate("baseline", "baseline")
             baseline, base_result = self._baseline(baseline_candidate)
@@ -963,37 +658,10 @@ class AutoTuner:
         return result
 
     def _measure_in_subprocess(self, spec: Any, timeout: float) -> Any:
-        from lightning_perf.benchmark.worker import RunResult
-        from lightning_perf.profiling import TRUTHFUL_CPU_MEMORY_ENV
+        from lightning_perf.benchmark.isolation import run_isolated
 
-        assert self._tmp is not None and self._source_path is not None
-        result_path = self._tmp / f"trial-{self._count}.json"
-        log_path = self._tmp / f"trial-{self._count}.log"
-        context = multiprocessing.get_context("spawn")
-        process = context.Process(
-            target=_trial_process,
-            args=(asdict(spec), str(self._source_path), str(result_path), str(log_path)),
-            name=f"lightning-perf-autotune-{self._count}",
-        )
-        with _environ({**TRUTHFUL_CPU_MEMORY_ENV, "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}):
-            process.start()
-        killed = False
-        try:
-            process.join(max(1.0, timeout))
-        finally:  # also on Ctrl-C: no trial outlives the tuner
-            if process.is_alive():
-                process.kill()
-                process.join()
-                killed = True
-        if killed:
-            return None  # stopped at the end of the budget
-        if not result_path.exists():
-            log = log_path.read_text(errors="replace") if log_path.exists() else ""
-            error = f"trial process exited with status {process.exitcode}"
-            if process.exitcode == -9:
-                error += " (killed by the system: out of memory?)"
-            return RunResult(spec=asdict(spec), ok=False, error=error, traceback="\n".join(log.splitlines()[-8:]))
-        return RunResult(**json.loads(result_path.read_text()))
+        assert self._tmp is not None
+        return run_isolated(spec, self._tmp, timeout, source=self.source, name=f"lightning-perf-autotune-{self._count}")
 
     def _measure_in_process(self, spec: Any) -> Any:
         import traceback
@@ -1034,7 +702,7 @@ class AutoTuner:
             if result.ok and result.step_times_s:
                 times = result.step_times_s
                 trial.step_median_s = median(times)
-                trial.step_p25_s, trial.step_p75_s = _quantile(times, 0.25), _quantile(times, 0.75)
+                trial.step_p25_s, trial.step_p75_s = quartiles(times)
                 trial.throughput = result.throughput
                 trial.warmup_s = result.warmup_s
                 trial.peak_memory_bytes = result.peak_memory_bytes
@@ -1050,9 +718,8 @@ class AutoTuner:
         elif not result.ok:
             self._say(f" failed ({trial.wall_s:.1f} s): {result.error}")
         else:
-            self._say(
-                f" {trial.step_median_s * 1e3:.1f} ms/step, {_fmt(trial.speedup, '.2f', 'x')} ({trial.wall_s:.1f} s)"  # type: ignore[operator]
-            )
+            speedup = format_value(trial.speedup, ".2f", "x")
+            self._say(f" {trial.step_median_s * 1e3:.1f} ms/step, {speedup} ({trial.wall_s:.1f} s)")  # type: ignore[operator]
         return trial
 
     def _skip(self, candidate: Candidate, reason: str) -> None:

@@ -1,0 +1,117 @@
+"""The one process-isolation runner: each measured run trains in a fresh process, for the bench and the tuner alike.
+
+A run is a :class:`~lightning_perf.benchmark.worker.RunSpec` plus, optionally, a
+:class:`~lightning_perf.benchmark.sources.ModelSource` that builds the user's model (the tuner's); without one the
+worker builds the reference workload the spec names (the bench's). The child is started with ``spawn``, so no compiled
+graph, allocator cache or backend flag leaks from one run into the next; it ends itself when its parent is gone; its
+output goes to a log file whose tail becomes the error when it dies without a result. CPU memory is measured with
+``MALLOC_MMAP_THRESHOLD_`` set (see :mod:`lightning_perf.profiling.memory`).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lightning_perf.benchmark.worker import RunResult, RunSpec
+from lightning_perf.profiling import TRUTHFUL_CPU_MEMORY_ENV
+
+__all__ = ["run_isolated"]
+
+
+@contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this process when the one that started it is gone (killed, not just interrupted)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="lightning-perf-parent-watch", daemon=True).start()
+
+
+def _child(spec: dict[str, Any], source: Any, result_path: str, log_path: str) -> None:
+    """Body of the child process: build, train and measure, write the result as JSON."""
+    import traceback
+
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    _exit_with_parent()
+    from lightning_perf._io import atomic_write_text
+    from lightning_perf.benchmark.worker import run
+
+    run_spec = RunSpec(**spec)
+    try:
+        result = run(run_spec, build=None if source is None else source.build)
+    except BaseException as exc:  # reported to the parent, which decides whose fault it is
+        traceback.print_exc()
+        result = RunResult(
+            spec=asdict(run_spec), ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
+        )
+    atomic_write_text(result_path, json.dumps(asdict(result), default=str))
+
+
+def run_isolated(
+    spec: RunSpec, workdir: Path, timeout_s: float, *, source: Any = None, name: str = "lightning-perf-run"
+) -> RunResult | None:
+    """Run ``spec`` in a fresh process; its result, or ``None`` when it ran past ``timeout_s`` (it is then killed).
+
+    Args:
+        spec: what to run.
+        workdir: an existing directory for the result and log files.
+        timeout_s: seconds before the process is killed.
+        source: builds the model and data module (``source.build(spec)``); ``None``: the reference workload.
+        name: the process name (also the stem of its files).
+    """
+    stem = f"{name}-{spec.config.replace('+', '_')}-{spec.repeat}"
+    result_path, log_path = workdir / f"{stem}.json", workdir / f"{stem}.log"
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(target=_child, args=(asdict(spec), source, str(result_path), str(log_path)), name=name)
+    with _environ({**TRUTHFUL_CPU_MEMORY_ENV, "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}):
+        process.start()
+    killed = False
+    try:
+        process.join(max(1.0, timeout_s))
+    finally:  # also on Ctrl-C: no run outlives its parent
+        if process.is_alive():
+            process.kill()
+            process.join()
+            killed = True
+    if killed:
+        return None
+    if not result_path.exists():
+        log = log_path.read_text(errors="replace") if log_path.exists() else ""
+        tail = "\n".join(log.strip().splitlines()[-8:])
+        error = f"worker exited with status {process.exitcode}"
+        if process.exitcode == -9:
+            error += " (killed by the system: out of memory?)"
+        return RunResult(
+            spec=asdict(spec), ok=False, error=f"{error}: {tail.splitlines()[-1] if tail else ''}", traceback=tail
+        )
+    return RunResult(**json.loads(result_path.read_text()))

@@ -1,0 +1,223 @@
+"""What the auto-tuner found: every trial, the recommendation, and their table, JSON and LightningCLI YAML forms."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Recommendation", "Trial", "TuningResult", "format_value"]
+
+
+@dataclass
+class Trial:
+    """What one trial measured and what the tuner decided about it."""
+
+    label: str
+    stage: str
+    config: str
+    batch_size: int | None
+    loader: dict[str, Any]
+    verdict: str  # baseline, kept, rejected, skipped, failed, confirm (a re-run that checks a small win)
+    reason: str = ""
+    step_median_s: float | None = None
+    step_p25_s: float | None = None
+    step_p75_s: float | None = None
+    throughput: float | None = None  # samples per second at the median step
+    speedup: float | None = None  # throughput / baseline throughput
+    gain: float | None = None  # per-sample speed vs the incumbent it was compared with
+    p_faster: float | None = None  # share of (candidate, incumbent) step pairs where the candidate was faster
+    data_wait_share: float | None = None
+    loss_deviation: float | None = None  # median relative difference of per-step losses vs baseline
+    warmup_s: float | None = None
+    peak_memory_bytes: int | None = None
+    step_memory_bytes: int | None = None
+    wall_s: float | None = None
+    error: str | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.step_median_s is not None
+
+
+@dataclass
+class Recommendation:
+    """The configuration the tuner recommends: callbacks, Trainer and data settings, and how it measured."""
+
+    configs: tuple[str, ...]
+    callback_specs: list[tuple[str, dict[str, Any]]]
+    trainer_kwargs: dict[str, Any]
+    batch_size: int | None  # None: keep the model's own
+    loader: dict[str, Any]
+    speedup: float  # throughput vs baseline, as the tuner measured it
+    notes: list[str] = field(default_factory=list)
+
+    def callbacks(self) -> list[Any]:
+        """Fresh instances of the recommended callbacks, ready for ``Trainer(callbacks=...)``."""
+        from lightning_perf.benchmark.configs import instantiate_callbacks
+
+        return instantiate_callbacks(self.callback_specs)
+
+    @property
+    def datamodule_kwargs(self) -> dict[str, Any]:
+        """Batch size and DataLoader settings to give the data module (or its DataLoaders)."""
+        return ({"batch_size": self.batch_size} if self.batch_size is not None else {}) | dict(self.loader)
+
+
+@dataclass
+class TuningResult:
+    """Every trial and the recommendation; writes itself as a table, JSON and a LightningCLI YAML file."""
+
+    source: str
+    device: str
+    time_budget_s: float
+    elapsed_s: float
+    trials: list[Trial]
+    recommendation: Recommendation
+    datamodule_init_args: list[str] = field(default_factory=list)
+    model_init_args: list[str] = field(default_factory=list)
+    batch_size_holder: str | None = None
+    bench_command: str | None = None
+
+    def ranked(self) -> list[Trial]:
+        """Measured trials, fastest per sample first, then the ones without a measurement."""
+        measured = sorted((t for t in self.trials if t.measured), key=lambda t: -(t.speedup or 0.0))
+        return measured + [t for t in self.trials if not t.measured]
+
+    def table_rows(self) -> list[list[str]]:
+        from lightning_perf.profiling import format_bytes
+
+        rows = []
+        for t in self.ranked():
+            rows.append(
+                [
+                    t.label,
+                    t.stage,
+                    t.verdict,
+                    _ms(t.step_median_s, t.step_p25_s, t.step_p75_s),
+                    format_value(t.throughput, ".1f"),
+                    format_value(t.speedup, ".2f", "x"),
+                    format_value(t.p_faster, ".2f"),
+                    format_value(None if t.data_wait_share is None else 100 * t.data_wait_share, ".1f", "%"),
+                    format_value(t.loss_deviation, ".3f"),
+                    format_bytes(t.step_memory_bytes) if t.step_memory_bytes is not None else "n/a",
+                    format_value(t.wall_s, ".1f"),
+                ]
+            )
+        return rows
+
+    TABLE_COLUMNS = (
+        "trial",
+        "stage",
+        "verdict",
+        "step ms (IQR)",
+        "samples/s",
+        "vs baseline",
+        "P(faster)",
+        "data wait",
+        "loss dev",
+        "step memory",
+        "trial s",
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        rec = asdict(self.recommendation)
+        rec["datamodule_kwargs"] = self.recommendation.datamodule_kwargs
+        return {
+            "kind": "lightning-perf-autotune",
+            "source": self.source,
+            "device": self.device,
+            "time_budget_s": self.time_budget_s,
+            "elapsed_s": self.elapsed_s,
+            "recommendation": rec,
+            "lightning_cli": self.lightning_cli_config(),
+            "bench_command": self.bench_command,
+            "trials": [asdict(t) for t in self.trials],
+        }
+
+    def lightning_cli_config(self) -> dict[str, Any]:
+        """The recommendation as a LightningCLI config: ``trainer`` callbacks and precision, ``data``/``model`` args.
+
+        A data setting is written only where the user's class takes it as an ``__init__`` argument (that is what the
+        CLI can set); the others are in :attr:`Recommendation.notes`.
+        """
+        rec = self.recommendation
+        trainer: dict[str, Any] = dict(rec.trainer_kwargs)
+        if rec.callback_specs:
+            trainer["callbacks"] = [{"class_path": path, "init_args": dict(args)} for path, args in rec.callback_specs]
+        config: dict[str, Any] = {"trainer": trainer}
+        data: dict[str, Any] = {k: v for k, v in rec.loader.items() if k in self.datamodule_init_args}
+        model: dict[str, Any] = {}
+        if rec.batch_size is not None:
+            if self.batch_size_holder == "datamodule" and "batch_size" in self.datamodule_init_args:
+                data["batch_size"] = rec.batch_size
+            elif self.batch_size_holder in ("model", "hparams") and "batch_size" in self.model_init_args:
+                model["batch_size"] = rec.batch_size
+        if data:
+            config["data"] = data
+        if model:
+            config["model"] = model
+        return config
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        rec = self.recommendation
+        header = [
+            "# lightning-perf autotune recommendation (a LightningCLI config: `--config` this file)",
+            f"# model: {self.source}; device: {self.device}",
+            f"# measured: {rec.speedup:.2f}x the baseline's training throughput "
+            f"({self.elapsed_s:.0f} s of tuning, {sum(t.measured for t in self.trials)} trials)",
+        ]
+        header += [f"# note: {note}" for note in rec.notes]
+        return "\n".join(header) + "\n" + yaml.safe_dump(self.lightning_cli_config(), sort_keys=False)
+
+    def write(self, yaml_path: str | os.PathLike[str] | None, json_path: str | os.PathLike[str] | None) -> list[Path]:
+        """Write the YAML and/or JSON files atomically; returns the paths written."""
+        from lightning_perf._io import atomic_write_text
+
+        written = []
+        if yaml_path is not None:
+            written.append(atomic_write_text(yaml_path, self.to_yaml()))
+        if json_path is not None:
+            written.append(atomic_write_text(json_path, json.dumps(self.to_dict(), indent=1, default=str)))
+        return written
+
+    def print(self, console: Any = None) -> None:
+        from rich.console import Console
+
+        from lightning_perf.profiling import print_table
+
+        if console is None:
+            console = Console()
+            if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+                console = Console(width=160)
+        print_table(
+            self.TABLE_COLUMNS,
+            self.table_rows(),
+            title=f"autotune: {self.source} on {self.device} ({self.elapsed_s:.0f} s)",
+            console=console,
+        )
+        rec = self.recommendation
+        lines = [f"  {t.label}: {t.verdict}, {t.reason}" for t in self.ranked() if t.reason]
+        lines.append(f"Recommended ({rec.speedup:.2f}x the baseline's throughput):")
+        lines.append(f"  callbacks: {', '.join(p.rsplit('.', 1)[-1] for p, _ in rec.callback_specs) or 'none'}")
+        lines.append(f"  trainer: {rec.trainer_kwargs or 'as is'}")
+        lines.append(f"  data: {rec.datamodule_kwargs or 'as is'}")
+        lines += [f"  note: {note}" for note in rec.notes]
+        if self.bench_command:
+            lines.append(f"  check it with: {self.bench_command}")
+        print("\n".join(lines), flush=True)
+
+
+def format_value(value: float | None, spec: str, suffix: str = "") -> str:
+    """``value`` formatted with ``spec`` and ``suffix``, or ``n/a``."""
+    return "n/a" if value is None else f"{format(value, spec)}{suffix}"
+
+
+def _ms(med: float | None, lo: float | None, hi: float | None) -> str:
+    if med is None:
+        return "n/a"
+    return f"{med * 1e3:.1f} ({(lo or med) * 1e3:.1f}-{(hi or med) * 1e3:.1f})"

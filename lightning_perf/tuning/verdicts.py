@@ -1,0 +1,52 @@
+"""The auto-tuner's statistics: per-sample step times, paired comparison of two runs, loss agreement."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_perf.profiling.stats import percentile
+
+__all__ = ["compare", "loss_deviation", "median", "per_sample_times", "quartiles"]
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of ``values`` (NaN when empty)."""
+    return percentile(sorted(values), 50.0)
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The 25th and 75th percentiles of ``values``."""
+    ordered = sorted(values)
+    return percentile(ordered, 25.0), percentile(ordered, 75.0)
+
+
+def per_sample_times(result: Any) -> list[float]:
+    """Steady-state step times divided by the batch size (comparable across batch sizes)."""
+    batch = result.batch_size or 1
+    return [t / batch for t in result.step_times_s]
+
+
+def compare(candidate: Sequence[float], incumbent: Sequence[float]) -> tuple[float, float]:
+    """``(gain, p_faster)`` of the candidate's per-sample step times against the incumbent's.
+
+    ``gain`` is the ratio of medians (above 1: the candidate is faster); ``p_faster`` the share of all (candidate,
+    incumbent) pairs in which the candidate step was the faster one, ties counting half (the Mann-Whitney
+    probability of superiority). Noise alone keeps ``p_faster`` near 0.5 whatever the medians say.
+    """
+    if not candidate or not incumbent:
+        raise ValueError("compare() needs at least one step time on each side.")
+    gain = median(incumbent) / median(candidate)
+    wins = sum((c < i) + 0.5 * (c == i) for c in candidate for i in incumbent)
+    return gain, wins / (len(candidate) * len(incumbent))
+
+
+def loss_deviation(candidate: Sequence[float], reference: Sequence[float]) -> float:
+    """Median relative difference of per-step losses on the same batches; ``inf`` if the candidate's are not finite."""
+    if not candidate or any(not math.isfinite(v) for v in candidate):
+        return math.inf
+    pairs = list(zip(candidate, reference, strict=False))
+    if not pairs:
+        return math.inf
+    return median(abs(c - r) / max(abs(r), 1e-8) for c, r in pairs)
