@@ -75,8 +75,11 @@ def replace_modules(
     """Replace submodules in place: each target is swapped for ``factory(module, name)`` on its parent.
 
     The new module is set as an attribute of the parent, which covers plain attributes as well as the string indices of
-    ``nn.ModuleList``, ``nn.Sequential`` and ``nn.ModuleDict``. A module registered under several names (shared) is
-    replaced everywhere by one new module. Matches inside a replaced module are left alone.
+    ``nn.ModuleList``, ``nn.Sequential`` and ``nn.ModuleDict``. It takes over the ``training`` flag of the module it
+    replaces, and of each submodule under the same name (:func:`take_over_modes`): a replacement built while the
+    original was in eval mode still trains, and as a registered child it follows every later ``train()`` / ``eval()``
+    (Lightning's switches around validation and sanity checking included). A module registered under several names
+    (shared) is replaced everywhere by one new module. Matches inside a replaced module are left alone.
 
     Args:
         model: the module to change in place.
@@ -105,6 +108,7 @@ def replace_modules(
             continue
         if check_state_dict:
             _check_same_keys(name, module, new)
+        take_over_modes(new, module)
         new_for[id(module)] = new
     replaced: dict[str, tuple[nn.Module, nn.Module]] = {}
     if not new_for:
@@ -152,6 +156,19 @@ def restore_modules(model: nn.Module, replaced: dict[str, tuple[nn.Module, nn.Mo
         setattr(parent, child, old)
 
 
+def take_over_modes(target: nn.Module, source: nn.Module) -> None:
+    """Give ``target`` and each of its submodules the ``training`` flag of ``source``'s submodule of the same name.
+
+    A submodule ``source`` does not have keeps its flag. Flags are copied one by one, not set with ``train()``, so a
+    submodule the user froze in eval mode inside a training model stays in eval mode.
+    """
+    for prefix, sub in target.named_modules(remove_duplicate=False):
+        try:
+            sub.training = source.get_submodule(prefix).training
+        except AttributeError:
+            continue
+
+
 def adopt_tensors(target: nn.Module, source: nn.Module) -> None:
     """Make ``target`` hold ``source``'s parameters and buffers (the same objects) under the same names.
 
@@ -168,11 +185,7 @@ def adopt_tensors(target: nn.Module, source: nn.Module) -> None:
             for key, tensor in src_tensors.items():
                 if key in dest_tensors and dest_tensors[key] is not tensor:
                     dest_tensors[key] = tensor
-    for prefix, sub in source.named_modules(remove_duplicate=False):
-        try:
-            target.get_submodule(prefix).training = sub.training
-        except AttributeError:
-            continue
+    take_over_modes(target, source)
 
 
 def _holds_parameters(module: nn.Module) -> bool:

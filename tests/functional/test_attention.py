@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_perf import FallbackWarning
-from lightning_perf.functional import attention as attn_mod
+from lightning_perf.functional import attention_detect as detect_mod
+from lightning_perf.functional import attention_kernels as kernels_mod
 from lightning_perf.functional.attention import (
     FLASH_ATTN,
     SDPA,
@@ -270,7 +271,7 @@ def test_adapter_raising_not_swappable_and_registration(monkeypatch: pytest.Monk
         def swap(self, module: nn.Module, kernel: str) -> nn.Module:
             raise AttentionNotSwappable("not today")
 
-    monkeypatch.setattr(attn_mod, "_ADAPTERS", [])
+    monkeypatch.setattr(detect_mod, "_ADAPTERS", [])
     register_attention_adapter(Refuses())
     result = swap_attention(TinyGPT(depth=1))
     assert result.decisions["blocks.0.attn"] == (UNCHANGED, "NanoGPTAttention: not today")
@@ -357,7 +358,7 @@ def test_torch_compile_of_swapped_attention() -> None:
 
 
 def test_without_flash_attn_the_reason_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attn_mod, "is_flash_attn_available", lambda: False)
+    monkeypatch.setattr(kernels_mod, "is_flash_attn_available", lambda: False)
     decision = choose_kernel(64, "cpu", torch.bfloat16)
     assert decision.kernel == SDPA and "flash-attn is not installed" in decision.reason
 
@@ -382,10 +383,12 @@ def test_kernel_choice(
     kernel: str,
     reason: str,
 ) -> None:
-    monkeypatch.setattr(attn_mod, "is_flash_attn_available", lambda: True)
-    monkeypatch.setattr(attn_mod, "cuda_capability", lambda dev=None: capability)
-    monkeypatch.setattr(attn_mod, "is_sm_at_least", lambda major, minor=0, dev=None: (capability or (0, 0)) >= (8, 0))
-    monkeypatch.setattr(attn_mod, "_sdpa_backend", lambda *args: None)
+    monkeypatch.setattr(kernels_mod, "is_flash_attn_available", lambda: True)
+    monkeypatch.setattr(kernels_mod, "cuda_capability", lambda dev=None: capability)
+    monkeypatch.setattr(
+        kernels_mod, "is_sm_at_least", lambda major, minor=0, dev=None: (capability or (0, 0)) >= (8, 0)
+    )
+    monkeypatch.setattr(kernels_mod, "_sdpa_backend", lambda *args: None)
     decision = choose_kernel(head_dim, device, dtype)
     assert decision.kernel == kernel and reason in decision.reason
 
@@ -410,12 +413,12 @@ def fake_flash_attn(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     fake = types.ModuleType("flash_attn")
     fake.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    monkeypatch.setattr(attn_mod, "is_flash_attn_available", lambda: True)
-    monkeypatch.setattr(attn_mod, "is_sm_at_least", lambda *a, **k: True)
-    monkeypatch.setattr(attn_mod, "_flash_attn_func", lambda: flash_attn_func)
-    real_applies = attn_mod._flash_attn_applies
+    monkeypatch.setattr(kernels_mod, "is_flash_attn_available", lambda: True)
+    monkeypatch.setattr(kernels_mod, "is_sm_at_least", lambda *a, **k: True)
+    monkeypatch.setattr(kernels_mod, "_flash_attn_func", lambda: flash_attn_func)
+    real_applies = kernels_mod._flash_attn_applies
     # The real per-call test with the CUDA requirement lifted.
-    monkeypatch.setattr(attn_mod, "_flash_attn_applies", lambda q, k, m, c: real_applies(_Cuda(q), _Cuda(k), m, c))
+    monkeypatch.setattr(kernels_mod, "_flash_attn_applies", lambda q, k, m, c: real_applies(_Cuda(q), _Cuda(k), m, c))
     return calls
 
 
@@ -429,7 +432,7 @@ class _Cuda:
 def test_the_flash_attn_path_layout_causal_and_fallbacks(
     fake_flash_attn: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(attn_mod, "_sdpa_backend", lambda *args: None)
+    monkeypatch.setattr(kernels_mod, "_sdpa_backend", lambda *args: None)
     assert choose_kernel(8, "cuda", torch.bfloat16).kernel == FLASH_ATTN
     torch.manual_seed(0)
     model = TinyGPT(depth=1)

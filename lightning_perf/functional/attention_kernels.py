@@ -1,0 +1,149 @@
+"""The attention kernels a swapped module calls (flash-attn 2 or PyTorch's SDPA) and the choice between them.
+
+Part of :mod:`lightning_perf.functional.attention` (import the public names from there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from lightning_perf._device import as_device, cuda_capability, is_sm_at_least
+from lightning_perf._imports import is_flash_attn_available, require
+
+__all__ = [
+    "FLASH_ATTN",
+    "HALF_DTYPES",
+    "SDPA",
+    "UNCHANGED",
+    "AttentionDecision",
+    "AttentionNotSwappable",
+    "attention",
+    "choose_kernel",
+]
+
+FLASH_ATTN = "flash_attn"
+SDPA = "sdpa"
+UNCHANGED = "unchanged"
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+"""The half-precision dtypes flash-attn computes in."""
+_FLASH_MAX_HEAD_DIM = 256
+
+
+class AttentionDecision(NamedTuple):
+    """What was done with one attention module: the ``kernel`` (``"flash_attn"``, ``"sdpa"`` or ``"unchanged"``)
+    and the ``reason``."""
+
+    kernel: str
+    reason: str
+
+
+class AttentionNotSwappable(Exception):
+    """Raised by :meth:`AttentionAdapter.swap` for a module it recognises but cannot swap; the message is the reason."""
+
+
+@cache
+def _flash_attn_func() -> Callable[..., Tensor]:
+    return require("flash_attn", "The flash-attn kernel of FlashAttentionCallback").flash_attn_func  # type: ignore[no-any-return]
+
+
+def _flash_attn_applies(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool) -> bool:
+    """Whether flash-attn can serve this call (the per-call half of the decision; the module's was made at swap)."""
+    return (
+        attn_mask is None
+        and q.is_cuda
+        and q.dtype in HALF_DTYPES
+        and k.dtype == q.dtype
+        and q.shape[-1] <= _FLASH_MAX_HEAD_DIM
+        # flash-attn aligns a causal mask to the bottom right when lengths differ, SDPA to the top left.
+        and (not is_causal or q.shape[1] == k.shape[1])
+    )
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    kernel: str = SDPA,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> Tensor:
+    """Scaled dot-product attention on ``(batch, seq, heads, head_dim)`` tensors, with the kernel asked for.
+
+    Args:
+        q: queries ``(B, L, H, D)``.
+        k: keys ``(B, S, H, D)``.
+        v: values ``(B, S, H, D)``.
+        kernel: ``"flash_attn"`` uses flash-attn when this call allows it (CUDA, fp16/bf16, no mask), else SDPA;
+            ``"sdpa"`` always uses SDPA.
+        attn_mask: boolean (``True`` takes part) or additive float mask broadcastable to ``(B, H, L, S)``.
+        is_causal: causal attention (top-left aligned, as in SDPA).
+        dropout_p: dropout probability on the attention weights (pass 0 in eval).
+        scale: softmax scale; ``None`` is ``1 / sqrt(D)``.
+
+    Returns:
+        ``(B, L, H, D)``.
+    """
+    if kernel == FLASH_ATTN and _flash_attn_applies(q, k, attn_mask, is_causal):
+        return _flash_attn_func()(q, k, v, dropout_p=dropout_p, softmax_scale=scale, causal=is_causal)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+    )
+    return out.transpose(1, 2)
+
+
+def _sdpa_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """The backend SDPA's dispatcher picks for an unmasked call of this kind (for the report), if it can be told."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return None
+    try:
+        q = torch.zeros(1, 2, 16, head_dim, device=device, dtype=dtype)
+        choice = torch._fused_sdp_choice(q, q, q)  # private but stable since 2.0; only used to name the backend
+        return torch.nn.attention.SDPBackend(choice).name.lower()
+    except Exception:  # a report detail: never fail a swap over it
+        return None
+
+
+def choose_kernel(head_dim: int, device: torch.device | str, compute_dtype: torch.dtype | None) -> AttentionDecision:
+    """Pick flash-attn or SDPA for attention with heads of ``head_dim`` run on ``device`` in ``compute_dtype``.
+
+    Args:
+        head_dim: size of one attention head.
+        device: where the model will run (``trainer.strategy.root_device``).
+        compute_dtype: the dtype attention computes in: ``torch.bfloat16`` / ``torch.float16`` under mixed or half
+            precision, ``None`` or ``torch.float32`` otherwise.
+    """
+    dev = as_device(device)
+    dtype = compute_dtype or torch.float32
+    if not is_flash_attn_available():
+        why = "flash-attn is not installed (`pip install 'lightning-perf[flash]'`, CUDA only)"
+    elif dev.type != "cuda":
+        why = f"flash-attn needs a CUDA GPU, the model runs on {dev.type}"
+    elif not is_sm_at_least(8, 0, dev):
+        cap = cuda_capability(dev)
+        why = f"flash-attn needs compute capability 8.0+, this GPU has {cap[0]}.{cap[1]}" if cap else "no CUDA device"
+    elif dtype not in HALF_DTYPES:
+        why = f"flash-attn needs fp16/bf16 and attention runs in {dtype} (train with precision='bf16-mixed')"
+    elif head_dim > _FLASH_MAX_HEAD_DIM:
+        why = f"flash-attn supports head sizes up to {_FLASH_MAX_HEAD_DIM}, not {head_dim}"
+    else:
+        return AttentionDecision(
+            FLASH_ATTN,
+            f"flash-attn 2 ({dev}, {dtype}, head_dim {head_dim}); calls with an attention mask or in fp32 use SDPA",
+        )
+    backend = _sdpa_backend(dev, dtype, head_dim)
+    return AttentionDecision(SDPA, f"SDPA{f' (its {backend} backend)' if backend else ''}: {why}")
