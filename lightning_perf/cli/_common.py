@@ -178,14 +178,16 @@ def comma_names(text: str) -> list[str]:
 
 
 def choice_list(
-    choices: Iterable[str], *, extra: Iterable[str] = (), what: str = "names"
+    choices: Iterable[str], *, extra: Iterable[str] = (), what: str = "names", allow_empty: bool = False
 ) -> Callable[[str], list[str]]:
     """A validator of a comma-separated list whose every item is one of ``choices``; a name in ``extra`` (e.g.
-    ``all``) is accepted alone."""
+    ``all``) is accepted alone; an empty string gives ``[]`` when ``allow_empty``."""
     allowed = tuple(choices)
     special = tuple(extra)
 
     def parse(text: str) -> list[str]:
+        if allow_empty and not text.strip():
+            return []
         names = comma_names(text)
         if len(names) == 1 and names[0] in special:
             return names

@@ -78,15 +78,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--warmup-steps", type=positive_int, default=3, help="excluded steps per trial (default 3)")
     parser.add_argument(
         "--precisions",
-        type=choice_list(precisions, what="precision"),
+        type=choice_list(precisions, what="precision", allow_empty=True),
         default=None,
-        help=f"mixed precisions to try (default: those of {', '.join(precisions)} the device supports)",
+        help=f"mixed precisions to try, '' for none (default: those of {', '.join(precisions)} the device supports)",
     )
     parser.add_argument(
         "--optimizations",
-        type=choice_list(stackable, what="optimization"),
+        type=choice_list(stackable, what="optimization", allow_empty=True),
         default=None,
-        help=f"configurations to try stacking, in order (default: {','.join(default_search)})",
+        help=f"configurations to try stacking, in order, '' for none (default: {','.join(default_search)})",
     )
     parser.add_argument("--max-batch-size", type=positive_int, default=None, help="default: 4x the model's own")
     parser.add_argument("--no-batch-size", action="store_true", help="keep the model's batch size")

@@ -1,0 +1,327 @@
+"""``lightning-perf export CHECKPOINT --module-class pkg.mod:Class``: deployment export of any Lightning checkpoint.
+
+Loads the checkpoint (``torch.load(weights_only=True)`` only) into the LightningModule class named, takes held-out
+batches from the validation data of the LightningDataModule class named (``--datamodule-class``, built from the
+checkpoint's saved datamodule hyperparameters), and runs :func:`lightning_perf.deploy.export.export_model`: TensorRT,
+else ONNX, validated against the model at several batch sizes and timed against eager PyTorch. Prints what each
+backend did and commits the artifact and a JSON report as one artifact set next to the checkpoint (or in
+``--dirpath``). Exit status: 0 when an artifact passed validation, 1 when none did, 2 for bad arguments.
+
+The parser imports nothing heavy (stdlib and :mod:`lightning_perf.cli._common`); torch, Lightning and the deploy
+layer are imported in :func:`run`, after every argument check that needs none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from lightning_perf.cli._common import (
+    UsageError,
+    choice_list,
+    comma_names,
+    device,
+    existing_file,
+    fail,
+    int_at_least,
+    module_class_spec,
+    non_negative_int,
+    one_line,
+)
+
+__all__ = ["EXPORT_BACKENDS", "EXPORT_PRECISIONS", "add_parser", "run"]
+
+# Plain data, so the parser needs no torch; tests/cli/test_export.py checks them against lightning_perf.deploy.
+EXPORT_BACKENDS: tuple[str, ...] = ("tensorrt", "onnx")
+"""``lightning_perf.deploy.BACKENDS``."""
+
+EXPORT_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16")
+"""The keys of ``lightning_perf.deploy.PRECISIONS``."""
+
+
+def _invalid(text: str, expected: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.")
+
+
+def _positive_ints(text: str, separator: str, expected: str) -> list[int]:
+    parts = [part.strip() for part in text.split(separator)]
+    try:
+        values = [int(part) for part in parts]
+    except ValueError:
+        raise _invalid(text, expected) from None
+    if not values or any(v < 1 for v in values):
+        raise _invalid(text, expected)
+    return values
+
+
+def _range(text: str) -> tuple[int, int, int]:
+    expected = "MIN,OPT,MAX: three positive integers with min <= opt <= max, e.g. 1,8,32"
+    values = _positive_ints(text, ",", expected)
+    if len(values) != 3 or not values[0] <= values[1] <= values[2]:
+        raise _invalid(text, expected)
+    return values[0], values[1], values[2]
+
+
+def _shape(text: str) -> list[int]:
+    return _positive_ints(text.replace(",", "x"), "x", "D1xD2...: positive integer sizes, e.g. 3x224x224")
+
+
+def _sizes(text: str) -> list[int]:
+    return _positive_ints(text, ",", "B1,B2...: positive integer batch sizes, e.g. 1,8,32")
+
+
+def _dynamic_dim(text: str) -> tuple[int, int, tuple[int, int, int]]:
+    """``[INPUT:]DIM=MIN,OPT,MAX`` -> (input index, dim, range)."""
+    expected = "[INPUT:]DIM=MIN,OPT,MAX with DIM >= 1, e.g. 1=16,64,128 for dimension 1 of the first input"
+    where, sep, values = text.partition("=")
+    input_index, _, dim = where.rpartition(":")
+    try:
+        index, dimension = int(input_index or 0), int(dim)
+        rng = _range(values)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise _invalid(text, expected) from None
+    if not sep or index < 0 or dimension < 1:
+        raise _invalid(text, expected)
+    return index, dimension, rng
+
+
+def _stem(text: str) -> str:
+    if not text or "/" in text or "\\" in text or text.startswith("."):
+        raise _invalid(text, "a plain, non-hidden file stem, e.g. model")
+    return text
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``export`` on the ``lightning-perf`` sub-parsers."""
+    parser = subparsers.add_parser(
+        "export",
+        help="export a checkpoint for deployment (TensorRT or ONNX), validated against the model and timed",
+        description="Load a checkpoint into the LightningModule class named, export it (TensorRT, else ONNX), validate "
+        "the export against the model on held-out batches at several batch sizes, time it against eager PyTorch, and "
+        "write the artifact and a JSON report next to the checkpoint. Exit status 0 when an export passed validation, "
+        "1 when none did.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("checkpoint", type=existing_file, help="a checkpoint written by Lightning")
+    parser.add_argument(
+        "--module-class",
+        required=True,
+        type=module_class_spec,
+        metavar="MODULE:CLASS",
+        help="the LightningModule class, e.g. my_pkg.models:Net",
+    )
+    parser.add_argument(
+        "--datamodule-class",
+        default=None,
+        type=module_class_spec,
+        metavar="MODULE:CLASS",
+        help="LightningDataModule whose val_dataloader gives held-out batches for validation (and the example input "
+        "when the module has no example_input_array)",
+    )
+    parser.add_argument(
+        "--backends",
+        type=choice_list(EXPORT_BACKENDS, what="backends"),
+        default=list(EXPORT_BACKENDS),
+        help=f"comma-separated, tried in order until one passes validation (default: {','.join(EXPORT_BACKENDS)})",
+    )
+    parser.add_argument("--precision", default="fp32", choices=EXPORT_PRECISIONS, help="default: %(default)s")
+    parser.add_argument("--batch-range", type=_range, default=(1, 8, 32), metavar="MIN,OPT,MAX", help="default: 1,8,32")
+    parser.add_argument(
+        "--dynamic-dim",
+        type=_dynamic_dim,
+        action="append",
+        default=[],
+        metavar="[INPUT:]DIM=MIN,OPT,MAX",
+        help="another dynamic dimension (repeatable), e.g. 1=16,64,128 for a sequence length",
+    )
+    parser.add_argument(
+        "--input-shape",
+        type=_shape,
+        action="append",
+        default=None,
+        metavar="D1xD2...",
+        help="sample shape of a float input without the batch dimension (repeat per input), e.g. 3x224x224; "
+        "needed when neither example_input_array nor a datamodule gives an example",
+    )
+    parser.add_argument("--input-key", default=None, help="the model input's key when batches are dicts")
+    parser.add_argument(
+        "--validation-batch-sizes",
+        type=_sizes,
+        default=None,
+        metavar="B1,B2...",
+        help="batch sizes to validate and time at, within --batch-range (default: its min, opt and max)",
+    )
+    parser.add_argument("--latency-iterations", type=non_negative_int, default=20, help="0 skips timing (default 20)")
+    parser.add_argument("--latency-warmup", type=non_negative_int, default=3, help="default: 3")
+    parser.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--onnx-providers", type=comma_names, default=None, help="comma-separated ORT providers")
+    parser.add_argument("--opset", type=int_at_least(18), default=None, help="ONNX opset >= 18 (default: exporter's)")
+    parser.add_argument("--dirpath", type=Path, default=None, help="output directory (default: the checkpoint's)")
+    parser.add_argument("--filename", type=_stem, default=None, help="artifact stem (default: the checkpoint's stem)")
+    parser.add_argument("--strict", action="store_true", help="stop at the first backend that fails, no fallback")
+    parser.set_defaults(run=run, subparser=parser)
+    return parser
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The checks that combine options, before anything heavy is imported."""
+    if args.device == "mps":
+        fail(parser, "--device", args.device, "cpu, cuda or cuda:N (export does not run on mps)")
+    if len(set(args.backends)) != len(args.backends):
+        fail(parser, "--backends", ",".join(args.backends), "distinct names from " + ", ".join(EXPORT_BACKENDS))
+    low, _, high = args.batch_range
+    for size in args.validation_batch_sizes or ():
+        if not low <= size <= high:
+            fail(parser, "--validation-batch-sizes", size, f"batch sizes within --batch-range {low}..{high}")
+    if args.dirpath is not None and args.dirpath.exists() and not args.dirpath.is_dir():
+        fail(parser, "--dirpath", str(args.dirpath), "a directory (this is a file)")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Export the checkpoint; exit status 0 when an export passed validation, 1 when none did, 2 for bad arguments."""
+    _check(args, parser)
+    import lightning.pytorch as pl
+    import torch
+    from rich.console import Console
+
+    from lightning_perf._io import UnsafeCheckpointError, load_checkpoint
+    from lightning_perf.benchmark.sources import ImportClassError, import_class
+    from lightning_perf.deploy.export import ExportError, export_model, validate_options
+    from lightning_perf.deploy.inputs import (
+        as_input_tuple,
+        example_inputs_from_shapes,
+        model_inputs,
+        split_inputs,
+        through_batch_hooks,
+    )
+
+    dynamic_dims: list[dict[int, tuple[int, ...]]] = []
+    for input_index, dim, rng in args.dynamic_dim:
+        while len(dynamic_dims) <= input_index:
+            dynamic_dims.append({})
+        dynamic_dims[input_index][dim] = rng
+    options: dict[str, Any] = {
+        "backends": list(args.backends),
+        "precision": args.precision,
+        "batch_range": args.batch_range,
+        "dynamic_dims": dynamic_dims or None,
+        "validation_batch_sizes": args.validation_batch_sizes,
+        "latency_iterations": args.latency_iterations,
+        "latency_warmup": args.latency_warmup,
+        "device": args.device,
+        "onnx_providers": args.onnx_providers,
+        "opset": args.opset,
+        "strict": args.strict,
+    }
+    try:
+        validate_options(**options, owner="lightning-perf export")
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    example = None
+    if args.input_shape is not None:
+        example = example_inputs_from_shapes(args.input_shape, batch_size=args.batch_range[2])
+    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
+        fail(parser, "--device", args.device, "cpu: no CUDA device is visible")
+    try:
+        module_cls = import_class(args.module_class, pl.LightningModule, "--module-class")
+        datamodule_cls = (
+            None
+            if args.datamodule_class is None
+            else import_class(args.datamodule_class, pl.LightningDataModule, "--datamodule-class")
+        )
+    except ImportClassError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        load_checkpoint(args.checkpoint, "cpu", what="checkpoint")  # weights_only=True: fails before any code runs
+    except UnsafeCheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        model = module_cls.load_from_checkpoint(args.checkpoint, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise UsageError(
+            f"cannot load {str(args.checkpoint)!r} into {module_cls.__name__}: {type(exc).__name__}: {one_line(exc)}"
+        ) from None
+    loader, datamodule = None, None
+    if datamodule_cls is not None:
+        try:
+            datamodule = datamodule_cls.load_from_checkpoint(args.checkpoint, weights_only=True)
+            datamodule.setup("validate")
+            loader = datamodule.val_dataloader()
+        except Exception as exc:
+            raise UsageError(
+                f"cannot build {datamodule_cls.__name__}'s validation data: {type(exc).__name__}: {one_line(exc)}"
+            ) from None
+    try:
+        if example is None and model.example_input_array is not None:
+            example = as_input_tuple(through_batch_hooks(model, model.example_input_array, datamodule=datamodule))
+        if example is None and loader is not None:
+            first = next(model_inputs(model, loader, datamodule=datamodule), None)
+            if first is None:
+                raise UsageError(f"{type(datamodule).__name__}'s validation data is empty")
+            example = split_inputs(first, args.input_key)
+    except ValueError as exc:
+        raise UsageError(f"no usable example input: {exc}") from None
+    if example is None:
+        raise UsageError(
+            f"{module_cls.__name__} has no example_input_array: give --datamodule-class for validation batches or "
+            "--input-shape for each input"
+        )
+
+    console = Console()
+    try:
+        report = export_model(
+            model,
+            example,
+            **options,
+            dirpath=args.dirpath or args.checkpoint.parent,
+            filename=args.filename or args.checkpoint.stem,
+            validation_data=None if loader is None else model_inputs(model, loader, datamodule=datamodule),
+            input_key=args.input_key,
+            metadata={"checkpoint": str(args.checkpoint), "module_class": args.module_class},
+        )
+    except ExportError as exc:
+        console.print(f"[red]export failed[/red]: {exc}")
+        return 1
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    _print_report(report, console)
+    return 0 if report.ok else 1
+
+
+def _print_report(report: Any, console: Any) -> None:
+    from lightning_perf.profiling import format_seconds, print_table
+
+    rows = [[a.backend, a.status, a.runtime or "", a.reason or ""] for a in report.attempts]
+    print_table(["backend", "status", "runtime", "reason"], rows, title="Export attempts", console=console)
+    attempt = report.attempt if report.ok else (report.attempts[-1] if report.attempts else None)
+    if attempt is not None and attempt.validation:
+        rows = [
+            [v.batch_size, o.name, o.max_abs_diff, o.max_rel_diff, o.cosine, "yes" if o.passed else (o.problem or "no")]
+            for v in attempt.validation
+            for o in v.outputs
+        ]
+        title = f"Validation of {attempt.backend} ({report.precision}) against the model on {report.validation_source}"
+        print_table(
+            ["batch", "output", "max abs diff", "max rel diff", "cosine", "passed"], rows, title=title, console=console
+        )
+    if attempt is not None and attempt.latency:
+        rows = [
+            [
+                r.batch_size,
+                format_seconds(r.baseline_median_s),
+                format_seconds(r.baseline_p90_s),
+                format_seconds(r.candidate_median_s),
+                format_seconds(r.candidate_p90_s),
+                r.speedup,
+                r.candidate_throughput,
+            ]
+            for r in attempt.latency
+        ]
+        columns = ["batch", "eager median", "eager p90", "export median", "export p90", "speed-up", "export samples/s"]
+        print_table(columns, rows, title=f"Latency on {report.device}", console=console)
+    if report.ok:
+        console.print(f"wrote {report.artifact}")
+    else:
+        console.print("[red]no backend produced a validated export[/red]")
+    console.print(f"wrote {report.report_path}")
