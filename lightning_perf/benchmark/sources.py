@@ -9,6 +9,7 @@ trial starts from the user's untouched objects.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import inspect
 import pickle
@@ -143,10 +144,14 @@ class ImportSource(ModelSource):
 
 @dataclass
 class ObjectSource(ModelSource):
-    """The user's own objects, pickled once: every load is an independent copy, the originals are never touched."""
+    """A snapshot of the user's own objects: every load is an independent copy, the originals are never touched.
 
-    payload: bytes
+    The snapshot travels to a trial's process the way ``multiprocessing`` sends arguments; nothing here unpickles.
+    """
+
+    snapshot: tuple[Any, Any]
     name: str
+    defined_in_main: bool = False  # classes of a notebook or REPL cannot be re-imported by a fresh process
 
     @classmethod
     def from_objects(cls, model: pl.LightningModule, datamodule: pl.LightningDataModule) -> ObjectSource:
@@ -158,10 +163,14 @@ class ObjectSource(ModelSource):
                 f"{type(exc).__name__}: {exc}. Make them picklable, or run `lightning-perf autotune --model "
                 f"module:Class --datamodule module:Class`, which builds them from their classes."
             ) from exc
-        return cls(payload=payload, name=f"{type(model).__name__} on {type(datamodule).__name__}")
+        return cls(
+            snapshot=copy.deepcopy((model, datamodule)),
+            name=f"{type(model).__name__} on {type(datamodule).__name__}",
+            defined_in_main=b"__main__" in payload,
+        )
 
     def load(self) -> tuple[pl.LightningModule, pl.LightningDataModule]:
-        model, datamodule = pickle.loads(self.payload)
+        model, datamodule = copy.deepcopy(self.snapshot)
         return model, datamodule
 
     def describe(self) -> str:

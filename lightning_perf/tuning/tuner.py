@@ -622,7 +622,7 @@ class AutoTuner:
         if isinstance(self.source, ObjectSource):
             main = sys.modules.get("__main__")
             interactive = main is not None and getattr(main, "__file__", None) is None
-            if interactive and b"__main__" in self.source.payload:
+            if interactive and self.source.defined_in_main:
                 # Classes defined in a notebook or REPL cannot be re-imported by a fresh process.
                 return "in-process"
         return "process"

@@ -69,8 +69,8 @@ def test_options_add_baseline_and_validate() -> None:
 
 def test_worker_records_losses_and_data_wait_for_a_custom_builder() -> None:
     """The auto-tuner's path through the worker: a builder of the user's objects, per-step losses, data wait."""
-    from lightning_perf.benchmark.worker import RunSpec, run
     from lightning_perf.benchmark.sources import apply_data_settings
+    from lightning_perf.benchmark.worker import RunSpec, run
     from tests.tuning._user_models import PlainDataModule, SmallConvNet
 
     def build(spec: RunSpec) -> tuple[SmallConvNet, PlainDataModule]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from lightning_perf.benchmark.sources import apply_data_settings, batch_size_holder, rebuild_loader
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.demos import make_workload
 from lightning_perf.tuning import (
@@ -24,7 +25,6 @@ from lightning_perf.tuning import (
     compare,
     loss_deviation,
 )
-from lightning_perf.benchmark.sources import apply_data_settings, batch_size_holder, rebuild_loader
 from tests.tuning._user_models import PlainDataModule, SmallConvNet
 
 # --------------------------------------------------------------------------- statistics
