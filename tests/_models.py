@@ -191,3 +191,71 @@ def trainer(root: object, **kwargs: object) -> pl.Trainer:
     }
     options.update(kwargs)
     return pl.Trainer(**options)
+
+
+# ------------------------------------------------------- models with dropout and batch norm (tests/test_trust.py)
+
+
+class ConvBNDropout(nn.Module):
+    """A small conv net with BatchNorm (running statistics) and both spatial and plain dropout."""
+
+    def __init__(self, classes: int = 4, p: float = 0.2, width: int = 32) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Dropout2d(p),
+            nn.Conv2d(8, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+        )
+        self.dropout = nn.Dropout(p)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.dropout(self.features(x).mean((2, 3))))
+
+
+class FusedQKVTransformer(nn.Module):
+    """Blocks of hand-written fused-QKV attention (nanoGPT's, with ``nn.Dropout`` on the attention weights)."""
+
+    def __init__(self, depth: int = 2, dim: int = 16, seq: int = 8, dropout: float = 0.2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(NanoGPTAttention(dim, 2, seq, dropout), dim) for _ in range(depth))
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class EncoderWithDropout(nn.Module):
+    """``nn.MultiheadAttention(dropout > 0)`` inside ``nn.TransformerEncoderLayer``, then a head."""
+
+    def __init__(self, dim: int = 16, dropout: float = 0.2) -> None:
+        super().__init__()
+        self.encoder = encoder(depth=2, dim=dim, heads=2, dropout=dropout)
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.encoder(x))
+
+
+class BranchesOnTraining(nn.Module):
+    """A forward that takes another path in training (noise and dropout, as stochastic regularizers do)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inner(x)
+        if self.training:  # noqa: SIM108 - the branch on self.training is what this model is for
+            h = F.dropout(h, 0.2, training=True) + 0.1 * torch.randn_like(h)
+        else:
+            h = 0.5 * h
+        return self.head(self.norm(x + h))

@@ -35,6 +35,9 @@ from lightning_perf.callbacks import (
 from lightning_perf.strategies import PowerSGDDDPStrategy
 from tests._trivial import CountingCallback
 
+NUMERICS = ("exact", "close", "lossy")
+_FLOAT = "float arithmetic in another order"
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -50,6 +53,11 @@ class Setting:
         ddp: whether the 2-process DDP test applies.
         marks: pytest marks for every generic test of this entry (e.g. ``pytest.mark.slow``).
         test_only: entries that exist only to exercise the generic tests.
+        numerics: how training with it compares with training without it, from the same seed
+            (``tests/test_trust.py``): ``"exact"`` (bit-identical losses, gradients and weights: observers),
+            ``"close"`` (within float tolerance: numerically equivalent transforms) or ``"lossy"`` (compared in its
+            own terms: finite losses within a band, identical ``state_dict`` keys and gradient names).
+        numerics_reason: why, for anything but ``"exact"``.
     """
 
     cls: type
@@ -62,6 +70,14 @@ class Setting:
     marks: tuple[Any, ...] = ()
     test_only: bool = False
     name: str | None = None
+    numerics: str = "exact"
+    numerics_reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"Setting(numerics={self.numerics!r}) is not valid. Expected one of {NUMERICS}.")
+        if self.numerics != "exact" and not self.numerics_reason:
+            raise ValueError(f"Setting({self.id}) with numerics={self.numerics!r} must say why (numerics_reason).")
 
     @property
     def id(self) -> str:
@@ -82,32 +98,73 @@ class Setting:
 SETTINGS: list[Setting] = [
     Setting(CountingCallback, {"start": 0}, test_only=True),
     Setting(CountingCallback, {"start": 0}, workload="lm", test_only=True, name="CountingCallback-lm"),
-    Setting(ChannelsLastCallback),
-    Setting(ChannelsLastCallback, workload="unet3d", name="ChannelsLastCallback-unet3d"),
+    Setting(ChannelsLastCallback, numerics="close", numerics_reason=f"convolutions in NHWC: {_FLOAT}"),
+    Setting(
+        ChannelsLastCallback,
+        workload="unet3d",
+        name="ChannelsLastCallback-unet3d",
+        numerics="close",
+        numerics_reason=f"convolutions in NDHWC: {_FLOAT}",
+    ),
     # Changes global state on every device without a no-effect warning (CPUs have flash and math kernels too).
-    Setting(BackendFlagsCallback, {"sdpa_backends": ["flash", "math"]}, workload="vit"),
-    Setting(FusedOptimizerCallback),
+    Setting(
+        BackendFlagsCallback,
+        {"sdpa_backends": ["flash", "math"]},
+        workload="vit",
+        numerics="close",
+        numerics_reason=f"another SDPA kernel: {_FLOAT}",
+    ),
+    Setting(FusedOptimizerCallback, numerics="close", numerics_reason=f"one fused optimizer kernel: {_FLOAT}"),
     # Exports at every fit end (about 2 s of ONNX export each): two validation batch sizes, no timing.
     Setting(
         TensorRTExportCallback,
         {"backends": ["onnx"], "batch_range": [1, 2, 2], "latency_iterations": 0, "device": "cpu"},
         marks=(pytest.mark.slow,),
     ),
-    Setting(GradCheckpointCallback, workload="vit"),
+    Setting(
+        GradCheckpointCallback,
+        workload="vit",
+        numerics="close",
+        numerics_reason="recomputed activations (dropout replayed from the saved RNG state)",
+    ),
     Setting(
         GradCheckpointCallback,
         {"modules": "lightning_perf.demos.lm.LMBlock", "every_n": 2},
         workload="lm",
         name="GradCheckpointCallback-lm",
+        numerics="close",
+        numerics_reason="recomputed activations (dropout replayed from the saved RNG state)",
     ),
-    Setting(FlashAttentionCallback, workload="vit"),
-    Setting(FlashAttentionCallback, workload="lm", name="FlashAttentionCallback-lm"),
+    # SDPA draws its attention-dropout mask from the RNG in its own way: same distribution, other masks.
+    Setting(
+        FlashAttentionCallback,
+        workload="vit",
+        numerics="lossy",
+        numerics_reason="attention dropout masks drawn by SDPA, not nn.Dropout",
+    ),
+    Setting(
+        FlashAttentionCallback,
+        workload="lm",
+        name="FlashAttentionCallback-lm",
+        numerics="lossy",
+        numerics_reason="attention dropout masks drawn by SDPA, not nn.Dropout",
+    ),
     # A cheap backend: aot_eager still captures forward and backward graphs with dynamo and AOT autograd (guards,
     # caches, counters, state_dict keys), without inductor's 10-30 s cold compile per process. Inductor is covered by
     # one slow test in tests/callbacks/test_compile.py and by the `compile` bench configuration.
-    Setting(CompileCallback, {"backend": "aot_eager"}),
+    Setting(
+        CompileCallback,
+        {"backend": "aot_eager"},
+        numerics="close",
+        numerics_reason=f"traced graphs: {_FLOAT}",
+    ),
     # Compresses from the third step on (the generic fits run 3-4 steps), on one process and, in the DDP test, two.
-    Setting(PowerSGDDDPStrategy, {"start_powerSGD_iter": 2}),
+    Setting(
+        PowerSGDDDPStrategy,
+        {"start_powerSGD_iter": 2},
+        numerics="lossy",
+        numerics_reason="rank-2 gradient compression from the third step on",
+    ),
     # Observers: one steady step after warm-up, with the host-sync check (a TorchFunctionMode) on the warm-up step,
     # so every generic test, resume and DDP included, also checks that observing leaves training unchanged.
     Setting(BottleneckCallback, {"warmup_steps": 1, "sync_check_steps": 1}),
@@ -120,12 +177,19 @@ SETTINGS: list[Setting] = [
     Setting(MemoryProfilerCallback, {"every_n_steps": 1, "warmup_steps": 1}),
     # Converts, validates (one batch) and saves the int8 model at every fit end; no compiled timing (tens of seconds).
     # Its checkpoints keep the plain model's keys: the quantization state travels in the callback's own entry.
-    Setting(QATCallback, {"benchmark": False, "validation_batches": 1}),
+    Setting(
+        QATCallback,
+        {"benchmark": False, "validation_batches": 1},
+        numerics="lossy",
+        numerics_reason="fake-quantized int8 weights and activations",
+    ),
     Setting(
         QATCallback,
         {"backend": "torchao", "benchmark": False, "validation_batches": 1},
         workload="lm",
         name="QATCallback-torchao",
+        numerics="lossy",
+        numerics_reason="fake-quantized int8 weights and activations",
     ),
 ]
 

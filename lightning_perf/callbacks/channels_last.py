@@ -6,6 +6,7 @@ from functools import partial
 from typing import Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
@@ -36,8 +37,9 @@ class ChannelsLastCallback(Callback):
     Parameter objects and ``state_dict`` keys stay the same). Every floating-point 4D/5D tensor of each batch is
     converted too, once it is on the device, in training, validation, test and predict; integer tensors (labels,
     masks) are left alone. Gradients and optimizer state follow the weights' layout, also when a resumed run loads
-    optimizer state written without channels-last. Weights stay in channels-last after the run; a checkpoint written
-    with the callback loads into a plain model and the other way round.
+    optimizer state written without channels-last. At ``teardown``, and in ``on_exception`` when a run fails, the
+    weights get back the layout they had (same values, same Parameter objects); a checkpoint written with the
+    callback loads into a plain model and the other way round.
 
     A model without 2D/3D convolutions is left as it is, with one :class:`~lightning_perf.NoEffectWarning`.
 
@@ -57,13 +59,18 @@ class ChannelsLastCallback(Callback):
         self.dims = validate_dims(dims, type(self).__name__)
         self._transform: BatchTransform | None = None
         self._handles: list[RemovableHandle] = []
+        self._converted: list[tuple[torch.nn.Parameter, tuple[int, ...]]] = []
+        self._reported = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         run_after_configure_model(pl_module, self._convert)
 
     def _convert(self, pl_module: pl.LightningModule) -> None:
+        strides = {p: p.stride() for p in pl_module.parameters()}
         report = apply_channels_last(pl_module, self.dims)
+        # Remembered so that teardown (and on_exception) give the weights back the layout they came with.
+        self._converted.extend((p, stride) for p, stride in strides.items() if p.stride() != stride)
         if not report.dims:
             warn_once(
                 f"`{type(self).__name__}(dims={self.dims!r})` does nothing: {report.skipped_reason}. "
@@ -71,8 +78,9 @@ class ChannelsLastCallback(Callback):
                 NoEffectWarning,
             )
             return
-        if report.changed:  # a later stage (validate after fit) finds the weights converted: say it once
+        if report.changed and not self._reported:  # each stage converts again (teardown restores): say it once
             rank_zero_info(f"{type(self).__name__}: {report.summary()}.")
+            self._reported = True
         self._transform = partial(batch_to_channels_last, dims=report.dims)
         add_batch_transform(pl_module, self._transform)
 
@@ -85,7 +93,7 @@ class ChannelsLastCallback(Callback):
         for optimizer in trainer.optimizers:
             self._handles.append(optimizer.register_load_state_dict_post_hook(_match_layout))
 
-    def _undo(self, pl_module: pl.LightningModule) -> None:
+    def _undo(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         discard_pending_surgery(pl_module)
         if self._transform is not None:
             remove_batch_transform(pl_module, self._transform)
@@ -93,12 +101,22 @@ class ChannelsLastCallback(Callback):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        with torch.no_grad():
+            for param, stride in self._converted:
+                # Same values, same Parameter object (optimizers and DDP keep theirs): only the layout goes back.
+                param.data = torch.empty_strided(param.shape, stride, dtype=param.dtype, device=param.device).copy_(
+                    param.data
+                )
+        if self._converted:
+            self._converted.clear()
+            for optimizer in trainer.optimizers:  # their state follows (fused kernels need matching layouts)
+                match_state_layout(optimizer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._undo(pl_module)
+        self._undo(trainer, pl_module)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Lightning calls `on_exception`, not `teardown`, when a run fails.
-        self._undo(pl_module)
+        self._undo(trainer, pl_module)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -35,7 +35,8 @@ class FusedOptimizerCallback(Callback):
     torch has one for the optimizer class, device and dtype (Adam, AdamW, SGD, Adagrad on CPU and CUDA in torch 2.13),
     else through the foreach (multi-tensor) one. When a checkpoint is resumed, the switch is made again right after
     the optimizer state is loaded. What was switched and why the others were not is logged once on rank zero; if
-    nothing could be switched, one :class:`~lightning_perf.NoEffectWarning` says why.
+    nothing could be switched, one :class:`~lightning_perf.NoEffectWarning` says why. At ``teardown``, and in
+    ``on_exception`` when a run fails, the optimizers get back the ``fused`` / ``foreach`` flags they were built with.
 
     An optimizer built with ``fused=False`` or ``foreach=False`` is left alone: that is torch's way of asking for the
     single-tensor loop.
@@ -55,6 +56,7 @@ class FusedOptimizerCallback(Callback):
     def __init__(self, mode: Literal["auto", "fused", "foreach"] = "auto") -> None:
         self.mode = validate_mode(mode, type(self).__name__)
         self._handles: list[RemovableHandle] = []
+        self._switched: list[tuple[Optimizer, list[dict[str, Any]]]] = []
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -66,10 +68,12 @@ class FusedOptimizerCallback(Callback):
         changed, skipped = [], []
         for index, optimizer in enumerate(trainer.optimizers):
             label = f"optimizer {index} ({type(optimizer).__name__})"
+            flags = _flags(optimizer)
             choice = switch_implementation(optimizer, self.mode, sparse)
             if choice.implementation is None:
                 skipped.append(f"{label} left as it is: {choice.reason}")
                 continue
+            self._switched.append((optimizer, flags))
             changed.append(f"{label} -> {choice.implementation}")
             hook = partial(_reapply, implementation=choice.implementation)
             self._handles.append(optimizer.register_load_state_dict_post_hook(hook))
@@ -79,15 +83,33 @@ class FusedOptimizerCallback(Callback):
             return
         rank_zero_info(f"{name}: " + "; ".join(changed + skipped) + ".")
 
-    def _remove_hooks(self) -> None:
+    def _undo(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        # The optimizers step as configure_optimizers built them again (state and param groups are kept).
+        for optimizer, flags in self._switched:
+            for target, saved in zip((*optimizer.param_groups, optimizer.defaults), flags):
+                target.update(saved)
+        self._switched.clear()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._remove_hooks()
+        self._undo()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._remove_hooks()
+        self._undo()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handles"], state["_switched"] = [], []  # live objects of a run in progress
+        return state
+
+
+def _flags(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """The ``fused`` / ``foreach`` entries of each param group and of ``defaults``, as configured."""
+    return [
+        {key: target[key] for key in ("fused", "foreach") if key in target}
+        for target in (*optimizer.param_groups, optimizer.defaults)
+    ]

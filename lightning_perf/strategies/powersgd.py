@@ -228,6 +228,18 @@ class PowerSGDDDPStrategy(DDPStrategy):
             self._loaded_state = None  # used by _register_ddp_hooks when fitting; stale for any later run
 
     @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        super().teardown()
+        # Lightning's forward redirection (each DDP step) puts the module's own bound `forward` back as an instance
+        # attribute; drop it so the module is the plain one again (after a fit, and after one that failed).
+        own = vars(module).get("forward") if module is not None else None
+        if own is not None and getattr(own, "__func__", None) is getattr(
+            type(module).forward, "__func__", type(module).forward
+        ):
+            del module.forward
+
+    @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks on CUDA only; PowerSGD is registered on every device.
         assert isinstance(self.model, DistributedDataParallel) and self.lightning_module is not None

@@ -45,6 +45,7 @@ class Seen(pl.Callback):
     def __init__(self, fmt: torch.memory_format) -> None:
         self.fmt = fmt
         self.weights_at_fit_start: list[bool] = []
+        self.moved_at_fit_start: list[bool] = []
         self.grads: list[bool] = []
 
     def _convs(self, module: nn.Module) -> list[torch.Tensor]:
@@ -52,6 +53,7 @@ class Seen(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.weights_at_fit_start = [w.is_contiguous(memory_format=self.fmt) for w in self._convs(pl_module)]
+        self.moved_at_fit_start = [not w.is_contiguous() for w in self._convs(pl_module)]
         # The optimizer exists now and must hold the very same (converted) Parameter objects.
         held = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
         assert all(id(w) in held for w in self._convs(pl_module))
@@ -107,8 +109,9 @@ def test_convnet_weights_batches_and_gradients_in_channels_last(tmp_path: Path, 
     trainer.predict(model, datamodule=data)
     for stage in ("val", "test", "predict"):
         assert model.seen[stage][0].is_contiguous(memory_format=CL), stage
-    # Each stage's teardown took the batch transform off again.
+    # Each stage's teardown took the batch transform off again, and gave the weights back their layout.
     assert "on_after_batch_transfer" not in model.__dict__
+    assert all(w.is_contiguous() for w in seen._convs(model))
     assert caplog.text.count("ChannelsLastCallback:") == 1  # reported once, not per stage
 
 
@@ -127,7 +130,8 @@ def test_unet3d_uses_channels_last_3d_and_leaves_integer_masks(tmp_path: Path) -
     volumes, masks = model.batch
     # One channel: both formats are the same order in memory, so torch keeps the tensor as it is.
     assert volumes.dim() == 5 and volumes.is_contiguous(memory_format=CL3)
-    assert any(not w.is_contiguous() for w in seen._convs(model))  # the layers with several input channels moved
+    assert any(seen.moved_at_fit_start)  # the layers with several input channels moved
+    assert all(w.is_contiguous() for w in seen._convs(model))  # and got their layout back at teardown
     assert masks.dtype == torch.long and masks.is_contiguous()  # integers stay as they are
 
 
@@ -185,7 +189,8 @@ class TwoRanks(pl.LightningModule):
 )
 def test_dataclass_batches_and_dims(tmp_path: Path, dims: Any, image_fmt: Any, volume_fmt: Any) -> None:
     model = TwoRanks()
-    _trainer(tmp_path, [ChannelsLastCallback(dims=dims)], max_steps=1).fit(model)
+    seen2d, seen3d = Seen(CL), Seen(CL3)
+    _trainer(tmp_path, [ChannelsLastCallback(dims=dims), seen2d, seen3d], max_steps=1).fit(model)
     item = model.batches[0]["item"]
     assert isinstance(item, Item) and model.batches[0]["meta"] == [4]
     if image_fmt is None:
@@ -193,8 +198,9 @@ def test_dataclass_batches_and_dims(tmp_path: Path, dims: Any, image_fmt: Any, v
     else:
         assert item.image.is_contiguous(memory_format=image_fmt) and not item.image.is_contiguous()
     assert item.volume.is_contiguous(memory_format=volume_fmt)
-    assert model.conv2d.weight.is_contiguous(memory_format=CL) == (dims in ("auto", 2))
-    assert model.conv3d.weight.is_contiguous(memory_format=CL3) == (dims in ("auto", 3))
+    assert seen2d.weights_at_fit_start[0] == (dims in ("auto", 2))  # conv2d comes first
+    assert seen3d.weights_at_fit_start[1] == (dims in ("auto", 3))
+    assert model.conv2d.weight.is_contiguous() and model.conv3d.weight.is_contiguous()  # restored at teardown
     assert item.target.dtype == torch.long
 
 
@@ -328,8 +334,8 @@ def test_resume_from_a_plain_checkpoint_and_load_both_ways(tmp_path: Path, fused
     resumed_trainer.fit(resumed, ckpt_path=tmp_path / "plain.ckpt")
     state = resumed_trainer.optimizers[0].state
     for p in resumed.net.parameters():
-        if p.dim() == 4:
-            assert p.is_contiguous(memory_format=CL) and not p.is_contiguous()
+        if p.dim() == 4:  # teardown gave the weights back their layout, and their optimizer state followed
+            assert p.is_contiguous()
             assert state[p]["exp_avg"].stride() == p.stride()
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
