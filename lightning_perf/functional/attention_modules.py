@@ -151,8 +151,10 @@ class FusedMultiheadAttention(nn.MultiheadAttention, SwappedAttention):
             is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        out = F.linear(out.reshape(batch, tgt_len, embed), self.out_proj.weight, self.out_proj.bias)
-        return (out if self.batch_first else out.transpose(0, 1)), None
+        # Projected in (seq, batch, embed) memory order, as nn.MultiheadAttention does: the output then has the
+        # original's strides, so a dropout after it (TransformerEncoderLayer's dropout1) draws the same mask.
+        out = F.linear(out.reshape(batch, tgt_len, embed).transpose(0, 1), self.out_proj.weight, self.out_proj.bias)
+        return (out.transpose(0, 1) if self.batch_first else out), None
 
 
 @dataclass(frozen=True)

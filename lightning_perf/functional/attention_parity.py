@@ -156,6 +156,18 @@ def check_parity(
         original, swapped = copy.deepcopy((original, swapped))  # attention modules are small
         original.to(dev)
         swapped.to(dev)
+    with _fork_rng(dev):  # a module may draw random numbers in any mode: leave the global RNG as it was
+        return _check_calls(original, swapped, calls, dev, compute_dtype, notes)
+
+
+def _check_calls(
+    original: nn.Module,
+    swapped: nn.Module,
+    calls: Sequence[tuple[tuple[Any, ...], dict]],
+    dev: torch.device,
+    compute_dtype: torch.dtype | None,
+    notes: list[str] | None,
+) -> str | None:
     dtype = module_dtype(original)  # inputs in the parameters' dtype (a model already cast to half precision)
     tolerance = max(_TOLERANCE.get(d, 1e-4) for d in (compute_dtype if compute_dtype in HALF_DTYPES else dtype, dtype))
     named_params = [(n, p) for n, p in original.named_parameters() if p.requires_grad]
@@ -194,7 +206,7 @@ def check_parity(
                 return problem
         if not with_dropout:
             continue
-        with _fork_rng(dev), _mode((original, swapped), True):
+        with _mode((original, swapped), True):
             setting = "training mode with dropout, same RNG state"
             if _compare(what, setting, run(original, seed=0), run(swapped, seed=0), names, tolerance) is None:
                 continue

@@ -25,6 +25,7 @@ from lightning_perf.functional.attention import (
     FusedMultiheadAttention,
     FusedQKVAttention,
     FusedQKVSpec,
+    SwappedAttention,
     attention,
     check_parity,
     choose_kernel,
@@ -32,6 +33,7 @@ from lightning_perf.functional.attention import (
     restore_attention,
     swap_attention,
 )
+from lightning_perf.functional.attention_parity import DROPOUT_STREAM_NOTE
 from tests._models import (
     NanoGPTAttention,
     PerHeadQKVAttention,
@@ -500,3 +502,104 @@ def test_sdpa_on_cuda_in_fp32() -> None:
     result = swap_attention(model)
     assert {d.kernel for d in result.decisions.values()} == {SDPA}
     assert_same(plain, model, torch.randint(0, 11, (2, 16), device="cuda"), tol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------- training mode (dropout)
+
+
+def _swapped(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, SwappedAttention)]
+
+
+@pytest.mark.parametrize("build", [lambda: TinyGPT(depth=2, dropout=0.3), lambda: encoder(depth=2, dropout=0.3)])
+def test_swapped_modules_train_with_dropout_like_the_original(build: Any) -> None:
+    torch.manual_seed(0)
+    model = build()
+    plain = copy.deepcopy(model)
+    result = swap_attention(model)
+    swapped = _swapped(model)
+    assert len(swapped) == 2 and result.swapped
+    # The swap takes over the training flag (the fused-QKV detection builds its module in eval mode).
+    assert all(m.training for m in swapped)
+    x = torch.randint(0, 11, (2, 8)) if isinstance(model, TinyGPT) else torch.randn(8, 2, 16)
+    a, b = model(x), model(x)
+    assert not torch.allclose(a, b), "two training-mode forwards are equal: dropout never ran"
+    # On the CPU the fused kernel draws the eager code's dropout masks: same RNG state, same output.
+    torch.manual_seed(1)
+    expected = plain(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-4)
+    assert all("random stream" not in reason for _, reason in result.decisions.values())
+    model.eval()
+    plain.eval()
+    assert not any(m.training for m in swapped)
+    torch.testing.assert_close(model(x), model(x))
+    torch.testing.assert_close(model(x), plain(x), atol=1e-5, rtol=1e-4)
+    model.train()
+    assert all(m.training for m in swapped)
+
+
+class NoDropoutInTraining(FusedQKVAttention):
+    """A wrong swap: it forgets the attention dropout."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            p, self._modules[self.spec.attn_dropout].p = self._modules[self.spec.attn_dropout].p, 0.0  # type: ignore[union-attr]
+        try:
+            return super().forward(x, *args, **kwargs)
+        finally:
+            self._modules[self.spec.attn_dropout].p = p  # type: ignore[union-attr]
+
+
+class OtherRandomStream(FusedQKVAttention):
+    """Dropout at the right rate from another random stream (as CUDA's fused kernels draw it)."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.training:
+            torch.rand(1)  # moves the stream on
+        return super().forward(x, *args, **kwargs)
+
+
+def _nano_spec() -> FusedQKVSpec:
+    return FusedQKVSpec("c_attn", "c_proj", 2, True, attn_dropout="attn_dropout", out_dropout="resid_dropout")
+
+
+def test_parity_in_training_mode_catches_a_swap_without_dropout() -> None:
+    torch.manual_seed(0)
+    module = NanoGPTAttention(16, 2, 32, dropout=0.3)
+    module.resid_dropout.p = 0.0  # only the attention dropout varies the output
+    calls = [((torch.randn(2, 8, 16),), {})]
+    assert check_parity(module, FusedQKVAttention.from_module(module, _nano_spec()), calls) is None
+    problem = check_parity(module, NoDropoutInTraining.from_module(module, _nano_spec()), calls)
+    assert problem is not None and "the original applies dropout, the swapped module does not" in problem
+
+
+def test_parity_with_dropout_from_another_random_stream_passes_with_a_note() -> None:
+    torch.manual_seed(0)
+    module = NanoGPTAttention(16, 2, 32, dropout=0.3)
+    calls = [((torch.randn(2, 8, 16),), {})]
+    before = torch.get_rng_state()
+    notes: list[str] = []
+    assert check_parity(module, OtherRandomStream.from_module(module, _nano_spec()), calls, notes=notes) is None
+    assert notes == [DROPOUT_STREAM_NOTE]
+    assert torch.equal(torch.get_rng_state(), before)
+    notes.clear()
+    assert check_parity(module, FusedQKVAttention.from_module(module, _nano_spec()), calls, notes=notes) is None
+    assert notes == []
+
+
+class ScalesInTraining(NanoGPTAttention):
+    """Computes something else in training mode than in eval mode (the eval-mode detection cannot see it)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = super().forward(x)
+        return 0.9 * out if self.training else out
+
+
+def test_a_module_that_branches_on_training_is_checked_in_training_mode() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(ScalesInTraining(16, 2, 32, dropout=0.0))
+    with pytest.warns(FallbackWarning, match="in training mode"):
+        result = swap_attention(model)
+    assert result.swapped == [] and type(model[0]) is ScalesInTraining
+    assert "parity check failed" in result.decisions["0"].reason

@@ -20,6 +20,7 @@ from lightning_perf.functional.surgery import (
     patch_forward,
     replace_modules,
     restore_modules,
+    take_over_modes,
     unpatch_forward,
 )
 from tests._models import BasicBlock, ResNet, Stage, encoder
@@ -211,3 +212,36 @@ def test_import_module_class() -> None:
         import_module_class("torch.nn.functional.relu")
     with pytest.raises(ValueError, match="not a class path"):
         import_module_class("Linear")
+
+
+# ------------------------------------------------------------------------------------------------ training flags
+
+
+def test_a_replacement_takes_over_the_training_flags_and_follows_train_and_eval() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)), nn.Linear(2, 2))
+    model[0][1].eval()  # a submodule the user froze in eval mode inside a training model
+
+    def built_in_eval_mode(module: nn.Module, name: str) -> nn.Module:
+        new = copy.copy(module)  # shares the children, but its own flag was set to eval while it was built
+        new.__dict__["_modules"] = dict(module._modules)
+        new.training = False
+        return new
+
+    replaced = replace_modules(model, ["0"], built_in_eval_mode)
+    new = model[0]
+    assert new is not replaced["0"][0]
+    assert new.training and new[0].training and not new[1].training
+    model.eval()
+    assert not any(m.training for m in model.modules())
+    model.train()
+    assert all(m.training for m in model.modules())
+
+
+def test_take_over_modes_matches_names_and_keeps_the_rest() -> None:
+    source = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
+    target = nn.Sequential(nn.Linear(2, 2), nn.Dropout(), nn.ReLU())
+    source.eval()
+    target[2].train()
+    take_over_modes(target, source)
+    assert not target.training and not target[0].training and not target[1].training
+    assert target[2].training
