@@ -5,8 +5,8 @@ This script trains the same ResNet-style classifier twice from the same seed, on
 1. in fp32 (the baseline), and
 2. with :class:`~lightning_perf.callbacks.QATCallback` (x86 PT2E: fake quantization during training; batch-norm
    statistics and observers frozen for the last epoch), which at the end converts the model to int8, validates it on
-   the whole validation split, saves it (``<out>/model_int8.pt2``) and times it against the fp32 model, both
-   compiled by inductor with weight freezing, at batch 1 and 32.
+   the whole validation split, saves it (the artifact set ``<out>/model_int8/``, holding ``model_int8.pt2``) and
+   times it against the fp32 model, both compiled by inductor with weight freezing, at batch 1 and 32.
 
 It prints the validation accuracy of the fp32 model, of the fake-quantized model and of the int8 model (the gaps
 in percentage points), the int8 latency against fp32, and the median training step of both runs (the cost of fake

@@ -1,4 +1,9 @@
-"""Atomic file writes: a reader never sees a half-written file under its final name (DESIGN.md, Errors and safety).
+"""Atomic file writes and safe checkpoint reads (DESIGN.md, Errors and safety).
+
+A reader never sees a half-written file under its final name; a set of files that must change together goes through
+:mod:`lightning_perf.deploy.artifacts`. :func:`load_checkpoint` reads a file with ``torch.load(weights_only=True)``
+and nothing else: a file never runs code, and a file that needs more globals fails with an error naming the global
+and ``torch.serialization.add_safe_globals``.
 
 Everything is first written to a hidden temporary file in the destination's own directory (so the final
 ``os.replace`` is a rename within one file system, which POSIX and Windows make atomic) and moved into place only
@@ -9,11 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text"]
+__all__ = ["UnsafeCheckpointError", "atomic_path", "atomic_write_bytes", "atomic_write_text", "load_checkpoint"]
 
 
 def _temporary_sibling(path: Path) -> Path:
@@ -82,3 +90,29 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
 def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> Path:
     """Write ``text`` to ``path`` atomically, byte for byte (no newline translation), and return it as a Path."""
     return atomic_write_bytes(path, text.encode(encoding))
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint holds a global that ``torch.load(weights_only=True)`` does not allow; it was not loaded."""
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", what: str = "the checkpoint") -> Any:
+    """``torch.load(path, map_location=..., weights_only=True)``, never with ``weights_only=False``.
+
+    Raises:
+        UnsafeCheckpointError: if the file needs a global outside torch's allow-list; the message names the global
+            met (e.g. a hyperparameter's class) and how to allow it with ``torch.serialization.add_safe_globals``
+            after checking that the file comes from a trusted source.
+    """
+    import torch
+
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        name = found.group(1) if found else "a global outside torch's allow-list"
+        raise UnsafeCheckpointError(
+            f"{what} {str(path)!r} was not loaded: it holds {name}, which torch.load(weights_only=True) does not allow "
+            "(loading it could run code from the file). If you trust the file, allow that class before loading: "
+            f"torch.serialization.add_safe_globals([{name.rsplit('.', 1)[-1] if found else '...'}])."
+        ) from None

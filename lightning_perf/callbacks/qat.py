@@ -1,15 +1,16 @@
 """Quantization-aware training (or post-training quantization) that ends in a real, validated, faster int8 model.
 
-The logic is :mod:`lightning_perf.functional.qat`; this callback picks the submodule and its example input, prepares
-it before the optimizers and DDP exist, runs the observer / batch-norm / fake-quant schedule, keeps checkpoints
-loadable both ways, and converts, validates, saves and times the quantized model once training ends.
+The logic is :mod:`lightning_perf.functional.qat` (training time) and :mod:`lightning_perf.deploy.quantize` (after
+training); this callback picks the submodule and its example input, prepares it before the optimizers and DDP exist,
+runs the observer / batch-norm / fake-quant schedule, keeps checkpoints loadable both ways, converts, validates, saves
+and times the quantized model once training ends, and puts the plain model back when a fit fails.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-import pickle
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -19,29 +20,33 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelPruning
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from typing_extensions import override
 
 from lightning_perf._imports import require
+from lightning_perf._io import load_checkpoint
+from lightning_perf._validation import check_bool
 from lightning_perf._warnings import FallbackWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
-from lightning_perf.callbacks.tensorrt_export import _through_batch_hooks, _val_dataloader
-from lightning_perf.functional.export import as_input_tuple, split_inputs
+from lightning_perf.callbacks.tensorrt_export import _val_dataloader
+from lightning_perf.deploy.inputs import split_inputs, submodule_inputs, through_batch_hooks
+from lightning_perf.deploy.quantize import (
+    QuantizationReport,
+    calibrate,
+    compare_models,
+    convert,
+    export_quantized,
+    float_copy,
+)
+from lightning_perf.deploy.quantize.convert import restore_float
 from lightning_perf.functional.qat import (
     BACKENDS,
     MODES,
     NothingToQuantizeError,
     QuantizationError,
     QuantizationRecipe,
-    QuantizationReport,
     base_config_spec,
     batchnorm_modules,
-    calibrate,
-    compare_models,
-    convert,
-    export_quantized,
-    float_copy,
     freeze_batchnorm_stats,
     is_prepared,
     make_recipe,
@@ -57,10 +62,6 @@ from lightning_perf.functional.surgery import replace_modules
 __all__ = ["QATCallback"]
 
 SCHEDULE_UNITS = ("epoch", "step")
-
-
-class _InputCaptured(Exception):
-    """Raised by a forward pre-hook to stop a forward once the submodule's inputs are known."""
 
 
 class _RestoreBeforeWeights:
@@ -136,7 +137,7 @@ class QATCallback(Callback):
         submodule: dotted name of the submodule to quantize; default the only child holding parameters.
         base_config: ``torchao`` backend: the torchao PTQ config to train for (default
             ``"Int8DynamicActivationIntxWeightConfig"``): a config object, a class name, or for YAML
-            ``{class name: {field: value}}`` (see :func:`~lightning_perf.functional.qat.resolve_base_config`).
+            ``{class name: {field: value}}`` (see :func:`~lightning_perf.functional.qat_config.resolve_base_config`).
         disable_observers_after: stop the observers after this many epochs/steps (``x86``).
         freeze_bn_after: freeze batch-norm statistics after this many epochs/steps.
         fake_quant_after: start fake quantization after this many epochs/steps (0: from the start).
@@ -147,7 +148,7 @@ class QATCallback(Callback):
         min_cosine: the converted model's outputs must have at least this cosine similarity to the reference's.
         export: convert, validate, save and time the quantized model at the end of ``fit`` (``False``: QAT only; the
             trained checkpoint converts later with :meth:`load_checkpoint` and
-            :func:`~lightning_perf.functional.qat.export_quantized`).
+            :func:`~lightning_perf.deploy.quantize.export_quantized`).
         benchmark: time the quantized against the float model, both compiled, at the end.
         benchmark_batch_sizes: batch sizes to time at.
         latency_iterations: timed calls per batch size and model.
@@ -247,6 +248,12 @@ class QATCallback(Callback):
             )
         if not isinstance(filename, str) or not filename or "/" in filename or filename.startswith("."):
             raise ValueError(f"`{owner}(filename={filename!r})` is not valid. Expected a plain, non-hidden file stem.")
+        for name, value in (("export", export), ("benchmark", benchmark), ("onnx", onnx), ("strict", strict)):
+            check_bool(owner, name, value)
+        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
+            raise TypeError(f"`{owner}(dirpath={dirpath!r})` is not valid. Expected None or a directory path.")
+        if input_key is not None and (not isinstance(input_key, str) or not input_key):
+            raise ValueError(f"`{owner}(input_key={input_key!r})` is not valid. Expected None or a non-empty key.")
         self.backend = backend
         self.mode = mode
         self.submodule = submodule
@@ -277,6 +284,7 @@ class QATCallback(Callback):
         self._float_module: nn.Module | None = None  # x86: what the prepared graph was captured from (shared params)
         self._applied: tuple[bool, bool, bool] | None = None
         self._eager_batchnorms: list[nn.Module] = []
+        self._prepared_here = False  # this callback put the prepared module in place (undone on an exception)
 
     @property
     @override
@@ -330,14 +338,17 @@ class QATCallback(Callback):
                 )
             example, source = split_inputs(batch, self.input_key), "the first batch"
         elif not isinstance(example, dict):
-            example = _through_batch_hooks(pl_module, example)
-        return _submodule_inputs(pl_module, module, example, source)
+            example = through_batch_hooks(pl_module, example, datamodule=getattr(trainer, "datamodule", None))
+        return submodule_inputs(pl_module, module, example, source, device=pl_module.device)
 
     def _submodule_batches(self, pl_module: pl.LightningModule, module: nn.Module, loader: Any) -> Iterator[Any]:
         """Validation batches as ``(submodule inputs, labels)``: what ``module`` receives for each, and the labels."""
+        datamodule = getattr(pl_module.trainer, "datamodule", None)
         for batch in loader:
-            batch = _through_batch_hooks(pl_module, batch)
-            inputs = _submodule_inputs(pl_module, module, split_inputs(batch, self.input_key), "a validation batch")
+            batch = through_batch_hooks(pl_module, batch, datamodule=datamodule)
+            inputs = submodule_inputs(
+                pl_module, module, split_inputs(batch, self.input_key), "a validation batch", device=pl_module.device
+            )
             labels = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
             yield (inputs, labels)
 
@@ -410,13 +421,14 @@ class QATCallback(Callback):
     def _install(
         self, pl_module: pl.LightningModule, name: str, module: nn.Module, recipe: QuantizationRecipe, example: Any
     ) -> None:
-        prepared = prepare(module, recipe, example)
+        prepared = prepare(module, recipe, example, owner=type(self).__name__)
         if prepared is not module:
             self._replace(pl_module, name, prepared)
         self._float_module = module if recipe.backend == "x86" else None
         self._recipe = recipe
         self._submodule_name = name
         self._applied = None
+        self._prepared_here = True
         self._collect_batchnorms(prepared)
         if recipe.backend == "torchao" and self.disable_observers_after is not None:
             warn_once(
@@ -510,14 +522,14 @@ class QATCallback(Callback):
         The submodule is prepared as the checkpoint's recipe says and the checkpoint's weights and quantization
         state are loaded (strictly). Returns the recipe.
 
+        The file is read with ``torch.load(weights_only=True)`` only: a checkpoint whose hyperparameters need other
+        classes fails with an error naming the class and ``torch.serialization.add_safe_globals``.
+
         Raises:
             ValueError: if the checkpoint holds no ``QATCallback`` state.
+            UnsafeCheckpointError: if the file needs a global torch does not allow by default.
         """
-        try:
-            checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError:
-            # Hyperparameters of types no allow-list knows; the caller chose to trust this file.
-            checkpoint = torch.load(checkpoint_path, map_location=map_location, weights_only=False)
+        checkpoint = load_checkpoint(checkpoint_path, map_location, what="QATCallback.load_checkpoint:")
         entries = {k: v for k, v in (checkpoint.get("callbacks") or {}).items() if k.startswith("QATCallback")}
         states = [v for v in entries.values() if (v.get("recipe") or {}).get("mode") == "qat"]
         if len(states) != 1:
@@ -619,7 +631,7 @@ class QATCallback(Callback):
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-        rank_zero_info(f"{type(self).__name__}: converted model at epoch {trainer.current_epoch}: {_describe(summary)}")
+        rank_zero_info(f"{type(self).__name__}: converted model at epoch {trainer.current_epoch}: {summary.describe()}")
 
     # ------------------------------------------------------------------------------------------- end of training
 
@@ -656,7 +668,9 @@ class QATCallback(Callback):
                 stacklevel=2,
             )
             return
-        rank_zero_info(_summary(type(self).__name__, self.report))
+        rank_zero_info(
+            self.report.summary(type(self).__name__) if self.report else f"{type(self).__name__}: nothing to quantize."
+        )
 
     def _quantize(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> QuantizationReport | None:
         if self.mode == "qat" and self._submodule_name is None:
@@ -695,7 +709,7 @@ class QATCallback(Callback):
         example = self._example_inputs(trainer, pl_module, module, "val")
         float_module = module if self.backend == "torchao" else copy.deepcopy(module).cpu()
         recipe = make_recipe(self.backend, "ptq", self.base_config, example, owner=type(self).__name__)
-        prepared = prepare(float_module, recipe, example)
+        prepared = prepare(float_module, recipe, example, owner=type(self).__name__)
         calibration, held_out = batches[: self.calibration_batches], batches[self.calibration_batches :]
         common["metadata"]["calibration_samples"] = calibrate(prepared, calibration)
         self._recipe, self._submodule_name = recipe, name
@@ -711,6 +725,21 @@ class QATCallback(Callback):
         if self.validation_batches is None:
             return None
         return self.validation_batches + (self.calibration_batches if self.mode == "ptq" else 0)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # A failed or interrupted run does not reach `teardown`: clean up as it would, and put the plain model back
+        # (a fit that completes keeps the QAT-trained model prepared, on purpose; a failed one must leave no graph).
+        if self._prepared_here and self._submodule_name is not None:
+            name = self._submodule_name
+            module = pl_module.get_submodule(name)
+            plain = restore_float(module, self._float_module)
+            if plain is not module:
+                self._replace(pl_module, name, plain)
+            self._recipe, self._submodule_name, self._float_module = None, None, None
+            self._eager_batchnorms = []
+        self._prepared_here = False
+        self.teardown(trainer, pl_module, trainer.state.stage.value if trainer.state.stage else "fit")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -735,49 +764,6 @@ class QATCallback(Callback):
 # ------------------------------------------------------------------------------------------------------ helpers
 
 
-def _submodule_inputs(pl_module: pl.LightningModule, module: nn.Module, inputs: Any, source: str) -> tuple[Any, ...]:
-    """What ``module`` receives when the LightningModule's ``forward`` runs on ``inputs``, on the CPU.
-
-    A forward pre-hook on the submodule records its positional inputs and stops the forward there, so whatever the
-    LightningModule does to its input first (reshaping, normalizing) is seen. Without a ``forward`` (a
-    LightningModule that calls its submodule directly in its step methods), ``inputs`` are the submodule's inputs.
-
-    Raises:
-        ValueError: if the submodule is called with keyword arguments.
-    """
-    inputs = apply_to_collection(inputs, torch.Tensor, lambda t: t.to(pl_module.device))
-    captured: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-
-    def record(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        captured.append((args, kwargs))
-        raise _InputCaptured
-
-    handle = module.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            if isinstance(inputs, dict):
-                pl_module(**inputs)
-            elif isinstance(inputs, (tuple, list)):
-                pl_module(*inputs)
-            else:
-                pl_module(inputs)
-    except (_InputCaptured, NotImplementedError):
-        pass
-    finally:
-        handle.remove()
-    if not captured:
-        found = as_input_tuple(inputs, f"{type(pl_module).__name__} {source}")
-    else:
-        args, kwargs = captured[0]
-        if kwargs:
-            raise ValueError(
-                f"`QATCallback`: the submodule is called with keyword arguments ({', '.join(kwargs)}); quantization "
-                "captures positional tensor inputs only."
-            )
-        found = as_input_tuple(args, f"the inputs of the submodule for {source}")
-    return tuple(t.detach().cpu() for t in found)
-
-
 def _first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, split: str) -> Any:
     if split == "train":
         source = getattr(trainer.fit_loop, "_data_source", None)
@@ -787,7 +773,7 @@ def _first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, split: str)
     if loader is None:
         return None
     for batch in loader:
-        return _through_batch_hooks(pl_module, batch)
+        return through_batch_hooks(pl_module, batch, datamodule=getattr(trainer, "datamodule", None))
     return None
 
 
@@ -795,35 +781,3 @@ def _default_dirpath(trainer: pl.Trainer) -> Path:
     callback = trainer.checkpoint_callback
     dirpath = getattr(callback, "dirpath", None) if callback is not None else None
     return Path(dirpath) if dirpath else Path(trainer.default_root_dir) / "quantized"
-
-
-def _describe(summary: Any) -> str:
-    text = f"cosine {summary.cosine:.5f}, max abs diff {summary.max_abs_diff:.3g}"
-    if summary.top1_agreement is not None:
-        text += f", top-1 agreement {100 * summary.top1_agreement:.1f}%"
-    if summary.accuracy_gap is not None:
-        text += (
-            f", accuracy {100 * summary.reference_accuracy:.2f}% (fake-quantized) vs "
-            f"{100 * summary.quantized_accuracy:.2f}% (int8), gap {summary.accuracy_gap:+.2f} pp"
-        )
-    return text
-
-
-def _summary(owner: str, report: QuantizationReport | None) -> str:
-    if report is None:
-        return f"{owner}: nothing to quantize."
-    if not report.ok:
-        return f"{owner}: no quantized model ({'; '.join(report.problems)}). Report: {report.report_path}"
-    lines = [f"{owner}: saved {report.artifact} ({report.recipe.backend}, {report.recipe.mode})"]
-    if report.validation is not None:
-        lines.append(
-            f"  against the {'fake-quantized' if report.recipe.mode == 'qat' else 'float'} model: "
-            + _describe(report.validation)
-        )
-    for row in report.latency:
-        lines.append(
-            f"  batch {row.batch_size}: {1e3 * row.quantized_median_s:.2f} ms quantized vs "
-            f"{1e3 * row.float_median_s:.2f} ms float, both compiled: {row.speedup:.2f}x"
-        )
-    lines.append(f"  report: {report.report_path}")
-    return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Export the trained model for deployment when ``fit`` ends: TensorRT, or ONNX when TensorRT cannot run, validated.
 
-The logic is :func:`lightning_perf.functional.export.export_model`; this callback picks the weights (the best
+The logic is :func:`lightning_perf.deploy.export.export_model`; this callback picks the weights (the best
 checkpoint of a ``ModelCheckpoint`` when there is one), the example input and the held-out batches, and runs it once,
 on rank zero, after training.
 """
@@ -8,29 +8,29 @@ on rank zero, after training.
 from __future__ import annotations
 
 import copy
-import pickle
+import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_perf._io import load_checkpoint
+from lightning_perf._validation import check_bool
 from lightning_perf._warnings import FallbackWarning
-from lightning_perf.functional.export import (
-    BACKENDS,
-    ExportError,
-    ExportReport,
+from lightning_perf.deploy.backend import BACKENDS, validate_options
+from lightning_perf.deploy.export import ExportError, ExportReport, export_model
+from lightning_perf.deploy.inputs import (
     as_input_tuple,
     example_inputs_from_shapes,
-    export_model,
+    model_inputs,
     split_inputs,
-    validate_options,
+    through_batch_hooks,
 )
 
 __all__ = ["TensorRTExportCallback"]
@@ -123,12 +123,18 @@ class TensorRTExportCallback(Callback):
             raise ValueError(
                 f"`TensorRTExportCallback(filename={filename!r})` is not valid. Expected a plain, non-hidden file stem."
             )
+        owner = type(self).__name__
+        check_bool(owner, "use_best_checkpoint", use_best_checkpoint)
+        _check_optional(owner, "dirpath", dirpath, (str, os.PathLike), "None or a directory path")
+        _check_optional(owner, "input_key", input_key, str, "None or the model input's key in dict batches")
+        if input_key == "":
+            raise ValueError(f"`{owner}(input_key='')` is not valid. Expected None or a non-empty key.")
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.filename = filename
         self.input_shapes = None if input_shapes is None else [tuple(s) for s in input_shapes]
         self.input_key = input_key
         self.device = device
-        self.use_best_checkpoint = bool(use_best_checkpoint)
+        self.use_best_checkpoint = use_best_checkpoint
         self.report: ExportReport | None = None
         """The report of the last export (rank zero), ``None`` before one ran or when it could not start."""
 
@@ -175,14 +181,21 @@ class TensorRTExportCallback(Callback):
         if checkpoint is not None:
             model.load_state_dict(_load_state_dict(checkpoint))
 
+        datamodule = getattr(trainer, "datamodule", None)
         val_loader = _val_dataloader(trainer, pl_module)
-        batches = _model_inputs(pl_module, val_loader) if val_loader is not None else None
+        batches = model_inputs(pl_module, val_loader, datamodule=datamodule) if val_loader is not None else None
         if self.input_shapes is not None:
             example = example_inputs_from_shapes(self.input_shapes, batch_size=self.export_kwargs["batch_range"][2])
         elif pl_module.example_input_array is not None:
-            example = as_input_tuple(_through_batch_hooks(pl_module, pl_module.example_input_array))
+            example = as_input_tuple(
+                through_batch_hooks(pl_module, pl_module.example_input_array, datamodule=datamodule)
+            )
         else:
-            first = next(_model_inputs(pl_module, val_loader), None) if val_loader is not None else None
+            first = (
+                next(model_inputs(pl_module, val_loader, datamodule=datamodule), None)
+                if val_loader is not None
+                else None
+            )
             if first is None:
                 raise ValueError("the validation data is empty, so no example input could be taken from it.")
             example = split_inputs(first, self.input_key)
@@ -213,6 +226,11 @@ class TensorRTExportCallback(Callback):
 # ------------------------------------------------------------------------------------------------------ helpers
 
 
+def _check_optional(owner: str, name: str, value: Any, types: Any, expected: str) -> None:
+    if value is not None and not isinstance(value, types):
+        raise TypeError(f"`{owner}({name}={value!r})` is not valid. Expected {expected}.")
+
+
 def _detached_copy(pl_module: pl.LightningModule, trainer: pl.Trainer) -> pl.LightningModule:
     """A deep copy of the module without its trainer (copying the trainer would copy loaders, loggers, processes).
 
@@ -230,12 +248,8 @@ def _best_checkpoint(trainer: pl.Trainer) -> Path | None:
 
 
 def _load_state_dict(path: Path) -> dict[str, Any]:
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # This trainer run wrote the file, so it is trusted; it may hold hyperparameters no allow-list knows.
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    return checkpoint["state_dict"]
+    # weights_only=True, no fallback: a file never runs code; more globals are the user's add_safe_globals.
+    return load_checkpoint(path, map_location="cpu", what="TensorRTExportCallback: the best checkpoint")["state_dict"]
 
 
 def _default_dirpath(trainer: pl.Trainer) -> Path:
@@ -270,20 +284,6 @@ def _val_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
     if isinstance(loaders, (list, tuple)):
         loaders = loaders[0] if loaders else None
     return loaders
-
-
-def _through_batch_hooks(pl_module: pl.LightningModule, batch: Any) -> Any:
-    """The batch as ``forward`` sees it in a loop: after the module's before/after batch-transfer hooks.
-
-    The transfer itself is left to the export, which moves inputs to its own device.
-    """
-    batch = pl_module.on_before_batch_transfer(batch, 0)
-    return pl_module.on_after_batch_transfer(batch, 0)
-
-
-def _model_inputs(pl_module: pl.LightningModule, loader: Any) -> Iterator[Any]:
-    for batch in loader:
-        yield _through_batch_hooks(pl_module, batch)
 
 
 def _log_summary(report: ExportReport) -> None:

@@ -1,23 +1,42 @@
-"""Each optimization as plain functions on modules, tensors and optimizers: no Lightning needed."""
+"""Each optimization as plain functions on modules, tensors and optimizers: no Lightning needed.
+
+Deployment (export, quantized-model saving) moved to :mod:`lightning_perf.deploy`; its old names here resolve lazily
+with a ``DeprecationWarning``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
 
 from lightning_perf.functional.backend_flags import BackendFlags
 from lightning_perf.functional.channels_last import apply_channels_last, batch_to_channels_last
 from lightning_perf.functional.compile import CompileMonitor, compile_regions
-from lightning_perf.functional.export import ExportReport, export_model
 from lightning_perf.functional.fused_optimizer import switch_implementation
 from lightning_perf.functional.powersgd import gather_state_dict, register_powersgd_hook
-from lightning_perf.functional.qat import export_quantized
 
 __all__ = [
     "BackendFlags",
     "CompileMonitor",
-    "ExportReport",
     "apply_channels_last",
     "batch_to_channels_last",
     "compile_regions",
-    "export_model",
-    "export_quantized",
     "gather_state_dict",
     "register_powersgd_hook",
     "switch_implementation",
 ]
+
+_MOVED = {
+    "ExportReport": "lightning_perf.deploy.export",
+    "export_model": "lightning_perf.deploy.export",
+    "export_quantized": "lightning_perf.deploy.quantize.save",
+}
+
+
+def __getattr__(name: str) -> Any:
+    target = _MOVED.get(name)
+    if target is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} moved to {target}; import it from there", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(target), name)

@@ -155,8 +155,8 @@ def test_fit_prepares_before_optimizers_and_exports_at_the_end(tmp_path: Path) -
     assert optimizer_params == {id(p) for p in model.parameters()} == {id(p) for p in float_net.parameters()}
     report = callback.report
     assert report is not None and report.ok, report and report.problems
-    assert report.artifact == tmp_path / "quantized" / "model_int8.pt2"
-    data_json = json.loads((tmp_path / "quantized" / "model_int8.json").read_text())
+    assert report.artifact == tmp_path / "quantized" / "model_int8" / "model_int8.pt2"
+    data_json = json.loads((tmp_path / "quantized" / "model_int8" / "model_int8.json").read_text())
     assert data_json["recipe"]["input_shapes"] == [[3, 16, 16]]
     assert data_json["validation"]["cosine"] > 0.99 and data_json["metadata"]["submodule"] == "net"
     program = torch.export.load(report.artifact).module()
@@ -479,7 +479,7 @@ def test_ptq_through_validate(tmp_path: Path) -> None:
     callback = QATCallback(mode="ptq", calibration_batches=1, filename="ptq", **QUICK)
     _trainer(tmp_path, [callback]).validate(model, datamodule=data, verbose=False)
     assert callback.report is not None and callback.report.ok
-    assert (tmp_path / "quantized" / "ptq.pt2").is_file()
+    assert (tmp_path / "quantized" / "ptq" / "ptq.pt2").is_file()
 
 
 # --------------------------------------------------------------------------------------------------------- timing

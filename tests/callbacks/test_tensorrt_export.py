@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,8 @@ from lightning_perf._imports import is_onnx_available, is_onnxruntime_available
 from lightning_perf.callbacks import TensorRTExportCallback
 from lightning_perf.callbacks import tensorrt_export as callback_module
 from lightning_perf.demos import ConvNetModule, make_workload
-from lightning_perf.functional.export import ExportError
+from lightning_perf.deploy.export import ExportError
+from tests.deploy._sets import visible_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 needs_onnx = pytest.mark.skipif(
@@ -98,10 +100,10 @@ def test_exports_the_best_checkpoint_and_leaves_model_and_checkpoints_untouched(
 
     report = callback.report
     assert report is not None and report.ok and report.backend == "onnx"
-    assert report.artifact == tmp_path / "ckpt" / "model.onnx"  # next to the checkpoints
+    assert report.artifact == tmp_path / "ckpt" / "model" / "model.onnx"  # the set `model`, next to the checkpoints
     assert report.metadata["checkpoint"] == str(best) and report.metadata["source"] == "checkpoint"
     assert report.validation_source == "validation_data"
-    saved = json.loads((tmp_path / "ckpt" / "model.export.json").read_text())
+    saved = json.loads((tmp_path / "ckpt" / "model" / "model.export.json").read_text())
     assert saved["metadata"]["global_step"] == 3
 
     # The artifact computes what the best checkpoint computes, not what the final weights compute.
@@ -125,7 +127,7 @@ def test_tensorrt_unavailable_warns_and_the_fit_still_succeeds(tmp_path: Path) -
         trainer.fit(model, datamodule=data)
     assert trainer.state.finished and trainer.global_step == 3
     assert callback.report is not None and not callback.report.ok
-    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["model.export.json"]
+    assert visible_files(tmp_path / "export") == ["model.failed/model.export.json"]
 
 
 def test_strict_makes_an_export_failure_fail_the_fit(tmp_path: Path) -> None:
@@ -187,10 +189,10 @@ def test_two_process_ddp_writes_one_artifact_set(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(result.read_text())["world_size"] == 2
-    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == [
-        "model.export.json",
-        "model.onnx",
-        "model.onnx.data",
+    assert visible_files(tmp_path / "export") == [
+        "model/model.export.json",
+        "model/model.onnx",
+        "model/model.onnx.data",
     ]
 
 
@@ -245,8 +247,51 @@ def test_input_shapes_stand_in_for_a_missing_example(tmp_path: Path) -> None:
         ({"batch_range": (1, 64, 32)}, "got min=1, opt=64, max=32"),
         ({"input_shapes": [(3, -1)]}, "positive integer sizes"),
         ({"filename": "../model"}, "filename='../model'"),
+        ({"filename": ""}, "filename=''"),
+        ({"backends": []}, r"backends=\[\].*non-empty"),
+        ({"backends": ["onnx", "onnx"]}, "distinct"),
+        ({"dynamic_dims": {0: (1, 2, 3)}}, "dimension 0 is the batch"),
+        ({"validation_batch_sizes": [64]}, "within the batch range 1..32"),
+        ({"tolerance": {"atol": float("nan")}}, "atol=nan"),
+        ({"tolerance": 0.1}, "tolerance=0.1"),
+        ({"latency_iterations": -1}, "latency_iterations=-1"),
+        ({"latency_warmup": 1.5}, "latency_warmup=1.5"),
+        ({"device": "tpu"}, "device='tpu'"),
+        ({"opset": 9}, "opset=9"),
+        ({"onnx_providers": "CPUExecutionProvider"}, "onnx_providers='CPUExecutionProvider'"),
+        ({"strict": "false"}, r"strict='false'.*True or False"),
+        ({"use_best_checkpoint": 1}, r"use_best_checkpoint=1.*True or False"),
+        ({"dirpath": 3}, r"dirpath=3.*directory path"),
+        ({"input_key": ""}, r"input_key=''"),
+        ({"input_key": 0}, r"input_key=0"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         TensorRTExportCallback(**kwargs)
+
+
+class _Payload:
+    """Unpickling it would create ``marker``: what a crafted checkpoint does to run code."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+def test_a_crafted_best_checkpoint_is_never_unpickled(tmp_path: Path, monkeypatch) -> None:
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "crafted.ckpt"
+    model, data = make_workload("convnet", "tiny", seed=0)
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": _Payload(str(marker))}, crafted)
+    with pytest.raises(pickle.UnpicklingError, match=r"add_safe_globals\(\[open\]\)"):
+        callback_module._load_state_dict(crafted)
+    assert not marker.exists()
+    # Through the callback: the export is refused with that reason, the fit ends, nothing ran.
+    monkeypatch.setattr(callback_module, "_best_checkpoint", lambda trainer: crafted)
+    callback = TensorRTExportCallback(backends=["onnx"], dirpath=tmp_path / "out", **QUICK)
+    with pytest.warns(FallbackWarning, match="UnsafeCheckpointError.*add_safe_globals"):
+        _trainer(tmp_path, [callback]).fit(model, datamodule=data)
+    assert not marker.exists() and callback.report is None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +11,8 @@ import torch
 import torchao  # noqa: F401  (the `test` extra installs it: a missing install fails here, not skips)
 from torch import nn
 
-from lightning_perf import FallbackWarning, _imports
+from lightning_perf import _imports
+from lightning_perf.deploy import quantize as dq
 from lightning_perf.functional import qat
 
 BATCH_NORM = torch.ops.aten.batch_norm.default
@@ -273,63 +273,10 @@ def test_torchao_internals_are_restored_after_prepare() -> None:
     from torchao.quantization.pt2e import qat_utils, utils
 
     before = (utils._get_aten_graph_module_for_pattern, qat_utils._fold_conv_bn_qat_helper)
-    with pytest.raises(RuntimeError), qat._fast_pattern_matching():
+    with pytest.raises(RuntimeError), qat.fast_pattern_matching():
         assert utils._get_aten_graph_module_for_pattern is not before[0]
         raise RuntimeError
     assert (utils._get_aten_graph_module_for_pattern, qat_utils._fold_conv_bn_qat_helper) == before
-
-
-# --------------------------------------------------------------------------------------------- x86: convert
-
-
-def test_convert_matches_the_fake_quantized_model_and_leaves_it_alone(
-    prepared_conv: tuple[nn.Module, nn.Module],
-) -> None:
-    _, prepared = prepared_conv
-    state = {k: v.clone() for k, v in prepared.state_dict().items()}
-    code = prepared.code
-    quantized = qat.convert(prepared)
-    assert prepared.code == code and prepared.training
-    for key, value in prepared.state_dict().items():
-        torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)
-    assert not qat.is_prepared(quantized) and not quantized.training
-    targets = {str(n.target) for n in quantized.graph.nodes}
-    assert any("quantize_per_tensor" in t for t in targets)
-    assert "aten.add_.Tensor" not in targets  # no batch counting left in the inference graph
-    x, y = _images(32, seed=1)
-    reference = copy.deepcopy(prepared)
-    qat.set_observers(reference, False)
-    summary = qat.compare_models(reference, quantized, [(x, y)])
-    assert summary.passed, summary.problem
-    assert summary.cosine > 0.99 and summary.top1_agreement > 0.8
-    assert summary.reference_accuracy is not None and summary.accuracy_gap is not None
-
-
-def test_compare_models_fails_below_min_cosine() -> None:
-    torch.manual_seed(0)
-    a, b = TinyMLP(), TinyMLP()
-    summary = qat.compare_models(a, b, [torch.randn(8, 32)], min_cosine=0.999)
-    assert not summary.passed and "cosine similarity" in summary.problem
-    assert summary.reference_accuracy is None  # no labels
-    with pytest.raises(ValueError, match="no batch"):
-        qat.compare_models(a, b, [])
-
-
-def test_ptq_calibrates_converts_and_saves(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    float_model = TinyConvNet().eval()
-    x, y = _images(32)
-    recipe = qat.make_recipe("x86", "ptq", example_inputs=x[:1])
-    prepared = qat.prepare(float_model, recipe)
-    assert not prepared.training
-    assert qat.calibrate(prepared, [(x[:16], y[:16]), (x[16:], y[16:])]) == 32
-    quantized = qat.convert(prepared)
-    summary = qat.compare_models(float_model, quantized, [(x, y)])
-    assert summary.passed, summary.problem
-    path = qat.save_quantized(quantized, x[:1], tmp_path / "ptq.pt2")
-    loaded = torch.export.load(path).module()
-    torch.testing.assert_close(loaded(x[:5]), quantized(x[:5]))
-    assert [p.name for p in tmp_path.iterdir()] == ["ptq.pt2"]  # no temporary file left behind
 
 
 # ------------------------------------------------------------------------------------------------- torchao
@@ -351,12 +298,12 @@ def test_torchao_prepare_in_place_convert_and_float_copy() -> None:
     assert qat.set_fake_quant(model, False) >= 2
     assert not model.fc1.weight_fake_quantizer.enabled
     qat.set_fake_quant(model, True)
-    quantized = qat.convert(model)
+    quantized = dq.convert(model)
     assert isinstance(model.fc1, FakeQuantizedLinear)  # the trainable model is untouched
     assert type(quantized.fc1.weight).__name__ != "Parameter" or quantized.fc1.weight.dtype != torch.float32
-    summary = qat.compare_models(model, quantized, [(x, y)])
+    summary = dq.compare_models(model, quantized, [(x, y)])
     assert summary.passed, summary.problem
-    plain = qat.float_copy(model)
+    plain = dq.float_copy(model)
     assert type(plain.fc1) is nn.Linear and not qat.is_prepared(plain)
     torch.testing.assert_close(plain.fc1.weight, model.fc1.weight)
 
@@ -365,89 +312,11 @@ def test_torchao_ptq_leaves_the_float_model_alone() -> None:
     model = TinyMLP()
     prepared = qat.prepare(model, qat.make_recipe("torchao", "ptq", example_inputs=torch.zeros(1, 32)))
     assert prepared is not model and type(model.fc1) is nn.Linear
-    assert qat.calibrate(prepared, [torch.randn(4, 32)]) == 4
-    quantized = qat.convert(prepared)
-    assert qat.compare_models(model, quantized, [torch.randn(8, 32)]).passed
+    assert dq.calibrate(prepared, [torch.randn(4, 32)]) == 4
+    quantized = dq.convert(prepared)
+    assert dq.compare_models(model, quantized, [torch.randn(8, 32)]).passed
 
 
 def test_torchao_rejects_a_bare_linear() -> None:
     with pytest.raises(qat.QuantizationError, match="is one itself"):
         qat.prepare(nn.Linear(4, 4), qat.make_recipe("torchao", "qat", example_inputs=torch.zeros(1, 4)))
-
-
-# ------------------------------------------------------------------------------------------ export_quantized
-
-
-def test_export_quantized_writes_artifact_and_report(
-    prepared_conv: tuple[nn.Module, nn.Module], tmp_path: Path
-) -> None:
-    float_model, prepared = prepared_conv
-    x, y = _images(16, seed=2)
-    report = qat.export_quantized(
-        prepared, float_model=float_model, validation_data=[(x, y)], dirpath=tmp_path, benchmark=False
-    )
-    assert report.ok, report.problems
-    assert report.artifact == tmp_path / "model_int8.pt2" and report.artifact.is_file()
-    data = json.loads((tmp_path / "model_int8.json").read_text())
-    assert data["ok"] and data["recipe"]["backend"] == "x86"
-    assert data["validation"]["cosine"] > 0.99 and data["validation"]["samples"] == 16
-    assert data["latency"] == []
-    loaded = torch.export.load(report.artifact).module()
-    assert loaded(x[:3]).shape == (3, 4)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model_int8.json", "model_int8.pt2"]
-
-
-@pytest.mark.skipif(not _imports.is_onnxruntime_available() or not _imports.is_onnx_available(), reason="needs onnx")
-def test_export_quantized_to_onnx_too(prepared_conv: tuple[nn.Module, nn.Module], tmp_path: Path) -> None:
-    import onnxruntime
-
-    _, prepared = prepared_conv
-    report = qat.export_quantized(prepared, dirpath=tmp_path, benchmark=False, onnx=True)
-    assert report.ok and report.onnx == tmp_path / "model_int8.onnx"
-    assert (tmp_path / "model_int8.onnx.data").is_file()
-    session = onnxruntime.InferenceSession(str(report.onnx), providers=["CPUExecutionProvider"])
-    x = torch.randn(3, 3, 8, 8)
-    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-    expected = torch.export.load(report.artifact).module()(x)
-    assert torch.nn.functional.cosine_similarity(torch.from_numpy(out).flatten(), expected.flatten(), dim=0) > 0.99
-
-
-def test_export_failure_warns_and_leaves_the_model(
-    prepared_conv: tuple[nn.Module, nn.Module], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _, prepared = prepared_conv
-    state = {k: v.clone() for k, v in prepared.state_dict().items()}
-
-    def broken(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("convert exploded")
-
-    monkeypatch.setattr(qat, "convert", broken)
-    with pytest.warns(FallbackWarning, match="convert exploded"):
-        report = qat.export_quantized(prepared, dirpath=tmp_path, benchmark=False)
-    assert not report.ok and report.artifact is None
-    assert [p.name for p in tmp_path.iterdir()] == ["model_int8.json"]
-    for key, value in prepared.state_dict().items():
-        torch.testing.assert_close(value, state[key], rtol=0, atol=0)
-    with pytest.raises(qat.QuantizationError, match="convert exploded"):
-        qat.export_quantized(prepared, dirpath=tmp_path, benchmark=False, strict=True)
-
-
-def test_failed_validation_is_saved_under_a_failed_name(
-    prepared_conv: tuple[nn.Module, nn.Module], tmp_path: Path
-) -> None:
-    _, prepared = prepared_conv
-    with pytest.warns(FallbackWarning, match="cosine similarity"):
-        report = qat.export_quantized(prepared, dirpath=tmp_path, benchmark=False, min_cosine=1.01)
-    assert not report.ok and report.artifact == tmp_path / "model_int8.failed.pt2"
-
-
-@pytest.mark.slow
-def test_compiled_latency_times_both_models(prepared_conv: tuple[nn.Module, nn.Module]) -> None:
-    float_model, prepared = prepared_conv
-    quantized = qat.convert(prepared)
-    rows = qat.compiled_latency(float_model, quantized, torch.randn(1, 3, 8, 8), (1, 4), iterations=4, warmup=1)
-    assert [r.batch_size for r in rows] == [1, 4]
-    for row in rows:
-        assert row.float_median_s > 0 and row.quantized_median_s > 0 and row.iterations == 4
-        assert row.float_compile_s > 0 and row.quantized_compile_s > 0
-    assert not torch._inductor.config.freezing  # scoped to the measurement

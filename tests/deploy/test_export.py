@@ -7,7 +7,6 @@ rest runs on the checks' building blocks or with the expensive step replaced.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +17,18 @@ from torch import nn
 from lightning_perf import FallbackWarning
 from lightning_perf._imports import is_onnx_available, is_onnxruntime_available
 from lightning_perf.demos import make_workload
-from lightning_perf.functional import export as export_module
-from lightning_perf.functional.export import (
-    DEFAULT_TOLERANCES,
+from lightning_perf.deploy.artifacts import committed_set, write_set
+from lightning_perf.deploy.backend import validate_options
+from lightning_perf.deploy.export import ExportError, export_model
+from lightning_perf.deploy.inputs import (
     DimRange,
-    ExportError,
-    Tolerance,
-    _compare,
-    _latency,
     as_input_tuple,
     build_input_specs,
     example_inputs_from_shapes,
-    export_model,
     split_inputs,
-    validate_options,
 )
+from lightning_perf.deploy.onnx import OnnxBackend, OnnxRunner
+from lightning_perf.deploy.validate import DEFAULT_TOLERANCES, Tolerance, compare_outputs
 
 needs_onnx = pytest.mark.skipif(
     not (is_onnx_available() and is_onnxruntime_available()), reason="needs the `onnx` extra"
@@ -41,7 +37,21 @@ SMALL = {"batch_range": (1, 2, 4), "latency_iterations": 2, "latency_warmup": 1,
 
 
 def _files(path: Path) -> list[str]:
-    return sorted(p.name for p in path.iterdir())
+    """What a reader finds in ``path``: plain files by name, each committed set's files as ``<set>/<file>``.
+
+    Staging directories and temporary links are debris and fail the test; ``.<set>.versions`` holds the sets.
+    """
+    names = []
+    for entry in path.iterdir():
+        assert not entry.name.startswith(".staging-") and ".link-" not in entry.name, f"debris: {entry.name}"
+        if entry.name.startswith("."):
+            continue
+        committed = committed_set(path, entry.name)
+        if committed is not None:
+            names += [f"{entry.name}/{f.name}" for f in committed.iterdir()]
+        else:
+            names.append(entry.name)
+    return sorted(names)
 
 
 def _snapshot(model: nn.Module) -> tuple[bool, dict[str, torch.Tensor]]:
@@ -82,8 +92,9 @@ def test_convnet_falls_back_from_tensorrt_to_a_validated_onnx_export(tmp_path: P
 
     assert report.ok and report.backend == "onnx"
     assert [a.status for a in report.attempts] == ["unavailable", "ok"]
-    assert report.artifact == tmp_path / "model.onnx"
-    assert _files(tmp_path) == ["model.export.json", "model.onnx", "model.onnx.data"]  # no staging debris
+    assert report.artifact == tmp_path / "model" / "model.onnx"
+    assert report.report_path == tmp_path / "model" / "model.export.json"
+    assert _files(tmp_path) == ["model/model.export.json", "model/model.onnx", "model/model.onnx.data"]  # no debris
     onnx_attempt = report.attempts[1]
     assert [v.batch_size for v in onnx_attempt.validation] == [1, 2, 4]
     for result in onnx_attempt.validation:
@@ -103,7 +114,7 @@ def test_convnet_falls_back_from_tensorrt_to_a_validated_onnx_export(tmp_path: P
     with torch.no_grad():
         torch.testing.assert_close(_run_onnx(report.artifact, x), model.eval()(x), atol=1e-4, rtol=1e-4)
 
-    saved = json.loads((tmp_path / "model.export.json").read_text())
+    saved = json.loads((tmp_path / "model" / "model.export.json").read_text())
     assert saved["ok"] is True and saved["backend"] == "onnx" and saved["precision"] == "fp32"
     assert saved["validation_source"] == "validation_data"
     assert saved["inputs"] == [
@@ -135,7 +146,7 @@ def test_onnx_export_of_reference_workloads_passes_validation(workload: str, tmp
         **SMALL,
     )
     assert report.ok, report.attempts[0].reason
-    assert _files(tmp_path) == [f"{workload}.export.json", f"{workload}.onnx", f"{workload}.onnx.data"]
+    assert _files(tmp_path) == [f"{workload}/{workload}.{ext}" for ext in ("export.json", "onnx", "onnx.data")]
     assert all(v.passed for v in report.attempts[0].validation)
     assert len(report.attempts[0].latency) == 3
 
@@ -145,12 +156,12 @@ def test_onnx_export_of_reference_workloads_passes_validation(workload: str, tmp
 def test_wrong_export_is_caught_kept_as_failed_and_strict_raises(tmp_path: Path, monkeypatch) -> None:
     """An export whose runtime computes something else fails validation, is kept under `.failed`, never as final."""
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-    original_call = export_module._OnnxRunner.__call__
+    original_call = OnnxRunner.__call__
 
     def perturbed(self: Any, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         return [t + 0.05 for t in original_call(self, inputs)]
 
-    monkeypatch.setattr(export_module._OnnxRunner, "__call__", perturbed)
+    monkeypatch.setattr(OnnxRunner, "__call__", perturbed)
     example = torch.randn(4, 6)
     with pytest.warns(
         FallbackWarning,
@@ -162,16 +173,21 @@ def test_wrong_export_is_caught_kept_as_failed_and_strict_raises(tmp_path: Path,
     (attempt,) = report.attempts
     assert attempt.status == "failed_validation" and attempt.latency == []
     assert attempt.validation[0].outputs[0].max_abs_diff == pytest.approx(0.05, abs=1e-5)
-    assert _files(tmp_path) == ["model.export.json", "model.failed.onnx", "model.failed.onnx.data"]
-    assert json.loads((tmp_path / "model.export.json").read_text())["attempts"][0]["status"] == "failed_validation"
+    failed = ["model.failed/model.export.json", "model.failed/model.failed.onnx", "model.failed/model.failed.onnx.data"]
+    assert _files(tmp_path) == failed  # a failed export is its own set: it never replaces a good one
+    saved = json.loads((tmp_path / "model.failed" / "model.export.json").read_text())
+    assert saved["attempts"][0]["status"] == "failed_validation"
     # The kept artifact loads on its own (its weights file was renamed with it) and is the real export.
     torch.testing.assert_close(
-        _run_onnx(tmp_path / "model.failed.onnx", example), model(example).detach(), atol=1e-5, rtol=1e-5
+        _run_onnx(tmp_path / "model.failed" / "model.failed.onnx", example),
+        model(example).detach(),
+        atol=1e-5,
+        rtol=1e-5,
     )
 
     with pytest.raises(ExportError, match="failed validation"):
         export_model(model, example, backends=["onnx"], dirpath=tmp_path / "strict", strict=True, **SMALL)
-    assert _files(tmp_path / "strict") == ["model.export.json", "model.failed.onnx", "model.failed.onnx.data"]
+    assert _files(tmp_path / "strict") == failed
 
 
 @needs_onnx
@@ -233,7 +249,7 @@ def test_tensorrt_export_is_saved_reloaded_validated_and_timed(precision: str, t
     )
     attempt = report.attempts[0]
     assert report.ok and report.backend == "tensorrt", attempt.reason
-    assert report.artifact == tmp_path / "model.trt.pt2"
+    assert report.artifact == tmp_path / "model" / "model.trt.pt2"
     assert [v.batch_size for v in attempt.validation] == [1, 8, 32] and all(v.passed for v in attempt.validation)
     assert [r.batch_size for r in attempt.latency] == [1, 8, 32] and all(r.export_median_s > 0 for r in attempt.latency)
     assert attempt.runtime and "torch-tensorrt" in attempt.runtime
@@ -286,20 +302,21 @@ class _HalfWrittenExport:
 
 @needs_onnx
 def test_export_failing_half_way_leaves_no_partial_file(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(export_module._OnnxBackend, "build", lambda self, *args: _HalfWrittenExport())
-    (tmp_path / "model.onnx").write_bytes(b"previous good export")
+    monkeypatch.setattr(OnnxBackend, "build", lambda self, *args: _HalfWrittenExport())
+    write_set(tmp_path, "model", {"model.onnx": b"previous good export"})
     with pytest.warns(FallbackWarning, match="'onnx' failed: OSError: disk full"):
         report = export_model(nn.Linear(3, 2), torch.randn(2, 3), backends=["onnx"], dirpath=tmp_path, **SMALL)
     assert not report.ok and report.attempts[0].status == "error"
-    assert _files(tmp_path) == ["model.export.json", "model.onnx"]  # no staging directory, no half-written files
-    assert (tmp_path / "model.onnx").read_bytes() == b"previous good export"  # an earlier artifact is untouched
+    # No staging directory, no half-written files; the earlier set is untouched and the report is in its own set.
+    assert _files(tmp_path) == ["model.failed/model.export.json", "model/model.onnx"]
+    assert (tmp_path / "model" / "model.onnx").read_bytes() == b"previous good export"
 
     with pytest.raises(ExportError, match="disk full") as info:
         export_model(
             nn.Linear(3, 2), torch.randn(2, 3), backends=["onnx"], dirpath=tmp_path / "s", strict=True, **SMALL
         )
     assert isinstance(info.value.__cause__, OSError)
-    assert _files(tmp_path / "s") == ["model.export.json"]
+    assert _files(tmp_path / "s") == ["model.failed/model.export.json"]
 
 
 def test_tensorrt_unavailable_without_an_export_runs_nothing(tmp_path: Path) -> None:
@@ -307,7 +324,7 @@ def test_tensorrt_unavailable_without_an_export_runs_nothing(tmp_path: Path) -> 
     with pytest.warns(FallbackWarning, match="'tensorrt' is unavailable.*nothing was exported"):
         report = export_model(nn.Linear(3, 2), torch.randn(2, 3), backends=["tensorrt"], dirpath=tmp_path, **SMALL)
     assert not report.ok and report.attempts[0].status == "unavailable"
-    assert _files(tmp_path) == ["model.export.json"]
+    assert _files(tmp_path) == ["model.failed/model.export.json"]
 
 
 @needs_onnx
@@ -317,7 +334,7 @@ def test_half_precision_onnx_without_a_gpu_provider_is_unavailable_with_the_reas
             nn.Linear(3, 2), torch.randn(2, 3), backends=["onnx"], precision="fp16", dirpath=tmp_path, **SMALL
         )
     assert report.attempts[0].status == "unavailable"
-    assert _files(tmp_path) == ["model.export.json"]
+    assert _files(tmp_path) == ["model.failed/model.export.json"]
     with pytest.warns(FallbackWarning, match="'onnx' is unavailable: bf16 ONNX is not supported"):
         export_model(nn.Linear(3, 2), torch.randn(2, 3), backends=["onnx"], precision="bf16", dirpath=tmp_path, **SMALL)
 
@@ -328,31 +345,27 @@ def test_half_precision_onnx_without_a_gpu_provider_is_unavailable_with_the_reas
 def test_compare_checks_names_shapes_non_finite_and_tolerances() -> None:
     ref = [torch.tensor([[1.0, -2.0, 3.0]])]
     tol = DEFAULT_TOLERANCES["fp32"]
-    (ok,) = _compare([ref[0] + 5e-5], ["output"], ref, ["output"], tol)
+    (ok,) = compare_outputs([ref[0] + 5e-5], ["output"], ref, ["output"], tol)
     assert ok.passed and ok.max_abs_diff == pytest.approx(5e-5, rel=1e-2) and ok.cosine == pytest.approx(1.0)
-    (far,) = _compare([ref[0] + 1e-3], ["output"], ref, ["output"], tol)
+    (far,) = compare_outputs([ref[0] + 1e-3], ["output"], ref, ["output"], tol)
     assert not far.passed and "exceeds atol" in (far.problem or "")
-    (nan,) = _compare([torch.tensor([[1.0, float("nan"), 3.0]])], ["output"], ref, ["output"], tol)
+    (nan,) = compare_outputs([torch.tensor([[1.0, float("nan"), 3.0]])], ["output"], ref, ["output"], tol)
     assert not nan.passed and nan.non_finite == 1 and "NaN/Inf" in (nan.problem or "")
-    (shape,) = _compare([torch.zeros(1, 4)], ["output"], ref, ["output"], tol)
+    (shape,) = compare_outputs([torch.zeros(1, 4)], ["output"], ref, ["output"], tol)
     assert not shape.passed and "shape (1, 4)" in (shape.problem or "")
-    (names,) = _compare(ref, ["logits"], ref, ["output"], tol)
+    (names,) = compare_outputs(ref, ["logits"], ref, ["output"], tol)
     assert not names.passed and "output names ['logits']" in (names.problem or "")
     # fp16 tolerance: 0.5% off passes; within atol but pointing the other way fails on the cosine.
-    (half,) = _compare([ref[0] * 1.005], ["output"], ref, ["output"], DEFAULT_TOLERANCES["fp16"])
+    (half,) = compare_outputs([ref[0] * 1.005], ["output"], ref, ["output"], DEFAULT_TOLERANCES["fp16"])
     assert half.passed
-    (cosine,) = _compare([torch.ones(1, 3)], ["output"], [torch.ones(1, 3)], ["output"], Tolerance(10.0, 0.0, 0.9))
+    (cosine,) = compare_outputs(
+        [torch.ones(1, 3)], ["output"], [torch.ones(1, 3)], ["output"], Tolerance(10.0, 0.0, 0.9)
+    )
     assert cosine.passed and cosine.cosine == pytest.approx(1.0)
-    (opposite,) = _compare([-torch.ones(1, 3)], ["output"], [torch.ones(1, 3)], ["output"], Tolerance(10.0, 0.0, 0.9))
+    (opposite,) = compare_outputs(
+        [-torch.ones(1, 3)], ["output"], [torch.ones(1, 3)], ["output"], Tolerance(10.0, 0.0, 0.9)
+    )
     assert not opposite.passed and "cosine similarity -1" in (opposite.problem or "")
-
-
-def test_latency_blocks_are_timed_apart_and_counted() -> None:
-    calls: list[str] = []
-    eager, export = _latency(lambda: calls.append("e"), lambda: calls.append("x"), torch.device("cpu"), 1, 4)
-    assert eager.count == export.count == 4
-    assert "".join(calls) == "eee" + "xxx" + "xxx" + "eee"  # ABBA blocks, each with one warm-up call first
-    assert math.isfinite(eager.median) and eager.p90 >= eager.median
 
 
 # ------------------------------------------------------------------------------------------------------ inputs

@@ -1,0 +1,228 @@
+"""What every export backend shares: the option set, its validation, and the backend and runner base classes.
+
+A backend (:mod:`lightning_perf.deploy.onnx`, :mod:`lightning_perf.deploy.tensorrt`) subclasses
+:class:`ExportBackend`: ``check`` raises :class:`BackendUnavailable` with the reason when it cannot run here,
+``build`` exports, ``save`` writes the artifact files into a staging directory, ``load`` returns a :class:`Runner`
+of the saved file. :func:`validate_options` checks every option of an export before anything runs, so the callback
+and the CLI fail at construction rather than after training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_perf._device import as_device
+from lightning_perf._validation import check_bool, check_int
+from lightning_perf.deploy.inputs import DimRange, InputSpec
+from lightning_perf.deploy.validate import DEFAULT_TOLERANCES, Tolerance
+
+__all__ = [
+    "BACKENDS",
+    "PRECISIONS",
+    "BackendUnavailable",
+    "ExportBackend",
+    "ExportOptions",
+    "Runner",
+    "dynamic_shapes",
+    "failure_reason",
+    "validate_options",
+]
+
+BACKENDS = ("tensorrt", "onnx")
+PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def failure_reason(exc: BaseException) -> str:
+    """``"<ExceptionType>: <first line of its message>"`` (at most 500 characters of it), for reports."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first[:500]}"
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot run here (not installed, no CUDA): a fallback, not an error of the export."""
+
+
+class Runner:
+    """Runs a saved artifact: ``run`` for timing (results stay where the runtime put them), ``__call__`` for values."""
+
+    output_names: list[str]
+    runtime: str
+
+    def run(self, inputs: tuple[Tensor, ...]) -> Any:
+        raise NotImplementedError
+
+    def __call__(self, inputs: tuple[Tensor, ...]) -> list[Tensor]:
+        raise NotImplementedError
+
+
+class ExportBackend:
+    name: str
+    suffix: str
+
+    def check(self, options: ExportOptions) -> None:
+        """Raise :class:`BackendUnavailable` with the reason if the backend cannot run here."""
+
+    def build(
+        self,
+        model: nn.Module,
+        example: tuple[Tensor, ...],
+        specs: list[InputSpec],
+        options: ExportOptions,
+    ) -> Any:
+        raise NotImplementedError
+
+    def save(self, built: Any, path: Path, specs: list[InputSpec], options: ExportOptions) -> list[Path]:
+        """Write the artifact at ``path`` (plus side files); return every file written, the main file last."""
+        raise NotImplementedError
+
+    def load(self, path: Path, options: ExportOptions) -> Runner:
+        raise NotImplementedError
+
+
+def dynamic_shapes(specs: Sequence[InputSpec]) -> tuple[dict[int, Any] | None, ...]:
+    """``torch.export`` dynamic shapes of the inputs, positionally: one ``Dim`` shared by every batch dimension."""
+    from torch.export import Dim
+
+    batch = specs[0].dynamic_dims.get(0)
+    shared_batch = None if batch is None else Dim("batch", min=batch.min, max=batch.max)
+    shapes = []
+    for spec in specs:
+        dims = {
+            d: shared_batch if d == 0 else Dim(f"{spec.name}_dim{d}", min=rng.min, max=rng.max)
+            for d, rng in spec.dynamic_dims.items()
+        }
+        shapes.append(dims or None)
+    return tuple(shapes)
+
+
+# -- ONNX
+
+
+@dataclass
+class ExportOptions:
+    backends: tuple[str, ...]
+    precision: str
+    dtype: torch.dtype
+    batch_range: DimRange
+    dynamic_dims: list[dict[int, DimRange]]
+    validation_batch_sizes: list[int] | None
+    tolerance: Tolerance
+    latency_iterations: int
+    latency_warmup: int
+    device: torch.device
+    onnx_providers: tuple[str, ...] | None
+    opset: int | None
+    strict: bool
+    output_names: list[str] = field(default_factory=list)
+
+
+def validate_options(
+    *,
+    backends: Sequence[str] | str = BACKENDS,
+    precision: str = "fp32",
+    batch_range: Any = (1, 8, 32),
+    dynamic_dims: Any = None,
+    validation_batch_sizes: Sequence[int] | None = None,
+    tolerance: Tolerance | Mapping[str, float] | None = None,
+    latency_iterations: int = 20,
+    latency_warmup: int = 3,
+    device: torch.device | str | None = None,
+    onnx_providers: Sequence[str] | None = None,
+    opset: int | None = None,
+    strict: bool = False,
+    owner: str = "export_model",
+) -> ExportOptions:
+    """Check every export option, raising ``ValueError``/``TypeError`` that names the argument and what is valid.
+
+    The callback and the CLI call this at construction, so a bad option fails before any training time is spent.
+    """
+    names = [backends] if isinstance(backends, str) else list(backends)
+    unknown = [b for b in names if b not in BACKENDS]
+    if not names or unknown or len(set(names)) != len(names):
+        raise ValueError(
+            f"`{owner}(backends={backends!r})` is not valid. Expected a non-empty sequence of distinct names from "
+            f"{', '.join(BACKENDS)} (tried in that order)."
+        )
+    if precision not in PRECISIONS:
+        raise ValueError(f"`{owner}(precision={precision!r})` is not valid. Expected one of: {', '.join(PRECISIONS)}.")
+    rng = DimRange.parse(batch_range, f"`{owner}(batch_range)`")
+    if dynamic_dims is None:
+        dims: list[dict[int, DimRange]] = []
+    else:
+        per_input = [dynamic_dims] if isinstance(dynamic_dims, Mapping) else dynamic_dims
+        if not isinstance(per_input, Sequence) or not all(isinstance(m, Mapping) for m in per_input):
+            raise ValueError(
+                f"`{owner}(dynamic_dims={dynamic_dims!r})` is not valid. Expected {{dim: (min, opt, max)}} for the "
+                "first input, or a list of such dicts, one per input."
+            )
+        dims = []
+        for i, mapping in enumerate(per_input):
+            parsed = {}
+            for dim, value in mapping.items():
+                if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+                    raise ValueError(
+                        f"`{owner}(dynamic_dims)`: dimension {dim!r} of input {i} is not valid. Expected an int >= 1 "
+                        "(dimension 0 is the batch, set by batch_range)."
+                    )
+                parsed[dim] = DimRange.parse(value, f"`{owner}(dynamic_dims)[{i}][{dim}]`")
+            dims.append(parsed)
+    sizes = None
+    if validation_batch_sizes is not None:
+        sizes = sorted(set(validation_batch_sizes)) if isinstance(validation_batch_sizes, Sequence) else []
+        if not sizes or any(
+            isinstance(s, bool) or not isinstance(s, int) or not rng.min <= s <= rng.max for s in sizes
+        ):
+            raise ValueError(
+                f"`{owner}(validation_batch_sizes={validation_batch_sizes!r})` is not valid. Expected batch sizes "
+                f"within the batch range {rng.min}..{rng.max}."
+            )
+    if tolerance is None:
+        tol = DEFAULT_TOLERANCES[precision]
+    elif isinstance(tolerance, Tolerance):
+        tol = tolerance
+    elif isinstance(tolerance, Mapping):
+        tol = Tolerance(**{**asdict(DEFAULT_TOLERANCES[precision]), **tolerance})
+    else:
+        raise TypeError(
+            f"`{owner}(tolerance={tolerance!r})` is not valid. Expected a Tolerance or a dict of its fields."
+        )
+    check_bool(owner, "strict", strict)
+    check_int(owner, "latency_iterations", latency_iterations, 0)
+    check_int(owner, "latency_warmup", latency_warmup, 0)
+    try:
+        dev = as_device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"`{owner}(device={device!r})` is not valid: {exc}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"`{owner}(device={device!r})` is not valid. Expected 'cpu', 'cuda' or 'cuda:N'.")
+    if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset < 18):
+        raise ValueError(f"`{owner}(opset={opset!r})` is not valid. Expected None (the exporter's default) or >= 18.")
+    if onnx_providers is not None and (
+        isinstance(onnx_providers, str) or not all(isinstance(p, str) for p in onnx_providers)
+    ):
+        raise ValueError(
+            f"`{owner}(onnx_providers={onnx_providers!r})` is not valid. Expected a list of onnxruntime execution "
+            "provider names, e.g. ['CUDAExecutionProvider', 'CPUExecutionProvider']."
+        )
+    return ExportOptions(
+        backends=tuple(names),
+        precision=precision,
+        dtype=PRECISIONS[precision],
+        batch_range=rng,
+        dynamic_dims=dims,
+        validation_batch_sizes=sizes,
+        tolerance=tol,
+        latency_iterations=latency_iterations,
+        latency_warmup=latency_warmup,
+        device=dev,
+        onnx_providers=None if onnx_providers is None else tuple(onnx_providers),
+        opset=opset,
+        strict=bool(strict),
+    )

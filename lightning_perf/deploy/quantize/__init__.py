@@ -1,0 +1,36 @@
+"""Quantization after training: one module per back-end, the conversion, and the save with its report.
+
+- :mod:`~lightning_perf.deploy.quantize.pt2e_x86`: PT2E calibration and ``convert_pt2e`` (``backend="x86"``);
+- :mod:`~lightning_perf.deploy.quantize.torchao`: ``QATConfig(step="convert")`` (``backend="torchao"``);
+- :mod:`~lightning_perf.deploy.quantize.convert`: :func:`convert` and :func:`float_copy`, whatever the back-end;
+- :mod:`~lightning_perf.deploy.quantize.save`: :func:`export_quantized` (convert, validate, save, time, report) and
+  :func:`save_quantized`.
+
+The training-time half (recipes, prepare, the observer / fake-quant / batch-norm schedules) is
+:mod:`lightning_perf.functional.qat`.
+"""
+
+from __future__ import annotations
+
+from lightning_perf.deploy.quantize.convert import calibrate, convert, float_copy
+from lightning_perf.deploy.quantize.save import (
+    QuantizationReport,
+    compiled_latency,
+    export_quantized,
+    save_quantized,
+    write_program,
+)
+from lightning_perf.deploy.validate import ValidationSummary, compare_models
+
+__all__ = [
+    "QuantizationReport",
+    "ValidationSummary",
+    "calibrate",
+    "compare_models",
+    "compiled_latency",
+    "convert",
+    "export_quantized",
+    "float_copy",
+    "save_quantized",
+    "write_program",
+]
