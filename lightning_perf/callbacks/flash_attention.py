@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_perf._validation import check_bool
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.functional.attention import UNCHANGED, AttentionAdapter, AttentionDecision, swap_attention
@@ -22,7 +23,9 @@ class FlashAttentionCallback(Callback):
 
     In ``setup`` (after ``configure_model``, before the optimizer and DDP exist) every attention module an adapter
     knows is swapped for a version that computes through a fused kernel, after a parity check against the original on
-    random inputs (forward and backward); in ``teardown`` the originals go back, holding the trained weights. The
+    random inputs (forward and backward, in eval mode and in training mode with and without dropout); in ``teardown``
+    (or ``on_exception``, when the run fails or is interrupted) the originals go back, holding the trained weights. A
+    swapped module takes over the original's train/eval mode and follows Lightning's switches around validation. The
     swapped modules hold the original parameters under the same names: ``state_dict`` keys, checkpoints and the
     optimizer are unaffected.
 
@@ -58,6 +61,8 @@ class FlashAttentionCallback(Callback):
 
     Raises:
         ValueError: for an adapter class path that does not import or does not name an ``AttentionAdapter``.
+        TypeError: for ``adapters`` that are not a list, a ``filter_fn`` that is not callable, a non-bool
+            ``parity_check`` or ``strict``.
 
     Example::
 
@@ -75,9 +80,19 @@ class FlashAttentionCallback(Callback):
     ) -> None:
         if isinstance(adapters, (str, AttentionAdapter)):
             adapters = [adapters]
+        if not isinstance(adapters, (list, tuple)):
+            raise TypeError(
+                f"`FlashAttentionCallback(adapters={adapters!r})` is not valid. Expected a list of AttentionAdapter "
+                "instances or class paths such as 'my_project.attention.MyAttentionAdapter'."
+            )
         self.adapters = [_resolve_adapter(a) for a in adapters]
         if filter_fn is not None and not callable(filter_fn):
-            raise TypeError(f"`FlashAttentionCallback(filter_fn={filter_fn!r})` is not callable.")
+            raise TypeError(
+                f"`FlashAttentionCallback(filter_fn={filter_fn!r})` is not valid: it is not callable. Expected a "
+                "function `filter_fn(module, name) -> bool`."
+            )
+        check_bool("FlashAttentionCallback", "parity_check", parity_check)
+        check_bool("FlashAttentionCallback", "strict", strict)
         self.filter_fn = filter_fn
         self.parity_check = parity_check
         self.strict = strict
@@ -124,6 +139,14 @@ class FlashAttentionCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._undo(pl_module)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # A failed or interrupted run never reaches teardown: put the originals back here the same way.
+        self._undo(pl_module)
+
+    def _undo(self, pl_module: pl.LightningModule) -> None:
         discard_pending_surgery(pl_module)
         restore_modules(pl_module, self._replaced)
         self._replaced = {}
@@ -146,16 +169,22 @@ def compute_dtype(precision: str) -> torch.dtype | None:
 def _resolve_adapter(adapter: AttentionAdapter | str) -> AttentionAdapter:
     if isinstance(adapter, AttentionAdapter):
         return adapter
-    if isinstance(adapter, str):
+    if isinstance(adapter, str) and adapter:
         import importlib
 
         module_path, _, name = adapter.rpartition(".")
         try:
             cls = getattr(importlib.import_module(module_path), name) if module_path else None
-        except (ImportError, AttributeError) as err:
+        except Exception as err:  # ImportError, AttributeError, or whatever the user's module raises on import
             raise ValueError(f"`FlashAttentionCallback(adapters=[{adapter!r}])`: cannot import it ({err}).") from err
         if isinstance(cls, type) and issubclass(cls, AttentionAdapter):
-            return cls()
+            try:
+                return cls()
+            except TypeError as err:
+                raise ValueError(
+                    f"`FlashAttentionCallback(adapters=[{adapter!r}])`: the class cannot be built without arguments "
+                    f"({err}). Pass an instance instead."
+                ) from err
     raise ValueError(
         f"`FlashAttentionCallback(adapters=[{adapter!r}])` is not valid. Expected AttentionAdapter instances or class "
         "paths of AttentionAdapter subclasses, such as 'my_project.attention.MyAttentionAdapter'."

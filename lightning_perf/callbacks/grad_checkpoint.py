@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_perf._validation import check_bool
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.functional.grad_checkpoint import (
@@ -31,7 +32,8 @@ class GradCheckpointCallback(Callback):
     compute (typically +20-35% step time). Use the memory to train with a larger batch, longer sequences or a deeper
     model. Names, ``state_dict`` keys and gradients stay those of the plain model; BatchNorm running statistics are
     updated once per step, as without checkpointing. The blocks are patched in ``setup`` (after ``configure_model``,
-    before the optimizer and DDP exist) and unpatched in ``teardown``: after ``fit`` the model is as it was.
+    before the optimizer and DDP exist) and unpatched in ``teardown``, or in ``on_exception`` when the fit fails or is
+    interrupted: after ``fit`` the model is as it was.
 
     Works on a single device and under DDP, with mixed precision and with ``torch.compile``. Under FSDP use Lightning's
     own ``FSDPStrategy(activation_checkpointing_policy={Block})`` instead: this callback then warns and does nothing.
@@ -55,6 +57,8 @@ class GradCheckpointCallback(Callback):
         ValueError: for a class path that does not import, both ``modules`` and ``filter_fn``, an ``every_n`` below 1
             or a ``fraction`` outside ``(0, 1]`` (at construction); for a bare class name the model does not use (at
             setup).
+        TypeError: for arguments of the wrong type (a non-bool ``preserve_rng_state``, a ``filter_fn`` that is not
+            callable, ``modules`` that are neither classes nor strings).
 
     Example::
 
@@ -72,21 +76,32 @@ class GradCheckpointCallback(Callback):
         fraction: float | None = None,
         preserve_rng_state: bool = True,
     ) -> None:
-        if filter_fn is not None and modules != "auto":
+        if filter_fn is not None and not callable(filter_fn):
+            raise TypeError(
+                f"`GradCheckpointCallback(filter_fn={filter_fn!r})` is not valid: it is not callable. Expected a "
+                "function `filter_fn(module, name) -> bool`."
+            )
+        if filter_fn is not None and not (isinstance(modules, str) and modules == "auto"):
             raise ValueError(
                 f"`GradCheckpointCallback(modules={modules!r}, filter_fn=...)`: give either `modules` or `filter_fn`."
             )
-        if filter_fn is not None and not callable(filter_fn):
-            raise TypeError(f"`GradCheckpointCallback(filter_fn={filter_fn!r})` is not callable.")
-        if modules != "auto":
-            resolve_module_classes(modules)  # a class path that does not import fails here, not at fit time
-        validate_portion(every_n, fraction)
+        if not (isinstance(modules, str) and modules == "auto"):
+            try:
+                resolve_module_classes(modules)  # a class path that does not import fails here, not at fit time
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"`GradCheckpointCallback(modules={modules!r})` is not valid. {err}") from err
+        try:
+            validate_portion(every_n, fraction)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"`GradCheckpointCallback(every_n={every_n!r}, fraction={fraction!r})`: {err}") from err
+        check_bool("GradCheckpointCallback", "preserve_rng_state", preserve_rng_state)
         self.modules = modules
         self.filter_fn = filter_fn
         self.every_n = every_n
         self.fraction = fraction
         self.preserve_rng_state = preserve_rng_state
         self.wrapped: list[str] = []
+        self._patched: list[nn.Module] = []  # the blocks to unpatch, held by object (a name may be rebound meanwhile)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -99,6 +114,7 @@ class GradCheckpointCallback(Callback):
             )
             return
         self.wrapped = []
+        self._patched = []
         run_after_configure_model(pl_module, self._apply)
 
     def _apply(self, pl_module: pl.LightningModule) -> None:
@@ -121,7 +137,8 @@ class GradCheckpointCallback(Callback):
             fraction=self.fraction,
             preserve_rng_state=self.preserve_rng_state,
         )
-        classes = sorted({type(pl_module.get_submodule(n)).__name__ for n in self.wrapped})
+        self._patched = [pl_module.get_submodule(n) for n in self.wrapped]
+        classes = sorted({type(m).__name__ for m in self._patched})
         message = (
             f"GradCheckpointCallback: activation checkpointing on {len(self.wrapped)} of {len(chosen)} blocks "
             f"({', '.join(classes)}): {_abbreviate(self.wrapped)}"
@@ -134,9 +151,18 @@ class GradCheckpointCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._undo(pl_module)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # A failed or interrupted fit never reaches teardown: undo the same way here.
+        self._undo(pl_module)
+
+    def _undo(self, pl_module: pl.LightningModule) -> None:
         discard_pending_surgery(pl_module)
-        for name in self.wrapped:
-            unpatch_forward(pl_module.get_submodule(name), CheckpointedForward)
+        for block in self._patched:
+            unpatch_forward(block, CheckpointedForward)
+        self._patched = []
 
     def _describe(self) -> str:
         if self.filter_fn is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from lightning_perf.callbacks import GradCheckpointCallback
 from lightning_perf.functional.grad_checkpoint import CheckpointedForward, checkpointed_modules
 from lightning_perf.functional.surgery import find_forward_patch
 from tests._models import SequenceModule, encoder, trainer
+from tests.callbacks._interrupt import fit_interrupted, fit_losses, plain_model_signature
 
 
 class Spy(GradCheckpointCallback):
@@ -134,17 +136,53 @@ def test_unknown_class_name_fails_at_setup(tmp_path: Path) -> None:
     ("kwargs", "error", "match"),
     [
         ({"modules": "torch.nn.NoSuchLayer"}, ValueError, "Cannot import the module class 'torch.nn.NoSuchLayer'"),
-        ({"modules": 3}, TypeError, "`modules` got 3"),
-        ({"modules": []}, ValueError, "`modules` is empty"),
+        ({"modules": "torch.nn.functional.relu"}, ValueError, r"modules='torch.nn.functional.relu'.*not a subclass"),
+        ({"modules": 3}, TypeError, r"`GradCheckpointCallback\(modules=3\)` is not valid.*`modules` got 3"),
+        ({"modules": None}, TypeError, r"modules=None.*Expected 'auto'"),
+        ({"modules": ""}, TypeError, r"modules=''.*Expected 'auto'"),
+        ({"modules": []}, ValueError, r"modules=\[\]\)` is not valid.*`modules` is empty"),
+        ({"modules": [nn.Linear, 3.5]}, TypeError, r"`modules` got 3.5"),
         ({"modules": "Block", "filter_fn": lambda m, n: True}, ValueError, "either `modules` or `filter_fn`"),
-        ({"filter_fn": "layers"}, TypeError, "not callable"),
+        ({"filter_fn": "layers"}, TypeError, r"filter_fn='layers'.*not callable.*Expected a function"),
+        ({"filter_fn": 3}, TypeError, r"filter_fn=3.*not callable"),
         ({"fraction": 0.0}, ValueError, r"fraction=0.0.*\(0, 1\]"),
-        ({"every_n": -1}, ValueError, "every_n=-1"),
+        ({"fraction": 1.5}, ValueError, r"fraction=1.5.*\(0, 1\]"),
+        ({"fraction": float("nan")}, ValueError, r"fraction=nan.*\(0, 1\]"),
+        ({"fraction": float("inf")}, ValueError, r"fraction=inf.*\(0, 1\]"),
+        ({"fraction": "0.5"}, TypeError, r"fraction='0.5'.*Expected a number"),
+        ({"fraction": True}, TypeError, r"fraction=True.*Expected a number"),
+        ({"every_n": -1}, ValueError, r"GradCheckpointCallback\(every_n=-1.*every_n=-1.*int >= 1"),
+        ({"every_n": 0}, ValueError, r"every_n=0.*int >= 1"),
+        ({"every_n": 1.5}, TypeError, r"every_n=1.5.*Expected an int"),
+        ({"every_n": True}, TypeError, r"every_n=True.*Expected an int"),
+        ({"every_n": 2, "fraction": 0.5}, ValueError, r"every_n=2, fraction=0.5.*not both"),
+        ({"preserve_rng_state": "false"}, TypeError, r"preserve_rng_state='false'.*Expected True or False"),
+        ({"preserve_rng_state": None}, TypeError, r"preserve_rng_state=None.*Expected True or False"),
+        ({"preserve_rng_state": 0}, TypeError, r"preserve_rng_state=0.*Expected True or False"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict, error: type[Exception], match: str) -> None:
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as info:
         GradCheckpointCallback(**kwargs)
+    assert "GradCheckpointCallback" in str(info.value)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom at step 3"), KeyboardInterrupt()], ids=["RuntimeError", "Ctrl+C"])
+def test_a_failed_or_interrupted_fit_leaves_the_plain_model(tmp_path: Path, error: BaseException) -> None:
+    torch.manual_seed(0)
+    model = SequenceModule(encoder(depth=3, dropout=0.1))
+    initial = copy.deepcopy(model.state_dict())
+    plain = plain_model_signature(model)
+    callback = Spy()
+    first = fit_interrupted(tmp_path, model, callback, error)
+    assert len(first) == 3 and callback.seen == ["net.layers.0", "net.layers.1", "net.layers.2"]
+    assert checkpointed_modules(model) == []
+    assert plain_model_signature(model) == plain
+    # The same model, from the same weights and seed, trains as in the first fit: nothing was left stacked on it.
+    model.load_state_dict(initial)
+    second = fit_losses(tmp_path, model, GradCheckpointCallback())
+    assert second == pytest.approx(first, rel=1e-6, abs=1e-7)
+    assert plain_model_signature(model) == plain
 
 
 def test_fsdp_warns_with_the_advice_and_leaves_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
