@@ -1,0 +1,129 @@
+"""Paired ratios: the interval holds the estimate, the verdict follows the side of 1, the method follows the repeats."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from lightning_perf.profiling.intervals import (
+    METHOD_BOOTSTRAP,
+    METHOD_SINGLE,
+    METHOD_T,
+    NO_CLEAR_DIFFERENCE,
+    RatioEstimate,
+    paired_ratio,
+    t_critical_95,
+)
+
+
+def _steps(center: float, n: int, seed: int, spread: float = 0.05) -> list[float]:
+    rng = np.random.default_rng(seed)
+    return (center * (1 + spread * rng.standard_normal(n))).tolist()
+
+
+@pytest.mark.parametrize("repeats", [1, 3, 5, 8])
+def test_a_clear_win_is_faster(repeats: int) -> None:
+    baseline = [_steps(0.2, 30, seed=r) for r in range(repeats)]
+    candidate = [_steps(0.1, 30, seed=100 + r) for r in range(repeats)]
+    est = paired_ratio(baseline, candidate)
+    assert est.verdict == "faster"
+    assert 1.0 < est.low <= est.ratio <= est.high
+    assert est.ratio == pytest.approx(2.0, rel=0.1)
+    assert est.method == (METHOD_T if repeats >= 5 else METHOD_BOOTSTRAP)
+    assert est.n == repeats
+
+
+@pytest.mark.parametrize("repeats", [2, 6])
+def test_a_clear_loss_is_slower(repeats: int) -> None:
+    baseline = [_steps(0.1, 20, seed=r) for r in range(repeats)]
+    candidate = [_steps(0.3, 20, seed=50 + r) for r in range(repeats)]
+    est = paired_ratio(baseline, candidate)
+    assert est.verdict == "slower"
+    assert est.low <= est.ratio <= est.high < 1.0
+
+
+@pytest.mark.parametrize("repeats", [1, 3, 5])
+def test_identical_samples_show_no_clear_difference(repeats: int) -> None:
+    samples = [_steps(0.2, 25, seed=r) for r in range(repeats)]
+    est = paired_ratio(samples, [list(s) for s in samples])
+    assert est.ratio == pytest.approx(1.0)
+    assert est.low <= 1.0 <= est.high
+    assert est.verdict == NO_CLEAR_DIFFERENCE
+
+
+def test_the_same_distribution_twice_shows_no_clear_difference() -> None:
+    baseline = [_steps(0.2, 40, seed=r, spread=0.2) for r in range(3)]
+    candidate = [_steps(0.2, 40, seed=10 + r, spread=0.2) for r in range(3)]
+    est = paired_ratio(baseline, candidate)
+    assert est.verdict == NO_CLEAR_DIFFERENCE and est.low <= est.ratio <= est.high
+
+
+def test_pairing_removes_a_drift_that_hits_both_sides() -> None:
+    # Repeat r runs 1 + r times slower for both: unpaired medians would overlap, paired ratios are all 2.
+    baseline = [[0.2 * (1 + r)] * 3 for r in range(6)]
+    candidate = [[0.1 * (1 + r)] * 3 for r in range(6)]
+    est = paired_ratio(baseline, candidate)
+    assert est.method == METHOD_T
+    assert (est.low, est.ratio, est.high) == (pytest.approx(2.0), pytest.approx(2.0), pytest.approx(2.0))
+
+
+def test_the_bootstrap_is_seeded() -> None:
+    baseline, candidate = [_steps(0.2, 15, seed=1)], [_steps(0.18, 15, seed=2)]
+    assert paired_ratio(baseline, candidate, seed=3) == paired_ratio(baseline, candidate, seed=3)
+
+
+def test_one_figure_per_repeat_uses_the_t_interval_and_none_for_a_single_repeat() -> None:
+    est = paired_ratio([100.0, 110.0, 105.0], [25.0, 27.0, 26.0], above_one="more", below_one="less")
+    assert est.method == METHOD_T and est.verdict == "more"
+    assert est.low <= est.ratio <= est.high
+    single = paired_ratio([100.0], [25.0])
+    assert single.method == METHOD_SINGLE and single.verdict == NO_CLEAR_DIFFERENCE
+    assert single.to_dict("memory_ratio")["memory_ratio_ci95"] is None
+    assert single.format() == "4.00x"
+
+
+def test_t_interval_matches_the_textbook() -> None:
+    logs = np.log([1.9, 2.0, 2.1, 2.2, 1.8])
+    est = paired_ratio([[x] for x in [1.9, 2.0, 2.1, 2.2, 1.8]], [[1.0]] * 5)
+    half = 2.776 * logs.std(ddof=1) / math.sqrt(5)
+    assert est.low == pytest.approx(math.exp(logs.mean() - half))
+    assert est.high == pytest.approx(math.exp(logs.mean() + half))
+    assert t_critical_95(1) == 12.706 and t_critical_95(30) == 2.042
+    assert t_critical_95(60) == pytest.approx(2.000, abs=1e-3)
+    assert t_critical_95(1000) == pytest.approx(1.962, abs=1e-3)
+
+
+def test_to_dict_uses_the_prefix() -> None:
+    est = RatioEstimate(1.5, 1.2, 1.8, METHOD_T, "faster", 5)
+    assert est.to_dict("speedup") == {
+        "speedup": 1.5,
+        "speedup_ci95": [1.2, 1.8],
+        "speedup_verdict": "faster",
+        "speedup_method": METHOD_T,
+        "speedup_n": 5,
+    }
+    assert est.format() == "1.50x [1.20-1.80]"
+
+
+@pytest.mark.parametrize(
+    ("numerator", "denominator", "match"),
+    [
+        ([], [], "same positive number of repeats"),
+        ([[1.0]], [[1.0], [1.0]], "same positive number of repeats"),
+        ([[1.0, -1.0]], [[1.0]], "positive finite numbers"),
+        ([[float("nan")]], [[1.0]], "positive finite numbers"),
+        ([[]], [[1.0]], "has no values"),
+    ],
+)
+def test_bad_samples_are_refused(numerator, denominator, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        paired_ratio(numerator, denominator)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"t_critical_95\(df=0\)"):
+        t_critical_95(0)
+    with pytest.raises(ValueError, match=r"resamples=10"):
+        paired_ratio([[1.0, 2.0]], [[1.0, 2.0]], resamples=10)
