@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -20,7 +21,17 @@ from lightning_perf.functional.attention import (
     FusedQKVSpec,
     SwappedAttention,
 )
-from tests._models import NanoGPTAttention, SequenceModule, TinyGPT, encoder, trainer
+from tests._models import (
+    BranchesOnTraining,
+    EncoderWithDropout,
+    FusedQKVTransformer,
+    NanoGPTAttention,
+    SequenceModule,
+    TinyGPT,
+    encoder,
+    trainer,
+)
+from tests.callbacks._interrupt import fit_interrupted, fit_losses, plain_model_signature
 
 
 class GPTModule(SequenceModule):
@@ -135,17 +146,122 @@ def test_no_attention_warns(tmp_path: Path) -> None:
         trainer(tmp_path, callbacks=[FlashAttentionCallback()]).fit(SequenceModule(nn.Linear(16, 16)))
 
 
+class NeedsArguments(AttentionAdapter):
+    def __init__(self, heads: int) -> None:
+        self.heads = heads
+
+
 @pytest.mark.parametrize(
-    ("adapters", "match"),
+    ("kwargs", "error", "match"),
     [
-        (["tests.callbacks.test_flash_attention.NoSuchAdapter"], "cannot import it"),
-        (["torch.nn.Linear"], "Expected AttentionAdapter instances or class paths"),
-        ([3], "Expected AttentionAdapter"),
+        ({"adapters": ["tests.callbacks.test_flash_attention.NoSuchAdapter"]}, ValueError, "cannot import it"),
+        ({"adapters": ["no_such_package.Adapter"]}, ValueError, r"no_such_package.Adapter.*cannot import it"),
+        ({"adapters": ["torch.nn.Linear"]}, ValueError, "Expected AttentionAdapter instances or class paths"),
+        ({"adapters": [3]}, ValueError, r"adapters=\[3\]\)` is not valid. Expected AttentionAdapter"),
+        ({"adapters": [""]}, ValueError, r"adapters=\[''\]\)` is not valid. Expected AttentionAdapter"),
+        ({"adapters": ["MyAdapter"]}, ValueError, r"'MyAdapter'.*Expected AttentionAdapter instances or class paths"),
+        ({"adapters": [AttentionAdapter]}, ValueError, r"Expected AttentionAdapter instances"),
+        (
+            {"adapters": ["tests.callbacks.test_flash_attention.NeedsArguments"]},
+            ValueError,
+            "cannot be built without arguments",
+        ),
+        ({"adapters": None}, TypeError, r"adapters=None\)` is not valid. Expected a list of AttentionAdapter"),
+        ({"adapters": 3}, TypeError, r"adapters=3\)` is not valid. Expected a list"),
+        ({"adapters": {"a": 1}}, TypeError, r"adapters=\{'a': 1\}\)` is not valid. Expected a list"),
+        ({"filter_fn": "layers"}, TypeError, r"filter_fn='layers'\)` is not valid: it is not callable"),
+        ({"filter_fn": 3}, TypeError, r"filter_fn=3\)` is not valid: it is not callable. Expected a function"),
+        ({"parity_check": "false"}, TypeError, r"parity_check='false'\)` is not valid. Expected True or False"),
+        ({"parity_check": 1}, TypeError, r"parity_check=1\)` is not valid. Expected True or False"),
+        ({"parity_check": None}, TypeError, r"parity_check=None\)` is not valid. Expected True or False"),
+        ({"strict": "yes"}, TypeError, r"strict='yes'\)` is not valid. Expected True or False"),
+        ({"strict": 0}, TypeError, r"strict=0\)` is not valid. Expected True or False"),
     ],
 )
-def test_bad_adapters_fail_at_construction(adapters: list, match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        FlashAttentionCallback(adapters=adapters)
+def test_bad_arguments_fail_at_construction(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match) as info:
+        FlashAttentionCallback(**kwargs)
+    assert "FlashAttentionCallback(" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------- training mode, exceptions
+
+
+class FlagsModule(SequenceModule):
+    """Records, inside training_step and validation_step, the modes of every module and of the swapped ones."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__(net)
+        self.train_flags: list[tuple[bool, list[bool]]] = []
+        self.val_flags: list[tuple[bool, list[bool]]] = []
+        self.training_forwards_differ: list[bool] = []
+
+    def _flags(self) -> tuple[bool, list[bool]]:
+        swapped = [m.training for m in self.modules() if isinstance(m, SwappedAttention)]
+        return all(m.training for m in self.modules()) if self.training else any(
+            m.training for m in self.modules()
+        ), swapped
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.train_flags.append(self._flags())
+        with torch.no_grad():
+            self.training_forwards_differ.append(not torch.equal(self(batch[0]), self(batch[0])))
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.val_flags.append(self._flags())
+        super().validation_step(batch, batch_idx)
+
+
+NETS = {
+    "fused-qkv": lambda p: FusedQKVTransformer(dropout=p),
+    "mha-in-encoder-layer": lambda p: EncoderWithDropout(dropout=p),
+    "branches-on-training": lambda p: nn.Sequential(FusedQKVTransformer(dropout=p), BranchesOnTraining()),
+}
+
+
+@pytest.mark.parametrize("net", sorted(NETS))
+def test_swapped_modules_train_in_training_and_evaluate_in_validation(tmp_path: Path, net: str) -> None:
+    torch.manual_seed(0)
+    model = FlagsModule(NETS[net](0.2))
+    callback = FlashAttentionCallback()
+    trainer(tmp_path, callbacks=[callback], max_steps=4, val_check_interval=2, num_sanity_val_steps=1).fit(model)
+    assert len(callback.swapped) == 2
+    assert len(model.train_flags) == 4 and len(model.val_flags) == 3  # sanity check, then after steps 2 and 4
+    for every_module_training, swapped in model.train_flags:
+        assert every_module_training and swapped == [True, True]
+    for any_module_training, swapped in model.val_flags:
+        assert not any_module_training and swapped == [False, False]
+    assert all(model.training_forwards_differ), "two training-mode forwards were equal: dropout never ran"
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("net", sorted(NETS))
+def test_per_step_losses_match_the_plain_model(tmp_path: Path, net: str, p: float) -> None:
+    # With dropout too: on the CPU the fused kernel draws the eager code's dropout masks from the same RNG state.
+    losses = []
+    for callback in (None, FlashAttentionCallback()):
+        torch.manual_seed(0)
+        model = SequenceModule(NETS[net](p))
+        losses.append(fit_losses(tmp_path, model, callback, steps=4))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom at step 3"), KeyboardInterrupt()], ids=["RuntimeError", "Ctrl+C"])
+def test_a_failed_or_interrupted_fit_leaves_the_plain_model(tmp_path: Path, error: BaseException) -> None:
+    torch.manual_seed(0)
+    model = SequenceModule(FusedQKVTransformer(dropout=0.2))
+    initial = copy.deepcopy(model.state_dict())
+    plain = plain_model_signature(model)
+    callback = Spy()
+    first = fit_interrupted(tmp_path, model, callback, error)
+    assert len(first) == 3 and callback.seen == ["FusedQKVAttention"]
+    assert not any(isinstance(m, SwappedAttention) for m in model.modules())
+    assert plain_model_signature(model) == plain
+    model.load_state_dict(initial)
+    second = fit_losses(tmp_path, model, FlashAttentionCallback())
+    assert second == pytest.approx(first, rel=1e-6, abs=1e-7)
+    assert plain_model_signature(model) == plain
 
 
 def test_validate_and_predict_swap_too_and_bf16_mixed(tmp_path: Path) -> None:
