@@ -1,0 +1,311 @@
+"""Is a change real? Tests on two independent samples of one measurement (an old run and a new run).
+
+The paired statistics of one run (baseline and configuration measured side by side) live with the bench; this module
+answers the other question, asked by ``lightning-perf compare``: two result files measured at different times, one
+sample from each, nothing paired. Three pieces, all NumPy and the standard library (no SciPy):
+
+- :func:`mann_whitney_u`: the Mann-Whitney U (Wilcoxon rank-sum) test, two-sided, as airspeed velocity uses it for
+  regressions. It asks whether a value drawn from one sample tends to be larger than one drawn from the other, with
+  no assumption about the shape of the distributions (step times are skewed, with a long tail of disturbed steps).
+  The p-value comes from the **normal approximation** with the **tie correction** and a continuity correction of 1/2.
+  It is close to the exact distribution (within a few thousandths of the p-value) once each sample has **8 or more**
+  values; for smaller samples it is only indicative, and :func:`compare_samples` then leans on the interval. With
+  three values a side, the exact test cannot go below p = 0.1 anyway.
+- :func:`ratio_of_medians_ci`: a 95% interval for ``median(new) / median(old)`` by the percentile bootstrap: each
+  sample is resampled with replacement, independently (the samples are not paired), ``resamples`` times with a seeded
+  :class:`numpy.random.Generator`, so the same inputs always give the same interval.
+- :func:`compare_samples`: the verdict that combines both, under a threshold (e.g. 5%): a change is called only when
+  it is beyond the threshold **and** beyond the noise. For a figure where lower is better (a step time), "slower"
+  needs ``ratio > 1 + threshold`` and either ``p < 0.01`` or the whole interval above ``1 + threshold``; "faster" is
+  the mirror image on the ratio's log scale (``ratio < 1 / (1 + threshold)``, with ``p < 0.01`` or the whole interval
+  below it). Anything else is "no clear difference". For a figure where higher is better (a throughput) the ratio is
+  read the other way round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "FASTER",
+    "NO_CLEAR_DIFFERENCE",
+    "SIGNIFICANCE_LEVEL",
+    "SLOWER",
+    "VERDICTS",
+    "MannWhitneyResult",
+    "SampleComparison",
+    "compare_samples",
+    "mann_whitney_p_value",
+    "mann_whitney_u",
+    "ratio_of_medians_ci",
+    "verdict",
+]
+
+FASTER = "faster"
+SLOWER = "slower"
+NO_CLEAR_DIFFERENCE = "no clear difference"
+VERDICTS: tuple[str, ...] = (FASTER, SLOWER, NO_CLEAR_DIFFERENCE)
+"""The three verdicts, worded as for a time or a speed (``slower`` is the regression)."""
+
+SIGNIFICANCE_LEVEL = 0.01
+"""A change is significant when the Mann-Whitney p-value is below this (or the interval clears the threshold)."""
+
+_BOOTSTRAP_BLOCK = 2_000_000  # resampled values held in memory at once (16 MB of float64)
+
+
+@dataclass(frozen=True)
+class MannWhitneyResult:
+    """The outcome of :func:`mann_whitney_u`.
+
+    Attributes:
+        u: the U statistic of the first sample (the number of pairs in which its value is the larger, ties counting
+            one half); ``n_old * n_new / 2`` when the samples are alike.
+        z: the standardized statistic (continuity-corrected); 0.0 when every value is tied.
+        p_value: the two-sided p-value from the normal approximation, in [0, 1].
+        n_old: size of the first sample.
+        n_new: size of the second sample.
+    """
+
+    u: float
+    z: float
+    p_value: float
+    n_old: int
+    n_new: int
+
+
+@dataclass(frozen=True)
+class SampleComparison:
+    """The comparison of two independent samples of one figure (see :func:`compare_samples`).
+
+    Attributes:
+        ratio: ``median(new) / median(old)``.
+        ratio_ci95: the 95% bootstrap interval of ``ratio`` as ``(low, high)`` with ``low <= ratio <= high``; ``None``
+            when a sample has fewer than two values.
+        p_value: the Mann-Whitney two-sided p-value; ``None`` when a sample has fewer than two values.
+        verdict: ``"faster"``, ``"slower"`` or ``"no clear difference"`` (worded for a time or a speed).
+        regression: whether the verdict is ``"slower"``.
+        n_old: size of the old sample.
+        n_new: size of the new sample.
+    """
+
+    ratio: float
+    ratio_ci95: tuple[float, float] | None
+    p_value: float | None
+    verdict: str
+    regression: bool
+    n_old: int
+    n_new: int
+
+
+def _sample(values: Sequence[float], name: str, minimum: int = 1) -> np.ndarray:
+    try:
+        data = np.asarray([float(v) for v in values], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"`{name}` must be a sequence of numbers, got {values!r:.80}.") from None
+    if data.size < minimum:
+        raise ValueError(f"`{name}` has {data.size} value(s). Expected at least {minimum}.")
+    if not np.all(np.isfinite(data)):
+        raise ValueError(f"`{name}` holds a NaN or infinite value. Expected finite numbers; drop failed runs first.")
+    return data
+
+
+def _check_positive(data: np.ndarray, name: str) -> None:
+    if np.any(data <= 0):
+        raise ValueError(f"`{name}` holds a value <= 0. Expected positive numbers (a ratio of medians needs them).")
+
+
+def mann_whitney_p_value(u: float, n_old: int, n_new: int, tie_term: float = 0.0) -> tuple[float, float]:
+    """The two-sided p-value of a Mann-Whitney ``u`` by the normal approximation; returns ``(z, p_value)``.
+
+    Args:
+        u: the U statistic of the first sample.
+        n_old: size of the first sample (>= 1).
+        n_new: size of the second sample (>= 1).
+        tie_term: ``sum(t**3 - t)`` over the groups of tied values (``t`` values each) in the pooled sample; 0 without
+            ties. It shrinks the variance: ``n1*n2/12 * ((n + 1) - tie_term / (n * (n - 1)))``.
+
+    Usable on its own when only the ordering is known, e.g. two samples whose ranges do not overlap (``u = 0``).
+    """
+    for name, value in (("n_old", n_old), ("n_new", n_new)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`mann_whitney_p_value({name}={value!r})` is not valid. Expected an integer >= 1.")
+    n = n_old + n_new
+    mean = n_old * n_new / 2.0
+    variance = n_old * n_new / 12.0 * ((n + 1) - tie_term / (n * (n - 1)))
+    if variance <= 0.0:  # every value tied: no evidence of any difference
+        return 0.0, 1.0
+    delta = u - mean
+    corrected = max(abs(delta) - 0.5, 0.0)  # continuity correction towards the mean
+    z = math.copysign(corrected, delta) / math.sqrt(variance)
+    return z, min(1.0, math.erfc(abs(z) / math.sqrt(2.0)))
+
+
+def mann_whitney_u(old: Sequence[float], new: Sequence[float]) -> MannWhitneyResult:
+    """The two-sided Mann-Whitney U test of two independent samples (normal approximation, tie-corrected).
+
+    Args:
+        old: the first sample (finite numbers, at least one).
+        new: the second sample (finite numbers, at least one).
+
+    Returns:
+        U of ``old``, z and the p-value. Exact enough for 8 or more values a side (see the module docstring).
+
+    Raises:
+        ValueError: if a sample is empty or holds NaN or an infinite value.
+        TypeError: if a sample holds something that is not a number.
+
+    Example::
+
+        >>> mann_whitney_u([1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18]).p_value < 0.01
+        True
+    """
+    a = _sample(old, "old")
+    b = _sample(new, "new")
+    pooled = np.concatenate([a, b])
+    order = np.argsort(pooled, kind="mergesort")
+    ordered = pooled[order]
+    ranks = np.empty(pooled.size, dtype=np.float64)
+    # average rank (1-based) of each group of tied values
+    _, first, counts = np.unique(ordered, return_index=True, return_counts=True)
+    average = first + (counts + 1) / 2.0
+    ranks[order] = np.repeat(average, counts)
+    u = float(ranks[: a.size].sum() - a.size * (a.size + 1) / 2.0)
+    tie_term = float(np.sum(counts.astype(np.float64) ** 3 - counts))
+    z, p = mann_whitney_p_value(u, int(a.size), int(b.size), tie_term)
+    return MannWhitneyResult(u=u, z=z, p_value=p, n_old=int(a.size), n_new=int(b.size))
+
+
+def _bootstrap_medians(data: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
+    out = np.empty(resamples, dtype=np.float64)
+    block = max(1, _BOOTSTRAP_BLOCK // data.size)
+    for start in range(0, resamples, block):
+        stop = min(resamples, start + block)
+        picks = rng.integers(0, data.size, size=(stop - start, data.size))
+        out[start:stop] = np.median(data[picks], axis=1)
+    return out
+
+
+def ratio_of_medians_ci(
+    old: Sequence[float],
+    new: Sequence[float],
+    *,
+    confidence: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """``median(new) / median(old)`` and its percentile-bootstrap interval; returns ``(ratio, low, high)``.
+
+    The two samples are resampled independently (they are not paired). The interval is widened, if need be, to
+    contain the point estimate, so ``low <= ratio <= high`` always holds.
+
+    Args:
+        old: the first sample (positive finite numbers, at least two).
+        new: the second sample (positive finite numbers, at least two).
+        confidence: the interval's coverage, in (0, 1).
+        resamples: bootstrap resamples (>= 100).
+        seed: seed of the :class:`numpy.random.Generator`; the same inputs and seed give the same interval.
+
+    Raises:
+        ValueError: on fewer than two values a side, a value <= 0, NaN, inf, or an out-of-range setting.
+    """
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
+        raise ValueError(f"`ratio_of_medians_ci(confidence={confidence!r})` is not valid. Expected a number in (0, 1).")
+    if not isinstance(resamples, int) or isinstance(resamples, bool) or resamples < 100:
+        raise ValueError(f"`ratio_of_medians_ci(resamples={resamples!r})` is not valid. Expected an integer >= 100.")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"`ratio_of_medians_ci(seed={seed!r})` is not valid. Expected an integer >= 0.")
+    a = _sample(old, "old", minimum=2)
+    b = _sample(new, "new", minimum=2)
+    _check_positive(a, "old")
+    _check_positive(b, "new")
+    ratio = float(np.median(b) / np.median(a))
+    rng = np.random.default_rng(seed)
+    ratios = _bootstrap_medians(b, resamples, rng) / _bootstrap_medians(a, resamples, rng)
+    tail = (1.0 - confidence) / 2.0 * 100.0
+    low, high = (float(v) for v in np.percentile(ratios, [tail, 100.0 - tail]))
+    return ratio, min(low, ratio), max(high, ratio)
+
+
+def verdict(
+    ratio: float,
+    ratio_ci95: tuple[float, float] | None,
+    p_value: float | None,
+    threshold: float,
+    *,
+    higher_is_better: bool = False,
+) -> str:
+    """The verdict on ``ratio = new / old`` under ``threshold`` (a fraction: 0.05 is 5%), as described above.
+
+    Args:
+        ratio: ``new / old`` of the medians (> 0).
+        ratio_ci95: its interval, or ``None`` when there is none.
+        p_value: the test's p-value, or ``None`` when there is none.
+        threshold: the smallest change worth a verdict, a fraction >= 0.
+        higher_is_better: ``True`` for a speed (samples/s), ``False`` for a time (seconds).
+
+    Returns:
+        ``"slower"``, ``"faster"`` or ``"no clear difference"``.
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (math.isfinite(threshold)):
+        raise ValueError(f"`verdict(threshold={threshold!r})` is not valid. Expected a finite number >= 0.")
+    if threshold < 0:
+        raise ValueError(f"`verdict(threshold={threshold!r})` is not valid. Expected a finite number >= 0.")
+    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 0):
+        raise ValueError(f"`verdict(ratio={ratio!r})` is not valid. Expected a finite number > 0.")
+    # Work on the "time" scale: > 1 is worse. A speed's ratio is inverted (its interval too, ends swapped).
+    worse = 1.0 / ratio if higher_is_better else ratio
+    interval = None
+    if ratio_ci95 is not None:
+        low, high = ratio_ci95
+        interval = (1.0 / high, 1.0 / low) if higher_is_better else (low, high)
+    significant = p_value is not None and p_value < SIGNIFICANCE_LEVEL
+    upper, lower = 1.0 + threshold, 1.0 / (1.0 + threshold)
+    if worse > upper and (significant or (interval is not None and interval[0] > upper)):
+        return SLOWER
+    if worse < lower and (significant or (interval is not None and interval[1] < lower)):
+        return FASTER
+    return NO_CLEAR_DIFFERENCE
+
+
+def compare_samples(
+    old: Sequence[float],
+    new: Sequence[float],
+    threshold: float,
+    *,
+    higher_is_better: bool = False,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> SampleComparison:
+    """Compare two independent samples of one figure: ratio of medians, its 95% interval, p-value and verdict.
+
+    With fewer than two values on a side there is no test and no interval: the ratio is reported and the verdict is
+    ``"no clear difference"`` (one value cannot tell a change from noise).
+
+    Args:
+        old: the old run's values (positive finite numbers, at least one).
+        new: the new run's values (positive finite numbers, at least one).
+        threshold: the smallest change worth a verdict, a fraction >= 0 (0.05 is 5%).
+        higher_is_better: ``True`` for a speed, ``False`` for a time or a size.
+        resamples: bootstrap resamples for the interval.
+        seed: the bootstrap's seed.
+
+    Example::
+
+        >>> compare_samples([1.0] * 10, [2.0] * 10, 0.05).verdict
+        'slower'
+    """
+    a = _sample(old, "old")
+    b = _sample(new, "new")
+    _check_positive(a, "old")
+    _check_positive(b, "new")
+    if a.size < 2 or b.size < 2:
+        ratio = float(np.median(b) / np.median(a))
+        return SampleComparison(ratio, None, None, NO_CLEAR_DIFFERENCE, False, int(a.size), int(b.size))
+    ratio, low, high = ratio_of_medians_ci(a, b, resamples=resamples, seed=seed)
+    p_value = mann_whitney_u(a, b).p_value
+    call = verdict(ratio, (low, high), p_value, threshold, higher_is_better=higher_is_better)
+    return SampleComparison(ratio, (low, high), p_value, call, call == SLOWER, int(a.size), int(b.size))
