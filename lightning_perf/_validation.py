@@ -39,3 +39,31 @@ def check_bool(owner: str, name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{owner}({name}={value!r})` is not valid. Expected True or False.")
     return value
+
+
+def check_optional_bool(owner: str, name: str, value: Any) -> bool | None:
+    """Return ``value`` if it is a bool or None, else raise ``TypeError``."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"`{owner}({name}={value!r})` is not valid. Expected True, False or None.")
+    return value
+
+
+def check_choice(owner: str, name: str, value: Any, choices: tuple[Any, ...]) -> Any:
+    """Return ``value`` if it is one of ``choices``, of the same type (``2.0`` is not ``2``, ``True`` is not ``1``),
+    else raise ``ValueError``."""
+    if not any(type(value) is type(choice) and value == choice for choice in choices):
+        raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected one of {', '.join(map(repr, choices))}.")
+    return value
+
+
+def check_instance(owner: str, name: str, value: Any, types: type | tuple[type, ...], expected: str) -> Any:
+    """Return ``value`` if it is an instance of ``types``, else raise ``TypeError`` saying ``expected``."""
+    if not isinstance(value, types):
+        raise TypeError(f"`{owner}({name}={_short_repr(value)})` is not valid. Expected {expected}.")
+    return value
+
+
+def _short_repr(value: Any) -> str:
+    """``repr(value)``, or the class name for an object whose repr spans lines (a module, an optimizer)."""
+    text = repr(value)
+    return text if "\n" not in text and len(text) <= 200 else f"<{type(value).__name__}>"

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_perf._validation import check_choice, check_optional_bool
 from lightning_perf._warnings import NoEffectWarning, warn_once
 from lightning_perf.functional.backend_flags import (
     FLOAT32_MATMUL_PRECISIONS,
@@ -73,16 +74,21 @@ class BackendFlagsCallback(Callback):
         preset: Literal["fastest"] | None = None,
     ) -> None:
         name = type(self).__name__
-        for arg, value in (("cudnn_benchmark", cudnn_benchmark), ("tf32", tf32)):
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"`{name}({arg}={value!r})` is not valid. Expected True, False or None.")
-        if float32_matmul_precision is not None and float32_matmul_precision not in FLOAT32_MATMUL_PRECISIONS:
+        check_optional_bool(name, "cudnn_benchmark", cudnn_benchmark)
+        check_optional_bool(name, "tf32", tf32)
+        if float32_matmul_precision is not None:
+            check_choice(name, "float32_matmul_precision", float32_matmul_precision, FLOAT32_MATMUL_PRECISIONS)
+        if preset is not None:
+            check_choice(name, "preset", preset, _PRESETS)
+        if (
+            tf32 is not None
+            and float32_matmul_precision is not None
+            and tf32 != (float32_matmul_precision != "highest")
+        ):
             raise ValueError(
-                f"`{name}(float32_matmul_precision={float32_matmul_precision!r})` is not valid. "
-                f"Expected one of {', '.join(map(repr, FLOAT32_MATMUL_PRECISIONS))} or None."
+                f"`{name}(tf32={tf32!r}, float32_matmul_precision={float32_matmul_precision!r})` contradict each "
+                "other: 'highest' turns TF32 matmuls off, 'high' and 'medium' turn them on."
             )
-        if preset is not None and preset not in _PRESETS:
-            raise ValueError(f"`{name}(preset={preset!r})` is not valid. Expected 'fastest' or None.")
         chosen = (cudnn_benchmark, tf32, float32_matmul_precision, sdpa_backends, preset)
         if all(value is None for value in chosen):
             raise ValueError(

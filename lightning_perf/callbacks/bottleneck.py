@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_perf._device import has_fast_cpu_bf16, is_sm_at_least, supports_tf32
-from lightning_perf._validation import check_int
+from lightning_perf._validation import check_bool, check_int
 from lightning_perf.callbacks._model_hooks import add_batch_transform, remove_batch_transform
 from lightning_perf.callbacks._observer import (
     across_ranks,
@@ -41,7 +41,7 @@ from lightning_perf.profiling import (
     summarize,
     write_json,
 )
-from lightning_perf.profiling.advice import PHASES, validate_thresholds
+from lightning_perf.profiling.advice import DEFAULT_THRESHOLDS, PHASES, validate_thresholds
 
 __all__ = ["BottleneckCallback"]
 
@@ -192,12 +192,18 @@ class BottleneckCallback(Callback):
                 f"`{name}(sync_check_steps={sync_check_steps!r}, warmup_steps={warmup_steps!r})`: the checked steps "
                 "are the last warm-up steps, so sync_check_steps must be at most warmup_steps."
             )
+        unknown = sorted(set(thresholds) - set(DEFAULT_THRESHOLDS)) if isinstance(thresholds, Mapping) else []
+        if unknown:
+            raise ValueError(
+                f"`{name}(thresholds={thresholds!r})` is not valid: {', '.join(map(repr, unknown))} not a phase with "
+                f"a threshold. Expected phases from: {', '.join(DEFAULT_THRESHOLDS)}."
+            )
         self.thresholds = validate_thresholds(thresholds, name)
         self.dirpath = check_dirpath(name, dirpath)
         self.filename = check_filename(name, filename)
-        self.progress_bar = bool(progress_bar)
-        self.plot = bool(plot)
-        self.verbose = bool(verbose)
+        self.progress_bar = check_bool(name, "progress_bar", progress_bar)
+        self.plot = check_bool(name, "plot", plot)
+        self.verbose = check_bool(name, "verbose", verbose)
         self.report: dict[str, Any] | None = None
         self._handles: list[RemovableHandle] = []
         self._reset()

@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_perf._validation import check_choice
 from lightning_perf._warnings import NoEffectWarning, warn_once
 from lightning_perf.callbacks._model_hooks import (
     BatchTransform,
@@ -56,7 +57,7 @@ class ChannelsLastCallback(Callback):
     """
 
     def __init__(self, dims: Literal["auto", 2, 3] = "auto") -> None:
-        self.dims = validate_dims(dims, type(self).__name__)
+        self.dims = validate_dims(check_choice(type(self).__name__, "dims", dims, ("auto", 2, 3)), type(self).__name__)
         self._transform: BatchTransform | None = None
         self._handles: list[RemovableHandle] = []
         self._converted: list[tuple[torch.nn.Parameter, tuple[int, ...]]] = []

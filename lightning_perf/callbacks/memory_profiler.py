@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_perf._validation import check_int
+from lightning_perf._validation import check_bool, check_int
 from lightning_perf._warnings import MeasurementWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks._observer import (
     across_ranks,
@@ -158,12 +158,12 @@ class MemoryProfilerCallback(Callback):
                     + f"Expected names from: {', '.join(POINTS)}."
                 )
             self.points = tuple(p for p in POINTS if p in points)  # step order, no duplicates
-        self.record_history = bool(record_history)
-        self.oom_snapshot = bool(oom_snapshot)
+        self.record_history = check_bool(name, "record_history", record_history)
+        self.oom_snapshot = check_bool(name, "oom_snapshot", oom_snapshot)
         self.dirpath = check_dirpath(name, dirpath)
         self.filename = check_filename(name, filename)
-        self.plot = bool(plot)
-        self.verbose = bool(verbose)
+        self.plot = check_bool(name, "plot", plot)
+        self.verbose = check_bool(name, "verbose", verbose)
         self.report: dict[str, Any] | None = None
         self._probe: MemoryProbe | None = None
         self._oom_handle: Any = None

@@ -20,6 +20,7 @@ from typing import Literal, TypeVar
 import torch
 
 from lightning_perf._device import has_fast_cpu_bf16, supports_tf32
+from lightning_perf._validation import check_choice, check_optional_bool
 
 Float32MatmulPrecision = Literal["highest", "high", "medium"]
 SdpaBackend = Literal["flash", "efficient", "math", "cudnn"]
@@ -77,6 +78,23 @@ class BackendFlags:
     fp32_precision: tuple[tuple[str, str, str], ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("cudnn_benchmark", "matmul_tf32", "cudnn_tf32"):
+            check_optional_bool("BackendFlags", name, getattr(self, name))
+        if self.float32_matmul_precision is not None:
+            check_choice(
+                "BackendFlags", "float32_matmul_precision", self.float32_matmul_precision, FLOAT32_MATMUL_PRECISIONS
+            )
+        table = self.fp32_precision
+        if table is not None and (
+            not isinstance(table, tuple)
+            or not all(
+                isinstance(row, tuple) and len(row) == 3 and all(isinstance(x, str) for x in row) for row in table
+            )
+        ):
+            raise TypeError(
+                f"`BackendFlags(fp32_precision={table!r})` is not valid. Expected None or a tuple of "
+                "(backend, operation, value) string triples, as `capture()` returns."
+            )
         if self.float32_matmul_precision not in (None, *FLOAT32_MATMUL_PRECISIONS):
             raise ValueError(
                 f"`BackendFlags(float32_matmul_precision={self.float32_matmul_precision!r})` is not valid. "
@@ -104,14 +122,19 @@ def validate_sdpa_backends(backends: Iterable[str], owner: str) -> frozenset[str
     Raises:
         ValueError: for an unknown name or an empty list (no kernel would be left to run attention).
     """
-    if isinstance(backends, str):
-        raise ValueError(f"`{owner}(sdpa_backends={backends!r})` is not valid. Expected a list of backend names.")
-    chosen = frozenset(backends)
+    expected = f"Expected a non-empty list of {', '.join(map(repr, SDPA_BACKENDS))}."
+    if isinstance(backends, (str, bytes)) or not isinstance(backends, Iterable):
+        raise TypeError(f"`{owner}(sdpa_backends={backends!r})` is not valid. {expected}")
+    given = list(backends)
+    if not all(isinstance(b, str) for b in given):
+        raise TypeError(f"`{owner}(sdpa_backends={backends!r})` is not valid. {expected}")
+    chosen = frozenset(given)
     unknown = sorted(chosen - set(SDPA_BACKENDS))
     if unknown or not chosen:
         raise ValueError(
-            f"`{owner}(sdpa_backends={sorted(chosen)!r})` is not valid. Expected a non-empty list of "
-            f"{', '.join(map(repr, SDPA_BACKENDS))}."
+            f"`{owner}(sdpa_backends={backends!r})` is not valid"
+            + (f" ({', '.join(map(repr, unknown))}: no such kernel)" if unknown else "")
+            + f". {expected}"
         )
     return chosen
 

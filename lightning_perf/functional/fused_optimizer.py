@@ -26,6 +26,8 @@ from typing import Any, Literal
 import torch
 from torch.optim import Optimizer
 
+from lightning_perf._validation import check_choice, check_instance
+
 Mode = Literal["fused", "foreach", "auto"]
 Implementation = Literal["fused", "foreach"]
 
@@ -47,9 +49,26 @@ class OptimizerChoice:
 
 def validate_mode(mode: Any, owner: str = "switch_implementation") -> Mode:
     """Return ``mode`` if it is one of :data:`MODES`; raise ``ValueError`` naming ``owner`` otherwise."""
-    if mode not in MODES:
-        raise ValueError(f"`{owner}(mode={mode!r})` is not valid. Expected one of {', '.join(map(repr, MODES))}.")
-    return mode  # type: ignore[no-any-return]
+    return check_choice(owner, "mode", mode, MODES)  # type: ignore[no-any-return]
+
+
+IMPLEMENTATIONS: tuple[str, ...] = ("fused", "foreach")
+
+
+def _check_optimizer(optimizer: Any, owner: str) -> Optimizer:
+    return check_instance(owner, "optimizer", optimizer, Optimizer, "a torch.optim.Optimizer")  # type: ignore[no-any-return]
+
+
+def _check_sparse_params(sparse_params: Any, owner: str) -> Collection[torch.Tensor]:
+    if (
+        isinstance(sparse_params, (str, bytes, torch.Tensor))
+        or not isinstance(sparse_params, Collection)
+        or not all(isinstance(p, torch.Tensor) for p in sparse_params)
+    ):
+        raise TypeError(
+            f"`{owner}(sparse_params={sparse_params!r})` is not valid. Expected a collection of parameters (tensors)."
+        )
+    return sparse_params
 
 
 def _torch_optimizer_class(cls: type[Optimizer]) -> type[Optimizer] | None:
@@ -133,7 +152,9 @@ def choose_implementation(
         mode: ``"fused"``, ``"foreach"`` or ``"auto"``.
         sparse_params: parameters that get sparse gradients (fused kernels reject them).
     """
+    _check_optimizer(optimizer, "choose_implementation")
     mode = validate_mode(mode, "choose_implementation")
+    _check_sparse_params(sparse_params, "choose_implementation")
     name = type(optimizer).__name__
     defaults = optimizer.defaults
     if "fused" not in defaults and "foreach" not in defaults:
@@ -169,6 +190,8 @@ def set_implementation(optimizer: Optimizer, implementation: Implementation) -> 
     fused path also moves existing ``step`` counters to their parameter's device in float32, as the fused kernels
     need them (``torch.optim.Optimizer.load_state_dict`` does the same for fused groups).
     """
+    _check_optimizer(optimizer, "set_implementation")
+    check_choice("set_implementation", "implementation", implementation, IMPLEMENTATIONS)
     fused = implementation == "fused"
     for target in (*optimizer.param_groups, optimizer.defaults):
         if "fused" in target:
@@ -213,6 +236,9 @@ def switch_implementation(
         optimizer = torch.optim.AdamW(model.parameters())
         choice = switch_implementation(optimizer)  # fused on CPU and CUDA in torch 2.13
     """
+    _check_optimizer(optimizer, "switch_implementation")
+    validate_mode(mode, "switch_implementation")
+    _check_sparse_params(sparse_params, "switch_implementation")
     choice = choose_implementation(optimizer, mode, sparse_params)
     if choice.implementation is not None:
         set_implementation(optimizer, choice.implementation)

@@ -43,6 +43,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _torch_powersgd
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_perf._validation import (
+    check_bool,
+    check_choice,
+    check_instance,
+    check_int,
+    check_number,
+    check_optional_bool,
+)
+
 __all__ = [
     "HOOK_VARIANTS",
     "CommunicationStats",
@@ -83,15 +92,48 @@ class CommunicationStats:
         return self.numel_before / self.numel_after if self.numel_after else math.nan
 
 
+def validate_powersgd_options(
+    owner: str,
+    *,
+    hook: Any,
+    matrix_approximation_rank: Any,
+    start_powerSGD_iter: Any,
+    min_compression_rate: Any,
+    use_error_feedback: Any,
+    warm_start: Any,
+    orthogonalization_epsilon: Any,
+    random_seed: Any,
+) -> None:
+    """Check PowerSGD's options; ``ValueError``/``TypeError`` naming ``owner``, the argument and the value.
+
+    ``start_powerSGD_iter`` may be ``None`` (chosen later from the run's length).
+    """
+    check_choice(owner, "hook", hook, HOOK_VARIANTS)
+    check_int(owner, "matrix_approximation_rank", matrix_approximation_rank, 1)
+    check_bool(owner, "use_error_feedback", use_error_feedback)
+    check_bool(owner, "warm_start", warm_start)
+    if start_powerSGD_iter is not None:
+        check_int(owner, "start_powerSGD_iter", start_powerSGD_iter, 0)
+        if start_powerSGD_iter < 2 and (use_error_feedback or warm_start):
+            raise ValueError(
+                f"`{owner}(start_powerSGD_iter={start_powerSGD_iter!r})` is not valid with error feedback or warm "
+                "start: expected >= 2, because DDP rebuilds its buckets after the first iteration (torch's "
+                "PowerSGDState refuses less). Use a larger value, or turn both off."
+            )
+    check_number(owner, "min_compression_rate", min_compression_rate)
+    check_number(owner, "orthogonalization_epsilon", orthogonalization_epsilon)
+    check_int(owner, "random_seed", random_seed, 0)
+
+
 def ring_allreduce_seconds(nbytes: float, workers: int, bandwidth_bytes_per_s: float) -> float:
     """Bandwidth term of a ring all-reduce of ``nbytes`` per worker: ``2 (n - 1) / n * nbytes / bandwidth``.
 
     Latency (``2 (n - 1)`` messages per all-reduce) and overlap with the backward pass are not modelled.
     """
-    if workers < 1 or bandwidth_bytes_per_s <= 0:
-        raise ValueError(
-            f"workers={workers!r} and bandwidth_bytes_per_s={bandwidth_bytes_per_s!r}: expected >= 1, > 0."
-        )
+    owner = "ring_allreduce_seconds"
+    check_number(owner, "nbytes", nbytes)
+    check_int(owner, "workers", workers, 1)
+    check_number(owner, "bandwidth_bytes_per_s", bandwidth_bytes_per_s, exclusive=True)
     return 2.0 * (workers - 1) / workers * nbytes / bandwidth_bytes_per_s
 
 
@@ -503,6 +545,20 @@ def register_powersgd_hook(
         ...  # train; powersgd.take_stats() after each step says what was sent
         torch.save(gather_state_dict(powersgd), "powersgd.pt")  # on every rank; rank 0 gets all residuals
     """
+    owner = "register_powersgd_hook"
+    validate_powersgd_options(
+        owner,
+        hook=hook,
+        matrix_approximation_rank=matrix_approximation_rank,
+        start_powerSGD_iter=start_powerSGD_iter,
+        min_compression_rate=min_compression_rate,
+        use_error_feedback=use_error_feedback,
+        warm_start=warm_start,
+        orthogonalization_epsilon=orthogonalization_epsilon,
+        random_seed=random_seed,
+    )
+    check_optional_bool(owner, "synchronous", synchronous)
+    check_instance(owner, "model", model, DistributedDataParallel, "a DistributedDataParallel model")
     group = process_group if process_group is not None else dist.group.WORLD
     if synchronous is None:
         synchronous = dist.get_backend(group) != "nccl"

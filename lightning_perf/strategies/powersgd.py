@@ -21,14 +21,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_perf._validation import check_bool, check_int, check_number
+from lightning_perf._validation import check_bool, check_number
 from lightning_perf._warnings import FallbackWarning, warn_once
 from lightning_perf.functional.powersgd import (
-    HOOK_VARIANTS,
     CommunicationStats,
     PowerSGDHook,
     gather_state_dict,
     register_powersgd_hook,
+    validate_powersgd_options,
 )
 
 #: Top-level checkpoint key of the gathered PowerSGD state.
@@ -153,29 +153,24 @@ class PowerSGDDDPStrategy(DDPStrategy):
                 f"`{owner}({given[0]}=...)` is not supported: this strategy registers its own PowerSGD communication "
                 "hook. Use `lightning.pytorch.strategies.DDPStrategy` for another hook."
             )
-        if hook not in HOOK_VARIANTS:
-            raise ValueError(f"`{owner}(hook={hook!r})` is not valid. Expected one of: {', '.join(HOOK_VARIANTS)}.")
-        check_int(owner, "matrix_approximation_rank", matrix_approximation_rank, 1)
+        validate_powersgd_options(
+            owner,
+            hook=hook,
+            matrix_approximation_rank=matrix_approximation_rank,
+            start_powerSGD_iter=start_powerSGD_iter,
+            min_compression_rate=min_compression_rate,
+            use_error_feedback=use_error_feedback,
+            warm_start=warm_start,
+            orthogonalization_epsilon=orthogonalization_epsilon,
+            random_seed=random_seed,
+        )
         for name, flag in (
-            ("use_error_feedback", use_error_feedback),
-            ("warm_start", warm_start),
             ("log_stats", log_stats),
             ("gradient_as_bucket_view", gradient_as_bucket_view),
             ("static_graph", static_graph),
             ("find_unused_parameters", find_unused_parameters),
         ):
             check_bool(owner, name, flag)
-        if start_powerSGD_iter is not None:
-            check_int(owner, "start_powerSGD_iter", start_powerSGD_iter, 0)
-            if start_powerSGD_iter < 2 and (use_error_feedback or warm_start):
-                raise ValueError(
-                    f"`{owner}(start_powerSGD_iter={start_powerSGD_iter})` is not valid with error feedback or warm "
-                    "start: expected >= 2, because DDP rebuilds its buckets after the first iteration (torch's "
-                    "PowerSGDState refuses less). Use a larger value, or turn both off."
-                )
-        check_number(owner, "min_compression_rate", min_compression_rate)
-        check_number(owner, "orthogonalization_epsilon", orthogonalization_epsilon)
-        check_int(owner, "random_seed", random_seed, 0)
         for name in _COMM_HOOK_ARGUMENTS:  # LightningCLI passes every DDPStrategy argument, as None
             kwargs.pop(name, None)
         if bucket_cap_mb is not None:

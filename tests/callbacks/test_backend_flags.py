@@ -159,19 +159,23 @@ def test_lightning_benchmark_flag_is_set_at_trainer_init_and_what_comes_back(tmp
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({}, r"BackendFlagsCallback\(\)` needs at least one setting"),
-        ({"tf32": "yes"}, r"tf32='yes'.*Expected True, False or None"),
-        ({"cudnn_benchmark": 1}, r"cudnn_benchmark=1"),
-        ({"float32_matmul_precision": "low"}, r"float32_matmul_precision='low'"),
-        ({"sdpa_backends": ["flash", "turbo"]}, r"BackendFlagsCallback\(sdpa_backends=\['flash', 'turbo'\]\)"),
-        ({"preset": "fast"}, r"preset='fast'.*Expected 'fastest'"),
-        ({"tf32": True, "float32_matmul_precision": "highest"}, "contradict each other"),
+        ({}, ValueError, r"BackendFlagsCallback\(\)` needs at least one setting"),
+        ({"tf32": "yes"}, TypeError, r"tf32='yes'.*Expected True, False or None"),
+        ({"cudnn_benchmark": 1}, TypeError, r"cudnn_benchmark=1"),
+        ({"float32_matmul_precision": "low"}, ValueError, r"float32_matmul_precision='low'"),
+        (
+            {"sdpa_backends": ["flash", "turbo"]},
+            ValueError,
+            r"BackendFlagsCallback\(sdpa_backends=\['flash', 'turbo'\]\)",
+        ),
+        ({"preset": "fast"}, ValueError, r"preset='fast'.*Expected one of 'fastest'"),
+        ({"tf32": True, "float32_matmul_precision": "highest"}, ValueError, "contradict each other"),
     ],
 )
-def test_constructor_validation(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_constructor_validation(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
         BackendFlagsCallback(**kwargs)
 
 

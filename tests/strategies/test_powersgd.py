@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
         ),
         ({"start_powerSGD_iter": 0, "use_error_feedback": False}, ValueError, "expected >= 2, because DDP rebuilds"),
         ({"start_powerSGD_iter": -1, "use_error_feedback": False, "warm_start": False}, ValueError, "integer >= 0"),
-        ({"hook": "qsgd"}, ValueError, r"hook='qsgd'\)` is not valid. Expected one of: powersgd, batched"),
+        ({"hook": "qsgd"}, ValueError, r"hook='qsgd'\)` is not valid. Expected one of 'powersgd', 'batched'"),
         ({"min_compression_rate": -1}, ValueError, r"min_compression_rate=-1\)` is not valid"),
         ({"orthogonalization_epsilon": float("nan")}, ValueError, r"orthogonalization_epsilon=nan\)` is not valid"),
         ({"bucket_cap_mb": 0}, ValueError, r"bucket_cap_mb=0\)` is not valid. Expected a finite number > 0"),

@@ -1,0 +1,294 @@
+"""Every bad constructor argument is named (issue 16, point 5): one table per public class or config function.
+
+Each row builds the object with one bad argument (or a contradictory pair) and expects ``ValueError`` or
+``TypeError`` at construction, whose message names the argument and shows the value given (its ``repr``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_perf.callbacks import (
+    BackendFlagsCallback,
+    BottleneckCallback,
+    ChannelsLastCallback,
+    CompileCallback,
+    FusedOptimizerCallback,
+    MemoryProfilerCallback,
+)
+from lightning_perf.functional.backend_flags import BackendFlags
+from lightning_perf.functional.fused_optimizer import choose_implementation, set_implementation, switch_implementation
+from lightning_perf.functional.powersgd import register_powersgd_hook, ring_allreduce_seconds
+from lightning_perf.strategies import PowerSGDDDPStrategy
+
+NAN, INF = math.nan, math.inf
+
+
+def _optimizer() -> torch.optim.Optimizer:
+    return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+
+
+# (argument named in the message, keyword arguments, the value to show; None: kwargs[argument])
+Row = tuple[str, dict[str, Any]]
+
+TABLES: dict[str, tuple[Callable[..., Any], list[Row]]] = {
+    "ChannelsLastCallback": (
+        ChannelsLastCallback,
+        [
+            ("dims", {"dims": 1}),
+            ("dims", {"dims": 4}),
+            ("dims", {"dims": 0}),
+            ("dims", {"dims": -2}),
+            ("dims", {"dims": "2"}),
+            ("dims", {"dims": "Auto"}),
+            ("dims", {"dims": ""}),
+            ("dims", {"dims": None}),
+            ("dims", {"dims": 2.0}),
+            ("dims", {"dims": True}),
+            ("dims", {"dims": [2, 3]}),
+            ("dims", {"dims": NAN}),
+        ],
+    ),
+    "CompileCallback": (
+        CompileCallback,
+        [
+            ("mode", {"mode": "fastest"}),
+            ("mode", {"mode": 3}),
+            ("fullgraph", {"fullgraph": "false"}),
+            ("fullgraph", {"fullgraph": 1}),
+            ("dynamic", {"dynamic": "true"}),
+            ("backend", {"backend": ""}),
+            ("backend", {"backend": 7}),
+            ("options", {"options": "max_autotune"}),
+            ("regions", {"regions": []}),
+            ("regions", {"regions": 5}),
+            ("stages", {"stages": []}),
+            ("stages", {"stages": ["fit", "deploy"]}),
+            ("strict", {"strict": "false"}),
+            ("warmup_steps", {"warmup_steps": 0}),
+            ("warmup_steps", {"warmup_steps": -1}),
+            ("warmup_steps", {"warmup_steps": 1.5}),
+            ("warmup_steps", {"warmup_steps": NAN}),
+            ("warmup_steps", {"warmup_steps": True}),
+        ],
+    ),
+    "BackendFlagsCallback": (
+        BackendFlagsCallback,
+        [
+            ("cudnn_benchmark", {"cudnn_benchmark": "false"}),
+            ("cudnn_benchmark", {"cudnn_benchmark": 0}),
+            ("tf32", {"tf32": "true"}),
+            ("tf32", {"tf32": 1.0}),
+            ("float32_matmul_precision", {"float32_matmul_precision": "low"}),
+            ("float32_matmul_precision", {"float32_matmul_precision": ""}),
+            ("float32_matmul_precision", {"float32_matmul_precision": NAN}),
+            ("sdpa_backends", {"sdpa_backends": []}),
+            ("sdpa_backends", {"sdpa_backends": ["flash", "fast"]}),
+            ("sdpa_backends", {"sdpa_backends": "flash"}),
+            ("sdpa_backends", {"sdpa_backends": 3}),
+            ("sdpa_backends", {"sdpa_backends": [1]}),
+            ("preset", {"preset": "fast"}),
+            ("preset", {"preset": True}),
+            ("tf32", {"tf32": False, "float32_matmul_precision": "high"}),
+        ],
+    ),
+    "FusedOptimizerCallback": (
+        FusedOptimizerCallback,
+        [
+            ("mode", {"mode": "Fused"}),
+            ("mode", {"mode": ""}),
+            ("mode", {"mode": None}),
+            ("mode", {"mode": 1}),
+            ("mode", {"mode": True}),
+            ("mode", {"mode": NAN}),
+            ("mode", {"mode": ["fused"]}),
+            ("mode", {"mode": "for-each"}),
+            ("mode", {"mode": "apex"}),
+            ("mode", {"mode": b"fused"}),
+        ],
+    ),
+    "BottleneckCallback": (
+        BottleneckCallback,
+        [
+            ("warmup_steps", {"warmup_steps": -1}),
+            ("warmup_steps", {"warmup_steps": 2.5}),
+            ("warmup_steps", {"warmup_steps": "5"}),
+            ("log_every_n_steps", {"log_every_n_steps": 0}),
+            ("progress_bar", {"progress_bar": "false"}),
+            ("sync_check_steps", {"sync_check_steps": -1}),
+            ("sync_check_steps", {"warmup_steps": 1, "sync_check_steps": 2}),
+            ("thresholds", {"thresholds": {"data": NAN}}),
+            ("thresholds", {"thresholds": {"nonsense": 0.5}}),
+            ("thresholds", {"thresholds": "data"}),
+            ("dirpath", {"dirpath": 3}),
+            ("filename", {"filename": ""}),
+            ("filename", {"filename": "a/b"}),
+            ("plot", {"plot": "false"}),
+            ("verbose", {"verbose": 0}),
+        ],
+    ),
+    "MemoryProfilerCallback": (
+        MemoryProfilerCallback,
+        [
+            ("every_n_steps", {"every_n_steps": 0}),
+            ("every_n_steps", {"every_n_steps": INF}),
+            ("warmup_steps", {"warmup_steps": -3}),
+            ("points", {"points": []}),
+            ("points", {"points": ["everywhere"]}),
+            ("points", {"points": "after_backward"}),
+            ("leak_threshold", {"leak_threshold": 0}),
+            ("leak_threshold", {"leak_threshold": NAN}),
+            ("leak_threshold", {"leak_threshold": -1.0}),
+            ("leak_min_samples", {"leak_min_samples": 1}),
+            ("record_history", {"record_history": "false"}),
+            ("history_max_entries", {"history_max_entries": 0}),
+            ("oom_snapshot", {"oom_snapshot": "no"}),
+            ("plot", {"plot": None}),
+            ("verbose", {"verbose": "yes"}),
+            ("filename", {"filename": ".."}),
+        ],
+    ),
+    "PowerSGDDDPStrategy": (
+        PowerSGDDDPStrategy,
+        [
+            ("matrix_approximation_rank", {"matrix_approximation_rank": 0}),
+            ("matrix_approximation_rank", {"matrix_approximation_rank": 2.0}),
+            ("start_powerSGD_iter", {"start_powerSGD_iter": -1}),
+            ("start_powerSGD_iter", {"start_powerSGD_iter": 1}),
+            ("min_compression_rate", {"min_compression_rate": NAN}),
+            ("min_compression_rate", {"min_compression_rate": -1.0}),
+            ("use_error_feedback", {"use_error_feedback": "false"}),
+            ("warm_start", {"warm_start": 0}),
+            ("orthogonalization_epsilon", {"orthogonalization_epsilon": INF}),
+            ("hook", {"hook": "fast"}),
+            ("random_seed", {"random_seed": -5}),
+            ("log_stats", {"log_stats": "true"}),
+            ("bucket_cap_mb", {"bucket_cap_mb": 0}),
+            ("bucket_cap_mb", {"bucket_cap_mb": NAN}),
+            ("static_graph", {"static_graph": "false"}),
+        ],
+    ),
+    "BackendFlags": (
+        BackendFlags,
+        [
+            ("cudnn_benchmark", {"cudnn_benchmark": "false"}),
+            ("matmul_tf32", {"matmul_tf32": 1}),
+            ("cudnn_tf32", {"cudnn_tf32": "true"}),
+            ("float32_matmul_precision", {"float32_matmul_precision": "low"}),
+            ("float32_matmul_precision", {"float32_matmul_precision": 1}),
+            ("sdpa_backends", {"sdpa_backends": frozenset()}),
+            ("sdpa_backends", {"sdpa_backends": frozenset({"quick"})}),
+            ("sdpa_backends", {"sdpa_backends": "math"}),
+            ("matmul_tf32", {"matmul_tf32": True, "float32_matmul_precision": "highest"}),
+            ("fp32_precision", {"fp32_precision": "tf32"}),
+        ],
+    ),
+    "switch_implementation": (
+        lambda **kw: switch_implementation(kw.pop("optimizer", _optimizer()), **kw),
+        [
+            ("mode", {"mode": "Fused"}),
+            ("mode", {"mode": None}),
+            ("mode", {"mode": 0}),
+            ("mode", {"mode": ""}),
+            ("mode", {"mode": NAN}),
+            ("sparse_params", {"sparse_params": 3}),
+            ("sparse_params", {"sparse_params": "weight"}),
+            ("sparse_params", {"sparse_params": [1, 2]}),
+            ("optimizer", {"optimizer": "adam"}),
+            ("optimizer", {"optimizer": None}),
+        ],
+    ),
+    "choose_implementation": (
+        lambda **kw: choose_implementation(kw.pop("optimizer", _optimizer()), **kw),
+        [
+            ("mode", {"mode": "FUSED"}),
+            ("mode", {"mode": True}),
+            ("mode", {"mode": ["auto"]}),
+            ("mode", {"mode": INF}),
+            ("mode", {"mode": "none"}),
+            ("sparse_params", {"sparse_params": None}),
+            ("sparse_params", {"sparse_params": 0}),
+            ("sparse_params", {"sparse_params": "p"}),
+            ("optimizer", {"optimizer": 1}),
+            ("optimizer", {"optimizer": torch.nn.Linear(1, 1)}),
+        ],
+    ),
+    "set_implementation": (
+        lambda **kw: set_implementation(kw.pop("optimizer", _optimizer()), **kw),
+        [
+            ("implementation", {"implementation": "auto"}),
+            ("implementation", {"implementation": None}),
+            ("implementation", {"implementation": "Fused"}),
+            ("implementation", {"implementation": ""}),
+            ("implementation", {"implementation": 1}),
+            ("implementation", {"implementation": True}),
+            ("implementation", {"implementation": NAN}),
+            ("implementation", {"implementation": ["fused"]}),
+            ("optimizer", {"optimizer": "sgd", "implementation": "fused"}),
+            ("optimizer", {"optimizer": None, "implementation": "foreach"}),
+        ],
+    ),
+    "register_powersgd_hook": (
+        lambda **kw: register_powersgd_hook(kw.pop("model", object()), **kw),
+        [
+            ("hook", {"hook": "fast"}),
+            ("matrix_approximation_rank", {"matrix_approximation_rank": 0}),
+            ("matrix_approximation_rank", {"matrix_approximation_rank": "2"}),
+            ("start_powerSGD_iter", {"start_powerSGD_iter": -1}),
+            ("start_powerSGD_iter", {"start_powerSGD_iter": 1}),
+            ("min_compression_rate", {"min_compression_rate": NAN}),
+            ("use_error_feedback", {"use_error_feedback": "false"}),
+            ("warm_start", {"warm_start": 1}),
+            ("orthogonalization_epsilon", {"orthogonalization_epsilon": -1e-8}),
+            ("random_seed", {"random_seed": 1.5}),
+            ("synchronous", {"synchronous": "yes"}),
+            ("model", {"model": torch.nn.Linear(2, 2)}),
+        ],
+    ),
+    "ring_allreduce_seconds": (
+        lambda **kw: ring_allreduce_seconds(**{"nbytes": 1e6, "workers": 2, "bandwidth_bytes_per_s": 1e9, **kw}),
+        [
+            ("nbytes", {"nbytes": -1}),
+            ("nbytes", {"nbytes": NAN}),
+            ("nbytes", {"nbytes": "1MB"}),
+            ("workers", {"workers": 0}),
+            ("workers", {"workers": 2.5}),
+            ("workers", {"workers": True}),
+            ("bandwidth_bytes_per_s", {"bandwidth_bytes_per_s": 0}),
+            ("bandwidth_bytes_per_s", {"bandwidth_bytes_per_s": INF}),
+            ("bandwidth_bytes_per_s", {"bandwidth_bytes_per_s": -1e9}),
+            ("bandwidth_bytes_per_s", {"bandwidth_bytes_per_s": None}),
+        ],
+    ),
+}
+
+
+def _cases() -> list[Any]:
+    out = []
+    for owner, (build, rows) in TABLES.items():
+        for index, (argument, kwargs) in enumerate(rows):
+            out.append(pytest.param(build, argument, kwargs, id=f"{owner}-{index}-{argument}"))
+    return out
+
+
+@pytest.mark.parametrize("owner", list(TABLES))
+def test_each_table_has_ten_bad_inputs(owner: str) -> None:
+    assert len(TABLES[owner][1]) >= 10
+
+
+@pytest.mark.parametrize(("build", "argument", "kwargs"), _cases())
+def test_bad_input_is_named(build: Callable[..., Any], argument: str, kwargs: dict[str, Any]) -> None:
+    value = kwargs[argument]
+    with pytest.raises((ValueError, TypeError)) as info:
+        build(**kwargs)
+    message = str(info.value)
+    assert f"{argument}=" in message, message
+    shown = repr(value)
+    if isinstance(value, torch.nn.Module):
+        shown = type(value).__name__  # a module's repr spans lines; its class names it
+    assert shown in message, message
