@@ -1,0 +1,208 @@
+"""What a measurement was taken on and how it was started: the ``machine`` and ``run`` objects of a results file.
+
+:func:`describe_machine` names the CPU (model, cores, the threads torch uses, the instruction-set flags that decide
+which kernels exist: AVX2, AVX-512, VNNI, bf16, AMX), the GPU and its driver, and the versions of lightning_perf,
+torch and lightning. :func:`run_metadata` adds the git commit of the working directory's repository (and whether it
+had uncommitted changes), the command line and the start time; :func:`finish_run` stamps the end. Everything degrades
+to ``None`` where the platform does not say (no ``/proc/cpuinfo``, no git, no GPU): describing the machine never
+fails a run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CPU_FLAGS",
+    "cpu_flags",
+    "describe_machine",
+    "finish_run",
+    "git_state",
+    "has_cpu_bf16_instructions",
+    "run_metadata",
+]
+
+CPU_FLAGS: tuple[str, ...] = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+"""The x86 flags that decide which oneDNN kernels a CPU gets: fp32 vector width, int8 dot products, bf16 math."""
+
+
+def _read_cpuinfo(path: str = "/proc/cpuinfo") -> str | None:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def cpu_flags(cpuinfo: str | None = None) -> dict[str, bool] | None:
+    """Which of :data:`CPU_FLAGS` the CPU has, from ``/proc/cpuinfo`` (or the text given); ``None`` where unknown.
+
+    Example::
+
+        >>> cpu_flags("flags : fpu avx2 fma")["avx2"]
+        True
+    """
+    text = _read_cpuinfo() if cpuinfo is None else cpuinfo
+    if not text:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            present = set(value.split())
+            return {flag: flag in present for flag in CPU_FLAGS}
+    return None
+
+
+def has_cpu_bf16_instructions(flags: dict[str, bool] | None) -> bool | None:
+    """Whether the CPU computes in bf16 natively (avx512_bf16 or AMX); ``None`` when the flags are unknown."""
+    if flags is None:
+        return None
+    return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
+
+
+def _cpu_model(cpuinfo: str | None) -> str | None:
+    for line in (cpuinfo or "").splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Hardware", "cpu model"):
+            return value.strip() or None
+    return platform.processor() or None
+
+
+def _version(*distributions: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in distributions:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def _gpu() -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"gpu": None, "gpu_count": 0, "gpu_driver": None, "gpu_bf16": None}
+    driver = None
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        driver = done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "gpu_count": torch.cuda.device_count(),
+        "gpu_driver": driver,
+        "gpu_bf16": bool(torch.cuda.is_bf16_supported()),
+        "cuda": torch.version.cuda,
+    }
+
+
+def describe_machine() -> dict[str, Any]:
+    """The hardware and software of this machine, for the ``machine`` key of a results file.
+
+    Returns:
+        ``cpu`` (model name), ``cpu_count`` (logical CPUs), ``cpu_count_usable`` (this process's affinity),
+        ``torch_threads``, ``cpu_flags`` (:data:`CPU_FLAGS` -> bool, or ``None`` where unknown),
+        ``cpu_bf16_instructions``, ``gpu``, ``gpu_count``, ``gpu_driver``, ``gpu_bf16``, ``platform``, ``python`` and
+        the versions ``lightning_perf``, ``torch``, ``lightning``.
+    """
+    import torch
+
+    from lightning_perf import __version__
+
+    cpuinfo = _read_cpuinfo()
+    flags = cpu_flags(cpuinfo) if cpuinfo else None
+    try:
+        usable: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        usable = os.cpu_count()
+    return {
+        "cpu": _cpu_model(cpuinfo),
+        "cpu_count": os.cpu_count(),
+        "cpu_count_usable": usable,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_flags": flags,
+        "cpu_bf16_instructions": has_cpu_bf16_instructions(flags),
+        **_gpu(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "lightning_perf": __version__,
+        "torch": torch.__version__,
+        "lightning": _version("lightning", "pytorch-lightning"),
+    }
+
+
+def git_state(cwd: str | Path | None = None) -> dict[str, Any]:
+    """The commit and dirty flag of the git repository containing ``cwd`` (default: the working directory).
+
+    Returns:
+        ``{"git_commit": str | None, "git_dirty": bool | None}``; both ``None`` outside a repository or without git.
+    """
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {"git_commit": None, "git_dirty": None}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"git_commit": commit.strip(), "git_dirty": None if status is None else bool(status.strip())}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def run_metadata(argv: Sequence[str] | None = None, cwd: str | Path | None = None) -> dict[str, Any]:
+    """How this run was started, for the ``run`` key of a results file.
+
+    Args:
+        argv: the command line (default: ``["lightning-perf"]``); written joined as a shell would read it.
+        cwd: the directory whose repository's commit is recorded (default: the working directory).
+
+    Returns:
+        ``command``, ``argv``, ``cwd``, ``git_commit``, ``git_dirty``, ``start_time`` (UTC, ISO 8601) and
+        ``end_time`` (``None`` until :func:`finish_run`).
+    """
+    args = list(argv) if argv is not None else ["lightning-perf"]
+    where = Path(cwd) if cwd is not None else Path.cwd()
+    return {
+        "command": shlex.join(args),
+        "argv": args,
+        "cwd": str(where),
+        **git_state(where),
+        "start_time": _now(),
+        "end_time": None,
+    }
+
+
+def finish_run(run: dict[str, Any]) -> dict[str, Any]:
+    """Stamp ``end_time`` on a :func:`run_metadata` dict (in place) and return it."""
+    run["end_time"] = _now()
+    return run
