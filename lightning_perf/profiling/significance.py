@@ -13,7 +13,9 @@ sample from each, nothing paired. Three pieces, all NumPy and the standard libra
   three values a side, the exact test cannot go below p = 0.1 anyway.
 - :func:`ratio_of_medians_ci`: a 95% interval for ``median(new) / median(old)`` by the percentile bootstrap: each
   sample is resampled with replacement, independently (the samples are not paired), ``resamples`` times with a seeded
-  :class:`numpy.random.Generator`, so the same inputs always give the same interval.
+  :class:`numpy.random.Generator`, so the same inputs always give the same interval. A sample given as groups (the
+  steps of each repeat, each repeat a fresh process) is resampled in two stages, repeats first and then steps within
+  each drawn repeat, so the interval carries the variation between processes and not only between steps.
 - :func:`compare_samples`: the verdict that combines both, under a threshold (e.g. 5%): a change is called only when
   it is beyond the threshold **and** beyond the noise. For a figure where lower is better (a step time), "slower"
   needs ``ratio > 1 + threshold`` and either ``p < 0.01`` or the whole interval above ``1 + threshold``; "faster" is
@@ -37,6 +39,7 @@ __all__ = [
     "SLOWER",
     "VERDICTS",
     "MannWhitneyResult",
+    "Sample",
     "SampleComparison",
     "compare_samples",
     "mann_whitney_p_value",
@@ -99,6 +102,31 @@ class SampleComparison:
     regression: bool
     n_old: int
     n_new: int
+
+
+Sample = Sequence[float] | Sequence[Sequence[float]]
+"""A flat sample, or a sample in groups (e.g. one list of step times per repeat)."""
+
+
+def _is_grouped(values: Sample) -> bool:
+    return len(values) > 0 and all(isinstance(v, (Sequence, np.ndarray)) and not isinstance(v, str) for v in values)
+
+
+def _groups(values: Sample, name: str) -> list[np.ndarray]:
+    """The sample as groups: each non-empty group of a grouped sample, or one group holding a flat sample."""
+    if not _is_grouped(values):
+        return [_sample(values, name)]  # type: ignore[arg-type]
+    groups = [_sample(group, name) for group in values if len(group) > 0]  # type: ignore[arg-type]
+    if not groups:
+        raise ValueError(f"`{name}` has 0 value(s). Expected at least 1.")
+    return groups
+
+
+def _flat(values: Sample, name: str, minimum: int = 1) -> np.ndarray:
+    data = np.concatenate(_groups(values, name)) if len(values) else np.empty(0)
+    if data.size < minimum:
+        raise ValueError(f"`{name}` has {data.size} value(s). Expected at least {minimum}.")
+    return data
 
 
 def _sample(values: Sequence[float], name: str, minimum: int = 1) -> np.ndarray:
@@ -179,7 +207,19 @@ def mann_whitney_u(old: Sequence[float], new: Sequence[float]) -> MannWhitneyRes
     return MannWhitneyResult(u=u, z=z, p_value=p, n_old=int(a.size), n_new=int(b.size))
 
 
-def _bootstrap_medians(data: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
+def _bootstrap_medians(groups: list[np.ndarray], resamples: int, rng: np.random.Generator) -> np.ndarray:
+    if len(groups) == 1:
+        return _bootstrap_flat(groups[0], resamples, rng)
+    # Two stages: draw as many groups as there are, with replacement; then values within each drawn group.
+    out = np.empty(resamples, dtype=np.float64)
+    for i in range(resamples):
+        drawn = rng.integers(0, len(groups), size=len(groups))
+        parts = [groups[g][rng.integers(0, groups[g].size, size=groups[g].size)] for g in drawn]
+        out[i] = np.median(np.concatenate(parts))
+    return out
+
+
+def _bootstrap_flat(data: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
     out = np.empty(resamples, dtype=np.float64)
     block = max(1, _BOOTSTRAP_BLOCK // data.size)
     for start in range(0, resamples, block):
@@ -190,8 +230,8 @@ def _bootstrap_medians(data: np.ndarray, resamples: int, rng: np.random.Generato
 
 
 def ratio_of_medians_ci(
-    old: Sequence[float],
-    new: Sequence[float],
+    old: Sample,
+    new: Sample,
     *,
     confidence: float = 0.95,
     resamples: int = 2000,
@@ -199,12 +239,13 @@ def ratio_of_medians_ci(
 ) -> tuple[float, float, float]:
     """``median(new) / median(old)`` and its percentile-bootstrap interval; returns ``(ratio, low, high)``.
 
-    The two samples are resampled independently (they are not paired). The interval is widened, if need be, to
-    contain the point estimate, so ``low <= ratio <= high`` always holds.
+    The two samples are resampled independently (they are not paired); a sample given as groups is resampled in two
+    stages (groups, then values within each). The interval is widened, if need be, to contain the point estimate, so
+    ``low <= ratio <= high`` always holds.
 
     Args:
-        old: the first sample (positive finite numbers, at least two).
-        new: the second sample (positive finite numbers, at least two).
+        old: the first sample (positive finite numbers, at least two), flat or as groups (lists of numbers).
+        new: the second sample, likewise.
         confidence: the interval's coverage, in (0, 1).
         resamples: bootstrap resamples (>= 100).
         seed: seed of the :class:`numpy.random.Generator`; the same inputs and seed give the same interval.
@@ -218,13 +259,14 @@ def ratio_of_medians_ci(
         raise ValueError(f"`ratio_of_medians_ci(resamples={resamples!r})` is not valid. Expected an integer >= 100.")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"`ratio_of_medians_ci(seed={seed!r})` is not valid. Expected an integer >= 0.")
-    a = _sample(old, "old", minimum=2)
-    b = _sample(new, "new", minimum=2)
+    a, b = _flat(old, "old", minimum=2), _flat(new, "new", minimum=2)
     _check_positive(a, "old")
     _check_positive(b, "new")
     ratio = float(np.median(b) / np.median(a))
     rng = np.random.default_rng(seed)
-    ratios = _bootstrap_medians(b, resamples, rng) / _bootstrap_medians(a, resamples, rng)
+    ratios = _bootstrap_medians(_groups(new, "new"), resamples, rng) / _bootstrap_medians(
+        _groups(old, "old"), resamples, rng
+    )
     tail = (1.0 - confidence) / 2.0 * 100.0
     low, high = (float(v) for v in np.percentile(ratios, [tail, 100.0 - tail]))
     return ratio, min(low, ratio), max(high, ratio)
@@ -272,8 +314,8 @@ def verdict(
 
 
 def compare_samples(
-    old: Sequence[float],
-    new: Sequence[float],
+    old: Sample,
+    new: Sample,
     threshold: float,
     *,
     higher_is_better: bool = False,
@@ -283,11 +325,12 @@ def compare_samples(
     """Compare two independent samples of one figure: ratio of medians, its 95% interval, p-value and verdict.
 
     With fewer than two values on a side there is no test and no interval: the ratio is reported and the verdict is
-    ``"no clear difference"`` (one value cannot tell a change from noise).
+    ``"no clear difference"`` (one value cannot tell a change from noise). A sample given as groups (one list per
+    repeat) is pooled for the medians and the test, and resampled in two stages for the interval.
 
     Args:
-        old: the old run's values (positive finite numbers, at least one).
-        new: the new run's values (positive finite numbers, at least one).
+        old: the old run's values (positive finite numbers, at least one), flat or as groups.
+        new: the new run's values, likewise.
         threshold: the smallest change worth a verdict, a fraction >= 0 (0.05 is 5%).
         higher_is_better: ``True`` for a speed, ``False`` for a time or a size.
         resamples: bootstrap resamples for the interval.
@@ -298,14 +341,13 @@ def compare_samples(
         >>> compare_samples([1.0] * 10, [2.0] * 10, 0.05).verdict
         'slower'
     """
-    a = _sample(old, "old")
-    b = _sample(new, "new")
+    a, b = _flat(old, "old"), _flat(new, "new")
     _check_positive(a, "old")
     _check_positive(b, "new")
     if a.size < 2 or b.size < 2:
         ratio = float(np.median(b) / np.median(a))
         return SampleComparison(ratio, None, None, NO_CLEAR_DIFFERENCE, False, int(a.size), int(b.size))
-    ratio, low, high = ratio_of_medians_ci(a, b, resamples=resamples, seed=seed)
+    ratio, low, high = ratio_of_medians_ci(old, new, resamples=resamples, seed=seed)
     p_value = mann_whitney_u(a, b).p_value
     call = verdict(ratio, (low, high), p_value, threshold, higher_is_better=higher_is_better)
     return SampleComparison(ratio, (low, high), p_value, call, call == SLOWER, int(a.size), int(b.size))

@@ -270,3 +270,34 @@ def test_bad_threshold_is_refused(threshold: object) -> None:
 def test_bad_ratio_is_refused(ratio: float) -> None:
     with pytest.raises(ValueError, match="ratio"):
         verdict(ratio, None, None, 0.05)
+
+
+# ------------------------------------------------------------------------------------------------- grouped samples
+
+
+def test_groups_widen_the_interval_by_the_variation_between_repeats() -> None:
+    # Three repeats a side whose levels differ by 30%: step noise alone would give a narrow interval.
+    old = [_step_times(20 + i, n=30, median=level) for i, level in enumerate((0.1, 0.13, 0.1))]
+    new = [_step_times(30 + i, n=30, median=level) for i, level in enumerate((0.1, 0.1, 0.13))]
+    flat_old, flat_new = [t for g in old for t in g], [t for g in new for t in g]
+    _, low_flat, high_flat = ratio_of_medians_ci(flat_old, flat_new)
+    ratio, low, high = ratio_of_medians_ci(old, new)
+    assert ratio == pytest.approx(np.median(flat_new) / np.median(flat_old))
+    assert low <= ratio <= high
+    assert high - low > 2 * (high_flat - low_flat)
+
+
+def test_grouped_samples_are_compared_on_their_pooled_values() -> None:
+    old = [_step_times(40 + i, n=20) for i in range(3)]
+    doubled = [[2 * t for t in group] for group in old]
+    result = compare_samples(old, doubled, 0.05)
+    assert result.verdict == SLOWER
+    assert (result.n_old, result.n_new) == (60, 60)
+    assert compare_samples(old, [list(g) for g in old], 0.05).verdict == NO_CLEAR_DIFFERENCE
+
+
+def test_empty_groups_are_dropped_but_not_all_of_them() -> None:
+    ratio, low, high = ratio_of_medians_ci([[1.0, 1.1], []], [[1.0, 1.2], [1.1]])
+    assert low <= ratio <= high
+    with pytest.raises(ValueError, match="old"):
+        ratio_of_medians_ci([[], []], [[1.0, 1.2]])
