@@ -5,6 +5,7 @@ the end-of-fit artifact, fallbacks and early errors."""
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +70,24 @@ def _convnet(seed: int = 0) -> tuple[pl.LightningModule, pl.LightningDataModule]
         ({"min_cosine": 2}, r"min_cosine=2"),
         ({"submodule": ""}, r"submodule=''"),
         ({"mode": "ptq", "export": False}, r"would do nothing"),
+        ({"min_cosine": float("nan")}, r"min_cosine=nan"),
+        ({"min_cosine": True}, r"min_cosine=True"),
+        ({"latency_iterations": 0}, r"latency_iterations=0"),
+        ({"calibration_batches": 0}, r"calibration_batches=0"),
+        ({"validation_batches": -1}, r"validation_batches=-1"),
+        ({"disable_observers_after": "3"}, r"disable_observers_after='3'"),
+        ({"benchmark_batch_sizes": []}, r"benchmark_batch_sizes=\[\]"),
+        ({"export": "yes"}, r"export='yes'.*True or False"),
+        ({"benchmark": 0}, r"benchmark=0.*True or False"),
+        ({"onnx": "false"}, r"onnx='false'.*True or False"),
+        ({"strict": None}, r"strict=None.*True or False"),
+        ({"dirpath": 7}, r"dirpath=7.*directory path"),
+        ({"input_key": ""}, r"input_key=''"),
+        ({"submodule": 3}, r"submodule=3"),
     ],
 )
 def test_bad_options_fail_at_construction(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         QATCallback(**kwargs)
 
 
@@ -495,3 +510,92 @@ def test_end_of_fit_benchmark_times_both_compiled_models(tmp_path: Path) -> None
     assert all(r.float_median_s > 0 and r.quantized_median_s > 0 for r in rows)
     saved = json.loads(callback.report.report_path.read_text())
     assert [row["batch_size"] for row in saved["latency"]] == [1, 4]
+
+
+# ------------------------------------------------------------------------------------------- trust: any exit, files
+
+
+class _FailAtStep(Callback):
+    def __init__(self, error: type[BaseException], step: int = 3) -> None:
+        self.error, self.step = error, step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if trainer.global_step == self.step - 1:
+            raise self.error(f"failed at step {self.step}")
+
+
+def _plain_facts(model: nn.Module) -> dict[str, Any]:
+    return {
+        "types": {name: type(m) for name, m in model.named_modules()},
+        "forwards": {name: "forward" in vars(m) for name, m in model.named_modules()},
+        "hooks": {
+            name: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+            for name, m in model.named_modules()
+        },
+        "parameters": {name: id(p) for name, p in model.named_parameters()},
+        "keys": list(model.state_dict()),
+        "instance_attrs": sorted(k for k in vars(model) if k in ("on_load_checkpoint", "configure_model")),
+    }
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_fit_puts_the_plain_model_back(tmp_path: Path, error: type[BaseException]) -> None:
+    import signal
+
+    model, data = _convnet()
+    before = _plain_facts(model)
+    float_net = model.net
+    callback = QATCallback(**QUICK)
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises((RuntimeError, SystemExit)):  # Lightning turns a KeyboardInterrupt into exit status 1
+            _trainer(tmp_path, [callback, _FailAtStep(error)], max_steps=5).fit(model, datamodule=data)
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # Lightning ignores Ctrl-C after an interrupt; give it back
+    assert model.net is float_net and not qat.is_prepared(model.net)
+    assert _plain_facts(model) == before
+    x = torch.randn(2, 3, 16, 16)
+    model.eval()
+    torch.testing.assert_close(model(x), float_net(x), rtol=0, atol=0)
+    model.train()  # as before the first fit (Lightning keeps modules that are in eval mode at fit start so)
+    # A second fit behaves as the first: prepared again, trained, exported.
+    again = QATCallback(**QUICK)
+    trainer = _trainer(tmp_path / "again", [again])
+    trainer.fit(model, datamodule=data)
+    assert isinstance(model.net, qat.PreparedGraphModule) and trainer.global_step == 3
+    assert again.report is not None and again.report.ok
+
+
+def test_a_failed_torchao_fit_swaps_the_linear_layers_back(tmp_path: Path) -> None:
+    model, data = make_workload("lm", "tiny")
+    before = _plain_facts(model)
+    with pytest.raises(RuntimeError, match="failed at step 3"):
+        _trainer(tmp_path, [QATCallback(backend="torchao", **QUICK), _FailAtStep(RuntimeError)], max_steps=5).fit(
+            model, datamodule=data
+        )
+    after = _plain_facts(model)
+    assert after["types"] == before["types"] and after["keys"] == before["keys"]
+    assert after["hooks"] == before["hooks"] and after["forwards"] == before["forwards"]
+    assert set(after["parameters"]) == set(before["parameters"])
+    assert not any(qat.is_prepared(m) for m in model.modules())
+
+
+class _Payload:
+    """Unpickling it would create ``marker``: what a crafted checkpoint does to run code."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+def test_load_checkpoint_never_unpickles_a_crafted_file(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "crafted.ckpt"
+    fresh, _ = _convnet()
+    torch.save({"state_dict": fresh.state_dict(), "callbacks": {}, "hyper_parameters": _Payload(str(marker))}, crafted)
+    with pytest.raises(pickle.UnpicklingError, match=r"holds builtins.open|io.open") as info:
+        QATCallback.load_checkpoint(fresh, crafted)
+    assert "torch.serialization.add_safe_globals([open])" in str(info.value)
+    assert not marker.exists()
