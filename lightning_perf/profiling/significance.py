@@ -210,12 +210,28 @@ def mann_whitney_u(old: Sequence[float], new: Sequence[float]) -> MannWhitneyRes
 def _bootstrap_medians(groups: list[np.ndarray], resamples: int, rng: np.random.Generator) -> np.ndarray:
     if len(groups) == 1:
         return _bootstrap_flat(groups[0], resamples, rng)
-    # Two stages: draw as many groups as there are, with replacement; then values within each drawn group.
+    # Two stages: draw as many groups as there are, with replacement; then values within each drawn group. Groups of
+    # unequal size are padded with NaN (left out of the median), so every resample is one vectorized row.
+    k = len(groups)
+    sizes = np.array([group.size for group in groups])
+    width = int(sizes.max())
+    padded = np.full((k, width), np.nan)
+    for i, group in enumerate(groups):
+        padded[i, : group.size] = group
+    equal = bool(np.all(sizes == width))
     out = np.empty(resamples, dtype=np.float64)
-    for i in range(resamples):
-        drawn = rng.integers(0, len(groups), size=len(groups))
-        parts = [groups[g][rng.integers(0, groups[g].size, size=groups[g].size)] for g in drawn]
-        out[i] = np.median(np.concatenate(parts))
+    block = max(1, _BOOTSTRAP_BLOCK // (k * width))
+    for start in range(0, resamples, block):
+        stop = min(resamples, start + block)
+        drawn = rng.integers(0, k, size=(stop - start, k))
+        drawn_sizes = sizes[drawn][:, :, None]
+        within = (rng.random((stop - start, k, width)) * drawn_sizes).astype(np.int64)
+        values = padded[drawn[:, :, None], within]
+        if equal:
+            out[start:stop] = np.median(values.reshape(stop - start, -1), axis=1)
+        else:
+            values = np.where(np.arange(width)[None, None, :] < drawn_sizes, values, np.nan)
+            out[start:stop] = np.nanmedian(values.reshape(stop - start, -1), axis=1)
     return out
 
 

@@ -1,0 +1,763 @@
+"""Compare two result files, old and new: which configurations got slower, beyond the threshold and the noise.
+
+Reads the bench's results JSON (``lightning-perf bench --output``; the older files in ``docs/bench/`` too) and
+pytest-benchmark's ``--benchmark-json`` output. Files are parsed as JSON and nothing else: no pickle, no code.
+
+What is compared, per configuration (matched by name) and per figure both files have:
+
+==============  =====================================================================  ==============
+figure          samples (one value per ...)                                            better
+==============  =====================================================================  ==============
+step time       every steady-state step of every repeat (``runs[].step_times_s``),     lower
+                grouped by repeat
+throughput      every repeat (``runs[].throughput``, samples/s)                        higher
+step memory     every repeat (``runs[].step_memory_bytes``)                            lower
+predict time    every predict batch of every repeat (``runs[].predict_step_times_s``;  lower
+                older files: each repeat's median)
+time            pytest-benchmark: every round (``stats.data``, saved with              lower
+                ``--benchmark-save-data``; without it only the statistics exist)
+==============  =====================================================================  ==============
+
+Grouped by repeat: the interval resamples repeats, then steps within each (the variation between processes
+counts); older files without step samples give one median per repeat.
+
+Each figure's change is ``median(new) / median(old)`` with a 95% bootstrap interval and a Mann-Whitney test
+(:mod:`lightning_perf.profiling.significance`). Without raw rounds (pytest-benchmark without
+``--benchmark-save-data``) there is no interval: the ratio of the medians is reported, and a change is called only
+when the two ranges do not overlap at all (every new round slower than every old one), which the rank test can judge
+from the round counts alone. A file holding one value per figure (a summary without runs) gives a ratio and no
+verdict.
+
+Two files measured on different things are refused (:class:`IncompatibleResultsError`): a different kind of file,
+workload, workload size (preset), batch size, device, precision, or machine (CPU model, core count, GPU) when both
+files record it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_perf.profiling.significance import (
+    FASTER,
+    NO_CLEAR_DIFFERENCE,
+    SIGNIFICANCE_LEVEL,
+    SLOWER,
+    compare_samples,
+    mann_whitney_p_value,
+    verdict,
+)
+
+__all__ = [
+    "BENCH_KIND",
+    "METRICS",
+    "PYTEST_BENCHMARK_KIND",
+    "FileComparison",
+    "IncompatibleResultsError",
+    "Metric",
+    "MetricRow",
+    "ResultFile",
+    "ResultsFileError",
+    "check_compatible",
+    "compare_files",
+    "compare_results",
+    "format_table",
+    "load_results",
+    "markdown_report",
+]
+
+BENCH_KIND = "lightning-perf-bench"
+PYTEST_BENCHMARK_KIND = "pytest-benchmark"
+MAX_FILE_BYTES = 512 * 2**20  # a results file is a few MB at most; refuse to read something else whole
+
+
+class ResultsFileError(ValueError):
+    """A results file that cannot be read: missing, not JSON, or not the JSON of a known kind. One-line message."""
+
+
+class IncompatibleResultsError(ValueError):
+    """Two results files measured on different things (the message names what differs, old and new)."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A figure that can be compared: ``key`` in the samples, ``label`` printed, ``unit`` and its direction."""
+
+    key: str
+    label: str
+    unit: str  # "s", "samples/s" or "bytes"
+    higher_is_better: bool = False
+    speed: bool = True  # a time or a speed: its "slower" verdict is a regression (memory is reported, not gated)
+
+
+STEP_TIME = Metric("step_time", "step time", "s")
+THROUGHPUT = Metric("throughput", "throughput", "samples/s", higher_is_better=True)
+STEP_MEMORY = Metric("step_memory", "step memory", "bytes", speed=False)
+PREDICT_TIME = Metric("predict_time", "predict time", "s")
+ROUND_TIME = Metric("time", "time", "s")
+METRICS: tuple[Metric, ...] = (STEP_TIME, THROUGHPUT, STEP_MEMORY, PREDICT_TIME, ROUND_TIME)
+"""Every figure, in the order rows are printed."""
+
+# Memory is not a speed: its verdict is worded as a size.
+_MEMORY_WORDS = {SLOWER: "more memory", FASTER: "less memory", NO_CLEAR_DIFFERENCE: NO_CLEAR_DIFFERENCE}
+
+
+@dataclass
+class Entry:
+    """One configuration (bench) or one benchmark (pytest-benchmark) of a file: its samples per metric key."""
+
+    name: str
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    groups: dict[str, list[list[float]]] = field(default_factory=dict)  # metric key -> one list per repeat
+    stats_only: dict[str, dict[str, float]] = field(default_factory=dict)  # metric key -> median/min/max/rounds
+    status: str | None = None  # "skipped: ..." or "failed: ..." when nothing was measured
+
+
+@dataclass
+class ResultFile:
+    """A loaded results file: what it measured (``identity``), where (``machine``) and its entries by name."""
+
+    path: str
+    kind: str
+    entries: dict[str, Entry]
+    identity: dict[str, Any] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=dict)
+    description: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MetricRow:
+    """One configuration's one figure, old against new (JSON keys follow the results conventions)."""
+
+    config: str
+    metric: str
+    unit: str
+    old_median: float | None
+    new_median: float | None
+    n_old: int
+    n_new: int
+    ratio: float | None = None  # new / old of the medians
+    ratio_ci95: tuple[float, float] | None = None
+    p_value: float | None = None
+    verdict: str = NO_CLEAR_DIFFERENCE
+    regression: bool = False
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        suffix = {"s": "_s", "bytes": "_bytes", "samples/s": "_samples_per_s"}[self.unit]
+        return {
+            "config": self.config,
+            "metric": self.metric,
+            "unit": self.unit,
+            f"old_median{suffix}": self.old_median,
+            f"new_median{suffix}": self.new_median,
+            "n_old": self.n_old,
+            "n_new": self.n_new,
+            "ratio": self.ratio,
+            "ratio_ci95": list(self.ratio_ci95) if self.ratio_ci95 else None,
+            "p_value": self.p_value,
+            "verdict": self.verdict,
+            "regression": self.regression,
+            "note": self.note,
+        }
+
+
+@dataclass
+class FileComparison:
+    """The comparison of two results files."""
+
+    old: ResultFile
+    new: ResultFile
+    threshold: float
+    rows: list[MetricRow] = field(default_factory=list)
+    only_in_old: list[str] = field(default_factory=list)
+    only_in_new: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def regressions(self) -> list[MetricRow]:
+        """Rows slower beyond the threshold and the noise."""
+        return [row for row in self.rows if row.regression]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "lightning-perf-compare",
+            "old": {"path": self.old.path, "kind": self.old.kind, "description": self.old.description},
+            "new": {"path": self.new.path, "kind": self.new.kind, "description": self.new.description},
+            "threshold": self.threshold,
+            "method": METHOD,
+            "rows": [row.to_dict() for row in self.rows],
+            "regressions": [f"{row.config}: {row.metric}" for row in self.regressions],
+            "only_in_old": self.only_in_old,
+            "only_in_new": self.only_in_new,
+            "notes": [*self.old.warnings, *self.new.warnings, *self.notes],
+        }
+
+
+METHOD = (
+    f"change: new/old of the medians; 95% interval: percentile bootstrap of that ratio (2000 resamples, seed 0); "
+    f"verdict: beyond the threshold and significant (Mann-Whitney U p < {SIGNIFICANCE_LEVEL}, normal approximation "
+    f"with tie correction, or the whole interval beyond the threshold)"
+)
+
+# ------------------------------------------------------------------------------------------------------- loading
+
+
+def _fail(path: str, message: str) -> ResultsFileError:
+    return ResultsFileError(f"{path}: {message}")
+
+
+def _read_json(path: str | Path) -> Any:
+    name = str(path)
+    file = Path(path)
+    if not file.is_file():
+        raise _fail(name, "is a directory, not a results file" if file.is_dir() else "no such file")
+    try:
+        size = file.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise _fail(name, f"is {size} bytes, too large for a results file (at most {MAX_FILE_BYTES})")
+        text = file.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise _fail(name, f"cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise _fail(name, "is not text (expected a JSON results file)") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _fail(name, f"is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise _fail(name, "is not a results file (JSON nested too deeply)") from None
+
+
+def load_results(path: str | Path) -> ResultFile:
+    """Load a bench results file or a pytest-benchmark JSON file.
+
+    Raises:
+        ResultsFileError: if the file is missing, unreadable, not JSON, or not a results file of a known kind (the
+            message starts with the path and says which).
+    """
+    name = str(path)
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise _fail(name, f"is a JSON {type(data).__name__}, not a results file (expected a JSON object)")
+    if data.get("kind") == BENCH_KIND or ("summary" in data and "options" in data):
+        return _load_bench(name, data)
+    if isinstance(data.get("benchmarks"), list):
+        return _load_pytest_benchmark(name, data)
+    kind = data.get("kind")
+    what = f"of kind {kind!r}" if isinstance(kind, str) else "of an unknown kind"
+    raise _fail(
+        name,
+        f"is a JSON file {what}, not a results file "
+        f"(expected the output of `lightning-perf bench --output` or `pytest --benchmark-json`)",
+    )
+
+
+def _numbers(value: Any, where: str, path: str) -> list[float]:
+    """Finite positive numbers from a number or a (nested) list of them; ``None`` and empty give []."""
+    if value is None:
+        return []
+    if isinstance(value, bool):
+        raise _fail(path, f"{where} is {value!r}, not a number")
+    if isinstance(value, (int, float)):
+        return [float(value)] if math.isfinite(value) and value > 0 else []
+    if isinstance(value, list):
+        out: list[float] = []
+        for i, item in enumerate(value):
+            out.extend(_numbers(item, f"{where}[{i}]", path))
+        return out
+    raise _fail(path, f"{where} is a JSON {type(value).__name__}, not a number or a list of numbers")
+
+
+def _mapping(value: Any, where: str, path: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _fail(path, f"{where} is a JSON {type(value).__name__}, expected an object")
+    return value
+
+
+def _list(value: Any, where: str, path: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _fail(path, f"{where} is a JSON {type(value).__name__}, expected a list")
+    return value
+
+
+def _first(mapping: Mapping[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if mapping.get(key) is not None:
+            return mapping[key]
+    return None
+
+
+def _machine(*sources: Mapping[str, Any]) -> dict[str, Any]:
+    """The machine's identity (CPU model, core count, GPU) from the first source that records each."""
+    wanted = {
+        "CPU": ("cpu_model", "cpu", "brand_raw", "processor"),
+        "CPU cores": ("cpu_count", "count"),
+        "GPU": ("gpu_name", "gpu", "cuda_device"),
+    }
+    out: dict[str, Any] = {}
+    for label, keys in wanted.items():
+        for source in sources:
+            value = _first(source, *keys)
+            if isinstance(value, dict):  # e.g. {"cpu": {"model": ...}}
+                value = _first(value, "model", "name", "brand_raw")
+            if isinstance(value, (str, int)) and not isinstance(value, bool) and value != "":
+                out[label] = value
+                break
+    return out
+
+
+def _run_description(run: Mapping[str, Any], environment: Mapping[str, Any]) -> list[str]:
+    parts = []
+    git = run.get("git") if isinstance(run.get("git"), dict) else {}
+    commit = _first(run, "git_commit", "commit") or _first(git, "commit", "sha")
+    if isinstance(commit, str) and commit:
+        dirty = _first(run, "git_dirty", "dirty") or _first(git, "dirty")
+        parts.append(f"commit {commit[:10]}{' (dirty)' if dirty is True else ''}")
+    version = _first(run, "lightning_perf") or environment.get("lightning_perf")
+    if isinstance(version, str):
+        parts.append(f"lightning_perf {version}")
+    started = _first(run, "start", "start_time", "started")
+    if isinstance(started, str):
+        parts.append(f"started {started}")
+    return parts
+
+
+def _load_bench(path: str, data: Mapping[str, Any]) -> ResultFile:
+    options = _mapping(data.get("options"), "options", path)
+    environment = _mapping(data.get("environment"), "environment", path)
+    machine = _mapping(data.get("machine"), "machine", path)
+    run = _mapping(data.get("run"), "run", path)
+    summary = _list(data.get("summary"), "summary", path)
+    runs = _list(data.get("runs"), "runs", path)
+    entries: dict[str, Entry] = {}
+    by_config: dict[str, list[Mapping[str, Any]]] = {}
+    batch_sizes: set[int] = set()
+    for i, item in enumerate(runs):
+        record = _mapping(item, f"runs[{i}]", path)
+        spec = _mapping(record.get("spec"), f"runs[{i}].spec", path)
+        config = spec.get("config")
+        if not isinstance(config, str):
+            raise _fail(path, f"runs[{i}].spec.config is {config!r}, expected a configuration name")
+        by_config.setdefault(config, []).append(record)
+        if record.get("ok", True) and isinstance(record.get("batch_size"), int):
+            batch_sizes.add(record["batch_size"])
+    for i, item in enumerate(summary):
+        row = _mapping(item, f"summary[{i}]", path)
+        config = row.get("config")
+        if not isinstance(config, str):
+            raise _fail(path, f"summary[{i}].config is {config!r}, expected a configuration name")
+        entries[config] = _bench_entry(path, config, row, by_config.get(config, []))
+    for config, records in by_config.items():  # runs of a configuration missing from the summary
+        if config not in entries:
+            entries[config] = _bench_entry(path, config, {}, records)
+    batch = options.get("batch_size")
+    if len(batch_sizes) == 1:
+        batch = next(iter(batch_sizes))
+    identity = {
+        "workload": options.get("workload"),
+        "preset": options.get("preset"),
+        "batch size": batch,
+        "device": options.get("device"),
+        "precision": options.get("precision"),
+    }
+    warnings = []
+    reliability = data.get("reliability")
+    if isinstance(reliability, dict) and reliability.get("reliable") is False:
+        causes = reliability.get("causes")
+        because = "; ".join(str(c) for c in causes) if isinstance(causes, list) and causes else "no cause recorded"
+        warnings.append(f"{path}: this run was disturbed ({because}); its figures may not be comparable")
+    parts = [f"{identity['workload']}", f"{identity['device']}", *_run_description(run, environment)]
+    return ResultFile(
+        path=path,
+        kind=BENCH_KIND,
+        entries=entries,
+        identity=identity,
+        machine=_machine(machine, environment),
+        description=", ".join(str(p) for p in parts if p and p != "None"),
+        warnings=warnings,
+    )
+
+
+def _bench_entry(path: str, config: str, row: Mapping[str, Any], records: list[Mapping[str, Any]]) -> Entry:
+    entry = Entry(config)
+    ok = [r for r in records if r.get("ok", True) is True and not r.get("skipped")]
+    where = f"runs of {config!r}"
+    step: list[list[float]] = []
+    step_medians: list[float] = []
+    predict: list[list[float]] = []
+    predict_medians: list[float] = []
+    throughput: list[float] = []
+    memory: list[float] = []
+    for record in ok:
+        step.append(_numbers(record.get("step_times_s"), f"{where}: step_times_s", path))
+        old_stats = _mapping(record.get("step_s"), f"{where}: step_s", path)  # the older files' Stats dict
+        step_medians += _numbers(_first(record, "step_median_s") or old_stats.get("median"), where, path)
+        predict.append(_numbers(record.get("predict_step_times_s"), f"{where}: predict_step_times_s", path))
+        old_predict = _mapping(record.get("predict_step_s"), f"{where}: predict_step_s", path)
+        predict_medians += _numbers(_first(record, "predict_step_median_s") or old_predict.get("median"), where, path)
+        throughput += _numbers(record.get("throughput"), f"{where}: throughput", path)
+        memory += _numbers(record.get("step_memory_bytes"), f"{where}: step_memory_bytes", path)
+    if not records:  # no runs: the summary's figures (one value each), or per-repeat samples it may hold
+        raw = row.get("step_times_s")
+        parts = raw if isinstance(raw, list) and all(isinstance(r, list) for r in raw) else [raw]
+        step = [_numbers(part, f"summary {config!r}: step_times_s", path) for part in parts]
+        step_medians = _numbers(row.get("step_median_s"), f"summary {config!r}: step_median_s", path)
+        throughput = _numbers(row.get("throughput"), f"summary {config!r}: throughput", path)
+        memory = _numbers(row.get("step_memory_bytes"), f"summary {config!r}: step_memory_bytes", path)
+    for metric, groups in ((STEP_TIME, step), (PREDICT_TIME, predict)):
+        groups = [group for group in groups if group]
+        if groups:
+            entry.groups[metric.key] = groups
+            entry.samples[metric.key] = [value for group in groups for value in group]
+    for metric, values in (
+        (STEP_TIME, step_medians),
+        (THROUGHPUT, throughput),
+        (STEP_MEMORY, memory),
+        (PREDICT_TIME, predict_medians),
+    ):
+        if values and metric.key not in entry.samples:  # older files: one median per repeat
+            entry.samples[metric.key] = values
+    if not entry.samples:
+        skipped = row.get("skipped") or next((r.get("skipped") for r in records if r.get("skipped")), None)
+        error = row.get("error") or next((r.get("error") for r in records if r.get("error")), None)
+        if skipped:
+            entry.status = f"skipped: {skipped}"
+        else:
+            entry.status = f"failed: {error}" if error else "no measurement"
+    return entry
+
+
+def _load_pytest_benchmark(path: str, data: Mapping[str, Any]) -> ResultFile:
+    machine_info = _mapping(data.get("machine_info"), "machine_info", path)
+    cpu = _mapping(machine_info.get("cpu"), "machine_info.cpu", path)
+    commit = _mapping(data.get("commit_info"), "commit_info", path)
+    entries: dict[str, Entry] = {}
+    names: list[tuple[str, str]] = []
+    for i, item in enumerate(_list(data.get("benchmarks"), "benchmarks", path)):
+        bench = _mapping(item, f"benchmarks[{i}]", path)
+        name, fullname = bench.get("name"), bench.get("fullname")
+        if not isinstance(name, str) or not name:
+            raise _fail(path, f"benchmarks[{i}].name is {name!r}, expected a benchmark name")
+        group = bench.get("group")
+        key = f"{group}/{name}" if isinstance(group, str) and group else name
+        names.append((key, fullname if isinstance(fullname, str) else key))
+        stats = _mapping(bench.get("stats"), f"benchmarks[{i}].stats", path)
+        entry = Entry(key)
+        where = f"benchmarks[{i}].stats"
+        data_points = _numbers(stats.get("data") if "data" in stats else bench.get("data"), f"{where}.data", path)
+        if data_points:
+            entry.samples[ROUND_TIME.key] = data_points
+        else:
+            figures = {k: stats.get(k) for k in ("median", "min", "max", "rounds")}
+            for k, v in figures.items():
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                    raise _fail(path, f"{where}.{k} is {v!r}, expected a positive number")
+            entry.stats_only[ROUND_TIME.key] = {k: float(v) for k, v in figures.items()}
+        if key in entries:
+            raise _fail(path, f"holds two benchmarks named {key!r}")
+        entries[key] = entry
+    parts = []
+    if isinstance(commit.get("id"), str):
+        parts.append(f"commit {commit['id'][:10]}{' (dirty)' if commit.get('dirty') is True else ''}")
+    if isinstance(data.get("datetime"), str):
+        parts.append(f"at {data['datetime']}")
+    return ResultFile(
+        path=path,
+        kind=PYTEST_BENCHMARK_KIND,
+        entries=entries,
+        identity={},
+        machine=_machine(cpu, machine_info),
+        description=", ".join(["pytest-benchmark", *parts]),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- comparing
+
+
+def check_compatible(old: ResultFile, new: ResultFile) -> None:
+    """Refuse two files that measured different things.
+
+    Raises:
+        IncompatibleResultsError: naming each difference with the old and new value, e.g.
+            ``different workload (old 'convnet', new 'lm')``.
+    """
+    if old.kind != new.kind:
+        raise IncompatibleResultsError(f"cannot compare a {old.kind} file with a {new.kind} file")
+    differences = []
+    for label in old.identity.keys() | new.identity.keys():
+        a, b = old.identity.get(label), new.identity.get(label)
+        if a is not None and b is not None and a != b:
+            differences.append(f"different {label} (old {a!r}, new {b!r})")
+    for label in ("CPU", "CPU cores", "GPU"):
+        a, b = old.machine.get(label), new.machine.get(label)
+        if a is not None and b is not None and a != b:
+            differences.append(f"different machine: {label} (old {a!r}, new {b!r})")
+    if differences:
+        order = ["workload", "preset", "batch size", "device", "precision", "machine"]
+        differences.sort(key=lambda d: next((i for i, k in enumerate(order) if d.startswith(f"different {k}")), 9))
+        raise IncompatibleResultsError("cannot compare: " + "; ".join(differences))
+
+
+def compare_results(old: ResultFile, new: ResultFile, threshold: float = 0.05) -> FileComparison:
+    """Compare two loaded files (checked with :func:`check_compatible` first).
+
+    Args:
+        old: the reference.
+        new: the candidate.
+        threshold: the smallest change worth a verdict, a fraction >= 0 (0.05 is 5%).
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+        raise ValueError(f"`compare_results(threshold={threshold!r})` is not valid. Expected a finite number >= 0.")
+    if threshold < 0:
+        raise ValueError(f"`compare_results(threshold={threshold!r})` is not valid. Expected a finite number >= 0.")
+    check_compatible(old, new)
+    result = FileComparison(old=old, new=new, threshold=float(threshold))
+    result.only_in_old = [name for name in old.entries if name not in new.entries]
+    result.only_in_new = [name for name in new.entries if name not in old.entries]
+    for name, before in old.entries.items():
+        after = new.entries.get(name)
+        if after is None:
+            continue
+        if before.status or after.status:
+            side = "old" if before.status else "new"
+            result.notes.append(f"{name}: not compared, {side} file: {before.status or after.status}")
+            continue
+        compared = False
+        for metric in METRICS:
+            row = _compare_metric(name, metric, before, after, float(threshold))
+            if row is not None:
+                result.rows.append(row)
+                compared = True
+        if not compared:
+            result.notes.append(f"{name}: no figure measured in both files")
+    return result
+
+
+def compare_files(old_path: str | Path, new_path: str | Path, threshold: float = 0.05) -> FileComparison:
+    """Load two results files and compare them (:func:`load_results`, :func:`compare_results`).
+
+    Raises:
+        ResultsFileError: if a file cannot be read.
+        IncompatibleResultsError: if they measured different things.
+    """
+    return compare_results(load_results(old_path), load_results(new_path), threshold)
+
+
+def _stats_of(entry: Entry, key: str) -> dict[str, float] | None:
+    if key in entry.stats_only:
+        return entry.stats_only[key]
+    values = entry.samples.get(key)
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {"median": median, "min": ordered[0], "max": ordered[-1], "rounds": float(len(ordered))}
+
+
+def _compare_metric(name: str, metric: Metric, old: Entry, new: Entry, threshold: float) -> MetricRow | None:
+    a, b = old.samples.get(metric.key), new.samples.get(metric.key)
+    if a and b:
+        if metric.key in old.groups and metric.key in new.groups:  # repeats resampled first, then their steps
+            a, b = old.groups[metric.key], new.groups[metric.key]  # type: ignore[assignment]
+        found = compare_samples(a, b, threshold, higher_is_better=metric.higher_is_better)
+        row = MetricRow(
+            config=name,
+            metric=metric.label,
+            unit=metric.unit,
+            old_median=_stats_of(old, metric.key)["median"],  # type: ignore[index]
+            new_median=_stats_of(new, metric.key)["median"],  # type: ignore[index]
+            n_old=found.n_old,
+            n_new=found.n_new,
+            ratio=found.ratio,
+            ratio_ci95=found.ratio_ci95,
+            p_value=found.p_value,
+            verdict=found.verdict,
+        )
+        if found.ratio_ci95 is None:
+            row.note = "one value a side: no interval, no verdict"
+        return _finish(row, metric)
+    sa, sb = _stats_of(old, metric.key), _stats_of(new, metric.key)
+    if sa is None or sb is None:
+        return None
+    # Statistics only: the ratio of the medians; significance only when the ranges do not overlap.
+    n_old, n_new = int(sa["rounds"]), int(sb["rounds"])
+    ratio = sb["median"] / sa["median"]
+    p_value = None
+    if sa["max"] < sb["min"]:
+        p_value = mann_whitney_p_value(0.0, n_old, n_new)[1]
+    elif sb["max"] < sa["min"]:
+        p_value = mann_whitney_p_value(float(n_old * n_new), n_old, n_new)[1]
+    call = verdict(ratio, None, p_value, threshold, higher_is_better=metric.higher_is_better)
+    row = MetricRow(name, metric.label, metric.unit, sa["median"], sb["median"], n_old, n_new, ratio, None, p_value)
+    row.verdict = call
+    row.note = "statistics only (no raw samples; pytest --benchmark-save-data keeps them): no interval"
+    return _finish(row, metric)
+
+
+def _finish(row: MetricRow, metric: Metric) -> MetricRow:
+    row.regression = metric.speed and row.verdict == SLOWER
+    if not metric.speed:
+        row.verdict = _MEMORY_WORDS[row.verdict]
+    return row
+
+
+# ------------------------------------------------------------------------------------------------------ printing
+
+
+def format_value(value: float | None, unit: str) -> str:
+    """A figure in a readable unit: ``412 ms``, ``71.6/s``, ``99.8 MiB``."""
+    if value is None:
+        return "-"
+    if unit == "s":
+        for scale, suffix in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+            if value >= scale:
+                return f"{value / scale:.3g} {suffix}"
+        return f"{value * 1e9:.3g} ns"
+    if unit == "bytes":
+        for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if value >= scale:
+                return f"{value / scale:.3g} {suffix}"
+        return f"{value:.0f} B"
+    return f"{value:.3g}/s"
+
+
+def _percent(ratio: float) -> str:
+    change = (ratio - 1.0) * 100.0
+    return f"{change:+.0f}%" if abs(change) >= 10 else f"{change:+.1f}%"
+
+
+def _interval(row: MetricRow) -> str:
+    if row.ratio_ci95 is None:
+        return "-"
+    low, high = ((r - 1.0) * 100.0 for r in row.ratio_ci95)
+    return f"{low:+.0f}..{high:+.0f}%" if max(abs(low), abs(high)) >= 10 else f"{low:+.1f}..{high:+.1f}%"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+TABLE_HEADER = ("", "old", "new", "change", "95% interval", "verdict")
+_WIDTHS = (14, 9, 9, 7, 14)
+
+
+def _line(cells: Iterable[str]) -> str:
+    cells = list(cells)
+    first = cells[0].ljust(_WIDTHS[0])
+    middle = [cell.rjust(width) for cell, width in zip(cells[1:5], _WIDTHS[1:])]
+    return " ".join([first, *middle, cells[5]]).rstrip()
+
+
+def format_table(comparison: FileComparison, width: int = 80) -> str:
+    """The comparison as plain text within ``width`` columns (80 by default): one block per configuration, one row
+    per figure, then what is missing, the notes and the regressions."""
+    pct = f"{comparison.threshold * 100:g}%"
+    lines = [
+        _clip(f"old: {comparison.old.path} ({comparison.old.description})", width),
+        _clip(f"new: {comparison.new.path} ({comparison.new.description})", width),
+        *(f"warning: {w}" for w in (*comparison.old.warnings, *comparison.new.warnings)),
+        "",
+        _line(("configuration", *TABLE_HEADER[1:])),
+    ]
+    current = None
+    for row in comparison.rows:
+        if row.config != current:
+            current = row.config
+            lines.append(_clip(row.config, width))
+        marker = "*" if row.note else ""
+        lines.append(
+            _line(
+                (
+                    f"  {row.metric}{marker}",
+                    format_value(row.old_median, row.unit),
+                    format_value(row.new_median, row.unit),
+                    _percent(row.ratio) if row.ratio is not None else "-",
+                    _interval(row),
+                    row.verdict,
+                )
+            )
+        )
+    if not comparison.rows:
+        lines.append("(no configuration measured in both files)")
+    lines.append("")
+    notes = sorted({row.note for row in comparison.rows if row.note})
+    lines += [_clip(f"* {note}", width) for note in notes]
+    if comparison.only_in_old:
+        lines.append(_clip(f"only in old: {', '.join(comparison.only_in_old)}", width))
+    if comparison.only_in_new:
+        lines.append(_clip(f"only in new: {', '.join(comparison.only_in_new)}", width))
+    lines += [_clip(note, width) for note in comparison.notes]
+    lines.append(
+        _clip(
+            f"change: new/old of the medians, 95% bootstrap interval; a verdict needs a change beyond {pct} "
+            f"and p < {SIGNIFICANCE_LEVEL} (Mann-Whitney) or the interval beyond {pct}.",
+            10**6,
+        )
+    )
+    regressions = comparison.regressions
+    if regressions:
+        named = ", ".join(f"{row.config} ({row.metric} {_percent(row.ratio or 1.0)})" for row in regressions)
+        lines.append(f"REGRESSION beyond {pct} and the noise: {named}")
+    else:
+        lines.append(f"no regression beyond {pct} and the noise")
+    return "\n".join(_wrap(line, width) for line in lines)
+
+
+def _wrap(line: str, width: int) -> str:
+    if len(line) <= width:
+        return line
+    import textwrap
+
+    return "\n".join(textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False))
+
+
+def markdown_report(comparison: FileComparison) -> str:
+    """The comparison as Markdown: a table with every figure, its interval, p-value and verdict."""
+    pct = f"{comparison.threshold * 100:g}%"
+    out = [
+        "# lightning-perf compare",
+        "",
+        f"- old: `{comparison.old.path}` ({comparison.old.description})",
+        f"- new: `{comparison.new.path}` ({comparison.new.description})",
+        f"- threshold: {pct}",
+        f"- method: {METHOD}",
+        "",
+        "| configuration | figure | old | new | change | 95% interval | p-value | n old / new | verdict |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in comparison.rows:
+        p = "-" if row.p_value is None else f"{row.p_value:.2g}"
+        verdict_text = f"**{row.verdict}**" if row.regression else row.verdict
+        out.append(
+            f"| {row.config} | {row.metric} | {format_value(row.old_median, row.unit)} | "
+            f"{format_value(row.new_median, row.unit)} | {_percent(row.ratio) if row.ratio else '-'} | "
+            f"{_interval(row)} | {p} | {row.n_old} / {row.n_new} | {verdict_text} |"
+        )
+    out.append("")
+    extra = [*comparison.old.warnings, *comparison.new.warnings, *sorted({r.note for r in comparison.rows if r.note})]
+    if comparison.only_in_old:
+        extra.append(f"only in old: {', '.join(comparison.only_in_old)}")
+    if comparison.only_in_new:
+        extra.append(f"only in new: {', '.join(comparison.only_in_new)}")
+    extra += comparison.notes
+    out += [f"- {line}" for line in extra]
+    regressions = comparison.regressions
+    out += [
+        "",
+        f"**Regression** beyond {pct} and the noise: " + ", ".join(f"{r.config} ({r.metric})" for r in regressions)
+        if regressions
+        else f"No regression beyond {pct} and the noise.",
+        "",
+    ]
+    return "\n".join(out)

@@ -1,0 +1,302 @@
+"""Comparing two results files: loading both formats, matching, refusing incompatible files, verdicts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_perf.benchmark.compare import (
+    BENCH_KIND,
+    PYTEST_BENCHMARK_KIND,
+    IncompatibleResultsError,
+    ResultsFileError,
+    compare_files,
+    compare_results,
+    format_table,
+    load_results,
+    markdown_report,
+)
+from tests.benchmark._compare_files import bench_results, pytest_benchmark_results, scaled, write
+
+DOCS_BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench" / "convnet-cpu.json"
+
+
+def _verdicts(comparison, metric: str = "step time") -> dict[str, str]:
+    return {row.config: row.verdict for row in comparison.rows if row.metric == metric}
+
+
+# ------------------------------------------------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize("new_format", [True, False])
+def test_bench_file_gives_every_figure_per_configuration(tmp_path: Path, new_format: bool) -> None:
+    loaded = load_results(write(tmp_path / "a.json", bench_results(new_format=new_format)))
+    assert loaded.kind == BENCH_KIND
+    assert set(loaded.entries) == {"baseline", "channels_last"}
+    baseline = loaded.entries["baseline"]
+    assert len(baseline.samples["step_time"]) == 60  # 3 repeats x 20 steps
+    assert [len(g) for g in baseline.groups["step_time"]] == [20, 20, 20]
+    assert len(baseline.samples["throughput"]) == 3
+    assert len(baseline.samples["step_memory"]) == 3
+    assert len(baseline.samples["predict_time"]) == (24 if new_format else 3)
+    assert loaded.identity["workload"] == "convnet"
+    assert loaded.identity["batch size"] == 32
+    assert loaded.machine["CPU"] == "Test CPU"
+
+
+def test_new_format_run_metadata_is_described(tmp_path: Path) -> None:
+    loaded = load_results(write(tmp_path / "a.json", bench_results()))
+    assert "commit 0123456789 (dirty)" in loaded.description
+
+
+def test_a_real_old_format_file_from_the_docs() -> None:
+    loaded = load_results(DOCS_BENCH)
+    assert "baseline" in loaded.entries
+    assert len(loaded.entries["baseline"].groups["step_time"]) == 3
+    comparison = compare_results(loaded, load_results(DOCS_BENCH))
+    assert comparison.rows and not comparison.regressions
+    assert set(_verdicts(comparison).values()) == {"no clear difference"}
+
+
+def test_pytest_benchmark_file_with_and_without_raw_data(tmp_path: Path) -> None:
+    with_data = load_results(write(tmp_path / "a.json", pytest_benchmark_results()))
+    assert with_data.kind == PYTEST_BENCHMARK_KIND
+    assert len(with_data.entries["my-model/test_steps[baseline]"].samples["time"]) == 30
+    stats_only = load_results(write(tmp_path / "b.json", pytest_benchmark_results(save_data=False)))
+    entry = stats_only.entries["my-model/test_steps[baseline]"]
+    assert not entry.samples and entry.stats_only["time"]["rounds"] == 30
+
+
+def test_a_failed_or_skipped_configuration_is_named_not_compared(tmp_path: Path) -> None:
+    data = bench_results()
+    broken = json.loads(json.dumps(data))
+    for run in broken["runs"]:
+        if run["spec"]["config"] == "channels_last":
+            run.update(ok=False, error="RuntimeError: boom", step_times_s=[], throughput=None, step_memory_bytes=None)
+            run.update(predict_step_times_s=[], step_median_s=None, predict_step_median_s=None)
+    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", broken))
+    assert {row.config for row in comparison.rows} == {"baseline"}
+    assert any("channels_last" in note and "failed: RuntimeError: boom" in note for note in comparison.notes)
+
+
+def test_summary_without_runs_gives_a_ratio_but_no_verdict(tmp_path: Path) -> None:
+    data = bench_results()
+    data["runs"] = []
+    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 2.0)))
+    step = [row for row in comparison.rows if row.metric == "step time"]
+    assert [row.ratio for row in step] == pytest.approx([2.0, 2.0])
+    assert all(row.verdict == "no clear difference" and row.note for row in step)
+    assert not comparison.regressions
+
+
+# --------------------------------------------------------------------------------------------------- comparisons
+
+
+def test_a_file_against_itself_finds_no_regression(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.json", bench_results())
+    comparison = compare_files(path, path)
+    assert not comparison.regressions
+    assert {row.metric for row in comparison.rows} == {"step time", "throughput", "step memory", "predict time"}
+    assert all(row.ratio == pytest.approx(1.0) for row in comparison.rows)
+    assert all(row.ratio_ci95[0] <= 1.0 <= row.ratio_ci95[1] for row in comparison.rows)
+
+
+def test_doubled_step_times_are_a_regression_of_every_configuration(tmp_path: Path) -> None:
+    data = bench_results()
+    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 2.0)))
+    assert _verdicts(comparison) == {"baseline": "slower", "channels_last": "slower"}
+    assert _verdicts(comparison, "throughput") == {"baseline": "slower", "channels_last": "slower"}
+    assert {row.config for row in comparison.regressions} == {"baseline", "channels_last"}
+    assert _verdicts(comparison, "step memory") == {"baseline": "no clear difference"} | {
+        "channels_last": "no clear difference"
+    }
+
+
+def test_only_the_slowed_configuration_is_named(tmp_path: Path) -> None:
+    data = bench_results()
+    new = scaled(data, 2.0, configs=("channels_last",))
+    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", new))
+    assert {row.config for row in comparison.regressions} == {"channels_last"}
+    assert _verdicts(comparison)["baseline"] == "no clear difference"
+
+
+def test_halved_step_times_are_faster_not_a_regression(tmp_path: Path) -> None:
+    data = bench_results()
+    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 0.5)))
+    assert set(_verdicts(comparison).values()) == {"faster"}
+    assert not comparison.regressions
+
+
+def test_a_rerun_with_fresh_noise_is_no_clear_difference(tmp_path: Path) -> None:
+    old = write(tmp_path / "a.json", bench_results(seed=1))
+    new = write(tmp_path / "b.json", bench_results(seed=2))
+    comparison = compare_files(old, new)
+    assert set(_verdicts(comparison).values()) == {"no clear difference"}
+    assert not comparison.regressions
+
+
+def test_a_small_slowdown_inside_the_threshold_is_no_clear_difference(tmp_path: Path) -> None:
+    data = bench_results()
+    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 1.03)))
+    assert not comparison.regressions
+    tight = compare_files(tmp_path / "a.json", tmp_path / "b.json", threshold=0.0)
+    assert tight.regressions  # the same 3% is called once no threshold shields it
+
+
+def test_configurations_in_one_file_only_are_listed(tmp_path: Path) -> None:
+    old = write(tmp_path / "a.json", bench_results({"baseline": 0.1, "compile": 0.07}))
+    new = write(tmp_path / "b.json", bench_results({"baseline": 0.1, "channels_last": 0.08}))
+    comparison = compare_files(old, new)
+    assert comparison.only_in_old == ["compile"] and comparison.only_in_new == ["channels_last"]
+    assert {row.config for row in comparison.rows} == {"baseline"}
+
+
+def test_pytest_benchmark_doubled(tmp_path: Path) -> None:
+    old = write(tmp_path / "a.json", pytest_benchmark_results())
+    new = write(tmp_path / "b.json", pytest_benchmark_results({"test_steps[baseline]": 0.02}, seed=5))
+    comparison = compare_files(old, new)
+    assert _verdicts(comparison, "time") == {"my-model/test_steps[baseline]": "slower"}
+    assert comparison.only_in_old == ["my-model/test_steps[channels_last]"]
+    assert compare_files(old, old).regressions == []
+
+
+def test_pytest_benchmark_statistics_only(tmp_path: Path) -> None:
+    old = write(tmp_path / "a.json", pytest_benchmark_results(save_data=False))
+    slower = {"test_steps[baseline]": 0.02, "test_steps[channels_last]": 0.0082}
+    new = write(tmp_path / "b.json", pytest_benchmark_results(slower, seed=5, save_data=False))
+    comparison = compare_files(old, new)
+    rows = {row.config: row for row in comparison.rows}
+    doubled, overlapping = rows["my-model/test_steps[baseline]"], rows["my-model/test_steps[channels_last]"]
+    assert doubled.verdict == "slower" and doubled.ratio_ci95 is None and "statistics only" in doubled.note
+    assert overlapping.verdict == "no clear difference"
+
+
+def test_mixed_raw_and_statistics_only_files_use_the_statistics(tmp_path: Path) -> None:
+    old = write(tmp_path / "a.json", pytest_benchmark_results())
+    new = write(tmp_path / "b.json", pytest_benchmark_results(save_data=False))
+    rows = compare_files(old, new).rows
+    assert rows and all(row.ratio_ci95 is None and row.verdict == "no clear difference" for row in rows)
+
+
+# ------------------------------------------------------------------------------------------------- incompatible
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"workload": "lm"}, "different workload (old 'convnet', new 'lm')"),
+        ({"batch_size": 64}, "different batch size (old 32, new 64)"),
+        ({"device": "cuda"}, "different device (old 'cpu', new 'cuda')"),
+        ({"cpu": "Other CPU"}, "different machine: CPU (old 'Test CPU', new 'Other CPU')"),
+    ],
+)
+def test_incompatible_bench_files_are_refused_naming_the_difference(tmp_path: Path, change: dict, named: str) -> None:
+    old = write(tmp_path / "a.json", bench_results())
+    new = write(tmp_path / "b.json", bench_results(**change))
+    with pytest.raises(IncompatibleResultsError) as info:
+        compare_files(old, new)
+    assert named in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_bench_file_and_a_pytest_benchmark_file_are_refused(tmp_path: Path) -> None:
+    old = write(tmp_path / "a.json", bench_results())
+    new = write(tmp_path / "b.json", pytest_benchmark_results())
+    with pytest.raises(IncompatibleResultsError, match="lightning-perf-bench file with a pytest-benchmark file"):
+        compare_files(old, new)
+
+
+def test_pytest_benchmark_files_from_different_cpus_are_refused(tmp_path: Path) -> None:
+    other = pytest_benchmark_results()
+    other["machine_info"]["cpu"]["brand_raw"] = "Other CPU"
+    with pytest.raises(IncompatibleResultsError, match="CPU"):
+        compare_files(write(tmp_path / "a.json", pytest_benchmark_results()), write(tmp_path / "b.json", other))
+
+
+def test_a_machine_recorded_by_one_file_only_is_not_a_difference(tmp_path: Path) -> None:
+    data = bench_results()
+    bare = json.loads(json.dumps(data))
+    del bare["machine"], bare["environment"]
+    assert compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", bare)).rows
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "is not valid JSON"),
+        ("", "is not valid JSON"),
+        ("[1, 2]", "is a JSON list"),
+        ('{"kind": "lightning-perf-autotune"}', "of kind 'lightning-perf-autotune'"),
+        ('{"a": 1}', "of an unknown kind"),
+        ('{"kind": "lightning-perf-bench", "options": {}, "summary": 3}', "summary is a JSON int"),
+        ('{"kind": "lightning-perf-bench", "options": {}, "summary": [], "runs": [{"spec": {}}]}', "spec.config"),
+        (
+            '{"kind": "lightning-perf-bench", "options": {}, "summary": [], '
+            '"runs": [{"spec": {"config": "a"}, "step_times_s": ["x"]}]}',
+            "step_times_s[0] is a JSON str",
+        ),
+        ('{"benchmarks": [{"name": "t", "stats": {"median": "fast"}}]}', "stats.median is 'fast'"),
+        ('{"benchmarks": [{"stats": {}}]}', "benchmarks[0].name"),
+    ],
+)
+def test_malformed_files_raise_one_line_naming_the_file(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ResultsFileError) as info:
+        load_results(path)
+    text = str(info.value)
+    assert text.startswith(str(path)) and message in text and "\n" not in text
+
+
+def test_missing_directory_and_binary_files(tmp_path: Path) -> None:
+    with pytest.raises(ResultsFileError, match="no such file"):
+        load_results(tmp_path / "missing.json")
+    with pytest.raises(ResultsFileError, match="directory"):
+        load_results(tmp_path)
+    binary = tmp_path / "b.json"
+    binary.write_bytes(b"\xff\xfe\x00\x81")
+    with pytest.raises(ResultsFileError, match="not text"):
+        load_results(binary)
+
+
+@pytest.mark.parametrize("threshold", [-0.01, float("nan"), True])
+def test_bad_threshold_is_refused(tmp_path: Path, threshold: float) -> None:
+    path = write(tmp_path / "a.json", bench_results())
+    with pytest.raises(ValueError, match="threshold"):
+        compare_files(path, path, threshold)
+
+
+# ----------------------------------------------------------------------------------------------------- printing
+
+
+def test_table_fits_80_columns_and_names_the_regression(tmp_path: Path) -> None:
+    data = bench_results({"baseline": 0.1, "channels_last+compile+fused_optimizer+a_very_long_name_indeed": 0.08})
+    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 2.0)))
+    text = format_table(comparison)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "REGRESSION beyond 5% and the noise: baseline (step time +100%)" in text.replace("\n  ", " ")
+    assert "slower" in text and "95% interval" in text
+
+
+def test_reports_as_markdown_and_json(tmp_path: Path) -> None:
+    data = bench_results()
+    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 2.0)))
+    md = markdown_report(comparison)
+    assert "| baseline | step time |" in md and "**slower**" in md
+    report = comparison.to_dict()
+    json.dumps(report, allow_nan=False)
+    row = report["rows"][0]
+    assert row["config"] == "baseline" and row["metric"] == "step time"
+    assert row["old_median_s"] == pytest.approx(row["new_median_s"] / 2, rel=1e-9)
+    low, high = row["ratio_ci95"]
+    assert low <= row["ratio"] <= high and row["verdict"] == "slower"
+    assert "baseline: step time" in report["regressions"]
+
+
+def test_a_disturbed_run_is_warned_about(tmp_path: Path) -> None:
+    data = bench_results()
+    data["reliability"] = {"reliable": False, "causes": ["other processes took 40% of the CPU"]}
+    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", bench_results()))
+    assert "other processes took 40% of the CPU" in format_table(comparison)
