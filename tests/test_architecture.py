@@ -59,6 +59,7 @@ def _source_files() -> dict[str, Path]:
 
 
 MODULES = _source_files()
+TREES = {module: ast.parse(path.read_text(), filename=str(path)) for module, path in MODULES.items()}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -67,13 +68,14 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports_of(module: str, path: Path) -> list[Import]:
+def _imports_of(module: str, path: Path, tree: ast.AST | None = None) -> list[Import]:
     """Every import in the file, at module level or inside functions and classes, with relative ones resolved.
 
     ``from pkg import name`` where ``pkg.name`` is a module of this package counts as importing that module;
     ``importlib.import_module("literal")`` counts too.
     """
-    tree = ast.parse(path.read_text(), filename=str(path))
+    if tree is None:
+        tree = ast.parse(path.read_text(), filename=str(path))
     is_package = path.name == "__init__.py"
     package_parts = module.split(".") if is_package else module.split(".")[:-1]
     found: list[Import] = []
@@ -125,7 +127,7 @@ def _resolve(target: str) -> str | None:
     return None
 
 
-IMPORTS = {module: _imports_of(module, path) for module, path in MODULES.items()}
+IMPORTS = {module: _imports_of(module, path, TREES[module]) for module, path in MODULES.items()}
 
 
 def _layer(module: str) -> str | None:
@@ -359,8 +361,8 @@ def _is_torch_load_alias(tree: ast.AST) -> bool:
 
 def test_no_unsafe_loading() -> None:
     problems = []
-    for module, path in MODULES.items():
-        for line, what in _unsafe_loads(ast.parse(path.read_text())):
+    for module, tree in TREES.items():
+        for line, what in _unsafe_loads(tree):
             problems.append(f"{_where(module, line)}: {what}")
     assert not problems, "loading that can execute a file's code:\n  " + "\n  ".join(problems)
 
