@@ -3,7 +3,8 @@
 ``lightning-perf bench`` trains a reference workload under named configurations, each in a fresh process, and shows
 their effect side by side against ``baseline``; ``lightning-perf autotune`` measures a model (a reference workload or
 the user's own classes) and recommends its fastest safe configuration; ``lightning-perf export`` exports a checkpoint
-for deployment. Bad arguments exit with status 2 and one line on stderr that says what is valid.
+for deployment; ``lightning-perf compare`` compares two results files and exits 1 on a regression. Bad arguments exit
+with status 2 and one line on stderr that says what is valid.
 
 One module per command (``lightning_perf.cli.<command>``), each with ``add_parser(subparsers)`` and
 ``run(args, parser)``; building the parsers imports neither torch nor Lightning, so ``--help`` answers at once.
@@ -21,7 +22,7 @@ from lightning_perf.cli._common import CliParser, UsageError, one_line
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-COMMANDS: tuple[str, ...] = ("bench", "autotune", "export")
+COMMANDS: tuple[str, ...] = ("bench", "autotune", "export", "compare")
 """The sub-commands, each a module ``lightning_perf.cli.<name>``."""
 
 

@@ -11,7 +11,9 @@ HEAVY = ("torch", "lightning", "pytorch_lightning")
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["bench"], ["autotune"], ["export"]], ids=["top", "bench", "autotune", "export"]
+    "command",
+    [[], ["bench"], ["autotune"], ["export"], ["compare"]],
+    ids=["top", "bench", "autotune", "export", "compare"],
 )
 def test_help_imports_neither_torch_nor_lightning(command: list[str]) -> None:
     proc = subprocess.run(
