@@ -30,12 +30,15 @@ from types import MappingProxyType
 from typing import Any
 
 __all__ = [
+    "BENCH_CAPABILITIES",
     "CONDITIONS",
     "REQUIREMENTS",
+    "SLOWDOWN_CONDITIONS",
     "SYMPTOMS",
     "TUNER_STAGES",
     "AdviceRule",
     "Optimization",
+    "SlowdownCause",
     "advice_for",
     "get",
     "names",
@@ -65,6 +68,16 @@ REQUIREMENTS: tuple[str, ...] = ("cuda", "bf16", "backend_flags", "torchao")
 TUNER_STAGES: tuple[str, ...] = ("precision", "optimization")
 """The auto-tuner stages that try optimizations from this list (the data and batch-size stages are the tuner's own)."""
 
+BENCH_CAPABILITIES: tuple[str, ...] = ("cpu", "cuda", "fast_bf16")
+"""What a device may offer that makes an optimization worth a place in the no-argument ``lightning-perf bench``:
+``cpu`` and ``cuda`` (the device type), ``fast_bf16`` (bf16 in hardware: a CPU with avx512_bf16 or AMX, a GPU from
+Ampere on). Evaluated by :mod:`lightning_perf.benchmark.configs`."""
+
+SLOWDOWN_CONDITIONS: tuple[str, ...] = ("always", "cpu_without_bf16", "warmup_longer")
+"""When a slowdown cause applies, as named predicates on the bench's run: ``cpu_without_bf16`` (on a CPU without bf16
+instructions), ``warmup_longer`` (the configuration's warm-up took longer than baseline's by more than the steady
+state saved over the run's steps). Evaluated by :mod:`lightning_perf.benchmark.runner`."""
+
 
 @dataclass(frozen=True)
 class AdviceRule:
@@ -90,6 +103,27 @@ class AdviceRule:
 
 
 @dataclass(frozen=True)
+class SlowdownCause:
+    """A likely reason why an optimization came out slower than baseline, shown next to the bench's figure.
+
+    Args:
+        when: the condition under which the reason holds, one of :data:`SLOWDOWN_CONDITIONS`.
+        text: the reason, one short phrase (shown to the user).
+    """
+
+    when: str
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.when not in SLOWDOWN_CONDITIONS:
+            raise ValueError(
+                f"`SlowdownCause(when={self.when!r})` is not valid. Expected one of: {SLOWDOWN_CONDITIONS}."
+            )
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise ValueError(f"`SlowdownCause(text={self.text!r})` is not valid. Expected a non-empty string.")
+
+
+@dataclass(frozen=True)
 class Optimization:
     """One optimization: what it adds to a plain Trainer and where the tools use it.
 
@@ -105,6 +139,9 @@ class Optimization:
         replaces: the name of an optimization this one is tried in place of, not on top of.
         requires: what the device must offer (names from :data:`REQUIREMENTS`).
         advice: when the advice recommends it.
+        bench_default_on: the capabilities (names from :data:`BENCH_CAPABILITIES`) under which the no-argument
+            ``lightning-perf bench`` includes it (any one suffices); empty: only when asked for.
+        slowdown_causes: likely reasons why it comes out slower than baseline, checked in order.
     """
 
     name: str
@@ -118,6 +155,8 @@ class Optimization:
     replaces: str | None = None
     requires: tuple[str, ...] = ()
     advice: tuple[AdviceRule, ...] = ()
+    bench_default_on: tuple[str, ...] = ()
+    slowdown_causes: tuple[SlowdownCause, ...] = ()
 
     def __post_init__(self) -> None:
         owner = f"Optimization(name={self.name!r})"
@@ -154,6 +193,17 @@ class Optimization:
         if isinstance(self.advice, AdviceRule) or any(not isinstance(a, AdviceRule) for a in self.advice):
             raise TypeError(f"`{owner}`: advice={self.advice!r} is not valid. Expected a tuple of AdviceRule.")
         object.__setattr__(self, "advice", tuple(self.advice))
+        bad = [c for c in self.bench_default_on if c not in BENCH_CAPABILITIES]
+        if isinstance(self.bench_default_on, str) or bad:
+            raise ValueError(
+                f"`{owner}`: bench_default_on={self.bench_default_on!r} is not valid. "
+                f"Expected a tuple of names from {BENCH_CAPABILITIES}."
+            )
+        object.__setattr__(self, "bench_default_on", tuple(self.bench_default_on))
+        causes = self.slowdown_causes
+        if isinstance(causes, SlowdownCause) or any(not isinstance(c, SlowdownCause) for c in causes):
+            raise TypeError(f"`{owner}`: slowdown_causes={causes!r} is not valid. Expected a tuple of SlowdownCause.")
+        object.__setattr__(self, "slowdown_causes", tuple(causes))
 
     @property
     def callback_name(self) -> str | None:
@@ -251,6 +301,12 @@ def _builtin_optimizations() -> list[Optimization]:
                     "full_precision_fast_bf16",
                 ),
             ),
+            bench_default_on=("fast_bf16",),
+            slowdown_causes=(
+                SlowdownCause(
+                    "cpu_without_bf16", "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 is emulated"
+                ),
+            ),
         ),
         Optimization(
             "16-mixed",
@@ -260,6 +316,7 @@ def _builtin_optimizations() -> list[Optimization]:
             tuner_stage="precision",
             tuner_order=20,
             requires=("cuda",),
+            bench_default_on=("cuda",),
         ),
         Optimization(
             "channels_last",
@@ -269,6 +326,12 @@ def _builtin_optimizations() -> list[Optimization]:
             tuner_order=10,
             advice=(
                 AdviceRule("compute_bound", "store convolution inputs and weights channels-last", "has_convolutions"),
+            ),
+            bench_default_on=("cpu", "cuda"),
+            slowdown_causes=(
+                SlowdownCause(
+                    "always", "layout conversion at the model's edges costs more than its few convolutions gain"
+                ),
             ),
         ),
         Optimization(
@@ -285,6 +348,11 @@ def _builtin_optimizations() -> list[Optimization]:
                 ),
                 AdviceRule("compute_bound", "compile the model (fused kernels)"),
             ),
+            bench_default_on=("cuda",),
+            slowdown_causes=(
+                SlowdownCause("warmup_longer", "compile warm-up not amortized over this run's steps"),
+                SlowdownCause("always", "inductor's kernels gain little on this model and device"),
+            ),
         ),
         Optimization(
             "compile_reduce_overhead",
@@ -296,6 +364,7 @@ def _builtin_optimizations() -> list[Optimization]:
             tuner_order=60,
             replaces="compile",
             requires=("cuda",),
+            slowdown_causes=(SlowdownCause("warmup_longer", "compile warm-up (and CUDA graph capture) not amortized"),),
         ),
         Optimization(
             "backend_flags",
@@ -313,6 +382,7 @@ def _builtin_optimizations() -> list[Optimization]:
                     "full_precision_tf32_off",
                 ),
             ),
+            bench_default_on=("cuda", "fast_bf16"),
         ),
         Optimization(
             "fused_optimizer",
@@ -325,6 +395,7 @@ def _builtin_optimizations() -> list[Optimization]:
                     "optimizer_step", "step the optimizer with torch's fused or foreach kernels", "optimizers_not_fused"
                 ),
             ),
+            bench_default_on=("cpu", "cuda"),
         ),
         Optimization(
             "grad_checkpoint",
@@ -337,6 +408,7 @@ def _builtin_optimizations() -> list[Optimization]:
                     "cuda",
                 ),
             ),
+            slowdown_causes=(SlowdownCause("always", "recomputes activations in the backward pass: time for memory"),),
         ),
         Optimization(
             "flash_attention",
@@ -354,5 +426,8 @@ def _builtin_optimizations() -> list[Optimization]:
             callback_kwargs={"export": False},
             changes_numerics=True,
             requires=("torchao",),
+            slowdown_causes=(
+                SlowdownCause("always", "fake quantization adds work to every training step (the cost of QAT)"),
+            ),
         ),
     ]

@@ -46,9 +46,19 @@ def test_bench_writes_measured_json_markdown_and_png(tmp_path: Path, capsys: pyt
     assert summary["baseline"]["speedup"] == pytest.approx(1.0)
     run = report["runs"][1]
     assert len(run["step_times_s"]) == 3  # steady-state steps only, warm-up excluded
-    assert summary["bf16-mixed"]["speedup"] == pytest.approx(
-        report["runs"][0]["step_s"]["median"] / run["step_s"]["median"]
-    )
+    assert summary["bf16-mixed"]["speedup"] == pytest.approx(report["runs"][0]["step_median_s"] / run["step_median_s"])
+    bf16 = summary["bf16-mixed"]
+    low, high = bf16["speedup_ci95"]
+    assert low <= bf16["speedup"] <= high
+    assert bf16["speedup_verdict"] in ("faster", "slower", "no clear difference")
+    assert bf16["speedup_method"] == "bootstrap over paired steps"
+    assert bf16["step_times_s"] == [run["step_times_s"]]
+    # 3 predict batches, 2 of them warm-up: one timed batch per side and one repeat leave no interval, and say so.
+    assert bf16["predict_speedup_ci95"] is None and bf16["predict_speedup_method"] == "one paired repeat: no interval"
+    assert bf16["predict_speedup_verdict"] == "no clear difference"
+    assert isinstance(report["reliability"]["reliable"], bool) and isinstance(report["reliability"]["causes"], list)
+    assert report["machine"]["torch_threads"] >= 1 and "cpu_flags" in report["machine"]
+    assert report["run"]["command"].startswith("lightning-perf bench") and report["run"]["end_time"]
     markdown = out.with_suffix(".md").read_text()
     assert (
         "speed-up" in markdown

@@ -257,3 +257,52 @@ def _ensure_builtins() -> None:
             config = config_from_optimization(optimization)
             _REGISTRY[name] = config
             _DERIVED[name] = (optimization, config)
+
+
+def device_capabilities(device: torch.device) -> dict[str, bool]:
+    """Which of :data:`lightning_perf.optimizations.BENCH_CAPABILITIES` ``device`` offers.
+
+    ``fast_bf16``: on a CPU, avx512_bf16 or AMX in ``/proc/cpuinfo`` (oneDNN's own probe where the flags are
+    unknown); on a GPU, Ampere (sm 80) or later, where bf16 runs on tensor cores.
+    """
+    from lightning_perf._device import has_fast_cpu_bf16, is_sm_at_least
+    from lightning_perf.profiling.machine import cpu_flags, has_cpu_bf16_instructions
+
+    if device.type == "cuda":
+        fast_bf16 = is_sm_at_least(8, 0, device)
+    else:
+        native = has_cpu_bf16_instructions(cpu_flags())
+        fast_bf16 = has_fast_cpu_bf16() if native is None else native
+    return {"cpu": device.type == "cpu", "cuda": device.type == "cuda", "fast_bf16": bool(fast_bf16)}
+
+
+def _why_left_out(optimization: Optimization, device: torch.device, capabilities: Mapping[str, bool]) -> str | None:
+    if not optimization.bench_default_on:
+        return "not in the default set (name it in --configs)"
+    if not any(capabilities.get(c, False) for c in optimization.bench_default_on):
+        names = {"cpu": "a CPU", "cuda": "a CUDA device", "fast_bf16": "bf16 hardware (avx512_bf16/AMX, Ampere+ GPU)"}
+        why = "in the default set only on " + " or ".join(names[c] for c in optimization.bench_default_on)
+        if "fast_bf16" in optimization.bench_default_on and device.type == "cpu":
+            why += "; this CPU has no bf16 instructions, bf16 would be emulated"
+        return why + " (name it in --configs to measure it anyway)"
+    return get_config(optimization.name).why_not(device)
+
+
+def default_configs(
+    device: torch.device, capabilities: Mapping[str, bool] | None = None
+) -> tuple[list[str], list[tuple[str, str]]]:
+    """The configurations of the no-argument ``lightning-perf bench`` on ``device``, chosen by capability.
+
+    Returns:
+        ``(names, left_out)``: ``baseline`` and every optimization whose ``bench_default_on`` capabilities the device
+        offers and which can run there; and ``(name, why)`` for each optimization left out.
+    """
+    caps = device_capabilities(device) if capabilities is None else capabilities
+    chosen, left_out = [BASELINE], []
+    for optimization in optimizations.optimizations():
+        why = _why_left_out(optimization, device, caps)
+        if why is None:
+            chosen.append(optimization.name)
+        else:
+            left_out.append((optimization.name, why))
+    return chosen, left_out

@@ -2,7 +2,44 @@
 
 Every (repeat, configuration) pair runs in a fresh worker process. Repeats are interleaved and the order rotates from
 one repeat to the next, so drift of the machine (thermal state, a neighbour's load) falls on every configuration alike.
-Ratios against ``baseline`` are paired within a repeat and then summarized, so they carry the spread of the machine.
+Ratios against ``baseline`` are paired within a repeat and carry a 95% interval and a verdict
+(:mod:`lightning_perf.profiling.intervals`); the machine's conditions are watched around every run
+(:mod:`lightning_perf.profiling.reliability`) and a disturbed run says so.
+
+Results file (JSON, ``kind: "lightning-perf-bench"``). Every time is in seconds under a key ending ``_s``, every step
+time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain numbers::
+
+    schema_version, kind, command, wall_s
+    options      the BenchOptions (workload, configs, preset, steps, warmup_steps, repeats, batch_size, precision,
+                 device, seed, predict_batches, num_workers, timeout_s)
+    machine      profiling.machine.describe_machine(): cpu, cpu_count, torch_threads, cpu_flags {avx2, avx512f,
+                 avx512_vnni, avx512_bf16, amx_tile, amx_bf16, amx_int8}, cpu_bf16_instructions, gpu, gpu_driver,
+                 versions (lightning_perf, torch, lightning)
+    run          profiling.machine.run_metadata(): command, argv, cwd, git_commit, git_dirty, start_time, end_time
+    environment  profiling.environment_info() (added by write_json)
+    reliability  {reliable: bool, causes: [str], disturbed_runs: ["<config>, repeat <n>"], disturbed_configs: [...],
+                  cores_used, cpu_count, runs_watched, other_cores_mean, other_cores_max, steal_share_max,
+                  load_average_max, frequency_share_min, dispersion: {config: {repeat_spread, outlier_step_share}}}
+    left_out     [{config, reason}]: configurations the no-argument bench did not run on this device, and why
+    summary      one row per configuration (ConfigSummary below):
+        config, runs, skipped, error, disturbed (bool), likely_cause (str | null, for a slower configuration)
+        step_median_s, step_min_s, step_max_s (smallest and largest per-repeat median), step_p10_s, step_p90_s
+        step_times_s: [[...] per repeat, in repeat order]   raw steady-state step times, to rebuild any interval
+        speedup: baseline step time / step time (> 1: faster), geometric mean of the paired per-repeat ratios;
+            speedup_ci95: [low, high] (low <= speedup <= high), speedup_verdict: "faster" | "slower" |
+            "no clear difference", speedup_method: "t interval over paired repeats" | "bootstrap over paired steps"
+            | "one paired repeat: no interval", speedup_n (paired repeats), speedup_min / speedup_max (per-repeat)
+            (baseline's own row: speedup 1.0, the rest null)
+        throughput (samples/s at the median step), warmup_s, model_init_s, first_batch_s, first_forward_s
+        peak_memory_bytes, step_memory_bytes; memory_ratio: step memory / baseline's, with memory_ratio_ci95,
+            memory_ratio_verdict ("less memory" | "more memory" | "no clear difference"), _method, _n
+        predict_step_median_s, predict_step_times_s (per repeat), predict_throughput; predict_speedup: baseline
+            predict time / predict time, with predict_speedup_ci95, _verdict ("faster" | "slower" | ...), _method, _n
+        final_train_loss
+    runs         every worker's RunResult: spec {config, repeat, ...}, ok, skipped, error, batch_size,
+                 step_median_s, step_times_s, predict_step_median_s, predict_step_times_s, throughput, warmup_s,
+                 model_init_s, first_batch_s, first_forward_s, peak_memory_bytes, step_memory_bytes, losses,
+                 data_wait_s, wall_s
 """
 
 from __future__ import annotations
@@ -19,16 +56,13 @@ from typing import Any
 from lightning_perf.benchmark.configs import resolve_configs
 from lightning_perf.benchmark.isolation import run_isolated
 from lightning_perf.benchmark.worker import RunResult, RunSpec
-from lightning_perf.profiling import (
-    environment_info,
-    format_bytes,
-    markdown_table,
-    plot_bars,
-    write_json,
-)
+from lightning_perf.profiling import format_bytes, markdown_table, plot_bars, write_json
+from lightning_perf.profiling.intervals import NO_CLEAR_DIFFERENCE, RatioEstimate, paired_ratio
+from lightning_perf.profiling.reliability import ConditionMonitor, Reliability, assess
 from lightning_perf.profiling.stats import percentile
 
 BASELINE = "baseline"
+DISTURBED = "(disturbed)"
 
 
 @dataclass
@@ -72,19 +106,25 @@ class BenchOptions:
 
 @dataclass
 class ConfigSummary:
-    """One configuration's figures, aggregated over repeats."""
+    """One configuration's figures, aggregated over repeats (the keys are described in the module docstring)."""
 
     config: str
     runs: int = 0
     skipped: str | None = None
     error: str | None = None
+    disturbed: bool = False
+    likely_cause: str | None = None
     step_median_s: float | None = None
     step_min_s: float | None = None  # smallest and largest per-repeat median
     step_max_s: float | None = None
     step_p10_s: float | None = None  # over all steady-state steps of all repeats
     step_p90_s: float | None = None
-    speedup: float | None = None  # baseline step time / this step time, paired per repeat, median
-    speedup_min: float | None = None
+    speedup: float | None = None  # baseline step time / this step time, paired per repeat
+    speedup_ci95: list[float] | None = None
+    speedup_verdict: str | None = None
+    speedup_method: str | None = None
+    speedup_n: int | None = None
+    speedup_min: float | None = None  # smallest and largest per-repeat ratio
     speedup_max: float | None = None
     throughput: float | None = None
     warmup_s: float | None = None
@@ -94,9 +134,33 @@ class ConfigSummary:
     peak_memory_bytes: float | None = None
     step_memory_bytes: float | None = None
     memory_ratio: float | None = None  # steady-state step memory / baseline's
+    memory_ratio_ci95: list[float] | None = None
+    memory_ratio_verdict: str | None = None
+    memory_ratio_method: str | None = None
+    memory_ratio_n: int | None = None
+    predict_step_median_s: float | None = None
     predict_throughput: float | None = None
-    predict_speedup: float | None = None
+    predict_speedup: float | None = None  # baseline predict time / this predict time, paired per repeat
+    predict_speedup_ci95: list[float] | None = None
+    predict_speedup_verdict: str | None = None
+    predict_speedup_method: str | None = None
+    predict_speedup_n: int | None = None
     final_train_loss: float | None = None
+    step_times_s: list[list[float]] = field(default_factory=list)
+    predict_step_times_s: list[list[float]] = field(default_factory=list)
+
+    def estimate(self, name: str) -> RatioEstimate | None:
+        """The ratio ``name`` (``speedup``, ``memory_ratio``, ``predict_speedup``) as a :class:`RatioEstimate`."""
+        ratio, ci = getattr(self, name), getattr(self, f"{name}_ci95")
+        if ratio is None or getattr(self, f"{name}_verdict") is None:
+            return None
+        low, high = ci if ci is not None else (ratio, ratio)
+        method, n = getattr(self, f"{name}_method"), getattr(self, f"{name}_n")
+        return RatioEstimate(ratio, low, high, method, getattr(self, f"{name}_verdict"), n)
+
+    def set_estimate(self, name: str, estimate: RatioEstimate) -> None:
+        for key, value in estimate.to_dict(name).items():
+            setattr(self, key, value)
 
 
 @dataclass
@@ -106,10 +170,18 @@ class BenchReport:
     summaries: list[ConfigSummary] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
+    machine: dict[str, Any] = field(default_factory=dict)
+    run: dict[str, Any] = field(default_factory=dict)
+    reliability: dict[str, Any] = field(default_factory=lambda: {"reliable": True, "causes": []})
+    left_out: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def failed(self) -> list[ConfigSummary]:
         return [s for s in self.summaries if s.error is not None]
+
+    @property
+    def reliable(self) -> bool:
+        return bool(self.reliability.get("reliable", True))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -117,6 +189,10 @@ class BenchReport:
             "command": self.command,
             "options": self.options,
             "wall_s": self.wall_s,
+            "machine": self.machine,
+            "run": self.run,
+            "reliability": self.reliability,
+            "left_out": self.left_out,
             "summary": [asdict(s) for s in self.summaries],
             "runs": self.runs,
         }
@@ -125,32 +201,114 @@ class BenchReport:
 ProgressFn = Callable[[int, int, str], None]
 
 
-def run_benchmark(options: BenchOptions, progress: ProgressFn | None = None, command: str | None = None) -> BenchReport:
-    """Run every configuration ``options.repeats`` times, interleaved, each in a fresh process, and summarize."""
+@dataclass(frozen=True)
+class RunEvent:
+    """One finished run, for a progress line: which, what it measured, and how far the bench is."""
+
+    config: str
+    repeat: int
+    repeats: int
+    done: int
+    total: int
+    step_median_s: float | None
+    elapsed_s: float
+    remaining_s: float
+    status: str  # "ok", "skipped: ...", "failed: ..."
+
+    def line(self) -> str:
+        """``"[3/9] channels_last repeat 1/3: step 41.2 ms, elapsed 0:32, about 1:05 left"``."""
+        what = f"step {self.step_median_s * 1e3:.1f} ms" if self.step_median_s is not None else self.status
+        return (
+            f"[{self.done}/{self.total}] {self.config} repeat {self.repeat + 1}/{self.repeats}: {what}, "
+            f"elapsed {_clock(self.elapsed_s)}, about {_clock(self.remaining_s)} left"
+        )
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def run_benchmark(
+    options: BenchOptions,
+    progress: ProgressFn | None = None,
+    command: str | None = None,
+    *,
+    on_run: Callable[[RunEvent], None] | None = None,
+    monitor: ConditionMonitor | None = None,
+    argv: Sequence[str] | None = None,
+    left_out: Sequence[tuple[str, str]] = (),
+) -> BenchReport:
+    """Run every configuration ``options.repeats`` times, interleaved, each in a fresh process, and summarize.
+
+    Args:
+        options: what to run.
+        progress: called before each run with ``(done, total, what)`` (a progress bar).
+        command: the command line to record (default: one rebuilt from ``options``).
+        on_run: called after each run with a :class:`RunEvent` (a progress line).
+        monitor: watches the machine around each run (default: a :class:`ConditionMonitor` on the real counters).
+        argv: the command line for the ``run`` metadata (default: ``command`` split).
+        left_out: ``(config, why)`` for configurations the caller chose not to run, recorded in the report.
+    """
+    import torch
+
+    from lightning_perf.profiling.machine import describe_machine, finish_run, run_metadata
+
+    command = command or _command_for(options)
+    run_info = run_metadata(list(argv) if argv is not None else shlex.split(command))
+    machine = describe_machine()
+    monitor = monitor if monitor is not None else ConditionMonitor()
     order = list(options.configs)
     plan = [(r, order[r % len(order) :] + order[: r % len(order)]) for r in range(options.repeats)]
     total = options.repeats * len(order)
     results: dict[str, list[RunResult]] = {name: [] for name in order}
     start = time.perf_counter()
     done = 0
+    watched = []
     with tempfile.TemporaryDirectory(prefix="lightning-perf-bench-") as tmp:
         for repeat, names in plan:
             for name in names:
                 if progress is not None:
                     progress(done, total, f"repeat {repeat + 1}/{options.repeats}: {name}")
-                spec = _spec(options, name, repeat)
-                results[name].append(_run_in_subprocess(spec, Path(tmp), options.timeout_s))
+                token = monitor.start()
+                result = _run_in_subprocess(_spec(options, name, repeat), Path(tmp), options.timeout_s)
+                conditions = monitor.stop(token, f"{name}, repeat {repeat + 1}", config=name, repeat=repeat)
+                if result.ok:  # a skipped or failed run measured nothing the conditions could have disturbed
+                    watched.append(conditions)
+                results[name].append(result)
                 done += 1
+                if on_run is not None:
+                    elapsed = time.perf_counter() - start
+                    status = "ok" if result.ok else f"skipped: {result.skipped}" if result.skipped else "failed"
+                    on_run(
+                        RunEvent(
+                            name, repeat, options.repeats, done, total, result.step_median_s if result.ok else None,
+                            elapsed, elapsed / done * (total - done), status,
+                        )
+                    )  # fmt: skip
     if progress is not None:
         progress(done, total, "done")
-    report = BenchReport(
+    summaries = summarize_runs(results)
+    cores = 1 if options.device.startswith("cuda") else torch.get_num_threads()
+    reliability = assess(
+        watched,
+        {s.config: s.step_times_s for s in summaries if s.step_times_s},
+        cores_used=cores,
+        cpu_count=int(machine.get("cpu_count_usable") or machine.get("cpu_count") or 1),
+    )
+    mark_disturbed(summaries, reliability, watched)
+    add_likely_causes(summaries, machine, options)
+    return BenchReport(
         options=asdict(options) | {"configs": list(order)},
-        command=command or _command_for(options),
-        summaries=summarize_runs(results),
+        command=command,
+        summaries=summaries,
         runs=[asdict(r) for name in order for r in results[name]],
         wall_s=time.perf_counter() - start,
+        machine=machine,
+        run=finish_run(run_info),
+        reliability=reliability.to_dict(),
+        left_out=[{"config": name, "reason": why} for name, why in left_out],
     )
-    return report
 
 
 def _spec(options: BenchOptions, config: str, repeat: int) -> RunSpec:
@@ -183,13 +341,17 @@ def _median(values: Sequence[float | int | None]) -> float | None:
     return percentile(present, 50.0) if present else None
 
 
+def _step_samples(result: RunResult) -> list[float]:
+    return list(result.step_times_s) or ([result.step_median_s] if result.step_median_s else [])
+
+
 def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
     """Aggregate per-repeat results into one summary per configuration, with ratios paired against baseline."""
     baseline_by_repeat = {r.spec["repeat"]: r for r in results.get(BASELINE, []) if r.ok}
     summaries = []
     for name, runs in results.items():
         summary = ConfigSummary(config=name)
-        ok = [r for r in runs if r.ok]
+        ok = sorted((r for r in runs if r.ok), key=lambda r: r.spec.get("repeat", 0))
         summary.runs = len(ok)
         if not ok:
             skipped = next((r.skipped for r in runs if r.skipped), None)
@@ -201,13 +363,14 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
         failures = [r.error for r in runs if r.error]
         if failures:
             summary.error = f"{len(failures)} of {len(runs)} runs failed: {failures[0]}"
-        medians = [r.step_s["median"] for r in ok]
+        medians = [r.step_median_s for r in ok if r.step_median_s is not None]
         summary.step_median_s = _median(medians)
         summary.step_min_s, summary.step_max_s = min(medians), max(medians)
+        summary.step_times_s = [list(r.step_times_s) for r in ok]
+        summary.predict_step_times_s = [list(r.predict_step_times_s) for r in ok if r.predict_step_times_s]
         pooled = [t for r in ok for t in r.step_times_s]
         if pooled:
-            ordered = sorted(pooled)
-            summary.step_p10_s, summary.step_p90_s = percentile(ordered, 10.0), percentile(ordered, 90.0)
+            summary.step_p10_s, summary.step_p90_s = percentile(pooled, 10.0), percentile(pooled, 90.0)
         summary.throughput = _median([r.throughput for r in ok])
         summary.warmup_s = _median([r.warmup_s for r in ok])
         summary.model_init_s = _median([r.model_init_s for r in ok])
@@ -215,80 +378,216 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
         summary.first_forward_s = _median([r.first_forward_s for r in ok])
         summary.peak_memory_bytes = _median([r.peak_memory_bytes for r in ok])
         summary.step_memory_bytes = _median([r.step_memory_bytes for r in ok])
+        summary.predict_step_median_s = _median([r.predict_step_median_s for r in ok])
         summary.predict_throughput = _median([r.predict_throughput for r in ok])
         summary.final_train_loss = _median([r.final_train_loss for r in ok])
-        paired = [(baseline_by_repeat[r.spec["repeat"]], r) for r in ok if r.spec["repeat"] in baseline_by_repeat]
-        if paired:
-            ratios = [b.step_s["median"] / r.step_s["median"] for b, r in paired]
-            summary.speedup, summary.speedup_min, summary.speedup_max = _median(ratios), min(ratios), max(ratios)
-            mem = [
-                r.step_memory_bytes / b.step_memory_bytes
-                for b, r in paired
-                if b.step_memory_bytes and r.step_memory_bytes
-            ]
-            summary.memory_ratio = _median(mem)
-            pred = [
-                r.predict_throughput / b.predict_throughput
-                for b, r in paired
-                if b.predict_throughput and r.predict_throughput
-            ]
-            summary.predict_speedup = _median(pred)
+        if name == BASELINE:
+            summary.speedup = 1.0
+        elif paired := [
+            (baseline_by_repeat[r.spec["repeat"]], r) for r in ok if r.spec["repeat"] in baseline_by_repeat
+        ]:
+            _paired_ratios(summary, paired)
         summaries.append(summary)
     return summaries
 
 
+def _paired_ratios(summary: ConfigSummary, paired: list[tuple[RunResult, RunResult]]) -> None:
+    steps = [(_step_samples(b), _step_samples(r)) for b, r in paired]
+    steps = [(b, r) for b, r in steps if b and r]
+    if steps:
+        summary.set_estimate("speedup", paired_ratio([b for b, _ in steps], [r for _, r in steps]))
+        ratios = [_median(b) / _median(r) for b, r in steps]  # type: ignore[operator]
+        summary.speedup_min, summary.speedup_max = min(ratios), max(ratios)
+    memory = [
+        (r.step_memory_bytes, b.step_memory_bytes) for b, r in paired if b.step_memory_bytes and r.step_memory_bytes
+    ]
+    if memory:
+        estimate = paired_ratio(
+            [float(m) for m, _ in memory],
+            [float(m) for _, m in memory],
+            above_one="more memory",
+            below_one="less memory",
+        )
+        summary.set_estimate("memory_ratio", estimate)
+    predict = [
+        (b.predict_step_times_s or [b.predict_step_median_s], r.predict_step_times_s or [r.predict_step_median_s])
+        for b, r in paired
+        if b.predict_step_median_s and r.predict_step_median_s
+    ]
+    if predict:
+        summary.set_estimate("predict_speedup", paired_ratio([b for b, _ in predict], [r for _, r in predict]))
+
+
+def mark_disturbed(summaries: Sequence[ConfigSummary], reliability: Reliability, watched: Sequence[Any]) -> None:
+    """Flag the rows whose figures a disturbance touched: their own runs, or baseline's (every ratio pairs with it)."""
+    hit = {(r.config, r.repeat) for r in watched if r.label in reliability.disturbed_runs}
+    by_config = {config for config, _ in hit}
+    for s in summaries:
+        own = s.config in by_config or s.config in reliability.disturbed_configs
+        via_baseline = (
+            s.config != BASELINE
+            and s.speedup is not None
+            and (BASELINE in by_config or BASELINE in reliability.disturbed_configs)
+        )
+        s.disturbed = own or via_baseline
+
+
+def add_likely_causes(summaries: Sequence[ConfigSummary], machine: dict[str, Any], options: BenchOptions) -> None:
+    """Name a likely cause for each configuration slower than baseline, from the optimizations' slowdown causes."""
+    import lightning_perf.optimizations as optimizations
+
+    known = {o.name: o for o in optimizations.optimizations()}
+    base = next((s for s in summaries if s.config == BASELINE), None)
+    for s in summaries:
+        if s.speedup_verdict != "slower":
+            continue
+        causes = [cause.text for part in s.config.split("+") if part in known for cause in known[part].slowdown_causes
+                  if _slowdown_condition(cause.when, s, base, machine, options)]  # fmt: skip
+        s.likely_cause = "; ".join(causes[:2]) or None
+
+
+def _slowdown_condition(
+    when: str, s: ConfigSummary, base: ConfigSummary | None, machine: dict[str, Any], options: BenchOptions
+) -> bool:
+    if when == "always":
+        return True
+    if when == "cpu_without_bf16":
+        return not options.device.startswith("cuda") and machine.get("cpu_bf16_instructions") is False
+    if when == "warmup_longer":
+        if base is None or s.warmup_s is None or base.warmup_s is None:
+            return False
+        saved = ((base.step_median_s or 0.0) - (s.step_median_s or 0.0)) * options.steps
+        return s.warmup_s - base.warmup_s > max(saved, 0.5 * base.warmup_s)
+    return False
+
+
+# ------------------------------------------------------------------------------------------------------------ tables
+
 TABLE_COLUMNS = (
     "config",
     "step ms",
-    "speed-up",
+    "speed-up [95% CI]",
+    "verdict",
+    "interval from",
     "samples/s",
     "warm-up s",
     "step memory",
-    "memory",
+    "memory [95% CI]",
     "predict/s",
-    "predict speed-up",
+    "predict speed-up [95% CI]",
     "final loss",
+    "likely cause",
 )
 TABLE_LEGEND = (
     "step ms: steady-state median (min-max of the per-repeat medians); speed-up: baseline step time / step time, "
-    "paired within a repeat (median, min-max); warm-up s: first warm-up steps, compilation included; step memory: "
-    "steady-state peak above the memory in use after warm-up, and its ratio to baseline's; predict: inference "
-    "throughput and its ratio to baseline's."
+    "paired within a repeat (geometric mean of the paired ratios) with its 95% interval and verdict: faster or "
+    "slower when the interval excludes 1, else no clear difference; warm-up s: first warm-up steps, compilation "
+    "included; step memory: steady-state peak above the memory in use after warm-up, and its ratio to baseline's; "
+    "predict: inference throughput and baseline predict time / predict time. '?' and (disturbed): the machine was "
+    "busy with other work or the samples scattered (see the reliability warnings): do not trust that figure."
+)
+CONSOLE_COLUMNS = ("config", "step ms", "speed-up", "verdict", "memory", "predict")
+CONSOLE_LEGEND = (
+    "speed-up: baseline step time / step time, paired per repeat, [95% interval]; memory, predict: ratios to "
+    "baseline (~ : no clear difference). ? and (disturbed): measured while the machine was disturbed."
 )
 
 
+def _mark(s: ConfigSummary) -> str:
+    return "?" if s.disturbed else ""
+
+
+def _estimate_cell(s: ConfigSummary, name: str, multiline: bool = False) -> str:
+    estimate = s.estimate(name)
+    if estimate is None:
+        return "n/a" if getattr(s, name) is None else f"{getattr(s, name):.2f}x"
+    if not estimate.has_interval:
+        return f"{_mark(s)}{estimate.ratio:.2f}x"
+    sep = "\n" if multiline else " "
+    return f"{_mark(s)}{estimate.ratio:.2f}x{sep}[{estimate.low:.2f}-{estimate.high:.2f}]"
+
+
+def _verdict_cell(s: ConfigSummary, multiline: bool = False) -> str:
+    if s.config == BASELINE:
+        return "reference" + ((" " if not multiline else "\n") + DISTURBED if s.disturbed else "")
+    if s.speedup_verdict is None:
+        return "n/a"
+    text = s.speedup_verdict
+    if s.disturbed:
+        text = f"? {text}" + ("\n" if multiline else " ") + DISTURBED
+    return text
+
+
+def _compact_ratio(s: ConfigSummary, name: str) -> str:
+    estimate = s.estimate(name)
+    if estimate is None:
+        return "n/a"
+    return f"{_mark(s)}{'~' if estimate.verdict == NO_CLEAR_DIFFERENCE else ''}{estimate.ratio:.2f}x"
+
+
 def table_rows(report: BenchReport) -> list[list[str]]:
-    """The summary as text cells, one row per configuration, shared by the console, Markdown and tests."""
+    """The summary as text cells, one row per configuration, with every detail (Markdown and tests)."""
     rows = []
+    width = len(TABLE_COLUMNS)
     for s in report.summaries:
         if s.step_median_s is None:
-            rows.append([s.config, f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}"] + [""] * 8)
+            rows.append([s.config, f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}"] + [""] * (width - 2))
             continue
         rows.append(
             [
                 s.config + (" (some runs failed)" if s.error else ""),
                 f"{s.step_median_s * 1e3:.1f} ({s.step_min_s * 1e3:.1f}-{s.step_max_s * 1e3:.1f})",  # type: ignore[operator]
-                _ratio(s.speedup, s.speedup_min, s.speedup_max),
+                _estimate_cell(s, "speedup") if s.config != BASELINE else "1.00x",
+                _verdict_cell(s),
+                s.speedup_method or "",
                 _num(s.throughput, ".1f"),
                 _num(s.warmup_s, ".2f"),
                 format_bytes(s.step_memory_bytes) if s.step_memory_bytes is not None else "n/a",
-                _ratio(s.memory_ratio),
+                (_estimate_cell(s, "memory_ratio") + f" {s.memory_ratio_verdict}") if s.memory_ratio_verdict else "n/a",
                 _num(s.predict_throughput, ".1f"),
-                _ratio(s.predict_speedup),
+                (_estimate_cell(s, "predict_speedup") + f" {s.predict_speedup_verdict}")
+                if s.predict_speedup_verdict
+                else "n/a",
                 _num(s.final_train_loss, ".4f"),
+                s.likely_cause or "",
             ]
         )
     return rows
 
 
+def console_rows(report: BenchReport) -> list[list[str]]:
+    """The summary for an 80-column terminal: ratio, interval and verdict; the rest is in the Markdown file."""
+    rows = []
+    for s in report.summaries:
+        if s.step_median_s is None:
+            rows.append([s.config, "", "", f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}", "", ""])
+            continue
+        speedup = "1.00x" if s.config == BASELINE else _estimate_cell(s, "speedup", multiline=True)
+        verdict = _verdict_cell(s, multiline=True)
+        if s.likely_cause:
+            verdict += f"\n{s.likely_cause}"
+        rows.append(
+            [
+                s.config + ("\n(runs failed)" if s.error else ""),
+                f"{s.step_median_s * 1e3:.1f}",
+                speedup,
+                verdict,
+                "1.00x" if s.config == BASELINE else _compact_ratio(s, "memory_ratio"),
+                "1.00x" if s.config == BASELINE else _compact_ratio(s, "predict_speedup"),
+            ]
+        )
+    return rows
+
+
+def reliability_lines(report: BenchReport) -> list[str]:
+    """One warning line per cause of an unreliable measurement (empty when it was reliable)."""
+    if report.reliable:
+        return []
+    return [f"warning: measurement disturbed by {cause}" for cause in report.reliability.get("causes", [])]
+
+
 def _num(value: float | None, fmt: str) -> str:
     return "n/a" if value is None else format(value, fmt)
-
-
-def _ratio(value: float | None, lo: float | None = None, hi: float | None = None) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:.2f}x" + (f" ({lo:.2f}-{hi:.2f})" if lo is not None and hi is not None else "")
 
 
 def _command_for(options: BenchOptions) -> str:
@@ -301,17 +600,32 @@ def _command_for(options: BenchOptions) -> str:
 
 
 def markdown_report(report: BenchReport) -> str:
-    """The report as Markdown: the command, the machine, the table and how to read it."""
-    env = environment_info()
-    opts = report.options
+    """The report as Markdown: the command, the machine, reliability, the table and how to read it."""
+    opts, machine, run = report.options, report.machine, report.run
+    flags = machine.get("cpu_flags")
+    flag_text = ", ".join(k for k, v in flags.items() if v) or "none of avx2/avx512/amx" if flags else "unknown"
+    commit = run.get("git_commit")
     lines = [
         f"## `{opts['workload']}` ({opts['preset']} preset) on {opts['device']}",
         "",
         f"Command: `{report.command}`",
         "",
-        f"Machine: {env.get('cpu', 'unknown CPU')} ({env.get('cpu_count', '?')} CPUs), "
-        f"{env.get('cuda_device') or 'no GPU'}; torch {env.get('torch')}, lightning {env.get('lightning')}.",
+        f"Machine: {machine.get('cpu') or 'unknown CPU'} ({machine.get('cpu_count', '?')} CPUs, "
+        f"{machine.get('torch_threads', '?')} torch threads; flags: {flag_text}), {machine.get('gpu') or 'no GPU'}; "
+        f"lightning_perf {machine.get('lightning_perf')}, torch {machine.get('torch')}, "
+        f"lightning {machine.get('lightning')}.",
         "",
+        f"Run: {run.get('start_time')} to {run.get('end_time')}"
+        + (f", commit {commit[:10]}{' (dirty)' if run.get('git_dirty') else ''}" if commit else "")
+        + ".",
+        "",
+    ]
+    if report.reliable:
+        lines += ["Reliability: no disturbance seen (other processes' load, steal, load average, dispersion).", ""]
+    else:
+        lines += ["**Reliability: disturbed.** Figures marked `?` are not to be trusted:", ""]
+        lines += [f"- {cause}" for cause in report.reliability.get("causes", [])] + [""]
+    lines += [
         markdown_table(TABLE_COLUMNS, table_rows(report)),
         "",
         f"{opts['repeats']} repeats x {opts['steps']} steady-state steps after {opts['warmup_steps']} warm-up steps; "
@@ -320,11 +634,41 @@ def markdown_report(report: BenchReport) -> str:
         "max_memory_allocated.",
         "",
     ]
+    if report.left_out:
+        lines += ["Left out on this device:", ""] + [f"- `{x['config']}`: {x['reason']}" for x in report.left_out]
+        lines.append("")
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------------------- outputs
+
+
+def output_paths(output: Path) -> list[Path]:
+    """The files one report writes: the JSON at ``output``, and the Markdown and PNG beside it."""
+    return [output, output.with_suffix(".md"), output.with_suffix(".png")]
+
+
+def unused_output(output: Path, force: bool = False) -> Path:
+    """``output``, or with a run number (``name-2.json``, ``name-3.json``...) when one of its files exists.
+
+    With ``force`` the existing files are overwritten: ``output`` is returned as is.
+    """
+    output = Path(output)
+    if force or not any(p.exists() for p in output_paths(output)):
+        return output
+    number = 2
+    while True:
+        candidate = output.with_name(f"{output.stem}-{number}{output.suffix}")
+        if not any(p.exists() for p in output_paths(candidate)):
+            return candidate
+        number += 1
+
+
 def write_outputs(report: BenchReport, output: Path) -> list[Path]:
-    """Write the JSON report at ``output`` and the Markdown and PNG next to it (same stem). Returns the paths."""
+    """Write the JSON report at ``output`` and the Markdown and PNG next to it (same stem). Returns the paths.
+
+    The caller picks ``output`` (see :func:`unused_output`: files are never overwritten unless asked).
+    """
     output = Path(output)
     written = [write_json(report.to_dict(), output)]
     md = output.with_suffix(".md")
@@ -337,13 +681,18 @@ def write_outputs(report: BenchReport, output: Path) -> list[Path]:
 
     if measured and is_matplotlib_available():
         png = output.with_suffix(".png")
+        errors = []
+        for s in measured:
+            low, high = s.speedup_ci95 or (s.speedup, s.speedup)
+            errors.append((s.speedup - low, high - s.speedup))  # type: ignore[operator]
         plot_bars(
-            [s.config for s in measured],
+            [("? " if s.disturbed else "") + s.config for s in measured],
             [s.speedup for s in measured],  # type: ignore[misc]
-            errors=[(s.speedup - s.speedup_min, s.speedup_max - s.speedup) for s in measured],  # type: ignore[operator]
+            errors=errors,
             title=f"{report.options['workload']}: training speed-up vs baseline ({report.options['device']})",
-            ylabel="baseline step time / step time",
+            ylabel="baseline step time / step time (95% interval)",
             path=png,
+            reference=1.0,
         )
         written.append(png)
     return written

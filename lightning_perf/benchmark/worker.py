@@ -50,7 +50,8 @@ class RunSpec:
 
 @dataclass
 class RunResult:
-    """What one worker measured. Times in seconds, memory in bytes."""
+    """What one worker measured. Times in seconds under keys ending ``_s`` (step times ``step_..._s``), memory in
+    bytes."""
 
     spec: dict[str, Any]
     ok: bool = True
@@ -62,13 +63,14 @@ class RunResult:
     first_batch_s: float | None = None
     first_forward_s: float | None = None
     warmup_s: float | None = None
-    step_s: dict[str, float] = field(default_factory=dict)  # Stats of steady-state step times
-    step_times_s: list[float] = field(default_factory=list)
+    step_median_s: float | None = None  # median of the steady-state step times
+    step_times_s: list[float] = field(default_factory=list)  # every steady-state step, in order
     throughput: float | None = None  # training samples per second at the median step
     peak_memory_bytes: int | None = None
     step_memory_bytes: int | None = None  # steady-state peak minus memory in use before the steps
     memory_source: str | None = None
-    predict_step_s: dict[str, float] = field(default_factory=dict)
+    predict_step_median_s: float | None = None
+    predict_step_times_s: list[float] = field(default_factory=list)  # every steady-state predict batch
     predict_throughput: float | None = None
     final_train_loss: float | None = None
     losses: list[float] = field(default_factory=list)  # every training step's loss, warm-up included
@@ -265,7 +267,7 @@ def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
     result.first_batch_s = clock.first_batch_s
     result.first_forward_s = clock.first_forward_s
     result.warmup_s = clock.warmup_s
-    result.step_s = step_stats.to_dict()
+    result.step_median_s = step_stats.median
     result.step_times_s = [record["step"] for record in clock.timer.steps]
     result.throughput = result.batch_size / step_stats.median if result.batch_size else None
     sample = clock.probe.sample()
@@ -295,7 +297,8 @@ def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
         predictor.predict(model, datamodule=datamodule, return_predictions=False)
         predict_stats = predict_clock.timer.summary().get("predict")
         if predict_stats is not None and predict_stats.count:
-            result.predict_step_s = predict_stats.to_dict()
+            result.predict_step_median_s = predict_stats.median
+            result.predict_step_times_s = [record["predict"] for record in predict_clock.timer.steps]
             result.predict_throughput = result.batch_size / predict_stats.median if result.batch_size else None
     result.wall_s = time.perf_counter() - wall_start
     return result

@@ -23,8 +23,13 @@ from lightning_perf.cli._common import (
     positive_int,
 )
 
-DEFAULT_CONFIGS = "baseline,bf16-mixed"
 BASELINE = "baseline"
+# The no-argument bench: sized to finish in about three minutes on a 2-core CPU (3 configurations x 3 repeats, each a
+# fresh process), with enough steps per repeat for the bootstrap interval to be informative.
+DEFAULT_STEPS = 15
+DEFAULT_WARMUP_STEPS = 3
+DEFAULT_REPEATS = 3
+DEFAULT_PREDICT_BATCHES = 5
 
 
 def config_names() -> list[str]:
@@ -66,16 +71,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--configs",
         type=parse_configs,
-        default=DEFAULT_CONFIGS,
+        default=None,
         help="comma-separated configuration names; join names with '+' to stack them "
         "(e.g. baseline,channels_last+compile). 'all' runs every registered one. --list shows them. "
-        "default: %(default)s",
+        "default: baseline and the configurations this device can accelerate (the output says what it left out)",
     )
     parser.add_argument("--list", action="store_true", help="list the configurations and exit")
     parser.add_argument("--preset", default="default", choices=PRESET_NAMES, help="workload size, default: %(default)s")
-    parser.add_argument("--steps", type=positive_int, default=20, help="steady-state steps per run (default 20)")
-    parser.add_argument("--warmup-steps", type=positive_int, default=5, help="excluded warm-up steps (default 5)")
-    parser.add_argument("--repeats", type=positive_int, default=3, help="runs per configuration (default 3)")
+    parser.add_argument(
+        "--steps", type=positive_int, default=DEFAULT_STEPS, help="steady-state steps per run (default %(default)s)"
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=positive_int,
+        default=DEFAULT_WARMUP_STEPS,
+        help="excluded warm-up steps (default %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=DEFAULT_REPEATS,
+        help="runs per configuration (default %(default)s; from 5 on the interval comes from the spread between "
+        "repeats, below from a bootstrap over steps)",
+    )
     parser.add_argument("--batch-size", type=positive_int, default=None, help="default: the preset's")
     parser.add_argument(
         "--precision",
@@ -84,15 +102,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="precision of every configuration that does not set its own (default: %(default)s)",
     )
     parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    parser.add_argument("--predict-batches", type=non_negative_int, default=10, help="0 skips inference timing")
+    parser.add_argument(
+        "--predict-batches",
+        type=non_negative_int,
+        default=DEFAULT_PREDICT_BATCHES,
+        help="timed inference batches (default %(default)s); 0 skips inference timing",
+    )
     parser.add_argument("--num-workers", type=non_negative_int, default=0, help="DataLoader workers (default 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--output",
         type=Path,
         default=None,
-        help="JSON report path; Markdown and PNG are written beside it (default: bench-results/WORKLOAD.json)",
+        help="JSON report path; Markdown and PNG are written beside it (default: bench-results/WORKLOAD.json). "
+        "An existing report is never overwritten: the new one gets a run number (WORKLOAD-2.json) unless --force",
     )
+    parser.add_argument("--force", action="store_true", help="overwrite the report files if they exist")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
     parser.set_defaults(run=run, subparser=parser)
     return parser
@@ -117,30 +142,28 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         fail(parser, "--device", args.device, "cpu, cuda or cuda:N (the bench does not run on mps)")
     from rich.console import Console
 
-    from lightning_perf.benchmark.configs import available_configs, get_config
-    from lightning_perf.benchmark.runner import (
-        TABLE_COLUMNS,
-        TABLE_LEGEND,
-        BenchOptions,
-        run_benchmark,
-        table_rows,
-        write_outputs,
-    )
+    from lightning_perf.benchmark.configs import available_configs, default_configs, get_config
     from lightning_perf.profiling import print_table
 
     console = Console()
-    if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
-        console = Console(width=160)
     if args.list:
         rows = [[name, get_config(name).description] for name in available_configs()]
         print_table(["configuration", "what it adds to a plain Trainer"], rows, title="Configurations", console=console)
         return 0
-    configs = available_configs() if args.configs == ["all"] else list(args.configs)
     if args.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             fail(parser, "--device", args.device, "cpu: no CUDA device is visible")
+    left_out: list[tuple[str, str]] = []
+    if args.configs is None:
+        import torch
+
+        configs, left_out = default_configs(torch.device(args.device))
+    else:
+        configs = available_configs() if args.configs == ["all"] else list(args.configs)
+    from lightning_perf.benchmark.runner import BenchOptions
+
     try:
         options = BenchOptions(
             workload=args.workload,
@@ -158,11 +181,49 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     except ValueError as exc:
         raise UsageError(f"argument --configs: {one_line(exc)}") from None
-    output = args.output or Path("bench-results") / f"{args.workload}.json"
-    command = shlex.join(["lightning-perf", *getattr(args, "argv", ["bench"])])
+    argv = ["lightning-perf", *getattr(args, "argv", ["bench"])]
+    return _run_bench(args, options, left_out, shlex.join(argv), argv, console)
 
+
+def _run_bench(
+    args: argparse.Namespace,
+    options: Any,
+    left_out: list[tuple[str, str]],
+    command: str,
+    argv: list[str],
+    console: Any,
+) -> int:
+    from lightning_perf.benchmark.runner import (
+        CONSOLE_COLUMNS,
+        CONSOLE_LEGEND,
+        console_rows,
+        reliability_lines,
+        run_benchmark,
+        unused_output,
+        write_outputs,
+    )
+    from lightning_perf.profiling import rich_table
+
+    requested = args.output or Path("bench-results") / f"{options.workload}.json"
+    output = unused_output(requested, force=args.force)
+    plain = not console.is_terminal
+    if not args.quiet:
+        console.print(
+            f"bench: {', '.join(options.configs)} on {options.workload} ({options.preset}), {options.device}: "
+            f"{options.repeats} repeats x ({options.warmup_steps} warm-up + {options.steps} steps), "
+            "each run in a fresh process",
+            soft_wrap=True,
+        )
+        for name, why in left_out:
+            console.print(f"left out {name}: {why}", soft_wrap=True)
     if args.quiet:
-        report = run_benchmark(options, command=command)
+        report = run_benchmark(options, command=command, argv=argv, left_out=left_out)
+    elif plain:  # a log or a pipe: one line per finished run, nothing redrawn
+
+        def line(event: Any) -> None:
+            print(event.line(), flush=True)
+
+        report = run_benchmark(options, command=command, argv=argv, left_out=left_out, on_run=line)
     else:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -179,15 +240,22 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             def progress(done: int, total: int, what: str) -> None:
                 bar.update(task, completed=done, description=what)
 
-            report = run_benchmark(options, progress=progress, command=command)
+            report = run_benchmark(options, progress=progress, command=command, argv=argv, left_out=left_out)
 
-    title = (
-        f"{options.workload} ({options.preset}) on {options.device}: {options.repeats} repeats x {options.steps} steps"
-    )
-    print_table(list(TABLE_COLUMNS), table_rows(report), title=title, console=console)
-    console.print(TABLE_LEGEND, style="dim")
-    for path in write_outputs(report, output):
-        console.print(f"wrote {path}")
+    from rich import box
+
+    title = f"{options.workload} ({options.preset}) on {options.device}: {options.repeats} x {options.steps} steps"
+    table = rich_table(list(CONSOLE_COLUMNS), console_rows(report), title=title)
+    table.box, table.pad_edge = box.SIMPLE_HEAD, False
+    console.print(table)
+    console.print(CONSOLE_LEGEND, style="dim")
+    for warning in reliability_lines(report):
+        console.print(warning, style="yellow", soft_wrap=True, markup=False)
+    written = write_outputs(report, output)
+    if output != requested:
+        console.print(f"{requested} exists: this run is numbered (--force overwrites)", soft_wrap=True)
+    for path in written:
+        console.print(f"wrote {path}", soft_wrap=True, markup=False)
     if report.failed:
         console.print(f"[red]{len(report.failed)} configuration(s) failed[/red]: see the table and {output}")
         return 1

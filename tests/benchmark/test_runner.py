@@ -12,13 +12,14 @@ def _result(config: str, repeat: int, step: float, memory: int = 100, predict: f
     return RunResult(
         spec={"config": config, "repeat": repeat},
         batch_size=4,
-        step_s={"median": step},
+        step_median_s=step,
         step_times_s=[step * 0.9, step, step * 1.1],
         throughput=4 / step,
         warmup_s=1.0,
         step_memory_bytes=memory,
         peak_memory_bytes=memory * 2,
         predict_throughput=predict,
+        predict_step_median_s=4 / predict,
         final_train_loss=0.5,
     )
 
@@ -82,5 +83,5 @@ def test_worker_records_losses_and_data_wait_for_a_custom_builder() -> None:
     result = run(spec, build=build)
     assert result.ok and result.batch_size == 6
     assert len(result.losses) == 6 and all(loss > 0 for loss in result.losses)
-    assert len(result.data_wait_s) == 4 and all(0 <= w < result.step_s["max"] for w in result.data_wait_s)
-    assert result.throughput == pytest.approx(6 / result.step_s["median"])
+    assert len(result.data_wait_s) == 4 and all(0 <= w < max(result.step_times_s) for w in result.data_wait_s)
+    assert result.throughput == pytest.approx(6 / result.step_median_s)
