@@ -128,6 +128,7 @@ class ResultFile:
     machine: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     warnings: list[str] = field(default_factory=list)
+    disturbed: set[str] = field(default_factory=set)  # configurations whose runs the bench found disturbed
 
 
 @dataclass
@@ -376,6 +377,7 @@ def _load_bench(path: str, data: Mapping[str, Any]) -> ResultFile:
         causes = reliability.get("causes")
         because = "; ".join(str(c) for c in causes) if isinstance(causes, list) and causes else "no cause recorded"
         warnings.append(f"{path}: this run was disturbed ({because}); its figures may not be comparable")
+    disturbed = reliability.get("disturbed_configs") if isinstance(reliability, dict) else None
     parts = [f"{identity['workload']}", f"{identity['device']}", *_run_description(run, environment)]
     return ResultFile(
         path=path,
@@ -385,6 +387,7 @@ def _load_bench(path: str, data: Mapping[str, Any]) -> ResultFile:
         machine=_machine(machine, environment),
         description=", ".join(str(p) for p in parts if p and p != "None"),
         warnings=warnings,
+        disturbed={c for c in disturbed if isinstance(c, str)} if isinstance(disturbed, list) else set(),
     )
 
 
@@ -408,9 +411,8 @@ def _bench_entry(path: str, config: str, row: Mapping[str, Any], records: list[M
         throughput += _numbers(record.get("throughput"), f"{where}: throughput", path)
         memory += _numbers(record.get("step_memory_bytes"), f"{where}: step_memory_bytes", path)
     if not records:  # no runs: the summary's figures (one value each), or per-repeat samples it may hold
-        raw = row.get("step_times_s")
-        parts = raw if isinstance(raw, list) and all(isinstance(r, list) for r in raw) else [raw]
-        step = [_numbers(part, f"summary {config!r}: step_times_s", path) for part in parts]
+        step = _per_repeat(row.get("step_times_s"), f"summary {config!r}: step_times_s", path)
+        predict = _per_repeat(row.get("predict_step_times_s"), f"summary {config!r}: predict_step_times_s", path)
         step_medians = _numbers(row.get("step_median_s"), f"summary {config!r}: step_median_s", path)
         throughput = _numbers(row.get("throughput"), f"summary {config!r}: throughput", path)
         memory = _numbers(row.get("step_memory_bytes"), f"summary {config!r}: step_memory_bytes", path)
@@ -435,6 +437,12 @@ def _bench_entry(path: str, config: str, row: Mapping[str, Any], records: list[M
         else:
             entry.status = f"failed: {error}" if error else "no measurement"
     return entry
+
+
+def _per_repeat(raw: Any, where: str, path: str) -> list[list[float]]:
+    """A summary's ``[[...] per repeat]`` samples as groups (a flat list is one group)."""
+    parts = raw if isinstance(raw, list) and raw and all(isinstance(r, list) for r in raw) else [raw]
+    return [_numbers(part, where, path) for part in parts]
 
 
 def _load_pytest_benchmark(path: str, data: Mapping[str, Any]) -> ResultFile:
@@ -533,9 +541,12 @@ def compare_results(old: ResultFile, new: ResultFile, threshold: float = 0.05) -
             result.notes.append(f"{name}: not compared, {side} file: {before.status or after.status}")
             continue
         compared = False
+        sides = [side for side, file in (("old", old), ("new", new)) if name in file.disturbed]
         for metric in METRICS:
             row = _compare_metric(name, metric, before, after, float(threshold))
             if row is not None:
+                if sides:
+                    row.note = f"disturbed in the {' and '.join(sides)} run: read with care"
                 result.rows.append(row)
                 compared = True
         if not compared:

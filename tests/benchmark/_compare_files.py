@@ -63,7 +63,7 @@ def bench_results(
     }
     if new_format:
         data["machine"] = {"cpu": cpu, "cpu_count": 2, "gpu": None}
-        data["run"] = {"git_commit": "0123456789abcdef", "git_dirty": True, "start": "2025-01-01T00:00:00"}
+        data["run"] = {"git_commit": "0123456789abcdef", "git_dirty": True, "start_time": "2025-01-01T00:00:00"}
     return json.loads(json.dumps(data))  # plain JSON types, as read back from a file
 
 

@@ -295,8 +295,31 @@ def test_reports_as_markdown_and_json(tmp_path: Path) -> None:
     assert "baseline: step time" in report["regressions"]
 
 
-def test_a_disturbed_run_is_warned_about(tmp_path: Path) -> None:
+def test_a_disturbed_run_is_warned_about_and_its_rows_marked(tmp_path: Path) -> None:
     data = bench_results()
-    data["reliability"] = {"reliable": False, "causes": ["other processes took 40% of the CPU"]}
+    data["reliability"] = {
+        "reliable": False,
+        "causes": ["other processes took 40% of the CPU"],
+        "disturbed_configs": ["channels_last"],
+    }
     comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", bench_results()))
-    assert "other processes took 40% of the CPU" in format_table(comparison)
+    assert "other processes took 40% of the CPU" in format_table(comparison).replace("\n  ", " ")
+    notes = {row.config: row.note for row in comparison.rows if row.metric == "step time"}
+    assert notes == {"baseline": None, "channels_last": "disturbed in the old run: read with care"}
+
+
+def test_summary_with_per_repeat_step_times_and_no_runs(tmp_path: Path) -> None:
+    data = bench_results()
+    by_config: dict[str, list] = {}
+    for run in data["runs"]:
+        by_config.setdefault(run["spec"]["config"], []).append(run["step_times_s"])
+    for row in data["summary"]:
+        row["step_times_s"] = by_config[row["config"]]
+    data["runs"] = []
+    doubled = json.loads(json.dumps(data))
+    for row in doubled["summary"]:
+        row["step_times_s"] = [[2 * t for t in repeat] for repeat in row["step_times_s"]]
+    loaded = load_results(write(tmp_path / "a.json", data))
+    assert [len(g) for g in loaded.entries["baseline"].groups["step_time"]] == [20, 20, 20]
+    comparison = compare_files(tmp_path / "a.json", write(tmp_path / "b.json", doubled))
+    assert _verdicts(comparison) == {"baseline": "slower", "channels_last": "slower"}
