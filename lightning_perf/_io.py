@@ -97,7 +97,7 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
 
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", what: str = "the checkpoint") -> Any:
-    """``torch.load(path, map_location=..., weights_only=True)``, never with ``weights_only=False``.
+    """``torch.load(path, map_location=..., weights_only=True)``, with no fallback to a full unpickling.
 
     Raises:
         UnsafeCheckpointError: if the file needs a global outside torch's allow-list; the message names the global

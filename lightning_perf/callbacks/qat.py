@@ -110,12 +110,14 @@ class QATCallback(Callback):
     (cosine, top-1 agreement, and with ``(inputs, labels)`` batches the accuracy gap in percentage points).
 
     At the end of ``fit``, on rank zero, the trained model stays as it is and a converted copy is validated against
-    it on validation batches (cosine similarity, max abs difference, accuracies), saved atomically as
-    ``<dirpath>/<filename>.pt2`` (``torch.export.save``; ``onnx=True`` adds an ONNX file), timed against the float
+    it on validation batches (cosine similarity, max abs difference, accuracies), saved as
+    ``<dirpath>/<filename>/<filename>.pt2`` (``torch.export.save``; ``onnx=True`` adds an ONNX file; the files and the
+    report are one artifact set, committed atomically: :mod:`lightning_perf.deploy.artifacts`), timed against the float
     model with both compiled by inductor with weight freezing at ``benchmark_batch_sizes`` (``benchmark=False``
     skips it: compiling takes tens of seconds), and described in ``<filename>.json``. A failure there warns with a
     :class:`~lightning_perf.FallbackWarning` and leaves the trained model and the checkpoints untouched
-    (``strict=True`` raises).
+    (``strict=True`` raises). A fit that fails or is interrupted gets the plain model back (prepared graph or
+    fake-quantized layers undone, same parameters), so a second fit starts as the first did.
 
     **PTQ** (``mode="ptq"``): training is not touched; at the end of ``fit``, or of a ``Trainer.validate`` run, a
     copy of the submodule is calibrated on ``calibration_batches`` validation batches (x86; the torchao configs
@@ -154,7 +156,7 @@ class QATCallback(Callback):
         latency_iterations: timed calls per batch size and model.
         latency_warmup: untimed calls first (they include compilation).
         dirpath: where to write; default the ``ModelCheckpoint``'s directory, else ``<default_root_dir>/quantized``.
-        filename: stem of the artifact names (``<filename>.pt2``, ``.json``, ``.onnx``).
+        filename: name of the artifact set and stem of its files (``<filename>.pt2``, ``.json``, ``.onnx``).
         onnx: also export the quantized model to ONNX.
         input_key: the model input's key when batches are dicts.
         strict: raise instead of warning when converting, validating or saving at the end fails.
@@ -167,7 +169,7 @@ class QATCallback(Callback):
     Example::
 
         trainer = Trainer(callbacks=[QATCallback(backend="x86", disable_observers_after=3, freeze_bn_after=2)])
-        trainer.fit(model, datamodule=data)  # then <checkpoint dir>/model_int8.pt2 + model_int8.json
+        trainer.fit(model, datamodule=data)  # then <checkpoint dir>/model_int8/model_int8.pt2 + .json
     """
 
     def __init__(
@@ -339,7 +341,7 @@ class QATCallback(Callback):
             example, source = split_inputs(batch, self.input_key), "the first batch"
         elif not isinstance(example, dict):
             example = through_batch_hooks(pl_module, example, datamodule=getattr(trainer, "datamodule", None))
-        return submodule_inputs(pl_module, module, example, source, device=pl_module.device)
+        return submodule_inputs(pl_module, module, example, source, device=pl_module.device, owner=type(self).__name__)
 
     def _submodule_batches(self, pl_module: pl.LightningModule, module: nn.Module, loader: Any) -> Iterator[Any]:
         """Validation batches as ``(submodule inputs, labels)``: what ``module`` receives for each, and the labels."""
@@ -347,7 +349,12 @@ class QATCallback(Callback):
         for batch in loader:
             batch = through_batch_hooks(pl_module, batch, datamodule=datamodule)
             inputs = submodule_inputs(
-                pl_module, module, split_inputs(batch, self.input_key), "a validation batch", device=pl_module.device
+                pl_module,
+                module,
+                split_inputs(batch, self.input_key),
+                "a validation batch",
+                device=pl_module.device,
+                owner=type(self).__name__,
             )
             labels = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
             yield (inputs, labels)

@@ -43,8 +43,9 @@ class TensorRTExportCallback(Callback):
     ``ModelCheckpoint`` (the final weights when there is none) and is exported with each backend in turn until one
     produces an artifact that passes validation on held-out batches of the validation data at several batch sizes
     (output names, shapes, NaN/Inf, max abs/rel difference, cosine similarity). The trained model and the checkpoints
-    are never modified. The artifact, and ``<filename>.export.json`` with the validation figures and the latency of
-    the export against eager PyTorch, are written atomically next to the checkpoints (or in ``dirpath``).
+    are never modified. The artifact and ``<filename>.export.json`` with the validation figures and the latency of
+    the export against eager PyTorch are committed as one artifact set, ``<filename>/``, next to the checkpoints (or
+    in ``dirpath``); see :mod:`lightning_perf.deploy.artifacts`. Checkpoints are read with ``weights_only=True``.
 
     A backend that cannot run (TensorRT not installed, no CUDA) or fails falls back to the next with a
     :class:`~lightning_perf.FallbackWarning`; the fit itself never fails because of the export unless
@@ -58,7 +59,7 @@ class TensorRTExportCallback(Callback):
         dynamic_dims: other dynamic dimensions, ``{dim: (min, opt, max)}`` for the first input or a list of such
             dicts, one per input (e.g. a sequence length).
         dirpath: where to write; default the ``ModelCheckpoint``'s directory, else ``<default_root_dir>/export``.
-        filename: stem of the artifact names (``model.onnx``, ``model.trt.pt2``, ``model.export.json``).
+        filename: name of the artifact set and stem of its files (``model.onnx``, ``model.trt.pt2``, ``.export.json``).
         input_shapes: per-input sample shapes without the batch dimension (float inputs) to trace with. Without them
             the example is the module's ``example_input_array``, else the inputs of the first validation batch.
         input_key: the model input's key when batches are dicts.
@@ -79,7 +80,7 @@ class TensorRTExportCallback(Callback):
     Example::
 
         trainer = Trainer(callbacks=[ModelCheckpoint(monitor="val_loss"), TensorRTExportCallback(precision="fp16")])
-        trainer.fit(model, datamodule=data)  # then: <checkpoint dir>/model.trt.pt2 (or model.onnx) + model.export.json
+        trainer.fit(model, datamodule=data)  # then: <checkpoint dir>/model/model.trt.pt2 (or model.onnx)
     """
 
     def __init__(

@@ -268,7 +268,7 @@ def submodule_inputs(
     source: str,
     *,
     device: torch.device | str | None = None,
-    owner: str = "QATCallback",
+    owner: str = "submodule_inputs",
 ) -> tuple[Tensor, ...]:
     """What ``submodule`` receives when ``model``'s ``forward`` runs on ``inputs``, on the CPU.
 

@@ -569,7 +569,7 @@ def prepare(
         module: the float model; its ``forward`` takes positional tensors.
         recipe: from :func:`make_recipe` (or a checkpoint).
         example_inputs: inputs to capture with (``x86``); default zeros of the recipe's shapes.
-        owner: the caller's name in messages (e.g. ``"QATCallback"``).
+        owner: the caller's name in messages (a callback passes its class name).
 
     Raises:
         QuantizationError: if the module cannot be captured with ``torch.export`` (with its reason) or prepared, or
