@@ -1,0 +1,119 @@
+"""What `lightning-perf bench` tells its reader: the default choice and what it left out, one plain line per run when
+piped, warnings for a disturbed run, files never overwritten silently and every one announced.
+
+The measurement itself is replaced by synthetic results (the real one runs in tests/test_cli.py and
+tests/benchmark/test_disturbed_bench.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lightning_perf.benchmark import runner
+from lightning_perf.benchmark.worker import RunResult
+from lightning_perf.cli import main
+
+
+def _result(config: str, repeat: int, step: float) -> RunResult:
+    steps = (step * (1 + 0.02 * np.random.default_rng(repeat).standard_normal(8))).tolist()
+    return RunResult(
+        spec={"config": config, "repeat": repeat},
+        batch_size=4,
+        step_median_s=float(np.median(steps)),
+        step_times_s=steps,
+        throughput=4 / step,
+        warmup_s=1.0,
+        step_memory_bytes=100,
+        peak_memory_bytes=200,
+    )
+
+
+@pytest.fixture
+def fake_bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """``run_benchmark`` replaced: it reports each planned run as the real one does and returns synthetic figures."""
+    seen: dict[str, Any] = {"reliability": {"reliable": True, "causes": []}}
+
+    def run_benchmark(options: runner.BenchOptions, progress: Any = None, command: Any = None, **kw: Any):
+        seen["options"], seen["left_out"] = options, list(kw.get("left_out", ()))
+        results: dict[str, list[RunResult]] = {name: [] for name in options.configs}
+        total, done = options.repeats * len(options.configs), 0
+        for repeat in range(options.repeats):
+            for i, name in enumerate(options.configs):
+                results[name].append(_result(name, repeat, 0.1 * (1 + i)))
+                done += 1
+                if kw.get("on_run") is not None:
+                    kw["on_run"](
+                        runner.RunEvent(name, repeat, options.repeats, done, total, 0.1, done, total - done, "ok")
+                    )
+        return runner.BenchReport(
+            options={"workload": options.workload, "preset": options.preset, "device": options.device,
+                     "repeats": options.repeats, "steps": options.steps, "warmup_steps": options.warmup_steps},
+            command=command,
+            summaries=runner.summarize_runs(results),
+            reliability=seen["reliability"],
+            left_out=[{"config": n, "reason": r} for n, r in kw.get("left_out", ())],
+        )  # fmt: skip
+
+    monkeypatch.setattr(runner, "run_benchmark", run_benchmark)
+    monkeypatch.setattr(
+        "lightning_perf.benchmark.configs.device_capabilities",
+        lambda device: {"cpu": True, "cuda": False, "fast_bf16": False},
+    )
+    return seen
+
+
+def test_no_arguments_choose_by_capability_and_say_what_was_left_out(
+    fake_bench: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench"]) == 0
+    options = fake_bench["options"]
+    assert list(options.configs) == ["baseline", "channels_last", "fused_optimizer"]
+    assert (options.steps, options.warmup_steps, options.repeats, options.preset) == (15, 3, 3, "default")
+    printed = capsys.readouterr().out
+    assert "left out bf16-mixed: in the default set only on bf16 hardware" in printed
+    assert "bf16 would be emulated" in printed
+    # piped: one plain line per finished run, no progress bar
+    lines = [line for line in printed.splitlines() if line.startswith("[")]
+    assert len(lines) == 9 and lines[0].startswith("[1/9] baseline repeat 1/3: step 100.0 ms, elapsed")
+    assert "about" in lines[0] and "left" in lines[0]
+    written = [line.removeprefix("wrote ") for line in printed.splitlines() if line.startswith("wrote ")]
+    assert written[:2] == [str(Path("bench-results/convnet.json")), str(Path("bench-results/convnet.md"))]
+    assert all((tmp_path / path).exists() for path in written)
+    data = json.loads((tmp_path / "bench-results/convnet.json").read_text())
+    assert data["left_out"][0]["config"] == "bf16-mixed"
+
+
+def test_an_existing_report_is_never_overwritten_silently(
+    fake_bench: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.json"
+    argv = ["bench", "--configs", "baseline,channels_last", "--repeats", "1", "--output", str(out), "--quiet"]
+    assert main(argv) == 0
+    first = out.read_text()
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert out.read_text() == first
+    assert f"wrote {tmp_path / 'r-2.json'}" in printed and f"wrote {tmp_path / 'r-2.md'}" in printed
+    assert "exists: this run is numbered (--force overwrites)" in printed
+    assert main([*argv, "--force"]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and not (tmp_path / "r-3.json").exists()
+
+
+def test_a_disturbed_run_prints_a_warning_per_cause_and_marks_its_figures(
+    fake_bench: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    causes = ["other processes' load: they kept 1.80 cores busy", "dispersion of baseline: medians 40% apart"]
+    fake_bench["reliability"] = {"reliable": False, "causes": causes}
+    out = tmp_path / "r.json"
+    assert main(["bench", "--configs", "baseline,channels_last", "--repeats", "2", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for cause in causes:
+        assert f"warning: measurement disturbed by {cause}" in printed
+    assert "Reliability: disturbed" in out.with_suffix(".md").read_text()
