@@ -203,7 +203,7 @@ class FileComparison:
 METHOD = (
     f"change: new/old of the medians; 95% interval: percentile bootstrap of that ratio (2000 resamples, seed 0); "
     f"verdict: beyond the threshold and significant (Mann-Whitney U p < {SIGNIFICANCE_LEVEL}, normal approximation "
-    f"with tie correction, or the whole interval beyond the threshold)"
+    f"with tie correction, with an interval that excludes no change; or the whole interval beyond the threshold)"
 )
 
 # ------------------------------------------------------------------------------------------------------- loading
@@ -652,7 +652,11 @@ def _interval(row: MetricRow) -> str:
     if row.ratio_ci95 is None:
         return "-"
     low, high = ((r - 1.0) * 100.0 for r in row.ratio_ci95)
-    return f"{low:+.0f}..{high:+.0f}%" if max(abs(low), abs(high)) >= 10 else f"{low:+.1f}..{high:+.1f}%"
+    return f"{_signed(low)}..{_signed(high)}%"
+
+
+def _signed(percent: float) -> str:
+    return f"{percent:+.0f}" if abs(percent) >= 10 else f"{percent:+.1f}"
 
 
 def _clip(text: str, width: int) -> str:
@@ -712,7 +716,7 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
     lines.append(
         _clip(
             f"change: new/old of the medians, 95% bootstrap interval; a verdict needs a change beyond {pct} "
-            f"and p < {SIGNIFICANCE_LEVEL} (Mann-Whitney) or the interval beyond {pct}.",
+            f"and p < {SIGNIFICANCE_LEVEL} (Mann-Whitney, interval excluding 0%) or the interval beyond {pct}.",
             10**6,
         )
     )

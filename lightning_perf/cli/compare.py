@@ -55,8 +55,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--benchmark-json) configuration by configuration: old and new medians of step time, throughput, step "
         "memory and predict time, the change with its 95%% interval (bootstrap) and a verdict (faster, slower, no "
         "clear difference). A change is called only when it is beyond the threshold and significant (Mann-Whitney U "
-        "p < 0.01, or the whole interval beyond the threshold). Exit status: 1 when something is slower, 0 "
-        "otherwise, 2 for bad arguments or files that cannot be read or compared.",
+        "p < 0.01 with an interval that excludes no change, or the whole interval beyond the threshold). Exit "
+        "status: 1 when something is slower, 0 otherwise, 2 for bad arguments or files that cannot be read or "
+        "compared.",
         allow_abbrev=False,
     )
     parser.add_argument("old", type=existing_file, metavar="OLD.json", help="the reference results file")

@@ -18,10 +18,10 @@ sample from each, nothing paired. Three pieces, all NumPy and the standard libra
   each drawn repeat, so the interval carries the variation between processes and not only between steps.
 - :func:`compare_samples`: the verdict that combines both, under a threshold (e.g. 5%): a change is called only when
   it is beyond the threshold **and** beyond the noise. For a figure where lower is better (a step time), "slower"
-  needs ``ratio > 1 + threshold`` and either ``p < 0.01`` or the whole interval above ``1 + threshold``; "faster" is
-  the mirror image on the ratio's log scale (``ratio < 1 / (1 + threshold)``, with ``p < 0.01`` or the whole interval
-  below it). Anything else is "no clear difference". For a figure where higher is better (a throughput) the ratio is
-  read the other way round.
+  needs ``ratio > 1 + threshold`` and either ``p < 0.01`` with an interval that excludes 1, or the whole interval
+  above ``1 + threshold``; "faster" is the mirror image on the ratio's log scale (``ratio < 1 / (1 + threshold)``).
+  Anything else is "no clear difference". For a figure where higher is better (a throughput) the ratio is read the
+  other way round.
 """
 
 from __future__ import annotations
@@ -322,9 +322,15 @@ def verdict(
         interval = (1.0 / high, 1.0 / low) if higher_is_better else (low, high)
     significant = p_value is not None and p_value < SIGNIFICANCE_LEVEL
     upper, lower = 1.0 + threshold, 1.0 / (1.0 + threshold)
-    if worse > upper and (significant or (interval is not None and interval[0] > upper)):
+    # The test counts only when the interval agrees that there is a change (it excludes 1): the rank test on pooled
+    # steps ignores that steps of one process vary together, the interval of grouped samples does not.
+    if worse > upper and (
+        (significant and (interval is None or interval[0] > 1.0)) or (interval is not None and interval[0] > upper)
+    ):
         return SLOWER
-    if worse < lower and (significant or (interval is not None and interval[1] < lower)):
+    if worse < lower and (
+        (significant and (interval is None or interval[1] < 1.0)) or (interval is not None and interval[1] < lower)
+    ):
         return FASTER
     return NO_CLEAR_DIFFERENCE
 

@@ -238,10 +238,14 @@ def test_three_values_a_side_need_the_interval_above_the_threshold() -> None:
     ("ratio", "interval", "p", "expected"),
     [
         (1.10, (1.06, 1.14), 0.5, SLOWER),  # interval wholly above 1.05
-        (1.10, (0.95, 1.30), 0.001, SLOWER),  # significant test
+        (1.10, (1.01, 1.30), 0.001, SLOWER),  # significant test, interval excludes 1
+        (1.10, (0.95, 1.30), 0.001, NO_CLEAR_DIFFERENCE),  # significant test, but the interval holds no change
         (1.10, (0.95, 1.30), 0.05, NO_CLEAR_DIFFERENCE),  # neither
+        (1.10, None, 0.001, SLOWER),  # statistics only: the test alone
         (1.04, (1.03, 1.05), 1e-9, NO_CLEAR_DIFFERENCE),  # inside the threshold
         (0.90, (0.88, 0.92), 0.5, FASTER),
+        (0.90, (0.80, 0.99), 0.001, FASTER),
+        (0.90, (0.80, 1.01), 0.001, NO_CLEAR_DIFFERENCE),
         (0.96, (0.95, 0.97), 1e-9, NO_CLEAR_DIFFERENCE),  # 1/1.05 = 0.952: inside the threshold
         (1.10, None, None, NO_CLEAR_DIFFERENCE),
     ],
