@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
-
-import torch.distributed as dist
 
 
 class LightningPerfWarning(UserWarning):
@@ -42,8 +41,12 @@ def global_rank() -> int:
 
     Plain torch, so the functional and measurement layers can warn on rank zero without importing Lightning.
     """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+    # torch is imported only if it already is: `import lightning_perf` (and the CLI's `--help`) must not pay for it,
+    # and without torch loaded there can be no process group to ask.
+    if "torch.distributed" in sys.modules:
+        dist = sys.modules["torch.distributed"]
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
     for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
         if (value := os.environ.get(key)) is not None:
             return int(value)
