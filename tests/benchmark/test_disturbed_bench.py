@@ -1,0 +1,55 @@
+"""A real, short bench while other processes burn CPU says it was disturbed, and by what.
+
+Not a timing assertion: the busy processes keep more cores busy than the bench leaves free, so the CPU time they take
+(measured by the system's counters, not by how slow the steps were) is above the threshold on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_perf.benchmark.runner import BenchOptions, console_rows, reliability_lines, run_benchmark
+
+# Each loop ends itself after this many seconds even if the finally below were never reached.
+BUSY_LIFETIME_S = 600
+BUSY_LOOP = f"import time\nend = time.monotonic() + {BUSY_LIFETIME_S}\nwhile time.monotonic() < end:\n    pass\n"
+
+
+@pytest.mark.slow
+def test_a_bench_beside_busy_processes_is_not_reliable() -> None:
+    cores = os.cpu_count() or 1
+    free = max(0, cores - torch.get_num_threads())
+    # Enough loops to take every core the bench leaves free and then some (3 on a 2-core machine).
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(free + 3)]
+    try:
+        options = BenchOptions(
+            workload="convnet",
+            preset="tiny",
+            configs=["baseline", "fused_optimizer"],
+            steps=3,
+            warmup_steps=1,
+            repeats=1,
+            predict_batches=0,
+            timeout_s=300.0,
+        )
+        report = run_benchmark(options)
+    finally:
+        for process in busy:
+            process.kill()
+        for process in busy:
+            process.wait(timeout=30)
+    assert all(s.error is None for s in report.summaries)
+    reliability = report.to_dict()["reliability"]
+    assert reliability["reliable"] is False
+    load = [cause for cause in reliability["causes"] if cause.startswith("other processes' load")]
+    assert load, reliability["causes"]
+    assert reliability["other_cores_max"] > free + 0.25
+    assert any(line.startswith("warning: measurement disturbed by other processes' load") for line in
+               reliability_lines(report))  # fmt: skip
+    fused = next(row for row in console_rows(report) if row[0] == "fused_optimizer")
+    assert fused[2].startswith("?") and "(disturbed)" in fused[3]
