@@ -1,13 +1,20 @@
 """The benchmark harness (``lightning-perf bench``), its configuration registry and the pytest-benchmark helper."""
 
-from lightning_perf.benchmark.configs import (
-    BenchConfig,
-    available_configs,
-    get_config,
-    register_config,
-    resolve_configs,
-)
-from lightning_perf.benchmark.pytest_helpers import benchmark_training_steps
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names load on first use, so that a light user of one module (`lightning-perf compare` reads JSON only) does not
+# pay for torch, psutil or Lightning through this package's __init__.
+_EXPORTS = {
+    "available_configs": "lightning_perf.benchmark.configs",
+    "BenchConfig": "lightning_perf.benchmark.configs",
+    "benchmark_training_steps": "lightning_perf.benchmark.pytest_helpers",
+    "get_config": "lightning_perf.benchmark.configs",
+    "register_config": "lightning_perf.benchmark.configs",
+    "resolve_configs": "lightning_perf.benchmark.configs",
+}
 
 __all__ = [
     "BenchConfig",
@@ -17,3 +24,25 @@ __all__ = [
     "register_config",
     "resolve_configs",
 ]
+
+if TYPE_CHECKING:
+    from lightning_perf.benchmark.configs import (
+        BenchConfig,
+        available_configs,
+        get_config,
+        register_config,
+        resolve_configs,
+    )
+    from lightning_perf.benchmark.pytest_helpers import benchmark_training_steps
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -9,26 +9,43 @@ growth per step) and :class:`HostSyncRecorder` (host-device synchronizations and
 
 from __future__ import annotations
 
-from lightning_perf.profiling.advice import LoaderSettings, Recommendation, StepBreakdown, recommend
-from lightning_perf.profiling.leaks import LeakTrend, detect_leaks, theil_sen_slope
-from lightning_perf.profiling.memory import TRUTHFUL_CPU_MEMORY_ENV, MemoryProbe, MemorySample, peak_rss_bytes
-from lightning_perf.profiling.report import (
-    SCHEMA_VERSION,
-    environment_info,
-    format_bytes,
-    format_seconds,
-    markdown_table,
-    plot_bars,
-    plot_lines,
-    plot_stacked_steps,
-    print_table,
-    rich_table,
-    write_json,
-    write_markdown,
-)
-from lightning_perf.profiling.stats import Stats, median, percentile, summarize
-from lightning_perf.profiling.syncs import HostSyncRecorder, SyncSite
-from lightning_perf.profiling.timer import PhaseTimer
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names load on first use, so that a light user of one module (`lightning-perf compare` reads JSON only) does not
+# pay for torch, psutil or Lightning through this package's __init__.
+_EXPORTS = {
+    "detect_leaks": "lightning_perf.profiling.leaks",
+    "environment_info": "lightning_perf.profiling.report",
+    "format_bytes": "lightning_perf.profiling.report",
+    "format_seconds": "lightning_perf.profiling.report",
+    "HostSyncRecorder": "lightning_perf.profiling.syncs",
+    "LeakTrend": "lightning_perf.profiling.leaks",
+    "LoaderSettings": "lightning_perf.profiling.advice",
+    "markdown_table": "lightning_perf.profiling.report",
+    "median": "lightning_perf.profiling.stats",
+    "MemoryProbe": "lightning_perf.profiling.memory",
+    "MemorySample": "lightning_perf.profiling.memory",
+    "peak_rss_bytes": "lightning_perf.profiling.memory",
+    "percentile": "lightning_perf.profiling.stats",
+    "PhaseTimer": "lightning_perf.profiling.timer",
+    "plot_bars": "lightning_perf.profiling.report",
+    "plot_lines": "lightning_perf.profiling.report",
+    "plot_stacked_steps": "lightning_perf.profiling.report",
+    "print_table": "lightning_perf.profiling.report",
+    "recommend": "lightning_perf.profiling.advice",
+    "Recommendation": "lightning_perf.profiling.advice",
+    "rich_table": "lightning_perf.profiling.report",
+    "SCHEMA_VERSION": "lightning_perf.profiling.report",
+    "Stats": "lightning_perf.profiling.stats",
+    "StepBreakdown": "lightning_perf.profiling.advice",
+    "summarize": "lightning_perf.profiling.stats",
+    "SyncSite": "lightning_perf.profiling.syncs",
+    "theil_sen_slope": "lightning_perf.profiling.leaks",
+    "TRUTHFUL_CPU_MEMORY_ENV": "lightning_perf.profiling.memory",
+    "write_json": "lightning_perf.profiling.report",
+    "write_markdown": "lightning_perf.profiling.report",
+}
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -62,3 +79,37 @@ __all__ = [
     "write_json",
     "write_markdown",
 ]
+
+if TYPE_CHECKING:
+    from lightning_perf.profiling.advice import LoaderSettings, Recommendation, StepBreakdown, recommend
+    from lightning_perf.profiling.leaks import LeakTrend, detect_leaks, theil_sen_slope
+    from lightning_perf.profiling.memory import TRUTHFUL_CPU_MEMORY_ENV, MemoryProbe, MemorySample, peak_rss_bytes
+    from lightning_perf.profiling.report import (
+        SCHEMA_VERSION,
+        environment_info,
+        format_bytes,
+        format_seconds,
+        markdown_table,
+        plot_bars,
+        plot_lines,
+        plot_stacked_steps,
+        print_table,
+        rich_table,
+        write_json,
+        write_markdown,
+    )
+    from lightning_perf.profiling.stats import Stats, median, percentile, summarize
+    from lightning_perf.profiling.syncs import HostSyncRecorder, SyncSite
+    from lightning_perf.profiling.timer import PhaseTimer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
