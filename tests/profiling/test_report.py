@@ -231,6 +231,7 @@ package = types.ModuleType("lightning_perf")
 package.__path__ = [PACKAGE_DIR]
 sys.modules["lightning_perf"] = package
 import lightning_perf.profiling
+import lightning_perf.profiling.report  # the package exports lazily: load the module that draws
 print("lightning:", "lightning" in sys.modules)
 print("import:", "matplotlib" in sys.modules)
 lightning_perf.profiling.report._figure("test", (1.0, 1.0))
