@@ -59,6 +59,8 @@ class BackendFlagsCallback(Callback):
     Raises:
         ValueError: if no setting is given, or one is not a valid value, or ``tf32`` contradicts
             ``float32_matmul_precision``.
+        TypeError: if ``cudnn_benchmark`` or ``tf32`` is not True, False or None, or ``sdpa_backends`` is not a list
+            of names.
 
     Example::
 

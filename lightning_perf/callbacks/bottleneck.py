@@ -159,7 +159,8 @@ class BottleneckCallback(Callback):
     Raises:
         ValueError: for a negative step count, ``sync_check_steps > warmup_steps``, a threshold outside (0, 1), an
             unknown phase name, or a file name with a directory in it.
-        TypeError: if ``thresholds`` is not a mapping or ``dirpath`` not a path.
+        TypeError: if ``thresholds`` is not a mapping, ``dirpath`` not a path, or ``progress_bar``, ``plot`` or
+            ``verbose`` not a bool.
 
     Example::
 

@@ -49,7 +49,7 @@ class ChannelsLastCallback(Callback):
             that the model has; ``2`` or ``3`` converts only that rank.
 
     Raises:
-        ValueError: if ``dims`` is not ``"auto"``, 2 or 3.
+        ValueError: if ``dims`` is not ``"auto"``, 2 or 3 (``2.0`` and ``True`` are not).
 
     Example::
 

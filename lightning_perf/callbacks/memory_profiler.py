@@ -105,7 +105,8 @@ class MemoryProfilerCallback(Callback):
     Raises:
         ValueError: for an interval below 1, a negative ``warmup_steps``, an unknown point name, a non-positive
             ``leak_threshold``, or a file name with a directory in it.
-        TypeError: if ``points`` is not a sequence of names or ``dirpath`` not a path.
+        TypeError: if ``points`` is not a sequence of names, ``dirpath`` not a path, or a flag (``record_history``,
+            ``oom_snapshot``, ``plot``, ``verbose``) not a bool.
 
     Example::
 
