@@ -1,0 +1,523 @@
+"""FLOPs per step, the machine's peak FLOP/s, and model-FLOPs utilization (MFU): how far a run is from the limit.
+
+Three small pieces, each usable alone:
+
+- :func:`count_flops` runs one step (forward and backward, or a forward only) under
+  :class:`torch.utils.flop_counter.FlopCounterMode` and returns a :class:`FlopCount`. torch 2.13 counts matmuls,
+  convolutions and the CUDA attention kernels (flash, efficient, cuDNN) but gives **0** for the CPU attention
+  kernel that ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` use on CPU
+  (``aten._scaled_dot_product_flash_attention_for_cpu``); :func:`flop_mapping` registers it and its backward.
+- :func:`peak_flops` says what the machine can do in the run's dtype, and how that was found out: a figure the
+  caller gives (e.g. Lightning's ``get_available_flops``), a small table of dense datasheet figures for common GPUs,
+  or on a CPU a large matmul measured once per machine and cached as JSON.
+- :func:`utilization` turns FLOPs per step, a step time and the peak into the figures a results file carries.
+
+Counting convention (model FLOPs, as MFU is defined in the PaLM paper): a multiply-add is 2 FLOPs; backward counts
+what autograd's own formulas need, without recomputation, so attention's backward is 2x its forward on CPU, equal
+to what the math path counts when the same attention runs as ``bmm`` calls. Causal masks are not subtracted (torch
+does not either). torch's formulas for the CUDA flash/efficient kernels count their backward's recomputation of the
+scores (2.5x the forward), so the same model counts a little more on those kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_perf._io import atomic_write_text
+from lightning_perf._validation import check_instance, check_int, check_number
+from lightning_perf._warnings import MeasurementWarning
+
+__all__ = [
+    "CACHE_ENV",
+    "GPU_PEAK_FLOPS",
+    "FlopCount",
+    "PeakFlops",
+    "count_flops",
+    "cpu_sdpa_backward_flops",
+    "cpu_sdpa_flops",
+    "default_cache_path",
+    "dtype_of_precision",
+    "flop_mapping",
+    "format_flops",
+    "gpu_peak_flops",
+    "machine_key",
+    "measure_cpu_peak_flops",
+    "peak_flops",
+    "utilization",
+]
+
+aten = torch.ops.aten
+
+CACHE_ENV = "LIGHTNING_PERF_CACHE"
+"""Environment variable naming the folder of lightning_perf's caches (default ``~/.cache/lightning_perf``)."""
+
+_CACHE_FILE = "peak_flops.json"
+_CACHE_SCHEMA = 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Counting
+
+
+def _attention_shapes(query: Any, key: Any, value: Any) -> tuple[int, int, int, int, int, int]:
+    """``(batch, query heads, query length, key length, query/key head dim, value head dim)`` of 4-D q/k/v."""
+    b, h_q, s_q, d_qk = (int(x) for x in query.shape)
+    b_k, h_kv, s_kv, d_k = (int(x) for x in key.shape)
+    b_v, h_v, s_v, d_v = (int(x) for x in value.shape)
+    if not (b == b_k == b_v and h_kv == h_v and s_kv == s_v and d_qk == d_k and h_kv > 0 and h_q % h_kv == 0):
+        raise ValueError(
+            f"Attention shapes do not fit together: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+            f"value {tuple(value.shape)} (expected [B, H, S, D] with key/value heads dividing query heads)."
+        )
+    return b, h_q, s_q, s_kv, d_qk, d_v
+
+
+def _sdpa_forward(b: int, h: int, s_q: int, s_kv: int, d_qk: int, d_v: int) -> int:
+    # scores = q @ k^T: 2*B*H*Sq*Skv*Dqk; out = softmax(scores) @ v: 2*B*H*Sq*Skv*Dv (GQA: key/value heads broadcast)
+    return 2 * b * h * s_q * s_kv * (d_qk + d_v)
+
+
+def cpu_sdpa_flops(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``aten._scaled_dot_product_flash_attention_for_cpu``: ``4*B*H*S_q*S_kv*D`` (``D`` the head dim).
+
+    The two matmuls of attention, ``q @ k^T`` and ``probabilities @ v``; softmax and scaling are not counted (as for
+    every other kernel). A formula for ``FlopCounterMode(custom_mapping=...)`` taking the op's raw arguments.
+    """
+    return _sdpa_forward(*_attention_shapes(query, key, value))
+
+
+cpu_sdpa_flops._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode passes tensors, not shapes
+
+
+def cpu_sdpa_backward_flops(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any
+) -> int:
+    """FLOPs of ``aten._scaled_dot_product_flash_attention_for_cpu_backward``: 2x the forward's.
+
+    Each of the forward's two matmuls has two gradient matmuls (``dq, dk`` and ``dP, dv``) of the same size; the
+    kernel's recomputation of the scores is not model work and is not counted.
+    """
+    return 2 * _sdpa_forward(*_attention_shapes(query, key, value))
+
+
+cpu_sdpa_backward_flops._get_raw = True  # type: ignore[attr-defined]
+
+
+def flop_mapping() -> dict[Any, Callable[..., int]]:
+    """The formulas :func:`count_flops` adds to torch's own: the CPU attention kernel and its backward.
+
+    Pass it as ``FlopCounterMode(custom_mapping=flop_mapping())`` to count the same way elsewhere.
+    """
+    mapping: dict[Any, Callable[..., int]] = {}
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if forward is not None:
+        mapping[forward] = cpu_sdpa_flops
+    if backward is not None:
+        mapping[backward] = cpu_sdpa_backward_flops
+    return mapping
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """The FLOPs one call performed, in total and per operator (``"aten.mm"`` -> FLOPs)."""
+
+    total: int
+    by_operator: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values for a results file."""
+        return {"flops": self.total, "flops_by_operator": dict(self.by_operator)}
+
+
+def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> FlopCount:
+    """Run ``fn(*args, **kwargs)`` once and count its FLOPs (the CPU attention kernel included).
+
+    ``fn`` is whatever one step is: a forward and ``loss.backward()`` for a training step (the optimizer's
+    element-wise update is not counted, as by every MFU convention), or a forward under ``torch.no_grad()`` for
+    inference. The call really runs, on the tensors' device, slower than usual (every op goes through Python), so
+    count on a step that is not timed. FLOPs depend on shapes, not on values or dtype: one count serves every
+    configuration that computes the same model on the same batch size.
+
+    Example::
+
+        model = torch.nn.Linear(64, 32)
+        x = torch.randn(8, 64)
+        count_flops(lambda: model(x).sum().backward()).total  # 3 * 2*8*64*32 = 98304
+    """
+    if not callable(fn):
+        raise TypeError(f"`count_flops(fn={fn!r})` is not valid. Expected a callable that runs one step.")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False, custom_mapping=flop_mapping()) as counter:
+        fn(*args, **kwargs)
+    per_op = counter.get_flop_counts().get("Global", {})
+    by_operator = {str(op): int(n) for op, n in sorted(per_op.items(), key=lambda item: str(item[0])) if n}
+    return FlopCount(total=int(counter.get_total_flops()), by_operator=by_operator)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Peak FLOP/s
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    """What the machine can compute per second in one dtype, and how that figure was obtained.
+
+    ``source`` is ``"given"``, ``"table: H100 SXM bf16 dense"``, ``"measured matmul 2048^3 fp32, 2 threads"`` (or
+    ``"... (cached)"``), or ``"unknown: <why>"`` with ``flops_per_second`` None.
+    """
+
+    flops_per_second: float | None
+    source: str
+
+
+_SHORT_DTYPE = {
+    torch.float64: "fp64",
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+}
+
+# Dense (no 2:4 sparsity) peak FLOP/s per GPU, as NVIDIA's datasheets give them; "tf32" is fp32 matmuls on tensor
+# cores (torch.set_float32_matmul_precision("high"/"medium")). Datasheets print the sparse figure, marked with an
+# asterisk, for tensor-core formats: those are halved here. Lightning's own table (get_available_flops) lists some
+# sparse figures (H200, H100 NVL) and the RTX 4090's bf16 at its fp32 rate, so its MFU can be off by 2x for them.
+GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
+    # H100 SXM5 / PCIe / NVL: NVIDIA H100 Tensor Core GPU datasheet (2023/2024), sparse tensor figures halved.
+    "H100 SXM": {"fp64": 34e12, "fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp16": 989.5e12},
+    "H100 PCIe": {"fp64": 26e12, "fp32": 51e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12},
+    "H100 NVL": {"fp64": 30e12, "fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12},
+    # H200 SXM / NVL: NVIDIA H200 Tensor Core GPU datasheet (2024), sparse tensor figures halved.
+    "H200 SXM": {"fp64": 34e12, "fp32": 67e12, "tf32": 494.5e12, "bf16": 989.5e12, "fp16": 989.5e12},
+    "H200 NVL": {"fp64": 30e12, "fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12},
+    # A100 SXM4 and PCIe (40 and 80 GB have the same rates): NVIDIA A100 datasheet, dense column.
+    "A100": {"fp64": 9.7e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+    # L4: NVIDIA L4 datasheet (2023), sparse tensor figures halved.
+    "L4": {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12},
+    # GeForce RTX 4090: NVIDIA Ada GPU architecture whitepaper v2.1, appendix table; tensor figures with FP32
+    # accumulate (what torch's matmuls use), dense.
+    "RTX 4090": {"fp32": 82.6e12, "tf32": 82.6e12, "bf16": 165.2e12, "fp16": 165.2e12},
+}
+
+
+def _gpu_table_name(device_name: str) -> str | None:
+    """The :data:`GPU_PEAK_FLOPS` row for a ``torch.cuda.get_device_name`` string, or None."""
+    name = device_name.lower()
+    if "h200" in name:
+        return "H200 NVL" if "nvl" in name else "H200 SXM"
+    if "h100" in name:
+        if "nvl" in name:
+            return "H100 NVL"
+        if "pcie" in name:
+            return "H100 PCIe"
+        return "H100 SXM"  # "NVIDIA H100 80GB HBM3" is the SXM5 part
+    if "a100" in name:
+        return "A100"
+    if "rtx 4090" in name:
+        return "RTX 4090"
+    if name.replace("nvidia", "").strip() == "l4":
+        return "L4"
+    return None
+
+
+def gpu_peak_flops(device_name: str, dtype: torch.dtype, float32_matmul_precision: str = "highest") -> PeakFlops:
+    """The dense datasheet peak of a GPU named ``device_name`` (as ``torch.cuda.get_device_name`` spells it).
+
+    Args:
+        device_name: e.g. ``"NVIDIA H100 80GB HBM3"``.
+        dtype: the dtype the matmuls run in (bf16 for ``bf16-mixed``).
+        float32_matmul_precision: ``torch.get_float32_matmul_precision()``; anything but ``"highest"`` means fp32
+            matmuls run as TF32 on tensor cores.
+    """
+    check_instance("gpu_peak_flops", "device_name", device_name, str, "a GPU name")
+    row = _gpu_table_name(device_name)
+    short = _SHORT_DTYPE.get(dtype)
+    if short == "fp32" and float32_matmul_precision != "highest":
+        short = "tf32"
+    if row is None:
+        return PeakFlops(None, f"unknown: no table entry for {device_name!r}")
+    if short is None or short not in GPU_PEAK_FLOPS[row]:
+        return PeakFlops(None, f"unknown: no table entry for {row} in {dtype}")
+    return PeakFlops(GPU_PEAK_FLOPS[row][short], f"table: {row} {short} dense")
+
+
+def dtype_of_precision(precision: str) -> torch.dtype:
+    """The dtype matmuls run in under a Lightning ``precision`` string (``"bf16-mixed"`` -> ``torch.bfloat16``)."""
+    check_instance("dtype_of_precision", "precision", precision, str, "a precision string such as '32-true'")
+    head = precision.split("-")[0]
+    dtypes = {"64": torch.float64, "32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}
+    if head not in dtypes or precision.split("-", 1)[-1] not in (head, "true", "mixed"):
+        raise ValueError(
+            f"`dtype_of_precision(precision={precision!r})` is not valid. Expected one of '64-true', '32-true', "
+            "'bf16-mixed', 'bf16-true', '16-mixed', '16-true'."
+        )
+    return dtypes[head]
+
+
+def default_cache_path() -> Path:
+    """``$LIGHTNING_PERF_CACHE/peak_flops.json``, else ``~/.cache/lightning_perf/peak_flops.json``."""
+    folder = os.environ.get(CACHE_ENV)
+    base = Path(folder).expanduser() if folder else Path.home() / ".cache" / "lightning_perf"
+    return base / _CACHE_FILE
+
+
+def machine_key(dtype: torch.dtype, threads: int, size: int) -> str:
+    """The cache key of a CPU peak: CPU model, its instruction-set flags, threads, dtype, matmul size, torch version.
+
+    Any change among these (another machine, a new torch with other kernels, another thread count) measures anew.
+    """
+    from lightning_perf.profiling.machine import _cpu_model, _read_cpuinfo, cpu_flags
+
+    cpuinfo = _read_cpuinfo()
+    flags = cpu_flags(cpuinfo) if cpuinfo else None
+    present = ",".join(sorted(name for name, on in (flags or {}).items() if on)) if flags is not None else "unknown"
+    return (
+        f"cpu={_cpu_model(cpuinfo) or 'unknown'}; flags={present or 'none'}; threads={threads}; "
+        f"dtype={_SHORT_DTYPE.get(dtype, str(dtype))}; matmul={size}; torch={torch.__version__}"
+    )
+
+
+def _time_matmuls(size: int, dtype: torch.dtype, threads: int, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` ``size x size @ size x size`` CPU matmuls in ``dtype`` on ``threads`` threads, after
+    one untimed warm-up."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(size, size, generator=generator).to(dtype)
+        b = torch.randn(size, size, generator=generator).to(dtype)
+        out = torch.empty(size, size, dtype=dtype)
+        torch.mm(a, b, out=out)  # warm-up: page in the buffers, pick the kernel
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter_ns()
+            torch.mm(a, b, out=out)
+            seconds.append((time.perf_counter_ns() - start) / 1e9)
+        return seconds
+    finally:
+        torch.set_num_threads(previous)
+
+
+def measure_cpu_peak_flops(
+    dtype: torch.dtype = torch.float32, threads: int | None = None, size: int = 2048, repeats: int = 3
+) -> float:
+    """FLOP/s of a ``size``-cubed matmul in ``dtype`` on ``threads`` CPU threads: ``2*size^3`` over the median time.
+
+    Not cached; :func:`peak_flops` caches it. Takes a few seconds at the default size (longer where the CPU has no
+    native instructions for ``dtype``, e.g. bf16 without avx512_bf16/AMX: then the figure is the emulated rate,
+    which is what a model in that dtype can reach on this machine).
+    """
+    threads = torch.get_num_threads() if threads is None else threads
+    check_int("measure_cpu_peak_flops", "threads", threads, 1)
+    check_int("measure_cpu_peak_flops", "size", size, 1)
+    check_int("measure_cpu_peak_flops", "repeats", repeats, 1)
+    if dtype not in _SHORT_DTYPE:
+        raise ValueError(
+            f"`measure_cpu_peak_flops(dtype={dtype!r})` is not valid. Expected one of {list(_SHORT_DTYPE)}."
+        )
+    seconds = sorted(_time_matmuls(size, dtype, threads, repeats))
+    middle = len(seconds) // 2
+    median = seconds[middle] if len(seconds) % 2 else (seconds[middle - 1] + seconds[middle]) / 2
+    if not (median > 0 and math.isfinite(median)):
+        raise RuntimeError(f"The matmul timer gave {median!r} s; a CPU peak cannot be measured here.")
+    return 2.0 * size**3 / median
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    """The cache's entries (key -> entry); a missing file is empty, a corrupt one warns and counts as empty."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        warnings.warn(
+            f"Could not read the peak FLOP/s cache {str(path)!r} ({exc}); measuring again.",
+            MeasurementWarning,
+            stacklevel=3,
+        )
+        return {}
+    try:
+        data = json.loads(text)
+        entries = data["entries"] if isinstance(data, dict) and data.get("schema") == _CACHE_SCHEMA else None
+        if not isinstance(entries, dict):
+            raise ValueError("expected an object with 'schema': 1 and 'entries'")
+    except (ValueError, KeyError, TypeError) as exc:
+        warnings.warn(
+            f"The peak FLOP/s cache {str(path)!r} is not valid ({exc}); ignoring it, measuring again and rewriting it.",
+            MeasurementWarning,
+            stacklevel=3,
+        )
+        return {}
+    return {key: entry for key, entry in entries.items() if _valid_entry(entry)}
+
+
+def _valid_entry(entry: Any) -> bool:
+    value = entry.get("flops_per_second") if isinstance(entry, dict) else None
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _cpu_peak(dtype: torch.dtype, threads: int, size: int, repeats: int, cache_path: Path, refresh: bool) -> PeakFlops:
+    label = f"measured matmul {size}^3 {_SHORT_DTYPE[dtype]}, {threads} thread{'s' if threads != 1 else ''}"
+    key = machine_key(dtype, threads, size)
+    entries = _read_cache(cache_path)
+    if not refresh and key in entries:
+        return PeakFlops(float(entries[key]["flops_per_second"]), f"{label} (cached)")
+    value = measure_cpu_peak_flops(dtype, threads, size, repeats)
+    # Re-read just before writing, so a peak another process cached meanwhile (another dtype) is kept.
+    entries = {
+        **_read_cache(cache_path),
+        key: {
+            "flops_per_second": value,
+            "repeats": repeats,
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        },
+    }
+    try:
+        atomic_write_text(cache_path, json.dumps({"schema": _CACHE_SCHEMA, "entries": entries}, indent=2) + "\n")
+    except OSError as exc:
+        warnings.warn(
+            f"Could not write the peak FLOP/s cache {str(cache_path)!r}: {exc}.", MeasurementWarning, stacklevel=3
+        )
+    return PeakFlops(value, label)
+
+
+def peak_flops(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *,
+    given: float | None = None,
+    threads: int | None = None,
+    size: int = 2048,
+    repeats: int = 3,
+    cache_path: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
+) -> PeakFlops:
+    """What ``device`` can compute per second in ``dtype``, and how that was found out.
+
+    In order: ``given`` when not None (e.g. ``lightning.fabric.utilities.throughput.get_available_flops(device,
+    dtype)``); on CUDA the dense datasheet figure of :data:`GPU_PEAK_FLOPS` (fp32 counts as TF32 unless
+    ``torch.get_float32_matmul_precision()`` is ``"highest"``); on CPU a ``size``-cubed matmul in ``dtype`` on
+    ``threads`` threads (default: torch's current count), measured once per machine and cached in ``cache_path``
+    (default :func:`default_cache_path`) under :func:`machine_key`. Other devices: unknown.
+
+    Args:
+        device: where the run computes.
+        dtype: the dtype its matmuls run in (see :func:`dtype_of_precision`).
+        given: a peak FLOP/s the caller knows; finite and > 0.
+        threads: CPU threads for the measurement; the run's own count.
+        size: matmul size for the CPU measurement.
+        repeats: timed matmuls (after one warm-up); their median counts.
+        cache_path: the JSON cache file.
+        refresh: measure again even when the cache holds this machine's figure.
+
+    Example::
+
+        peak = peak_flops("cpu", torch.float32)
+        peak.source  # 'measured matmul 2048^3 fp32, 2 threads'
+    """
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(
+                f"`peak_flops(device={device!r})` is not valid. Expected a torch.device or a device string ('cpu')."
+            ) from None
+    check_instance("peak_flops", "device", device, torch.device, "a torch.device or a device string")
+    check_instance("peak_flops", "dtype", dtype, torch.dtype, "a torch.dtype")
+    if given is not None:
+        return PeakFlops(check_number("peak_flops", "given", given, 0.0, exclusive=True), "given")
+    if threads is not None:
+        check_int("peak_flops", "threads", threads, 1)
+    check_int("peak_flops", "size", size, 1)
+    check_int("peak_flops", "repeats", repeats, 1)
+    if not isinstance(refresh, bool):
+        raise TypeError(f"`peak_flops(refresh={refresh!r})` is not valid. Expected True or False.")
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return gpu_peak_flops(name, dtype, torch.get_float32_matmul_precision())
+    if device.type != "cpu":
+        return PeakFlops(None, f"unknown: no peak known for {device.type} devices; pass given=")
+    if dtype not in _SHORT_DTYPE:
+        return PeakFlops(None, f"unknown: no CPU measurement in {dtype}")
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    return _cpu_peak(dtype, threads or torch.get_num_threads(), size, repeats, path, refresh)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Utilization
+
+
+def utilization(
+    flops_per_step: int,
+    step_time_s: float,
+    peak: PeakFlops | None,
+    *,
+    step_time_ci95_s: Sequence[float] | None = None,
+) -> dict[str, Any]:
+    """Achieved FLOP/s and model-FLOPs utilization of a run, for a results file.
+
+    Args:
+        flops_per_step: FLOPs of one step (:attr:`FlopCount.total`).
+        step_time_s: the run's median step time in seconds.
+        peak: the machine's peak (:func:`peak_flops`), or None where it is not known.
+        step_time_ci95_s: ``[low, high]`` 95% interval of the median step time; gives the intervals of the rates.
+
+    Returns:
+        ``flops_per_step``, ``achieved_flops_per_second`` and its ``_ci95``, ``peak_flops_per_second`` and
+        ``peak_source``, ``mfu`` (achieved / peak, a fraction; None when the peak is unknown) and ``mfu_ci95``.
+        Only times end in ``_s``; an interval is None where no step-time interval was given. A measured CPU peak
+        is a real matmul's rate, so a model can come near or (with a disturbed peak measurement) above 1.
+    """
+    check_int("utilization", "flops_per_step", flops_per_step, 0)
+    step_time = check_number("utilization", "step_time_s", step_time_s, 0.0, exclusive=True)
+    if peak is not None:
+        check_instance("utilization", "peak", peak, PeakFlops, "a PeakFlops or None")
+    achieved = flops_per_step / step_time
+    achieved_ci: list[float] | None = None
+    if step_time_ci95_s is not None:
+        if isinstance(step_time_ci95_s, (str, bytes)) or len(step_time_ci95_s) != 2:
+            raise ValueError(
+                f"`utilization(step_time_ci95_s={step_time_ci95_s!r})` is not valid. Expected [low, high] in seconds."
+            )
+        low = check_number("utilization", "step_time_ci95_s[0]", step_time_ci95_s[0], 0.0, exclusive=True)
+        high = check_number("utilization", "step_time_ci95_s[1]", step_time_ci95_s[1], low)
+        if not low <= step_time <= high:
+            raise ValueError(
+                f"`utilization(step_time_ci95_s={list(step_time_ci95_s)!r})` does not contain "
+                f"step_time_s={step_time_s!r}. Expected low <= step_time_s <= high."
+            )
+        achieved_ci = [flops_per_step / high, flops_per_step / low]  # a longer step is a lower rate
+    peak_value = peak.flops_per_second if peak is not None else None
+    mfu = achieved / peak_value if peak_value else None
+    mfu_ci = [x / peak_value for x in achieved_ci] if peak_value and achieved_ci is not None else None
+    return {
+        "flops_per_step": int(flops_per_step),
+        "achieved_flops_per_second": achieved,
+        "achieved_flops_per_second_ci95": achieved_ci,
+        "peak_flops_per_second": peak_value,
+        "peak_source": peak.source if peak is not None else "unknown: not asked",
+        "mfu": mfu,
+        "mfu_ci95": mfu_ci,
+    }
+
+
+def format_flops(value: float | None, unit: str = "FLOP") -> str:
+    """``1.23e12`` -> ``"1.23 TFLOP"`` (``unit="FLOP/s"`` for rates); ``None`` -> ``"-"``."""
+    if value is None:
+        return "-"
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
