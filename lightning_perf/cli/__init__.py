@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -26,24 +25,12 @@ COMMANDS: tuple[str, ...] = ("bench", "autotune", "export", "compare")
 """The sub-commands, each a module ``lightning_perf.cli.<name>``."""
 
 
-def _add_export(subparsers: argparse._SubParsersAction) -> None:
-    if importlib.util.find_spec("lightning_perf.cli.export") is not None:
-        importlib.import_module("lightning_perf.cli.export").add_parser(subparsers)
-    else:  # the pre-package export command, until its cli/export.py module lands
-        from lightning_perf.export_cli import add_export_parser
-
-        add_export_parser(subparsers)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``lightning-perf`` parser with every sub-command (imports neither torch nor Lightning)."""
     parser = CliParser(prog="lightning-perf", description=__doc__.splitlines()[0], allow_abbrev=False)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        if name == "export":
-            _add_export(subparsers)
-        else:
-            importlib.import_module(f"lightning_perf.cli.{name}").add_parser(subparsers)
+        importlib.import_module(f"lightning_perf.cli.{name}").add_parser(subparsers)
     return parser
 
 
@@ -58,9 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv
     subparser = args.subparser
     try:
-        if hasattr(args, "run"):
-            return int(args.run(args, subparser))
-        return int(args.handler(args, subparser, argv))  # the pre-package export command
+        return int(args.run(args, subparser))
     except UsageError as exc:
         subparser.error(str(exc))
     except KeyboardInterrupt:
