@@ -4,8 +4,8 @@ A :class:`ConditionMonitor` is read at the start and the end of every measured r
 the figures are differences of cumulative counters, so nothing is sampled while the run goes and nothing slows it).
 Per run it records:
 
-- the CPU time other processes took: the system's busy CPU time minus this process tree's (ours and the reaped
-  workers'), as an average number of busy cores;
+- the CPU time other processes took: the system's busy CPU time minus this process's and its reaped workers', as an
+  average number of busy cores;
 - steal time (CPU time the hypervisor gave to other guests), where the platform reports it;
 - the 1-minute load average and the CPU frequency against its maximum, where the platform reports them.
 
@@ -69,8 +69,9 @@ class Probes:
     Attributes:
         clock: seconds, monotonic.
         system_cpu: cumulative ``(busy_s, steal_s)`` of the whole machine, all cores summed.
-        own_cpu: cumulative CPU seconds of this process and its reaped children.
-        live_children_cpu: CPU seconds of this process's children still running.
+        own_cpu: cumulative CPU seconds of this process and its reaped children (a measured run's worker is started
+            after the first reading and reaped before the second, so its whole CPU time falls in the difference; a
+            child still running, such as a process the caller started beside the bench, counts as another process).
         load_average: the 1-minute load average, or ``None``.
         frequency: ``(current_mhz, max_mhz)``, or ``None``.
         cpu_count: logical CPUs.
@@ -79,7 +80,6 @@ class Probes:
     clock: Callable[[], float]
     system_cpu: Callable[[], tuple[float, float]]
     own_cpu: Callable[[], float]
-    live_children_cpu: Callable[[], float]
     load_average: Callable[[], float | None]
     frequency: Callable[[], tuple[float, float] | None]
     cpu_count: Callable[[], int]
@@ -100,16 +100,6 @@ class Probes:
             t = me.cpu_times()
             return t.user + t.system + t.children_user + t.children_system
 
-        def live_children_cpu() -> float:
-            total = 0.0
-            for child in me.children(recursive=True):
-                try:
-                    t = child.cpu_times()
-                    total += t.user + t.system
-                except psutil.Error:  # ended in between: its time is in own_cpu's children_* once reaped
-                    continue
-            return total
-
         def load_average() -> float | None:
             try:
                 return os.getloadavg()[0]
@@ -129,7 +119,6 @@ class Probes:
             clock=time.perf_counter,
             system_cpu=system_cpu,
             own_cpu=own_cpu,
-            live_children_cpu=live_children_cpu,
             load_average=load_average,
             frequency=frequency,
             cpu_count=lambda: os.cpu_count() or 1,
@@ -186,7 +175,7 @@ class ConditionMonitor:
             "t": p.clock(),
             "busy": busy,
             "steal": steal,
-            "ours": p.own_cpu() + p.live_children_cpu(),
+            "ours": p.own_cpu(),
             "load": p.load_average(),
             "freq": p.frequency(),
         }

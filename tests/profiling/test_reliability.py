@@ -32,7 +32,6 @@ class FakeMachine:
             clock=lambda: self.t,
             system_cpu=lambda: (self.busy, self.steal),
             own_cpu=lambda: self.ours,
-            live_children_cpu=lambda: 0.0,
             load_average=lambda: self.load,
             frequency=lambda: self.freq,
             cpu_count=lambda: self.cores,
@@ -114,3 +113,17 @@ def test_outlier_steps_are_a_cause() -> None:
     steps = {"baseline": [[0.1] * 8 + [0.5] * 2]}
     verdict = assess([], steps, cores_used=2, cpu_count=2)
     assert not verdict.reliable and "20% of its steps took over 2x their median" in verdict.causes[0]
+
+
+def test_the_real_probes_count_a_reaped_worker_as_ours() -> None:
+    import subprocess
+    import sys
+
+    probes = Probes.system()
+    before = probes.own_cpu()
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
+    assert probes.own_cpu() - before > 0.05  # the child's CPU time (its loop), known once it is reaped
+    busy, steal = probes.system_cpu()
+    assert busy > 0 and steal >= 0 and probes.cpu_count() >= 1
+    load = probes.load_average()
+    assert load is None or load >= 0
