@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Recommendation", "Trial", "TuningResult", "format_value"]
+__all__ = ["Recommendation", "Trial", "TuningResult", "format_value", "ratio_text", "unused_output"]
 
 
 @dataclass
@@ -20,14 +20,21 @@ class Trial:
     config: str
     batch_size: int | None
     loader: dict[str, Any]
-    verdict: str  # baseline, kept, rejected, skipped, failed, confirm (a re-run that checks a small win)
+    verdict: str  # baseline, kept, rejected, unreliable, skipped, failed, confirm (a re-run that checks a small win)
     reason: str = ""
     step_median_s: float | None = None
     step_p25_s: float | None = None
     step_p75_s: float | None = None
     throughput: float | None = None  # samples per second at the median step
-    speedup: float | None = None  # throughput / baseline throughput
+    speedup: float | None = None  # per-sample speed vs the baseline (baseline time / this trial's time)
+    speedup_ci95: list[float] | None = None  # its 95% interval [low, high]
+    speedup_verdict: str | None = None  # faster, slower, no clear difference
+    speedup_method: str | None = None  # how the interval was obtained
     gain: float | None = None  # per-sample speed vs the incumbent it was compared with
+    gain_ci95: list[float] | None = None
+    gain_verdict: str | None = None
+    gain_method: str | None = None
+    compared_with: str | None = None  # the incumbent's label
     p_faster: float | None = None  # share of (candidate, incumbent) step pairs where the candidate was faster
     data_wait_share: float | None = None
     loss_deviation: float | None = None  # median relative difference of per-step losses vs baseline
@@ -36,10 +43,30 @@ class Trial:
     step_memory_bytes: int | None = None
     wall_s: float | None = None
     error: str | None = None
+    disturbed: list[str] = field(default_factory=list)  # what disturbed the measurement kept for this trial
+    remeasured_because: list[str] = field(default_factory=list)  # what disturbed its first measurement
 
     @property
     def measured(self) -> bool:
         return self.step_median_s is not None
+
+    def set_ratio(self, name: str, estimate: Any) -> None:
+        """Store a :class:`~lightning_perf.profiling.intervals.RatioEstimate` as ``name``, ``name_ci95``,
+        ``name_verdict`` and ``name_method``."""
+        setattr(self, name, estimate.ratio)
+        setattr(self, f"{name}_ci95", [estimate.low, estimate.high])
+        setattr(self, f"{name}_verdict", estimate.verdict)
+        setattr(self, f"{name}_method", estimate.method)
+
+    @property
+    def speedup_text(self) -> str:
+        """The speed-up vs baseline as the table prints it (and the reason quotes it)."""
+        return ratio_text(self.speedup, self.speedup_ci95, self.speedup_verdict)
+
+    @property
+    def gain_text(self) -> str:
+        """The gain vs the incumbent, as the reasons quote it."""
+        return ratio_text(self.gain, self.gain_ci95, self.gain_verdict)
 
 
 @dataclass
@@ -51,8 +78,28 @@ class Recommendation:
     trainer_kwargs: dict[str, Any]
     batch_size: int | None  # None: keep the model's own
     loader: dict[str, Any]
-    speedup: float  # throughput vs baseline, as the tuner measured it
+    speedup: float | None  # per-sample speed vs baseline, as the tuner measured it; None: nothing to change
+    speedup_ci95: list[float] | None = None
+    speedup_verdict: str | None = None
+    speedup_method: str | None = None
     notes: list[str] = field(default_factory=list)
+    reliable: bool = True
+    causes: list[str] = field(default_factory=list)  # why the measurement is unreliable
+
+    @property
+    def changes_nothing(self) -> bool:
+        """Whether the recommendation is the model as given."""
+        return not self.configs and self.batch_size is None and not self.loader
+
+    @property
+    def headline(self) -> str:
+        """The one line that says what was found: the speed-up with its interval and verdict, or why nothing."""
+        if not self.reliable:
+            return f"Recommended: nothing: unreliable: {'; '.join(self.causes)}"
+        if self.changes_nothing or self.speedup is None:
+            return "Recommended: no change (no candidate was measurably faster than the model as given)"
+        ratio = ratio_text(self.speedup, self.speedup_ci95, self.speedup_verdict)
+        return f"Recommended ({ratio} vs the baseline's per-sample speed, 95% interval):"
 
     def callbacks(self) -> list[Any]:
         """Fresh instances of the recommended callbacks, ready for ``Trainer(callbacks=...)``."""
@@ -80,6 +127,7 @@ class TuningResult:
     model_init_args: list[str] = field(default_factory=list)
     batch_size_holder: str | None = None
     bench_command: str | None = None
+    reliability: dict[str, Any] = field(default_factory=lambda: {"reliable": True, "causes": []})
 
     def ranked(self) -> list[Trial]:
         """Measured trials, fastest per sample first, then the ones without a measurement."""
@@ -98,7 +146,7 @@ class TuningResult:
                     t.verdict,
                     _ms(t.step_median_s, t.step_p25_s, t.step_p75_s),
                     format_value(t.throughput, ".1f"),
-                    format_value(t.speedup, ".2f", "x"),
+                    "reference" if t.verdict == "baseline" else t.speedup_text,
                     format_value(t.p_faster, ".2f"),
                     format_value(None if t.data_wait_share is None else 100 * t.data_wait_share, ".1f", "%"),
                     format_value(t.loss_deviation, ".3f"),
@@ -131,6 +179,7 @@ class TuningResult:
             "device": self.device,
             "time_budget_s": self.time_budget_s,
             "elapsed_s": self.elapsed_s,
+            "reliability": dict(self.reliability),
             "recommendation": rec,
             "lightning_cli": self.lightning_cli_config(),
             "bench_command": self.bench_command,
@@ -168,22 +217,38 @@ class TuningResult:
         header = [
             "# lightning-perf autotune recommendation (a LightningCLI config: `--config` this file)",
             f"# model: {self.source}; device: {self.device}",
-            f"# measured: {rec.speedup:.2f}x the baseline's training throughput "
-            f"({self.elapsed_s:.0f} s of tuning, {sum(t.measured for t in self.trials)} trials)",
+            f"# {rec.headline.rstrip(':')} ({self.elapsed_s:.0f} s of tuning, "
+            f"{sum(t.measured for t in self.trials)} trials)",
         ]
         header += [f"# note: {note}" for note in rec.notes]
         return "\n".join(header) + "\n" + yaml.safe_dump(self.lightning_cli_config(), sort_keys=False)
 
-    def write(self, yaml_path: str | os.PathLike[str] | None, json_path: str | os.PathLike[str] | None) -> list[Path]:
-        """Write the YAML and/or JSON files atomically; returns the paths written."""
+    def write(
+        self,
+        yaml_path: str | os.PathLike[str] | None,
+        json_path: str | os.PathLike[str] | None,
+        *,
+        force: bool = False,
+    ) -> list[Path]:
+        """Write the YAML and/or JSON files atomically; returns the paths written.
+
+        Raises:
+            FileExistsError: when a file exists already and ``force`` is not set (:func:`unused_output` picks a free
+                name); nothing is written then.
+        """
         from lightning_perf._io import atomic_write_text
 
-        written = []
-        if yaml_path is not None:
-            written.append(atomic_write_text(yaml_path, self.to_yaml()))
-        if json_path is not None:
-            written.append(atomic_write_text(json_path, json.dumps(self.to_dict(), indent=1, default=str)))
-        return written
+        targets = [(Path(p), make) for p, make in ((yaml_path, self.to_yaml), (json_path, self._json)) if p is not None]
+        existing = [str(p) for p, _ in targets if p.exists()]
+        if existing and not force:
+            raise FileExistsError(
+                f"{', '.join(existing)} exists already: not overwritten. Pass force=True to overwrite, or a free "
+                "name (lightning_perf.tuning.results.unused_output numbers the run)."
+            )
+        return [atomic_write_text(path, make()) for path, make in targets]
+
+    def _json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, default=str)
 
     def print(self, console: Any = None) -> None:
         from rich.console import Console
@@ -202,7 +267,12 @@ class TuningResult:
         )
         rec = self.recommendation
         lines = [f"  {t.label}: {t.verdict}, {t.reason}" for t in self.ranked() if t.reason]
-        lines.append(f"Recommended ({rec.speedup:.2f}x the baseline's throughput):")
+        if not self.reliability.get("reliable", True):
+            lines += [f"warning: unreliable measurement: {cause}" for cause in self.reliability.get("causes", [])]
+        lines.append(rec.headline)
+        if not rec.reliable:
+            print("\n".join(lines), flush=True)
+            return
         lines.append(f"  callbacks: {', '.join(p.rsplit('.', 1)[-1] for p, _ in rec.callback_specs) or 'none'}")
         lines.append(f"  trainer: {rec.trainer_kwargs or 'as is'}")
         lines.append(f"  data: {rec.datamodule_kwargs or 'as is'}")
@@ -210,6 +280,29 @@ class TuningResult:
         if self.bench_command:
             lines.append(f"  check it with: {self.bench_command}")
         print("\n".join(lines), flush=True)
+
+
+def ratio_text(ratio: float | None, ci95: list[float] | None, verdict: str | None) -> str:
+    """``"1.52x [1.40-1.65] faster"``: a ratio, its 95% interval and verdict (``n/a`` without a ratio)."""
+    if ratio is None:
+        return "n/a"
+    text = f"{ratio:.2f}x"
+    if ci95 is not None and ci95[0] != ci95[1]:
+        text += f" [{ci95[0]:.2f}-{ci95[1]:.2f}]"
+    return f"{text} {verdict}" if verdict else text
+
+
+def unused_output(yaml_path: str | os.PathLike[str], force: bool = False) -> Path:
+    """``yaml_path``, or numbered (``tuned-2.yaml``...) when it or its JSON twin exists; as is with ``force``."""
+    path = Path(yaml_path)
+    if force or not (path.exists() or path.with_suffix(".json").exists()):
+        return path
+    number = 2
+    while True:
+        candidate = path.with_name(f"{path.stem}-{number}{path.suffix}")
+        if not (candidate.exists() or candidate.with_suffix(".json").exists()):
+            return candidate
+        number += 1
 
 
 def format_value(value: float | None, spec: str, suffix: str = "") -> str:

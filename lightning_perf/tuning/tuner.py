@@ -30,11 +30,10 @@ from __future__ import annotations
 import math
 import os
 import re
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +47,19 @@ from lightning_perf.benchmark.sources import (
     init_parameters,
 )
 from lightning_perf.optimizations import tuner_alternatives, tuner_search_list
-from lightning_perf.tuning.results import Recommendation, Trial, TuningResult, format_value
-from lightning_perf.tuning.verdicts import compare, loss_deviation, median, per_sample_times, quartiles
+from lightning_perf.tuning.capabilities import ModelCapabilities, model_capabilities, skip_reason
+from lightning_perf.tuning.conditions import TrialWatch, baseline_spread_cause
+from lightning_perf.tuning.recommend import bench_command, recommend
+from lightning_perf.tuning.results import Trial, TuningResult
+from lightning_perf.tuning.trials import check_search_lists, memory_problem, resolve_isolation, run_in_process
+from lightning_perf.tuning.verdicts import (
+    compare,
+    loss_deviation,
+    median,
+    per_sample_times,
+    quartiles,
+    speedup_estimate,
+)
 
 # The search lists, derived from the one list of optimizations (lightning_perf.optimizations) when a search starts;
 # these module constants are the lists as shipped, for reading.
@@ -157,8 +167,6 @@ class AutoTuner:
     ) -> None:
         import lightning.pytorch as pl
 
-        from lightning_perf.benchmark.configs import get_config
-
         given = [model is not None or datamodule is not None, workload is not None, source is not None]
         if sum(given) != 1:
             raise ValueError(
@@ -217,36 +225,7 @@ class AutoTuner:
             check_bool("AutoTuner", flag, value)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"`AutoTuner(seed={seed!r})` is not valid. Expected an integer.")
-        searchable = tuner_search_list("precision")
-        if precisions is not None:
-            if isinstance(precisions, str) or not isinstance(precisions, Sequence):
-                raise TypeError(
-                    f"`AutoTuner(precisions={precisions!r})` is not valid. Expected a list of names from "
-                    f"{', '.join(searchable)}, or None."
-                )
-            bad = [p for p in precisions if p not in searchable]
-            if bad:
-                raise ValueError(
-                    f"`AutoTuner(precisions={list(precisions)!r})` is not valid: {bad[0]!r} is unknown. Expected names "
-                    f"from {', '.join(searchable)}."
-                )
-        if optimizations is None:
-            optimizations = tuner_search_list("optimization")
-        elif isinstance(optimizations, str) or not isinstance(optimizations, Sequence):
-            raise TypeError(
-                f"`AutoTuner(optimizations={optimizations!r})` is not valid. Expected a list of bench configuration "
-                "names, or None."
-            )
-        for name in optimizations:
-            try:
-                config = get_config(name)
-            except (TypeError, ValueError, AttributeError) as exc:
-                raise ValueError(f"`AutoTuner(optimizations={list(optimizations)!r})` is not valid: {exc}") from None
-            if "precision" in config.trainer_kwargs:
-                raise ValueError(
-                    f"`AutoTuner(optimizations={list(optimizations)!r})` is not valid: {name!r} sets the precision. "
-                    "Expected it in `precisions` instead."
-                )
+        optimizations = check_search_lists(precisions, optimizations)
         self.source = source
         self.device = str(device)
         self.time_budget_s = float(time_budget_s)
@@ -268,7 +247,12 @@ class AutoTuner:
         self._tmp: Path | None = None
         self._count = 0
         self._required_gain = 1 + self.min_gain
-        self._base_throughput: float | None = None
+        self._base_runs: list[list[float]] = []
+        self._base_label = "baseline"
+        self._unreliable: list[str] = []  # why the reference measurement cannot be trusted (then: no recommendation)
+        self._capabilities = ModelCapabilities()
+        self._probes: Any = None  # the condition watcher's counters (None: the real ones)
+        self._watch = TrialWatch(self.device)
 
     # ------------------------------------------------------------------ the search
 
@@ -278,13 +262,15 @@ class AutoTuner:
         start = time.monotonic()
         self._deadline = start + self.time_budget_s
         self._trials, self._count = [], 0
-        self._required_gain, self._base_throughput = 1 + self.min_gain, None
+        self._required_gain, self._base_runs, self._unreliable = 1 + self.min_gain, [], []
         model, datamodule = self.source.load()  # a private copy, for introspection only
         holder = batch_size_holder(model, datamodule)
         dm_params, model_params = sorted(init_parameters(datamodule)), sorted(init_parameters(model))
         own_loader = {k: getattr(datamodule, k) for k in LOADER_SETTINGS if hasattr(datamodule, k)}
+        self._capabilities = model_capabilities(model)  # counted once, here: no trial needed to know
         del model, datamodule
-        isolation = self._resolve_isolation()
+        isolation = resolve_isolation(self.isolation, self.source)
+        self._watch = TrialWatch(self.device, self._probes)
         self._say(
             f"autotune: {self.source.describe()} on {self.device}, budget {self.time_budget_s:.0f} s, "
             f"{self.warmup_steps}+{self.steps} steps per trial, {isolation}"
@@ -296,15 +282,20 @@ class AutoTuner:
             baseline_candidate = Candidate("baseline", "baseline")
             baseline, base_result = self._baseline(baseline_candidate)
             incumbent = (baseline_candidate, baseline, base_result)
-            incumbent = self._precision_stage(incumbent, base_result)
-            incumbent = self._optimization_stage(incumbent, base_result)
-            if self.tune_data_loading:
-                incumbent = self._data_stage(incumbent, base_result, own_loader)
-            if self.tune_batch_size:
-                incumbent = self._batch_size_stage(incumbent, holder)
+            if not self._unreliable:
+                incumbent = self._precision_stage(incumbent, base_result)
+                incumbent = self._optimization_stage(incumbent, base_result)
+                if self.tune_data_loading:
+                    incumbent = self._data_stage(incumbent, base_result, own_loader)
+                if self.tune_batch_size:
+                    incumbent = self._batch_size_stage(incumbent, holder)
 
+        for trial in self._trials:  # every reason quotes the row's own "vs baseline" figure, never another one
+            if trial.speedup is not None and trial.verdict != "baseline" and trial.speedup_text not in trial.reason:
+                trial.reason = "; ".join(x for x in (trial.reason, f"{trial.speedup_text} vs baseline") if x)
         candidate, best, _ = incumbent
-        recommendation = self._recommend(candidate, best, holder, dm_params)
+        recommendation = recommend(candidate, best, holder, dm_params, self._unreliable)
+        disturbed = [f"{t.label}: {'; '.join(t.disturbed)}" for t in self._trials if t.disturbed]
         result = TuningResult(
             source=self.source.describe(),
             device=self.device,
@@ -315,15 +306,21 @@ class AutoTuner:
             datamodule_init_args=dm_params,
             model_init_args=model_params,
             batch_size_holder=holder[0] if holder else None,
-            bench_command=self._bench_command(candidate),
+            bench_command=None if self._unreliable else bench_command(self.source, self.device, candidate),
+            reliability={
+                "reliable": not self._unreliable,
+                "causes": list(self._unreliable) or disturbed,
+                "disturbed_trials": [t.label for t in self._trials if t.disturbed],
+                "remeasured_trials": [t.label for t in self._trials if t.remeasured_because],
+            },
         )
         if self.progress:
             result.print()
         return result
 
     def _baseline(self, candidate: Candidate) -> tuple[Trial, Any]:
-        result = self._measure(candidate, timeout=self.time_budget_s)
-        trial = self._record(candidate, result)
+        result, first, causes = self._trial(candidate, timeout=self.time_budget_s)
+        trial = self._record(candidate, result, causes, first)
         if result is None:
             raise TuningError(
                 f"time_budget_s={self.time_budget_s:g} is too small: the baseline trial ({self.warmup_steps}+"
@@ -336,7 +333,13 @@ class AutoTuner:
                 "there is nothing to tune. This is the model's own error:\n\n"
                 + (result.traceback or result.error or "no traceback")
             )
-        trial.verdict, trial.speedup = "baseline", 1.0
+        trial.verdict = "baseline"
+        self._base_runs = [per_sample_times(result)]
+        self._base_label = candidate.label
+        if causes:
+            self._unreliable = [f"baseline: {c}" for c in causes]
+            trial.reason = f"unreliable: {'; '.join(causes)} (measured twice, disturbed both times)"
+            return trial, result
         elapsed = result.wall_s or 0.0  # one trial, process start included
         if elapsed * 2 > self.time_budget_s:
             needed = math.ceil(elapsed * 2)
@@ -354,24 +357,28 @@ class AutoTuner:
         noise, which step-to-step spread within one run does not show. A gain must exceed it to count; both runs'
         steps are pooled into the reference the first candidates are compared with."""
         repeat = candidate.with_("baseline (repeat)", "baseline")
-        second = self._measure(repeat, timeout=self._deadline - time.monotonic())
-        again = self._record(repeat, second)
+        second, first_causes, causes = self._trial(repeat, timeout=self._deadline - time.monotonic())
+        again = self._record(repeat, second, causes, first_causes)
         if second is None or not second.ok:
             again.verdict = "failed"
             again.reason = "the repeat failed: the noise floor stays at min_gain"
+            return first
+        again.verdict = "baseline"
+        spread = baseline_spread_cause(median(per_sample_times(first)), median(per_sample_times(second)))
+        if causes or spread:
+            self._unreliable = [f"baseline (repeat): {c}" for c in causes] + ([spread] if spread else [])
+            again.reason = f"unreliable: {'; '.join(causes + ([spread] if spread else []))}"
             return first
         noise = abs(math.log(median(per_sample_times(second)) / median(per_sample_times(first))))
         self._required_gain = max(1 + self.min_gain, math.exp(NOISE_FACTOR * noise))
         pooled = replace(first, step_times_s=[*first.step_times_s, *second.step_times_s])
         pooled.throughput = (pooled.batch_size or 1) / median(pooled.step_times_s)
-        self._base_throughput = pooled.throughput
-        again.verdict = "baseline"
+        self._base_runs = [per_sample_times(first), per_sample_times(second)]
         again.reason = (
             f"the two baseline runs differ by {100 * (math.exp(noise) - 1):.1f}%: a gain must reach "
-            f"{self._required_gain:.2f}x to count (min_gain={self.min_gain:g}, or {NOISE_FACTOR:g}x that difference)"
+            f"{self._required_gain:.2f}x to count (the noise bar: min_gain={self.min_gain:g}, or {NOISE_FACTOR:g}x "
+            "that difference)"
         )
-        trial.speedup = trial.throughput / pooled.throughput if trial.throughput else None
-        again.speedup = again.throughput / pooled.throughput if again.throughput else None
         return pooled
 
     def _precision_stage(self, incumbent: tuple[Candidate, Trial, Any], base: Any) -> tuple[Candidate, Trial, Any]:
@@ -387,6 +394,10 @@ class AutoTuner:
         best = incumbent
         for precision in precisions:
             candidate = start[0].with_(f"+{precision}", "precision", configs=(*start[0].configs, precision))
+            why = skip_reason(precision, self._capabilities, device, explicit=self.precisions is not None)
+            if why is not None:
+                self._skip(candidate, why)
+                continue
             if precision == "bf16-mixed" and not supports_bf16(device):
                 self._skip(candidate, f"{device} does not support bfloat16")
                 continue
@@ -410,7 +421,8 @@ class AutoTuner:
                 configs = tuple(c for c in configs if c != replaced)
                 label = f"{name} instead of {replaced}"
             candidate = incumbent[0].with_(label, "optimization", configs=(*configs, name))
-            reason = get_config(name).why_not(torch.device(self.device))
+            reason = skip_reason(name, self._capabilities, torch.device(self.device))
+            reason = reason or get_config(name).why_not(torch.device(self.device))
             if reason is not None:
                 self._skip(candidate, reason)
                 continue
@@ -473,7 +485,7 @@ class AutoTuner:
         best = incumbent
         for size in sizes:
             candidate = start[0].with_(f"batch_size={size}", "batch_size", batch_size=size)
-            fits = self._fits_in_memory(start[2], own, size)
+            fits = memory_problem(self.device, start[2], own, size)
             if fits is not None:
                 self._skip(candidate, fits)
                 break
@@ -484,21 +496,6 @@ class AutoTuner:
                 break
         return best
 
-    def _fits_in_memory(self, result: Any, own: int, size: int) -> str | None:
-        """Why batch ``size`` would not fit in CPU memory, extrapolated from the measured step memory; None if fine."""
-        if self.device.startswith("cuda") or result.step_memory_bytes is None or result.peak_memory_bytes is None:
-            return None  # CUDA: the trial itself finds out (out of memory is caught and reported)
-        import psutil
-
-        from lightning_perf.profiling import format_bytes
-
-        batch = result.batch_size or own
-        needed = result.peak_memory_bytes + result.step_memory_bytes * (size / batch - 1)
-        available = psutil.virtual_memory().available
-        if needed > 0.8 * available:
-            return f"would need about {format_bytes(needed)}; {format_bytes(available)} is available"
-        return None
-
     def _challenge(
         self,
         candidate: Candidate,
@@ -506,22 +503,29 @@ class AutoTuner:
         best: tuple[Candidate, Trial, Any],
         base: Any,
     ) -> tuple[Candidate, Trial, Any]:
-        """Measure ``candidate``; it replaces ``best`` if it beats ``against`` (and ``best``) and keeps the losses."""
+        """Measure ``candidate``; it replaces ``best`` if it beats ``against`` (and ``best``) and keeps the losses.
+
+        Kept only when its gain over ``against`` reaches the noise bar (``min_gain``, or 1.5x the baseline runs'
+        difference) *and* its 95% interval lies above 1; a gain inside the bar is measured again in a second pair of
+        processes and kept only if both pairs together reach it. A disturbed trial decides nothing.
+        """
         estimate = self._estimate(candidate, against)
         remaining = self._deadline - time.monotonic()
         if estimate > remaining:
             self._skip(candidate, f"out of budget: needs about {estimate:.0f} s, {max(0.0, remaining):.0f} s left")
             return best
-        result = self._measure(candidate, timeout=remaining)
-        trial = self._record(candidate, result)
+        result, first, causes = self._trial(candidate, timeout=remaining)
+        trial = self._record(candidate, result, causes, first)
         if result is None:
             trial.verdict, trial.reason = "skipped", "out of budget: stopped at the end of the time budget"
             return best
         if not result.ok:
             trial.verdict, trial.reason = "failed", result.error or "failed"
             return best
-        gain, p_faster = compare(per_sample_times(result), per_sample_times(against[2]))
-        trial.gain, trial.p_faster = gain, p_faster
+        if causes:
+            trial.verdict = "unreliable"
+            trial.reason = f"unreliable: {'; '.join(causes)} (measured twice, disturbed both times): not compared"
+            return best
         if base is not None and candidate.batch_size == against[0].batch_size:
             trial.loss_deviation = loss_deviation(result.losses, base.losses)
             if trial.loss_deviation > self.loss_rtol:
@@ -534,40 +538,71 @@ class AutoTuner:
         elif any(not math.isfinite(v) for v in result.losses):
             trial.verdict, trial.reason = "rejected", "non-finite loss"
             return best
+        inc_runs, cand_runs = [per_sample_times(against[2])], [per_sample_times(result)]
+        gain, p_faster = self._compare(trial, against, inc_runs, cand_runs)
         confirmed = ""
         if not self._plausible(gain, p_faster):
             trial.verdict = "rejected"
-            trial.reason = f"not measurably faster: {self._explain(gain, p_faster)}"
+            trial.reason = f"not measurably faster: {self._explain(trial, against, p_faster)}"
             return best
-        if not self._wins(gain, p_faster) or gain < self.confirm_below:
+        if not self._wins(trial, p_faster) or gain < self.confirm_below:
             # Faster in this pair of processes, but by less than one process can be luckier than another
-            # (the noise bar, or confirm_below): measure both once more; a second independent win confirms it.
-            again = self._confirm(candidate, against, gain, p_faster)
+            # (the noise bar, or confirm_below): measure both once more; both pairs together must clear the bar.
+            again = self._confirm(candidate, against, trial, inc_runs, cand_runs)
             if isinstance(again, str):
                 trial.verdict, trial.reason = "rejected", again
                 return best
             result = replace(result, step_times_s=[*result.step_times_s, *again.step_times_s])
             confirmed = ", confirmed by a second pair of runs"
         if best is not against:  # an alternative to one kept earlier in this stage: it must beat that one too
-            best_gain, best_p = compare(per_sample_times(result), per_sample_times(best[2]))
-            if not self._plausible(best_gain, best_p) or (not confirmed and not self._wins(best_gain, best_p)):
+            rival = speedup_estimate([per_sample_times(best[2])], [per_sample_times(result)])
+            rival_p = compare(per_sample_times(result), per_sample_times(best[2]))[1]
+            if rival.ratio < 1 + self.min_gain or rival.verdict != "faster" or rival_p < self.confidence:
                 trial.verdict = "rejected"
-                trial.reason = f"not measurably faster than {best[0].label}: {self._explain(best_gain, best_p)}"
+                trial.reason = (
+                    f"not measurably faster than {best[0].label}: {rival.format()} {rival.verdict} per sample, "
+                    f"faster in {100 * rival_p:.0f}% of step pairs"
+                )
                 return best
             best[1].verdict = "rejected"
             best[1].reason = f"beaten by {candidate.label}"
         trial.verdict = "kept"
         trial.reason = (
-            f"{gain:.2f}x per sample vs {against[0].label}, faster in {100 * p_faster:.0f}% of step pairs{confirmed}"
+            f"{trial.gain_text} per sample vs {against[0].label}, faster in {100 * p_faster:.0f}% of step pairs"
+            f"{confirmed}; noise bar {self._required_gain:.2f}x"
         )
         return candidate, trial, result
 
+    def _compare(
+        self,
+        trial: Trial,
+        against: tuple[Candidate, Trial, Any],
+        inc_runs: list[list[float]],
+        cand_runs: list[list[float]],
+    ) -> tuple[float, float]:
+        """Set the trial's gain over ``against`` (pairs of runs) and, when that is the baseline, its speed-up to the
+        very same estimate; ``(gain, p_faster)`` of the last pair."""
+        estimate = speedup_estimate(inc_runs, cand_runs)
+        trial.set_ratio("gain", estimate)
+        trial.compared_with = against[0].label
+        trial.p_faster = compare(cand_runs[-1], inc_runs[-1])[1]
+        if against[1].verdict == "baseline":  # "vs baseline" and the reason's figure are one number
+            trial.set_ratio("speedup", estimate)
+        else:
+            trial.set_ratio("speedup", speedup_estimate(self._base_runs, cand_runs, paired=False))
+        return estimate.ratio, trial.p_faster
+
     def _confirm(
-        self, candidate: Candidate, against: tuple[Candidate, Trial, Any], gain: float, p_faster: float
+        self,
+        candidate: Candidate,
+        against: tuple[Candidate, Trial, Any],
+        trial: Trial,
+        inc_runs: list[list[float]],
+        cand_runs: list[list[float]],
     ) -> Any:
-        """Re-run ``against`` and ``candidate`` in fresh processes; the candidate's second result if it wins again,
-        else why it is rejected."""
-        first = f"{gain:.2f}x per sample, faster in {100 * p_faster:.0f}% of step pairs"
+        """Re-run ``against`` and ``candidate`` in fresh processes; the candidate's second result if both pairs
+        together clear the noise bar, else why it is rejected."""
+        first = f"{trial.gain:.2f}x per sample, faster in {100 * (trial.p_faster or 0):.0f}% of step pairs"
         needed = (against[1].wall_s or 0.0) + self._estimate(candidate, against) / _COMPILE_COST_FACTOR
         remaining = self._deadline - time.monotonic()
         if needed > remaining:
@@ -578,30 +613,43 @@ class AutoTuner:
         runs = []
         for who in (against[0], candidate):
             repeat = who.with_(f"{who.label} (again)", "confirm")
-            result = self._measure(repeat, timeout=self._deadline - time.monotonic())
-            trial = self._record(repeat, result)
-            trial.verdict = "confirm"
+            result, first_causes, causes = self._trial(repeat, timeout=self._deadline - time.monotonic())
+            rerun = self._record(repeat, result, causes, first_causes)
+            rerun.verdict = "confirm"
             if result is None or not result.ok:
-                trial.reason = "the re-run did not finish" if result is None else (result.error or "failed")
+                rerun.reason = "the re-run did not finish" if result is None else (result.error or "failed")
                 return f"not confirmed: {first}, and its re-run failed or ran out of time"
-            runs.append(result)
-        gain2, p2 = compare(per_sample_times(runs[1]), per_sample_times(runs[0]))
-        self._trials[-1].gain, self._trials[-1].p_faster = gain2, p2
-        if not self._plausible(gain2, p2):
-            return f"not confirmed: {first} at first, then {gain2:.2f}x and {100 * p2:.0f}% when measured again"
-        return runs[1]
+            if causes:
+                rerun.reason = f"unreliable: {'; '.join(causes)}"
+                return f"not confirmed: {first}, and its re-run was disturbed ({'; '.join(causes)})"
+            runs.append(per_sample_times(result))
+            last = result
+        second = speedup_estimate([runs[0]], [runs[1]])
+        self._trials[-1].set_ratio("gain", second)
+        self._trials[-1].compared_with = f"{against[0].label} (again)"
+        self._trials[-1].p_faster = p2 = compare(runs[1], runs[0])[1]
+        self._compare(trial, against, [*inc_runs, runs[0]], [*cand_runs, runs[1]])
+        if not self._plausible(second.ratio, p2) or not self._wins(trial, p2):
+            return (
+                f"not confirmed: {first} at first, then {second.ratio:.2f}x and {100 * p2:.0f}% when measured again; "
+                f"both pairs together {trial.gain_text} vs {against[0].label} (needs >= {self._required_gain:.2f}x, "
+                "the noise bar, with an interval above 1)"
+            )
+        return last
 
-    def _wins(self, gain: float, p_faster: float) -> bool:
-        return gain >= self._required_gain and p_faster >= self.confidence
+    def _wins(self, trial: Trial, p_faster: float) -> bool:
+        """Clear of the noise bar: the gain reaches it, its interval lies above 1, and most step pairs agree."""
+        gain = trial.gain or 0.0
+        return gain >= self._required_gain and trial.gain_verdict == "faster" and p_faster >= self.confidence
 
     def _plausible(self, gain: float, p_faster: float) -> bool:
         """A win within one pair of processes (min_gain and step-pair share), whatever the process-to-process noise."""
         return gain >= 1 + self.min_gain and p_faster >= self.confidence
 
-    def _explain(self, gain: float, p_faster: float) -> str:
+    def _explain(self, trial: Trial, against: tuple[Candidate, Trial, Any], p_faster: float) -> str:
         return (
-            f"{gain:.2f}x per sample, faster in {100 * p_faster:.0f}% of step pairs "
-            f"(needs >= {self._required_gain:.2f}x and {100 * self.confidence:.0f}%)"
+            f"{trial.gain_text} per sample vs {against[0].label}, faster in {100 * p_faster:.0f}% of step pairs "
+            f"(needs >= {self._required_gain:.2f}x, the noise bar, and {100 * self.confidence:.0f}%)"
         )
 
     def _estimate(self, candidate: Candidate, against: tuple[Candidate, Trial, Any]) -> float:
@@ -615,17 +663,6 @@ class AutoTuner:
         return wall * factor
 
     # ------------------------------------------------------------------ running and recording trials
-
-    def _resolve_isolation(self) -> str:
-        if self.isolation != "auto":
-            return self.isolation
-        if isinstance(self.source, ObjectSource):
-            main = sys.modules.get("__main__")
-            interactive = main is not None and getattr(main, "__file__", None) is None
-            if interactive and self.source.defined_in_main:
-                # Classes defined in a notebook or REPL cannot be re-imported by a fresh process.
-                return "in-process"
-        return "process"
 
     def _spec(self, candidate: Candidate) -> Any:
         from lightning_perf.benchmark.worker import RunSpec
@@ -643,6 +680,30 @@ class AutoTuner:
             repeat=self._count,
             loader_overrides=dict(candidate.loader),
         )
+
+    def _trial(self, candidate: Candidate, timeout: float) -> tuple[Any, list[str], list[str]]:
+        """Measure ``candidate`` with the machine watched: ``(result, first causes, causes)``.
+
+        A run that the watcher finds disturbed (other processes' load, steal, load average, a throttled CPU, its own
+        interrupted steps) is measured once more when the budget allows; ``causes`` are those of the result
+        returned (empty: clean), ``first causes`` those of the run measured again (empty: it was not)."""
+        token = self._watch.start()
+        result = self._measure(candidate, timeout)
+        if result is None or not result.ok:
+            return result, [], []
+        causes = self._watch.causes(token, candidate.label, result.step_times_s)
+        if not causes:
+            return result, [], []
+        remaining = self._deadline - time.monotonic()
+        if (result.wall_s or 0.0) > remaining:
+            self._say(f" disturbed ({'; '.join(causes)}); no budget to measure it again")
+            return result, [], causes
+        self._say(f" disturbed ({'; '.join(causes)}); measuring it again")
+        token = self._watch.start()
+        again = self._measure(candidate, remaining)
+        if again is None or not again.ok:
+            return result, [], causes
+        return again, causes, self._watch.causes(token, candidate.label, again.step_times_s)
 
     def _measure(self, candidate: Candidate, timeout: float) -> Any:
         """Run one trial; ``None`` when it ran out of time."""
@@ -664,30 +725,15 @@ class AutoTuner:
         return run_isolated(spec, self._tmp, timeout, source=self.source, name=f"lightning-perf-autotune-{self._count}")
 
     def _measure_in_process(self, spec: Any) -> Any:
-        import traceback
+        return run_in_process(spec, self.source.build)
 
-        import torch
-
-        from lightning_perf.benchmark.worker import RunResult, run
-        from lightning_perf.functional import backend_flags
-
-        flags = backend_flags.capture()
-        dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
-        rng = torch.random.get_rng_state()
-        try:
-            return run(spec, build=self.source.build)
-        except Exception as exc:
-            return RunResult(
-                spec=asdict(spec), ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
-            )
-        finally:
-            backend_flags.restore(flags)
-            torch.set_default_dtype(dtype)
-            torch.set_grad_enabled(grad)
-            torch.random.set_rng_state(rng)
-            torch._dynamo.reset()
-
-    def _record(self, candidate: Candidate, result: Any) -> Trial:
+    def _record(
+        self,
+        candidate: Candidate,
+        result: Any,
+        disturbed: list[str] = (),
+        remeasured: list[str] = (),  # type: ignore[assignment]
+    ) -> Trial:
         trial = Trial(
             label=candidate.label,
             stage=candidate.stage,
@@ -695,6 +741,8 @@ class AutoTuner:
             batch_size=candidate.batch_size if result is None else result.batch_size,
             loader=dict(candidate.loader),
             verdict="failed",
+            disturbed=list(disturbed),
+            remeasured_because=list(remeasured),
         )
         if result is not None:
             trial.wall_s = result.wall_s
@@ -709,17 +757,17 @@ class AutoTuner:
                 trial.step_memory_bytes = result.step_memory_bytes
                 if result.data_wait_s:
                     trial.data_wait_share = median(result.data_wait_s) / trial.step_median_s
-                base = self._base_throughput or (self._trials[0].throughput if self._trials else None)
-                if base and trial.throughput:
-                    trial.speedup = trial.throughput / base
+                if self._base_runs and candidate.stage != "baseline":
+                    estimate = speedup_estimate(self._base_runs, [per_sample_times(result)], paired=False)
+                    trial.set_ratio("speedup", estimate)
         self._trials.append(trial)
         if result is None:
             self._say(" out of time")
         elif not result.ok:
             self._say(f" failed ({trial.wall_s:.1f} s): {result.error}")
         else:
-            speedup = format_value(trial.speedup, ".2f", "x")
-            self._say(f" {trial.step_median_s * 1e3:.1f} ms/step, {speedup} ({trial.wall_s:.1f} s)")  # type: ignore[operator]
+            vs = "" if trial.speedup is None else f", {trial.speedup_text} vs baseline"
+            self._say(f" {trial.step_median_s * 1e3:.1f} ms/step{vs} ({trial.wall_s:.1f} s)")  # type: ignore[operator]
         return trial
 
     def _skip(self, candidate: Candidate, reason: str) -> None:
@@ -739,55 +787,3 @@ class AutoTuner:
     def _say(self, text: str, end: str = "\n") -> None:
         if self.progress:
             print(text, end=end, flush=True)
-
-    # ------------------------------------------------------------------ the recommendation
-
-    def _recommend(
-        self, candidate: Candidate, best: Trial, holder: tuple[str, int] | None, dm_params: list[str]
-    ) -> Recommendation:
-        from lightning_perf.benchmark.configs import get_config
-
-        config = get_config(candidate.config_name)
-        specs = [(path, dict(args)) for path, args in (config.callback_specs or ())]
-        trainer_kwargs = dict(config.trainer_kwargs)
-        notes = []
-        if candidate.batch_size is not None and holder is not None:
-            notes.append(
-                f"batch size {holder[1]} -> {candidate.batch_size} changes the optimization: scale the learning "
-                f"rate with it (e.g. linearly) and check convergence"
-            )
-        loader = dict(candidate.loader)
-        missing = [k for k in loader if k not in dm_params]
-        if missing:
-            notes.append(
-                f"the data module's __init__ does not take {', '.join(missing)}: set "
-                f"{', '.join(f'{k}={loader[k]!r}' for k in missing)} in its DataLoaders"
-            )
-        if any(c.startswith("compile") for c in candidate.configs):
-            notes.append(f"compile costs {best.warmup_s or 0:.0f} s of warm-up per run; it pays off on long runs")
-        return Recommendation(
-            configs=candidate.configs,
-            callback_specs=specs,
-            trainer_kwargs=trainer_kwargs,
-            batch_size=candidate.batch_size,
-            loader=dict(candidate.loader),
-            speedup=best.speedup or 1.0,
-            notes=notes,
-        )
-
-    def _bench_command(self, candidate: Candidate) -> str | None:
-        if not isinstance(self.source, WorkloadSource):
-            return None
-        parts = [
-            "lightning-perf bench",
-            f"--workload {self.source.workload}",
-            f"--preset {self.source.preset}",
-            f"--configs baseline,{candidate.config_name}" if candidate.configs else "--configs baseline",
-            f"--device {self.device}",
-        ]
-        if candidate.batch_size is not None:
-            parts.append(f"--batch-size {candidate.batch_size}")
-        workers = dict(candidate.loader).get("num_workers")
-        if workers:
-            parts.append(f"--num-workers {workers}")
-        return " ".join(parts)

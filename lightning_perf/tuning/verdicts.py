@@ -1,4 +1,4 @@
-"""The auto-tuner's statistics: per-sample step times, paired comparison of two runs, loss agreement."""
+"""The auto-tuner's statistics: per-sample step times, paired ratios with 95% intervals, loss agreement."""
 
 from __future__ import annotations
 
@@ -6,9 +6,17 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_perf.profiling.intervals import RatioEstimate, paired_ratio
 from lightning_perf.profiling.stats import percentile
 
-__all__ = ["compare", "loss_deviation", "median", "per_sample_times", "quartiles"]
+__all__ = [
+    "compare",
+    "loss_deviation",
+    "median",
+    "per_sample_times",
+    "quartiles",
+    "speedup_estimate",
+]
 
 
 def median(values: Sequence[float]) -> float:
@@ -50,3 +58,22 @@ def loss_deviation(candidate: Sequence[float], reference: Sequence[float]) -> fl
     if not pairs:
         return math.inf
     return median(abs(c - r) / max(abs(r), 1e-8) for c, r in pairs)
+
+
+def speedup_estimate(
+    reference: Sequence[Sequence[float]], candidate: Sequence[Sequence[float]], *, paired: bool = True
+) -> RatioEstimate:
+    """How much faster per sample ``candidate`` ran than ``reference``, with a 95% interval and a verdict.
+
+    Each side is a list of runs (per-sample step times of one process each). With the same number of runs on both
+    sides and ``paired``, run ``i`` is paired with run ``i`` (a candidate measured again is paired with its incumbent
+    measured again); otherwise each side's steps are pooled into one run. The ratio is reference time / candidate
+    time, so above 1 means faster; the interval comes from :func:`lightning_perf.profiling.intervals.paired_ratio`.
+    """
+    ref = [list(r) for r in reference if len(r)]
+    cand = [list(c) for c in candidate if len(c)]
+    if not ref or not cand:
+        raise ValueError("speedup_estimate() needs at least one step time on each side.")
+    if len(ref) != len(cand) or not paired:
+        ref, cand = [[t for r in ref for t in r]], [[t for c in cand for t in c]]
+    return paired_ratio(ref, cand)

@@ -1,0 +1,86 @@
+"""The tuner's recommendation: the settings of the best configuration it measured, with notes on what they change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_perf.tuning.results import Recommendation, Trial
+
+__all__ = ["bench_command", "recommend"]
+
+
+def recommend(
+    candidate: Any,
+    best: Trial,
+    holder: tuple[str, int] | None,
+    dm_params: list[str],
+    causes: list[str] | None = None,
+) -> Recommendation:
+    """The recommendation for ``candidate`` (a :class:`~lightning_perf.tuning.tuner.Candidate`) measured as ``best``.
+
+    With ``causes`` (the reference measurement was disturbed) nothing is recommended: the result says why.
+    """
+    from lightning_perf.benchmark.configs import get_config
+
+    if causes:
+        return Recommendation(
+            configs=(),
+            callback_specs=[],
+            trainer_kwargs={},
+            batch_size=None,
+            loader={},
+            speedup=None,
+            reliable=False,
+            causes=list(causes),
+        )
+    config = get_config(candidate.config_name)
+    specs = [(path, dict(args)) for path, args in (config.callback_specs or ())]
+    notes = []
+    if candidate.batch_size is not None and holder is not None:
+        notes.append(
+            f"batch size {holder[1]} -> {candidate.batch_size} changes the optimization: scale the learning "
+            f"rate with it (e.g. linearly) and check convergence"
+        )
+    loader = dict(candidate.loader)
+    missing = [k for k in loader if k not in dm_params]
+    if missing:
+        notes.append(
+            f"the data module's __init__ does not take {', '.join(missing)}: set "
+            f"{', '.join(f'{k}={loader[k]!r}' for k in missing)} in its DataLoaders"
+        )
+    if any(c.startswith("compile") for c in candidate.configs):
+        notes.append(f"compile costs {best.warmup_s or 0:.0f} s of warm-up per run; it pays off on long runs")
+    unchanged = best.verdict == "baseline"
+    return Recommendation(
+        configs=candidate.configs,
+        callback_specs=specs,
+        trainer_kwargs=dict(config.trainer_kwargs),
+        batch_size=candidate.batch_size,
+        loader=loader,
+        speedup=None if unchanged else best.speedup,
+        speedup_ci95=None if unchanged else best.speedup_ci95,
+        speedup_verdict=None if unchanged else best.speedup_verdict,
+        speedup_method=None if unchanged else best.speedup_method,
+        notes=notes,
+    )
+
+
+def bench_command(source: Any, device: str, candidate: Any) -> str | None:
+    """The ``lightning-perf bench`` command that measures the recommendation again (reference workloads only)."""
+    from lightning_perf.benchmark.sources import WorkloadSource
+
+    if not isinstance(source, WorkloadSource):
+        return None
+    parts = [
+        "lightning-perf bench",
+        f"--workload {source.workload}",
+        f"--preset {source.preset}",
+        f"--configs baseline,{candidate.config_name}" if candidate.configs else "--configs baseline",
+        f"--device {device}",
+    ]
+    if candidate.batch_size is not None:
+        parts.append(f"--batch-size {candidate.batch_size}")
+    workers = dict(candidate.loader).get("num_workers")
+    if workers:
+        parts.append(f"--num-workers {workers}")
+    return " ".join(parts)
