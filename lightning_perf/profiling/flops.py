@@ -335,18 +335,20 @@ def measure_cpu_peak_flops(
     return 2.0 * size**3 / median
 
 
-def _read_cache(path: Path) -> dict[str, Any]:
-    """The cache's entries (key -> entry); a missing file is empty, a corrupt one warns and counts as empty."""
+def _read_cache(path: Path, *, quiet: bool = False) -> dict[str, Any]:
+    """The cache's entries (key -> entry); a missing file is empty, a corrupt one warns (unless ``quiet``) and counts
+    as empty."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
     except OSError as exc:
-        warnings.warn(
-            f"Could not read the peak FLOP/s cache {str(path)!r} ({exc}); measuring again.",
-            MeasurementWarning,
-            stacklevel=3,
-        )
+        if not quiet:
+            warnings.warn(
+                f"Could not read the peak FLOP/s cache {str(path)!r} ({exc}); measuring again.",
+                MeasurementWarning,
+                stacklevel=4,  # the caller of peak_flops
+            )
         return {}
     try:
         data = json.loads(text)
@@ -354,11 +356,13 @@ def _read_cache(path: Path) -> dict[str, Any]:
         if not isinstance(entries, dict):
             raise ValueError("expected an object with 'schema': 1 and 'entries'")
     except (ValueError, KeyError, TypeError) as exc:
-        warnings.warn(
-            f"The peak FLOP/s cache {str(path)!r} is not valid ({exc}); ignoring it, measuring again and rewriting it.",
-            MeasurementWarning,
-            stacklevel=3,
-        )
+        if not quiet:
+            warnings.warn(
+                f"The peak FLOP/s cache {str(path)!r} is not valid ({exc}); "
+                "ignoring it, measuring again and rewriting it.",
+                MeasurementWarning,
+                stacklevel=4,  # the caller of peak_flops
+            )
         return {}
     return {key: entry for key, entry in entries.items() if _valid_entry(entry)}
 
@@ -377,7 +381,7 @@ def _cpu_peak(dtype: torch.dtype, threads: int, size: int, repeats: int, cache_p
     value = measure_cpu_peak_flops(dtype, threads, size, repeats)
     # Re-read just before writing, so a peak another process cached meanwhile (another dtype) is kept.
     entries = {
-        **_read_cache(cache_path),
+        **_read_cache(cache_path, quiet=True),
         key: {
             "flops_per_second": value,
             "repeats": repeats,
