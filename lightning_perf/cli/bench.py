@@ -225,13 +225,21 @@ def _run_bench(
 
         report = run_benchmark(options, command=command, argv=argv, left_out=left_out, on_run=line)
     else:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         with Progress(
             TextColumn("[bold]bench[/bold] {task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
+            TimeRemainingColumn(),
             console=console,
             transient=True,
         ) as bar:
