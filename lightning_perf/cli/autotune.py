@@ -5,7 +5,8 @@ Either a reference workload (``--workload convnet``) or the user's own classes b
     lightning-perf autotune --model my_project.models:Segmenter --datamodule my_project.data:Scans \\
         --model-args '{"depth": 4}' --time-budget 300 --output tuned.yaml
 
-writes ``tuned.yaml`` (a LightningCLI config: ``python train.py fit --config tuned.yaml``) and ``tuned.json``.
+writes ``tuned.yaml`` (a LightningCLI config: ``python train.py fit --config tuned.yaml``) and ``tuned.json``, and
+names both at the end. Existing files are never overwritten unless ``--force``: the run gets a number instead.
 The parser imports nothing heavy; the user's classes are imported after parsing, and a class that does not import
 still ends as one line on stderr with exit status 2.
 """
@@ -102,6 +103,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="YAML path; the JSON goes beside it (default: autotune-results/NAME.yaml)",
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite the output files if they exist (default: the new ones get a run number, NAME-2.yaml)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.set_defaults(run=run, subparser=parser)
     return parser
@@ -182,8 +188,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise UsageError(str(exc)) from None
     if args.quiet:
         result.print()
-    output = args.output or Path("autotune-results") / f"{name}.yaml"
+    from lightning_perf.tuning.results import unused_output
+
+    requested = args.output or Path("autotune-results") / f"{name}.yaml"
+    output = unused_output(requested, force=args.force)
+    if output != requested:
+        print(f"{requested} or its .json exists: this run is numbered ({output.name}; --force overwrites)")
     output.parent.mkdir(parents=True, exist_ok=True)
-    for path in result.write(output, output.with_suffix(".json")):
+    for path in result.write(output, output.with_suffix(".json"), force=args.force):
         print(f"wrote {path}")
     return 0

@@ -162,7 +162,7 @@ class TuningResult:
         "verdict",
         "step ms (IQR)",
         "samples/s",
-        "vs baseline",
+        "vs baseline [95% CI]",
         "P(faster)",
         "data wait",
         "loss dev",

@@ -48,3 +48,26 @@ class SmallConvNet(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class SmallMLP(pl.LightningModule):
+    """No convolution and no attention: channels-last and the attention swap have nothing to act on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class SmallAttentionNet(SmallMLP):
+    """One ``nn.MultiheadAttention``: the attention swap applies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)

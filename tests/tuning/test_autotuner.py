@@ -13,7 +13,6 @@ import torch
 import yaml
 
 from lightning_perf.benchmark.sources import apply_data_settings, batch_size_holder, rebuild_loader
-from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.demos import make_workload
 from lightning_perf.tuning import (
     AutoTuner,
@@ -25,7 +24,7 @@ from lightning_perf.tuning import (
     compare,
     loss_deviation,
 )
-from lightning_perf.tuning.conditions import TrialWatch
+from tests.tuning._scripted import quiet_machine, script_trials, scripted_result
 from tests.tuning._user_models import PlainDataModule, SmallConvNet
 
 # --------------------------------------------------------------------------- statistics
@@ -98,70 +97,19 @@ def test_objects_that_cannot_be_copied_are_refused_with_the_reason() -> None:
 # --------------------------------------------------------------------------- the search, on scripted measurements
 
 
-def _result(
-    step_s: float,
-    batch: int,
-    *,
-    wall: float = 2.0,
-    spread: float = 0.01,
-    losses: list[float] | None = None,
-    data_wait: float = 0.0,
-    ok: bool = True,
-    error: str | None = None,
-) -> RunResult:
-    times = [step_s * (1 + spread * ((i % 5) - 2) / 2) for i in range(10)]
-    return RunResult(
-        spec={},
-        ok=ok,
-        error=error,
-        traceback=None if ok else f"Traceback (most recent call last):\n  ...\n{error}",
-        batch_size=batch,
-        step_times_s=times if ok else [],
-        throughput=batch / sorted(times)[5] if ok else None,
-        warmup_s=1.0,
-        peak_memory_bytes=100 << 20,
-        step_memory_bytes=10 << 20,
-        losses=losses if losses is not None else [2.0 - 0.05 * i for i in range(13)],
-        data_wait_s=[step_s * data_wait] * 10,
-        wall_s=wall,
-    )
-
-
-def _scripted(monkeypatch: pytest.MonkeyPatch, script: dict[str, Any]) -> list[str]:
-    """Replace the trial runner: ``script`` maps a trial label to a result (or to a callable of the candidate)."""
-    ran: list[str] = []
-
-    def measure(self: AutoTuner, candidate: Candidate, timeout: float) -> Any:
-        ran.append(candidate.label)
-        label = candidate.label
-        if label not in script:  # a repeat of the baseline, or a confirming re-run: as scripted for the original
-            label = "baseline" if label == "baseline (repeat)" else label.removesuffix(" (again)")
-        value = script[label]
-        result = value(candidate) if callable(value) else value
-        self._count += 1
-        if result is not None and result.wall_s:
-            self._deadline -= result.wall_s  # the trial's time passes
-        return result
-
-    monkeypatch.setattr(AutoTuner, "_measure", measure)
-    # A quiet machine unless a test scripts a disturbance: the decisions are tested, not this machine's load.
-    monkeypatch.setattr(TrialWatch, "causes", lambda self, token, label, steps: [])
-    return ran
-
-
 def test_keeps_only_measurable_safe_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     _, data = make_workload("convnet", "tiny")
     own = data.batch_size
-    ran = _scripted(
+    ran = script_trials(
         monkeypatch,
         {
-            "baseline": _result(0.100, own, wall=10),
+            "baseline": scripted_result(0.100, own, wall=10),
             # Faster, but its losses drift 20% from the baseline's on the same batches: not safe.
-            "+bf16-mixed": _result(0.070, own, losses=[2.4 - 0.06 * i for i in range(13)]),
-            "+channels_last": _result(0.080, own, wall=50),
+            "+bf16-mixed": scripted_result(0.070, own, losses=[2.4 - 0.06 * i for i in range(13)]),
+            "+channels_last": scripted_result(0.080, own, wall=50),
             # 1.3% faster at the median, well inside its own spread: noise, not a win.
-            "+fused_optimizer": _result(0.079, own, spread=0.2),
-            "batch_size=" + str(own * 2): _result(0.140, own * 2),
+            "+fused_optimizer": scripted_result(0.079, own, spread=0.2),
+            "batch_size=" + str(own * 2): scripted_result(0.140, own * 2),
         },
     )
     tuner = AutoTuner(
@@ -217,12 +165,12 @@ def test_recommendation_loads_in_lightning_cli(monkeypatch: pytest.MonkeyPatch, 
 
     _, data = make_workload("convnet", "tiny")
     own = data.batch_size
-    _scripted(
+    script_trials(
         monkeypatch,
         {
-            "baseline": _result(0.100, own),
-            "+channels_last": _result(0.080, own),
-            f"batch_size={own * 2}": _result(0.140, own * 2),
+            "baseline": scripted_result(0.100, own),
+            "+channels_last": scripted_result(0.080, own),
+            f"batch_size={own * 2}": scripted_result(0.140, own * 2),
         },
     )
     result = AutoTuner(
@@ -270,12 +218,12 @@ def test_precision_alternatives_compete(monkeypatch: pytest.MonkeyPatch) -> None
     """Two mixed precisions both beat fp32: the faster one is kept, the other rejected as beaten."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("lightning_perf._device.supports_bf16", lambda device=None: True)
-    _scripted(
+    script_trials(
         monkeypatch,
         {
-            "baseline": _result(0.100, 8),
-            "+bf16-mixed": _result(0.060, 8),
-            "+16-mixed": _result(0.050, 8),
+            "baseline": scripted_result(0.100, 8),
+            "+bf16-mixed": scripted_result(0.060, 8),
+            "+16-mixed": scripted_result(0.050, 8),
         },
     )
     tuner = AutoTuner(
@@ -300,12 +248,12 @@ def test_precision_alternatives_compete(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_data_loading_tried_when_the_step_waits_for_data(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    ran = _scripted(
+    ran = script_trials(
         monkeypatch,
         {
-            "baseline": _result(0.100, 8, data_wait=0.4),
-            "num_workers=1": _result(0.070, 8, data_wait=0.1),
-            "num_workers=2": _result(0.069, 8, data_wait=0.05),  # within noise of 1 worker: not kept
+            "baseline": scripted_result(0.100, 8, data_wait=0.4),
+            "num_workers=1": scripted_result(0.070, 8, data_wait=0.1),
+            "num_workers=2": scripted_result(0.069, 8, data_wait=0.05),  # within noise of 1 worker: not kept
         },
     )
     result = AutoTuner(
@@ -327,7 +275,7 @@ def test_data_loading_tried_when_the_step_waits_for_data(monkeypatch: pytest.Mon
 
 def test_a_failing_model_stops_the_tuner_with_its_own_error(monkeypatch: pytest.MonkeyPatch) -> None:
     error = "ValueError: the user's own bug in training_step"
-    ran = _scripted(monkeypatch, {"baseline": _result(0.1, 8, ok=False, error=error)})
+    ran = script_trials(monkeypatch, {"baseline": scripted_result(0.1, 8, ok=False, error=error)})
     with pytest.raises(ModelError, match="This is the model's own error") as info:
         AutoTuner(SmallConvNet(), PlainDataModule(), progress=False).run()
     assert error in str(info.value) and "Traceback" in str(info.value)
@@ -335,10 +283,10 @@ def test_a_failing_model_stops_the_tuner_with_its_own_error(monkeypatch: pytest.
 
 
 def test_budget_too_small_for_two_trials(monkeypatch: pytest.MonkeyPatch) -> None:
-    _scripted(monkeypatch, {"baseline": _result(0.1, 8, wall=50)})
+    script_trials(monkeypatch, {"baseline": scripted_result(0.1, 8, wall=50)})
     with pytest.raises(TuningError, match=r"time_budget_s=60 is too small.*takes 50 s.*time_budget_s >= 100"):
         AutoTuner(SmallConvNet(), PlainDataModule(), time_budget_s=60, progress=False).run()
-    _scripted(monkeypatch, {"baseline": None})  # the baseline did not even finish within the budget
+    script_trials(monkeypatch, {"baseline": None})  # the baseline did not even finish within the budget
     with pytest.raises(TuningError, match=r"time_budget_s=5 is too small: the baseline trial"):
         AutoTuner(SmallConvNet(), PlainDataModule(), time_budget_s=5, progress=False).run()
 
@@ -388,7 +336,8 @@ def test_import_source_names_the_bad_path() -> None:
 # --------------------------------------------------------------------------- real trials
 
 
-def test_real_trials_in_process_leave_the_users_objects_alone() -> None:
+def test_real_trials_in_process_leave_the_users_objects_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    quiet_machine(monkeypatch)  # real trials; the watcher's verdict on this machine's load is tested on its own
     model, data = SmallConvNet(), PlainDataModule(batch_size=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tuner = AutoTuner(
@@ -428,9 +377,10 @@ def test_real_failure_in_a_spawned_trial_reports_the_models_traceback() -> None:
     assert len(tuner._trials) == 1
 
 
-def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_perf.cli import main
 
+    quiet_machine(monkeypatch)  # real trials; the watcher's verdict on this machine's load is tested on its own
     output = tmp_path / "tuned.yaml"
     code = main(
         [
@@ -505,12 +455,12 @@ def test_source_pickles_without_the_objects_being_touched() -> None:
 
 def test_cuda_graphs_replace_plain_compile_instead_of_stacking(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    ran = _scripted(
+    ran = script_trials(
         monkeypatch,
         {
-            "baseline": _result(0.100, 8),
-            "+compile": _result(0.070, 8),
-            "compile_reduce_overhead instead of compile": _result(0.050, 8),
+            "baseline": scripted_result(0.100, 8),
+            "+compile": scripted_result(0.070, 8),
+            "compile_reduce_overhead instead of compile": scripted_result(0.050, 8),
         },
     )
     result = AutoTuner(
@@ -530,7 +480,7 @@ def test_cuda_graphs_replace_plain_compile_instead_of_stacking(monkeypatch: pyte
     assert rec.callback_specs == [("lightning_perf.callbacks.CompileCallback", {"mode": "reduce-overhead"})]
     # On a CPU the CUDA-graphs variant is skipped and says why.
     monkeypatch.undo()
-    _scripted(monkeypatch, {"baseline": _result(0.100, 8), "+compile": _result(0.070, 8)})
+    script_trials(monkeypatch, {"baseline": scripted_result(0.100, 8), "+compile": scripted_result(0.070, 8)})
     result = AutoTuner(
         SmallConvNet(),
         PlainDataModule(),
@@ -546,15 +496,15 @@ def test_cuda_graphs_replace_plain_compile_instead_of_stacking(monkeypatch: pyte
 
 def test_the_noise_between_two_baseline_runs_raises_the_bar(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two baseline processes 20% apart: a 1.2x candidate is within that noise, a 1.5x one is not."""
-    ran = _scripted(
+    ran = script_trials(
         monkeypatch,
         {
-            "baseline": _result(0.100, 8),
-            "baseline (repeat)": _result(0.120, 8),
-            "+channels_last": _result(0.092, 8),  # 1.2x the pooled baseline's median: within the noise
-            "baseline (again)": _result(0.100, 8),
-            "+channels_last (again)": _result(0.101, 8),  # ... and measured again, no faster
-            "+fused_optimizer": _result(0.070, 8),
+            "baseline": scripted_result(0.100, 8),
+            "baseline (repeat)": scripted_result(0.120, 8),
+            "+channels_last": scripted_result(0.092, 8),  # 1.2x the pooled baseline's median: within the noise
+            "baseline (again)": scripted_result(0.100, 8),
+            "+channels_last (again)": scripted_result(0.101, 8),  # ... and measured again, no faster
+            "+fused_optimizer": scripted_result(0.070, 8),
         },
     )
     result = AutoTuner(
@@ -582,9 +532,9 @@ def test_the_noise_between_two_baseline_runs_raises_the_bar(monkeypatch: pytest.
     assert 1.4 < fused.speedup < 1.72
     # Without the check the bar is min_gain alone.
     monkeypatch.undo()
-    ran = _scripted(
+    ran = script_trials(
         monkeypatch,
-        {"baseline": _result(0.100, 8), "+channels_last": _result(0.092, 8)},
+        {"baseline": scripted_result(0.100, 8), "+channels_last": scripted_result(0.092, 8)},
     )
     result = AutoTuner(
         SmallConvNet(),
@@ -615,14 +565,14 @@ def test_a_trial_past_the_budget_is_stopped_not_left_running(tmp_path: Path) -> 
 
 
 def test_a_small_win_measured_again_and_confirmed_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    ran = _scripted(
+    ran = script_trials(
         monkeypatch,
         {
-            "baseline": _result(0.100, 8),
-            "baseline (repeat)": _result(0.104, 8),  # 4% apart: the noise bar is 1.06x
-            "+compile": _result(0.085, 8),  # 1.2x: clear of the bar, below confirm_below (1.5x)
-            "baseline (again)": _result(0.110, 8),
-            "+compile (again)": _result(0.090, 8),  # wins again: 1.22x
+            "baseline": scripted_result(0.100, 8),
+            "baseline (repeat)": scripted_result(0.104, 8),  # 4% apart: the noise bar is 1.06x
+            "+compile": scripted_result(0.085, 8),  # 1.2x: clear of the bar, below confirm_below (1.5x)
+            "baseline (again)": scripted_result(0.110, 8),
+            "+compile (again)": scripted_result(0.090, 8),  # wins again: 1.22x
         },
     )
     result = AutoTuner(
@@ -643,14 +593,14 @@ def test_a_small_win_measured_again_and_confirmed_is_kept(monkeypatch: pytest.Mo
 
 def test_a_confirmed_win_inside_the_noise_bar_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reported case: a noise bar of 1.31x stated, then a 1.2x candidate 'confirmed' by a second pair: rejected."""
-    _scripted(
+    script_trials(
         monkeypatch,
         {
-            "baseline": _result(0.100, 8),
-            "baseline (repeat)": _result(0.120, 8),  # 20% apart: the bar is 1.31x
-            "+compile": _result(0.092, 8),  # 1.2x: plausible, below the bar
-            "baseline (again)": _result(0.110, 8),
-            "+compile (again)": _result(0.090, 8),  # wins again, by 1.22x: still inside the bar
+            "baseline": scripted_result(0.100, 8),
+            "baseline (repeat)": scripted_result(0.120, 8),  # 20% apart: the bar is 1.31x
+            "+compile": scripted_result(0.092, 8),  # 1.2x: plausible, below the bar
+            "baseline (again)": scripted_result(0.110, 8),
+            "+compile (again)": scripted_result(0.090, 8),  # wins again, by 1.22x: still inside the bar
         },
     )
     result = AutoTuner(
@@ -669,12 +619,12 @@ def test_a_confirmed_win_inside_the_noise_bar_is_not_kept(monkeypatch: pytest.Mo
 
 
 def test_no_budget_to_confirm_a_small_win_rejects_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    _scripted(
+    script_trials(
         monkeypatch,
         {
-            "baseline": _result(0.100, 8, wall=30),
-            "baseline (repeat)": _result(0.120, 8, wall=30),
-            "+compile": _result(0.092, 8, wall=20),
+            "baseline": scripted_result(0.100, 8, wall=30),
+            "baseline (repeat)": scripted_result(0.120, 8, wall=30),
+            "+compile": scripted_result(0.092, 8, wall=20),
         },
     )
     # 100 s: 60 for the two baselines, 20 for compile; confirming needs another baseline run (30 s) and more.
@@ -695,13 +645,13 @@ def test_no_budget_to_confirm_a_small_win_rejects_it(monkeypatch: pytest.MonkeyP
 
 def test_a_win_below_confirm_below_needs_a_second_pair_of_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Clear of the noise bar but below 1.5x: a lucky first process (a fluke) is caught by the second pair."""
-    ran = _scripted(
+    ran = script_trials(
         monkeypatch,
         {
-            "baseline": _result(0.100, 8),
-            "+fused_optimizer": _result(0.075, 8),  # 1.33x in its first process...
-            "+fused_optimizer (again)": _result(0.099, 8),  # ... and nothing when measured again
-            "+compile": _result(0.060, 8),  # 1.67x: no second pair needed
+            "baseline": scripted_result(0.100, 8),
+            "+fused_optimizer": scripted_result(0.075, 8),  # 1.33x in its first process...
+            "+fused_optimizer (again)": scripted_result(0.099, 8),  # ... and nothing when measured again
+            "+compile": scripted_result(0.060, 8),  # 1.67x: no second pair needed
         },
     )
     result = AutoTuner(
