@@ -5,49 +5,81 @@ Example::
     from lightning_perf.benchmark import benchmark_training_steps
     from lightning_perf.callbacks import ChannelsLastCallback
 
-    @pytest.mark.parametrize("callbacks", [[], [ChannelsLastCallback()]], ids=["baseline", "channels_last"])
-    def test_my_model_steps(benchmark, callbacks):
+    def test_channels_last_pays_off(benchmark):
         benchmark.group = "my-model"
-        benchmark_training_steps(benchmark, MyModule(), MyDataModule(), callbacks=callbacks, steps=10)
+        benchmark_training_steps(
+            benchmark, MyModule(), MyDataModule(), callbacks=[ChannelsLastCallback()], compare_with={"baseline": []}
+        )
+        assert benchmark.extra_info["verdict"] != "slower"
 
-``pytest --benchmark-only --benchmark-group-by=group`` then shows both side by side.
+The configurations named in ``compare_with`` are measured in the same test, round by round between the timed rounds
+of ``callbacks`` (interleaved, so a drift of the machine falls on all of them), and every configuration gets the same
+warm-up. ``benchmark.extra_info`` then holds the speed-up of ``callbacks`` over each, with its 95% interval and a
+verdict (``"faster"``, ``"slower"`` or ``"no clear difference"``): a difference inside the noise is marked as such.
+
+``pytest --benchmark-only --benchmark-group-by=group`` shows the timings side by side.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_perf.profiling import PhaseTimer
+__all__ = ["benchmark_training_steps"]
+
+_process_warmed_up = False
+"""Whether this process has trained once already: the first ``Trainer.fit`` of a process pays for lazy imports,
+thread pools and allocator growth, and without a throwaway fit first, whichever configuration a test session measured
+first looked slower than the rest (a no-op once came out 1.6x faster than it)."""
 
 
 class _StepTimes(Callback):
-    """Step time from one batch end to the next within a fit, so the Trainer's set-up never counts."""
+    """Step times from one batch end to the next within each fit (one list per fit), so set-up never counts."""
 
     def __init__(self) -> None:
-        self.timer: PhaseTimer | None = None
-        self._open = False
+        self.fits: list[list[float]] = []
+        self._last: int | None = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.timer is None:  # on the device the model trains on, not whatever device happens to exist
-            self.timer = PhaseTimer(device=pl_module.device)
-        self._open = False
+        self.fits.append([])
+        self._last = None
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        assert self.timer is not None
-        if self._open:
-            self.timer.stop("step")
-            self.timer.end_step()
-        self._open = trainer.global_step < trainer.max_steps
-        if self._open:
-            self.timer.start("step")
+        if pl_module.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(pl_module.device)
+        now = time.perf_counter_ns()
+        if self._last is not None:
+            self.fits[-1].append((now - self._last) / 1e9)
+        self._last = now
+
+
+def _check(steps: Any, warmup_steps: Any, rounds: Any, compare_with: Any, name: Any) -> None:
+    for arg, value, minimum in (("steps", steps, 2), ("rounds", rounds, 1), ("warmup_steps", warmup_steps, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"`benchmark_training_steps({arg}={value!r})` is not valid. Expected an int >= {minimum}.")
+    if compare_with is not None:
+        if not isinstance(compare_with, Mapping) or not all(
+            isinstance(k, str) and k and not isinstance(v, (str, Callback)) and isinstance(v, Sequence)
+            for k, v in compare_with.items()
+        ):
+            raise ValueError(
+                f"`benchmark_training_steps(compare_with={compare_with!r})` is not valid. Expected a dict of "
+                "configuration name -> list of callbacks, e.g. {'baseline': []}."
+            )
+        if name in compare_with:
+            raise ValueError(
+                f"`benchmark_training_steps(name={name!r})` is also a key of compare_with. Expected distinct names."
+            )
 
 
 def benchmark_training_steps(
@@ -57,6 +89,8 @@ def benchmark_training_steps(
     *,
     train_dataloaders: Any = None,
     callbacks: Sequence[Callback] = (),
+    compare_with: Mapping[str, Sequence[Callback]] | None = None,
+    name: str | None = None,
     steps: int = 10,
     warmup_steps: int = 3,
     rounds: int = 5,
@@ -64,31 +98,43 @@ def benchmark_training_steps(
 ) -> Any:
     """Time ``steps`` training steps of a copy of ``model`` per round with pytest-benchmark's ``benchmark`` fixture.
 
-    A warm-up fit of ``warmup_steps`` runs first, outside the timing, so compilation, autotuning and allocator growth
-    do not count. Each round is a fresh ``Trainer.fit`` of ``steps`` steps with the same callback instances, so the
-    round time includes the Trainer's fixed set-up cost (identical with and without callbacks); the median steady step
-    time without that cost is stored in ``benchmark.extra_info["step_median_s"]``.
+    Every configuration (``callbacks`` and each of ``compare_with``) trains its own copy of ``model`` and is warmed
+    up the same way first: an untimed fit of ``warmup_steps`` steps with its own callbacks. The first call in a
+    process also runs one throwaway fit before anything, so the configuration measured first does not pay for the
+    process's first Trainer. Each round is a fresh ``Trainer.fit`` of ``steps`` steps; the ``compare_with``
+    configurations run their round just before each timed round of ``callbacks`` (pytest-benchmark times only
+    ``callbacks``; the others are timed by the same per-step clock).
+
+    ``benchmark.extra_info`` gets ``steps``, ``warmup_steps``, ``rounds``, ``callbacks``, ``step_median_s``,
+    ``step_p90_s``, ``step_times_s`` (per round), ``order`` (the configurations in the order they ran) and, with
+    ``compare_with``, ``comparisons``: per name, ``speedup`` (its step time / this one's), ``speedup_ci95``,
+    ``speedup_verdict``, ``speedup_method`` and its ``step_median_s``. With exactly one comparison these are also at
+    the top level (``speedup``, ``speedup_ci95``, ``verdict``, ``speedup_method``, ``compared_with``).
 
     Args:
         benchmark: the pytest-benchmark fixture.
-        model: the module to train; a deep copy is trained, the object passed in is left untouched.
+        model: the module to train; deep copies are trained, the object passed in is left untouched.
         datamodule: its data, or pass ``train_dataloaders``.
         callbacks: the callbacks under test (empty for the baseline).
-        steps: training steps per timed round.
-        warmup_steps: untimed steps before the first round.
-        rounds: timed rounds.
+        compare_with: other configurations to measure interleaved with this one, name -> callbacks.
+        name: this configuration's name in ``order`` (default: its callbacks' class names, or ``baseline``).
+        steps: training steps per round (the first of each fit is not timed: the clock starts at its end).
+        warmup_steps: untimed steps per configuration before its first round.
+        rounds: timed rounds per configuration.
         trainer_kwargs: extra Trainer arguments (accelerator, precision, ...).
 
     Raises:
-        ValueError: for non-positive ``steps``/``rounds`` or negative ``warmup_steps``.
+        ValueError: for ``steps`` below 2, non-positive ``rounds``, negative ``warmup_steps``, a malformed
+            ``compare_with``, or not exactly one of ``datamodule`` and ``train_dataloaders``.
     """
-    for name, value, minimum in (("steps", steps, 1), ("rounds", rounds, 1), ("warmup_steps", warmup_steps, 0)):
-        if not isinstance(value, int) or value < minimum:
-            raise ValueError(f"benchmark_training_steps({name}={value!r}) is not valid: expected an int >= {minimum}.")
+    global _process_warmed_up
+    from lightning_perf.profiling.intervals import paired_ratio
+    from lightning_perf.profiling.stats import summarize
+
+    name = name or "+".join(type(cb).__name__ for cb in callbacks) or "baseline"
+    _check(steps, warmup_steps, rounds, compare_with, name)
     if (datamodule is None) == (train_dataloaders is None):
-        raise ValueError("benchmark_training_steps needs exactly one of `datamodule` or `train_dataloaders`.")
-    model = copy.deepcopy(model)
-    clock = _StepTimes()
+        raise ValueError("`benchmark_training_steps` needs exactly one of `datamodule` or `train_dataloaders`.")
     kwargs: dict[str, Any] = {
         "logger": False,
         "enable_checkpointing": False,
@@ -99,21 +145,63 @@ def benchmark_training_steps(
         "max_epochs": -1,
         **(trainer_kwargs or {}),
     }
+    configs = {name: list(callbacks), **{k: list(v) for k, v in (compare_with or {}).items()}}
+    models = {k: copy.deepcopy(model) for k in configs}
+    clocks = {k: _StepTimes() for k in configs}
+    order: list[str] = []
 
-    def fit(n: int, timed: bool) -> None:
-        extra = [clock] if timed else []
-        trainer = pl.Trainer(max_steps=n, callbacks=[*callbacks, *extra], **kwargs)
-        trainer.fit(model, datamodule=datamodule, train_dataloaders=train_dataloaders)
+    def fit(config: str, n: int, timed: bool, module: pl.LightningModule | None = None) -> None:
+        extra = [clocks[config]] if timed else []
+        trainer = pl.Trainer(max_steps=n, callbacks=[*configs.get(config, []), *extra], **kwargs)
+        trainer.fit(module or models[config], datamodule=datamodule, train_dataloaders=train_dataloaders)
+        if timed:
+            order.append(config)
 
+    if not _process_warmed_up:
+        fit("process warm-up", max(warmup_steps, 1), timed=False, module=copy.deepcopy(model))
+        _process_warmed_up = True
     if warmup_steps:
-        fit(warmup_steps, timed=False)
-    result = benchmark.pedantic(fit, args=(steps, True), rounds=rounds, iterations=1)
-    stats = clock.timer.summary().get("step") if clock.timer is not None else None
-    benchmark.extra_info.update(
-        steps=steps,
-        warmup_steps=warmup_steps,
-        callbacks=[type(cb).__name__ for cb in callbacks],
-        step_median_s=stats.median if stats is not None else None,
-        step_p90_s=stats.p90 if stats is not None else None,
-    )
+        for config in configs:  # the same warm-up for every configuration, the measured one included
+            fit(config, warmup_steps, timed=False)
+    others = [k for k in configs if k != name]
+
+    def other_rounds() -> None:
+        for config in others:
+            fit(config, steps, timed=True)
+
+    result = benchmark.pedantic(lambda: fit(name, steps, True), setup=other_rounds, rounds=rounds, iterations=1)
+    mine = clocks[name].fits
+    flat = [t for f in mine for t in f]
+    stats = summarize(flat) if flat else None
+    info: dict[str, Any] = {
+        "steps": steps,
+        "warmup_steps": warmup_steps,
+        "rounds": rounds,
+        "callbacks": [type(cb).__name__ for cb in callbacks],
+        "step_median_s": stats.median if stats is not None else None,
+        "step_p90_s": stats.p90 if stats is not None else None,
+        "step_times_s": mine,
+        "order": order,
+    }
+    comparisons = {}
+    for other in others:
+        theirs = clocks[other].fits
+        if not (mine and theirs and all(mine) and all(theirs)):
+            continue
+        estimate = paired_ratio(theirs, mine)
+        comparisons[other] = estimate.to_dict("speedup") | {
+            "step_median_s": summarize([t for f in theirs for t in f]).median
+        }
+    if compare_with is not None:
+        info["comparisons"] = comparisons
+    if len(comparisons) == 1:
+        (other, found), *_ = comparisons.items()
+        info.update(
+            compared_with=other,
+            speedup=found["speedup"],
+            speedup_ci95=found["speedup_ci95"],
+            verdict=found["speedup_verdict"],
+            speedup_method=found["speedup_method"],
+        )
+    benchmark.extra_info.update(info)
     return result
