@@ -176,11 +176,14 @@ class PeakFlops:
     """What the machine can compute per second in one dtype, and how that figure was obtained.
 
     ``source`` is ``"given"``, ``"table: H100 SXM bf16 dense"``, ``"measured matmul 2048^3 fp32, 2 threads"`` (or
-    ``"... (cached)"``), or ``"unknown: <why>"`` with ``flops_per_second`` None.
+    ``"... (cached)"``, or ``"... (disturbed, not cached)"``), or ``"unknown: <why>"`` with ``flops_per_second``
+    None. ``causes`` says what disturbed a CPU measurement (other processes' load, steal time, ...): such a peak is
+    too low, so an MFU against it too high, and it is not cached.
     """
 
     flops_per_second: float | None
     source: str
+    causes: tuple[str, ...] = ()
 
 
 _SHORT_DTYPE = {
@@ -310,29 +313,72 @@ def _time_matmuls(size: int, dtype: torch.dtype, threads: int, repeats: int) -> 
         torch.set_num_threads(previous)
 
 
+_PROBE_SIZE = 256  # small enough to take milliseconds even where a dtype is emulated
+_PROBE_REPEATS = 5  # the probe's median: a single small matmul right after start-up can be several times slower
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _label(size: int, dtype: torch.dtype, threads: int) -> str:
+    return f"measured matmul {size}^3 {_SHORT_DTYPE[dtype]}, {threads} thread{'s' if threads != 1 else ''}"
+
+
 def measure_cpu_peak_flops(
-    dtype: torch.dtype = torch.float32, threads: int | None = None, size: int = 2048, repeats: int = 3
-) -> float:
+    dtype: torch.dtype = torch.float32,
+    threads: int | None = None,
+    size: int = 2048,
+    repeats: int = 3,
+    max_matmul_s: float = 2.0,
+) -> PeakFlops:
     """FLOP/s of a ``size``-cubed matmul in ``dtype`` on ``threads`` CPU threads: ``2*size^3`` over the median time.
 
-    Not cached; :func:`peak_flops` caches it. Takes a few seconds at the default size (longer where the CPU has no
-    native instructions for ``dtype``, e.g. bf16 without avx512_bf16/AMX: then the figure is the emulated rate,
-    which is what a model in that dtype can reach on this machine).
+    Not cached (:func:`peak_flops` caches it). A ``256``-cubed probe first estimates the rate; ``size`` is halved
+    (down to 256) until one matmul takes at most ``max_matmul_s``, so a dtype the CPU only emulates (bf16 without
+    avx512_bf16/AMX: measured 0.7 GFLOP/s against 32 GFLOP/s in fp32 on a 2-core AVX2 machine) costs seconds, not
+    minutes. The figure is then that emulated rate: what a model in that dtype can reach on this machine. Smaller
+    matmuls run below the peak (512^3 fp32 reached half the 2048^3 rate there), so the source names the size used.
+    The machine's conditions are watched as the bench watches its runs
+    (:mod:`lightning_perf.profiling.reliability`); :attr:`PeakFlops.causes` names what disturbed the measurement.
     """
     threads = torch.get_num_threads() if threads is None else threads
     check_int("measure_cpu_peak_flops", "threads", threads, 1)
     check_int("measure_cpu_peak_flops", "size", size, 1)
     check_int("measure_cpu_peak_flops", "repeats", repeats, 1)
+    check_number("measure_cpu_peak_flops", "max_matmul_s", max_matmul_s, 0.0, exclusive=True)
     if dtype not in _SHORT_DTYPE:
         raise ValueError(
             f"`measure_cpu_peak_flops(dtype={dtype!r})` is not valid. Expected one of {list(_SHORT_DTYPE)}."
         )
-    seconds = sorted(_time_matmuls(size, dtype, threads, repeats))
-    middle = len(seconds) // 2
-    median = seconds[middle] if len(seconds) % 2 else (seconds[middle - 1] + seconds[middle]) / 2
+    from lightning_perf.profiling.reliability import ConditionMonitor, assess
+
+    monitor = ConditionMonitor(_probes())
+    start = monitor.start()
+    if size > _PROBE_SIZE:
+        probe = _median(_time_matmuls(_PROBE_SIZE, dtype, threads, _PROBE_REPEATS))
+        rate = 2.0 * _PROBE_SIZE**3 / probe if probe > 0 and math.isfinite(probe) else math.inf
+        while size > _PROBE_SIZE and 2.0 * size**3 / rate > max_matmul_s:
+            size = max(_PROBE_SIZE, size // 2)
+    seconds = _time_matmuls(size, dtype, threads, repeats)
+    label = _label(size, dtype, threads)
+    monitor.stop(start, "the peak matmul")
+    median = _median(seconds)
     if not (median > 0 and math.isfinite(median)):
         raise RuntimeError(f"The matmul timer gave {median!r} s; a CPU peak cannot be measured here.")
-    return 2.0 * size**3 / median
+    # The same judgement as the bench's: other processes' load, steal time, load average, frequency, outliers.
+    verdict = assess(monitor.runs, {label: [seconds]}, cores_used=threads, cpu_count=monitor.probes.cpu_count())
+    return PeakFlops(2.0 * size**3 / median, label, tuple(verdict.causes))
+
+
+def _probes() -> Any:
+    """The machine's counters for :class:`~lightning_perf.profiling.reliability.ConditionMonitor` (tests replace
+    this)."""
+    from lightning_perf.profiling.reliability import Probes
+
+    return Probes.system()
 
 
 def _read_cache(path: Path, *, quiet: bool = False) -> dict[str, Any]:
@@ -372,18 +418,25 @@ def _valid_entry(entry: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def _cpu_peak(dtype: torch.dtype, threads: int, size: int, repeats: int, cache_path: Path, refresh: bool) -> PeakFlops:
-    label = f"measured matmul {size}^3 {_SHORT_DTYPE[dtype]}, {threads} thread{'s' if threads != 1 else ''}"
+def _cpu_peak(
+    dtype: torch.dtype, threads: int, size: int, repeats: int, max_matmul_s: float, cache_path: Path, refresh: bool
+) -> PeakFlops:
     key = machine_key(dtype, threads, size)
     entries = _read_cache(cache_path)
     if not refresh and key in entries:
-        return PeakFlops(float(entries[key]["flops_per_second"]), f"{label} (cached)")
-    value = measure_cpu_peak_flops(dtype, threads, size, repeats)
+        entry = entries[key]
+        source = entry.get("source") if isinstance(entry.get("source"), str) else _label(size, dtype, threads)
+        return PeakFlops(float(entry["flops_per_second"]), f"{source} (cached)")
+    peak = measure_cpu_peak_flops(dtype, threads, size, repeats, max_matmul_s)
+    if peak.causes:
+        # Too low a peak would stay in the cache and inflate every later MFU: measure again next time.
+        return PeakFlops(peak.flops_per_second, f"{peak.source} (disturbed, not cached)", peak.causes)
     # Re-read just before writing, so a peak another process cached meanwhile (another dtype) is kept.
     entries = {
         **_read_cache(cache_path, quiet=True),
         key: {
-            "flops_per_second": value,
+            "flops_per_second": peak.flops_per_second,
+            "source": peak.source,
             "repeats": repeats,
             "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         },
@@ -394,7 +447,7 @@ def _cpu_peak(dtype: torch.dtype, threads: int, size: int, repeats: int, cache_p
         warnings.warn(
             f"Could not write the peak FLOP/s cache {str(cache_path)!r}: {exc}.", MeasurementWarning, stacklevel=3
         )
-    return PeakFlops(value, label)
+    return peak
 
 
 def peak_flops(
@@ -405,6 +458,7 @@ def peak_flops(
     threads: int | None = None,
     size: int = 2048,
     repeats: int = 3,
+    max_matmul_s: float = 2.0,
     cache_path: str | os.PathLike[str] | None = None,
     refresh: bool = False,
 ) -> PeakFlops:
@@ -421,8 +475,9 @@ def peak_flops(
         dtype: the dtype its matmuls run in (see :func:`dtype_of_precision`).
         given: a peak FLOP/s the caller knows; finite and > 0.
         threads: CPU threads for the measurement; the run's own count.
-        size: matmul size for the CPU measurement.
+        size: matmul size for the CPU measurement (halved while one matmul would take over ``max_matmul_s``).
         repeats: timed matmuls (after one warm-up); their median counts.
+        max_matmul_s: the longest one timed CPU matmul may take.
         cache_path: the JSON cache file.
         refresh: measure again even when the cache holds this machine's figure.
 
@@ -446,6 +501,7 @@ def peak_flops(
         check_int("peak_flops", "threads", threads, 1)
     check_int("peak_flops", "size", size, 1)
     check_int("peak_flops", "repeats", repeats, 1)
+    check_number("peak_flops", "max_matmul_s", max_matmul_s, 0.0, exclusive=True)
     if not isinstance(refresh, bool):
         raise TypeError(f"`peak_flops(refresh={refresh!r})` is not valid. Expected True or False.")
     if device.type == "cuda":
@@ -456,7 +512,7 @@ def peak_flops(
     if dtype not in _SHORT_DTYPE:
         return PeakFlops(None, f"unknown: no CPU measurement in {dtype}")
     path = Path(cache_path) if cache_path is not None else default_cache_path()
-    return _cpu_peak(dtype, threads or torch.get_num_threads(), size, repeats, path, refresh)
+    return _cpu_peak(dtype, threads or torch.get_num_threads(), size, repeats, max_matmul_s, path, refresh)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -479,10 +535,11 @@ def utilization(
         step_time_ci95_s: ``[low, high]`` 95% interval of the median step time; gives the intervals of the rates.
 
     Returns:
-        ``flops_per_step``, ``achieved_flops_per_second`` and its ``_ci95``, ``peak_flops_per_second`` and
-        ``peak_source``, ``mfu`` (achieved / peak, a fraction; None when the peak is unknown) and ``mfu_ci95``.
-        Only times end in ``_s``; an interval is None where no step-time interval was given. A measured CPU peak
-        is a real matmul's rate, so a model can come near or (with a disturbed peak measurement) above 1.
+        ``flops_per_step``, ``achieved_flops_per_second`` and its ``_ci95``, ``peak_flops_per_second``,
+        ``peak_source``, ``peak_causes`` (what disturbed a measured peak; empty when nothing did), ``mfu``
+        (achieved / peak, a fraction; None when the peak is unknown) and ``mfu_ci95``. Only times
+        end in ``_s``; an interval is None where no step-time interval was given. A measured CPU peak is a real
+        matmul's rate, so a model can come near or (with a disturbed peak measurement) above 1.
     """
     check_int("utilization", "flops_per_step", flops_per_step, 0)
     step_time = check_number("utilization", "step_time_s", step_time_s, 0.0, exclusive=True)
@@ -512,6 +569,7 @@ def utilization(
         "achieved_flops_per_second_ci95": achieved_ci,
         "peak_flops_per_second": peak_value,
         "peak_source": peak.source if peak is not None else "unknown: not asked",
+        "peak_causes": list(peak.causes) if peak is not None else [],
         "mfu": mfu,
         "mfu_ci95": mfu_ci,
     }

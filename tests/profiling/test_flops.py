@@ -6,6 +6,7 @@ check that a real measurement gives a positive figure.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import warnings
@@ -37,6 +38,7 @@ from lightning_perf.profiling.flops import (
     peak_flops,
     utilization,
 )
+from lightning_perf.profiling.reliability import Probes
 
 CPU_SDPA = "aten._scaled_dot_product_flash_attention_for_cpu"
 
@@ -263,61 +265,132 @@ def test_dtype_of_an_unknown_precision_is_refused(precision: str) -> None:
 # Peak FLOP/s: CPU measurement and its cache
 
 
+class FakeTimer:
+    """Stands in for the matmul timer: a machine computing ``rate`` FLOP/s, every call recorded.
+
+    The timed repeats spread around the true time (1.5x, 1x, 0.5x), so only their median gives ``rate`` back.
+    """
+
+    def __init__(self, rate: float = 1e11) -> None:
+        self.rate = rate
+        self.calls: list[tuple[int, torch.dtype, int, int]] = []
+
+    def __call__(self, size: int, dtype: torch.dtype, threads: int, repeats: int) -> list[float]:
+        self.calls.append((size, dtype, threads, repeats))
+        seconds = [2.0 * size**3 / self.rate] * repeats
+        if repeats >= 3:
+            seconds[0], seconds[-1] = 1.5 * seconds[0], seconds[-1] / 2
+        return seconds
+
+    @property
+    def measurements(self) -> list[tuple[int, torch.dtype, int, int]]:
+        """The timed runs, without the 256^3 probes that pick the size."""
+        return [call for call in self.calls if call[:1] + call[3:] != (256, flops._PROBE_REPEATS)]
+
+
+def fake_probes(other_cores: float = 0.0, cpu_count: int = 2) -> Probes:
+    """Counters of a machine where other processes keep ``other_cores`` cores busy (each reading is 1 s later)."""
+    clock_ticks, busy_ticks = itertools.count(), itertools.count()
+    return Probes(
+        clock=lambda: float(next(clock_ticks)),
+        system_cpu=lambda: (other_cores * next(busy_ticks), 0.0),
+        own_cpu=lambda: 0.0,
+        load_average=lambda: None,
+        frequency=lambda: None,
+        cpu_count=lambda: cpu_count,
+    )
+
+
 @pytest.fixture
-def fake_timer(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, torch.dtype, int, int]]:
-    """Replace the matmul timer: every call is recorded and takes 0.5 s (median of 1.0, 0.5, 0.25)."""
-    calls: list[tuple[int, torch.dtype, int, int]] = []
-
-    def timer(size: int, dtype: torch.dtype, threads: int, repeats: int) -> list[float]:
-        calls.append((size, dtype, threads, repeats))
-        return [1.0, 0.5, 0.25][:repeats] if repeats <= 3 else [0.5] * repeats
-
+def fake_timer(monkeypatch: pytest.MonkeyPatch) -> FakeTimer:
+    """A mocked matmul timer on a quiet machine (the machine's counters are mocked too)."""
+    timer = FakeTimer()
     monkeypatch.setattr(flops, "_time_matmuls", timer)
-    return calls
+    monkeypatch.setattr(flops, "_probes", fake_probes)
+    return timer
 
 
-def test_cpu_peak_is_measured_once_and_then_read_from_the_cache(tmp_path: Path, fake_timer: list) -> None:
+def test_cpu_peak_is_measured_once_and_then_read_from_the_cache(tmp_path: Path, fake_timer: FakeTimer) -> None:
     cache = tmp_path / "cache" / "peak_flops.json"
     first = peak_flops("cpu", torch.float32, threads=2, cache_path=cache)
-    assert first == PeakFlops(2 * 2048**3 / 0.5, "measured matmul 2048^3 fp32, 2 threads")
-    assert fake_timer == [(2048, torch.float32, 2, 3)]
+    assert first.source == "measured matmul 2048^3 fp32, 2 threads"
+    assert first.flops_per_second == pytest.approx(1e11)
+    assert fake_timer.calls == [
+        (256, torch.float32, 2, flops._PROBE_REPEATS),
+        (2048, torch.float32, 2, 3),
+    ]  # probe, then the peak
     assert cache.is_file()
     assert [p.name for p in cache.parent.iterdir()] == ["peak_flops.json"]  # no temporary file left behind
     second = peak_flops("cpu", torch.float32, threads=2, cache_path=cache)
-    assert len(fake_timer) == 1
+    assert len(fake_timer.calls) == 2
     assert second == PeakFlops(first.flops_per_second, "measured matmul 2048^3 fp32, 2 threads (cached)")
     stored = json.loads(cache.read_text())
     assert stored["entries"][machine_key(torch.float32, 2, 2048)]["flops_per_second"] == first.flops_per_second
 
 
-def test_cpu_peak_cache_is_keyed_by_dtype_threads_and_size(tmp_path: Path, fake_timer: list) -> None:
+def test_a_slow_dtype_is_measured_on_a_smaller_matmul(tmp_path: Path, fake_timer: FakeTimer) -> None:
+    fake_timer.rate = 1e9  # an emulated bf16: 2048^3 would take 17 s a matmul, 1024^3 2.1 s, 512^3 0.27 s
+    cache = tmp_path / "peak_flops.json"
+    peak = peak_flops("cpu", torch.bfloat16, threads=2, cache_path=cache)
+    assert peak.source == "measured matmul 512^3 bf16, 2 threads"
+    assert peak.flops_per_second == pytest.approx(1e9)
+    assert fake_timer.measurements == [(512, torch.bfloat16, 2, 3)]
+    cached = peak_flops("cpu", torch.bfloat16, threads=2, cache_path=cache)
+    assert cached.source == "measured matmul 512^3 bf16, 2 threads (cached)" and len(fake_timer.calls) == 2
+    fake_timer.rate = 1e6  # never below the probe's own size
+    assert measure_cpu_peak_flops(torch.float32, 1, 2048, 1).source == "measured matmul 256^3 fp32, 1 thread"
+    fake_timer.rate = 1e11
+    assert measure_cpu_peak_flops(torch.float32, 1, 4096, 1, max_matmul_s=10.0).source.startswith(
+        "measured matmul 4096^3"
+    )
+
+
+def test_cpu_peak_cache_is_keyed_by_dtype_threads_and_size(tmp_path: Path, fake_timer: FakeTimer) -> None:
     cache = tmp_path / "peak_flops.json"
     peak_flops("cpu", torch.float32, threads=2, cache_path=cache)
     bf16 = peak_flops("cpu", torch.bfloat16, threads=2, cache_path=cache)
-    one_thread = peak_flops("cpu", torch.float32, threads=1, cache_path=cache, size=256, repeats=1)
-    assert len(fake_timer) == 3
+    one_thread = peak_flops("cpu", torch.float32, threads=1, cache_path=cache, size=256, repeats=2)
+    assert len(fake_timer.measurements) == 3
     assert bf16.source == "measured matmul 2048^3 bf16, 2 threads"
-    assert one_thread == PeakFlops(2 * 256**3 / 1.0, "measured matmul 256^3 fp32, 1 thread")
+    assert one_thread.source == "measured matmul 256^3 fp32, 1 thread"
+    assert fake_timer.calls[-1] == (256, torch.float32, 1, 2) and fake_timer.calls[-2][1] is torch.bfloat16  # no probe
     assert len(json.loads(cache.read_text())["entries"]) == 3  # earlier entries kept
     for dtype, threads, size in ((torch.float32, 2, 2048), (torch.bfloat16, 2, 2048), (torch.float32, 1, 256)):
         assert peak_flops("cpu", dtype, threads=threads, size=size, cache_path=cache).source.endswith("(cached)")
-    assert len(fake_timer) == 3
+    assert len(fake_timer.measurements) == 3
 
 
-def test_refresh_measures_again(tmp_path: Path, fake_timer: list) -> None:
+def test_a_disturbed_measurement_says_so_and_is_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_timer: FakeTimer
+) -> None:
+    monkeypatch.setattr(flops, "_probes", lambda: fake_probes(other_cores=1.5))
+    cache = tmp_path / "peak_flops.json"
+    peak = peak_flops("cpu", torch.float32, threads=2, cache_path=cache)
+    assert peak.source == "measured matmul 2048^3 fp32, 2 threads (disturbed, not cached)"
+    assert len(peak.causes) == 1 and peak.causes[0].startswith("other processes' load")
+    assert not cache.exists()
+    row = utilization(10**9, 0.1, peak)
+    assert row["peak_causes"] == list(peak.causes) and row["peak_source"] == peak.source
+    monkeypatch.setattr(flops, "_probes", fake_probes)  # quiet again: measured anew, then cached
+    again = peak_flops("cpu", torch.float32, threads=2, cache_path=cache)
+    assert again.causes == () and not again.source.endswith(")") and cache.is_file()
+    assert len(fake_timer.measurements) == 2
+
+
+def test_refresh_measures_again(tmp_path: Path, fake_timer: FakeTimer) -> None:
     cache = tmp_path / "peak_flops.json"
     peak_flops("cpu", torch.float32, threads=1, cache_path=cache)
     again = peak_flops("cpu", torch.float32, threads=1, cache_path=cache, refresh=True)
-    assert len(fake_timer) == 2 and not again.source.endswith("(cached)")
+    assert len(fake_timer.measurements) == 2 and not again.source.endswith("(cached)")
 
 
-def test_default_threads_are_torch_s_own(tmp_path: Path, fake_timer: list) -> None:
+def test_default_threads_are_torch_s_own(tmp_path: Path, fake_timer: FakeTimer) -> None:
     peak_flops("cpu", torch.float32, cache_path=tmp_path / "p.json")
-    assert fake_timer[0][2] == torch.get_num_threads()
+    assert {call[2] for call in fake_timer.calls} == {torch.get_num_threads()}
 
 
 def test_cache_location_follows_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_timer: list
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_timer: FakeTimer
 ) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "lp-cache"))
     assert default_cache_path() == tmp_path / "lp-cache" / "peak_flops.json"
@@ -339,34 +412,34 @@ def test_cache_location_follows_the_environment(
     ],
 )
 def test_a_corrupt_cache_is_ignored_with_a_warning_and_rewritten(
-    tmp_path: Path, fake_timer: list, content: str
+    tmp_path: Path, fake_timer: FakeTimer, content: str
 ) -> None:
     cache = tmp_path / "peak_flops.json"
     cache.write_text(content)
     with pytest.warns(MeasurementWarning, match="not valid.*measuring again and rewriting"):
         peak = peak_flops("cpu", torch.float32, threads=1, cache_path=cache)
-    assert len(fake_timer) == 1 and peak.flops_per_second == 2 * 2048**3 / 0.5
+    assert len(fake_timer.measurements) == 1 and peak.flops_per_second == pytest.approx(1e11)
     assert json.loads(cache.read_text())["schema"] == 1
     assert peak_flops("cpu", torch.float32, threads=1, cache_path=cache).source.endswith("(cached)")  # no warning
-    assert len(fake_timer) == 1
+    assert len(fake_timer.measurements) == 1
 
 
 @pytest.mark.parametrize("stored", [-1.0, 0, "fast", None, True])
-def test_an_invalid_cache_entry_is_measured_again(tmp_path: Path, fake_timer: list, stored: object) -> None:
+def test_an_invalid_cache_entry_is_measured_again(tmp_path: Path, fake_timer: FakeTimer, stored: object) -> None:
     cache = tmp_path / "peak_flops.json"
     key = machine_key(torch.float32, 1, 2048)
     cache.write_text(json.dumps({"schema": 1, "entries": {key: {"flops_per_second": stored}}}))
     peak = peak_flops("cpu", torch.float32, threads=1, cache_path=cache)
-    assert len(fake_timer) == 1 and peak.flops_per_second == 2 * 2048**3 / 0.5
+    assert len(fake_timer.measurements) == 1 and peak.flops_per_second == pytest.approx(1e11)
 
 
-def test_an_unwritable_cache_warns_and_still_gives_the_peak(tmp_path: Path, fake_timer: list) -> None:
+def test_an_unwritable_cache_warns_and_still_gives_the_peak(tmp_path: Path, fake_timer: FakeTimer) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         peak = peak_flops("cpu", torch.float32, threads=1, cache_path=blocker / "peak_flops.json")
-    assert peak.flops_per_second == 2 * 2048**3 / 0.5
+    assert peak.flops_per_second == pytest.approx(1e11)
     messages = [str(w.message) for w in caught if issubclass(w.category, MeasurementWarning)]
     assert len(messages) == 2  # once for the read, once for the write; the re-read before writing is quiet
     assert messages[0].startswith("Could not read") and messages[1].startswith("Could not write")
@@ -386,6 +459,7 @@ def test_machine_key_names_what_decides_the_peak() -> None:
         ({"size": 0}, "size=0"),
         ({"repeats": 0}, "repeats=0"),
         ({"refresh": "yes"}, "refresh='yes'"),
+        ({"max_matmul_s": 0.0}, "max_matmul_s=0.0"),
         ({"threads": 2.0}, "threads=2.0"),
     ],
 )
@@ -404,15 +478,16 @@ def test_peak_flops_rejects_a_bad_device_or_dtype() -> None:
 
 def test_a_real_tiny_matmul_measures_a_positive_rate_and_restores_threads() -> None:
     threads = torch.get_num_threads()
-    rate = measure_cpu_peak_flops(torch.float32, threads=1, size=32, repeats=1)
-    assert rate > 0 and math.isfinite(rate)
+    peak = measure_cpu_peak_flops(torch.float32, threads=1, size=32, repeats=1)
+    assert peak.flops_per_second is not None and peak.flops_per_second > 0 and math.isfinite(peak.flops_per_second)
+    assert peak.source == "measured matmul 32^3 fp32, 1 thread"  # causes: whatever this machine is doing now
     assert torch.get_num_threads() == threads
 
 
 def test_a_zero_timing_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flops, "_time_matmuls", lambda *args: [0.0])
     with pytest.raises(RuntimeError, match="timer gave"):
-        measure_cpu_peak_flops(repeats=1)
+        measure_cpu_peak_flops(size=64, repeats=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -427,6 +502,7 @@ def test_utilization_arithmetic() -> None:
         "achieved_flops_per_second_ci95": pytest.approx([1.6e11, 2.5e11]),
         "peak_flops_per_second": 1e12,
         "peak_source": "given",
+        "peak_causes": [],
         "mfu": pytest.approx(0.2),
         "mfu_ci95": pytest.approx([0.16, 0.25]),
     }
