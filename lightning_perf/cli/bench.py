@@ -180,7 +180,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             num_workers=args.num_workers,
         )
     except ValueError as exc:
-        raise UsageError(f"argument --configs: {one_line(exc)}") from None
+        raise UsageError(f"argument --configs: {one_line(str(exc))}") from None
     argv = ["lightning-perf", *getattr(args, "argv", ["bench"])]
     return _run_bench(args, options, left_out, shlex.join(argv), argv, console)
 
