@@ -455,6 +455,7 @@ def peak_flops(
     dtype: torch.dtype,
     *,
     given: float | None = None,
+    given_source: str = "given",
     threads: int | None = None,
     size: int = 2048,
     repeats: int = 3,
@@ -474,6 +475,7 @@ def peak_flops(
         device: where the run computes.
         dtype: the dtype its matmuls run in (see :func:`dtype_of_precision`).
         given: a peak FLOP/s the caller knows; finite and > 0.
+        given_source: how the caller knows it, for the report (e.g. ``"given: Lightning get_available_flops"``).
         threads: CPU threads for the measurement; the run's own count.
         size: matmul size for the CPU measurement (halved while one matmul would take over ``max_matmul_s``).
         repeats: timed matmuls (after one warm-up); their median counts.
@@ -495,8 +497,10 @@ def peak_flops(
             ) from None
     check_instance("peak_flops", "device", device, torch.device, "a torch.device or a device string")
     check_instance("peak_flops", "dtype", dtype, torch.dtype, "a torch.dtype")
+    if not isinstance(given_source, str) or not given_source.strip():
+        raise ValueError(f"`peak_flops(given_source={given_source!r})` is not valid. Expected a non-empty string.")
     if given is not None:
-        return PeakFlops(check_number("peak_flops", "given", given, 0.0, exclusive=True), "given")
+        return PeakFlops(check_number("peak_flops", "given", given, 0.0, exclusive=True), given_source)
     if threads is not None:
         check_int("peak_flops", "threads", threads, 1)
     check_int("peak_flops", "size", size, 1)

@@ -186,6 +186,11 @@ def test_transformer_layer_in_eval_mode_counts_its_attention() -> None:
 def test_a_given_peak_is_used_as_is() -> None:
     assert peak_flops("cpu", torch.float32, given=1e12) == PeakFlops(1e12, "given")
     assert peak_flops(torch.device("cuda"), torch.bfloat16, given=5) == PeakFlops(5.0, "given")
+    lightning = peak_flops("cuda", torch.bfloat16, given=312e12, given_source="given: Lightning get_available_flops")
+    assert lightning == PeakFlops(312e12, "given: Lightning get_available_flops")
+    for bad in ("", "  ", None, 3):
+        with pytest.raises(ValueError, match="given_source="):
+            peak_flops("cpu", torch.float32, given=1.0, given_source=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("given", [0, -1.0, math.nan, math.inf, True, "1e12"])
