@@ -156,7 +156,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise UsageError(
                 f"argument --model-args/--datamodule-args: {args.model} or {args.datamodule} could not be built "
                 f"from {args.model_args or {}!r} and {args.datamodule_args or {}!r}: {type(exc).__name__}: "
-                f"{one_line(exc)}"
+                f"{one_line(str(exc))}"
             ) from None
         kwargs["source"] = source
         name = args.model.replace(":", ".").rsplit(".", 1)[-1]

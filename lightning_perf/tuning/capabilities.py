@@ -37,7 +37,7 @@ def model_capabilities(model: Any) -> ModelCapabilities:
     from lightning_perf.functional.channels_last import find_conv_layers
 
     adapters = attention_adapters()
-    attention = []
+    attention: list[str] = []
     for name, module in model.named_modules():
         if not name or any(name.startswith(outer + ".") for outer in attention):
             continue

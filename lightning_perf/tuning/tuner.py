@@ -2,15 +2,19 @@
 
 Every trial trains the user's model for a few warm-up steps and a few measured steps in a fresh process (``spawn``),
 through the same worker as ``lightning-perf bench``, so no compiled graph, backend flag or allocator state leaks from
-one trial into the next, and the objects the user passed are never modified. A candidate is kept only when it is
-measurably faster than the best configuration so far: its per-sample step time must be lower at the median by
-``min_gain`` and by 1.5x the difference between two baseline runs (process-to-process noise), *and* lower in at
-least ``confidence`` of all (candidate step, incumbent step) pairs (step-to-step noise), so noise is not mistaken
-for a win. A candidate that wins within its pair of processes, but by less than that noise bar or than
-``confirm_below`` (1.5x), is measured again with its incumbent in two more processes and kept only if it wins that
-second pair too. Candidates that change
-numerics (mixed precision, compile) must also reproduce the baseline's per-step losses on the same batches within
-``loss_rtol``.
+one trial into the next, and the objects the user passed are never modified.
+
+Honest measurement: every ratio the tuner prints or writes (vs baseline, vs the incumbent, the recommendation's
+headline) carries a 95% interval and a verdict (:mod:`lightning_perf.profiling.intervals`), and a row's reason quotes
+that row's own figure. A candidate is kept only when its per-sample gain over the best configuration so far reaches
+the noise bar it states (``min_gain``, or 1.5x the difference between two baseline runs), its interval lies above 1,
+and it is faster in at least ``confidence`` of all step pairs. A gain inside the bar, or below ``confirm_below``, is
+measured again with its incumbent in two more processes, and both pairs together must clear the bar. Candidates that
+change numerics must also reproduce the baseline's per-step losses within ``loss_rtol``. Trials that cannot apply are
+skipped with the reason (no attention module, no convolution, bf16 emulated on this CPU, CUDA only). Each trial is
+watched like a bench run (:mod:`lightning_perf.tuning.conditions`); a disturbed one is measured once more, one
+disturbed twice decides nothing, and a disturbed reference (or two baseline runs more than 1.5x apart) ends the
+search with "unreliable: <causes>" and no recommendation.
 
 The search, in order, within ``time_budget_s``:
 
@@ -728,11 +732,7 @@ class AutoTuner:
         return run_in_process(spec, self.source.build)
 
     def _record(
-        self,
-        candidate: Candidate,
-        result: Any,
-        disturbed: list[str] = (),
-        remeasured: list[str] = (),  # type: ignore[assignment]
+        self, candidate: Candidate, result: Any, disturbed: Sequence[str] = (), remeasured: Sequence[str] = ()
     ) -> Trial:
         trial = Trial(
             label=candidate.label,

@@ -57,7 +57,7 @@ def loss_deviation(candidate: Sequence[float], reference: Sequence[float]) -> fl
     pairs = list(zip(candidate, reference, strict=False))
     if not pairs:
         return math.inf
-    return median(abs(c - r) / max(abs(r), 1e-8) for c, r in pairs)
+    return median([abs(c - r) / max(abs(r), 1e-8) for c, r in pairs])
 
 
 def speedup_estimate(
