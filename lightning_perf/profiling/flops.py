@@ -154,7 +154,7 @@ def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> FlopCount:
 
         model = torch.nn.Linear(64, 32)
         x = torch.randn(8, 64)
-        count_flops(lambda: model(x).sum().backward()).total  # 3 * 2*8*64*32 = 98304
+        count_flops(lambda: model(x).sum().backward()).total  # forward + weight gradient: 2 * (2*8*64*32) = 65536
     """
     if not callable(fn):
         raise TypeError(f"`count_flops(fn={fn!r})` is not valid. Expected a callable that runs one step.")
@@ -465,11 +465,15 @@ def peak_flops(
 ) -> PeakFlops:
     """What ``device`` can compute per second in ``dtype``, and how that was found out.
 
-    In order: ``given`` when not None (e.g. ``lightning.fabric.utilities.throughput.get_available_flops(device,
-    dtype)``); on CUDA the dense datasheet figure of :data:`GPU_PEAK_FLOPS` (fp32 counts as TF32 unless
-    ``torch.get_float32_matmul_precision()`` is ``"highest"``); on CPU a ``size``-cubed matmul in ``dtype`` on
-    ``threads`` threads (default: torch's current count), measured once per machine and cached in ``cache_path``
-    (default :func:`default_cache_path`) under :func:`machine_key`. Other devices: unknown.
+    In order: ``given`` when not None; on CUDA the dense datasheet figure of :data:`GPU_PEAK_FLOPS` (fp32 counts as
+    TF32 unless ``torch.get_float32_matmul_precision()`` is ``"highest"``); on CPU a ``size``-cubed matmul in
+    ``dtype`` on ``threads`` threads (default: torch's current count), measured once per machine and cached in
+    ``cache_path`` (default :func:`default_cache_path`) under :func:`machine_key`. Other devices: unknown.
+
+    On a GPU without a table entry, pass Lightning's figure:
+    ``given=get_available_flops(device, dtype), given_source="given: Lightning get_available_flops"``. Not before the
+    table: Lightning 2.6 lists the sparse figure for the H100 NVL and H200 (and finds no H200 named plainly
+    ``"NVIDIA H200"``) and the fp32 rate as the RTX 4090's bf16 rate, so an MFU against those is off by 2x or more.
 
     Args:
         device: where the run computes.
