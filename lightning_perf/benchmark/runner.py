@@ -280,6 +280,8 @@ def run_benchmark(
                 if on_run is not None:
                     elapsed = time.perf_counter() - start
                     status = "ok" if result.ok else f"skipped: {result.skipped}" if result.skipped else "failed"
+                    if result.error and not result.ok:
+                        status = f"failed: {' '.join(result.error.split())[:160]}"
                     on_run(
                         RunEvent(
                             name, repeat, options.repeats, done, total, result.step_median_s if result.ok else None,
