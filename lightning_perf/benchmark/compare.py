@@ -319,7 +319,8 @@ def _machine(*sources: Mapping[str, Any]) -> dict[str, Any]:
 
 def _run_description(run: Mapping[str, Any], environment: Mapping[str, Any]) -> list[str]:
     parts = []
-    git = run.get("git") if isinstance(run.get("git"), dict) else {}
+    git_entry = run.get("git")
+    git: Mapping[str, Any] = git_entry if isinstance(git_entry, dict) else {}
     commit = _first(run, "git_commit", "commit") or _first(git, "commit", "sha")
     if isinstance(commit, str) and commit:
         dirty = _first(run, "git_dirty", "dirty") or _first(git, "dirty")
@@ -470,7 +471,7 @@ def _load_pytest_benchmark(path: str, data: Mapping[str, Any]) -> ResultFile:
             for k, v in figures.items():
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                     raise _fail(path, f"{where}.{k} is {v!r}, expected a positive number")
-            entry.stats_only[ROUND_TIME.key] = {k: float(v) for k, v in figures.items()}
+            entry.stats_only[ROUND_TIME.key] = {k: float(v) for k, v in figures.items() if v is not None}
         if key in entries:
             raise _fail(path, f"holds two benchmarks named {key!r}")
         entries[key] = entry

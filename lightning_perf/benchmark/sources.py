@@ -208,7 +208,7 @@ def batch_size_holder(model: pl.LightningModule, datamodule: pl.LightningDataMod
             ("model", getattr(model, "batch_size", None)),
         ):
             if integer(held) and (value is None or held == value):
-                return name, held
+                return name, int(held)  # type: ignore[arg-type]  # integer() checked it
         return None
 
     with _datamodule_attached(model, datamodule):

@@ -43,11 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
-    subparser = args.subparser
+    subparser: argparse.ArgumentParser = args.subparser
     try:
         return int(args.run(args, subparser))
     except UsageError as exc:
-        subparser.error(str(exc))
+        subparser.error(str(exc))  # exits 2
     except KeyboardInterrupt:
         sys.stderr.write(f"{subparser.prog}: interrupted\n")
         return 130

@@ -51,7 +51,7 @@ class UsageError(ValueError):
     """A bad command-line value found after parsing (e.g. a class that does not import); the CLI exits 2 with it."""
 
 
-def one_line(text: str) -> str:
+def one_line(text: object) -> str:
     """``text`` with every run of whitespace (newlines included) folded into one space."""
     return " ".join(str(text).split())
 
@@ -66,8 +66,9 @@ class CliParser(argparse.ArgumentParser):
     Sub-parsers made through ``add_subparsers().add_parser`` are of this class too (argparse uses the parent's class).
     """
 
-    def __init__(self, *args: Any, allow_abbrev: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {one_line(message)}\n")

@@ -224,8 +224,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
         fail(parser, "--device", args.device, "cpu: no CUDA device is visible")
     try:
-        module_cls = import_class(args.module_class, pl.LightningModule, "--module-class")
-        datamodule_cls = (
+        module_cls: Any = import_class(args.module_class, pl.LightningModule, "--module-class")
+        datamodule_cls: Any = (
             None
             if args.datamodule_class is None
             else import_class(args.datamodule_class, pl.LightningDataModule, "--datamodule-class")

@@ -370,6 +370,6 @@ def compare_samples(
         ratio = float(np.median(b) / np.median(a))
         return SampleComparison(ratio, None, None, NO_CLEAR_DIFFERENCE, False, int(a.size), int(b.size))
     ratio, low, high = ratio_of_medians_ci(old, new, resamples=resamples, seed=seed)
-    p_value = mann_whitney_u(a, b).p_value
+    p_value = mann_whitney_u(a.tolist(), b.tolist()).p_value
     call = verdict(ratio, (low, high), p_value, threshold, higher_is_better=higher_is_better)
     return SampleComparison(ratio, (low, high), p_value, call, call == SLOWER, int(a.size), int(b.size))
