@@ -229,8 +229,10 @@ class PowerSGDDDPStrategy(DDPStrategy):
         # Lightning's forward redirection (each DDP step) puts the module's own bound `forward` back as an instance
         # attribute; drop it so the module is the plain one again (after a fit, and after one that failed).
         own = vars(module).get("forward") if module is not None else None
-        if module is not None and own is not None and getattr(own, "__func__", None) is getattr(
-            type(module).forward, "__func__", type(module).forward
+        if (
+            module is not None
+            and own is not None
+            and getattr(own, "__func__", None) is getattr(type(module).forward, "__func__", type(module).forward)
         ):
             del module.forward
 
