@@ -288,6 +288,20 @@ class MemoryProbe:
             peak_since_reset=self._peak_since_reset,
         )
 
+    def allocated(self) -> int:
+        """Only the ``allocated`` figure of :meth:`sample`: the cheap reading for a series taken every step.
+
+        On CPU one ``mallinfo2`` call (about a microsecond, no file read); on CUDA ``torch.cuda.memory_allocated``
+        (no synchronization). It allocates nothing on the C heap, so a series of these readings does not measure
+        itself.
+        """
+        if self._cuda:
+            return int(torch.cuda.memory_allocated(self.device))
+        if self._mallinfo2 is not None:
+            info = self._mallinfo2()
+            return int(info.uordblks + info.hblkhd)
+        return self._rss_and_peak()[0]
+
     def reset_peak(self) -> bool:
         """Restart the peak from the current level (process-wide). Returns whether the reset was possible.
 
