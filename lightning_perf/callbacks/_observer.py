@@ -1,11 +1,13 @@
 """What the observer callbacks (``BottleneckCallback``, ``MemoryProfilerCallback``) share: argument checks, where
-reports go, logging to the Trainer's loggers, the cross-rank summary at fit end, and optional charts."""
+reports go and under which name (never over an earlier run's files unless asked), the announcement of every file
+written, logging to the Trainer's loggers, the cross-rank summary at fit end, and optional charts."""
 
 from __future__ import annotations
 
+import glob
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,40 @@ def report_dir(trainer: pl.Trainer, dirpath: str | None) -> Path:
     if dirpath is not None:
         return Path(dirpath)
     return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+def report_stem(directory: Path, filename: str, patterns: Sequence[str], overwrite: bool) -> str:
+    """The stem of this run's report files, so that an earlier run's reports are never overwritten silently.
+
+    ``filename`` itself when no file ``<filename><pattern>`` exists in ``directory`` (``patterns`` are suffixes, glob
+    wildcards allowed, e.g. ``".json"``, ``"_oom_rank*.pickle"``) or when ``overwrite`` is True; otherwise the first
+    free run number: ``<filename>-2``, ``<filename>-3``, ... Call it once per fit on every rank before writing
+    anything, so all files of one run share the stem.
+    """
+    if overwrite:
+        return filename
+
+    def taken(stem: str) -> bool:
+        escaped = glob.escape(str(directory / stem))
+        return any(glob.glob(escaped + pattern) for pattern in patterns)
+
+    stem, run = filename, 1
+    while taken(stem):
+        run += 1
+        stem = f"{filename}-{run}"
+    return stem
+
+
+def announce_files(owner: str, paths: Iterable[str | os.PathLike | None]) -> list[str]:
+    """Say on rank zero, one line each, which report files this run wrote (None entries are skipped).
+
+    Returns:
+        The announced paths, as strings.
+    """
+    written = [os.fspath(p) for p in paths if p is not None]
+    for path in written:
+        rank_zero_info(f"{owner}: wrote {path}")
+    return written
 
 
 def log_metrics(trainer: pl.Trainer, metrics: Mapping[str, float]) -> None:

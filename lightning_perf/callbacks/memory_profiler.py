@@ -20,11 +20,13 @@ from lightning_perf._validation import check_bool, check_int
 from lightning_perf._warnings import MeasurementWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks._observer import (
     across_ranks,
+    announce_files,
     check_dirpath,
     check_filename,
     draw_chart,
     log_metrics,
     report_dir,
+    report_stem,
 )
 from lightning_perf.profiling import (
     LeakTrend,
@@ -39,11 +41,24 @@ from lightning_perf.profiling import (
     summarize,
     write_json,
 )
+from lightning_perf.profiling.leaks import MIN_LEAK_SAMPLES, NOISE_FLOOR_STEPS, SEGMENTS, LeakSeries
 
 __all__ = ["POINTS", "MemoryProfilerCallback"]
 
 POINTS: tuple[str, ...] = ("after_data", "after_forward", "after_backward", "after_optimizer")
 """Where in a training step memory can be sampled, in the order they happen."""
+
+PHASES: dict[str, str] = {
+    "after_data": "at the start of the step, once the batch is on the device",
+    "after_forward": "after the forward pass (the loss is computed)",
+    "after_backward": "after the backward pass",
+    "after_optimizer": "after the optimizer step (the end of the step)",
+}
+"""What each point of :data:`POINTS` means, as the leak warning says it."""
+
+LEAK_CHECK_EVERY_N_STEPS = 50
+"""How often (in training steps) the leak verdict is renewed, besides the end of each epoch and of fit."""
+_REPORT_PATTERNS = (".json", ".png", "_history_rank*.pickle", "_oom_rank*.pickle")
 
 _MIB = 1024.0 * 1024.0
 _MAX_REPORTED_SAMPLES = 20_000
@@ -65,13 +80,22 @@ class MemoryProfilerCallback(Callback):
     reserved and peak allocated bytes; on CPU the C allocator's bytes in use (glibc ``mallinfo2``), the resident set
     and its peak (see :mod:`lightning_perf.profiling.memory` for what each means and its limits).
 
-    Leak detection: for each point, the growth of ``allocated`` across the sampled steps after ``warmup_steps`` is
-    estimated with a Theil-Sen trend (the median of pairwise slopes, robust to spikes;
-    :func:`~lightning_perf.profiling.detect_leaks`). When it exceeds ``leak_threshold`` bytes per step over at least
-    ``leak_min_samples`` samples, a :class:`~lightning_perf.MeasurementWarning` names the rate and the point where
-    memory grows; it is checked at the end of each training epoch and of fit, and said once per fit. The threshold is
-    an absolute rate, not a fraction of memory in use: a leak costs the same bytes per step whatever the model's size,
-    and it is what decides how many steps remain before memory runs out.
+    Leak detection, by significance and with no absolute bound in bytes: memory in use (``allocated``) is read at
+    each point of *every* training step (one cheap reading: a ``mallinfo2`` call on CPU, the caching allocator's
+    counter on CUDA; into storage allocated once, so the series does not measure itself), whatever ``every_n_steps``.
+    Warm-up is left out: the first epoch when it is shorter than ``warmup_steps`` steps, else the first
+    ``warmup_steps`` steps (lazily built optimizer state, allocator arenas, the first validation run's caches). On
+    the rest, for each point, :func:`~lightning_perf.profiling.detect_leaks` fits a Theil-Sen slope and Sen's
+    distribution-free 95% interval, and flags the point when, over at least ``leak_min_samples`` steps, the interval
+    lies above zero (growth noise would rarely produce), it does so in each third of the steps as well (steady: a
+    cache that fills up and stops, or a one-time jump, leaves a third flat), and the growth over two steps reaches the
+    noise floor of the readings (their robust scatter around the trend, measured over short blocks). That last rule
+    is relative to the readings, not a number of bytes: the allocator's own churn drifts up in occasional jumps that
+    can be significant over a few hundred steps, yet is small per step next to that scatter, while a leak adds its
+    bytes at every step; the same rule holds on a calm GPU allocator and a busy CPU heap, for any model size.
+    The verdict is renewed every :data:`LEAK_CHECK_EVERY_N_STEPS` steps, at the end of each epoch and of fit; a
+    :class:`~lightning_perf.MeasurementWarning` containing "leak" names the phase that grows and its rate in KiB/step
+    with its 95% interval, once per fit. ``leak_threshold`` (bytes per step) is an optional extra bound, off by default.
 
     On CUDA, with ``record_history=True``, every allocation is recorded with its stack from the start of fit, and the
     history is written at the end of fit as ``<filename>_history.pickle``; with ``oom_snapshot=True`` (default) a
@@ -81,17 +105,22 @@ class MemoryProfilerCallback(Callback):
 
     At the end of fit, on rank zero: a table ``snapshot | time | allocated | reserved | peak | trend``, a JSON report
     ``<filename>.json`` and, with matplotlib, ``<filename>.png``: memory per point across the sampled steps, in
-    ``dirpath`` (default: the Trainer's ``log_dir``). The step's peak memory is sent to the Trainer's loggers
-    (``memory/peak``, ``memory/allocated``, ``memory/reserved``) every ``log_every_n_steps``; under DDP the peak and
-    the growth rates are summarized across ranks (min/mean/max, one ``all_gather`` at fit end). The JSON report is
-    also kept in :attr:`report`.
+    ``dirpath`` (default: the Trainer's ``log_dir``). Every file written is announced with its path, one line each
+    (``rank_zero_info``). An earlier run's reports are never overwritten silently: when files of ``<filename>``
+    already exist there, this run writes ``<filename>-2.*`` (then ``-3``, ...), unless ``overwrite=True``. The step's
+    peak memory is sent to the Trainer's loggers (``memory/peak``, ``memory/allocated``, ``memory/reserved``) every
+    ``log_every_n_steps``; under DDP the peak and the growth rates are summarized across ranks (min/mean/max, one
+    ``all_gather`` at fit end). The JSON report is also kept in :attr:`report`.
 
     Args:
-        every_n_steps: sample one training step in this many (1: every step).
+        every_n_steps: take a full snapshot (allocated, reserved, peak and time at each point) of one training step in
+            this many (1: every step). The leak series reads ``allocated`` at every step regardless.
         points: which points to sample (names from :data:`POINTS`); ``None`` for all.
-        warmup_steps: leading steps left out of the leak trend (allocator and optimizer state growth).
-        leak_threshold: growth of memory in use, in bytes per step, above which a point is reported as leaking.
-        leak_min_samples: sampled steps after warm-up needed before a point can be reported as leaking.
+        warmup_steps: leading steps left out of the leak trend, at most (a shorter first epoch is left out instead).
+        leak_threshold: optional extra bound: a point is reported as leaking only if it also grows by more than this
+            many bytes per step. ``None`` (default): the verdict rests on significance and the noise floor alone.
+        leak_min_samples: steps after warm-up needed before a point can be reported as leaking (at least 18: three
+            thirds of six, the fewest with which Sen's interval can exclude zero).
         log_every_n_steps: how often to send memory figures to the loggers; ``None`` takes the Trainer's.
         record_history: on CUDA, record allocation history and write it at the end of fit.
         history_max_entries: how many allocation events the history keeps (the latest).
@@ -101,26 +130,28 @@ class MemoryProfilerCallback(Callback):
         filename: file name (without extension) of the reports.
         plot: draw the PNG chart (needs matplotlib; without it a note says so and the run goes on).
         verbose: print the table at the end of fit.
+        overwrite: write over an earlier run's reports of the same ``filename`` instead of numbering this run's.
 
     Raises:
-        ValueError: for an interval below 1, a negative ``warmup_steps``, an unknown point name, a non-positive
-            ``leak_threshold``, or a file name with a directory in it.
+        ValueError: for an interval below 1, a negative ``warmup_steps``, an unknown point name, a ``leak_threshold``
+            that is not a positive finite number, ``leak_min_samples`` below 18, or a file name with a directory in
+            it.
         TypeError: if ``points`` is not a sequence of names, ``dirpath`` not a path, or a flag (``record_history``,
-            ``oom_snapshot``, ``plot``, ``verbose``) not a bool.
+            ``oom_snapshot``, ``plot``, ``verbose``, ``overwrite``) not a bool.
 
     Example::
 
         trainer = Trainer(callbacks=[MemoryProfilerCallback(every_n_steps=5)])
-        trainer.fit(model, datamodule=data)  # warns if memory grows from step to step
+        trainer.fit(model, datamodule=data)  # warns "... leak ..." if memory grows steadily from step to step
     """
 
     def __init__(
         self,
         every_n_steps: int = 10,
         points: Sequence[str] | None = None,
-        warmup_steps: int = 5,
-        leak_threshold: float = 16 * 1024,
-        leak_min_samples: int = 10,
+        warmup_steps: int = 50,
+        leak_threshold: float | None = None,
+        leak_min_samples: int = 30,
         log_every_n_steps: int | None = None,
         record_history: bool = False,
         history_max_entries: int = 100_000,
@@ -129,23 +160,24 @@ class MemoryProfilerCallback(Callback):
         filename: str = "memory_profile",
         plot: bool = True,
         verbose: bool = True,
+        overwrite: bool = False,
     ) -> None:
         name = type(self).__name__
         self.every_n_steps: int = check_int(name, "every_n_steps", every_n_steps, 1)
         self.warmup_steps: int = check_int(name, "warmup_steps", warmup_steps, 0)
-        self.leak_min_samples: int = check_int(name, "leak_min_samples", leak_min_samples, 2)
+        self.leak_min_samples: int = check_int(name, "leak_min_samples", leak_min_samples, MIN_LEAK_SAMPLES)
         self.log_every_n_steps: int | None = check_int(name, "log_every_n_steps", log_every_n_steps, 1, True)
         self.history_max_entries: int = check_int(name, "history_max_entries", history_max_entries, 1)
-        if (
+        if leak_threshold is not None and (
             isinstance(leak_threshold, bool)
             or not isinstance(leak_threshold, (int, float))
             or not 0 < leak_threshold < math.inf
         ):
             raise ValueError(
-                f"`{name}(leak_threshold={leak_threshold!r})` is not valid. Expected a growth in bytes per step > 0, "
-                "e.g. 16384."
+                f"`{name}(leak_threshold={leak_threshold!r})` is not valid. Expected None (no absolute bound) or a "
+                "growth in bytes per step > 0, e.g. 16384."
             )
-        self.leak_threshold = float(leak_threshold)
+        self.leak_threshold: float | None = None if leak_threshold is None else float(leak_threshold)
         if points is None:
             self.points: tuple[str, ...] = POINTS
         else:
@@ -165,6 +197,7 @@ class MemoryProfilerCallback(Callback):
         self.filename = check_filename(name, filename)
         self.plot = check_bool(name, "plot", plot)
         self.verbose = check_bool(name, "verbose", verbose)
+        self.overwrite = check_bool(name, "overwrite", overwrite)
         self.report: dict[str, Any] | None = None
         self._probe: MemoryProbe | None = None
         self._oom_handle: Any = None
@@ -187,7 +220,10 @@ class MemoryProfilerCallback(Callback):
         self._trends: dict[str, LeakTrend] = {}
         self._oom_files: list[str] = []
         self._directory: Path | None = None
+        self._stem = self.filename
         self._rank = 0
+        self._series: LeakSeries | None = None
+        self._leak_start: int | None = None
 
     # ------------------------------------------------------------------------------------------------ set-up
 
@@ -204,8 +240,10 @@ class MemoryProfilerCallback(Callback):
             )
             return
         self._probe = MemoryProbe(pl_module.device)
+        self._series = LeakSeries(self.points)
         self._rank = trainer.global_rank
         self._directory = report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
+        self._stem = report_stem(self._directory, self.filename, _REPORT_PATTERNS, self.overwrite)
         if pl_module.device.type != "cuda":
             if self.record_history:
                 warn_once(
@@ -250,27 +288,37 @@ class MemoryProfilerCallback(Callback):
     # ------------------------------------------------------------------------------------------------ sampling
 
     def _sample(self, point: str, overwrite: bool = False) -> None:
-        if point in self.points and (overwrite or point not in self._current):
-            assert self._probe is not None
-            self._current[point] = self._probe.sample()
+        """Read ``point``: the full sample on sampled steps, the cheap ``allocated`` for the leak series always."""
+        if point not in self.points:
+            return
+        probe, series = self._probe, self._series
+        assert probe is not None and series is not None
+        if self._sampling and (overwrite or point not in self._current):
+            sample = probe.sample()
+            self._current[point] = sample
+            series.record(point, sample.allocated, overwrite)
+        elif series.recording:
+            series.record(point, probe.allocated(), overwrite)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         entry = time.perf_counter_ns()
-        probe = self._probe
-        if probe is None:
+        probe, series = self._probe, self._series
+        if probe is None or series is None:
             return
+        series.start_step(self._step_index, trainer.current_epoch)
         self._sampling = self._step_index % self.every_n_steps == 0
         if self._sampling:
             self._current = {"start": probe.sample()} if "after_data" not in self.points else {}
-            self._sample("after_data")
+        self._sample("after_data")
+        if self._sampling:
             probe.reset_peak()
         self._hook_ns += time.perf_counter_ns() - entry
 
     def _sample_in_step(self, point: str, overwrite: bool = False) -> None:
-        if self._sampling:
+        if self._probe is not None and (self._sampling or (self._series is not None and self._series.recording)):
             entry = time.perf_counter_ns()
             self._sample(point, overwrite)
             self._hook_ns += time.perf_counter_ns() - entry
@@ -298,9 +346,9 @@ class MemoryProfilerCallback(Callback):
             self._first_end_ns = entry
         self._last_end_ns = entry
         self._ends += 1
+        self._sample("after_optimizer", overwrite=True)
         if self._sampling:
             self._sampling = False
-            self._sample("after_optimizer", overwrite=True)
             # The peak of the step: read at its end whatever points are sampled.
             end = self._probe.sample() if "after_optimizer" not in self.points else self._current["after_optimizer"]
             self._current["end"] = end
@@ -317,34 +365,37 @@ class MemoryProfilerCallback(Callback):
                 )
             self._current = {}
         self._step_index += 1
+        if self._step_index % LEAK_CHECK_EVERY_N_STEPS == 0 and not self._warned:
+            self._check_leaks()
         self._hook_ns += time.perf_counter_ns() - entry
 
     # -------------------------------------------------------------------------------------------------- leaks
 
+    def _first_leak_step(self) -> int:
+        """The first step of the leak window: after the first epoch when it is shorter than ``warmup_steps``."""
+        assert self._series is not None
+        second_epoch = self._series.first_step_of_epoch_after(0)
+        return self.warmup_steps if second_epoch is None else min(self.warmup_steps, second_epoch)
+
     def _leak_trends(self) -> dict[str, LeakTrend]:
-        series: dict[str, tuple[list[int], list[int]]] = {}
-        for point in self.points:
-            steps, values = [], []
-            for step, samples in zip(self._steps, self._samples):
-                if step >= self.warmup_steps and point in samples:
-                    steps.append(step)
-                    values.append(samples[point].allocated)
-            series[point] = (steps, values)
-        return detect_leaks(series, self.leak_threshold, self.leak_min_samples)
+        assert self._series is not None
+        self._leak_start = self._first_leak_step()
+        return detect_leaks(self._series.series(self._leak_start), self.leak_threshold, self.leak_min_samples)
 
     def _check_leaks(self) -> None:
         self._trends = self._leak_trends()
-        leaking = sorted((t for t in self._trends.values() if t.leaking), key=lambda t: t.slope, reverse=True)
+        leaking = sorted((t for t in self._trends.values() if t.leaking), key=lambda t: t.slope_low, reverse=True)
         if not leaking or self._warned:
             return
         self._warned = True
         worst = leaking[0]
-        others = ", ".join(f"{t.point} {format_bytes(t.slope)}/step" for t in leaking[1:])
+        others = ", ".join(f"{t.point} {_kib(t.slope)} KiB/step" for t in leaking[1:])
         warn_once(
-            f"{type(self).__name__}: memory in use {worst.point} grows by {format_bytes(worst.slope)} per step "
-            f"(robust trend over {worst.samples} sampled steps, steps {worst.first_step}-{worst.last_step}: "
-            f"{format_bytes(worst.first_bytes)} -> {format_bytes(worst.last_bytes)}), above "
-            f"leak_threshold={format_bytes(self.leak_threshold)}/step"
+            f"{type(self).__name__}: memory leak: memory in use {PHASES[worst.point]} ({worst.point}) grows by "
+            f"{_kib(worst.slope)} KiB/step (95% interval {_kib(worst.slope_low)} to {_kib(worst.slope_high)} KiB/step; "
+            f"Theil-Sen over {worst.samples} steps, {worst.first_step}-{worst.last_step}: "
+            f"{format_bytes(worst.first_bytes)} -> {format_bytes(worst.last_bytes)}; growing in each third, above the "
+            f"readings' noise floor of {format_bytes(worst.noise_floor)})"
             + (f"; also {others}" if others else "")
             + ". Something keeps tensors alive from one step to the next, e.g. a list of losses or outputs that "
             "still hold their autograd graph: keep `loss.detach()` or `loss.item()` instead.",
@@ -366,7 +417,7 @@ class MemoryProfilerCallback(Callback):
         directory = self._directory
         history = None
         if self._recording:
-            history = str(cuda_history.dump_snapshot(directory / f"{self.filename}_history_rank{self._rank}.pickle"))
+            history = str(cuda_history.dump_snapshot(directory / f"{self._stem}_history_rank{self._rank}.pickle"))
         report = self._analyze(trainer)
         report["files"] = {"history": history, "oom_snapshots": list(self._oom_files)}
         peaks = report["peak"]
@@ -399,13 +450,14 @@ class MemoryProfilerCallback(Callback):
                     xlabel=f"sampled step (one in {self.every_n_steps})",
                     ylabel="MiB",
                 ),
-                directory / f"{self.filename}.png",
+                directory / f"{self._stem}.png",
                 type(self).__name__,
             )
-        report["json"] = str(directory / f"{self.filename}.json")
-        write_json(report, directory / f"{self.filename}.json")
+        report["json"] = str(directory / f"{self._stem}.json")
+        write_json(report, directory / f"{self._stem}.json")
         if self.verbose:
             self._print(report)
+        announce_files(type(self).__name__, [report["json"], report["plot"], history, *self._oom_files])
 
     def _analyze(self, trainer: pl.Trainer) -> dict[str, Any]:
         assert self._probe is not None
@@ -448,6 +500,11 @@ class MemoryProfilerCallback(Callback):
             "peak_above_start": summarize(above).to_dict(),
             "peak_since_reset": all(s["end"].peak_since_reset for s in self._samples),
             "leaks": {
+                "method": "Theil-Sen slope with Sen's distribution-free 95% interval, per point, every step",
+                "rule": f"interval above zero overall and in each of {SEGMENTS} consecutive parts, and the growth over "
+                f"{NOISE_FLOOR_STEPS} steps at least the noise floor of the readings",
+                "first_step": self._leak_start,
+                "sampled_every_n_steps": self._series.stride if self._series is not None else None,
                 "threshold_bytes_per_step": self.leak_threshold,
                 "min_samples": self.leak_min_samples,
                 "trends": self._trends,
@@ -490,6 +547,22 @@ class MemoryProfilerCallback(Callback):
             if math.isfinite(overhead)
             else f"step peak above its start: median {format_bytes(report['peak_above_start']['median'])}"
         ]
+        leaks = report["leaks"]
+        trends = [t for t in leaks["trends"].values() if t.samples]
+        if leaks["leaking"]:
+            lines.append(
+                "leak: memory in use grows at "
+                + ", ".join(
+                    f"{t.point} {_kib(t.slope)} KiB/step [{_kib(t.slope_low)}, {_kib(t.slope_high)}]"
+                    for t in trends
+                    if t.leaking
+                )
+            )
+        elif trends:
+            lines.append(
+                f"no leak found over {max(t.samples for t in trends)} steps from step {leaks['first_step']} "
+                "(no steady, significant growth above the readings' noise floor)"
+            )
         if report.get("plot_note"):
             lines.append(report["plot_note"])
         rank_zero_info("\n".join(lines))
@@ -499,7 +572,12 @@ def _write_oom_snapshot(callback: MemoryProfilerCallback, device: int, alloc: in
     """Out-of-memory listener: write the allocator's state where the callback writes its reports."""
     if callback._directory is None:
         return
-    path = callback._directory / f"{callback.filename}_oom_rank{callback._rank}.pickle"
+    path = callback._directory / f"{callback._stem}_oom_rank{callback._rank}.pickle"
     cuda_history.dump_snapshot(path)
     if str(path) not in callback._oom_files:
         callback._oom_files.append(str(path))
+
+
+def _kib(n: float) -> str:
+    """Bytes as KiB with three significant digits (the unit of the leak warning, whatever the size)."""
+    return f"{n / 1024:.3g}" if math.isfinite(n) else str(n)
