@@ -5,6 +5,10 @@ and repeat (for the bench and the tuner alike), so no compiled graph, allocator 
 configuration into the next. CPU memory is
 measured as peak resident memory with ``MALLOC_MMAP_THRESHOLD_`` set by the runner (see
 :mod:`lightning_perf.profiling.memory` for why plain RSS would overstate it).
+
+With ``RunSpec.count_flops`` (the bench sets it on repeat 0) the worker also counts the FLOPs of one training step
+(:func:`count_training_step_flops`) after everything is measured, on a fresh, untransformed copy of the workload, so
+every configuration of one workload counts the same FLOPs per step and nothing timed or measured pays for it.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import json
 import sys
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +30,7 @@ from typing_extensions import override
 
 from lightning_perf._device import as_device, synchronize
 from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer
+from lightning_perf.profiling.flops import FlopCount, count_flops
 
 
 @dataclass
@@ -46,6 +52,7 @@ class RunSpec:
     persistent_workers: bool = False
     repeat: int = 0
     loader_overrides: dict[str, Any] = field(default_factory=dict)  # the auto-tuner's DataLoader settings
+    count_flops: bool = False  # count one training step's FLOPs after the measurement (the bench: repeat 0)
 
 
 @dataclass
@@ -75,7 +82,10 @@ class RunResult:
     final_train_loss: float | None = None
     losses: list[float] = field(default_factory=list)  # every training step's loss, warm-up included
     data_wait_s: list[float] = field(default_factory=list)  # steady-state time between a step's end and the next start
-    wall_s: float | None = None
+    wall_s: float | None = None  # the run itself; counting FLOPs afterwards is not included
+    flops_per_step: int | None = None  # one training step (forward + backward) of the untransformed model
+    flops_by_operator: dict[str, int] = field(default_factory=dict)  # "aten.mm" -> FLOPs, for that step
+    flops_error: str | None = None  # why the FLOPs are unknown when counting was asked for and failed
 
 
 class _StepClock(Callback):
@@ -216,6 +226,64 @@ def build_reference_workload(spec: RunSpec) -> tuple[pl.LightningModule, pl.Ligh
     )
 
 
+def count_training_step_flops(
+    model: pl.LightningModule, datamodule: pl.LightningDataModule, device: torch.device
+) -> FlopCount:
+    """FLOPs of one training step of ``model`` outside a Trainer: ``training_step`` and ``loss.backward()`` on the
+    first training batch, moved to ``device`` by the model's batch-transfer hooks.
+
+    The optimizer's update is not counted (MFU convention, see :func:`~lightning_perf.profiling.flops.count_flops`).
+    The model's parameters get gradients: pass a copy that is not trained afterwards. ``self.log`` warns outside a
+    Trainer; those warnings are silenced here, and here only.
+
+    Raises:
+        RuntimeError: for manual optimization (its ``training_step`` calls the Trainer's optimizers and
+            ``manual_backward``), or when ``training_step`` returns no loss with a gradient; whatever the model's own
+            code raises outside a Trainer passes through.
+    """
+    if not model.automatic_optimization:
+        raise RuntimeError(
+            "manual optimization: training_step runs its own backward and optimizer steps, which need a Trainer"
+        )
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    batches = iter(loader)
+    batch = next(batches)
+    del batches  # ends DataLoader workers, if any
+    model.to(device)
+    model.train()
+    batch = model.on_before_batch_transfer(batch, 0)
+    batch = model.transfer_batch_to_device(batch, device, 0)
+    batch = model.on_after_batch_transfer(batch, 0)
+
+    def step() -> None:
+        output = model.training_step(batch, 0)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise RuntimeError(f"training_step returned no loss with a gradient (got {type(output).__name__})")
+        loss.backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return count_flops(step)
+
+
+def _count_flops(spec: RunSpec, build: Builder, device: torch.device, result: RunResult) -> None:
+    """Fill ``result.flops_*`` from a fresh build of the workload; a failure is recorded, never raised."""
+    try:
+        pl.seed_everything(spec.seed, workers=True, verbose=False)
+        model, datamodule = build(spec)
+        count = count_training_step_flops(model, datamodule, device)
+    except Exception as exc:  # the user's model may not run outside a Trainer: utilization stays unknown
+        result.flops_error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        return
+    if count.total <= 0:
+        result.flops_error = "the training step counted 0 FLOPs (no matmul or convolution torch can count)"
+        return
+    result.flops_per_step = count.total
+    result.flops_by_operator = dict(count.by_operator)
+
+
 def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
     """Train and measure one configuration in this process.
 
@@ -301,6 +369,8 @@ def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
             result.predict_step_times_s = [record["predict"] for record in predict_clock.timer.steps]
             result.predict_throughput = result.batch_size / predict_stats.median if result.batch_size else None
     result.wall_s = time.perf_counter() - wall_start
+    if spec.count_flops:  # after every timed and memory-measured part, on a fresh copy of the untransformed workload
+        _count_flops(spec, build or build_reference_workload, device, result)
     return result
 
 
