@@ -36,10 +36,16 @@ time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain nu
         predict_step_median_s, predict_step_times_s (per repeat), predict_throughput; predict_speedup: baseline
             predict time / predict time, with predict_speedup_ci95, _verdict ("faster" | "slower" | ...), _method, _n
         final_train_loss
+        flops_per_step (one training step of the untransformed workload, counted on repeat 0; null when unknown,
+            flops_error says why), step_median_ci95_s (bootstrap over repeats and steps),
+            achieved_flops_per_second and _ci95, peak_flops_per_second, peak_source ("table: H100 SXM bf16 dense",
+            "given: Lightning get_available_flops", "measured matmul 2048^3 fp32, 2 threads (cached)",
+            "unknown: ..."), peak_causes (what disturbed a measured peak), mfu (achieved / peak, a fraction) and
+            mfu_ci95 (see benchmark.utilization)
     runs         every worker's RunResult: spec {config, repeat, ...}, ok, skipped, error, batch_size,
                  step_median_s, step_times_s, predict_step_median_s, predict_step_times_s, throughput, warmup_s,
                  model_init_s, first_batch_s, first_forward_s, peak_memory_bytes, step_memory_bytes, losses,
-                 data_wait_s, wall_s
+                 data_wait_s, wall_s, flops_per_step, flops_by_operator, flops_error (repeat 0)
 """
 
 from __future__ import annotations
@@ -55,6 +61,16 @@ from typing import Any
 
 from lightning_perf.benchmark.configs import resolve_configs
 from lightning_perf.benchmark.isolation import run_isolated
+from lightning_perf.benchmark.utilization import (
+    MFU_LEGEND,
+    PeakFn,
+    add_utilization,
+    machine_peak,
+    matmul_setting,
+    mfu_cell,
+    utilization_lines,
+    utilization_markdown,
+)
 from lightning_perf.benchmark.worker import RunResult, RunSpec
 from lightning_perf.profiling import format_bytes, markdown_table, plot_bars, write_json
 from lightning_perf.profiling.intervals import NO_CLEAR_DIFFERENCE, RatioEstimate, paired_ratio
@@ -146,6 +162,16 @@ class ConfigSummary:
     predict_speedup_method: str | None = None
     predict_speedup_n: int | None = None
     final_train_loss: float | None = None
+    flops_per_step: int | None = None  # utilization: see lightning_perf.benchmark.utilization
+    flops_error: str | None = None
+    step_median_ci95_s: list[float] | None = None
+    achieved_flops_per_second: float | None = None
+    achieved_flops_per_second_ci95: list[float] | None = None
+    peak_flops_per_second: float | None = None
+    peak_source: str | None = None
+    peak_causes: list[str] = field(default_factory=list)
+    mfu: float | None = None  # achieved FLOP/s / peak FLOP/s, a fraction
+    mfu_ci95: list[float] | None = None
     step_times_s: list[list[float]] = field(default_factory=list)
     predict_step_times_s: list[list[float]] = field(default_factory=list)
 
@@ -238,6 +264,7 @@ def run_benchmark(
     monitor: ConditionMonitor | None = None,
     argv: Sequence[str] | None = None,
     left_out: Sequence[tuple[str, str]] = (),
+    peak: PeakFn | None = None,
 ) -> BenchReport:
     """Run every configuration ``options.repeats`` times, interleaved, each in a fresh process, and summarize.
 
@@ -249,6 +276,9 @@ def run_benchmark(
         monitor: watches the machine around each run (default: a :class:`ConditionMonitor` on the real counters).
         argv: the command line for the ``run`` metadata (default: ``command`` split).
         left_out: ``(config, why)`` for configurations the caller chose not to run, recorded in the report.
+        peak: ``(device, precision, fast_fp32_matmul) -> PeakFlops`` for the MFU (default:
+            :func:`~lightning_perf.benchmark.utilization.machine_peak`; a CPU peak is measured after every run, once
+            per machine and dtype, and cached). Asked once per precision, only where FLOPs were counted.
     """
     import torch
 
@@ -300,6 +330,9 @@ def run_benchmark(
     )
     mark_disturbed(summaries, reliability, watched)
     add_likely_causes(summaries, machine, options)
+    if progress is not None and any(s.flops_per_step for s in summaries):
+        progress(done, total, "peak FLOP/s")
+    add_utilization(summaries, _peak_lookup(options, machine, peak))
     return BenchReport(
         options=asdict(options) | {"configs": list(order)},
         command=command,
@@ -311,6 +344,21 @@ def run_benchmark(
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in left_out],
     )
+
+
+def _peak_lookup(options: BenchOptions, machine: dict[str, Any], peak: PeakFn | None) -> Callable[[str], Any]:
+    """config -> its peak, asked once per (precision, fast float32 matmuls) setting."""
+    bf16 = machine.get("cpu_bf16_instructions")
+    ask = peak or (lambda d, p, f: machine_peak(d, p, f, cpu_bf16_instructions=bool(bf16)))
+    known: dict[tuple[str, bool], Any] = {}
+
+    def lookup(config: str) -> Any:
+        setting = matmul_setting(config, options.precision)
+        if setting not in known:
+            known[setting] = ask(options.device, *setting)
+        return known[setting]
+
+    return lookup
 
 
 def _spec(options: BenchOptions, config: str, repeat: int) -> RunSpec:
@@ -327,6 +375,7 @@ def _spec(options: BenchOptions, config: str, repeat: int) -> RunSpec:
         predict_batches=options.predict_batches,
         num_workers=options.num_workers,
         repeat=repeat,
+        count_flops=repeat == 0,
     )
 
 
@@ -383,6 +432,9 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
         summary.predict_step_median_s = _median([r.predict_step_median_s for r in ok])
         summary.predict_throughput = _median([r.predict_throughput for r in ok])
         summary.final_train_loss = _median([r.final_train_loss for r in ok])
+        summary.flops_per_step = next((r.flops_per_step for r in ok if r.flops_per_step), None)
+        if summary.flops_per_step is None:
+            summary.flops_error = next((r.flops_error for r in ok if r.flops_error), None)
         if name == BASELINE:
             summary.speedup = 1.0
         elif paired := [
@@ -488,10 +540,10 @@ TABLE_LEGEND = (
     "predict: inference throughput and baseline predict time / predict time. '?' and (disturbed): the machine was "
     "busy with other work or the samples scattered (see the reliability warnings): do not trust that figure."
 )
-CONSOLE_COLUMNS = ("config", "step ms", "speed-up", "verdict", "memory", "predict")
+CONSOLE_COLUMNS = ("config", "step ms", "speed-up", "verdict", "memory", "predict", "MFU")
 CONSOLE_LEGEND = (
     "speed-up: baseline step time / step time, paired per repeat, [95% interval]; memory, predict: ratios to "
-    "baseline (~ : no clear difference). ? and (disturbed): measured while the machine was disturbed."
+    "baseline (~ : no clear difference). ? and (disturbed): measured while the machine was disturbed. " + MFU_LEGEND
 )
 
 
@@ -562,7 +614,7 @@ def console_rows(report: BenchReport) -> list[list[str]]:
     rows = []
     for s in report.summaries:
         if s.step_median_s is None:
-            rows.append([s.config, "", "", f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}", "", ""])
+            rows.append([s.config, "", "", f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}", "", "", ""])
             continue
         speedup = "1.00x" if s.config == BASELINE else _estimate_cell(s, "speedup", multiline=True)
         verdict = _verdict_cell(s, multiline=True)
@@ -576,16 +628,17 @@ def console_rows(report: BenchReport) -> list[list[str]]:
                 verdict,
                 "1.00x" if s.config == BASELINE else _compact_ratio(s, "memory_ratio"),
                 "1.00x" if s.config == BASELINE else _compact_ratio(s, "predict_speedup"),
+                mfu_cell(s),
             ]
         )
     return rows
 
 
 def reliability_lines(report: BenchReport) -> list[str]:
-    """One warning line per cause of an unreliable measurement (empty when it was reliable)."""
-    if report.reliable:
-        return []
-    return [f"warning: measurement disturbed by {cause}" for cause in report.reliability.get("causes", [])]
+    """One warning line per cause of an unreliable measurement, then per cause that disturbed a peak FLOP/s
+    measurement (empty when nothing was disturbed)."""
+    lines = [] if report.reliable else report.reliability.get("causes", [])
+    return [f"warning: measurement disturbed by {cause}" for cause in lines] + utilization_lines(report.summaries)
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -636,6 +689,7 @@ def markdown_report(report: BenchReport) -> str:
         "max_memory_allocated.",
         "",
     ]
+    lines += utilization_markdown(report.summaries)
     if report.left_out:
         lines += ["Left out on this device:", ""] + [f"- `{x['config']}`: {x['reason']}" for x in report.left_out]
         lines.append("")
