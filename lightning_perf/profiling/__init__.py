@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 # Names load on first use, so that a light user of one module (`lightning-perf compare` reads JSON only) does not
 # pay for torch, psutil or Lightning through this package's __init__.
 _EXPORTS = {
+    "count_flops": "lightning_perf.profiling.flops",
     "detect_leaks": "lightning_perf.profiling.leaks",
     "environment_info": "lightning_perf.profiling.report",
+    "FlopCount": "lightning_perf.profiling.flops",
     "format_bytes": "lightning_perf.profiling.report",
     "format_seconds": "lightning_perf.profiling.report",
     "HostSyncRecorder": "lightning_perf.profiling.syncs",
@@ -26,7 +28,9 @@ _EXPORTS = {
     "median": "lightning_perf.profiling.stats",
     "MemoryProbe": "lightning_perf.profiling.memory",
     "MemorySample": "lightning_perf.profiling.memory",
+    "peak_flops": "lightning_perf.profiling.flops",
     "peak_rss_bytes": "lightning_perf.profiling.memory",
+    "PeakFlops": "lightning_perf.profiling.flops",
     "percentile": "lightning_perf.profiling.stats",
     "PhaseTimer": "lightning_perf.profiling.timer",
     "plot_bars": "lightning_perf.profiling.report",
@@ -43,6 +47,7 @@ _EXPORTS = {
     "SyncSite": "lightning_perf.profiling.syncs",
     "theil_sen_slope": "lightning_perf.profiling.leaks",
     "TRUTHFUL_CPU_MEMORY_ENV": "lightning_perf.profiling.memory",
+    "utilization": "lightning_perf.profiling.flops",
     "write_json": "lightning_perf.profiling.report",
     "write_markdown": "lightning_perf.profiling.report",
 }
@@ -50,22 +55,26 @@ _EXPORTS = {
 __all__ = [
     "SCHEMA_VERSION",
     "TRUTHFUL_CPU_MEMORY_ENV",
+    "FlopCount",
     "HostSyncRecorder",
     "LeakTrend",
     "LoaderSettings",
     "MemoryProbe",
     "MemorySample",
+    "PeakFlops",
     "PhaseTimer",
     "Recommendation",
     "Stats",
     "StepBreakdown",
     "SyncSite",
+    "count_flops",
     "detect_leaks",
     "environment_info",
     "format_bytes",
     "format_seconds",
     "markdown_table",
     "median",
+    "peak_flops",
     "peak_rss_bytes",
     "percentile",
     "plot_bars",
@@ -76,12 +85,14 @@ __all__ = [
     "rich_table",
     "summarize",
     "theil_sen_slope",
+    "utilization",
     "write_json",
     "write_markdown",
 ]
 
 if TYPE_CHECKING:
     from lightning_perf.profiling.advice import LoaderSettings, Recommendation, StepBreakdown, recommend
+    from lightning_perf.profiling.flops import FlopCount, PeakFlops, count_flops, peak_flops, utilization
     from lightning_perf.profiling.leaks import LeakTrend, detect_leaks, theil_sen_slope
     from lightning_perf.profiling.memory import TRUTHFUL_CPU_MEMORY_ENV, MemoryProbe, MemorySample, peak_rss_bytes
     from lightning_perf.profiling.report import (
