@@ -3,14 +3,14 @@
 The logic is :mod:`lightning_perf.functional.qat` (training time) and :mod:`lightning_perf.deploy.quantize` (after
 training); this callback picks the submodule and its example input, prepares it before the optimizers and DDP exist,
 runs the observer / batch-norm / fake-quant schedule, keeps checkpoints loadable both ways, converts, validates, saves
-and times the quantized model once training ends, and puts the plain model back when a fit fails.
+and times the quantized model once training ends, and puts the plain model back when any run ends or fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
-import os
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -18,18 +18,27 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelPruning
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from lightning_perf._imports import require
 from lightning_perf._io import load_checkpoint
-from lightning_perf._validation import check_bool
 from lightning_perf._warnings import FallbackWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
+from lightning_perf.callbacks._qat_support import (  # noqa: F401  (SCHEDULE_UNITS: public here before)
+    SCHEDULE_UNITS,
+    RestoreBeforeWeights,
+    check_options,
+    check_pruning,
+    default_dirpath,
+    example_inputs,
+    holds_tensors_of,
+    resolve_submodule,
+    submodule_batches,
+)
 from lightning_perf.callbacks.tensorrt_export import _val_dataloader
-from lightning_perf.deploy.inputs import split_inputs, submodule_inputs, through_batch_hooks
 from lightning_perf.deploy.quantize import (
     QuantizationReport,
     calibrate,
@@ -56,32 +65,11 @@ from lightning_perf.functional.qat import (
     resolve_base_config,
     set_fake_quant,
     set_observers,
+    with_state_versions,
 )
 from lightning_perf.functional.surgery import replace_modules
 
 __all__ = ["QATCallback"]
-
-SCHEDULE_UNITS = ("epoch", "step")
-
-
-class _RestoreBeforeWeights:
-    """Stands in for the module's ``on_load_checkpoint`` during a Trainer run: its own hook first, then each callback
-    prepares the model as the checkpoint's recipe says and puts the quantization state back, before Lightning loads
-    the weights (Lightning calls this hook right before ``load_state_dict``). A small class, not a closure, so that a
-    module carrying it still pickles."""
-
-    def __init__(self, module: pl.LightningModule) -> None:
-        self.module = module
-        self.callbacks: list[QATCallback] = []
-
-    @property
-    def __wrapped__(self) -> Any:
-        return type(self.module).on_load_checkpoint
-
-    def __call__(self, checkpoint: dict[str, Any]) -> None:
-        type(self.module).on_load_checkpoint(self.module, checkpoint)
-        for callback in self.callbacks:
-            callback.before_weights_load(self.module, checkpoint)
 
 
 class QATCallback(Callback):
@@ -109,15 +97,23 @@ class QATCallback(Callback):
     copy is compared with the fake-quantized model on validation batches and the figures are logged under ``qat/``
     (cosine, top-1 agreement, and with ``(inputs, labels)`` batches the accuracy gap in percentage points).
 
-    At the end of ``fit``, on rank zero, the trained model stays as it is and a converted copy is validated against
-    it on validation batches (cosine similarity, max abs difference, accuracies), saved as
-    ``<dirpath>/<filename>/<filename>.pt2`` (``torch.export.save``; ``onnx=True`` adds an ONNX file; the files and the
-    report are one artifact set, committed atomically: :mod:`lightning_perf.deploy.artifacts`), timed against the float
-    model with both compiled by inductor with weight freezing at ``benchmark_batch_sizes`` (``benchmark=False``
-    skips it: compiling takes tens of seconds), and described in ``<filename>.json``. A failure there warns with a
-    :class:`~lightning_perf.FallbackWarning` and leaves the trained model and the checkpoints untouched
-    (``strict=True`` raises). A fit that fails or is interrupted gets the plain model back (prepared graph or
-    fake-quantized layers undone, same parameters), so a second fit starts as the first did.
+    At the end of ``fit``, on rank zero, a converted copy of the trained model is validated against it on validation
+    batches (cosine similarity, max abs difference, accuracies), saved as ``<dirpath>/<filename>/<filename>.pt2``
+    (``torch.export.save``; ``onnx=True`` adds an ONNX file; files and report are one artifact set, committed
+    atomically: :mod:`lightning_perf.deploy.artifacts`), timed against the float model with both compiled by inductor
+    with weight freezing at ``benchmark_batch_sizes`` (``benchmark=False`` skips it: compiling takes tens of seconds;
+    each ratio comes with its 95% interval and verdict), and described in ``<filename>.json``. A failure there warns
+    with a :class:`~lightning_perf.FallbackWarning` and leaves the trained model and the checkpoints untouched
+    (``strict=True`` raises).
+
+    **Every run ends with the plain model.** In ``teardown``, and in ``on_exception`` when a run fails or is
+    interrupted, the plain float submodule goes back in place (the same parameters, with the QAT-trained weights and
+    batch-norm statistics), so the model's ``state_dict`` keys are its own again. The callback keeps the quantization
+    state (recipe, observer and fake-quantize state; :attr:`quantization_state`): ``validate``/``test``/``predict``
+    and a later ``fit`` with the same callback put the prepared submodule back for their run (a later fit goes on from
+    the state the last one reached), ``trainer.save_checkpoint`` writes it, and :meth:`prepared` puts it back outside
+    a Trainer. A fit that fails also gives back the quantization state it started from, so a second fit starts as the
+    first did.
 
     **PTQ** (``mode="ptq"``): training is not touched; at the end of ``fit``, or of a ``Trainer.validate`` run, a
     copy of the submodule is calibrated on ``calibration_batches`` validation batches (x86; the torchao configs
@@ -130,8 +126,9 @@ class QATCallback(Callback):
     a Trainer that loads the checkpoint (resuming ``fit``, ``test``/``validate``/``predict`` with ``ckpt_path``)
     first prepares the model as the recipe says, so resuming, testing a checkpoint, fitting twice and loading into a
     fresh model all work; outside a Trainer use :meth:`load_checkpoint`. A checkpoint saved with
-    ``save_weights_only=True`` has no callback state: its quantization state stays under the model's keys. The
-    ``x86`` prepared model does not pickle (``torch.export``'s guard module holds a local function): use checkpoints.
+    ``save_weights_only=True`` has no callback state: its quantization state stays under the model's keys. A pickled
+    callback keeps its quantization state but not the ``x86`` prepared graph (``torch.export``'s guard module holds a
+    local function): it prepares the float module again and loads that state.
 
     Args:
         backend: ``"x86"`` or ``"torchao"``.
@@ -210,52 +207,7 @@ class QATCallback(Callback):
             make_recipe(backend, mode, base_config, input_shapes=[(1,)], owner=owner)  # raises with the reason
         else:
             self.base_config = None
-        if submodule is not None and (not isinstance(submodule, str) or not submodule):
-            raise ValueError(f"`{owner}(submodule={submodule!r})` is not valid. Expected a dotted module name.")
-        for name, value in (
-            ("disable_observers_after", disable_observers_after),
-            ("freeze_bn_after", freeze_bn_after),
-            ("eval_converted_every_n_epochs", eval_converted_every_n_epochs),
-            ("validation_batches", validation_batches),
-        ):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected None or an int >= 0.")
-        for name, value, minimum in (
-            ("fake_quant_after", fake_quant_after, 0),
-            ("calibration_batches", calibration_batches, 1),
-            ("latency_iterations", latency_iterations, 1),
-            ("latency_warmup", latency_warmup, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected an int >= {minimum}.")
-        if eval_converted_every_n_epochs == 0:
-            raise ValueError(f"`{owner}(eval_converted_every_n_epochs=0)` is not valid. Expected None or an int >= 1.")
-        if schedule_unit not in SCHEDULE_UNITS:
-            raise ValueError(
-                f"`{owner}(schedule_unit={schedule_unit!r})` is not valid. "
-                f"Expected one of: {', '.join(SCHEDULE_UNITS)}."
-            )
-        if mode == "ptq" and not export:
-            raise ValueError(f"`{owner}(mode='ptq', export=False)` would do nothing. PTQ exports the quantized model.")
-        if mode == "ptq" and (disable_observers_after, freeze_bn_after, fake_quant_after) != (None, None, 0):
-            raise ValueError(
-                f"`{owner}(mode='ptq', ...)`: the observer, batch-norm and fake-quant schedules apply to QAT only."
-            )
-        if isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float)) or not 0 <= min_cosine <= 1:
-            raise ValueError(f"`{owner}(min_cosine={min_cosine!r})` is not valid. Expected a number in [0, 1].")
-        sizes = [benchmark_batch_sizes] if isinstance(benchmark_batch_sizes, int) else list(benchmark_batch_sizes)
-        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
-            raise ValueError(
-                f"`{owner}(benchmark_batch_sizes={benchmark_batch_sizes!r})` is not valid. Expected positive ints."
-            )
-        if not isinstance(filename, str) or not filename or "/" in filename or filename.startswith("."):
-            raise ValueError(f"`{owner}(filename={filename!r})` is not valid. Expected a plain, non-hidden file stem.")
-        for name, value in (("export", export), ("benchmark", benchmark), ("onnx", onnx), ("strict", strict)):
-            check_bool(owner, name, value)
-        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
-            raise TypeError(f"`{owner}(dirpath={dirpath!r})` is not valid. Expected None or a directory path.")
-        if input_key is not None and (not isinstance(input_key, str) or not input_key):
-            raise ValueError(f"`{owner}(input_key={input_key!r})` is not valid. Expected None or a non-empty key.")
+        sizes = check_options(owner, dict(locals()))
         self.backend = backend
         self.mode = mode
         self.submodule = submodule
@@ -286,7 +238,13 @@ class QATCallback(Callback):
         self._float_module: nn.Module | None = None  # x86: what the prepared graph was captured from (shared params)
         self._applied: tuple[bool, bool, bool] | None = None
         self._eager_batchnorms: list[nn.Module] = []
-        self._prepared_here = False  # this callback put the prepared module in place (undone on an exception)
+        self._prepared_here = False  # this callback put the prepared module in place in this run (undone at its end)
+        self._prepared_module: nn.Module | None = None  # what it put there
+        # Kept between runs while the model is plain: the x86 prepared graph (it holds the float module's own
+        # parameters and buffers, so putting it back is instant) and the observer / fake-quantize state.
+        self._kept_graph: nn.Module | None = None
+        self._quantization_state: dict[str, torch.Tensor] = {}
+        self._before_fit: tuple[Any, ...] | None = None  # what a failed fit gives back (see `on_exception`)
 
     @property
     @override
@@ -298,121 +256,97 @@ class QATCallback(Callback):
         """The recipe of the prepared (QAT) or last quantized (PTQ) model."""
         return self._recipe
 
+    @property
+    def quantization_state(self) -> dict[str, torch.Tensor]:
+        """The observer and fake-quantize state of the QAT model (keys relative to the submodule): read from the
+        prepared submodule while it is in the model, else the state kept since the last run ended."""
+        module = self._prepared_module
+        if self._prepared_here and module is not None and is_prepared(module):
+            current = module.state_dict()
+            return {key: current[key] for key in quantization_state_keys(module)}
+        return dict(self._quantization_state)
+
+    @contextlib.contextmanager
+    def prepared(self, pl_module: pl.LightningModule) -> Iterator[nn.Module]:
+        """Put the QAT-prepared submodule into ``pl_module`` for use outside a Trainer; the plain one on exit.
+
+        After ``fit`` the model holds its plain float submodule with the QAT-trained weights; this puts back what the
+        callback kept (the prepared graph, or a new preparation loaded with the kept quantization state), e.g. to run
+        the fake-quantized model or to convert it with :func:`~lightning_perf.deploy.quantize.export_quantized`::
+
+            with callback.prepared(model) as prepared:
+                report = export_quantized(prepared, float_model=copy.deepcopy(model.net), dirpath="out")
+
+        Raises:
+            ValueError: if the callback holds no QAT state (no fit, no checkpoint loaded with it).
+        """
+        if self.mode != "qat" or self._recipe is None or self._submodule_name is None:
+            raise ValueError(
+                f"`{type(self).__name__}.prepared()` has no quantization-aware training to put back: fit with the "
+                "callback first, or load a checkpoint written with it (`QATCallback.load_checkpoint`)."
+            )
+        ours = not self._prepared_here and not is_prepared(pl_module.get_submodule(self._submodule_name))
+        if ours:
+            self._reinstall(pl_module)
+        try:
+            yield pl_module.get_submodule(self._submodule_name)
+        finally:
+            if ours:
+                self._restore(pl_module)
+
     # --------------------------------------------------------------------------------------------- the submodule
 
     def _resolve(self, pl_module: pl.LightningModule, name: str | None = None) -> tuple[str, nn.Module]:
-        name = name or self.submodule
-        if name is not None:
-            try:
-                return name, pl_module.get_submodule(name)
-            except AttributeError:
-                children = [n for n, _ in pl_module.named_children()]
-                raise ValueError(
-                    f"`{type(self).__name__}(submodule={name!r})`: {type(pl_module).__name__} has no submodule "
-                    f"{name!r}. Its children: {', '.join(children) or 'none'}."
-                ) from None
-        holders = [(n, c) for n, c in pl_module.named_children() if next(c.parameters(), None) is not None]
-        if len(holders) != 1:
-            found = ", ".join(n for n, _ in holders) or "none"
-            raise ValueError(
-                f"`{type(self).__name__}()` quantizes one submodule of the LightningModule (which itself cannot be "
-                f"exported) and could not choose in {type(pl_module).__name__}: children holding parameters: {found}. "
-                'Pass `submodule="<name>"`.'
-            )
-        return holders[0]
+        return resolve_submodule(type(self).__name__, pl_module, name or self.submodule)
 
     def _replace(self, pl_module: pl.LightningModule, name: str, new: nn.Module) -> None:
         replace_modules(pl_module, [name], lambda module, _: new, check_state_dict=False)
 
-    def _example_inputs(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, module: nn.Module, split: str
-    ) -> tuple[torch.Tensor, ...]:
-        """What ``module`` receives when the LightningModule runs its ``example_input_array`` (else the inputs of the
-        first batch of ``split``), on the CPU."""
-        example = pl_module.example_input_array
-        source = "example_input_array"
-        if example is None:
-            batch = _first_batch(trainer, pl_module, split)
-            if batch is None:
-                raise ValueError(
-                    f"`{type(self).__name__}` needs an example input: set `example_input_array` on "
-                    f"{type(pl_module).__name__} or give the trainer data."
-                )
-            example, source = split_inputs(batch, self.input_key), "the first batch"
-        elif not isinstance(example, dict):
-            example = through_batch_hooks(pl_module, example, datamodule=getattr(trainer, "datamodule", None))
-        return submodule_inputs(pl_module, module, example, source, device=pl_module.device, owner=type(self).__name__)
-
     def _submodule_batches(self, pl_module: pl.LightningModule, module: nn.Module, loader: Any) -> Iterator[Any]:
-        """Validation batches as ``(submodule inputs, labels)``: what ``module`` receives for each, and the labels."""
-        datamodule = getattr(pl_module.trainer, "datamodule", None)
-        for batch in loader:
-            batch = through_batch_hooks(pl_module, batch, datamodule=datamodule)
-            inputs = submodule_inputs(
-                pl_module,
-                module,
-                split_inputs(batch, self.input_key),
-                "a validation batch",
-                device=pl_module.device,
-                owner=type(self).__name__,
-            )
-            labels = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
-            yield (inputs, labels)
+        return submodule_batches(type(self).__name__, pl_module, module, loader, self.input_key)
 
     # ------------------------------------------------------------------------------------------------- preparing
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         restorer = pl_module.__dict__.get("on_load_checkpoint")
-        if not isinstance(restorer, _RestoreBeforeWeights):
-            restorer = _RestoreBeforeWeights(pl_module)
+        if not isinstance(restorer, RestoreBeforeWeights):
+            restorer = RestoreBeforeWeights(pl_module)
             object.__setattr__(pl_module, "on_load_checkpoint", restorer)
         if self not in restorer.callbacks:
             restorer.callbacks.append(self)
-        if self.mode == "qat" and stage == "fit":
-            self._check_pruning(trainer)
-            run_after_configure_model(pl_module, self._prepare_for_fit)
-
-    def _check_pruning(self, trainer: pl.Trainer) -> None:
-        """Refuse the combinations with Lightning's ``ModelPruning`` in which pruning would silently do nothing.
-
-        ``ModelPruning`` collects its modules in its own ``setup`` and masks their weights through forward hooks. An
-        exported x86 graph reads the weights directly and runs no module hooks; with the torchao backend the pruner
-        must see the fake-quantized layers, so it must come after this callback.
-        """
-        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        pruners = [cb for cb in callbacks if isinstance(cb, ModelPruning)]
-        if not pruners:
+        if self.mode != "qat":
             return
-        owner = type(self).__name__
-        if self.backend == "x86":
+        if stage == "fit":
+            check_pruning(self, self.backend, trainer)
+            state = {k: v.clone() for k, v in self._quantization_state.items()}
+            self._before_fit = (self._recipe, self._submodule_name, self._float_module, self._kept_graph, state)
+            run_after_configure_model(pl_module, self._prepare_for_fit)
+        elif self._recipe is not None and self._submodule_name is not None:
+            run_after_configure_model(pl_module, self._reinstall)  # validate/test/predict the QAT model
+
+    def _check_same_settings(self, name: str, recipe: QuantizationRecipe) -> None:
+        if (recipe.backend, recipe.mode, recipe.base_config) != (self.backend, "qat", self.base_config):
             raise ValueError(
-                f"`{owner}(backend='x86')` cannot train with `ModelPruning`: the exported graph reads the weights "
-                "directly and never runs the pruning hooks, so nothing would be pruned. Use backend='torchao' (with "
-                f"{owner} before ModelPruning in `callbacks`), or prune and make it permanent before QAT."
-            )
-        position = callbacks.index(self)
-        if any(callbacks.index(p) < position for p in pruners):
-            raise ValueError(
-                f"Put `{owner}` before `ModelPruning` in `Trainer(callbacks=[...])`: the pruner collects its layers in "
-                "its own `setup`, and must find the fake-quantized ones, not the float layers they replace."
+                f"`{type(self).__name__}(backend={self.backend!r})`: {name!r} was already prepared with "
+                f"{recipe.to_dict()}. Quantize a fresh model, or use the same settings."
             )
 
     def _prepare_for_fit(self, pl_module: pl.LightningModule) -> None:
         name, module = self._resolve(pl_module)
-        self._submodule_name = name
-        if is_prepared(module):  # a second fit of the same model: it goes on training as it is
+        if is_prepared(module):  # prepared outside a Trainer (`load_checkpoint`): it goes on training as it is
             recipe = recipe_of(module)
             assert recipe is not None
-            if (recipe.backend, recipe.mode, recipe.base_config) != (self.backend, "qat", self.base_config):
-                raise ValueError(
-                    f"`{type(self).__name__}(backend={self.backend!r})`: {name!r} was already prepared with "
-                    f"{recipe.to_dict()}. Quantize a fresh model, or use the same settings."
-                )
-            self._recipe = recipe
+            self._check_same_settings(name, recipe)
+            self._recipe, self._submodule_name = recipe, name
             self._collect_batchnorms(module)
             return
-        example = self._example_inputs(pl_module.trainer, pl_module, module, "train")
+        if self._recipe is not None and self._recipe.mode == "qat" and self._submodule_name == name:
+            self._check_same_settings(name, self._recipe)  # a later fit goes on from the state the last one reached
+            self._reinstall(pl_module)
+            return
+        self._submodule_name = name
+        example = example_inputs(type(self).__name__, pl_module.trainer, pl_module, module, "train", self.input_key)
         recipe = make_recipe(self.backend, "qat", self.base_config, example, owner=type(self).__name__)
         try:
             self._install(pl_module, name, module, recipe, example)
@@ -434,15 +368,63 @@ class QATCallback(Callback):
         self._float_module = module if recipe.backend == "x86" else None
         self._recipe = recipe
         self._submodule_name = name
-        self._applied = None
-        self._prepared_here = True
-        self._collect_batchnorms(prepared)
+        self._mark_installed(prepared)
         if recipe.backend == "torchao" and self.disable_observers_after is not None:
             warn_once(
                 f"`{type(self).__name__}(backend='torchao', disable_observers_after=...)` has no effect: torchao's QAT "
                 "configs quantize activations dynamically and have no observers.",
                 NoEffectWarning,
             )
+
+    def _mark_installed(self, prepared: nn.Module) -> None:
+        self._applied = None
+        self._prepared_here = True
+        self._prepared_module = prepared
+        self._collect_batchnorms(prepared)
+
+    def _reinstall(self, pl_module: pl.LightningModule, recipe: QuantizationRecipe | None = None) -> None:
+        """Put the prepared submodule back into the plain model: the kept graph when it still holds the float
+        module's own tensors, else a new preparation of the float module loaded with the kept quantization state."""
+        recipe = recipe or self._recipe
+        assert recipe is not None and self._submodule_name is not None
+        name, module = self._resolve(pl_module, self._submodule_name)
+        if is_prepared(module):
+            return
+        graph = self._kept_graph
+        if graph is not None and recipe_of(graph) == recipe and holds_tensors_of(graph, module):
+            graph.train(module.training)
+            self._replace(pl_module, name, graph)
+            self._float_module, self._recipe = module, recipe
+            self._mark_installed(graph)
+            return
+        self._install(pl_module, name, module, recipe, None)
+        prepared = pl_module.get_submodule(name)
+        state = self._quantization_state
+        expected = quantization_state_keys(prepared)
+        if state and set(state) != set(expected):
+            kept = self._kept_graph, self._quantization_state
+            self._restore(pl_module)
+            self._kept_graph, self._quantization_state = kept
+            raise ValueError(
+                f"`{type(self).__name__}`: the quantization state kept from the last run ({len(state)} tensors) does "
+                f"not fit {name!r} as prepared now ({len(expected)} tensors): the submodule was replaced by another "
+                "kind of model. Use a new QATCallback for it."
+            )
+        if state:
+            prepared.load_state_dict(with_state_versions(prepared, state), strict=False)
+
+    def _restore(self, pl_module: pl.LightningModule) -> None:
+        """Put the plain float submodule (same parameters, trained) back and keep the quantization state."""
+        name, module = self._submodule_name, self._prepared_module
+        if self._prepared_here and name is not None and module is not None and is_prepared(module):
+            current = module.state_dict()
+            self._quantization_state = {k: current[k].detach().clone() for k in quantization_state_keys(module)}
+            self._kept_graph = module if isinstance(module, torch.fx.GraphModule) else None
+            plain = restore_float(module, self._float_module)
+            if pl_module.get_submodule(name) is module and plain is not module:
+                self._replace(pl_module, name, plain)
+            self._float_module = plain if self._kept_graph is not None else None
+        self._prepared_here, self._prepared_module, self._eager_batchnorms = False, None, []
 
     def _collect_batchnorms(self, prepared: nn.Module) -> None:
         eager = self.freeze_bn_after is not None and not isinstance(prepared, torch.fx.GraphModule)
@@ -470,13 +452,16 @@ class QATCallback(Callback):
     ) -> None:
         if self.mode != "qat" or self._submodule_name is None:
             return
-        module = pl_module.get_submodule(self._submodule_name)
+        name = self._submodule_name
+        module = pl_module.get_submodule(name)
         weights = checkpoint["state_dict"]
-        keys = [f"{self._submodule_name}.{key}" for key in quantization_state_keys(module)]
-        # The plain model's keys stay in `state_dict`; the observer / fake-quantize state rides in this entry.
-        checkpoint["callbacks"][self.state_key]["quantization_state"] = {
-            k: weights.pop(k) for k in keys if k in weights
-        }
+        if is_prepared(module):
+            # The plain model's keys stay in `state_dict`; the observer / fake-quantize state rides in this entry.
+            keys = [f"{name}.{key}" for key in quantization_state_keys(module)]
+            quantization_state = {k: weights.pop(k) for k in keys if k in weights}
+        else:  # saved after a run, the model plain again: the state this callback kept
+            quantization_state = {f"{name}.{k}": v.clone() for k, v in self._quantization_state.items()}
+        checkpoint["callbacks"][self.state_key]["quantization_state"] = quantization_state
 
     def before_weights_load(self, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         """Prepare ``pl_module`` as the checkpoint's recipe says and put its quantization state back into
@@ -492,6 +477,12 @@ class QATCallback(Callback):
         name, module = self._resolve(pl_module, state.get("submodule") or self._submodule_name)
         if recipe_data is not None and recipe_data.get("mode") == "qat":
             recipe = QuantizationRecipe.from_dict(recipe_data)
+            graph = self._kept_graph
+            reuse = graph is not None and recipe_of(graph) == recipe and not is_prepared(module)
+            if reuse and holds_tensors_of(graph, module):  # type: ignore[arg-type]
+                self._submodule_name = name
+                self._reinstall(pl_module, recipe)  # the checkpoint's quantization state is loaded next
+                module = pl_module.get_submodule(name)
             if recipe_of(module) != recipe:
                 float_module = module if not is_prepared(module) else self._float_source(module)
                 self._install(pl_module, name, float_module, recipe, None)
@@ -507,6 +498,9 @@ class QATCallback(Callback):
             current = module.state_dict()
             for key in quantization_state_keys(module):
                 weights.setdefault(f"{name}.{key}", current[key])
+            # A checkpoint saved from the plain model lacks the observers' state versions: give them, or loading
+            # resets their `eps` (see `with_state_versions`).
+            checkpoint["state_dict"] = with_state_versions(module, weights, prefix=name)
 
     def _float_source(self, module: nn.Module) -> nn.Module:
         recipe = recipe_of(module)
@@ -692,7 +686,7 @@ class QATCallback(Callback):
         common: dict[str, Any] = {
             "validation_batches": self.validation_batches,
             "min_cosine": self.min_cosine,
-            "dirpath": self.dirpath or _default_dirpath(trainer),
+            "dirpath": self.dirpath or default_dirpath(trainer),
             "filename": self.filename,
             "benchmark": self.benchmark,
             "batch_sizes": self.benchmark_batch_sizes,
@@ -713,7 +707,7 @@ class QATCallback(Callback):
             return export_quantized(module, float_model=self._float_module, validation_data=batches, **common)
         if is_prepared(module):
             raise ValueError(f"{name!r} is prepared for QAT; post-training quantization needs the float model.")
-        example = self._example_inputs(trainer, pl_module, module, "val")
+        example = example_inputs(type(self).__name__, trainer, pl_module, module, "val", self.input_key)
         float_module = module if self.backend == "torchao" else copy.deepcopy(module).cpu()
         recipe = make_recipe(self.backend, "ptq", self.base_config, example, owner=type(self).__name__)
         prepared = prepare(float_module, recipe, example, owner=type(self).__name__)
@@ -735,24 +729,25 @@ class QATCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # A failed or interrupted run does not reach `teardown`: clean up as it would, and put the plain model back
-        # (a fit that completes keeps the QAT-trained model prepared, on purpose; a failed one must leave no graph).
-        if self._prepared_here and self._submodule_name is not None:
-            name = self._submodule_name
-            module = pl_module.get_submodule(name)
-            plain = restore_float(module, self._float_module)
-            if plain is not module:
-                self._replace(pl_module, name, plain)
-            self._recipe, self._submodule_name, self._float_module = None, None, None
-            self._eager_batchnorms = []
-        self._prepared_here = False
+        # A failed or interrupted run does not reach `teardown`: put the plain model back as it would. A failed fit
+        # also gives back the quantization state it started from, so that a second fit starts as the first did.
+        self._restore(pl_module)
+        if trainer.state.fn == "fit" and self._before_fit is not None:
+            self._recipe, self._submodule_name, self._float_module, self._kept_graph, state = self._before_fit
+            self._quantization_state = state
+            if self._kept_graph is not None and state:
+                self._kept_graph.load_state_dict(with_state_versions(self._kept_graph, state), strict=False)
         self.teardown(trainer, pl_module, trainer.state.stage.value if trainer.state.stage else "fit")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # The plain float submodule goes back with the trained weights; the quantization state stays here, for the
+        # next validate/test/predict/fit with this callback and for `trainer.save_checkpoint`.
+        self._restore(pl_module)
+        self._before_fit = None
         discard_pending_surgery(pl_module)
         restorer = pl_module.__dict__.get("on_load_checkpoint")
-        if isinstance(restorer, _RestoreBeforeWeights):
+        if isinstance(restorer, RestoreBeforeWeights):
             if self in restorer.callbacks:
                 restorer.callbacks.remove(self)
             if not restorer.callbacks:
@@ -762,29 +757,14 @@ class QATCallback(Callback):
     def __getstate__(self) -> dict[str, Any]:
         # The float module, the layer list and the logging functions Lightning attaches belong to this process's
         # model (an exported model does not pickle: torch.export's guard module holds a local function).
-        state = {**self.__dict__, "_float_module": None, "_eager_batchnorms": []}
+        state = {
+            **self.__dict__,
+            "_float_module": None,
+            "_eager_batchnorms": [],
+            "_prepared_module": None,
+            "_kept_graph": None,
+            "_before_fit": None,
+        }
         state.pop("log", None)
         state.pop("log_dict", None)
         return state
-
-
-# ------------------------------------------------------------------------------------------------------ helpers
-
-
-def _first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, split: str) -> Any:
-    if split == "train":
-        source = getattr(trainer.fit_loop, "_data_source", None)
-        loader = source.dataloader() if source is not None and source.is_defined() else None
-    else:
-        loader = _val_dataloader(trainer, pl_module)
-    if loader is None:
-        return None
-    for batch in loader:
-        return through_batch_hooks(pl_module, batch, datamodule=getattr(trainer, "datamodule", None))
-    return None
-
-
-def _default_dirpath(trainer: pl.Trainer) -> Path:
-    callback = trainer.checkpoint_callback
-    dirpath = getattr(callback, "dirpath", None) if callback is not None else None
-    return Path(dirpath) if dirpath else Path(trainer.default_root_dir) / "quantized"

@@ -27,6 +27,7 @@ the ``qat`` extra.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import warnings
@@ -69,6 +70,7 @@ __all__ = [
     "set_quantization_info",
     "torchao_fake_quantizers",
     "with_batch",
+    "with_state_versions",
 ]
 
 BACKENDS: tuple[str, ...] = ("x86", "torchao")
@@ -237,6 +239,22 @@ def quantization_state_keys(module: nn.Module) -> list[str]:
         return []
     float_keys = set(info["float_keys"])
     return [k for k in module.state_dict() if k not in float_keys]
+
+
+def with_state_versions(module: nn.Module, state: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """``state`` (keys relative to ``module``, under ``prefix`` when given) with the ``_metadata`` of ``module``'s
+    own ``state_dict``: each submodule's state version, which ``load_state_dict`` passes to its
+    ``_load_from_state_dict``.
+
+    Without it an observer takes the state for its oldest format and resets its ``eps`` buffer to float32's machine
+    epsilon (the x86 recipe sets 2**-12), so observer state saved apart from the model must be loaded through this.
+    """
+    metadata = getattr(module.state_dict(), "_metadata", {})
+    out: Any = collections.OrderedDict(state)
+    out._metadata = getattr(state, "_metadata", collections.OrderedDict()).copy()
+    for name, entry in metadata.items():
+        out._metadata.setdefault(f"{prefix}.{name}".strip(".") if prefix else name, entry)
+    return out
 
 
 # -------------------------------------------------------------------------------- exported train / eval switching

@@ -163,8 +163,16 @@ def test_fit_prepares_before_optimizers_and_exports_at_the_end(tmp_path: Path) -
     float_net = model.net
     callback = QATCallback(**QUICK)
     trainer = _trainer(tmp_path, [callback])
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    probe = _Prepared()
+    trainer = _trainer(tmp_path, [callback, probe])
     trainer.fit(model, datamodule=data)
-    assert isinstance(model.net, qat.PreparedGraphModule)
+    assert probe.seen == {"train": [True]}  # trained prepared
+    # The plain float submodule is back, with the QAT-trained weights and batch-norm statistics.
+    assert model.net is float_net and not qat.is_prepared(model.net)
+    assert list(model.state_dict()) == list(initial)
+    assert any(not torch.equal(v, initial[k]) for k, v in model.state_dict().items() if k.endswith("running_mean"))
+    assert any(not torch.equal(v, initial[k]) for k, v in model.state_dict().items() if k.endswith("weight"))
     # The optimizer trained the prepared graph's parameters (the float module's own Parameter objects).
     optimizer_params = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
     assert optimizer_params == {id(p) for p in model.parameters()} == {id(p) for p in float_net.parameters()}
@@ -176,32 +184,96 @@ def test_fit_prepares_before_optimizers_and_exports_at_the_end(tmp_path: Path) -
     assert data_json["validation"]["cosine"] > 0.99 and data_json["metadata"]["submodule"] == "net"
     program = torch.export.load(report.artifact).module()
     assert program(torch.randn(2, 3, 16, 16)).shape == (2, 10)
-    assert callback.state_dict()["recipe"]["backend"] == "x86"
-    # The trained model stays trainable and usable for every other entry point.
+    assert callback.state_dict()["recipe"]["backend"] == "x86" and callback.quantization_state
+    # validate/test/predict with the callback run the prepared (fake-quantized) model and put the plain one back.
     (val,) = trainer.validate(model, datamodule=data, verbose=False)
+    (tested,) = trainer.test(model, datamodule=data, verbose=False)
     predictions = trainer.predict(model, datamodule=data)
-    assert val["val_loss"] > 0 and predictions and predictions[0].shape[-1] == 10
+    assert val["val_loss"] > 0 and tested["test_loss"] > 0 and predictions and predictions[0].shape[-1] == 10
+    assert probe.seen == {"train": [True], "validate": [True], "test": [True], "predict": [True]}
+    assert model.net is float_net and list(model.state_dict()) == list(initial)
 
 
 def test_export_false_trains_without_converting(tmp_path: Path) -> None:
     model, data = _convnet()
     callback = QATCallback(export=False)
     _trainer(tmp_path, [callback]).fit(model, datamodule=data)
-    assert isinstance(model.net, qat.PreparedGraphModule) and callback.report is None
+    assert not qat.is_prepared(model.net) and callback.report is None and callback.quantization_state
     assert not (tmp_path / "quantized").exists()
 
 
-def test_fit_twice_keeps_training_the_same_prepared_model(tmp_path: Path) -> None:
+def test_fit_twice_goes_on_from_the_state_the_first_fit_reached(tmp_path: Path) -> None:
+    model, data = _convnet()
+    float_net = model.net
+    callback = QATCallback(**QUICK)
+    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
+    first = callback.quantization_state
+
+    class AtStart(Callback):
+        state: dict[str, torch.Tensor] = {}
+
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            AtStart.state = {k: v.clone() for k, v in pl_module.net.state_dict().items()}
+
+    trainer = _trainer(tmp_path, [callback, AtStart()])
+    trainer.fit(model, datamodule=data)
+    assert trainer.global_step == 3 and callback.report is not None and callback.report.ok
+    # The second fit started from the observers' ranges the first one reached (not from fresh observers)...
+    for key, value in first.items():
+        torch.testing.assert_close(AtStart.state[key], value, rtol=0, atol=0, msg=key)
+    # ...trained them on, and left the plain model again.
+    assert any(not torch.equal(v, first[k]) for k, v in callback.quantization_state.items())
+    assert model.net is float_net and not qat.is_prepared(model.net)
+
+
+def test_a_failed_second_fit_gives_back_the_state_it_started_from(tmp_path: Path) -> None:
     model, data = _convnet()
     callback = QATCallback(**QUICK)
     _trainer(tmp_path, [callback]).fit(model, datamodule=data)
-    prepared = model.net
-    before = {k: v.clone() for k, v in prepared.state_dict().items()}
-    trainer = _trainer(tmp_path, [callback])
-    trainer.fit(model, datamodule=data)
-    assert model.net is prepared and trainer.global_step == 3
-    assert any(not torch.equal(v, before[k]) for k, v in prepared.state_dict().items())
-    assert callback.report is not None and callback.report.ok
+    first = callback.quantization_state
+    with pytest.raises(RuntimeError, match="failed at step 2"):
+        _trainer(tmp_path, [callback, _FailAtStep(RuntimeError, step=2)], max_steps=5).fit(model, datamodule=data)
+    assert not qat.is_prepared(model.net)
+    after = callback.quantization_state
+    assert after.keys() == first.keys()
+    for key, value in first.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_a_failed_validate_after_fit_keeps_the_state_and_the_plain_model(tmp_path: Path) -> None:
+    model, data = _convnet()
+    float_net = model.net
+    callback = QATCallback(**QUICK)
+    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
+    first = callback.quantization_state
+
+    class FailInValidation(Callback):
+        def on_validation_batch_start(self, *args: Any) -> None:
+            raise RuntimeError("failed in validation")
+
+    with pytest.raises(RuntimeError, match="failed in validation"):
+        _trainer(tmp_path, [callback, FailInValidation()]).validate(model, datamodule=data, verbose=False)
+    assert model.net is float_net and not qat.is_prepared(model.net)
+    assert callback.quantization_state.keys() == first.keys() and callback.recipe is not None
+
+
+def test_a_pickled_callback_prepares_the_float_module_again_from_its_state(tmp_path: Path) -> None:
+    model, data = _convnet()
+    callback = QATCallback(**QUICK)
+    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
+    clone = pickle.loads(pickle.dumps(callback))  # without the prepared graph: it does not pickle
+    x = torch.randn(4, 3, 16, 16)
+    model.eval()
+    with callback.prepared(model) as kept:
+        expected = kept(x)
+    assert not qat.is_prepared(model.net)
+    with clone.prepared(model) as again:
+        assert isinstance(again, qat.PreparedGraphModule) and again is not kept
+        torch.testing.assert_close(again(x), expected, rtol=0, atol=0)
+    assert not qat.is_prepared(model.net)
+    no_state = r"prepared\(\)` has no quantization-aware training"
+    with pytest.raises(ValueError, match=no_state), QATCallback().prepared(model):
+        pass
 
 
 def _checkpoint(tmp_path: Path, **callback_kwargs: Any) -> tuple[pl.LightningModule, Path, QATCallback]:
@@ -218,35 +290,41 @@ def test_checkpoint_has_plain_keys_and_the_quantization_state_in_the_callback_en
     model, path, callback = _checkpoint(tmp_path)
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     plain, _ = _convnet()
-    assert set(checkpoint["state_dict"]) == set(plain.state_dict())
+    assert set(checkpoint["state_dict"]) == set(plain.state_dict()) == set(model.state_dict())
     entry = checkpoint["callbacks"][callback.state_key]
     assert entry["recipe"] == callback.state_dict()["recipe"]
-    expected = {f"net.{k}" for k in qat.quantization_state_keys(model.net)}
+    expected = {f"net.{k}" for k in callback.quantization_state}
     assert set(entry["quantization_state"]) == expected and expected
 
 
 def test_resume_reprepares_before_the_weights_load(tmp_path: Path) -> None:
-    model, path, _ = _checkpoint(tmp_path)
+    model, path, trained = _checkpoint(tmp_path)
     fresh, data = _convnet(seed=1)
     callback = QATCallback(**QUICK)
     # max_steps equal to the checkpoint's: the run restores everything and stops, so the state is the checkpoint's.
     _trainer(tmp_path / "resumed", [callback]).fit(fresh, datamodule=data, ckpt_path=path)
-    assert isinstance(fresh.net, qat.PreparedGraphModule)
+    assert not qat.is_prepared(fresh.net)
     expected = model.state_dict()
+    assert list(fresh.state_dict()) == list(expected)
     for key, value in fresh.state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
-    assert callback.recipe == qat.recipe_of(model.net)
+    assert callback.recipe == trained.recipe
+    state, expected_state = callback.quantization_state, trained.quantization_state
+    assert state.keys() == expected_state.keys() and state
+    for key, value in state.items():
+        torch.testing.assert_close(value, expected_state[key], rtol=0, atol=0, msg=key)
 
 
 def test_test_with_ckpt_path_on_a_fresh_model(tmp_path: Path) -> None:
-    model, path, _ = _checkpoint(tmp_path)
+    model, path, callback = _checkpoint(tmp_path)
     _, data = _convnet()
-    (trained,) = _trainer(tmp_path / "a", [QATCallback(**QUICK)]).test(model, datamodule=data, verbose=False)
+    (trained,) = _trainer(tmp_path / "a", [callback]).test(model, datamodule=data, verbose=False)
     fresh, _ = _convnet(seed=3)
-    (restored,) = _trainer(tmp_path / "b", [QATCallback(**QUICK)]).test(
+    probe = _Prepared()
+    (restored,) = _trainer(tmp_path / "b", [QATCallback(**QUICK), probe]).test(
         fresh, datamodule=data, ckpt_path=path, verbose=False
     )
-    assert isinstance(fresh.net, qat.PreparedGraphModule)
+    assert probe.seen == {"test": [True]} and not qat.is_prepared(fresh.net)
     assert restored == pytest.approx(trained, abs=1e-6)
 
 
@@ -257,19 +335,23 @@ def test_checkpoint_recipe_wins_over_the_callback_settings(tmp_path: Path) -> No
     trainer.fit(model, datamodule=data)
     trainer.save_checkpoint(tmp_path / "lm.ckpt")
     fresh, _ = make_workload("lm", "tiny", seed=5)
-    _trainer(tmp_path / "t", [QATCallback(**QUICK)]).test(fresh, datamodule=data, ckpt_path=tmp_path / "lm.ckpt")
-    assert qat.recipe_of(fresh.net).backend == "torchao"
+    keys = list(fresh.state_dict())
+    callback = QATCallback(**QUICK)
+    _trainer(tmp_path / "t", [callback]).test(fresh, datamodule=data, ckpt_path=tmp_path / "lm.ckpt")
+    assert callback.recipe is not None and callback.recipe.backend == "torchao"
+    assert list(fresh.state_dict()) == keys and not any(qat.is_prepared(m) for m in fresh.modules())
 
 
 def test_load_checkpoint_into_a_fresh_model(tmp_path: Path) -> None:
-    model, path, _ = _checkpoint(tmp_path)
+    model, path, callback = _checkpoint(tmp_path)
     fresh, _ = _convnet(seed=7)
     recipe = QATCallback.load_checkpoint(fresh, path)
-    assert recipe == qat.recipe_of(model.net)
+    assert recipe == callback.recipe and qat.is_prepared(fresh.net)
     x = torch.randn(5, 3, 16, 16)
     model.eval()
     fresh.eval()
-    torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
+    with callback.prepared(model):
+        torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
 
 
 def test_checkpoint_without_the_callback_state_loads_into_a_prepared_model(tmp_path: Path) -> None:
@@ -281,7 +363,7 @@ def test_checkpoint_without_the_callback_state_loads_into_a_prepared_model(tmp_p
     fresh, _ = _convnet(seed=1)
     resumed = _trainer(tmp_path, [QATCallback(**QUICK)], max_steps=3)
     resumed.fit(fresh, datamodule=data, ckpt_path=tmp_path / "float.ckpt")
-    assert resumed.global_step == 3 and isinstance(fresh.net, qat.PreparedGraphModule)
+    assert resumed.global_step == 3 and not qat.is_prepared(fresh.net)
 
 
 class _KeywordForward(ConvNetModule):
@@ -325,6 +407,29 @@ def test_example_input_is_what_the_submodule_receives_from_the_first_batch(tmp_p
     callback = QATCallback(**QUICK)
     _trainer(tmp_path, [callback]).fit(model, datamodule=data)
     assert callback.recipe is not None and callback.recipe.input_shapes == ((3 * 16 * 16,),)
+
+
+class _Prepared(Callback):
+    """Records, per loop, whether the model's ``net`` was prepared when the loop started."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, list[bool]] = {}
+
+    def _record(self, loop: str, pl_module: pl.LightningModule) -> None:
+        self.seen.setdefault(loop, []).append(qat.is_prepared(pl_module.net))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record("train", pl_module)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._record("validate", pl_module)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record("test", pl_module)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record("predict", pl_module)
 
 
 class _Probe(Callback):
@@ -386,12 +491,15 @@ def test_epoch_schedules_and_periodic_converted_checks(tmp_path: Path) -> None:
 
 def test_eval_does_not_move_the_quantization_ranges(tmp_path: Path) -> None:
     model, data = _convnet()
-    _trainer(tmp_path, [QATCallback(**QUICK)]).fit(model, datamodule=data)
+    callback = QATCallback(**QUICK)
+    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
     ranges = ("min_val", "max_val", "scale", "zero_point")
-    before = {k: v.clone() for k, v in model.net.state_dict().items() if k.endswith(ranges)}
+    before = {k: v for k, v in callback.quantization_state.items() if k.endswith(ranges)}
     assert before
-    _trainer(tmp_path, [QATCallback(**QUICK)]).validate(model, datamodule=data, verbose=False)
-    after = model.net.state_dict()
+    probe = _Prepared()
+    _trainer(tmp_path, [callback, probe]).validate(model, datamodule=data, verbose=False)
+    assert probe.seen == {"validate": [True]}
+    after = callback.quantization_state
     for key, value in before.items():
         torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
 
@@ -419,7 +527,7 @@ def test_failure_at_the_end_warns_and_leaves_model_and_checkpoints(
     with pytest.warns(FallbackWarning, match="export exploded.*unchanged"):
         trainer.fit(model, datamodule=data)
     assert Snapshot.files and {p: p.read_bytes() for p in tmp_path.rglob("*.ckpt")} == Snapshot.files
-    assert isinstance(model.net, qat.PreparedGraphModule)
+    assert not qat.is_prepared(model.net)
     first = next(iter(Snapshot.files))
     assert set(torch.load(first, weights_only=True)["state_dict"]) == set(_convnet()[0].state_dict())
     model2, data2 = _convnet()
@@ -447,10 +555,17 @@ def test_torchao_backend_with_pruning(tmp_path: Path) -> None:
     model, data = make_workload("lm", "tiny")
     pruning = ModelPruning("l1_unstructured", amount=0.5, parameter_names=["weight"], verbose=0)
     callback = QATCallback("torchao", **QUICK)
-    _trainer(tmp_path, [callback, pruning], max_steps=-1, max_epochs=1, limit_train_batches=2).fit(
+
+    class Layer(Callback):
+        seen: list[str] = []
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            Layer.seen.append(type(pl_module.net.blocks[0].mlp[0]).__name__)
+
+    _trainer(tmp_path, [callback, pruning, Layer()], max_steps=-1, max_epochs=1, limit_train_batches=2).fit(
         model, datamodule=data
     )
-    assert type(model.net.blocks[0].mlp[0]).__name__ == "FakeQuantizedLinear"
+    assert Layer.seen == ["FakeQuantizedLinear"] and type(model.net.blocks[0].mlp[0]) is nn.Linear
     # Global L1 pruning of every `weight` (amount 0.5), applied to the fake-quantized layers and made permanent.
     weights = [m.weight for m in model.net.modules() if isinstance(getattr(m, "weight", None), nn.Parameter)]
     zeros = sum(int((w == 0).sum()) for w in weights) / sum(w.numel() for w in weights)
@@ -562,8 +677,8 @@ def test_a_failed_fit_puts_the_plain_model_back(tmp_path: Path, error: type[Base
     again = QATCallback(**QUICK)
     trainer = _trainer(tmp_path / "again", [again])
     trainer.fit(model, datamodule=data)
-    assert isinstance(model.net, qat.PreparedGraphModule) and trainer.global_step == 3
-    assert again.report is not None and again.report.ok
+    assert trainer.global_step == 3 and again.report is not None and again.report.ok
+    assert model.net is float_net and _plain_facts(model) == before
 
 
 def test_a_failed_torchao_fit_swaps_the_linear_layers_back(tmp_path: Path) -> None:

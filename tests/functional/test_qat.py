@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_perf import _imports
 from lightning_perf.deploy import quantize as dq
+from lightning_perf.deploy.quantize.convert import restore_float
 from lightning_perf.functional import qat
 
 BATCH_NORM = torch.ops.aten.batch_norm.default
@@ -179,6 +180,34 @@ def test_x86_prepare_keeps_float_keys_and_shares_parameters(prepared_conv: tuple
     # The prepared graph trains the float model's own Parameter objects.
     float_params = {id(p) for p in float_model.parameters()}
     assert all(id(p) in float_params for p in prepared.parameters())
+
+
+def test_x86_prepare_shares_buffers_so_restoring_the_float_module_keeps_what_was_trained(
+    prepared_conv: tuple[nn.Module, nn.Module],
+) -> None:
+    float_model, prepared = prepared_conv
+    held = prepared.state_dict(keep_vars=True)
+    assert all(held[k] is v for k, v in float_model.state_dict(keep_vars=True).items())
+    assert int(float_model.bn1.num_batches_tracked) == 4  # the graph's training steps updated the float buffers
+    assert restore_float(prepared, float_model) is float_model
+
+
+def test_observer_state_loaded_apart_from_the_model_keeps_its_eps(prepared_conv: tuple[nn.Module, nn.Module]) -> None:
+    _, prepared = prepared_conv
+    current = prepared.state_dict()
+    state = {k: current[k].clone() for k in qat.quantization_state_keys(prepared)}
+    eps_keys = [k for k in state if k.endswith(".eps")]
+    assert eps_keys and all(float(state[k]) == 2**-12 for k in eps_keys)  # the x86 recipe's eps
+    torch.manual_seed(0)
+    fresh = qat.prepare(TinyConvNet(), qat.recipe_of(prepared))
+    fresh.load_state_dict(state, strict=False)  # no state versions: observers read it as their oldest format
+    assert all(float(fresh.state_dict()[k]) == torch.finfo(torch.float32).eps for k in eps_keys)
+    fresh.load_state_dict(qat.with_state_versions(fresh, state), strict=False)
+    after = fresh.state_dict()
+    for key, value in state.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
+    nested = qat.with_state_versions(fresh, {f"net.{k}": v for k, v in state.items()}, prefix="net")
+    assert set(nested._metadata) == {f"net.{k}".rstrip(".") for k in fresh.state_dict()._metadata}
 
 
 def test_repeated_module_calls_are_told_apart() -> None:
