@@ -12,7 +12,7 @@ Where the peak comes from: on CUDA the dense datasheet table of :mod:`lightning_
 ``get_available_flops`` (not first: Lightning 2.6 gives sparse figures for the H200 and H100 NVL and the fp32 rate for
 the RTX 4090's bf16); on a CPU a large matmul in the run's dtype and thread count, measured once per machine, sized to
 a time budget, and cached (``$LIGHTNING_PERF_CACHE``). A peak measured while the machine was disturbed is too low, so
-the MFU against it is too high: such a row's MFU is marked ``*``.
+the MFU against it is too high: such a row's MFU is marked ``?`` on the console and ``*`` in the Markdown.
 """
 
 from __future__ import annotations
@@ -40,9 +40,7 @@ __all__ = [
 PeakFn = Callable[[str, str, bool], PeakFlops]
 """``(device, precision, fast_fp32_matmul) -> PeakFlops``: the peak a configuration's matmuls can reach."""
 
-MFU_LEGEND = (
-    "MFU: achieved FLOP/s / the machine's peak in the run's dtype (*: peak measured while disturbed; -: unknown)."
-)
+MFU_LEGEND = "MFU: achieved FLOP/s / the machine's peak in the run's dtype (?: run or peak disturbed; -: unknown)."
 
 _RESAMPLES = 2000
 
@@ -138,19 +136,20 @@ def add_utilization(rows: Sequence[Any], peak_of: Callable[[str], PeakFlops | No
 
 
 def mfu_cell(row: Any) -> str:
-    """``"12%"`` (``"12%*"`` when the peak was measured while disturbed, ``"?"`` first for a disturbed row), ``"-"``
-    when the MFU is unknown."""
+    """``"12%"``; ``"?12%"`` when the row's runs or the peak's measurement were disturbed (the console has no room
+    for two marks: the warnings and the Markdown say which); ``"-"`` when the MFU is unknown."""
     if row.mfu is None:
         return "-"
     percent = row.mfu * 100.0
     text = f"{percent:.0f}%" if percent >= 10 else f"{percent:.2g}%"
-    return ("?" if row.disturbed else "") + text + ("*" if row.peak_causes else "")
+    return ("?" if row.disturbed or row.peak_causes else "") + text
 
 
 def utilization_lines(rows: Sequence[Any]) -> list[str]:
     """A warning line per cause that disturbed a peak measurement (an MFU against it is too high)."""
     causes = dict.fromkeys(cause for row in rows for cause in (row.peak_causes or []))
-    return [f"warning: peak FLOP/s measured while disturbed by {cause}: MFU marked * is too high" for cause in causes]
+    text = "warning: peak FLOP/s measured while disturbed by {}: the MFU against it is too high (marked ?)"
+    return [text.format(cause) for cause in causes]
 
 
 def _rate_with_interval(value: float | None, interval: Sequence[float] | None, unit: str) -> str:
