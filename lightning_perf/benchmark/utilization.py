@@ -33,6 +33,7 @@ __all__ = [
     "matmul_setting",
     "mfu_cell",
     "step_median_ci95",
+    "unknown_mfu_lines",
     "utilization_lines",
     "utilization_markdown",
 ]
@@ -150,6 +151,19 @@ def utilization_lines(rows: Sequence[Any]) -> list[str]:
     causes = dict.fromkeys(cause for row in rows for cause in (row.peak_causes or []))
     text = "warning: peak FLOP/s measured while disturbed by {}: the MFU against it is too high (marked ?)"
     return [text.format(cause) for cause in causes]
+
+
+def unknown_mfu_lines(rows: Sequence[Any]) -> list[str]:
+    """Why a measured row has no MFU, once per reason: its FLOPs could not be counted, or no peak is known."""
+    reasons: dict[str, None] = {}
+    for row in rows:
+        if row.step_median_s is None or row.mfu is not None:
+            continue
+        if row.flops_error:
+            reasons[f"MFU unknown: FLOPs per step not counted ({row.flops_error})"] = None
+        elif row.peak_source and row.peak_source.startswith("unknown"):
+            reasons[f"MFU unknown: peak FLOP/s {row.peak_source}"] = None
+    return list(reasons)
 
 
 def _rate_with_interval(value: float | None, interval: Sequence[float] | None, unit: str) -> str:

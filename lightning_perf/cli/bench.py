@@ -202,6 +202,7 @@ def _run_bench(
         unused_output,
         write_outputs,
     )
+    from lightning_perf.benchmark.utilization import unknown_mfu_lines
     from lightning_perf.profiling import rich_table
 
     requested = args.output or Path("bench-results") / f"{options.workload}.json"
@@ -259,6 +260,8 @@ def _run_bench(
     console.print(CONSOLE_LEGEND, style="dim")
     for warning in reliability_lines(report):
         console.print(warning, style="yellow", soft_wrap=True, markup=False)
+    for line in unknown_mfu_lines(report.summaries):
+        console.print(line, style="dim", soft_wrap=True, markup=False)
     written = write_outputs(report, output)
     if output != requested:
         console.print(f"{requested} exists: this run is numbered (--force overwrites)", soft_wrap=True)

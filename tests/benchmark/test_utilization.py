@@ -34,6 +34,7 @@ from lightning_perf.benchmark.utilization import (
     machine_peak,
     mfu_cell,
     step_median_ci95,
+    unknown_mfu_lines,
     utilization_markdown,
 )
 from lightning_perf.benchmark.worker import RunResult, RunSpec, count_training_step_flops, run
@@ -107,6 +108,7 @@ def test_an_unknown_peak_leaves_mfu_unknown_but_keeps_the_achieved_rate() -> Non
     for row in rows:
         assert row.achieved_flops_per_second is not None and row.mfu is None and row.mfu_ci95 is None
         assert row.peak_source.startswith("unknown") and mfu_cell(row) == "-"
+    assert unknown_mfu_lines(rows) == ["MFU unknown: peak FLOP/s unknown: no table entry for 'Some GPU'"]
 
 
 def test_a_disturbed_peak_marks_the_mfu_and_warns() -> None:

@@ -18,7 +18,7 @@ from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.cli import main
 
 
-def _result(config: str, repeat: int, step: float) -> RunResult:
+def _result(config: str, repeat: int, step: float, flops_error: str | None = None) -> RunResult:
     steps = (step * (1 + 0.02 * np.random.default_rng(repeat).standard_normal(8))).tolist()
     return RunResult(
         spec={"config": config, "repeat": repeat},
@@ -29,6 +29,7 @@ def _result(config: str, repeat: int, step: float) -> RunResult:
         warmup_s=1.0,
         step_memory_bytes=100,
         peak_memory_bytes=200,
+        flops_error=flops_error,
     )
 
 
@@ -43,7 +44,7 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         total, done = options.repeats * len(options.configs), 0
         for repeat in range(options.repeats):
             for i, name in enumerate(options.configs):
-                results[name].append(_result(name, repeat, 0.1 * (1 + i)))
+                results[name].append(_result(name, repeat, 0.1 * (1 + i), seen.get("flops_error")))
                 done += 1
                 if kw.get("on_run") is not None:
                     kw["on_run"](
@@ -86,6 +87,20 @@ def test_no_arguments_choose_by_capability_and_say_what_was_left_out(
     assert all((tmp_path / path).exists() for path in written)
     data = json.loads((tmp_path / "bench-results/convnet.json").read_text())
     assert data["left_out"][0]["config"] == "bf16-mixed"
+    assert "MFU" in printed  # the console table's utilization column
+
+
+def test_an_unknown_mfu_says_why(
+    fake_bench: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_bench["flops_error"] = "RuntimeError: manual optimization: training_step runs its own backward"
+    out = tmp_path / "r.json"
+    assert main(["bench", "--configs", "baseline,channels_last", "--repeats", "1", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("MFU unknown: FLOPs per step not counted (RuntimeError: manual optimization") == 1
+    data = json.loads(out.read_text())
+    assert all(row["mfu"] is None and "manual optimization" in row["flops_error"] for row in data["summary"])
+    assert "unknown: RuntimeError: manual optimization" in out.with_suffix(".md").read_text()
 
 
 def test_an_existing_report_is_never_overwritten_silently(
