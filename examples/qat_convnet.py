@@ -106,7 +106,7 @@ def main() -> None:
     for row in report.latency:
         print(
             f"  batch {row.batch_size:>3}: fp32 {format_seconds(row.float_median_s):>9}, int8 "
-            f"{format_seconds(row.quantized_median_s):>9}: {row.speedup:.2f}x faster"
+            f"{format_seconds(row.quantized_median_s):>9}: speed-up {row.format_speedup()} (95% interval)"
         )
     print(
         f"training step (median): fp32 {format_seconds(fp32_clock.median_s)}, "

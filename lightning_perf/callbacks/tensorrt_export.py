@@ -293,7 +293,7 @@ def _log_summary(report: ExportReport) -> None:
         rank_zero_info(f"TensorRTExportCallback: no validated export. Report: {report.report_path}")
         return
     sizes = ", ".join(str(v.batch_size) for v in attempt.validation)
-    speed = "; ".join(f"batch {r.batch_size}: {r.speedup:.2f}x eager" for r in attempt.latency)
+    speed = "; ".join(f"batch {r.batch_size}: {r.format_speedup()} against eager" for r in attempt.latency)
     rank_zero_info(
         f"TensorRTExportCallback: exported with {report.backend} ({report.precision}) to {report.artifact}, "
         f"validated at batch sizes {sizes}{'; ' + speed if speed else ''}. Report: {report.report_path}"

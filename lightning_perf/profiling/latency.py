@@ -6,6 +6,11 @@ spinning worker threads (onnxruntime's, by default) from slowing the other runti
 ``warmup`` untimed calls. Each call is timed on the host up to a device synchronize: end-to-end latency as a caller
 sees it, the only fair clock when the two run on different runtimes. Statistics come from
 :func:`lightning_perf.profiling.stats.summarize`.
+
+The blocks pair up as ``(A1, B1)`` and ``(B2, A2)``: each pair is one paired repeat of
+:func:`lightning_perf.profiling.intervals.paired_ratio`, which gives the speed-up (baseline time over candidate time)
+with its 95% interval, the method that built it, and a verdict: ``"faster"`` (the candidate is faster: the whole
+interval lies above 1), ``"slower"`` or ``"no clear difference"``.
 """
 
 from __future__ import annotations
@@ -18,9 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_perf._device import synchronize
+from lightning_perf.profiling.intervals import METHOD_SINGLE, NO_CLEAR_DIFFERENCE, RatioEstimate, paired_ratio
 from lightning_perf.profiling.stats import Stats, summarize
 
-__all__ = ["LatencyRow", "measure_latency", "paired_latency"]
+__all__ = ["LatencyRow", "measure_latency", "paired_blocks", "paired_latency", "speedup_estimate"]
+
+Blocks = list[list[float]]
+METHOD_NO_TIME = "a call took no measurable time: no interval"
 
 _SUFFIXES = ("median_s", "p90_s", "throughput", "warmup_s")
 
@@ -33,6 +42,12 @@ class LatencyRow:
     figures can also be read under those names (``row.eager_median_s`` is ``row.baseline_median_s`` when
     ``baseline == "eager"``; ``<side>_compile_s`` is ``<side>_warmup_s``), and :meth:`to_dict` writes both
     spellings. ``*_warmup_s`` is the first call (compilation included, when there is one), reported apart.
+
+    ``speedup`` is the baseline's time over the candidate's (above 1: the candidate is faster), from the paired
+    blocks (:func:`speedup_estimate`), with ``speedup_ci95`` (``[low, high]``, ``low <= speedup <= high``; ``None``
+    without an interval), ``speedup_verdict`` (``"faster"``, ``"slower"`` or ``"no clear difference"``),
+    ``speedup_method`` and ``speedup_n`` (paired blocks). ``baseline_blocks_s`` / ``candidate_blocks_s`` keep the
+    per-call seconds of each block, so that another tool can build its own comparison.
     """
 
     batch_size: int
@@ -48,6 +63,12 @@ class LatencyRow:
     iterations: int
     baseline_warmup_s: float | None = None
     candidate_warmup_s: float | None = None
+    speedup_ci95: list[float] | None = None
+    speedup_verdict: str = NO_CLEAR_DIFFERENCE
+    speedup_method: str = METHOD_SINGLE
+    speedup_n: int = 1
+    baseline_blocks_s: Blocks | None = None
+    candidate_blocks_s: Blocks | None = None
 
     @classmethod
     def from_stats(
@@ -57,8 +78,13 @@ class LatencyRow:
         candidate: Stats,
         names: tuple[str, str] = ("baseline", "candidate"),
         warmup_s: tuple[float | None, float | None] = (None, None),
+        estimate: RatioEstimate | None = None,
     ) -> LatencyRow:
-        """The row of two samples of per-call seconds (``speedup`` is the baseline median over the candidate's)."""
+        """The row of two samples of per-call seconds. ``speedup`` and its interval are ``estimate``'s; without one
+        (no paired blocks), the baseline median over the candidate's, with no interval."""
+        if estimate is None:
+            ratio = baseline.median / candidate.median if candidate.median > 0 else math.inf
+            estimate = RatioEstimate(ratio, ratio, ratio, METHOD_SINGLE, NO_CLEAR_DIFFERENCE, 1)
         return cls(
             batch_size=batch_size,
             baseline=names[0],
@@ -67,13 +93,48 @@ class LatencyRow:
             baseline_p90_s=baseline.p90,
             candidate_median_s=candidate.median,
             candidate_p90_s=candidate.p90,
-            speedup=baseline.median / candidate.median if candidate.median > 0 else math.inf,
+            speedup=estimate.ratio,
             baseline_throughput=batch_size / baseline.median if baseline.median > 0 else math.inf,
             candidate_throughput=batch_size / candidate.median if candidate.median > 0 else math.inf,
             iterations=candidate.count,
             baseline_warmup_s=warmup_s[0],
             candidate_warmup_s=warmup_s[1],
+            speedup_ci95=[estimate.low, estimate.high] if _has_interval(estimate) else None,
+            speedup_verdict=estimate.verdict,
+            speedup_method=estimate.method,
+            speedup_n=estimate.n,
         )
+
+    @classmethod
+    def from_blocks(
+        cls,
+        batch_size: int,
+        baseline: Blocks,
+        candidate: Blocks,
+        names: tuple[str, str] = ("baseline", "candidate"),
+        warmup_s: tuple[float | None, float | None] = (None, None),
+    ) -> LatencyRow:
+        """The row of paired blocks of per-call seconds (block ``i`` of each side is one pair, see
+        :func:`paired_blocks`): medians and percentiles over all calls, the speed-up with its interval and verdict."""
+        row = cls.from_stats(
+            batch_size,
+            summarize([t for block in baseline for t in block]),
+            summarize([t for block in candidate for t in block]),
+            names=names,
+            warmup_s=warmup_s,
+            estimate=speedup_estimate(baseline, candidate),
+        )
+        row.baseline_blocks_s = [list(block) for block in baseline]
+        row.candidate_blocks_s = [list(block) for block in candidate]
+        return row
+
+    def format_speedup(self, digits: int = 2) -> str:
+        """``"3.10x [2.95-3.22], faster"`` (the interval left out when there is none)."""
+        interval = ""
+        if self.speedup_ci95 is not None:
+            low, high = self.speedup_ci95
+            interval = f" [{low:.{digits}f}-{high:.{digits}f}]"
+        return f"{self.speedup:.{digits}f}x{interval}, {self.speedup_verdict}"
 
     def __getattr__(self, name: str) -> Any:
         # Called only for names that are not fields: the side-named spellings (eager_median_s, float_compile_s...).
@@ -97,9 +158,47 @@ class LatencyRow:
         return data
 
 
+def _has_interval(estimate: RatioEstimate) -> bool:
+    return estimate.has_interval and estimate.method != METHOD_NO_TIME
+
+
 def _check_count(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"`paired_latency({name}={value!r})` is not valid. Expected an int >= {minimum}.")
+
+
+def paired_blocks(
+    baseline: Callable[[], Any],
+    candidate: Callable[[], Any],
+    *,
+    iterations: int,
+    warmup: int = 0,
+    device: Any = None,
+) -> tuple[Blocks, Blocks]:
+    """Per-call seconds of ``baseline`` and ``candidate`` in ABBA blocks, at least ``iterations`` timed calls each,
+    kept per block: ``(baseline blocks, candidate blocks)``, block ``i`` of one side paired with block ``i`` of the
+    other (``A1`` with ``B1``, ``A2`` with ``B2``).
+
+    Raises:
+        ValueError: if ``iterations < 1`` or ``warmup < 0``.
+    """
+    _check_count("iterations", iterations, 1)
+    _check_count("warmup", warmup, 0)
+    per_block = math.ceil(iterations / 2)
+    blocks: dict[str, Blocks] = {"baseline": [], "candidate": []}
+    for name in ("baseline", "candidate", "candidate", "baseline"):
+        fn = baseline if name == "baseline" else candidate
+        for _ in range(warmup):
+            fn()
+        synchronize(device)
+        block = []
+        for _ in range(per_block):
+            started = time.perf_counter_ns()
+            fn()
+            synchronize(device)
+            block.append((time.perf_counter_ns() - started) * 1e-9)
+        blocks[name].append(block)
+    return blocks["baseline"], blocks["candidate"]
 
 
 def paired_latency(
@@ -110,26 +209,29 @@ def paired_latency(
     warmup: int = 0,
     device: Any = None,
 ) -> tuple[Stats, Stats]:
-    """Per-call seconds of ``baseline`` and ``candidate`` in ABBA blocks, at least ``iterations`` timed calls each.
+    """The statistics of :func:`paired_blocks` over all calls of each side (for a ratio with its interval use
+    :func:`paired_blocks` and :meth:`LatencyRow.from_blocks`).
 
     Raises:
         ValueError: if ``iterations < 1`` or ``warmup < 0``.
     """
-    _check_count("iterations", iterations, 1)
-    _check_count("warmup", warmup, 0)
-    per_block = math.ceil(iterations / 2)
-    samples: dict[str, list[float]] = {"baseline": [], "candidate": []}
-    for name in ("baseline", "candidate", "candidate", "baseline"):
-        fn = baseline if name == "baseline" else candidate
-        for _ in range(warmup):
-            fn()
-        synchronize(device)
-        for _ in range(per_block):
-            started = time.perf_counter_ns()
-            fn()
-            synchronize(device)
-            samples[name].append((time.perf_counter_ns() - started) * 1e-9)
-    return summarize(samples["baseline"]), summarize(samples["candidate"])
+    base, cand = paired_blocks(baseline, candidate, iterations=iterations, warmup=warmup, device=device)
+    return summarize([t for b in base for t in b]), summarize([t for b in cand for t in b])
+
+
+def speedup_estimate(baseline: Blocks, candidate: Blocks) -> RatioEstimate:
+    """Baseline time over candidate time from paired blocks, with its 95% interval and verdict
+    (:func:`~lightning_perf.profiling.intervals.paired_ratio`: ``"faster"`` when the candidate is faster).
+
+    A call timed at zero seconds (below the clock's resolution) leaves no ratio to build an interval from: the
+    ratio of the medians is returned with no interval and ``"no clear difference"``.
+    """
+    if all(t > 0 for block in (*baseline, *candidate) for t in block):
+        return paired_ratio(baseline, candidate, above_one="faster", below_one="slower")
+    base = summarize([t for b in baseline for t in b]).median
+    cand = summarize([t for b in candidate for t in b]).median
+    ratio = base / cand if cand > 0 else (math.inf if base > 0 else 1.0)
+    return RatioEstimate(ratio, ratio, ratio, METHOD_NO_TIME, NO_CLEAR_DIFFERENCE, len(baseline))
 
 
 def measure_latency(
@@ -149,7 +251,7 @@ def measure_latency(
 
         row = measure_latency(lambda: model(x), lambda: session.run(None, feed), batch_size=32, iterations=20,
                               names=("eager", "export"))
-        print(row.speedup, row.eager_median_s)
+        print(row.format_speedup(), row.speedup_ci95, row.eager_median_s)
     """
-    base, cand = paired_latency(baseline, candidate, iterations=iterations, warmup=warmup, device=device)
-    return LatencyRow.from_stats(batch_size, base, cand, names=names, warmup_s=warmup_s)
+    base, cand = paired_blocks(baseline, candidate, iterations=iterations, warmup=warmup, device=device)
+    return LatencyRow.from_blocks(batch_size, base, cand, names=names, warmup_s=warmup_s)

@@ -625,6 +625,9 @@ def test_end_of_fit_benchmark_times_both_compiled_models(tmp_path: Path) -> None
     assert all(r.float_median_s > 0 and r.quantized_median_s > 0 for r in rows)
     saved = json.loads(callback.report.report_path.read_text())
     assert [row["batch_size"] for row in saved["latency"]] == [1, 4]
+    for row in saved["latency"]:
+        low, high = row["speedup_ci95"]
+        assert low <= row["speedup"] <= high and row["speedup_verdict"] in ("faster", "slower", "no clear difference")
 
 
 # ------------------------------------------------------------------------------------------- trust: any exit, files

@@ -106,7 +106,11 @@ def test_convnet_falls_back_from_tensorrt_to_a_validated_onnx_export(tmp_path: P
     assert [row.batch_size for row in onnx_attempt.latency] == [1, 2, 4]
     for row in onnx_attempt.latency:
         assert row.iterations == 2 and row.eager_median_s > 0 and row.export_median_s > 0
-        assert row.speedup == pytest.approx(row.eager_median_s / row.export_median_s)
+        # Export time over eager time from the paired blocks, with its 95% interval and verdict.
+        low, high = row.speedup_ci95
+        assert low <= row.speedup <= high and row.speedup_n == 2
+        assert row.speedup_verdict in ("faster", "slower", "no clear difference")
+        assert [len(b) for b in row.baseline_blocks_s] == [len(b) for b in row.candidate_blocks_s] == [1, 1]
         assert row.export_throughput == pytest.approx(row.batch_size / row.export_median_s)
 
     # The artifact stands on its own: a fresh onnxruntime session on real data, at a batch size never traced.
@@ -127,6 +131,8 @@ def test_convnet_falls_back_from_tensorrt_to_a_validated_onnx_export(tmp_path: P
         }
     ]
     assert saved["attempts"][0]["reason"] and saved["attempts"][1]["latency"][0]["eager_median_s"] > 0
+    saved_row = saved["attempts"][1]["latency"][0]
+    assert saved_row["speedup_ci95"] == onnx_attempt.latency[0].speedup_ci95 and saved_row["speedup_verdict"]
     assert saved["versions"]["onnxruntime"] and "torch" in saved["environment"]
 
 

@@ -18,6 +18,7 @@ from lightning_perf.deploy.artifacts import committed_set
 from lightning_perf.deploy.quantize import save as save_module
 from lightning_perf.functional import qat
 from lightning_perf.functional.qat import QuantizationError
+from lightning_perf.profiling.latency import LatencyRow
 from tests.functional.test_qat import TinyConvNet, TinyMLP, _images, _train
 
 
@@ -173,4 +174,24 @@ def test_compiled_latency_times_both_models(prepared_conv: tuple[nn.Module, nn.M
     for row in rows:
         assert row.float_median_s > 0 and row.quantized_median_s > 0 and row.iterations == 4
         assert row.float_compile_s > 0 and row.quantized_compile_s > 0
+        low, high = row.speedup_ci95
+        assert low <= row.speedup <= high and row.speedup_verdict in ("faster", "slower", "no clear difference")
     assert not torch._inductor.config.freezing  # scoped to the measurement
+
+
+def test_report_prints_and_writes_each_speedup_with_its_interval_and_verdict() -> None:
+    """Mocked timings: float blocks of 4 ms, quantized blocks of 1 ms, with a little noise."""
+    row = LatencyRow.from_blocks(
+        8, [[4e-3, 4.2e-3], [3.9e-3, 4.1e-3]], [[1e-3, 1.1e-3], [0.95e-3, 1.05e-3]], names=("float", "quantized")
+    )
+    recipe = qat.make_recipe("x86", "qat", input_shapes=[(3, 8, 8)])
+    report = dq.QuantizationReport(ok=True, recipe=recipe, artifact=Path("m.pt2"), latency=[row])
+    low, high = row.speedup_ci95
+    assert 1 < low <= row.speedup <= high and row.speedup_verdict == "faster"
+    text = report.summary("QATCallback")
+    assert f"batch 8: 1.02 ms quantized vs 4.05 ms float, both compiled: {row.format_speedup()}" in text
+    assert f"[{low:.2f}-{high:.2f}], faster (95% interval, bootstrap over paired steps)" in text
+    (saved,) = json.loads(json.dumps(report.to_dict()))["latency"]
+    assert saved["speedup_ci95"] == [low, high] and saved["speedup_verdict"] == "faster"
+    assert saved["float_median_s"] == pytest.approx(4.05e-3) and "quantized_blocks_s" not in saved
+    assert saved["candidate_blocks_s"] == [[1e-3, 1.1e-3], [0.95e-3, 1.05e-3]]

@@ -7,8 +7,31 @@ import math
 import pytest
 
 from lightning_perf.profiling import latency
-from lightning_perf.profiling.latency import LatencyRow, measure_latency, paired_latency
+from lightning_perf.profiling.intervals import METHOD_BOOTSTRAP, METHOD_SINGLE, NO_CLEAR_DIFFERENCE
+from lightning_perf.profiling.latency import (
+    LatencyRow,
+    measure_latency,
+    paired_blocks,
+    paired_latency,
+    speedup_estimate,
+)
 from lightning_perf.profiling.stats import summarize
+
+
+class _Clock:
+    """A mocked ``perf_counter_ns``: each side's calls advance it by the next duration of that side's list."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.t = 0
+        monkeypatch.setattr(latency.time, "perf_counter_ns", lambda: self.t)
+
+    def side(self, durations_ms: list[float]):
+        queue = list(durations_ms)
+
+        def call() -> None:
+            self.t += int(queue.pop(0) * 1e6)
+
+        return call
 
 
 def test_latency_blocks_are_timed_apart_and_counted() -> None:
@@ -53,6 +76,77 @@ def test_compile_time_alias_and_zero_median() -> None:
     assert row.speedup == math.inf and row.candidate_throughput == math.inf
     assert row.float_compile_s == 3.0 and row.quantized_compile_s == 5.0
     assert row.to_dict()["quantized_compile_s"] == 5.0
+    # Without paired blocks there is no interval: said so, never a verdict.
+    assert row.speedup_ci95 is None and row.speedup_method == METHOD_SINGLE
+    assert row.speedup_verdict == NO_CLEAR_DIFFERENCE and row.format_speedup() == "infx, no clear difference"
+
+
+def test_blocks_are_kept_per_side_in_abba_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock(monkeypatch)
+    base, cand = paired_blocks(
+        clock.side([1, 2, 3, 4]), clock.side([10, 20, 30, 40]), iterations=4, warmup=0, device="cpu"
+    )
+    # Blocks A1 B1 B2 A2: A1 pairs with B1 and A2 with B2.
+    assert base == [pytest.approx([1e-3, 2e-3]), pytest.approx([3e-3, 4e-3])]
+    assert cand == [pytest.approx([10e-3, 20e-3]), pytest.approx([30e-3, 40e-3])]
+
+
+@pytest.mark.parametrize(
+    ("baseline_ms", "candidate_ms", "verdict"),
+    [
+        # The candidate takes a quarter of the time in every pair: faster, and the interval says so.
+        ([4.0, 4.1, 3.9, 4.0, 4.2, 3.8], [1.0, 1.05, 0.95, 1.0, 1.1, 0.9], "faster"),
+        ([1.0, 1.05, 0.95, 1.0, 1.1, 0.9], [3.0, 3.1, 2.9, 3.0, 3.3, 2.7], "slower"),
+        # Both take the same time up to noise that goes either way: no clear difference.
+        ([1.0, 1.3, 0.8, 1.0, 1.2, 0.9], [1.1, 0.8, 1.2, 1.0, 0.9, 1.3], NO_CLEAR_DIFFERENCE),
+    ],
+)
+def test_speedup_has_a_95_interval_and_a_verdict(
+    monkeypatch: pytest.MonkeyPatch, baseline_ms: list[float], candidate_ms: list[float], verdict: str
+) -> None:
+    clock = _Clock(monkeypatch)
+    row = measure_latency(
+        clock.side(baseline_ms), clock.side(candidate_ms), batch_size=4, iterations=6, names=("float", "quantized")
+    )
+    low, high = row.speedup_ci95
+    assert low <= row.speedup <= high
+    assert row.speedup_verdict == verdict and row.speedup_method == METHOD_BOOTSTRAP and row.speedup_n == 2
+    if verdict == "faster":
+        assert low > 1 and row.speedup == pytest.approx(4.0, rel=0.05)
+    elif verdict == "slower":
+        assert high < 1
+    else:
+        assert low <= 1 <= high
+    assert row.format_speedup() == f"{row.speedup:.2f}x [{low:.2f}-{high:.2f}], {verdict}"
+    # The JSON row: the interval and verdict beside the ratio, every time in seconds under a key ending in `_s`.
+    data = row.to_dict()
+    assert data["speedup_ci95"] == [low, high] and data["speedup_verdict"] == verdict
+    assert data["baseline_blocks_s"] == row.baseline_blocks_s and len(data["candidate_blocks_s"]) == 2
+    assert data["float_median_s"] == row.baseline_median_s and data["quantized_p90_s"] == row.candidate_p90_s
+    not_times = {k for k in data if not k.endswith("_s")}
+    assert not_times == {
+        "batch_size",
+        "baseline",
+        "candidate",
+        "iterations",
+        "speedup",
+        "speedup_ci95",
+        "speedup_verdict",
+        "speedup_method",
+        "speedup_n",
+        "baseline_throughput",
+        "candidate_throughput",
+        "float_throughput",
+        "quantized_throughput",
+    }
+
+
+def test_a_call_below_the_clock_resolution_gives_no_interval() -> None:
+    estimate = speedup_estimate([[1e-3, 0.0], [1e-3, 1e-3]], [[5e-4, 5e-4], [5e-4, 5e-4]])
+    assert estimate.ratio == pytest.approx(2.0) and estimate.low == estimate.high == estimate.ratio
+    assert estimate.verdict == NO_CLEAR_DIFFERENCE and "no interval" in estimate.method
+    row = LatencyRow.from_blocks(1, [[1e-3, 0.0], [1e-3, 1e-3]], [[5e-4, 5e-4], [5e-4, 5e-4]])
+    assert row.speedup_ci95 is None and row.format_speedup() == "2.00x, no clear difference"
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [({"iterations": 0}, "iterations=0"), ({"warmup": -1}, "warmup=-1")])

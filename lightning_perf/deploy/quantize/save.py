@@ -3,8 +3,9 @@
 :func:`export_quantized` converts a copy of a trained (QAT) or calibrated (PTQ) model, validates it against the
 fake-quantized (or calibrated) model on real batches (:func:`~lightning_perf.deploy.validate.compare_models`), saves it
 with ``torch.export.save`` (and optionally ONNX), times it against the float model (both compiled, batch 1 and 32 by
-default, with :func:`lightning_perf.profiling.latency.paired_latency`) and writes a JSON report. The files are one
-artifact set (:mod:`lightning_perf.deploy.artifacts`): ``<dirpath>/<filename>/`` for a model that passed,
+default, with :func:`lightning_perf.profiling.latency.paired_blocks`; each speed-up with its 95% interval and
+verdict) and writes a JSON report. The files are one artifact set (:mod:`lightning_perf.deploy.artifacts`):
+``<dirpath>/<filename>/`` for a model that passed,
 ``<dirpath>/<filename>.failed/`` otherwise, so a failed run never replaces a good set.
 """
 
@@ -39,7 +40,7 @@ from lightning_perf.functional.qat import (
     recipe_of,
     with_batch,
 )
-from lightning_perf.profiling.latency import LatencyRow, paired_latency
+from lightning_perf.profiling.latency import LatencyRow, paired_blocks
 
 __all__ = ["QuantizationReport", "compiled_latency", "export_quantized", "save_quantized", "write_program"]
 
@@ -68,7 +69,8 @@ def compiled_latency(
     Each model is captured and ``torch.compile``-d (``dynamic=False``) inside ``torch._inductor.config.patch(
     freezing=True)`` on the device of the quantized model, so the global inductor config is left as it was. The
     first call of each (compilation included) is reported apart as ``float_compile_s`` / ``quantized_compile_s``;
-    the steady state is timed paired and interleaved by :func:`~lightning_perf.profiling.latency.paired_latency`.
+    the steady state is timed paired and interleaved by :func:`~lightning_perf.profiling.latency.paired_blocks`;
+    each row's ``speedup`` (float time over quantized time) has its 95% interval and verdict.
     Samples are reused cyclically to fill a batch.
     """
     example = as_input_tuple(inputs, "compiled_latency(inputs)")
@@ -84,7 +86,7 @@ def compiled_latency(
                 started = time.perf_counter()
                 fn(*batch)
                 compile_s[name] = time.perf_counter() - started
-            float_stats, quantized_stats = paired_latency(
+            float_blocks, quantized_blocks = paired_blocks(
                 functools.partial(compiled["float"], *batch),
                 functools.partial(compiled["quantized"], *batch),
                 iterations=iterations,
@@ -92,10 +94,10 @@ def compiled_latency(
                 device=device,
             )
             rows.append(
-                LatencyRow.from_stats(
+                LatencyRow.from_blocks(
                     b,
-                    float_stats,
-                    quantized_stats,
+                    float_blocks,
+                    quantized_blocks,
                     names=("float", "quantized"),
                     warmup_s=(compile_s["float"], compile_s["quantized"]),
                 )
@@ -202,7 +204,8 @@ class QuantizationReport:
         for row in self.latency:
             lines.append(
                 f"  batch {row.batch_size}: {1e3 * row.candidate_median_s:.2f} ms quantized vs "
-                f"{1e3 * row.baseline_median_s:.2f} ms float, both compiled: {row.speedup:.2f}x"
+                f"{1e3 * row.baseline_median_s:.2f} ms float, both compiled: {row.format_speedup()} "
+                f"(95% interval, {row.speedup_method})"
             )
         lines.append(f"  report: {self.report_path}")
         return "\n".join(lines)
