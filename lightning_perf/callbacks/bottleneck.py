@@ -22,12 +22,14 @@ from lightning_perf._validation import check_bool, check_int
 from lightning_perf.callbacks._model_hooks import add_batch_transform, remove_batch_transform
 from lightning_perf.callbacks._observer import (
     across_ranks,
+    announce_files,
     check_dirpath,
     check_filename,
     class_names,
     draw_chart,
     log_metrics,
     report_dir,
+    report_stem,
 )
 from lightning_perf.profiling import (
     HostSyncRecorder,
@@ -139,6 +141,9 @@ class BottleneckCallback(Callback):
     settings are read from ``trainer.train_dataloader``); a JSON report ``<filename>.json`` and, with matplotlib, a
     chart of phase time per step ``<filename>.png`` in ``dirpath`` (default: the Trainer's ``log_dir``). Under DDP the
     step time, shares and throughput are also summarized across ranks (min/mean/max, one ``all_gather`` at fit end).
+    Every file written is announced with its path, one line each (``rank_zero_info``). An earlier run's reports are
+    never overwritten silently: when ``<filename>.json`` or ``.png`` already exists there, this run writes
+    ``<filename>-2.*`` (then ``-3``, ...), unless ``overwrite=True``.
     The callback's own cost (its hooks, the timer included) is measured and reported. The JSON report is also kept in
     :attr:`report`.
 
@@ -155,12 +160,13 @@ class BottleneckCallback(Callback):
         filename: file name (without extension) of the reports.
         plot: draw the PNG chart (needs matplotlib; without it a note says so and the run goes on).
         verbose: print the table and the recommendations at the end of fit.
+        overwrite: write over an earlier run's reports of the same ``filename`` instead of numbering this run's.
 
     Raises:
         ValueError: for a negative step count, ``sync_check_steps > warmup_steps``, a threshold outside (0, 1), an
             unknown phase name, or a file name with a directory in it.
-        TypeError: if ``thresholds`` is not a mapping, ``dirpath`` not a path, or ``progress_bar``, ``plot`` or
-            ``verbose`` not a bool.
+        TypeError: if ``thresholds`` is not a mapping, ``dirpath`` not a path, or ``progress_bar``, ``plot``,
+            ``verbose`` or ``overwrite`` not a bool.
 
     Example::
 
@@ -183,6 +189,7 @@ class BottleneckCallback(Callback):
         filename: str = "bottleneck",
         plot: bool = True,
         verbose: bool = True,
+        overwrite: bool = False,
     ) -> None:
         name = type(self).__name__
         self.warmup_steps: int = check_int(name, "warmup_steps", warmup_steps, 0)
@@ -205,6 +212,7 @@ class BottleneckCallback(Callback):
         self.progress_bar = check_bool(name, "progress_bar", progress_bar)
         self.plot = check_bool(name, "plot", plot)
         self.verbose = check_bool(name, "verbose", verbose)
+        self.overwrite = check_bool(name, "overwrite", overwrite)
         self.report: dict[str, Any] | None = None
         self._handles: list[RemovableHandle] = []
         self._reset()
@@ -495,6 +503,7 @@ class BottleneckCallback(Callback):
         self.report = report
         if not trainer.is_global_zero:
             return
+        stem = report_stem(directory, self.filename, (".json", ".png"), self.overwrite)
         steady = [_with_other(r) for r in self._timer.steps]
         report["plot"], report["plot_note"] = None, None
         if self.plot and steady:
@@ -502,13 +511,14 @@ class BottleneckCallback(Callback):
                 lambda path: plot_stacked_steps(
                     _binned(steady), path, title="Phase time per training step", phases=PHASES
                 ),
-                directory / f"{self.filename}.png",
+                directory / f"{stem}.png",
                 type(self).__name__,
             )
-        report["json"] = str(directory / f"{self.filename}.json")
-        write_json(report, directory / f"{self.filename}.json")
+        report["json"] = str(directory / f"{stem}.json")
+        write_json(report, directory / f"{stem}.json")
         if self.verbose:
             self._print(report)
+        announce_files(type(self).__name__, [report["json"], report["plot"]])
 
     def _analyze(self, trainer: pl.Trainer, pl_module: pl.LightningModule, fit_s: float) -> dict[str, Any]:
         assert self._timer is not None and self._val_timer is not None

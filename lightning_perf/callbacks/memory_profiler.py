@@ -57,7 +57,8 @@ PHASES: dict[str, str] = {
 """What each point of :data:`POINTS` means, as the leak warning says it."""
 
 LEAK_CHECK_EVERY_N_STEPS = 50
-"""How often (in training steps) the leak verdict is renewed, besides the end of each epoch and of fit."""
+"""While training, the leak verdict is renewed after this many steps, then every quarter of the steps seen so far (at
+least this many), so that the checks cost a bounded share of the run; and at the end of fit."""
 _REPORT_PATTERNS = (".json", ".png", "_history_rank*.pickle", "_oom_rank*.pickle")
 
 _MIB = 1024.0 * 1024.0
@@ -93,7 +94,9 @@ class MemoryProfilerCallback(Callback):
     is relative to the readings, not a number of bytes: the allocator's own churn drifts up in occasional jumps that
     can be significant over a few hundred steps, yet is small per step next to that scatter, while a leak adds its
     bytes at every step; the same rule holds on a calm GPU allocator and a busy CPU heap, for any model size.
-    The verdict is renewed every :data:`LEAK_CHECK_EVERY_N_STEPS` steps, at the end of each epoch and of fit; a
+    While training, the verdict is renewed on the last sampled point of the step every :data:`LEAK_CHECK_EVERY_N_STEPS`
+    steps (then every quarter of the steps so far), on every point when that one grows, and on every point at the
+    end of fit; a
     :class:`~lightning_perf.MeasurementWarning` containing "leak" names the phase that grows and its rate in KiB/step
     with its 95% interval, once per fit. ``leak_threshold`` (bytes per step) is an optional extra bound, off by default.
 
@@ -217,6 +220,7 @@ class MemoryProfilerCallback(Callback):
         self._ends = 0
         self._last_logged = 0
         self._warned = False
+        self._next_check = LEAK_CHECK_EVERY_N_STEPS
         self._trends: dict[str, LeakTrend] = {}
         self._oom_files: list[str] = []
         self._directory: Path | None = None
@@ -365,8 +369,9 @@ class MemoryProfilerCallback(Callback):
                 )
             self._current = {}
         self._step_index += 1
-        if self._step_index % LEAK_CHECK_EVERY_N_STEPS == 0 and not self._warned:
-            self._check_leaks()
+        if self._step_index >= self._next_check and not self._warned:
+            self._next_check = self._step_index + max(LEAK_CHECK_EVERY_N_STEPS, self._step_index // 4)
+            self._check_leaks(every_point=False)
         self._hook_ns += time.perf_counter_ns() - entry
 
     # -------------------------------------------------------------------------------------------------- leaks
@@ -377,13 +382,17 @@ class MemoryProfilerCallback(Callback):
         second_epoch = self._series.first_step_of_epoch_after(0)
         return self.warmup_steps if second_epoch is None else min(self.warmup_steps, second_epoch)
 
-    def _leak_trends(self) -> dict[str, LeakTrend]:
+    def _leak_trends(self, points: Sequence[str]) -> dict[str, LeakTrend]:
         assert self._series is not None
         self._leak_start = self._first_leak_step()
-        return detect_leaks(self._series.series(self._leak_start), self.leak_threshold, self.leak_min_samples)
+        series = self._series.series(self._leak_start)
+        return detect_leaks({p: series[p] for p in points}, self.leak_threshold, self.leak_min_samples)
 
-    def _check_leaks(self) -> None:
-        self._trends = self._leak_trends()
+    def _check_leaks(self, every_point: bool = True) -> None:
+        """Renew the verdict; while training only the step's last point first (a leak shows at every point)."""
+        if not every_point and not any(t.leaking for t in self._leak_trends(self.points[-1:]).values()):
+            return
+        self._trends = self._leak_trends(self.points)
         leaking = sorted((t for t in self._trends.values() if t.leaking), key=lambda t: t.slope_low, reverse=True)
         if not leaking or self._warned:
             return
@@ -401,11 +410,6 @@ class MemoryProfilerCallback(Callback):
             "still hold their autograd graph: keep `loss.detach()` or `loss.item()` instead.",
             MeasurementWarning,
         )
-
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._probe is not None:
-            self._check_leaks()
 
     # ------------------------------------------------------------------------------------------------ results
 

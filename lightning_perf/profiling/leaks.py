@@ -13,10 +13,12 @@ the machine, the allocator or the model's size:
 2. **Significance**: Sen's distribution-free 95% interval for that slope (Sen 1968; the order statistics of the
    pairwise slopes picked with the normal approximation of Kendall's S, with the correction for tied values).
    Growth is significant when the interval's lower bound is above zero.
-3. **Steadiness**: the samples are split into :data:`SEGMENTS` consecutive parts of equal count, and the growth must
-   be significant in each of them as well. A cache that fills up and then stops, a one-time jump (the first
+3. **Steadiness**: the samples are split into :data:`SEGMENTS` consecutive parts of equal count, and in each of them
+   memory must go up from one reading to the next significantly more often than it goes down (a sign test on the
+   consecutive differences, :func:`rises_steadily`). A cache that fills up and then stops, a one-time jump (the first
    validation run, a new data-loader iterator) or warm-up growth that spills past the warm-up all leave at least one
-   part flat, and are not a leak.
+   part flat, and are not a leak; a one-time drop (the collector freeing an earlier run's garbage) changes one
+   difference only, so it does not hide a leak either.
 4. **Practical size**: the growth over :data:`NOISE_FLOOR_STEPS` (2) steps must reach the noise floor of the
    readings, their robust scatter (1.4826 x the median absolute deviation) around the fitted line, measured over
    short blocks (:func:`noise_floor`). The allocator's own churn (free lists, caches, garbage waiting for the
@@ -51,6 +53,7 @@ __all__ = [
     "SlopeInterval",
     "detect_leaks",
     "noise_floor",
+    "rises_steadily",
     "sen_slope_interval",
     "theil_sen_slope",
     "trend_of",
@@ -73,15 +76,21 @@ _MAD_TO_SIGMA = 1.4826  # scales a median absolute deviation to a standard devia
 
 
 def _thin(xs: Sequence[float], ys: Sequence[float], max_points: int) -> tuple[np.ndarray, np.ndarray]:
-    """Medians of consecutive groups, at most ``max_points`` of them, so a long run costs a bounded time."""
+    """Medians of consecutive groups of equal size, at most ``max_points`` of them, so a long run costs a bounded time.
+
+    The few leading samples that do not fill a group are left out (the latest samples are the ones that matter).
+    """
     x = np.asarray(xs, dtype=np.float64)
     y = np.asarray(ys, dtype=np.float64)
     if x.size <= max_points:
         return x, y
-    bounds = [g * x.size // max_points for g in range(max_points + 1)]
-    out_x = np.array([np.median(x[lo:hi]) for lo, hi in itertools.pairwise(bounds)])
-    out_y = np.array([np.median(y[lo:hi]) for lo, hi in itertools.pairwise(bounds)])
-    return out_x, out_y
+    size = -(-x.size // max_points)  # ceil: at most max_points groups
+    groups = x.size // size
+    start = x.size - groups * size
+    return (
+        np.median(x[start:].reshape(groups, size), axis=1),
+        np.median(y[start:].reshape(groups, size), axis=1),
+    )
 
 
 def _check_series(name: str, xs: Sequence[float], ys: Sequence[float], max_points: int) -> None:
@@ -184,13 +193,14 @@ def sen_slope_interval(xs: Sequence[float], ys: Sequence[float], max_points: int
 
 
 def noise_floor(xs: Sequence[float], ys: Sequence[float], slope: float, block: int = NOISE_BLOCK) -> float:
-    """The scatter of the readings around the line of ``slope``, measured locally: the noise floor in bytes.
+    """The scatter of the readings around the line of ``slope``, measured locally: the noise floor.
 
     The samples are cut into consecutive blocks of ``block`` samples (a shorter tail joins the last block); in each,
-    the residuals from the line (each block with its own median level) give a robust scatter, 1.4826 x their median
+    the residuals from the line (each block at its own median level) give a robust scatter, 1.4826 x their median
     absolute deviation (the standard deviation for normal noise; a minority of wild readings does not move it). The
     floor is the median over the blocks. Measured over blocks of fixed length rather than the whole window, it does
-    not grow with the length of the run when the allocator drifts like a random walk.
+    not grow with the length of the run when the allocator drifts like a random walk. The line is the whole run's,
+    not each block's own: a block's own line would follow the allocator's jumps and make its churn look smooth.
 
     Returns:
         The floor in the units of ``ys``; NaN when there are no samples or the slope is NaN.
@@ -205,6 +215,24 @@ def noise_floor(xs: Sequence[float], ys: Sequence[float], slope: float, block: i
         for part in (residuals[lo:hi] for lo, hi in itertools.pairwise(bounds))
     ]
     return float(_MAD_TO_SIGMA * np.median(scatters))
+
+
+def rises_steadily(ys: Sequence[float]) -> bool:
+    """Whether consecutive readings go up significantly more often than down: a one-sided sign test at 2.5%.
+
+    The readings are first smoothed by a running median of three, which removes a single wild reading (a transient
+    buffer alive at the moment of reading) and keeps a rise or a level shift. Differences of zero are left out. With
+    ``u`` rises among ``n`` nonzero differences the test asks ``u - n/2 > 1.96 * sqrt(n)/2`` (the normal approximation
+    of the binomial), the level of the lower bound of a 95% interval. One jump or one drop changes a single
+    difference, whatever its size.
+    """
+    y = np.asarray(ys, dtype=np.float64)
+    if y.size >= 3:
+        y = np.concatenate([y[:1], np.median(np.stack([y[:-2], y[1:-1], y[2:]]), axis=0), y[-1:]])
+    diffs = np.diff(y)
+    ups, downs = int(np.sum(diffs > 0)), int(np.sum(diffs < 0))
+    n = ups + downs
+    return n > 0 and ups - n / 2 > _Z_975 * math.sqrt(n) / 2
 
 
 @dataclass(frozen=True)
@@ -225,7 +253,8 @@ class LeakTrend:
         slope_low: lower bound of the slope's 95% interval (Sen), bytes per step.
         slope_high: upper bound of the slope's 95% interval, bytes per step.
         noise_floor: robust scatter of the samples around the fitted line, in bytes.
-        segments_growing: how many of the :data:`SEGMENTS` consecutive parts grow significantly on their own.
+        segments_growing: in how many of the :data:`SEGMENTS` consecutive parts the readings rise steadily
+            (:func:`rises_steadily`).
         threshold: the optional extra bound in bytes per step the slope had to exceed (None: none).
     """
 
@@ -292,7 +321,7 @@ def trend_of(
     if n >= min_samples:
         for s in range(SEGMENTS):
             lo, hi = s * n // SEGMENTS, (s + 1) * n // SEGMENTS
-            growing += sen_slope_interval(steps[lo:hi], values[lo:hi]).grows
+            growing += rises_steadily(values[lo:hi])
     leaking = (
         n >= min_samples
         and whole.grows
@@ -325,7 +354,7 @@ def detect_leaks(
     """Fit a robust trend per point and flag the points whose memory grows steadily and significantly.
 
     A point is flagged when, over at least ``min_samples`` samples, the Theil-Sen slope's 95% interval lies above
-    zero, it does so in each of :data:`SEGMENTS` consecutive parts of the samples as well, and the growth over
+    zero, the readings rise steadily in each of :data:`SEGMENTS` consecutive parts of the samples, and the growth over
     :data:`NOISE_FLOOR_STEPS` steps reaches the noise floor of the readings (the module docstring says why).
 
     Args:

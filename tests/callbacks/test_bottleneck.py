@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -114,9 +115,15 @@ class ScriptedManual(Scripted):
         self.clock.advance(1.0)  # user code after the step: forward-side work of the step
 
 
-def scripted_fit(tmp_path: Path, model_cls: type = Scripted, data_ms: float = 0.5, **kwargs: Any) -> BottleneckCallback:
+def scripted_fit(
+    tmp_path: Path,
+    model_cls: type = Scripted,
+    data_ms: float = 0.5,
+    callback_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> BottleneckCallback:
     clock = ScriptedClock()
-    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, verbose=False)
+    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, verbose=False, **(callback_kwargs or {}))
     callback._clock = clock
     model = model_cls(clock)
     data = DataLoader(SlowData(clock, data_ms), batch_size=2)
@@ -246,6 +253,37 @@ def test_reports_are_written_to_the_default_root_dir(tmp_path: Path) -> None:
     assert (tmp_path / "bottleneck.png").stat().st_size > 0
     assert saved["plot"] == str(tmp_path / "bottleneck.png")
     assert callback.report["json"] == str(tmp_path / "bottleneck.json")
+
+
+def test_report_files_are_announced_and_a_second_run_does_not_overwrite_the_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        first = scripted_fit(tmp_path)
+        second = scripted_fit(tmp_path, max_steps=4)
+    assert first.report["json"] == str(tmp_path / "bottleneck.json")
+    assert first.report["plot"] == str(tmp_path / "bottleneck.png")
+    assert (second.report["json"], second.report["plot"]) == (
+        str(tmp_path / "bottleneck-2.json"),
+        str(tmp_path / "bottleneck-2.png"),
+    )
+    assert json.loads((tmp_path / "bottleneck.json").read_text())["steps"]["total"] == 6  # the first run's, intact
+    assert json.loads((tmp_path / "bottleneck-2.json").read_text())["steps"]["total"] == 4
+    for path in (first.report["json"], first.report["plot"], second.report["json"], second.report["plot"]):
+        assert caplog.text.count(f"BottleneckCallback: wrote {path}\n") == 1
+
+
+def test_overwrite_true_writes_over_the_earlier_report(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    scripted_fit(tmp_path)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        again = scripted_fit(tmp_path, callback_kwargs={"overwrite": True, "plot": False}, max_steps=4)
+    assert again.report["json"] == str(tmp_path / "bottleneck.json")
+    assert json.loads((tmp_path / "bottleneck.json").read_text())["steps"]["total"] == 4
+    assert not (tmp_path / "bottleneck-2.json").exists()
+    assert caplog.text.count("BottleneckCallback: wrote") == 1  # no chart this time: one file, one line
+    with pytest.raises(TypeError, match="overwrite"):
+        BottleneckCallback(overwrite=1)  # type: ignore[arg-type]
 
 
 def test_without_matplotlib_a_note_replaces_the_chart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

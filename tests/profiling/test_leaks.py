@@ -18,6 +18,7 @@ from lightning_perf.profiling.leaks import (
     LeakSeries,
     detect_leaks,
     noise_floor,
+    rises_steadily,
     sen_slope_interval,
     theil_sen_slope,
 )
@@ -128,6 +129,29 @@ def test_noise_floor_does_not_grow_with_the_run_when_the_allocator_drifts() -> N
     walk = np.cumsum(rng.normal(0.0, 64.0, 3000))
     short, long = noise_floor(range(300), walk[:300], 0.0), noise_floor(range(3000), walk, 0.0)
     assert long < 2 * short  # the whole window's scatter of a random walk grows like sqrt(n): about 3x here
+
+
+# ------------------------------------------------------------------------------------------------ steadiness
+
+
+def test_rises_steadily_is_a_sign_test_that_one_jump_spike_or_drop_does_not_sway() -> None:
+    line = [1000 + 100 * i for i in range(20)]
+    assert rises_steadily(line)
+    with_drop = line[:10] + [y - 10**6 for y in line[10:]]  # the collector frees a large earlier garbage once
+    with_spike = [y + (10**6 if i in (4, 13) else 0) for i, y in enumerate(line)]
+    assert rises_steadily(with_drop) and rises_steadily(with_spike)
+    assert not rises_steadily([1000] * 10 + [5000] * 10)  # one jump: a single nonzero difference
+    assert not rises_steadily([1000, 1016] * 10)  # jitter goes up as often as down
+    assert not rises_steadily([]) and not rises_steadily([7])
+    assert rises_steadily(range(6)) and not rises_steadily(range(4))  # too few differences to be significant
+
+
+def test_a_leak_is_still_flagged_when_the_collector_frees_a_lot_once() -> None:
+    for seed in range(20):
+        rng = np.random.default_rng(3000 + seed)
+        y = allocator_noise(rng, 300) + KIB * np.arange(300)
+        y[120:] -= 30 * KIB  # garbage of an earlier fit collected in the middle of a third
+        assert verdict(y).leaking, seed
 
 
 # -------------------------------------------------------------------------------------------------- verdicts
