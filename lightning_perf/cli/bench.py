@@ -260,8 +260,8 @@ def _run_bench(
     console.print(CONSOLE_LEGEND, style="dim")
     for warning in reliability_lines(report):
         console.print(warning, style="yellow", soft_wrap=True, markup=False)
-    for line in unknown_mfu_lines(report.summaries):
-        console.print(line, style="dim", soft_wrap=True, markup=False)
+    for reason in unknown_mfu_lines(report.summaries):
+        console.print(reason, style="dim", soft_wrap=True, markup=False)
     written = write_outputs(report, output)
     if output != requested:
         console.print(f"{requested} exists: this run is numbered (--force overwrites)", soft_wrap=True)
