@@ -9,9 +9,10 @@ This script trains the same ResNet-style classifier twice from the same seed, on
    times it against the fp32 model, both compiled by inductor with weight freezing, at batch 1 and 32.
 
 It prints the validation accuracy of the fp32 model, of the fake-quantized model and of the int8 model (the gaps
-in percentage points), the int8 latency against fp32, and the median training step of both runs (the cost of fake
-quantization; ``lightning-perf bench --workload convnet --configs baseline,qat`` measures that properly, in fresh
-processes with interleaved repeats). Timings on a shared CPU swing: read the ratios, not the milliseconds.
+in percentage points), the int8 latency against fp32 (each speed-up with its 95% interval and verdict), and the
+median training step of both runs (the cost of fake quantization; ``lightning-perf bench --workload convnet
+--configs baseline,qat`` measures that properly, in fresh processes with interleaved repeats). Timings on a shared
+CPU swing: read the ratios, not the milliseconds.
 
 Usage::
 
