@@ -39,6 +39,12 @@ def _global_torch_state() -> dict[str, object]:
 
 
 @pytest.fixture(autouse=True)
+def _peak_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test writes the measured-peak cache into the user's home (``~/.cache/lightning_perf``)."""
+    monkeypatch.setenv("LIGHTNING_PERF_CACHE", str(tmp_path_factory.getbasetemp() / "lightning-perf-cache"))
+
+
+@pytest.fixture(autouse=True)
 def _environment_restored():
     """Put ``os.environ`` back after each test.
 

@@ -10,6 +10,20 @@ import pytest
 from lightning_perf.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _no_real_peak_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real bench below must not spend seconds measuring this machine's matmul peak (tests/profiling/test_flops.py
+    # tests that measurement); a fixed figure keeps the MFU column filled.
+    import torch
+
+    from lightning_perf.profiling import flops
+
+    def fake(dtype: torch.dtype = torch.float32, *args: object, **kwargs: object) -> flops.PeakFlops:
+        return flops.PeakFlops(1e11, f"fake matmul {dtype} (tests)")
+
+    monkeypatch.setattr(flops, "measure_cpu_peak_flops", fake)
+
+
 def test_bench_writes_measured_json_markdown_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "report.json"
     argv = [
