@@ -62,6 +62,27 @@ def test_allocated_follows_a_64_mb_tensor(probe: MemoryProbe) -> None:
     assert during - after >= 64 * MB - MB
 
 
+def test_allocated_alone_is_the_heap_reading_of_a_sample(probe: MemoryProbe) -> None:
+    gc.collect()
+    before = probe.allocated()
+    x = filled(64 * MB)
+    during = probe.allocated()
+    del x
+    assert during - before >= 64 * MB
+    assert probe.allocated() <= during - 64 * MB + MB
+    assert isinstance(probe.allocated(), int)
+
+
+def test_allocated_alone_on_cuda_and_without_mallinfo2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 123)
+    assert MemoryProbe("cuda:0").allocated() == 123
+    monkeypatch.setattr(memory_module, "_load_mallinfo2", lambda: None)
+    with pytest.warns(MeasurementWarning, match="mallinfo2"):
+        p = MemoryProbe("cpu")
+    monkeypatch.setattr(p, "_rss_and_peak", lambda: (777, 888))
+    assert p.allocated() == 777 == p.sample().allocated  # the resident set, as in a full sample
+
+
 @on_linux
 def test_reserved_is_the_resident_set_and_peak_is_at_least_that(probe: MemoryProbe) -> None:
     s = probe.sample()
@@ -119,25 +140,39 @@ def test_probe_survives_pickling(probe: MemoryProbe) -> None:
     copy.close()
 
 
+def _pid_in(status: bytes) -> int:
+    return int(status.split(b"\nPid:")[1].split()[0])
+
+
+@on_linux
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_reads_its_own_figures(probe: MemoryProbe) -> None:
-    # "/proc/self" is resolved when opened: a descriptor inherited through fork would describe the parent.
-    probe.sample()
+    # "/proc/self" is resolved when opened: a descriptor inherited through fork would describe the parent. The test
+    # asks the descriptor the probe reads whose status it is (the "Pid:" line), not whether two memory figures differ
+    # by some margin: other processes' load can move resident sizes, never a process id.
+    probe.sample()  # the parent's descriptor is open before the fork
+    parent = os.getpid()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: plain Python only, then leave without running any test machinery
         try:
-            ballast = b"\x01" * (128 * MB)
-            reserved = probe.sample().reserved
-            os.write(write_end, json.dumps([reserved, _rss_from_statm(), len(ballast)]).encode())
+            probe.sample()  # reopens the descriptor if it notices the fork
+            status = probe._status()  # what that descriptor reads now
+            assert status is not None
+            with open("/proc/self/status", "rb") as f:  # the child's own status, read the plain way
+                own = f.read()
+            message = [os.getpid(), _pid_in(status), probe._status_pid, _pid_in(own)]
+            os.write(write_end, json.dumps(message).encode())
         finally:
             os._exit(0)
     os.close(write_end)
     with os.fdopen(read_end) as f:
-        reserved, statm, _ = json.loads(f.read())
+        child_pid, probe_pid, opened_by, own_pid = json.loads(f.read())
     os.waitpid(pid, 0)
-    assert abs(_rss_from_statm() - statm) > 32 * MB  # parent and child differ, so reading the wrong one shows
-    assert abs(reserved - statm) < 4 * MB
+    assert child_pid == pid == own_pid != parent
+    assert probe_pid == child_pid == opened_by  # the child's probe reads the child's status, not the parent's
+    parent_status = probe._status()
+    assert parent_status is not None and _pid_in(parent_status) == parent  # the parent's descriptor still works
 
 
 def test_unsupported_device_is_refused() -> None:
