@@ -313,12 +313,20 @@ def _print_report(report: Any, console: Any) -> None:
                 format_seconds(r.baseline_p90_s),
                 format_seconds(r.candidate_median_s),
                 format_seconds(r.candidate_p90_s),
-                r.speedup,
+                r.format_speedup(),
                 r.candidate_throughput,
             ]
             for r in attempt.latency
         ]
-        columns = ["batch", "eager median", "eager p90", "export median", "export p90", "speed-up", "export samples/s"]
+        columns = [
+            "batch",
+            "eager median",
+            "eager p90",
+            "export median",
+            "export p90",
+            "speed-up [95% CI], verdict",
+            "export samples/s",
+        ]
         print_table(columns, rows, title=f"Latency on {report.device}", console=console)
     if report.ok:
         console.print(f"wrote {report.artifact}")
