@@ -425,11 +425,17 @@ class LeakSeries:
         self._epochs = np.zeros(capacity, dtype=np.int64)
         self.rows = 0
         self.stride = 1
+        self.stopped_at: int | None = None
+        self._row = -1
+
+    def stop(self, step: int) -> None:
+        """Record nothing from ``step`` on (what was recorded stays)."""
+        self.stopped_at = step
         self._row = -1
 
     def start_step(self, step: int, epoch: int) -> bool:
         """Open a row for ``step`` if it is one of the recorded steps (every ``stride``-th); return whether it is."""
-        if step % self.stride:
+        if self.stopped_at is not None or step % self.stride:
             self._row = -1
             return False
         if self.rows == len(self._steps):

@@ -198,8 +198,10 @@ def test_a_module_that_keeps_its_graphs_is_caught(tmp_path: Path) -> None:
     leaks = callback.report["leaks"]
     assert leaks["leaking"] == list(POINTS)
     trend = leaks["trends"]["after_optimizer"]
-    # The first epoch (16 steps) is left out; every later step is in the series.
-    assert leaks["first_step"] == 16 and trend.first_step == 16 and trend.samples == 44
+    # The first epoch (16 steps) is left out; every later step is in the series until the verdict at step 50, where
+    # the leak is reported and the every-step readings stop.
+    assert leaks["first_step"] == 16 and leaks["stopped_at_step"] == 50
+    assert (trend.first_step, trend.last_step, trend.samples) == (16, 49, 34)
     assert trend.slope_low <= trend.slope <= trend.slope_high
     # The kept outputs alone are 32 x 10 float32 per step; their graph keeps far more (a bound on any machine).
     assert trend.slope_low > 32 * 10 * 4
@@ -213,6 +215,7 @@ def test_a_module_that_keeps_a_detached_kib_per_step_is_caught_within_300_steps(
     assert any(f"({point})" in message for point in POINTS)  # names the phase that grows
     trend = callback.report["leaks"]["trends"]["after_optimizer"]
     assert trend.leaking and trend.significant and trend.segments_growing == 3
+    assert callback.report["leaks"]["stopped_at_step"] <= 300
     assert trend.slope_low > 512  # at least the tensors' 1 KiB of data, give or take what the estimate allows
 
 
@@ -226,6 +229,7 @@ def test_models_that_do_not_leak_are_not_flagged(tmp_path: Path, model: type[Tin
     leaks = callback.report["leaks"]
     assert leaks["leaking"] == []
     assert leaks["first_step"] == 50 and all(t.samples == 250 for t in leaks["trends"].values())
+    assert leaks["stopped_at_step"] is None
 
 
 @pytest.mark.parametrize("attempt", range(2))

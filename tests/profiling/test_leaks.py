@@ -302,6 +302,19 @@ def test_leak_series_halves_itself_when_full_and_keeps_an_even_spread() -> None:
     assert recorded[-1] == 192
 
 
+def test_leak_series_stops_and_keeps_what_it_has() -> None:
+    series = LeakSeries(["p"])
+    for step in range(10):
+        if step == 6:
+            series.stop(step)
+        if series.start_step(step, epoch=0):
+            series.record("p", step)
+        else:
+            series.record("p", -5)  # after stop() nothing is written anywhere
+    assert series.series()["p"] == ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5])
+    assert series.stopped_at == 6 and not series.recording
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [({"points": []}, "points=\\[\\]"), ({"capacity": 10}, "capacity=10")])
 def test_leak_series_refuses_bad_arguments(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
