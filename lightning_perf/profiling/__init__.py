@@ -23,6 +23,11 @@ _EXPORTS = {
     "format_seconds": "lightning_perf.profiling.report",
     "HostSyncRecorder": "lightning_perf.profiling.syncs",
     "LeakTrend": "lightning_perf.profiling.leaks",
+    "LeakSeries": "lightning_perf.profiling.leaks",
+    "SlopeInterval": "lightning_perf.profiling.leaks",
+    "sen_slope_interval": "lightning_perf.profiling.leaks",
+    "rises_steadily": "lightning_perf.profiling.leaks",
+    "noise_floor": "lightning_perf.profiling.leaks",
     "LoaderSettings": "lightning_perf.profiling.advice",
     "markdown_table": "lightning_perf.profiling.report",
     "median": "lightning_perf.profiling.stats",
@@ -57,6 +62,7 @@ __all__ = [
     "TRUTHFUL_CPU_MEMORY_ENV",
     "FlopCount",
     "HostSyncRecorder",
+    "LeakSeries",
     "LeakTrend",
     "LoaderSettings",
     "MemoryProbe",
@@ -64,6 +70,7 @@ __all__ = [
     "PeakFlops",
     "PhaseTimer",
     "Recommendation",
+    "SlopeInterval",
     "Stats",
     "StepBreakdown",
     "SyncSite",
@@ -74,6 +81,7 @@ __all__ = [
     "format_seconds",
     "markdown_table",
     "median",
+    "noise_floor",
     "peak_flops",
     "peak_rss_bytes",
     "percentile",
@@ -83,6 +91,8 @@ __all__ = [
     "print_table",
     "recommend",
     "rich_table",
+    "rises_steadily",
+    "sen_slope_interval",
     "summarize",
     "theil_sen_slope",
     "utilization",
@@ -93,7 +103,16 @@ __all__ = [
 if TYPE_CHECKING:
     from lightning_perf.profiling.advice import LoaderSettings, Recommendation, StepBreakdown, recommend
     from lightning_perf.profiling.flops import FlopCount, PeakFlops, count_flops, peak_flops, utilization
-    from lightning_perf.profiling.leaks import LeakTrend, detect_leaks, theil_sen_slope
+    from lightning_perf.profiling.leaks import (
+        LeakSeries,
+        LeakTrend,
+        SlopeInterval,
+        detect_leaks,
+        noise_floor,
+        rises_steadily,
+        sen_slope_interval,
+        theil_sen_slope,
+    )
     from lightning_perf.profiling.memory import TRUTHFUL_CPU_MEMORY_ENV, MemoryProbe, MemorySample, peak_rss_bytes
     from lightning_perf.profiling.report import (
         SCHEMA_VERSION,
