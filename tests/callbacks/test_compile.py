@@ -369,14 +369,25 @@ def test_report_is_printed_and_logged(tmp_path: Path, caplog: pytest.LogCaptureF
 def test_stacks_with_channels_last_in_either_order(tmp_path: Path, compile_first: bool) -> None:
     from lightning_perf.callbacks import ChannelsLastCallback
 
+    class LayoutDuringTraining(pl.Callback):
+        def __init__(self) -> None:
+            self.channels_last: list[bool] = []
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            conv = next(m for m in pl_module.modules() if isinstance(m, nn.Conv2d))
+            self.channels_last.append(conv.weight.is_contiguous(memory_format=torch.channels_last))
+
     backend = CountingBackend()
     model, data = make_workload("convnet", "tiny", seed=0)
     callbacks = [CompileCallback(backend=backend, regions="auto"), ChannelsLastCallback()]
-    trainer = _trainer(tmp_path, *(callbacks if compile_first else callbacks[::-1]), max_steps=3)
+    layout = LayoutDuringTraining()
+    trainer = _trainer(tmp_path, *(callbacks if compile_first else callbacks[::-1]), layout, max_steps=3)
     trainer.fit(model, datamodule=data)
     assert backend.graphs and callbacks[0].report["compiled"]
+    # Channels-last weights while training, the original layout back after the fit (ChannelsLastCallback's teardown).
+    assert layout.channels_last == [True, True, True]
     conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
-    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert conv.weight.is_contiguous() and not conv.weight.is_contiguous(memory_format=torch.channels_last)
     # The compiled blocks saw channels-last activations.
     placeholders = [n.meta.get("example_value") for n in backend.graphs[0].graph.nodes if n.op == "placeholder"]
     assert any(
