@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
+from lightning_perf._deprecation import moved_names
 
 __all__: list[str] = []
 
-_MOVED = {"add_export_parser": "add_parser", "add_parser": "add_parser", "run": "run"}
+_MOVED = {
+    "add_export_parser": "lightning_perf.cli.export:add_parser",
+    "add_parser": "lightning_perf.cli.export",
+    "run": "lightning_perf.cli.export",
+}
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"lightning_perf.export_cli.{name} moved to lightning_perf.cli.export.{_MOVED[name]}; import it from there",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    from lightning_perf.cli import export
-
-    return getattr(export, _MOVED[name])
+__getattr__ = moved_names(__name__, _MOVED)

@@ -6,10 +6,7 @@ with a ``DeprecationWarning``.
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
-
+from lightning_perf._deprecation import moved_names
 from lightning_perf.functional.backend_flags import BackendFlags
 from lightning_perf.functional.channels_last import apply_channels_last, batch_to_channels_last
 from lightning_perf.functional.compile import CompileMonitor, compile_regions
@@ -34,9 +31,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    target = _MOVED.get(name)
-    if target is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__}.{name} moved to {target}; import it from there", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(target), name)
+__getattr__ = moved_names(__name__, _MOVED)

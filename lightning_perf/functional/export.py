@@ -3,9 +3,7 @@ modules beside it). Each name here still resolves, with a ``DeprecationWarning``
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
+from lightning_perf._deprecation import moved_names
 
 _MOVED = {
     "BACKENDS": "lightning_perf.deploy.backend",
@@ -32,12 +30,7 @@ _MOVED = {
 __all__: list[str] = []
 
 
-def __getattr__(name: str) -> Any:
-    target = _MOVED.get(name)
-    if target is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__}.{name} moved to {target}; import it from there", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(target), name)
+__getattr__ = moved_names(__name__, _MOVED)
 
 
 def __dir__() -> list[str]:

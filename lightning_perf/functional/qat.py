@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_perf._deprecation import moved_names
 from lightning_perf._imports import require
 from lightning_perf.functional.inputs import as_input_tuple
 from lightning_perf.functional.qat_config import SUPPORTED_BASE_CONFIGS, base_config_spec, resolve_base_config
@@ -729,12 +730,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    # The post-training half moved to the deploy layer; the old names resolve lazily (no import at module load).
-    target = _MOVED.get(name)
-    if target is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    warnings.warn(f"{__name__}.{name} moved to {target}; import it from there", DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(target), name)
+__getattr__ = moved_names(__name__, _MOVED)

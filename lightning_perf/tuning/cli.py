@@ -2,21 +2,8 @@
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
+from lightning_perf._deprecation import moved_names
 
-_MOVED = {"add_autotune_parser": "add_parser"}
+_MOVED = {"add_autotune_parser": "lightning_perf.cli.autotune:add_parser"}
 
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from lightning_perf.cli import autotune
-
-        warnings.warn(
-            f"lightning_perf.tuning.cli.{name} moved to lightning_perf.cli.autotune.{_MOVED[name]}; "
-            "import it from there",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(autotune, _MOVED[name])
-    raise AttributeError(f"module 'lightning_perf.tuning.cli' has no attribute {name!r}")
+__getattr__ = moved_names(__name__, _MOVED)

@@ -53,6 +53,9 @@ def test_functional_does_not_pull_the_deploy_layer() -> None:
         ("lightning_perf.functional.qat", "export_quantized", "lightning_perf.deploy.quantize.save"),
         ("lightning_perf.functional.qat", "compare_models", "lightning_perf.deploy.validate"),
         ("lightning_perf.export_cli", "add_export_parser", "lightning_perf.cli.export"),
+        ("lightning_perf.tuning.cli", "add_autotune_parser", "lightning_perf.cli.autotune"),
+        ("lightning_perf.tuning.sources", "ImportSource", "lightning_perf.benchmark.sources"),
+        ("lightning_perf.tuning.sources", "batch_size_holder", "lightning_perf.benchmark.sources"),
     ],
 )
 def test_moved_names_warn_and_resolve_to_the_new_object(old: str, name: str, new: str) -> None:
@@ -62,7 +65,7 @@ def test_moved_names_warn_and_resolve_to_the_new_object(old: str, name: str, new
     with pytest.warns(DeprecationWarning, match=f"{old}.{name} moved to {new}"):
         found = getattr(module, name)
     target = importlib.import_module(new)
-    assert found is getattr(target, "add_parser" if name == "add_export_parser" else name)
+    assert found is getattr(target, "add_parser" if name.startswith("add_") else name)
 
 
 def test_unknown_names_are_still_attribute_errors() -> None:
