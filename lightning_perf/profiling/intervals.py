@@ -7,11 +7,12 @@ number of paired repeats:
 - ``t interval over paired repeats`` (:data:`MIN_REPEATS_FOR_T` or more repeats, or only one figure per repeat):
   one ratio per repeat (of the per-repeat medians when steps are given), a Student t interval on the logarithms of
   those ratios, transformed back. The point estimate is their geometric mean, which always lies inside the interval.
-- ``bootstrap over paired steps`` (fewer repeats, with step samples): steps are resampled with replacement within
-  each repeat (a seeded NumPy generator, so the same samples always give the same interval), the per-repeat median
-  ratio is recomputed and combined over repeats by geometric mean; the interval is the 2.5th-97.5th percentile of
-  :data:`BOOTSTRAP_RESAMPLES` resamples. It sees step-to-step noise only, not the variation between processes: the
-  method is written next to every interval so the reader knows.
+- ``bootstrap over paired steps`` (fewer repeats, with step samples): in two stages, the repeats are drawn with
+  replacement and steps are resampled with replacement within each drawn repeat (a seeded NumPy generator, so the
+  same samples always give the same interval); the per-repeat median ratios are combined by geometric mean, and the
+  interval is the 2.5th-97.5th percentile of :data:`BOOTSTRAP_RESAMPLES` resamples. With few repeats it sees the
+  variation between processes only as far as those repeats show it: the method is written next to every interval so
+  the reader knows.
 
 The verdict is the side of 1 on which the whole interval lies: above 1 gives ``above_one`` (``"faster"`` for a
 speed-up, baseline time / candidate time), below 1 gives ``below_one`` (``"slower"``); an interval that contains 1
@@ -193,12 +194,15 @@ def paired_ratio(
         low, high, method = math.exp(logs.mean() - half), math.exp(logs.mean() + half), METHOD_T
     elif with_steps:
         rng = np.random.default_rng(seed)
-        total = np.zeros(resamples)
-        for a, b in zip(num, den):
+        per_repeat = np.empty((n, resamples))
+        for i, (a, b) in enumerate(zip(num, den)):
             ma = np.median(rng.choice(a, size=(resamples, a.size), replace=True), axis=1)
             mb = np.median(rng.choice(b, size=(resamples, b.size), replace=True), axis=1)
-            total += np.log(ma) - np.log(mb)
-        boot = np.exp(total / n)
+            per_repeat[i] = np.log(ma) - np.log(mb)
+        # Two stages: repeats drawn with replacement, then steps within each. Resampling steps alone would ignore that
+        # one process's steps vary together: three repeats 3x apart would get an interval a few percent wide.
+        drawn = rng.integers(0, n, size=(n, resamples))
+        boot = np.exp(per_repeat[drawn, np.arange(resamples)].mean(axis=0))
         low, high, method = float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5)), METHOD_BOOTSTRAP
     else:
         return RatioEstimate(ratio, ratio, ratio, METHOD_SINGLE, NO_CLEAR_DIFFERENCE, n)

@@ -127,3 +127,15 @@ def test_bad_arguments_are_refused() -> None:
         t_critical_95(0)
     with pytest.raises(ValueError, match=r"resamples=10"):
         paired_ratio([[1.0, 2.0]], [[1.0, 2.0]], resamples=10)
+
+
+def test_the_bootstrap_sees_repeats_that_disagree() -> None:
+    # Three repeats whose steps are tight but whose ratios are 1.0x, 1.05x and 3x (one disturbed process): resampling
+    # steps alone would give an interval a few percent wide around 1.5x; drawing repeats too spans the disagreement.
+    rng = np.random.default_rng(1)
+    baseline = [0.100 * (1 + 0.01 * rng.standard_normal(15)) for _ in range(3)]
+    candidate = [b / r for b, r in zip(baseline, (1.0, 1.05, 3.0))]
+    estimate = paired_ratio(baseline, candidate)
+    assert estimate.method == METHOD_BOOTSTRAP
+    assert estimate.low < 1.1 and estimate.high > 1.9
+    assert estimate.low <= estimate.ratio <= estimate.high
