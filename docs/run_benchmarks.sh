@@ -6,30 +6,30 @@ cd "$(dirname "$0")/.."
 out=docs/bench
 steps=${STEPS:-15}
 repeats=${REPEATS:-3}
-lightning-perf bench --workload convnet --quiet --steps "$steps" --repeats "$repeats" --output "$out/convnet-cpu.json" \
+lightning-perf bench --force --workload convnet --quiet --steps "$steps" --repeats "$repeats" --output "$out/convnet-cpu.json" \
   --configs baseline,bf16-mixed,channels_last,compile,backend_flags,fused_optimizer,channels_last+compile+fused_optimizer
-lightning-perf bench --workload unet3d --quiet --steps "$steps" --repeats "$repeats" --output "$out/unet3d-cpu.json" \
+lightning-perf bench --force --workload unet3d --quiet --steps "$steps" --repeats "$repeats" --output "$out/unet3d-cpu.json" \
   --configs baseline,channels_last,compile,channels_last+compile
-lightning-perf bench --workload vit --quiet --steps "$steps" --repeats "$repeats" --output "$out/vit-cpu.json" \
+lightning-perf bench --force --workload vit --quiet --steps "$steps" --repeats "$repeats" --output "$out/vit-cpu.json" \
   --configs baseline,channels_last,compile,backend_flags,grad_checkpoint,flash_attention
-lightning-perf bench --workload lm --quiet --steps "$steps" --repeats "$repeats" --output "$out/lm-cpu.json" \
+lightning-perf bench --force --workload lm --quiet --steps "$steps" --repeats "$repeats" --output "$out/lm-cpu.json" \
   --configs baseline,grad_checkpoint,flash_attention,compile
 
 # The auto-tuner on each workload (budget 5 minutes), then the bench on its recommendation against the best single
 # configuration of the tables above (convnet: compile, unet3d: channels_last, vit: compile, lm: compile).
 for w in convnet vit lm unet3d; do
-  lightning-perf autotune --workload "$w" --time-budget 300 --output "$out/autotune-$w.yaml"
+  lightning-perf autotune --force --workload "$w" --time-budget 300 --output "$out/autotune-$w.yaml"
 done
 declare -A best=([convnet]=compile [unet3d]=channels_last [vit]=compile [lm]=compile)
 for w in convnet unet3d vit lm; do
   stack=$(python -c "import json; print('+'.join(json.load(open('$out/autotune-$w.json'))['recommendation']['configs']))")
-  lightning-perf bench --workload "$w" --quiet --steps "$steps" --repeats "$repeats" --predict-batches 0 \
+  lightning-perf bench --force --workload "$w" --quiet --steps "$steps" --repeats "$repeats" --predict-batches 0 \
     --configs "baseline,${best[$w]},$stack" --output "$out/tuned-$w-cpu.json"
 done
 
 # QAT: accuracy of the int8 model, its latency against fp32 (both compiled), the fake-quant training overhead.
 python examples/qat_convnet.py --preset default
-lightning-perf bench --workload convnet --quiet --steps "$steps" --repeats "$repeats" --output "$out/qat-convnet-cpu.json" \
+lightning-perf bench --force --workload convnet --quiet --steps "$steps" --repeats "$repeats" --output "$out/qat-convnet-cpu.json" \
   --configs baseline,qat
 
 # Observers' cost against Lightning's profilers.
