@@ -155,8 +155,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {lightning!
 
 @pytest.mark.parametrize("layer", NO_LIGHTNING_LAYERS)
 def test_lightning_free_layer_loads_no_lightning(layer: str) -> None:
-    if not (ROOT / layer).is_dir():
-        pytest.skip(f"lightning_perf/{layer}/ does not exist yet")
+    assert (ROOT / layer).is_dir(), f"lightning_perf/{layer}/ is missing"
     probe = _PROBE.format(target=f"{PACKAGE}.{layer}", lightning=LIGHTNING)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"`import {PACKAGE}.{layer}` failed:\n{out.stderr[-3000:]}"

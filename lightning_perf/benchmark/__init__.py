@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_perf._lazy import lazy_exports
 
 # Names load on first use, so that a light user of one module (`lightning-perf compare` reads JSON only) does not
 # pay for torch, psutil or Lightning through this package's __init__.
@@ -36,13 +37,4 @@ if TYPE_CHECKING:
     from lightning_perf.benchmark.pytest_helpers import benchmark_training_steps
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

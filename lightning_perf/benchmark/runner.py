@@ -75,7 +75,7 @@ from lightning_perf.benchmark.worker import RunResult, RunSpec
 from lightning_perf.profiling import format_bytes, markdown_table, plot_bars, write_json
 from lightning_perf.profiling.intervals import NO_CLEAR_DIFFERENCE, RatioEstimate, paired_ratio
 from lightning_perf.profiling.reliability import ConditionMonitor, Reliability, assess
-from lightning_perf.profiling.stats import percentile
+from lightning_perf.profiling.stats import median, percentile
 
 BASELINE = "baseline"
 DISTURBED = "(disturbed)"
@@ -389,7 +389,7 @@ def _run_in_subprocess(spec: RunSpec, tmp: Path, timeout_s: float) -> RunResult:
 def _median(values: Sequence[float | int | None]) -> float | None:
     """The median of the values present (``None`` and NaN dropped), or ``None`` when there are none."""
     present = sorted(float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v)))
-    return percentile(present, 50.0) if present else None
+    return median(present) if present else None
 
 
 def _step_samples(result: RunResult) -> list[float]:

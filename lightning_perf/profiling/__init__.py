@@ -9,8 +9,9 @@ growth per step) and :class:`HostSyncRecorder` (host-device synchronizations and
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_perf._lazy import lazy_exports
 
 # Names load on first use, so that a light user of one module (`lightning-perf compare` reads JSON only) does not
 # pay for torch, psutil or Lightning through this package's __init__.
@@ -133,13 +134,4 @@ if TYPE_CHECKING:
     from lightning_perf.profiling.timer import PhaseTimer
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

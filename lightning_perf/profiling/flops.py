@@ -37,6 +37,7 @@ import torch
 from lightning_perf._io import atomic_write_text
 from lightning_perf._validation import check_instance, check_int, check_number
 from lightning_perf._warnings import MeasurementWarning
+from lightning_perf.profiling.stats import median as median_of
 
 __all__ = [
     "CACHE_ENV",
@@ -317,12 +318,6 @@ _PROBE_SIZE = 256  # small enough to take milliseconds even where a dtype is emu
 _PROBE_REPEATS = 5  # the probe's median: a single small matmul right after start-up can be several times slower
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def _label(size: int, dtype: torch.dtype, threads: int) -> str:
     return f"measured matmul {size}^3 {_SHORT_DTYPE[dtype]}, {threads} thread{'s' if threads != 1 else ''}"
 
@@ -358,14 +353,14 @@ def measure_cpu_peak_flops(
     monitor = ConditionMonitor(_probes())
     start = monitor.start()
     if size > _PROBE_SIZE:
-        probe = _median(_time_matmuls(_PROBE_SIZE, dtype, threads, _PROBE_REPEATS))
+        probe = median_of(_time_matmuls(_PROBE_SIZE, dtype, threads, _PROBE_REPEATS))
         rate = 2.0 * _PROBE_SIZE**3 / probe if probe > 0 and math.isfinite(probe) else math.inf
         while size > _PROBE_SIZE and 2.0 * size**3 / rate > max_matmul_s:
             size = max(_PROBE_SIZE, size // 2)
     seconds = _time_matmuls(size, dtype, threads, repeats)
     label = _label(size, dtype, threads)
     monitor.stop(start, "the peak matmul")
-    median = _median(seconds)
+    median = median_of(seconds)
     if not (median > 0 and math.isfinite(median)):
         raise RuntimeError(f"The matmul timer gave {median!r} s; a CPU peak cannot be measured here.")
     # The same judgement as the bench's: other processes' load, steal time, load average, frequency, outliers.

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_perf.profiling.intervals import RatioEstimate, paired_ratio
-from lightning_perf.profiling.stats import percentile
+from lightning_perf.profiling.stats import median, percentile
 
 __all__ = [
     "compare",
@@ -17,11 +17,6 @@ __all__ = [
     "quartiles",
     "speedup_estimate",
 ]
-
-
-def median(values: Sequence[float]) -> float:
-    """The median of ``values`` (NaN when empty)."""
-    return percentile(sorted(values), 50.0)
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float]:
