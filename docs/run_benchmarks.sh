@@ -23,6 +23,9 @@ done
 declare -A best=([convnet]=compile [unet3d]=channels_last [vit]=compile [lm]=compile)
 for w in convnet unet3d vit lm; do
   stack=$(python -c "import json; print('+'.join(json.load(open('$out/autotune-$w.json'))['recommendation']['configs']))")
+  if [ -z "$stack" ] || [ "$stack" = "${best[$w]}" ]; then
+    echo "autotune $w recommends '${stack:-nothing}': no tuned bench"; rm -f "$out/tuned-$w-cpu".{json,md,png}; continue
+  fi
   lightning-perf bench --force --workload "$w" --quiet --steps "$steps" --repeats "$repeats" --predict-batches 0 \
     --configs "baseline,${best[$w]},$stack" --output "$out/tuned-$w-cpu.json"
 done
