@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 __all__ = [
     "PRESET_NAMES",
+    "STAGE_NAMES",
     "TRAINER_PRECISIONS",
     "WORKLOAD_NAMES",
     "CliParser",
@@ -40,6 +41,7 @@ __all__ = [
     "one_line",
     "positive_float",
     "positive_int",
+    "positive_int_list",
 ]
 
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -102,6 +104,24 @@ def _int_at_least(text: str, minimum: int) -> int:
     if value < minimum:
         raise _invalid(text, f"an integer >= {minimum}")
     return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """A comma-separated list of distinct integers >= 1, e.g. ``1,8,32`` (kept in the order given)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    expected = "comma-separated distinct integers >= 1, e.g. 1,8,32"
+    if not items:
+        raise _invalid(text, expected)
+    values = []
+    for item in items:
+        try:
+            value = int(item)
+        except ValueError:
+            raise _invalid(text, expected) from None
+        if value < 1 or value in values:
+            raise _invalid(text, expected)
+        values.append(value)
+    return values
 
 
 def finite_float(text: str) -> float:
@@ -219,6 +239,9 @@ WORKLOAD_NAMES: tuple[str, ...] = ("convnet", "unet3d", "vit", "lm")
 
 PRESET_NAMES: tuple[str, ...] = ("tiny", "default")
 """The workload sizes of :mod:`lightning_perf.demos` (``PRESETS``)."""
+
+STAGE_NAMES: tuple[str, ...] = ("fit", "predict", "validate", "test")
+"""The Trainer stages the bench measures (``--stage``): training steps, or an inference stage's per-batch latency."""
 
 TRAINER_PRECISIONS: tuple[str, ...] = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 """The ``Trainer(precision=...)`` values the bench accepts."""

@@ -13,14 +13,19 @@ from typing import Any
 
 from lightning_perf.cli._common import (
     PRESET_NAMES,
+    STAGE_NAMES,
     TRAINER_PRECISIONS,
     WORKLOAD_NAMES,
     UsageError,
     device,
+    existing_file,
     fail,
+    json_object,
+    module_class_spec,
     non_negative_int,
     one_line,
     positive_int,
+    positive_int_list,
 )
 
 BASELINE = "baseline"
@@ -67,7 +72,38 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "interleaved) and print step time, throughput, warm-up, memory and inference speed against baseline.",
         allow_abbrev=False,
     )
-    parser.add_argument("--workload", default="convnet", choices=WORKLOAD_NAMES, help="default: %(default)s")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument(
+        "--workload", default=None, choices=WORKLOAD_NAMES, help="a reference workload (default: convnet)"
+    )
+    what.add_argument(
+        "--model",
+        type=module_class_spec,
+        metavar="MODULE:CLASS",
+        help="your LightningModule class, e.g. my_pkg.models:Net (with --datamodule)",
+    )
+    parser.add_argument(
+        "--model-args", type=json_object, default=None, help="JSON object of the model's keyword arguments"
+    )
+    parser.add_argument(
+        "--datamodule", type=module_class_spec, metavar="MODULE:CLASS", help="your LightningDataModule class"
+    )
+    parser.add_argument("--datamodule-args", type=json_object, default=None, help="JSON object of its arguments")
+    parser.add_argument(
+        "--config",
+        type=existing_file,
+        action="append",
+        default=None,
+        metavar="YAML",
+        help="a LightningCLI config (model:, data:, trainer:), repeatable, merged in order as LightningCLI does; its "
+        "trainer settings apply to every configuration",
+    )
+    parser.add_argument(
+        "--stage",
+        default="fit",
+        choices=STAGE_NAMES,
+        help="what to measure: fit (training steps) or an inference stage (per-batch latency) (default: %(default)s)",
+    )
     parser.add_argument(
         "--configs",
         type=parse_configs,
@@ -94,12 +130,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="runs per configuration (default %(default)s; from 5 on the interval comes from the spread between "
         "repeats, below from a bootstrap over steps)",
     )
-    parser.add_argument("--batch-size", type=positive_int, default=None, help="default: the preset's")
+    parser.add_argument("--batch-size", type=positive_int, default=None, help="default: the preset's (the model's)")
+    parser.add_argument(
+        "--batch-sizes",
+        type=positive_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="sweep the batch size: one section per size and a batch-scaling table (e.g. 1,8,32)",
+    )
     parser.add_argument(
         "--precision",
-        default="32-true",
+        default=None,
         choices=TRAINER_PRECISIONS,
-        help="precision of every configuration that does not set its own (default: %(default)s)",
+        help="precision of every configuration that does not set its own (default: the --config file's, else 32-true)",
     )
     parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument(
@@ -119,6 +162,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--force", action="store_true", help="overwrite the report files if they exist")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
+    parser.add_argument(
+        "--tasks",
+        type=Path,
+        default=None,
+        metavar="CSV",
+        help="a task file: one bench per row (name,config,configs,steps,batch_size,...), each written under --output",
+    )
+    parser.add_argument(
+        "--ref",
+        action="append",
+        default=None,
+        metavar="REF",
+        help="a git ref of your project to benchmark in a temporary worktree, repeatable (the first is the reference)",
+    )
+    parser.add_argument("--fail-fast", action="store_true", help="with --tasks: stop at the first failing task")
     parser.set_defaults(run=run, subparser=parser)
     return parser
 
@@ -137,6 +195,10 @@ def _check_output(parser: argparse.ArgumentParser, output: Path | None) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the benchmark (or ``--list``); exit status 0, 1 when a configuration failed, 2 for bad arguments."""
+    if args.tasks is not None or args.ref:
+        from lightning_perf.cli._tasks import run_tasks
+
+        return run_tasks(args, parser)
     _check_output(parser, args.output)
     if args.device == "mps":
         fail(parser, "--device", args.device, "cpu, cuda or cuda:N (the bench does not run on mps)")
@@ -166,14 +228,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     try:
         options = BenchOptions(
-            workload=args.workload,
+            workload=args.workload or "convnet",
             configs=configs,
             preset=args.preset,
             steps=args.steps,
             warmup_steps=args.warmup_steps,
             repeats=args.repeats,
             batch_size=args.batch_size,
-            precision=args.precision,
+            precision=args.precision or "32-true",
             device=args.device,
             seed=args.seed,
             predict_batches=args.predict_batches,
