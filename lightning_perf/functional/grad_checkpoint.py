@@ -59,6 +59,22 @@ class _RestoreBuffers(contextlib.AbstractContextManager):
         self.saved = []
 
 
+def _combined_contexts(
+    context_fn: Any, stat_modules: Sequence[nn.Module]
+) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """The user's ``(forward, recompute)`` contexts, with the BatchNorm restore added to the recompute one."""
+    forward_context, recompute_context = context_fn()
+
+    @contextlib.contextmanager
+    def recompute() -> Any:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_RestoreBuffers(stat_modules))
+            stack.enter_context(recompute_context)
+            yield
+
+    return forward_context, recompute()
+
+
 class CheckpointedForward(ForwardPatch):
     """A block's forward run under non-reentrant activation checkpointing; see :func:`apply_activation_checkpointing`.
 
@@ -66,11 +82,21 @@ class CheckpointedForward(ForwardPatch):
         module: the block.
         preserve_rng_state: restore the RNG state for the recompute, so dropout draws the same masks (torch's default;
             ``False`` is a little faster for blocks without randomness).
+        context_fn: torch's checkpoint ``context_fn``: a zero-argument callable returning
+            ``(forward_context, recompute_context)``, e.g. from
+            ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (selective checkpointing). Entered together
+            with the BatchNorm-statistics restore.
     """
 
-    def __init__(self, module: nn.Module, preserve_rng_state: bool = True) -> None:
+    def __init__(self, module: nn.Module, preserve_rng_state: bool = True, context_fn: Any = None) -> None:
         super().__init__(module)
+        if context_fn is not None and not callable(context_fn):
+            raise TypeError(
+                f"`context_fn={context_fn!r}` is not valid. Expected None or a zero-argument callable returning "
+                "(forward_context, recompute_context)."
+            )
         self.preserve_rng_state = preserve_rng_state
+        self.context_fn = context_fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -80,8 +106,13 @@ class CheckpointedForward(ForwardPatch):
         stat_modules = [
             m for m in self.module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
         ]
-        if stat_modules and not torch.compiler.is_compiling():
+        restore = bool(stat_modules) and not torch.compiler.is_compiling()
+        if restore and self.context_fn is not None:
+            options["context_fn"] = lambda: _combined_contexts(self.context_fn, stat_modules)
+        elif restore:
             options["context_fn"] = lambda: (contextlib.nullcontext(), _RestoreBuffers(stat_modules))
+        elif self.context_fn is not None:
+            options["context_fn"] = self.context_fn
         return checkpoint(
             self.call_original,
             *args,
@@ -214,6 +245,7 @@ def apply_activation_checkpointing(
     every_n: int | None = None,
     fraction: float | None = None,
     preserve_rng_state: bool = True,
+    context_fn: Any = None,
 ) -> list[str]:
     """Turn on activation checkpointing for blocks of ``model``, in place; returns the names of the blocks wrapped.
 
@@ -227,6 +259,7 @@ def apply_activation_checkpointing(
         every_n: checkpoint only every ``every_n``-th of the selected blocks (less recompute, less memory saved).
         fraction: checkpoint only the first ``fraction`` of the selected blocks, in ``(0, 1]``.
         preserve_rng_state: see :class:`CheckpointedForward`.
+        context_fn: see :class:`CheckpointedForward` (called anew for each block call).
 
     Example::
 
@@ -238,7 +271,7 @@ def apply_activation_checkpointing(
     blocks = take_portion(select_blocks(model, modules, filter_fn), every_n, fraction)
     wrapped = []
     for name, block in blocks:
-        if patch_forward(block, lambda m: CheckpointedForward(m, preserve_rng_state)) is not None:
+        if patch_forward(block, lambda m: CheckpointedForward(m, preserve_rng_state, context_fn)) is not None:
             wrapped.append(name)
     return wrapped
 
