@@ -1,0 +1,333 @@
+"""Task files for ``lightning-perf bench --tasks``: one bench per CSV row, read and checked before anything runs.
+
+A task file is a CSV file with a header row. Required columns: ``name``, ``config``, ``configs``, ``steps``,
+``batch_size``; optional: ``workload``, ``model``, ``datamodule``, ``model_args``, ``datamodule_args``, ``stage``,
+``precision``, ``warmup_steps``, ``repeats``, ``ref``. An empty cell means the default (the command line's value, else
+the bench's). A task names its model in exactly one way: ``config`` (a LightningCLI YAML; several separated by ``;``
+are merged in order), or ``model`` with ``datamodule`` (``package.module:Class``, arguments as JSON objects in
+``model_args`` / ``datamodule_args``), or ``workload`` (a reference workload). ``configs`` lists configurations
+separated by ``;``; ``+`` stacks them (``baseline;channels_last+compile``). ``ref`` holds git refs separated by ``;``
+(``.`` is the working tree). Lines whose first cell starts with ``#`` are comments.
+
+Every row is checked when the file is read: a malformed file raises :class:`TaskFileError`, whose one-line message
+names the file, the line and the column. This module imports no torch and no Lightning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "COLUMN_OPTIONS",
+    "OPTIONAL_COLUMNS",
+    "REQUIRED_COLUMNS",
+    "SOURCE_COLUMNS",
+    "STAGES",
+    "WORKING_TREE",
+    "Task",
+    "TaskFileError",
+    "read_tasks",
+]
+
+REQUIRED_COLUMNS: tuple[str, ...] = ("name", "config", "configs", "steps", "batch_size")
+OPTIONAL_COLUMNS: tuple[str, ...] = (
+    "workload",
+    "model",
+    "datamodule",
+    "model_args",
+    "datamodule_args",
+    "stage",
+    "precision",
+    "warmup_steps",
+    "repeats",
+    "ref",
+)
+COLUMN_OPTIONS: dict[str, str] = {
+    "config": "--config",
+    "configs": "--configs",
+    "steps": "--steps",
+    "batch_size": "--batch-size",
+    "workload": "--workload",
+    "model": "--model",
+    "datamodule": "--datamodule",
+    "model_args": "--model-args",
+    "datamodule_args": "--datamodule-args",
+    "stage": "--stage",
+    "precision": "--precision",
+    "warmup_steps": "--warmup-steps",
+    "repeats": "--repeats",
+}
+"""The bench option each column becomes (``name`` and ``ref`` are the task runner's, not the bench's)."""
+SOURCE_COLUMNS: tuple[str, ...] = ("config", "workload", "model", "datamodule", "model_args", "datamodule_args")
+"""The columns that say which model a task measures."""
+STAGES: tuple[str, ...] = ("fit", "predict", "validate", "test")
+WORKING_TREE = "."
+"""The ``ref`` that means the working tree as it is (git refuses ``.`` as a ref name, so it cannot clash)."""
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_MODULE_CLASS = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
+_RESERVED_NAMES = ("summary",)  # the runner writes summary.json / summary.md beside the tasks' files
+_INT_COLUMNS = ("steps", "batch_size", "warmup_steps", "repeats")
+MAX_FILE_BYTES = 16 * 2**20
+
+
+class TaskFileError(ValueError):
+    """A task file that cannot be used; the message (one line) names the file, the line and the column."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One row of a task file (or the one task of a command line), checked.
+
+    ``config`` holds absolute paths (relative ones were resolved against the task file's directory); ``configs``
+    the configuration items (each a name or a ``+``-stack); ``refs`` the git refs to run it on (empty: the command
+    line's ``--ref``, else the working tree). ``None`` and empty tuples mean "not set here".
+    """
+
+    name: str
+    line: int = 0
+    config: tuple[Path, ...] = ()
+    configs: tuple[str, ...] = ()
+    steps: int | None = None
+    batch_size: int | None = None
+    workload: str | None = None
+    model: str | None = None
+    datamodule: str | None = None
+    model_args: str | None = None  # JSON text, as the option takes it
+    datamodule_args: str | None = None
+    stage: str | None = None
+    precision: str | None = None
+    warmup_steps: int | None = None
+    repeats: int | None = None
+    refs: tuple[str, ...] = ()
+
+    def columns_set(self) -> set[str]:
+        """The option columns this task fills (``config`` counted when it names any file)."""
+        return {column for column in COLUMN_OPTIONS if getattr(self, column) not in (None, ())}
+
+    def argv(self, config_path: Callable[[Path], Path] | None = None) -> list[str]:
+        """The ``lightning-perf bench`` arguments of this task (its filled columns only), in column order.
+
+        Args:
+            config_path: maps each ``config`` file to the path to pass (a git ref's worktree copy); default as is.
+        """
+        argv: list[str] = []
+        for column, option in COLUMN_OPTIONS.items():
+            value = getattr(self, column)
+            if value in (None, ()):
+                continue
+            if column == "config":
+                for path in value:
+                    argv += [option, str(config_path(path) if config_path else path)]
+            elif column == "configs":
+                argv += [option, ",".join(value)]
+            else:
+                argv += [option, str(value)]
+        return argv
+
+
+def _where(path: Path, line: int, column: str | None = None) -> str:
+    return f"{path}, line {line}" + (f", column {column!r}" if column else "")
+
+
+def _error(path: Path, line: int, column: str | None, message: str) -> TaskFileError:
+    return TaskFileError(f"{_where(path, line, column)}: {message}")
+
+
+def _invalid(value: str, expected: str) -> str:
+    return f"{value!r} is not valid. Expected {expected}."
+
+
+def _check_option(parser: argparse.ArgumentParser | None, option: str, text: str) -> str | None:
+    """Run the bench parser's own check of ``option`` on ``text``; the message when it fails, else None."""
+    if parser is None:
+        return None
+    action = next((a for a in parser._actions if option in a.option_strings), None)
+    if action is None:
+        return None
+    value: Any = text
+    if action.type is not None and callable(action.type):
+        try:
+            value = action.type(text)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+            message = str(exc)
+            return message if message.startswith(repr(text)) else _invalid(text, message.rstrip("."))
+    if action.choices is not None and value not in action.choices:
+        return _invalid(text, "one of " + ", ".join(str(c) for c in action.choices))
+    return None
+
+
+def _int(text: str) -> int | None:
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= 1 else None
+
+
+def _parse_cell(
+    column: str, text: str, path: Path, line: int, parser: argparse.ArgumentParser | None
+) -> tuple[Any, str | None]:
+    """The cell's value and an error message (None when valid)."""
+    if column in _INT_COLUMNS:
+        value = _int(text)
+        return value, None if value is not None else _invalid(text, "an integer >= 1")
+    if column in ("model", "datamodule"):
+        spec = text
+        if ":" not in spec and "." in spec:
+            module, _, name = spec.rpartition(".")
+            spec = f"{module}:{name}"
+        ok = _MODULE_CLASS.match(spec) is not None
+        return spec, None if ok else _invalid(text, "MODULE:CLASS, e.g. my_pkg.models:Net")
+    if column in ("model_args", "datamodule_args"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return None, _invalid(text, f'a JSON object such as {{"name": 1}} ({exc.msg} at column {exc.colno})')
+        if not isinstance(value, dict):
+            return None, _invalid(text, f'a JSON object such as {{"name": 1}}, not a JSON {type(value).__name__}')
+        return json.dumps(value), None
+    if column == "stage":
+        return text, None if text in STAGES else _invalid(text, "one of " + ", ".join(STAGES))
+    if column == "config":
+        files = [item.strip() for item in text.split(";") if item.strip()]
+        if not files:
+            return None, _invalid(text, "the path of a LightningCLI YAML file (several separated by ';')")
+        resolved = tuple(p if p.is_absolute() else (path.parent / p).absolute() for p in map(Path, files))
+        return resolved, None
+    if column == "configs":
+        items = tuple(item.strip() for item in text.split(";") if item.strip())
+        if not items:
+            return None, _invalid(text, "configuration names separated by ';' ('+' stacks them)")
+        if any("," in item for item in items):
+            return None, _invalid(text, "configuration names separated by ';', not ',' ('+' stacks them)")
+        return items, _check_option(parser, "--configs", ",".join(items))
+    if column == "ref":
+        refs = tuple(item.strip() for item in text.split(";") if item.strip())
+        if not refs or any(r.startswith("-") or any(c.isspace() for c in r) for r in refs):
+            return None, _invalid(text, "git refs separated by ';' (a branch, tag or commit; '.' is the working tree)")
+        return refs, None
+    return text, _check_option(parser, COLUMN_OPTIONS[column], text) if column in COLUMN_OPTIONS else None
+
+
+def _check_source(task: dict[str, Any], path: Path, line: int) -> None:
+    named = [column for column in ("config", "model", "workload") if task.get(column) is not None]
+    expected = "one of: config (a LightningCLI YAML), model with datamodule, or workload"
+    if not named:
+        raise _error(path, line, "config", f"the task names no model. Expected {expected}")
+    if len(named) > 1:
+        raise _error(
+            path, line, named[1], f"the task names its model twice ({' and '.join(named)}). Expected {expected}"
+        )
+    for column in ("datamodule", "model_args", "datamodule_args"):
+        if task.get(column) is not None and task.get("model") is None:
+            raise _error(path, line, column, f"{column} goes with model, and this task has no model")
+    if task.get("model") is not None and task.get("datamodule") is None:
+        raise _error(path, line, "datamodule", "model needs a datamodule (package.module:Class)")
+
+
+def _rows(path: Path) -> Iterable[tuple[int, list[str]]]:
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise TaskFileError(f"{path}: is {size} bytes, too large for a task file (at most {MAX_FILE_BYTES})")
+        text = path.read_bytes().decode("utf-8-sig")
+    except FileNotFoundError:
+        raise TaskFileError(f"{path}: no such file (expected a CSV task file)") from None
+    except IsADirectoryError:
+        raise TaskFileError(f"{path}: is a directory (expected a CSV task file)") from None
+    except OSError as exc:
+        raise TaskFileError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise TaskFileError(f"{path}: is not UTF-8 text (expected a CSV task file)") from None
+    reader = csv.reader(text.splitlines(keepends=True), strict=True)
+    start = 1
+    try:
+        for row in reader:
+            line, start = start, reader.line_num + 1
+            if not row or all(not cell.strip() for cell in row) or row[0].lstrip().startswith("#"):
+                continue
+            yield line, row
+    except csv.Error as exc:
+        raise _error(path, start, None, f"is not valid CSV ({exc})") from None
+
+
+def read_tasks(path: str | Path, parser: argparse.ArgumentParser | None = None) -> list[Task]:
+    """Read and check a task file; nothing runs.
+
+    Args:
+        path: the CSV file.
+        parser: the ``lightning-perf bench`` parser: when given, each option column is also checked with the
+            option's own validator and choices (configuration, precision and workload names).
+
+    Raises:
+        TaskFileError: the file is missing, unreadable or malformed; the message names the file, the line and the
+            column, e.g. ``tasks.csv, line 3, column 'steps': '0' is not valid. Expected an integer >= 1.``
+    """
+    path = Path(path)
+    rows = iter(_rows(path))
+    header_line, header = next(rows, (1, []))
+    if not header:
+        raise TaskFileError(f"{path}: is empty. Expected a header row with the columns {', '.join(REQUIRED_COLUMNS)}")
+    columns = [cell.strip() for cell in header]
+    known = (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS)
+    for column in columns:
+        if column not in known:
+            raise _error(path, header_line, column, f"unknown column. Expected columns among {', '.join(known)}")
+        if columns.count(column) > 1:
+            raise _error(path, header_line, column, "appears twice in the header")
+    missing = [column for column in REQUIRED_COLUMNS if column not in columns]
+    if missing:
+        raise _error(path, header_line, None, f"missing column(s) {', '.join(map(repr, missing))} in the header")
+    tasks: list[Task] = []
+    seen: dict[str, int] = {}
+    for line, row in rows:
+        if len(row) != len(columns):
+            raise _error(
+                path, line, None, f"has {len(row)} cells, the header has {len(columns)} (quote a cell holding a comma)"
+            )
+        values: dict[str, Any] = {}
+        for column, cell in zip(columns, row):
+            text = cell.strip()
+            if column == "name":
+                if not _NAME.match(text):
+                    expected = "a file-safe name: letters, digits, '.', '_' or '-', starting with a letter or digit"
+                    raise _error(path, line, column, _invalid(text, expected))
+                if text.lower() in _RESERVED_NAMES:
+                    raise _error(path, line, column, _invalid(text, "a name other than summary (the runner's file)"))
+                if text.lower() in seen:
+                    raise _error(
+                        path, line, column, f"{text!r} is already the name of the task on line {seen[text.lower()]}"
+                    )
+                seen[text.lower()] = line
+                values["name"] = text
+                continue
+            if not text:
+                continue
+            value, message = _parse_cell(column, text, path, line, parser)
+            if message is not None:
+                raise _error(path, line, column, message)
+            values["refs" if column == "ref" else column] = value
+        _check_source(values, path, line)
+        tasks.append(Task(line=line, **values))
+    if not tasks:
+        raise TaskFileError(f"{path}: has a header and no task. Expected one row per task")
+    return tasks
+
+
+def task_from_options(name: str, options: Mapping[str, Any], refs: Sequence[str] = ()) -> Task:
+    """The one task of a command line (``--ref`` without ``--tasks``): ``options`` maps column names to values."""
+    values = {k: v for k, v in options.items() if v not in (None, (), [])}
+    if "config" in values:
+        values["config"] = tuple(Path(p).absolute() for p in values["config"])
+    if "configs" in values:
+        values["configs"] = tuple(values["configs"])
+    return Task(name=name, refs=tuple(refs), **values)
