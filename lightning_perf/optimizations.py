@@ -32,8 +32,10 @@ from typing import Any
 __all__ = [
     "BENCH_CAPABILITIES",
     "CONDITIONS",
+    "INFERENCE_STAGES",
     "REQUIREMENTS",
     "SLOWDOWN_CONDITIONS",
+    "STAGES",
     "SYMPTOMS",
     "TUNER_STAGES",
     "AdviceRule",
@@ -62,8 +64,16 @@ CONDITIONS: tuple[str, ...] = (
 )
 """When an advice rule applies, as named predicates on the measured step (evaluated by the advice module)."""
 
-REQUIREMENTS: tuple[str, ...] = ("cuda", "bf16", "backend_flags", "torchao")
+REQUIREMENTS: tuple[str, ...] = ("cuda", "bf16", "fp16", "backend_flags", "torchao")
 """What an optimization needs to run, as named predicates on the device (evaluated by the bench configurations)."""
+
+STAGES: tuple[str, ...] = ("fit", "predict", "validate", "test")
+"""The Trainer stages an optimization can apply to (``lightning-perf bench --stage``): a training-only one (a fused
+optimizer, activation checkpointing) says ``stages=("fit",)``, an inference-only one (pure bf16 weights, dynamic int8)
+``stages=INFERENCE_STAGES``."""
+
+INFERENCE_STAGES: tuple[str, ...] = ("predict", "validate", "test")
+"""The stages that run the model without training it."""
 
 TUNER_STAGES: tuple[str, ...] = ("precision", "optimization")
 """The auto-tuner stages that try optimizations from this list (the data and batch-size stages are the tuner's own)."""
@@ -142,6 +152,12 @@ class Optimization:
         bench_default_on: the capabilities (names from :data:`BENCH_CAPABILITIES`) under which the no-argument
             ``lightning-perf bench`` includes it (any one suffices); empty: only when asked for.
         slowdown_causes: likely reasons why it comes out slower than baseline, checked in order.
+        stages: the Trainer stages (names from :data:`STAGES`) it applies to; the bench leaves it out of a run of
+            another stage and says why. Default: every stage.
+
+    A predict-only optimization is one entry, e.g.
+    ``Optimization("dynamic_int8", "...", callback="lightning_perf.callbacks.QATCallback",
+    callback_kwargs={"mode": "dynamic"}, stages=INFERENCE_STAGES)``.
     """
 
     name: str
@@ -157,6 +173,7 @@ class Optimization:
     advice: tuple[AdviceRule, ...] = ()
     bench_default_on: tuple[str, ...] = ()
     slowdown_causes: tuple[SlowdownCause, ...] = ()
+    stages: tuple[str, ...] = STAGES
 
     def __post_init__(self) -> None:
         owner = f"Optimization(name={self.name!r})"
@@ -204,6 +221,12 @@ class Optimization:
         if isinstance(causes, SlowdownCause) or any(not isinstance(c, SlowdownCause) for c in causes):
             raise TypeError(f"`{owner}`: slowdown_causes={causes!r} is not valid. Expected a tuple of SlowdownCause.")
         object.__setattr__(self, "slowdown_causes", tuple(causes))
+        bad = [s for s in self.stages if s not in STAGES] if not isinstance(self.stages, str) else [self.stages]
+        if bad or not self.stages:
+            raise ValueError(
+                f"`{owner}`: stages={self.stages!r} is not valid. Expected a non-empty tuple of names from {STAGES}."
+            )
+        object.__setattr__(self, "stages", tuple(self.stages))
 
     @property
     def callback_name(self) -> str | None:
@@ -319,6 +342,29 @@ def _builtin_optimizations() -> list[Optimization]:
             bench_default_on=("cuda",),
         ),
         Optimization(
+            "bf16-true",
+            "Lightning's pure bf16 (Trainer(precision='bf16-true')): weights and activations in bf16, inference only",
+            trainer_kwargs={"precision": "bf16-true"},
+            changes_numerics=True,
+            requires=("bf16",),
+            bench_default_on=("fast_bf16",),
+            slowdown_causes=(
+                SlowdownCause(
+                    "cpu_without_bf16", "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 is emulated"
+                ),
+            ),
+            stages=INFERENCE_STAGES,
+        ),
+        Optimization(
+            "16-true",
+            "Lightning's pure fp16 (Trainer(precision='16-true')): weights and activations in fp16, inference only",
+            trainer_kwargs={"precision": "16-true"},
+            changes_numerics=True,
+            requires=("fp16",),
+            bench_default_on=("cuda",),
+            stages=INFERENCE_STAGES,
+        ),
+        Optimization(
             "channels_last",
             "ChannelsLastCallback: conv weights and 4D/5D inputs in channels-last memory format",
             callback=_callback("ChannelsLastCallback"),
@@ -396,6 +442,7 @@ def _builtin_optimizations() -> list[Optimization]:
                 ),
             ),
             bench_default_on=("cpu", "cuda"),
+            stages=("fit",),
         ),
         Optimization(
             "grad_checkpoint",
@@ -409,6 +456,7 @@ def _builtin_optimizations() -> list[Optimization]:
                 ),
             ),
             slowdown_causes=(SlowdownCause("always", "recomputes activations in the backward pass: time for memory"),),
+            stages=("fit",),
         ),
         Optimization(
             "flash_attention",
@@ -429,5 +477,6 @@ def _builtin_optimizations() -> list[Optimization]:
             slowdown_causes=(
                 SlowdownCause("always", "fake quantization adds work to every training step (the cost of QAT)"),
             ),
+            stages=("fit",),
         ),
     ]

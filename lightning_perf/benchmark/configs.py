@@ -59,6 +59,7 @@ class BenchConfig:
         parts: the names a stack was built from (just ``(name,)`` for a single configuration).
         callback_specs: the callbacks as ``(class_path, init_args)`` pairs; given instead of ``callbacks``, they let
             the auto-tuner write the configuration as a LightningCLI file.
+        stages: the Trainer stages it applies to (``fit``, ``predict``, ``validate``, ``test``).
     """
 
     name: str
@@ -69,6 +70,7 @@ class BenchConfig:
     applies_to: Applicability | None = None
     parts: tuple[str, ...] = ()
     callback_specs: tuple[CallbackSpec, ...] | None = None
+    stages: tuple[str, ...] = optimizations.STAGES
 
     def __post_init__(self) -> None:
         if self.callback_specs is not None:
@@ -89,6 +91,15 @@ class BenchConfig:
     def why_not(self, device: torch.device) -> str | None:
         """Why this configuration cannot run on ``device``, or ``None``."""
         return self.applies_to(device) if self.applies_to is not None else None
+
+    def why_not_stage(self, stage: str) -> str | None:
+        """Why this configuration does not apply to a ``stage`` run (``"fit"``, ``"predict"``...), or ``None``."""
+        if stage in self.stages:
+            return None
+        if not self.stages:
+            return "its parts apply to no stage in common"
+        only = "training" if self.stages == ("fit",) else "/".join(self.stages)
+        return f"applies to {only} only, not to {stage}"
 
 
 _REGISTRY: dict[str, BenchConfig] = {}
@@ -173,6 +184,7 @@ def stack_configs(configs: list[BenchConfig]) -> BenchConfig:
         reasons = [f"{c.name}: {r}" for c in configs if (r := c.why_not(device)) is not None]
         return "; ".join(reasons) or None
 
+    stages = tuple(stage for stage in optimizations.STAGES if all(stage in c.stages for c in configs))
     return BenchConfig(
         name="+".join(c.name for c in configs),
         description=" + ".join(c.description for c in configs),
@@ -182,6 +194,7 @@ def stack_configs(configs: list[BenchConfig]) -> BenchConfig:
         strategy=strategies[0].strategy if strategies else None,
         applies_to=applies_to,
         parts=tuple(c.name for c in configs),
+        stages=stages,
     )
 
 
@@ -193,6 +206,20 @@ def _needs_bf16(device: torch.device) -> str | None:
     from lightning_perf._device import supports_bf16
 
     return None if supports_bf16(device) else f"{device} does not support bfloat16"
+
+
+def _needs_fp16(device: torch.device) -> str | None:
+    """fp16 arithmetic in hardware: any CUDA device; a CPU with AVX512-FP16 or AMX-FP16 (else fp16 is emulated)."""
+    if device.type == "cuda":
+        return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        flags = set()
+    if flags & {"avx512_fp16", "amx_fp16"}:
+        return None
+    return f"{device} has no fp16 arithmetic (a CUDA device, or a CPU with avx512_fp16/amx_fp16)"
 
 
 def _backend_flags_apply(device: torch.device) -> str | None:
@@ -212,6 +239,7 @@ def _torchao_applies(device: torch.device) -> str | None:
 _REQUIREMENT_CHECKS: dict[str, Applicability] = {
     "cuda": _needs_cuda,
     "bf16": _needs_bf16,
+    "fp16": _needs_fp16,
     "backend_flags": _backend_flags_apply,
     "torchao": _torchao_applies,
 }
@@ -237,6 +265,7 @@ def config_from_optimization(optimization: Optimization) -> BenchConfig:
         callback_specs=specs,
         trainer_kwargs=optimization.trainer_kwargs,
         applies_to=applies_to if checks else None,
+        stages=optimization.stages,
     )
 
 
@@ -257,6 +286,18 @@ def _ensure_builtins() -> None:
             config = config_from_optimization(optimization)
             _REGISTRY[name] = config
             _DERIVED[name] = (optimization, config)
+
+
+def split_by_stage(names: Iterable[str], stage: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """``(names that apply to stage, [(name, why)] for the others)``, order kept (``baseline`` applies to all)."""
+    kept, left_out = [], []
+    for name in names:
+        why = get_config(name).why_not_stage(stage)
+        if why is None:
+            kept.append(name)
+        else:
+            left_out.append((name, why))
+    return kept, left_out
 
 
 def device_capabilities(device: torch.device) -> dict[str, bool]:
@@ -289,18 +330,18 @@ def _why_left_out(optimization: Optimization, device: torch.device, capabilities
 
 
 def default_configs(
-    device: torch.device, capabilities: Mapping[str, bool] | None = None
+    device: torch.device, capabilities: Mapping[str, bool] | None = None, stage: str = "fit"
 ) -> tuple[list[str], list[tuple[str, str]]]:
     """The configurations of the no-argument ``lightning-perf bench`` on ``device``, chosen by capability.
 
     Returns:
         ``(names, left_out)``: ``baseline`` and every optimization whose ``bench_default_on`` capabilities the device
-        offers and which can run there; and ``(name, why)`` for each optimization left out.
+        offers, which can run there and applies to ``stage``; and ``(name, why)`` for each optimization left out.
     """
     caps = device_capabilities(device) if capabilities is None else capabilities
     chosen, left_out = [BASELINE], []
     for optimization in optimizations.optimizations():
-        why = _why_left_out(optimization, device, caps)
+        why = get_config(optimization.name).why_not_stage(stage) or _why_left_out(optimization, device, caps)
         if why is None:
             chosen.append(optimization.name)
         else:

@@ -1,8 +1,11 @@
 """The one model source: builds a model and data module for bench, autotune and export, and applies data settings.
 
 A source builds the pair from a reference workload name (:class:`WorkloadSource`), from classes named
-``package.module:Class`` plus JSON arguments (:class:`ImportSource`, with :func:`import_class`), or from the user's own
-objects (:class:`ObjectSource`). The tuner pickles a source once and every trial loads it in its own process, so each
+``package.module:Class`` plus JSON arguments (:class:`ImportSource`, with :func:`import_class`), from LightningCLI
+configuration files (:class:`ConfigSource`, whose ``trainer:`` settings come with it), or from the user's own
+objects (:class:`ObjectSource`). :meth:`ModelSource.to_dict` and :func:`source_from_dict` carry a source as plain JSON
+(the bench's ``RunSpec.source``), so a worker process rebuilds the user's objects itself.
+The tuner pickles a source once and every trial loads it in its own process, so each
 trial starts from the user's untouched objects.
 """
 
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOADER_SETTINGS",
+    "ConfigSource",
     "ImportClassError",
     "ImportSource",
     "ModelSource",
@@ -35,6 +39,7 @@ __all__ = [
     "import_object",
     "init_parameters",
     "rebuild_loader",
+    "source_from_dict",
 ]
 
 LOADER_SETTINGS = ("num_workers", "pin_memory", "persistent_workers")
@@ -98,6 +103,15 @@ class ModelSource:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def trainer_settings(self) -> dict[str, Any]:
+        """Trainer keyword arguments that come with the model (a LightningCLI file's ``trainer:``), read after
+        :meth:`load`; empty for a source without any."""
+        return {}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The source as plain JSON (``kind`` and its fields), for :func:`source_from_dict` in another process."""
+        raise TypeError(f"A {type(self).__name__} cannot travel as JSON.")
+
     def build(self, spec: DataSettings) -> tuple[pl.LightningModule, pl.LightningDataModule]:
         """The pair with ``spec``'s batch size and loader overrides applied (the worker's builder interface)."""
         model, datamodule = self.load()
@@ -121,6 +135,9 @@ class WorkloadSource(ModelSource):
     def describe(self) -> str:
         return f"workload {self.workload} ({self.preset} preset)"
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "workload", "workload": self.workload, "preset": self.preset, "seed": self.seed}
+
 
 @dataclass
 class ImportSource(ModelSource):
@@ -140,6 +157,89 @@ class ImportSource(ModelSource):
 
     def describe(self) -> str:
         return f"{self.model} on {self.datamodule}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "import",
+            "model": self.model,
+            "datamodule": self.datamodule,
+            "model_args": dict(self.model_args),
+            "datamodule_args": dict(self.datamodule_args),
+        }
+
+
+@dataclass
+class ConfigSource(ModelSource):
+    """LightningCLI configuration files (``--config``, merged in order), optionally after classes named on the command
+    line (their ``model:``/``data:`` sections then only set arguments, as the auto-tuner's YAML does).
+
+    Parsed by LightningCLI itself (:mod:`lightning_perf.benchmark.lightning_config`), so the objects are those
+    ``python train.py fit --config ...`` builds; :meth:`trainer_settings` gives the files' ``trainer:`` settings.
+    """
+
+    configs: list[str]
+    model: str | None = None
+    datamodule: str | None = None
+    model_args: dict[str, Any] = field(default_factory=dict)
+    datamodule_args: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    _trainer: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _ignored: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def load(self) -> tuple[pl.LightningModule, pl.LightningDataModule]:
+        from lightning_perf.benchmark.lightning_config import load_lightning_config
+
+        loaded = load_lightning_config(
+            self.configs,
+            model=self.model,
+            model_args=self.model_args,
+            datamodule=self.datamodule,
+            datamodule_args=self.datamodule_args,
+            seed=self.seed,
+        )
+        if loaded.datamodule is None:
+            raise ValueError(
+                f"{', '.join(self.configs)} builds no data module: expected a `data:` section with a class_path, "
+                "or --datamodule."
+            )
+        self._trainer, self._ignored = loaded.trainer_kwargs, loaded.ignored
+        return loaded.model, loaded.datamodule
+
+    def trainer_settings(self) -> dict[str, Any]:
+        return dict(self._trainer)
+
+    def ignored_trainer_settings(self) -> dict[str, Any]:
+        """The files' ``trainer:`` settings that the bench decides itself (device, step counts, logging)."""
+        return dict(self._ignored)
+
+    def describe(self) -> str:
+        classes = f"{self.model} on {self.datamodule} with " if self.model else ""
+        return f"{classes}{' + '.join(self.configs)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "config",
+            "configs": [str(c) for c in self.configs],
+            "model": self.model,
+            "datamodule": self.datamodule,
+            "model_args": dict(self.model_args),
+            "datamodule_args": dict(self.datamodule_args),
+            "seed": self.seed,
+        }
+
+
+def source_from_dict(data: dict[str, Any]) -> ModelSource:
+    """The source :meth:`ModelSource.to_dict` described.
+
+    Raises:
+        ValueError: for an unknown ``kind``.
+    """
+    fields = {k: v for k, v in data.items() if k != "kind"}
+    kinds: dict[str, type[ModelSource]] = {"workload": WorkloadSource, "import": ImportSource, "config": ConfigSource}
+    kind = data.get("kind")
+    if kind not in kinds:
+        raise ValueError(f"source kind={kind!r} is not valid. Expected one of {', '.join(kinds)}.")
+    return kinds[kind](**fields)
 
 
 @dataclass

@@ -1,4 +1,9 @@
-"""One benchmark run: train a reference workload under one configuration and measure it, in its own process.
+"""One benchmark run: train (or run inference on) a model under one configuration and measure it, in its own process.
+
+The model is a reference workload (``RunSpec.workload``), or the user's own, rebuilt in this process from
+``RunSpec.source`` (:func:`lightning_perf.benchmark.sources.source_from_dict`: classes by import path, or LightningCLI
+files whose ``trainer:`` settings then apply under every configuration). ``RunSpec.stage`` other than ``fit`` measures
+that inference stage per batch instead (:mod:`lightning_perf.benchmark.inference`).
 
 :func:`lightning_perf.benchmark.isolation.run_isolated` runs :func:`run` in a fresh process once per configuration
 and repeat (for the bench and the tuner alike), so no compiled graph, allocator cache or global flag leaks from one
@@ -53,6 +58,8 @@ class RunSpec:
     repeat: int = 0
     loader_overrides: dict[str, Any] = field(default_factory=dict)  # the auto-tuner's DataLoader settings
     count_flops: bool = False  # count one training step's FLOPs after the measurement (the bench: repeat 0)
+    source: dict[str, Any] | None = None  # the user's model (ModelSource.to_dict()); None: the workload
+    stage: str = "fit"  # "fit", or an inference stage measured per batch: "predict", "validate", "test"
 
 
 @dataclass
@@ -86,6 +93,11 @@ class RunResult:
     flops_per_step: int | None = None  # one training step (forward + backward) of the untransformed model
     flops_by_operator: dict[str, int] = field(default_factory=dict)  # "aten.mm" -> FLOPs, for that step
     flops_error: str | None = None  # why the FLOPs are unknown when counting was asked for and failed
+    latency_p50_s: float | None = None  # inference stages: percentiles of the steady per-batch latency
+    latency_p95_s: float | None = None
+    latency_p99_s: float | None = None
+    precision: str | None = None  # the precision the run used
+    trainer_settings: list[str] = field(default_factory=list)  # the --config file's trainer keys applied
 
 
 class _StepClock(Callback):
@@ -296,16 +308,29 @@ def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
     result = RunResult(spec=asdict(spec))
     device = as_device(spec.device)
     config = get_config(spec.config)
-    reason = config.why_not(device)
+    reason = config.why_not(device) or config.why_not_stage(spec.stage)
     if reason is not None:
         result.ok, result.skipped = False, reason
         return result
 
+    source = None
+    if build is None and spec.source is not None:
+        from lightning_perf.benchmark.sources import source_from_dict
+
+        source = source_from_dict(spec.source)
+        build = source.build
+    elif build is not None:
+        source = getattr(build, "__self__", None)  # a ModelSource's bound build: its trainer settings apply too
+    build = build or build_reference_workload
     pl.seed_everything(spec.seed, workers=True, verbose=False)
     t0 = time.perf_counter()
-    model, datamodule = (build or build_reference_workload)(spec)
+    model, datamodule = build(spec)
     result.model_init_s = time.perf_counter() - t0
     result.batch_size = _batch_size_of(model, datamodule, spec)
+    settings = dict(source.trainer_settings()) if hasattr(source, "trainer_settings") else {}
+    file_callbacks = list(settings.pop("callbacks", []) or [])
+    settings.pop("precision", None)  # the runner resolved it into spec.precision (a file's precision included)
+    result.trainer_settings = sorted(settings) + (["callbacks"] if file_callbacks else [])
 
     clock = _StepClock(device, spec.warmup_steps)
     trainer_kwargs: dict[str, Any] = {
@@ -321,10 +346,25 @@ def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
         "enable_progress_bar": False,
         "enable_model_summary": False,
     }
-    trainer_kwargs.update(config.trainer_kwargs)
+    trainer_kwargs.update(settings)
+    trainer_kwargs.update(config.trainer_kwargs)  # a configuration's own precision overrides the file's
+    result.precision = str(trainer_kwargs["precision"])
     if config.strategy is not None:
         trainer_kwargs["strategy"] = config.strategy()
-    callbacks = config.callbacks()
+    callbacks = [*file_callbacks, *config.callbacks()]
+    if spec.stage != "fit":
+        from lightning_perf.benchmark.inference import measure_inference
+
+        figures = measure_inference(
+            spec.stage, model, datamodule, trainer_kwargs, callbacks, device, spec.warmup_steps, spec.steps,
+            result.batch_size,
+        )  # fmt: skip
+        for key, value in figures.items():
+            setattr(result, key, value)
+        # The per-batch latency is this run's "step": the summary, the reliability checks and compare read it there.
+        result.step_times_s, result.step_median_s = list(result.predict_step_times_s), result.predict_step_median_s
+        result.wall_s = time.perf_counter() - wall_start
+        return result
     trainer = pl.Trainer(callbacks=[clock, *callbacks], **trainer_kwargs)
     trainer.fit(model, datamodule=datamodule)
 
@@ -370,7 +410,7 @@ def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
             result.predict_throughput = result.batch_size / predict_stats.median if result.batch_size else None
     result.wall_s = time.perf_counter() - wall_start
     if spec.count_flops:  # after every timed and memory-measured part, on a fresh copy of the untransformed workload
-        _count_flops(spec, build or build_reference_workload, device, result)
+        _count_flops(spec, build, device, result)
     return result
 
 

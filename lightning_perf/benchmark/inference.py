@@ -1,0 +1,155 @@
+"""The inference benchmark of one run: ``trainer.predict`` / ``validate`` / ``test`` of the model as built, timed per
+batch (``lightning-perf bench --stage predict``).
+
+Each batch is timed from the stage's ``on_*_batch_start`` to its ``on_*_batch_end`` (the forward and the user's step,
+the device synchronized by :class:`~lightning_perf.profiling.PhaseTimer` only where it resolves its events). The first
+``warmup`` batches are reported apart: ``first_batch_s`` is the cold first batch (from the stage's start to the end of
+its first batch: data fetch, transfer, first forward, compilation when a configuration compiles), ``warmup_s`` the
+whole warm-up. The rest are the latency samples, whose percentiles and median-based throughput the run reports.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_perf._device import synchronize
+from lightning_perf.profiling import MemoryProbe, PhaseTimer
+from lightning_perf.profiling.stats import median, percentile
+
+__all__ = ["INFERENCE_STAGES", "LATENCY_PERCENTILES", "measure_inference"]
+
+INFERENCE_STAGES = ("predict", "validate", "test")
+LATENCY_PERCENTILES = (50.0, 95.0, 99.0)
+
+# What each stage calls the hooks and the Trainer argument that limits its batches.
+_LIMIT = {"predict": "limit_predict_batches", "validate": "limit_val_batches", "test": "limit_test_batches"}
+_LOADER = {"predict": "predict_dataloader", "validate": "val_dataloader", "test": "test_dataloader"}
+
+
+def batch_samples(batch: Any) -> int | None:
+    """The number of samples in ``batch``: the leading size of its first tensor (in a tuple, list or dict)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else None
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        found = batch_samples(item)
+        if found is not None:
+            return found
+    return None
+
+
+class _InferenceClock(Callback):
+    """Times every batch of one inference stage; the memory probe's peak restarts after the warm-up batches."""
+
+    def __init__(self, stage: str, device: torch.device, warmup: int) -> None:
+        self.stage, self.device, self.warmup = stage, device, warmup
+        self.timer = PhaseTimer(device=device, warmup_steps=warmup)
+        self.probe = MemoryProbe(device)
+        self.samples: list[int] = []
+        self.first_batch_s: float | None = None
+        self.warmup_s: float | None = None
+        self.memory_before: int | None = None
+        self._start_ns: int | None = None
+        self._done = 0
+        hook = "validation" if stage == "validate" else stage
+        setattr(self, f"on_{hook}_start", self._stage_start)
+        setattr(self, f"on_{hook}_batch_start", self._batch_start)
+        setattr(self, f"on_{hook}_batch_end", self._batch_end)
+
+    def _stage_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        synchronize(self.device)
+        self._start_ns = time.perf_counter_ns()
+
+    def _batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        size = batch_samples(batch)
+        if size is not None and self._done >= self.warmup:
+            self.samples.append(size)
+        self.timer.start("batch")
+
+    def _batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.timer.stop("batch")
+        self.timer.end_step()
+        self._done += 1
+        if self._done == 1 or self._done == self.warmup:
+            synchronize(self.device)  # twice per run, at the cold batch and at the warm-up boundary
+            assert self._start_ns is not None
+            elapsed = (time.perf_counter_ns() - self._start_ns) / 1e9
+            if self._done == 1:
+                self.first_batch_s = elapsed
+            if self._done == self.warmup:
+                self.warmup_s = elapsed
+                sample = self.probe.sample()
+                self.memory_before = sample.allocated if sample.source == "cuda" else sample.reserved
+                self.probe.reset_peak()
+
+
+def measure_inference(
+    stage: str,
+    model: pl.LightningModule,
+    datamodule: pl.LightningDataModule | None,
+    trainer_kwargs: dict[str, Any],
+    callbacks: list[Any],
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    batch_size: int | None,
+) -> dict[str, Any]:
+    """Run ``stage`` on the model as built for ``warmup + steps`` batches and return the measured figures.
+
+    The figures are :class:`~lightning_perf.benchmark.worker.RunResult` fields: ``first_batch_s``, ``warmup_s``,
+    ``predict_step_times_s`` (every steady batch), ``predict_step_median_s``, ``latency_p50_s``/``p95``/``p99``,
+    ``predict_throughput`` (samples per second at the median batch), ``peak_memory_bytes``, ``step_memory_bytes``,
+    ``memory_source``.
+
+    Raises:
+        ValueError: for a stage that is not an inference stage.
+        RuntimeError: when the stage's loader has fewer than ``warmup + 1`` batches, or no batch was timed.
+    """
+    if stage not in INFERENCE_STAGES:
+        raise ValueError(f"stage={stage!r} is not valid. Expected one of {INFERENCE_STAGES}.")
+    wanted = warmup + steps
+    if datamodule is not None:
+        datamodule.setup(stage)
+        loader = getattr(datamodule, _LOADER[stage])()
+        try:
+            available = len(loader)
+        except TypeError:  # an iterable loader without a length: Lightning's limit decides
+            available = wanted
+        if available < warmup + 1:
+            raise RuntimeError(
+                f"The {stage} data has {available} batch(es); {warmup} warm-up batch(es) and at least one timed batch "
+                f"are needed (lower --warmup-steps, or give the data module more {stage} samples)."
+            )
+    clock = _InferenceClock(stage, device, warmup)
+    dropped = ("max_steps", "max_epochs", "strategy", *_LIMIT.values())
+    kwargs = {k: v for k, v in trainer_kwargs.items() if k not in dropped}
+    kwargs[_LIMIT[stage]] = wanted
+    trainer = pl.Trainer(callbacks=[clock, *callbacks], **kwargs)
+    if stage == "predict":
+        trainer.predict(model, datamodule=datamodule, return_predictions=False)
+    else:
+        getattr(trainer, stage)(model, datamodule=datamodule, verbose=False)
+    times = [record["batch"] for record in clock.timer.steps]
+    if not times:
+        raise RuntimeError(f"No steady {stage} batch was timed: the data ran out after the {warmup} warm-up batches.")
+    latency = median(times)
+    samples = median(clock.samples) if clock.samples else batch_size
+    sample = clock.probe.sample()
+    figures: dict[str, Any] = {
+        "first_batch_s": clock.first_batch_s,
+        "warmup_s": clock.warmup_s,
+        "predict_step_times_s": times,
+        "predict_step_median_s": latency,
+        "predict_throughput": samples / latency if samples else None,
+        "peak_memory_bytes": int(sample.peak),
+        "step_memory_bytes": None if clock.memory_before is None else max(0, int(sample.peak) - clock.memory_before),
+        "memory_source": sample.source,
+    }
+    for q in LATENCY_PERCENTILES:
+        figures[f"latency_p{q:.0f}_s"] = percentile(times, q)
+    return figures
