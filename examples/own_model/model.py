@@ -72,7 +72,7 @@ class RandomImages(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         generator = torch.Generator().manual_seed(self.hparams.seed)
         size, n = self.hparams.image_size, self.hparams.num_samples
-        for i, split in enumerate(("train", "val", "test", "predict")):
+        for split in ("train", "val", "test", "predict"):
             count = n if split == "train" else max(n // 4, self.hparams.batch_size)
             images = torch.randn(count, 3, size, size, generator=generator)
             labels = torch.randint(0, self.hparams.num_classes, (count,), generator=generator)
