@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -14,6 +16,15 @@ from typing_extensions import override
 from lightning_perf._validation import check_bool
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
+from lightning_perf.functional.checkpoint_budget import (
+    ActivationProfile,
+    ActivationRecorder,
+    CheckpointPlan,
+    apply_plan,
+    plan_checkpointing,
+    set_compiler_memory_budget,
+    validate_memory_budget,
+)
 from lightning_perf.functional.grad_checkpoint import (
     CheckpointedForward,
     apply_activation_checkpointing,
@@ -22,6 +33,7 @@ from lightning_perf.functional.grad_checkpoint import (
     validate_portion,
 )
 from lightning_perf.functional.surgery import find_forward_patch, unpatch_forward
+from lightning_perf.profiling.memory import MemoryProbe
 
 
 class GradCheckpointCallback(Callback):
@@ -49,14 +61,27 @@ class GradCheckpointCallback(Callback):
         fraction: checkpoint only the first ``fraction`` of the chosen blocks, in ``(0, 1]``.
         preserve_rng_state: make the recompute draw the same dropout masks (keep ``True`` unless the blocks have no
             randomness and the last bit of speed matters).
+        memory_budget: instead of ``every_n``/``fraction``, a number in ``(0, 1]``: keep at most about that fraction
+            of the activation memory that training without checkpointing keeps, at the least recompute time. The
+            first training batch runs without checkpointing and is profiled (what each chosen block saves for
+            backward, which ops it runs and their times; it must fit in memory); then, per block: no checkpointing,
+            selective checkpointing (keep matmul/convolution/attention outputs, or attention outputs only, recompute
+            the cheap ops) or full checkpointing, chosen greedily by memory saved per second of recompute (see
+            :mod:`lightning_perf.functional.checkpoint_budget`). The plan is reported once, with the memory the
+            allocator measured in the first checkpointed step. ``1.0`` means no checkpointing. Under
+            ``torch.compile`` (a :class:`~lightning_perf.callbacks.CompileCallback` in the trainer, or a compiled
+            module) the compiler's own ``torch._functorch.config.activation_memory_budget`` is set for the fit
+            instead, and restored after it.
 
     Attributes:
         wrapped: names of the blocks this callback checkpointed in the last ``fit``.
+        plan: with ``memory_budget``, the :class:`~lightning_perf.functional.checkpoint_budget.CheckpointPlan` of the
+            last ``fit`` (None before the first batch, under ``torch.compile`` and for ``memory_budget=1.0``).
 
     Raises:
-        ValueError: for a class path that does not import, both ``modules`` and ``filter_fn``, an ``every_n`` below 1
-            or a ``fraction`` outside ``(0, 1]`` (at construction); for a bare class name the model does not use (at
-            setup).
+        ValueError: for a class path that does not import, both ``modules`` and ``filter_fn``, an ``every_n`` below 1,
+            a ``fraction`` or ``memory_budget`` outside ``(0, 1]``, ``memory_budget`` with ``every_n`` or ``fraction``
+            (at construction); for a bare class name the model does not use (at setup).
         TypeError: for arguments of the wrong type (a non-bool ``preserve_rng_state``, a ``filter_fn`` that is not
             callable, ``modules`` that are neither classes nor strings).
 
@@ -66,6 +91,7 @@ class GradCheckpointCallback(Callback):
 
         trainer = Trainer(callbacks=[GradCheckpointCallback()])  # every transformer layer
         trainer = Trainer(callbacks=[GradCheckpointCallback("torch.nn.TransformerEncoderLayer", every_n=2)])
+        trainer = Trainer(callbacks=[GradCheckpointCallback(memory_budget=0.5)])  # half the activation memory
     """
 
     def __init__(
@@ -75,6 +101,7 @@ class GradCheckpointCallback(Callback):
         every_n: int | None = None,
         fraction: float | None = None,
         preserve_rng_state: bool = True,
+        memory_budget: float | None = None,
     ) -> None:
         if filter_fn is not None and not callable(filter_fn):
             raise TypeError(
@@ -95,6 +122,16 @@ class GradCheckpointCallback(Callback):
         except (TypeError, ValueError) as err:
             raise type(err)(f"`GradCheckpointCallback(every_n={every_n!r}, fraction={fraction!r})`: {err}") from err
         check_bool("GradCheckpointCallback", "preserve_rng_state", preserve_rng_state)
+        if memory_budget is not None:
+            validate_memory_budget("GradCheckpointCallback", memory_budget)
+            if every_n is not None or fraction is not None:
+                raise ValueError(
+                    f"`GradCheckpointCallback(memory_budget={memory_budget!r}, every_n={every_n!r}, "
+                    f"fraction={fraction!r})`: give `memory_budget` or `every_n`/`fraction`, not both (the budget "
+                    "chooses the blocks itself)."
+                )
+        self.memory_budget = memory_budget
+        self.plan: CheckpointPlan | None = None
         self.modules = modules
         self.filter_fn = filter_fn
         self.every_n = every_n
@@ -102,6 +139,7 @@ class GradCheckpointCallback(Callback):
         self.preserve_rng_state = preserve_rng_state
         self.wrapped: list[str] = []
         self._patched: list[nn.Module] = []  # the blocks to unpatch, held by object (a name may be rebound meanwhile)
+        self._budget_state: _BudgetState | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -115,7 +153,101 @@ class GradCheckpointCallback(Callback):
             return
         self.wrapped = []
         self._patched = []
-        run_after_configure_model(pl_module, self._apply)
+        self.plan = None
+        if self.memory_budget is None:
+            run_after_configure_model(pl_module, self._apply)
+        else:
+            run_after_configure_model(pl_module, lambda module: self._prepare_budget(trainer, module))
+
+    def _prepare_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        budget = float(self.memory_budget)  # type: ignore[arg-type]
+        chosen = select_blocks(pl_module, self.modules, self.filter_fn)
+        if not chosen:
+            self._apply(pl_module)  # warns once that nothing matched
+            return
+        if budget >= 1.0:
+            rank_zero_info(
+                "GradCheckpointCallback(memory_budget=1.0): no activation checkpointing (1.0 keeps all the activation "
+                "memory of training without it)."
+            )
+            return
+        state = _BudgetState(blocks=chosen)
+        self._budget_state = state
+        if _runs_compiled(trainer, pl_module):
+            state.compiler_previous = set_compiler_memory_budget(budget)
+            rank_zero_info(
+                f"GradCheckpointCallback(memory_budget={budget:g}): the model runs under torch.compile, so the "
+                f"compiler's own activation memory budget is set for this fit "
+                f"(torch._functorch.config.activation_memory_budget={budget:g}, was {state.compiler_previous:g}); "
+                "no eager checkpointing."
+            )
+            return
+        state.profile_next = True
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        state = self._budget_state
+        if state is None:
+            return
+        if state.profile_next:
+            state.profile_next = False
+            state.recorder = ActivationRecorder(pl_module, state.blocks, pl_module.device)
+            state.recorder.start()
+        elif state.measure_next:
+            state.measure_next = False
+            state.probe = _probe(pl_module)
+            state.before = (state.probe.allocated(), _grad_bytes(pl_module)) if state.probe is not None else None
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self._finish_forward(pl_module)
+
+    def _finish_forward(self, pl_module: pl.LightningModule) -> None:
+        state = self._budget_state
+        if state is None:
+            return
+        if state.recorder is not None and state.recorder.active:
+            state.profile = state.recorder.stop()
+            state.recorder = None
+        elif state.before is not None and state.probe is not None and self.plan is not None:
+            allocated, grads = state.before
+            # Lightning's zero_grad runs between training_step and backward: add back the gradients it freed.
+            measured = state.probe.allocated() - allocated + grads - _grad_bytes(pl_module)
+            state.before = None
+            state.probe.close()
+            state.probe = None
+            self.plan = self.plan.with_measurement(measured)
+            self._report()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        state = self._budget_state
+        if state is None:
+            return
+        self._finish_forward(pl_module)  # a step without backward (training_step returned None)
+        if state.profile is None:
+            return
+        profile, state.profile = state.profile, None
+        plan = plan_checkpointing(profile, float(self.memory_budget)) if trainer.is_global_zero else None  # type: ignore[arg-type]
+        plan = trainer.strategy.broadcast(plan, src=0)  # every rank checkpoints the same blocks
+        self.plan = plan
+        self.wrapped = apply_plan(pl_module, plan, self.preserve_rng_state)
+        self._patched = [pl_module.get_submodule(n) for n in self.wrapped]
+        if self.wrapped:
+            state.measure_next = True
+        else:
+            self._report()
+
+    def _report(self) -> None:
+        state = self._budget_state
+        if self.plan is None or state is None or state.reported:
+            return
+        state.reported = True
+        rank_zero_info(f"GradCheckpointCallback: {self.plan.describe()}")
 
     def _apply(self, pl_module: pl.LightningModule) -> None:
         chosen = select_blocks(pl_module, self.modules, self.filter_fn)
@@ -160,6 +292,17 @@ class GradCheckpointCallback(Callback):
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
         discard_pending_surgery(pl_module)
+        state, self._budget_state = self._budget_state, None
+        if state is not None:
+            if state.recorder is not None:
+                state.recorder.close()
+            if state.probe is not None:
+                state.probe.close()
+            if state.compiler_previous is not None:
+                set_compiler_memory_budget(state.compiler_previous)
+            if self.plan is not None and not state.reported:
+                state.reported = True
+                rank_zero_info(f"GradCheckpointCallback: {self.plan.describe()}")
         for block in self._patched:
             unpatch_forward(block, CheckpointedForward)
         self._patched = []
@@ -168,6 +311,40 @@ class GradCheckpointCallback(Callback):
         if self.filter_fn is not None:
             return f"filter_fn={getattr(self.filter_fn, '__name__', self.filter_fn)!r}"
         return f"modules={self.modules!r}"
+
+
+@dataclass
+class _BudgetState:
+    """Where a ``memory_budget`` fit stands: profile a batch, plan, then measure the first checkpointed batch."""
+
+    blocks: list[tuple[str, nn.Module]]
+    profile_next: bool = False
+    recorder: ActivationRecorder | None = None
+    profile: ActivationProfile | None = None
+    measure_next: bool = False
+    probe: MemoryProbe | None = None
+    before: tuple[int, int] | None = None
+    reported: bool = False
+    compiler_previous: float | None = None
+
+
+def _probe(pl_module: pl.LightningModule) -> MemoryProbe | None:
+    try:
+        return MemoryProbe(pl_module.device)
+    except ValueError:  # a device the probe cannot read (MPS, XLA): the plan is reported without a measurement
+        return None
+
+
+def _grad_bytes(module: nn.Module) -> int:
+    return sum(p.grad.nbytes for p in module.parameters() if p.grad is not None)
+
+
+def _runs_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    from lightning_perf.callbacks.compile import CompileCallback
+
+    if any(isinstance(c, CompileCallback) for c in trainer.callbacks):
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules())
 
 
 def _abbreviate(names: list[str], keep: int = 6) -> str:
