@@ -179,7 +179,6 @@ def check_options(owner: str, options: dict[str, Any]) -> list[int]:
     eval_converted_every_n_epochs = options["eval_converted_every_n_epochs"]
     calibration_batches = options["calibration_batches"]
     validation_batches = options["validation_batches"]
-    min_cosine = options["min_cosine"]
     export = options["export"]
     benchmark = options["benchmark"]
     benchmark_batch_sizes = options["benchmark_batch_sizes"]
@@ -216,12 +215,16 @@ def check_options(owner: str, options: dict[str, Any]) -> list[int]:
         )
     if mode == "ptq" and not export:
         raise ValueError(f"`{owner}(mode='ptq', export=False)` would do nothing. PTQ exports the quantized model.")
-    if mode == "ptq" and (disable_observers_after, freeze_bn_after, fake_quant_after) != (None, None, 0):
+    if mode != "qat" and (disable_observers_after, freeze_bn_after, fake_quant_after) != (None, None, 0):
         raise ValueError(
-            f"`{owner}(mode='ptq', ...)`: the observer, batch-norm and fake-quant schedules apply to QAT only."
+            f"`{owner}(mode={mode!r}, ...)`: the observer, batch-norm and fake-quant schedules apply to QAT only."
         )
-    if isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float)) or not 0 <= min_cosine <= 1:
-        raise ValueError(f"`{owner}(min_cosine={min_cosine!r})` is not valid. Expected a number in [0, 1].")
+    for name in ("min_cosine", "min_agreement"):
+        value = options.get(name, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected a number in [0, 1].")
+    if mode == "dynamic":
+        _check_dynamic(owner, options)
     sizes = [benchmark_batch_sizes] if isinstance(benchmark_batch_sizes, int) else list(benchmark_batch_sizes)
     if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
         raise ValueError(
@@ -236,3 +239,16 @@ def check_options(owner: str, options: dict[str, Any]) -> list[int]:
     if input_key is not None and (not isinstance(input_key, str) or not input_key):
         raise ValueError(f"`{owner}(input_key={input_key!r})` is not valid. Expected None or a non-empty key.")
     return sizes
+
+
+def _check_dynamic(owner: str, options: dict[str, Any]) -> None:
+    """The options that mean nothing for ``mode="dynamic"`` (no training change, no calibration, no torchao config)."""
+    for name, default, why in (
+        ("base_config", None, "the torchao back-end of mode 'dynamic' uses Int8DynamicActivationInt8WeightConfig"),
+        ("eval_converted_every_n_epochs", None, "training is not touched: there is no converted copy to follow"),
+        ("onnx", False, "backend='onnxruntime' is the ONNX int8 model (saved as <filename>.onnx)"),
+    ):
+        if options[name] != default:
+            raise ValueError(
+                f"`{owner}(mode='dynamic', {name}={options[name]!r})` is not valid: {why}. Leave it at {default!r}."
+            )

@@ -23,10 +23,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_perf._imports import require
 from lightning_perf._io import load_checkpoint
 from lightning_perf._warnings import FallbackWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
+from lightning_perf.callbacks._qat_dynamic import DynamicInt8, DynamicReport, check_mode_and_backend
 from lightning_perf.callbacks._qat_support import (  # noqa: F401  (SCHEDULE_UNITS: public here before)
     SCHEDULE_UNITS,
     RestoreBeforeWeights,
@@ -49,8 +49,6 @@ from lightning_perf.deploy.quantize import (
 )
 from lightning_perf.deploy.quantize.convert import restore_float
 from lightning_perf.functional.qat import (
-    BACKENDS,
-    MODES,
     NothingToQuantizeError,
     QuantizationError,
     QuantizationRecipe,
@@ -120,6 +118,15 @@ class QATCallback(Callback):
     quantize activations dynamically and need none), converted, validated on the following batches, saved and timed
     as above.
 
+    **Dynamic int8** (``mode="dynamic"``, ``backend="auto"`` by default; ``"eager"``, ``"onnxruntime"``,
+    ``"torchao"``): training is not touched and nothing is calibrated. At the end of ``fit`` an int8 copy of the
+    submodule (int8 weights, activations quantized per batch: Linear and recurrent layers) is built by the fastest
+    back-end whose outputs agree with fp32 (measured on the module: :mod:`lightning_perf.deploy.quantize.dynamic`),
+    validated (cosine, top-1 agreement at least ``min_agreement``, accuracy gap), timed against fp32 and saved with
+    its report as one artifact set. A ``predict``/``test``/``validate`` run of its own builds it on its first batch
+    and runs through it; the float submodule goes back at the run's end or failure (CPU only; the model keeps its
+    float weights and ``state_dict`` keys).
+
     **Checkpoints.** The recipe (backend, config, example input shapes) is in this callback's ``state_dict``. A
     checkpoint's ``state_dict`` keeps the plain model's keys (QAT-trained float weights: it loads into the model
     without the callback); the observer and fake-quantize state travels in this callback's entry. With the callback,
@@ -131,8 +138,9 @@ class QATCallback(Callback):
     local function): it prepares the float module again and loads that state.
 
     Args:
-        backend: ``"x86"`` or ``"torchao"``.
-        mode: ``"qat"`` or ``"ptq"``.
+        backend: ``"x86"`` (default) or ``"torchao"``; for ``mode="dynamic"``: ``"auto"`` (default), ``"eager"``,
+            ``"onnxruntime"`` or ``"torchao"``.
+        mode: ``"qat"``, ``"ptq"`` or ``"dynamic"``.
         submodule: dotted name of the submodule to quantize; default the only child holding parameters.
         base_config: ``torchao`` backend: the torchao PTQ config to train for (default
             ``"Int8DynamicActivationIntxWeightConfig"``): a config object, a class name, or for YAML
@@ -145,6 +153,7 @@ class QATCallback(Callback):
         calibration_batches: validation batches to calibrate on (PTQ).
         validation_batches: validation batches to validate the converted model on (``None``: all).
         min_cosine: the converted model's outputs must have at least this cosine similarity to the reference's.
+        min_agreement: ``mode="dynamic"``: the int8 model's top-1 agreement with fp32 must be at least this.
         export: convert, validate, save and time the quantized model at the end of ``fit`` (``False``: QAT only; the
             trained checkpoint converts later with :meth:`load_checkpoint` and
             :func:`~lightning_perf.deploy.quantize.export_quantized`).
@@ -171,7 +180,7 @@ class QATCallback(Callback):
 
     def __init__(
         self,
-        backend: str = "x86",
+        backend: str | None = None,
         mode: str = "qat",
         *,
         submodule: str | None = None,
@@ -184,6 +193,7 @@ class QATCallback(Callback):
         calibration_batches: int = 8,
         validation_batches: int | None = 4,
         min_cosine: float = 0.99,
+        min_agreement: float = 0.95,
         export: bool = True,
         benchmark: bool = True,
         benchmark_batch_sizes: Sequence[int] = (1, 32),
@@ -196,12 +206,11 @@ class QATCallback(Callback):
         strict: bool = False,
     ) -> None:
         owner = type(self).__name__
-        if backend not in BACKENDS:
-            raise ValueError(f"`{owner}(backend={backend!r})` is not valid. Expected one of: {', '.join(BACKENDS)}.")
-        if mode not in MODES:
-            raise ValueError(f"`{owner}(mode={mode!r})` is not valid. Expected one of: {', '.join(MODES)}.")
-        require("torchao", f"{owner}(backend={backend!r})")
-        if backend == "torchao":
+        backend = check_mode_and_backend(owner, mode, backend)
+        self._dynamic = DynamicInt8(self) if mode == "dynamic" else None
+        if self._dynamic:
+            self.base_config = None
+        elif backend == "torchao":
             self.base_config: dict[str, Any] | None = base_config_spec(resolve_base_config(base_config, owner))
         elif base_config is not None:
             make_recipe(backend, mode, base_config, input_shapes=[(1,)], owner=owner)  # raises with the reason
@@ -219,6 +228,7 @@ class QATCallback(Callback):
         self.calibration_batches = calibration_batches
         self.validation_batches = validation_batches
         self.min_cosine = float(min_cosine)
+        self.min_agreement = float(min_agreement)
         self.export = bool(export)
         self.benchmark = bool(benchmark)
         self.benchmark_batch_sizes = tuple(sizes)
@@ -229,7 +239,7 @@ class QATCallback(Callback):
         self.onnx = bool(onnx)
         self.input_key = input_key
         self.strict = bool(strict)
-        self.report: QuantizationReport | None = None
+        self.report: QuantizationReport | DynamicReport | None = None
         """What the last end-of-training quantization produced (rank zero); ``None`` before one ran."""
         self.history: list[dict[str, Any]] = []
         """The periodic comparisons of a converted copy with the model (``eval_converted_every_n_epochs``)."""
@@ -313,7 +323,7 @@ class QATCallback(Callback):
         if not isinstance(restorer, RestoreBeforeWeights):
             restorer = RestoreBeforeWeights(pl_module)
             object.__setattr__(pl_module, "on_load_checkpoint", restorer)
-        if self not in restorer.callbacks:
+        if self not in restorer.callbacks and not self._dynamic:
             restorer.callbacks.append(self)
         if self.mode != "qat":
             return
@@ -638,8 +648,17 @@ class QATCallback(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero and self.export:
+        if self._dynamic:
+            self.report = self._dynamic.fit_end(trainer, pl_module) or self.report
+        elif trainer.is_global_zero and self.export:
             self._finish(trainer, pl_module)
+
+    @override
+    def on_predict_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
+        if self._dynamic:
+            self._dynamic.batch_start(trainer, pl_module, batch)
+
+    on_test_batch_start = on_validation_batch_start = on_predict_batch_start  # dynamic: swap in on the first
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -732,6 +751,8 @@ class QATCallback(Callback):
         # A failed or interrupted run does not reach `teardown`: put the plain model back as it would. A failed fit
         # also gives back the quantization state it started from, so that a second fit starts as the first did.
         self._restore(pl_module)
+        if self._dynamic:
+            self._dynamic.restore(pl_module)
         if trainer.state.fn == "fit" and self._before_fit is not None:
             self._recipe, self._submodule_name, self._float_module, self._kept_graph, state = self._before_fit
             self._quantization_state = state
@@ -744,6 +765,8 @@ class QATCallback(Callback):
         # The plain float submodule goes back with the trained weights; the quantization state stays here, for the
         # next validate/test/predict/fit with this callback and for `trainer.save_checkpoint`.
         self._restore(pl_module)
+        if self._dynamic:
+            self._dynamic.restore(pl_module)
         self._before_fit = None
         discard_pending_surgery(pl_module)
         restorer = pl_module.__dict__.get("on_load_checkpoint")

@@ -1,0 +1,177 @@
+"""Dynamic int8 (lightning_perf.deploy.quantize.dynamic, dynamic_save): back-ends, the parity filter, the measured
+choice and its cache, and the artifact set with its report."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_perf import FallbackWarning
+from lightning_perf.deploy.quantize import dynamic
+from lightning_perf.deploy.quantize.dynamic import (
+    OnnxRuntimeModule,
+    dynamic_candidates,
+    has_int8_dot_product,
+    quantize_dynamic,
+    quantize_dynamic_eager,
+    quantize_dynamic_onnxruntime,
+)
+from lightning_perf.deploy.quantize.dynamic_save import export_dynamic
+from lightning_perf.functional.qat import QuantizationError
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _input(batch: int = 32) -> torch.Tensor:
+    return torch.randn(batch, 16, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache() -> None:
+    dynamic.clear_cache()
+
+
+def test_eager_backend_quantizes_linear_layers_of_a_copy() -> None:
+    model, x = _mlp(), _input()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    quantized = quantize_dynamic_eager(model)
+    assert "DynamicQuantizedLinear" in {type(m).__name__ for m in quantized.modules()} or any(
+        type(m).__module__.startswith("torch.ao.nn.quantized.dynamic") for m in quantized.modules()
+    )
+    assert all(type(m) is not nn.Linear for m in quantized.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the float model is untouched
+    assert type(model[0]) is nn.Linear
+    with torch.no_grad():
+        cosine = nn.functional.cosine_similarity(model(x).flatten(), quantized(x).flatten(), dim=0)
+    assert cosine > 0.99
+
+
+def test_eager_backend_refuses_a_model_without_linear_layers() -> None:
+    with pytest.raises(QuantizationError, match=r"no nn\.Linear"):
+        quantize_dynamic_eager(nn.Sequential(nn.Conv2d(1, 2, 3)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backend": "x86"}, r"quantize_dynamic\(backend='x86'\)` is not valid for mode 'dynamic'"),
+        ({"min_cosine": 1.5}, r"min_cosine=1.5"),
+        ({"min_agreement": float("nan")}, r"min_agreement=nan"),
+        ({"min_agreement": True}, r"min_agreement=True"),
+    ],
+)
+def test_bad_arguments_raise(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        quantize_dynamic(_mlp(), _input(), **kwargs)
+
+
+def test_candidates_follow_the_cpu_capabilities() -> None:
+    avx2 = {"avx2": True, "avx512_vnni": False, "amx_int8": False}
+    offered, skipped = dynamic_candidates(avx2)
+    assert "torchao" not in offered and "VNNI" in skipped["torchao"]
+    assert offered[0] == "eager"
+    offered, skipped = dynamic_candidates({**avx2, "avx512_vnni": True})
+    assert "torchao" in offered
+    assert has_int8_dot_product({"amx_int8": True}) and not has_int8_dot_product(None)
+
+
+def test_explicit_backend_that_disagrees_with_fp32_raises() -> None:
+    with pytest.raises(QuantizationError, match="disagrees with fp32"):
+        quantize_dynamic(_mlp(), _input(), "eager", min_cosine=1.0)
+
+
+def test_auto_drops_wrong_candidates_and_caches_its_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Wrong(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(x.shape[0], 4)
+
+    builds: list[str] = []
+
+    def build(name: str, module: nn.Module, example: tuple) -> nn.Module:
+        builds.append(name)
+        return Wrong() if name == "wrong" else quantize_dynamic_eager(module)
+
+    monkeypatch.setattr(dynamic, "dynamic_candidates", lambda flags=None: (["wrong", "eager"], {"torchao": "no"}))
+    monkeypatch.setattr(dynamic, "_build", build)
+    model, x = _mlp(), _input()
+    first = quantize_dynamic(model, x, iterations=2, warmup=0)
+    wrong, eager = first.candidates
+    assert wrong.problem is not None and "disagrees with fp32" in wrong.problem and wrong.latency is None
+    assert eager.problem is None and eager.latency is not None and eager.latency.speedup_verdict
+    assert first.backend in (None, "eager")  # eager only when its interval says faster; never the wrong one
+    assert (first.module is None) == (first.backend is None)
+    assert "torchao: not tried (no)" in first.describe()
+    second = quantize_dynamic(model, x, iterations=2, warmup=0)
+    assert second.cached and second.backend == first.backend
+    assert builds == ["wrong", "eager"] + (["eager"] if first.backend else [])
+
+
+def test_onnxruntime_backend_runs_any_batch_and_copies() -> None:
+    model, x = _mlp(), _input()
+    quantized = quantize_dynamic_onnxruntime(model, x[:4])
+    assert isinstance(quantized, OnnxRuntimeModule)
+    with torch.no_grad():
+        out = quantized(x)
+        ref = model(x)
+    assert out.shape == ref.shape
+    assert nn.functional.cosine_similarity(ref.flatten(), out.flatten(), dim=0) > 0.99
+    for clone in (copy.deepcopy(quantized), pickle.loads(pickle.dumps(quantized))):
+        assert torch.equal(clone(x), out)
+
+
+def test_export_writes_the_set_with_its_report(tmp_path: Path) -> None:
+    model, x = _mlp(), _input()
+    labels = model(x).argmax(-1)
+    choice = quantize_dynamic(model, x, "eager")
+    report = export_dynamic(
+        model,
+        choice,
+        example_inputs=x,
+        validation_data=[(x, labels)],
+        dirpath=tmp_path,
+        filename="mlp_int8",
+        batch_sizes=(8,),
+        latency_iterations=2,
+        latency_warmup=0,
+    )
+    assert report.ok and report.artifact == tmp_path / "mlp_int8" / "mlp_int8.pt"
+    data = json.loads((tmp_path / "mlp_int8" / "mlp_int8.json").read_text())
+    assert data["backend"] == "eager" and data["mode"] == "dynamic"
+    assert data["int8_bytes"] < data["float_bytes"]
+    assert data["validation"]["top1_agreement"] >= 0.95 and data["validation"]["accuracy_gap_pp"] is not None
+    (row,) = data["latency"]
+    assert row["batch_size"] == 8 and row["speedup_verdict"] and "speedup_ci95" in row
+    # The saved int8 weights load with weights_only=True into the eager back-end's structure.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notice
+        fresh = torch.ao.quantization.quantize_dynamic(_mlp(5), {nn.Linear}, dtype=torch.qint8)
+    state = torch.load(io.BytesIO(report.artifact.read_bytes()), weights_only=True)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh(x), choice.module(x))
+
+
+def test_a_failed_export_keeps_the_good_set(tmp_path: Path) -> None:
+    model, x = _mlp(), _input()
+    good = export_dynamic(
+        model, quantize_dynamic(model, x, "eager"), example_inputs=x, dirpath=tmp_path, benchmark=False
+    )
+    before = (tmp_path / "model_int8" / "model_int8.pt").read_bytes()
+    no_choice = dynamic.DynamicQuantization(None, None, "auto")
+    with pytest.warns(FallbackWarning, match="not exported"):
+        failed = export_dynamic(model, no_choice, example_inputs=x, dirpath=tmp_path, benchmark=False)
+    assert good.ok and not failed.ok
+    assert (tmp_path / "model_int8" / "model_int8.pt").read_bytes() == before
+    assert json.loads((tmp_path / "model_int8.failed" / "model_int8.json").read_text())["ok"] is False
+    with pytest.raises(QuantizationError, match="not exported"):
+        export_dynamic(model, no_choice, example_inputs=x, dirpath=tmp_path, benchmark=False, strict=True)
