@@ -130,7 +130,8 @@ def load_lightning_config(
         args += ["--config", str(path)]
     # jsonargparse parses a file from inside the file's directory: an import path found through the working directory
     # ('' on sys.path, as `python -m` and `python -c` put it) must stay found from there.
-    saved_path = list(sys.path)
+    saved_path, saved_argv = list(sys.path), sys.argv
+    sys.argv = sys.argv[:1]  # LightningCLI warns when it sees both `args` and a command line of its own
     sys.path[:] = [os.path.abspath(entry) if entry in ("", ".") else entry for entry in sys.path]
     try:
         cli = _Capture(
@@ -145,7 +146,7 @@ def load_lightning_config(
     except Exception as exc:
         raise ValueError(f"LightningCLI refused {list(paths)}: {' '.join(str(exc).split())}") from exc
     finally:
-        sys.path[:] = saved_path
+        sys.path[:], sys.argv = saved_path, saved_argv
     if cli.model is None:
         raise ValueError(f"{list(paths)} builds no model: expected a `model:` section with a class_path, or --model.")
     defaults = _trainer_defaults()

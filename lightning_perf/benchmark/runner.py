@@ -61,24 +61,34 @@ from typing import Any
 
 from lightning_perf.benchmark.configs import resolve_configs
 from lightning_perf.benchmark.isolation import run_isolated
+
+# The report's tables and files (formerly here) live in benchmark/report.py; these names stay importable from here.
+from lightning_perf.benchmark.report import (  # noqa: F401
+    CONSOLE_COLUMNS,
+    CONSOLE_LEGEND,
+    DISTURBED,
+    TABLE_COLUMNS,
+    TABLE_LEGEND,
+    console_rows,
+    markdown_report,
+    output_paths,
+    reliability_lines,
+    table_rows,
+    unused_output,
+    write_outputs,
+)
 from lightning_perf.benchmark.utilization import (
-    MFU_LEGEND,
     PeakFn,
     add_utilization,
     machine_peak,
     matmul_setting,
-    mfu_cell,
-    utilization_lines,
-    utilization_markdown,
 )
 from lightning_perf.benchmark.worker import RunResult, RunSpec
-from lightning_perf.profiling import format_bytes, markdown_table, plot_bars, write_json
-from lightning_perf.profiling.intervals import NO_CLEAR_DIFFERENCE, RatioEstimate, paired_ratio
+from lightning_perf.profiling.intervals import RatioEstimate, paired_ratio
 from lightning_perf.profiling.reliability import ConditionMonitor, Reliability, assess
 from lightning_perf.profiling.stats import median, percentile
 
 BASELINE = "baseline"
-DISTURBED = "(disturbed)"
 
 
 @dataclass
@@ -98,11 +108,18 @@ class BenchOptions:
     predict_batches: int = 10
     num_workers: int = 0
     timeout_s: float = 900.0
+    source: dict[str, Any] | None = None  # the user's model (ModelSource.to_dict()); workload is then its label
+    stage: str = "fit"
+    precision_from: str | None = None  # where options.precision came from when not the default ("--config")
+    ignored_trainer_settings: dict[str, Any] = field(default_factory=dict)  # the --config keys the bench owns
 
     def __post_init__(self) -> None:
         from lightning_perf.demos import PRESETS, workload_names
+        from lightning_perf.optimizations import STAGES
 
-        if self.workload not in workload_names():
+        if self.stage not in STAGES:
+            raise ValueError(f"stage={self.stage!r} is unknown. Expected one of: {', '.join(STAGES)}.")
+        if self.source is None and self.workload not in workload_names():
             raise ValueError(f"workload={self.workload!r} is unknown. Expected one of: {', '.join(workload_names())}.")
         if self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r} is unknown. Expected one of: {', '.join(PRESETS)}.")
@@ -174,19 +191,35 @@ class ConfigSummary:
     mfu_ci95: list[float] | None = None
     step_times_s: list[list[float]] = field(default_factory=list)
     predict_step_times_s: list[list[float]] = field(default_factory=list)
+    # Inference stages: latency_p50_s/_p95_s/_p99_s and the ratios of INFERENCE_RATIOS, each with _ci95, _verdict,
+    # _method, _n; written flat into the JSON summary row.
+    inference: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str) -> Any:
+        """A field, or an inference figure (``None`` when absent)."""
+        return getattr(self, key) if key in self.__dataclass_fields__ else self.inference.get(key)
 
     def estimate(self, name: str) -> RatioEstimate | None:
-        """The ratio ``name`` (``speedup``, ``memory_ratio``, ``predict_speedup``) as a :class:`RatioEstimate`."""
-        ratio, ci = getattr(self, name), getattr(self, f"{name}_ci95")
-        if ratio is None or getattr(self, f"{name}_verdict") is None:
+        """The ratio ``name`` (``speedup``, ``memory_ratio``, ``predict_speedup``, or one of
+        :data:`INFERENCE_RATIOS`) as a :class:`RatioEstimate`."""
+        ratio, ci = self.get(name), self.get(f"{name}_ci95")
+        if ratio is None or self.get(f"{name}_verdict") is None:
             return None
         low, high = ci if ci is not None else (ratio, ratio)
-        method, n = getattr(self, f"{name}_method"), getattr(self, f"{name}_n")
-        return RatioEstimate(ratio, low, high, method, getattr(self, f"{name}_verdict"), n)
+        method, n = self.get(f"{name}_method"), self.get(f"{name}_n")
+        return RatioEstimate(ratio, low, high, method, self.get(f"{name}_verdict"), n)
 
     def set_estimate(self, name: str, estimate: RatioEstimate) -> None:
         for key, value in estimate.to_dict(name).items():
-            setattr(self, key, value)
+            if key in self.__dataclass_fields__:
+                setattr(self, key, value)
+            else:
+                self.inference[key] = value
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON summary row: every field, the inference figures flat among them."""
+        row = asdict(self)
+        return {**{k: v for k, v in row.items() if k != "inference"}, **row["inference"]}
 
 
 @dataclass
@@ -200,6 +233,11 @@ class BenchReport:
     run: dict[str, Any] = field(default_factory=dict)
     reliability: dict[str, Any] = field(default_factory=lambda: {"reliable": True, "causes": []})
     left_out: list[dict[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # e.g. a configuration's precision over the --config file's
+
+    @property
+    def stage(self) -> str:
+        return str(self.options.get("stage", "fit"))
 
     @property
     def failed(self) -> list[ConfigSummary]:
@@ -219,7 +257,8 @@ class BenchReport:
             "run": self.run,
             "reliability": self.reliability,
             "left_out": self.left_out,
-            "summary": [asdict(s) for s in self.summaries],
+            "notes": self.notes,
+            "summary": [s.to_dict() for s in self.summaries],
             "runs": self.runs,
         }
 
@@ -343,7 +382,21 @@ def run_benchmark(
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in left_out],
+        notes=precision_notes(options),
     )
+
+
+def precision_notes(options: BenchOptions) -> list[str]:
+    """One line per configuration whose own precision replaces the run's (``--precision`` or the --config file's)."""
+    from lightning_perf.benchmark.configs import get_config
+
+    notes = []
+    origin = f" (from {options.precision_from})" if options.precision_from else ""
+    for name in options.configs:
+        own = get_config(name).trainer_kwargs.get("precision")
+        if own is not None and str(own) != options.precision:
+            notes.append(f"{name}: precision {own} overrides {options.precision}{origin}")
+    return notes
 
 
 def _peak_lookup(options: BenchOptions, machine: dict[str, Any], peak: PeakFn | None) -> Callable[[str], Any]:
@@ -363,6 +416,8 @@ def _peak_lookup(options: BenchOptions, machine: dict[str, Any], peak: PeakFn | 
 
 def _spec(options: BenchOptions, config: str, repeat: int) -> RunSpec:
     return RunSpec(
+        source=options.source,
+        stage=options.stage,
         workload=options.workload,
         config=config,
         preset=options.preset,
@@ -375,7 +430,7 @@ def _spec(options: BenchOptions, config: str, repeat: int) -> RunSpec:
         predict_batches=options.predict_batches,
         num_workers=options.num_workers,
         repeat=repeat,
-        count_flops=repeat == 0,
+        count_flops=repeat == 0 and options.stage == "fit",
     )
 
 
@@ -435,14 +490,52 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
         summary.flops_per_step = next((r.flops_per_step for r in ok if r.flops_per_step), None)
         if summary.flops_per_step is None:
             summary.flops_error = next((r.flops_error for r in ok if r.flops_error), None)
+        inference = ok[0].spec.get("stage", "fit") != "fit"
+        if inference:
+            for q in ("50", "95", "99"):
+                summary.inference[f"latency_p{q}_s"] = _median([getattr(r, f"latency_p{q}_s") for r in ok])
         if name == BASELINE:
             summary.speedup = 1.0
         elif paired := [
             (baseline_by_repeat[r.spec["repeat"]], r) for r in ok if r.spec["repeat"] in baseline_by_repeat
         ]:
             _paired_ratios(summary, paired)
+            if inference:
+                _inference_ratios(summary, paired)
         summaries.append(summary)
     return summaries
+
+
+INFERENCE_RATIOS: dict[str, tuple[str, bool, tuple[str, str]]] = {
+    # name: (RunResult figure, larger is better, (verdict above 1, verdict below 1)). Time ratios are speed-ups,
+    # baseline / configuration, so > 1 is faster throughout.
+    "latency_p50_speedup": ("latency_p50_s", False, ("faster", "slower")),
+    "latency_p95_speedup": ("latency_p95_s", False, ("faster", "slower")),
+    "latency_p99_speedup": ("latency_p99_s", False, ("faster", "slower")),
+    "predict_throughput_ratio": ("predict_throughput", True, ("faster", "slower")),
+    "first_batch_speedup": ("first_batch_s", False, ("faster", "slower")),
+    "warmup_speedup": ("warmup_s", False, ("faster", "slower")),
+    "peak_memory_ratio": ("peak_memory_bytes", True, ("more memory", "less memory")),
+}
+"""The ratios an inference stage reports against baseline, each with its interval and verdict."""
+
+
+def _inference_ratios(summary: ConfigSummary, paired: list[tuple[RunResult, RunResult]]) -> None:
+    """The inference figures against baseline: the median latency from the per-batch samples (bootstrap or t), the
+    tail percentiles and the one-per-run figures paired per repeat (an interval from two repeats on)."""
+    for name, (figure, larger_better, (above, below)) in INFERENCE_RATIOS.items():
+        if figure == "latency_p50_s":
+            pairs = [(b.predict_step_times_s, r.predict_step_times_s) for b, r in paired]
+        else:
+            pairs = [([getattr(b, figure)], [getattr(r, figure)]) for b, r in paired]
+        pairs = [(b, r) for b, r in pairs if b and r and all(v is not None and v > 0 for v in (*b, *r))]
+        if not pairs:
+            continue
+        if larger_better:  # configuration / baseline
+            summary.set_estimate(name, paired_ratio([r for _, r in pairs], [b for b, _ in pairs], above_one=above,
+                                                    below_one=below))  # fmt: skip
+        else:  # baseline / configuration
+            summary.set_estimate(name, paired_ratio([b for b, _ in pairs], [r for _, r in pairs]))
 
 
 def _paired_ratios(summary: ConfigSummary, paired: list[tuple[RunResult, RunResult]]) -> None:
@@ -515,136 +608,6 @@ def _slowdown_condition(
     return False
 
 
-# ------------------------------------------------------------------------------------------------------------ tables
-
-TABLE_COLUMNS = (
-    "config",
-    "step ms",
-    "speed-up [95% CI]",
-    "verdict",
-    "interval from",
-    "samples/s",
-    "warm-up s",
-    "step memory",
-    "memory [95% CI]",
-    "predict/s",
-    "predict speed-up [95% CI]",
-    "final loss",
-    "likely cause",
-)
-TABLE_LEGEND = (
-    "step ms: steady-state median (min-max of the per-repeat medians); speed-up: baseline step time / step time, "
-    "paired within a repeat (geometric mean of the paired ratios) with its 95% interval and verdict: faster or "
-    "slower when the interval excludes 1, else no clear difference; warm-up s: first warm-up steps, compilation "
-    "included; step memory: steady-state peak above the memory in use after warm-up, and its ratio to baseline's; "
-    "predict: inference throughput and baseline predict time / predict time. '?' and (disturbed): the machine was "
-    "busy with other work or the samples scattered (see the reliability warnings): do not trust that figure."
-)
-CONSOLE_COLUMNS = ("config", "step ms", "speed-up", "verdict", "memory", "predict", "MFU")
-CONSOLE_LEGEND = (
-    "speed-up: baseline step time / step time, paired per repeat, [95% interval]; memory, predict: ratios to "
-    "baseline (~ : no clear difference). ? and (disturbed): measured while the machine was disturbed. " + MFU_LEGEND
-)
-
-
-def _mark(s: ConfigSummary) -> str:
-    return "?" if s.disturbed else ""
-
-
-def _estimate_cell(s: ConfigSummary, name: str, multiline: bool = False) -> str:
-    estimate = s.estimate(name)
-    if estimate is None:
-        return "n/a" if getattr(s, name) is None else f"{getattr(s, name):.2f}x"
-    if not estimate.has_interval:
-        return f"{_mark(s)}{estimate.ratio:.2f}x"
-    sep = "\n" if multiline else " "
-    return f"{_mark(s)}{estimate.ratio:.2f}x{sep}[{estimate.low:.2f}-{estimate.high:.2f}]"
-
-
-def _verdict_cell(s: ConfigSummary, multiline: bool = False) -> str:
-    if s.config == BASELINE:
-        return "reference" + ((" " if not multiline else "\n") + DISTURBED if s.disturbed else "")
-    if s.speedup_verdict is None:
-        return "n/a"
-    text = s.speedup_verdict
-    if s.disturbed:
-        text = f"? {text}" + ("\n" if multiline else " ") + DISTURBED
-    return text
-
-
-def _compact_ratio(s: ConfigSummary, name: str) -> str:
-    estimate = s.estimate(name)
-    if estimate is None:
-        return "n/a"
-    return f"{_mark(s)}{'~' if estimate.verdict == NO_CLEAR_DIFFERENCE else ''}{estimate.ratio:.2f}x"
-
-
-def table_rows(report: BenchReport) -> list[list[str]]:
-    """The summary as text cells, one row per configuration, with every detail (Markdown and tests)."""
-    rows = []
-    width = len(TABLE_COLUMNS)
-    for s in report.summaries:
-        if s.step_median_s is None:
-            rows.append([s.config, f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}"] + [""] * (width - 2))
-            continue
-        rows.append(
-            [
-                s.config + (" (some runs failed)" if s.error else ""),
-                f"{s.step_median_s * 1e3:.1f} ({s.step_min_s * 1e3:.1f}-{s.step_max_s * 1e3:.1f})",  # type: ignore[operator]
-                _estimate_cell(s, "speedup") if s.config != BASELINE else "1.00x",
-                _verdict_cell(s),
-                s.speedup_method or "",
-                _num(s.throughput, ".1f"),
-                _num(s.warmup_s, ".2f"),
-                format_bytes(s.step_memory_bytes) if s.step_memory_bytes is not None else "n/a",
-                (_estimate_cell(s, "memory_ratio") + f" {s.memory_ratio_verdict}") if s.memory_ratio_verdict else "n/a",
-                _num(s.predict_throughput, ".1f"),
-                (_estimate_cell(s, "predict_speedup") + f" {s.predict_speedup_verdict}")
-                if s.predict_speedup_verdict
-                else "n/a",
-                _num(s.final_train_loss, ".4f"),
-                s.likely_cause or "",
-            ]
-        )
-    return rows
-
-
-def console_rows(report: BenchReport) -> list[list[str]]:
-    """The summary for an 80-column terminal: ratio, interval and verdict; the rest is in the Markdown file."""
-    rows = []
-    for s in report.summaries:
-        if s.step_median_s is None:
-            rows.append([s.config, "", "", f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}", "", "", ""])
-            continue
-        speedup = "1.00x" if s.config == BASELINE else _estimate_cell(s, "speedup", multiline=True)
-        verdict = _verdict_cell(s, multiline=True)
-        if s.likely_cause:
-            verdict += f"\n{s.likely_cause}"
-        rows.append(
-            [
-                s.config + ("\n(runs failed)" if s.error else ""),
-                f"{s.step_median_s * 1e3:.1f}",
-                speedup,
-                verdict,
-                "1.00x" if s.config == BASELINE else _compact_ratio(s, "memory_ratio"),
-                "1.00x" if s.config == BASELINE else _compact_ratio(s, "predict_speedup"),
-                mfu_cell(s),
-            ]
-        )
-    return rows
-
-
-def reliability_lines(report: BenchReport) -> list[str]:
-    """One warning line per cause of an unreliable measurement, then per cause that disturbed a peak FLOP/s
-    measurement (empty when nothing was disturbed)."""
-    lines = [] if report.reliable else report.reliability.get("causes", [])
-    return [f"warning: measurement disturbed by {cause}" for cause in lines] + utilization_lines(report.summaries)
-
-
-def _num(value: float | None, fmt: str) -> str:
-    return "n/a" if value is None else format(value, fmt)
-
-
 def _command_for(options: BenchOptions) -> str:
     args = ["lightning-perf", "bench", "--workload", options.workload, "--configs", ",".join(options.configs)]
     args += ["--preset", options.preset, "--steps", str(options.steps), "--warmup-steps", str(options.warmup_steps)]
@@ -652,103 +615,3 @@ def _command_for(options: BenchOptions) -> str:
     if options.batch_size is not None:
         args += ["--batch-size", str(options.batch_size)]
     return shlex.join(args)
-
-
-def markdown_report(report: BenchReport) -> str:
-    """The report as Markdown: the command, the machine, reliability, the table and how to read it."""
-    opts, machine, run = report.options, report.machine, report.run
-    flags = machine.get("cpu_flags")
-    flag_text = ", ".join(k for k, v in flags.items() if v) or "none of avx2/avx512/amx" if flags else "unknown"
-    commit = run.get("git_commit")
-    lines = [
-        f"## `{opts['workload']}` ({opts['preset']} preset) on {opts['device']}",
-        "",
-        f"Command: `{report.command}`",
-        "",
-        f"Machine: {machine.get('cpu') or 'unknown CPU'} ({machine.get('cpu_count', '?')} CPUs, "
-        f"{machine.get('torch_threads', '?')} torch threads; flags: {flag_text}), {machine.get('gpu') or 'no GPU'}; "
-        f"lightning_perf {machine.get('lightning_perf')}, torch {machine.get('torch')}, "
-        f"lightning {machine.get('lightning')}.",
-        "",
-        f"Run: {run.get('start_time')} to {run.get('end_time')}"
-        + (f", commit {commit[:10]}{' (dirty)' if run.get('git_dirty') else ''}" if commit else "")
-        + ".",
-        "",
-    ]
-    if report.reliable:
-        lines += ["Reliability: no disturbance seen (other processes' load, steal, load average, dispersion).", ""]
-    else:
-        lines += ["**Reliability: disturbed.** Figures marked `?` are not to be trusted:", ""]
-        lines += [f"- {cause}" for cause in report.reliability.get("causes", [])] + [""]
-    lines += [
-        markdown_table(TABLE_COLUMNS, table_rows(report)),
-        "",
-        f"{opts['repeats']} repeats x {opts['steps']} steady-state steps after {opts['warmup_steps']} warm-up steps; "
-        f"each run in a fresh process, configurations interleaved. {TABLE_LEGEND} Memory on CPU is peak RSS with "
-        "MALLOC_MMAP_THRESHOLD_=65536 (freed tensors go back to the OS, so the peak is truthful); on CUDA "
-        "max_memory_allocated.",
-        "",
-    ]
-    lines += utilization_markdown(report.summaries)
-    if report.left_out:
-        lines += ["Left out on this device:", ""] + [f"- `{x['config']}`: {x['reason']}" for x in report.left_out]
-        lines.append("")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------------------- outputs
-
-
-def output_paths(output: Path) -> list[Path]:
-    """The files one report writes: the JSON at ``output``, and the Markdown and PNG beside it."""
-    return [output, output.with_suffix(".md"), output.with_suffix(".png")]
-
-
-def unused_output(output: Path, force: bool = False) -> Path:
-    """``output``, or with a run number (``name-2.json``, ``name-3.json``...) when one of its files exists.
-
-    With ``force`` the existing files are overwritten: ``output`` is returned as is.
-    """
-    output = Path(output)
-    if force or not any(p.exists() for p in output_paths(output)):
-        return output
-    number = 2
-    while True:
-        candidate = output.with_name(f"{output.stem}-{number}{output.suffix}")
-        if not any(p.exists() for p in output_paths(candidate)):
-            return candidate
-        number += 1
-
-
-def write_outputs(report: BenchReport, output: Path) -> list[Path]:
-    """Write the JSON report at ``output`` and the Markdown and PNG next to it (same stem). Returns the paths.
-
-    The caller picks ``output`` (see :func:`unused_output`: files are never overwritten unless asked).
-    """
-    output = Path(output)
-    written = [write_json(report.to_dict(), output)]
-    md = output.with_suffix(".md")
-    from lightning_perf._io import atomic_write_text
-
-    atomic_write_text(md, markdown_report(report))
-    written.append(md)
-    measured = [s for s in report.summaries if s.speedup is not None]
-    from lightning_perf._imports import is_matplotlib_available
-
-    if measured and is_matplotlib_available():
-        png = output.with_suffix(".png")
-        errors = []
-        for s in measured:
-            low, high = s.speedup_ci95 or (s.speedup, s.speedup)
-            errors.append((s.speedup - low, high - s.speedup))  # type: ignore[operator]
-        plot_bars(
-            [("? " if s.disturbed else "") + s.config for s in measured],
-            [s.speedup for s in measured],  # type: ignore[misc]
-            errors=errors,
-            title=f"{report.options['workload']}: training speed-up vs baseline ({report.options['device']})",
-            ylabel="baseline step time / step time (95% interval)",
-            path=png,
-            reference=1.0,
-        )
-        written.append(png)
-    return written

@@ -35,6 +35,7 @@ __all__ = [
     "finite_float",
     "int_at_least",
     "json_object",
+    "load_user_source",
     "module_class_spec",
     "non_negative_float",
     "non_negative_int",
@@ -104,6 +105,46 @@ def _int_at_least(text: str, minimum: int) -> int:
     if value < minimum:
         raise _invalid(text, f"an integer >= {minimum}")
     return value
+
+
+def load_user_source(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The model source of ``--model``/``--datamodule`` (JSON arguments) and/or ``--config`` files, built once here
+    so that a class that does not import, a constructor that refuses its arguments or a file LightningCLI refuses is
+    a usage error (exit 2, one line) before any measurement: ``(source, model, datamodule)``.
+
+    The working directory goes on the import path first (as ``python -m`` and ``python train.py`` from the project
+    root have it), so ``my_project.models:Net`` imports from there; worker processes inherit the path.
+    """
+    import os
+
+    from lightning_perf.benchmark.sources import ConfigSource, ImportClassError, ImportSource
+
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    configs = [str(path) for path in (getattr(args, "config", None) or [])]
+    if configs:
+        source: Any = ConfigSource(
+            configs, args.model, args.datamodule, args.model_args or {}, args.datamodule_args or {}, seed=args.seed
+        )
+        try:
+            model, datamodule = source.load()
+        except Exception as exc:  # LightningCLI's refusal, or the user's __init__ raising
+            raise UsageError(f"argument --config: {one_line(str(exc))}") from None
+        return source, model, datamodule
+    source = ImportSource(args.model, args.datamodule, args.model_args or {}, args.datamodule_args or {})
+    try:
+        model, datamodule = source.load()
+    except ImportClassError as exc:
+        option = "--model" if str(exc).startswith("model=") else "--datamodule"
+        raise UsageError(f"argument {option}: {exc}") from None
+    except Exception as exc:  # the user's __init__ refused the arguments given
+        raise UsageError(
+            f"argument --model-args/--datamodule-args: {args.model} or {args.datamodule} could not be built "
+            f"from {args.model_args or {}!r} and {args.datamodule_args or {}!r}: {type(exc).__name__}: "
+            f"{one_line(str(exc))}"
+        ) from None
+    return source, model, datamodule
 
 
 def positive_int_list(text: str) -> list[int]:

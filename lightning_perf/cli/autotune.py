@@ -23,13 +23,14 @@ from lightning_perf.cli._common import (
     UsageError,
     choice_list,
     device,
+    existing_file,
     fail,
     int_at_least,
     json_object,
+    load_user_source,
     module_class_spec,
     non_negative_float,
     non_negative_int,
-    one_line,
     positive_float,
     positive_int,
 )
@@ -57,7 +58,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "changing the losses. Writes the recommendation as a LightningCLI YAML and as JSON.",
         allow_abbrev=False,
     )
-    what = parser.add_mutually_exclusive_group(required=True)
+    what = parser.add_mutually_exclusive_group()
     what.add_argument("--workload", choices=WORKLOAD_NAMES, help="a reference workload")
     what.add_argument(
         "--model", type=module_class_spec, metavar="MODULE:CLASS", help="the LightningModule class, e.g. pkg.mod:Net"
@@ -71,6 +72,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model-args", type=json_object, default=None, help="JSON object of the model's arguments")
     parser.add_argument("--datamodule-args", type=json_object, default=None, help="JSON object of its arguments")
+    parser.add_argument(
+        "--config",
+        type=existing_file,
+        action="append",
+        default=None,
+        metavar="YAML",
+        help="a LightningCLI config (model:, data:, trainer:), repeatable, merged in order; its trainer settings apply "
+        "to every trial (this command's own output YAML is accepted, with --model/--datamodule)",
+    )
     parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument(
         "--time-budget", type=positive_float, default=300.0, help="seconds for the whole search (default: %(default)s)"
@@ -115,7 +125,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Contradictory or incomplete options, found before anything heavy is imported."""
-    if args.model is not None and args.datamodule is None:
+    if args.workload is None and args.model is None and not args.config:
+        parser.error("one of the arguments --workload --model --config is required")
+    if args.workload is not None and args.config:
+        fail(parser, "--config", str(args.config[0]), "no --config with --workload (--config goes with your model)")
+    if args.model is not None and args.datamodule is None and not args.config:
         fail(parser, "--model", args.model, "--datamodule as well (the LightningDataModule class, pkg.mod:Class)")
     if args.workload is not None:
         for option, value in (
@@ -138,7 +152,6 @@ def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParse
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the tuner; exit status 0, 1 when the model fails under its own settings, 2 for bad arguments."""
     _check_combinations(args, parser)
-    from lightning_perf.benchmark.sources import ImportClassError, ImportSource
     from lightning_perf.tuning import AutoTuner, ModelError, TuningError
 
     kwargs: dict[str, Any] = {}
@@ -146,20 +159,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         kwargs.update(workload=args.workload, preset=args.preset)
         name = f"{args.workload}-{args.preset}"
     else:
-        source = ImportSource(args.model, args.datamodule, args.model_args or {}, args.datamodule_args or {})
-        try:
-            source.load()  # fail here, as a usage error, when the classes cannot be imported or built
-        except ImportClassError as exc:
-            option = "--model" if str(exc).startswith("model=") else "--datamodule"
-            raise UsageError(f"argument {option}: {exc}") from None
-        except Exception as exc:  # the user's __init__ refused the arguments given
-            raise UsageError(
-                f"argument --model-args/--datamodule-args: {args.model} or {args.datamodule} could not be built "
-                f"from {args.model_args or {}!r} and {args.datamodule_args or {}!r}: {type(exc).__name__}: "
-                f"{one_line(str(exc))}"
-            ) from None
+        source, model, _ = load_user_source(args)
         kwargs["source"] = source
-        name = args.model.replace(":", ".").rsplit(".", 1)[-1]
+        name = type(model).__name__
     try:
         tuner = AutoTuner(
             **kwargs,

@@ -21,6 +21,7 @@ from lightning_perf.cli._common import (
     existing_file,
     fail,
     json_object,
+    load_user_source,
     module_class_spec,
     non_negative_int,
     one_line,
@@ -193,6 +194,27 @@ def _check_output(parser: argparse.ArgumentParser, output: Path | None) -> None:
         fail(parser, "--output", str(output), "a path whose existing parent is a directory")
 
 
+def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Contradictory or incomplete options, found before anything heavy is imported."""
+    if args.model is not None and args.datamodule is None and not args.config:
+        fail(parser, "--model", args.model, "--datamodule as well (the LightningDataModule class, pkg.mod:Class)")
+    if args.datamodule is not None and args.model is None and not args.config:
+        fail(parser, "--datamodule", args.datamodule, "--model as well (the LightningModule class, pkg.mod:Class)")
+    if args.model is None and not args.config:
+        for option, value in (("--model-args", args.model_args), ("--datamodule-args", args.datamodule_args)):
+            if value is not None:
+                fail(parser, option, value, f"{option} together with --model or --config")
+    if args.workload is not None and args.config:
+        fail(
+            parser, "--config", str(args.config[0]), "no --config with --workload (the file builds your model; use "
+            "--model/--datamodule or the file's model: and data: sections)",
+        )  # fmt: skip
+    if args.batch_size is not None and args.batch_sizes is not None:
+        fail(parser, "--batch-sizes", ",".join(map(str, args.batch_sizes)), "no --batch-sizes with --batch-size")
+    if args.device == "mps":
+        fail(parser, "--device", args.device, "cpu, cuda or cuda:N (the bench does not run on mps)")
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the benchmark (or ``--list``); exit status 0, 1 when a configuration failed, 2 for bad arguments."""
     if args.tasks is not None or args.ref:
@@ -200,51 +222,122 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
         return run_tasks(args, parser)
     _check_output(parser, args.output)
-    if args.device == "mps":
-        fail(parser, "--device", args.device, "cpu, cuda or cuda:N (the bench does not run on mps)")
+    _check_combinations(args, parser)
     from rich.console import Console
 
-    from lightning_perf.benchmark.configs import available_configs, default_configs, get_config
+    from lightning_perf.benchmark.configs import available_configs, default_configs, get_config, split_by_stage
     from lightning_perf.profiling import print_table
 
     console = Console()
     if args.list:
-        rows = [[name, get_config(name).description] for name in available_configs()]
-        print_table(["configuration", "what it adds to a plain Trainer"], rows, title="Configurations", console=console)
+        rows = [
+            [name, "all" if len(get_config(name).stages) == 4 else ",".join(get_config(name).stages),
+             get_config(name).description]
+            for name in available_configs()
+        ]  # fmt: skip
+        print_table(["configuration", "stages", "what it adds to a plain Trainer"], rows, title="Configurations",
+                    console=console)  # fmt: skip
         return 0
     if args.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             fail(parser, "--device", args.device, "cpu: no CUDA device is visible")
+    own = args.model is not None or bool(args.config)
+    source_dict, label, precision, precision_from, ignored = None, args.workload or "convnet", args.precision, None, {}
+    if own:
+        source, model, datamodule = load_user_source(args)
+        source_dict, label = source.to_dict(), type(model).__name__
+        file_precision = source.trainer_settings().get("precision")
+        if precision is None and file_precision is not None:
+            precision, precision_from = str(file_precision), "--config"
+        if hasattr(source, "ignored_trainer_settings"):
+            ignored = {k: repr(v) for k, v in source.ignored_trainer_settings().items()}
+        if args.batch_size is not None or args.batch_sizes is not None:
+            from lightning_perf.benchmark.sources import batch_size_holder
+
+            if batch_size_holder(model, datamodule) is None:
+                option = "--batch-size" if args.batch_size is not None else "--batch-sizes"
+                value = args.batch_size if args.batch_size is not None else ",".join(map(str, args.batch_sizes))
+                fail(parser, option, value, "a model or data module with an integer `batch_size` (attribute or "
+                     "hparams) to set; this one has none")  # fmt: skip
     left_out: list[tuple[str, str]] = []
     if args.configs is None:
         import torch
 
-        configs, left_out = default_configs(torch.device(args.device))
+        configs, left_out = default_configs(torch.device(args.device), stage=args.stage)
     else:
         configs = available_configs() if args.configs == ["all"] else list(args.configs)
+        configs, left_out = split_by_stage(configs, args.stage)
+        if args.configs == ["all"]:
+            left_out = [(name, why) for name, why in left_out if name != "baseline"]
     from lightning_perf.benchmark.runner import BenchOptions
 
-    try:
-        options = BenchOptions(
-            workload=args.workload or "convnet",
-            configs=configs,
-            preset=args.preset,
-            steps=args.steps,
-            warmup_steps=args.warmup_steps,
-            repeats=args.repeats,
-            batch_size=args.batch_size,
-            precision=args.precision or "32-true",
-            device=args.device,
-            seed=args.seed,
-            predict_batches=args.predict_batches,
-            num_workers=args.num_workers,
-        )
-    except ValueError as exc:
-        raise UsageError(f"argument --configs: {one_line(str(exc))}") from None
+    sizes = args.batch_sizes or [args.batch_size]
+    all_options = []
+    for size in sizes:
+        try:
+            all_options.append(
+                BenchOptions(
+                    workload=label,
+                    configs=configs,
+                    preset=args.preset,
+                    steps=args.steps,
+                    warmup_steps=args.warmup_steps,
+                    repeats=args.repeats,
+                    batch_size=size,
+                    precision=precision or "32-true",
+                    device=args.device,
+                    seed=args.seed,
+                    predict_batches=args.predict_batches,
+                    num_workers=args.num_workers,
+                    source=source_dict,
+                    stage=args.stage,
+                    precision_from=precision_from,
+                    ignored_trainer_settings=ignored,
+                )
+            )
+        except ValueError as exc:
+            raise UsageError(f"argument --configs: {one_line(str(exc))}") from None
     argv = ["lightning-perf", *getattr(args, "argv", ["bench"])]
-    return _run_bench(args, options, left_out, shlex.join(argv), argv, console)
+    if len(all_options) == 1:
+        return _run_bench(args, all_options[0], left_out, shlex.join(argv), argv, console)
+    return _run_sweep(args, all_options, left_out, shlex.join(argv), argv, console)
+
+
+def _default_output(options: Any) -> Path:
+    stage = "" if options.stage == "fit" else f"-{options.stage}"
+    return Path("bench-results") / f"{options.workload}{stage}.json"
+
+
+def _run_sweep(
+    args: argparse.Namespace,
+    all_options: list[Any],
+    left_out: list[tuple[str, str]],
+    command: str,
+    argv: list[str],
+    console: Any,
+) -> int:
+    """``--batch-sizes``: one bench per batch size, one JSON (``by_batch_size``) and one Markdown with a section per
+    size and the batch-scaling table."""
+    from lightning_perf.benchmark.report import unused_output, write_sweep_outputs
+
+    reports, status = [], 0
+    for options in all_options:
+        if not args.quiet:
+            console.print(f"batch size {options.batch_size}", style="bold", soft_wrap=True)
+        report, code = _measure(args, options, left_out, command, argv, console)
+        reports.append((options.batch_size, report))
+        status = max(status, code)
+    requested = args.output or _default_output(all_options[0]).with_name(
+        _default_output(all_options[0]).stem + "-batch-sizes.json"
+    )
+    output = unused_output(requested, force=args.force)
+    if output != requested:
+        console.print(f"{requested} exists: this run is numbered (--force overwrites)", soft_wrap=True)
+    for path in write_sweep_outputs(reports, output):
+        console.print(f"wrote {path}", soft_wrap=True, markup=False)
+    return status
 
 
 def _run_bench(
@@ -255,26 +348,53 @@ def _run_bench(
     argv: list[str],
     console: Any,
 ) -> int:
+    from lightning_perf.benchmark.runner import unused_output, write_outputs
+
+    report, status = _measure(args, options, left_out, command, argv, console)
+    requested = args.output or _default_output(options)
+    output = unused_output(requested, force=args.force)
+    written = write_outputs(report, output)
+    if output != requested:
+        console.print(f"{requested} exists: this run is numbered (--force overwrites)", soft_wrap=True)
+    for path in written:
+        console.print(f"wrote {path}", soft_wrap=True, markup=False)
+    if status:
+        console.print(f"[red]{len(report.failed)} configuration(s) failed[/red]: see the table and {output}")
+    return status
+
+
+def _measure(
+    args: argparse.Namespace,
+    options: Any,
+    left_out: list[tuple[str, str]],
+    command: str,
+    argv: list[str],
+    console: Any,
+) -> tuple[Any, int]:
+    """Run one bench and print its table; ``(report, exit status)``."""
+    from lightning_perf.benchmark.report import (
+        INFERENCE_CONSOLE_COLUMNS,
+        INFERENCE_CONSOLE_LEGEND,
+        inference_console_rows,
+        title,
+    )
     from lightning_perf.benchmark.runner import (
         CONSOLE_COLUMNS,
         CONSOLE_LEGEND,
         console_rows,
         reliability_lines,
         run_benchmark,
-        unused_output,
-        write_outputs,
     )
     from lightning_perf.benchmark.utilization import unknown_mfu_lines
     from lightning_perf.profiling import rich_table
 
-    requested = args.output or Path("bench-results") / f"{options.workload}.json"
-    output = unused_output(requested, force=args.force)
     plain = not console.is_terminal
     if not args.quiet:
         console.print(
-            f"bench: {', '.join(options.configs)} on {options.workload} ({options.preset}), {options.device}: "
-            f"{options.repeats} repeats x ({options.warmup_steps} warm-up + {options.steps} steps), "
-            "each run in a fresh process",
+            f"bench: {', '.join(options.configs)} on {options.workload}"
+            f"{'' if options.source else f' ({options.preset})'}, {options.stage}, {options.device}: "
+            f"{options.repeats} repeats x ({options.warmup_steps} warm-up + {options.steps} "
+            f"{'steps' if options.stage == 'fit' else 'batches'}), each run in a fresh process",
             soft_wrap=True,
         )
         for name, why in left_out:
@@ -315,21 +435,18 @@ def _run_bench(
 
     from rich import box
 
-    title = f"{options.workload} ({options.preset}) on {options.device}: {options.repeats} x {options.steps} steps"
-    table = rich_table(list(CONSOLE_COLUMNS), console_rows(report), title=title)
+    heading = f"{title(report).replace('`', '')}: {options.repeats} x {options.steps}"
+    if report.stage == "fit":
+        table = rich_table(list(CONSOLE_COLUMNS), console_rows(report), title=heading + " steps")
+    else:
+        table = rich_table(list(INFERENCE_CONSOLE_COLUMNS), inference_console_rows(report), title=heading + " batches")
     table.box, table.pad_edge = box.SIMPLE_HEAD, False
     console.print(table)
-    console.print(CONSOLE_LEGEND, style="dim")
+    console.print(CONSOLE_LEGEND if report.stage == "fit" else INFERENCE_CONSOLE_LEGEND, style="dim")
+    for note in report.notes:
+        console.print(f"note: {note}", soft_wrap=True, markup=False)
     for warning in reliability_lines(report):
         console.print(warning, style="yellow", soft_wrap=True, markup=False)
     for reason in unknown_mfu_lines(report.summaries):
         console.print(reason, style="dim", soft_wrap=True, markup=False)
-    written = write_outputs(report, output)
-    if output != requested:
-        console.print(f"{requested} exists: this run is numbered (--force overwrites)", soft_wrap=True)
-    for path in written:
-        console.print(f"wrote {path}", soft_wrap=True, markup=False)
-    if report.failed:
-        console.print(f"[red]{len(report.failed)} configuration(s) failed[/red]: see the table and {output}")
-        return 1
-    return 0
+    return report, 1 if report.failed else 0
