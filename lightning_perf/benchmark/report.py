@@ -223,7 +223,7 @@ def inference_console_rows(report: BenchReport) -> list[list[str]]:
                 _ms(s.get("latency_p50_s")),
                 "1.00x" if base else _estimate_cell(s, "latency_p50_speedup", multiline=True),
                 _verdict_cell(s, multiline=True, name="latency_p50_speedup"),
-                "1.00x" if base else f"{_compact_ratio(s, 'latency_p95_speedup')}\n{_compact_ratio(s, 'latency_p99_speedup')}",
+                "1.00x" if base else "\n".join(_compact_ratio(s, f"latency_p{q}_speedup") for q in ("95", "99")),
                 "1.00x" if base else _compact_ratio(s, "peak_memory_ratio"),
             ]
         )
