@@ -87,7 +87,9 @@ class _Run:
 
     @property
     def label(self) -> str:
-        return self.checkout.label if self.checkout is not None else self.ref
+        if self.checkout is not None:
+            return self.checkout.label
+        return "working tree" if self.ref == "." else self.ref
 
     def to_dict(self) -> dict[str, Any]:
         checkout = self.checkout
