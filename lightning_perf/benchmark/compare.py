@@ -29,23 +29,27 @@ from the round counts alone. A file holding one value per figure (a summary with
 verdict.
 
 Two files measured on different things are refused (:class:`IncompatibleResultsError`): a different kind of file,
-workload, workload size (preset), batch size, device, precision, or machine (CPU model, core count, GPU) when both
-files record it.
+workload, stage (``--stage``: fit or an inference stage), workload size (preset), batch size, device, precision, or
+machine (CPU model, core count, GPU) when both files record it.
+
+An inference stage's file (``--stage predict``) is compared on its per-batch latency, as predict time (every timed
+batch of every repeat). A ``--batch-sizes`` file (``kind: lightning-perf-bench-sweep``) is compared per
+configuration and batch size, its entries named ``config @ batch N``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_perf.benchmark.compare_text import METHOD, format_table, format_value, markdown_report
 from lightning_perf.profiling.significance import (
     FASTER,
     NO_CLEAR_DIFFERENCE,
-    SIGNIFICANCE_LEVEL,
     SLOWER,
     compare_samples,
     mann_whitney_p_value,
@@ -54,6 +58,7 @@ from lightning_perf.profiling.significance import (
 
 __all__ = [
     "BENCH_KIND",
+    "METHOD",
     "METRICS",
     "PYTEST_BENCHMARK_KIND",
     "FileComparison",
@@ -66,11 +71,13 @@ __all__ = [
     "compare_files",
     "compare_results",
     "format_table",
+    "format_value",
     "load_results",
     "markdown_report",
 ]
 
 BENCH_KIND = "lightning-perf-bench"
+SWEEP_KIND = "lightning-perf-bench-sweep"  # `bench --batch-sizes`: one bench report per batch size
 PYTEST_BENCHMARK_KIND = "pytest-benchmark"
 MAX_FILE_BYTES = 512 * 2**20  # a results file is a few MB at most; refuse to read something else whole
 
@@ -200,12 +207,6 @@ class FileComparison:
         }
 
 
-METHOD = (
-    f"change: new/old of the medians; 95% interval: percentile bootstrap of that ratio (2000 resamples, seed 0); "
-    f"verdict: beyond the threshold and significant (Mann-Whitney U p < {SIGNIFICANCE_LEVEL}, normal approximation "
-    f"with tie correction, with an interval that excludes no change; or the whole interval beyond the threshold)"
-)
-
 # ------------------------------------------------------------------------------------------------------- loading
 
 
@@ -248,6 +249,8 @@ def load_results(path: str | Path) -> ResultFile:
         raise _fail(name, f"is a JSON {type(data).__name__}, not a results file (expected a JSON object)")
     if data.get("kind") == BENCH_KIND or ("summary" in data and "options" in data):
         return _load_bench(name, data)
+    if data.get("kind") == SWEEP_KIND:
+        return _load_sweep(name, data)
     if isinstance(data.get("benchmarks"), list):
         return _load_pytest_benchmark(name, data)
     kind = data.get("kind")
@@ -342,6 +345,8 @@ def _load_bench(path: str, data: Mapping[str, Any]) -> ResultFile:
     summary = _list(data.get("summary"), "summary", path)
     runs = _list(data.get("runs"), "runs", path)
     entries: dict[str, Entry] = {}
+    stage = str(options.get("stage") or "fit")  # files before --stage measured training
+    inference = stage != "fit"
     by_config: dict[str, list[Mapping[str, Any]]] = {}
     batch_sizes: set[int] = set()
     for i, item in enumerate(runs):
@@ -358,10 +363,10 @@ def _load_bench(path: str, data: Mapping[str, Any]) -> ResultFile:
         config = row.get("config")
         if not isinstance(config, str):
             raise _fail(path, f"summary[{i}].config is {config!r}, expected a configuration name")
-        entries[config] = _bench_entry(path, config, row, by_config.get(config, []))
+        entries[config] = _bench_entry(path, config, row, by_config.get(config, []), inference)
     for config, records in by_config.items():  # runs of a configuration missing from the summary
         if config not in entries:
-            entries[config] = _bench_entry(path, config, {}, records)
+            entries[config] = _bench_entry(path, config, {}, records, inference)
     batch = options.get("batch_size")
     if len(batch_sizes) == 1:
         batch = next(iter(batch_sizes))
@@ -371,6 +376,7 @@ def _load_bench(path: str, data: Mapping[str, Any]) -> ResultFile:
         "batch size": batch,
         "device": options.get("device"),
         "precision": options.get("precision"),
+        "stage": stage,
     }
     warnings = []
     reliability = data.get("reliability")
@@ -392,7 +398,30 @@ def _load_bench(path: str, data: Mapping[str, Any]) -> ResultFile:
     )
 
 
-def _bench_entry(path: str, config: str, row: Mapping[str, Any], records: list[Mapping[str, Any]]) -> Entry:
+def _load_sweep(path: str, data: Mapping[str, Any]) -> ResultFile:
+    """A ``--batch-sizes`` file: every size's configurations, named ``config @ batch N``."""
+    reports = _list(data.get("by_batch_size"), "by_batch_size", path)
+    if not reports:
+        raise _fail(path, "by_batch_size is empty, expected one bench report per batch size")
+    files = []
+    for i, item in enumerate(reports):
+        report = _mapping(item, f"by_batch_size[{i}]", path)
+        files.append((report.get("batch_size"), _load_bench(path, report)))
+    merged = files[0][1]
+    merged.entries = {
+        f"{name} @ batch {size}": entry for size, loaded in files for name, entry in loaded.entries.items()
+    }
+    for entry_name, entry in merged.entries.items():
+        entry.name = entry_name
+    merged.identity["batch size"] = None  # each entry names its own
+    merged.warnings = [w for _, loaded in files for w in loaded.warnings]
+    merged.disturbed = {f"{c} @ batch {size}" for size, loaded in files for c in loaded.disturbed}
+    return merged
+
+
+def _bench_entry(
+    path: str, config: str, row: Mapping[str, Any], records: list[Mapping[str, Any]], inference: bool = False
+) -> Entry:
     entry = Entry(config)
     ok = [r for r in records if r.get("ok", True) is True and not r.get("skipped")]
     where = f"runs of {config!r}"
@@ -417,6 +446,8 @@ def _bench_entry(path: str, config: str, row: Mapping[str, Any], records: list[M
         step_medians = _numbers(row.get("step_median_s"), f"summary {config!r}: step_median_s", path)
         throughput = _numbers(row.get("throughput"), f"summary {config!r}: throughput", path)
         memory = _numbers(row.get("step_memory_bytes"), f"summary {config!r}: step_memory_bytes", path)
+    if inference:  # an inference stage's "step" is the per-batch latency: compared once, as predict time
+        step, step_medians, throughput = [], [], []
     for metric, groups in ((STEP_TIME, step), (PREDICT_TIME, predict)):
         groups = [group for group in groups if group]
         if groups:
@@ -512,7 +543,7 @@ def check_compatible(old: ResultFile, new: ResultFile) -> None:
         if a is not None and b is not None and a != b:
             differences.append(f"different machine: {label} (old {a!r}, new {b!r})")
     if differences:
-        order = ["workload", "preset", "batch size", "device", "precision", "machine"]
+        order = ["workload", "stage", "preset", "batch size", "device", "precision", "machine"]
         differences.sort(key=lambda d: next((i for i, k in enumerate(order) if d.startswith(f"different {k}")), 9))
         raise IncompatibleResultsError("cannot compare: " + "; ".join(differences))
 
@@ -625,155 +656,3 @@ def _finish(row: MetricRow, metric: Metric) -> MetricRow:
 
 
 # ------------------------------------------------------------------------------------------------------ printing
-
-
-def format_value(value: float | None, unit: str) -> str:
-    """A figure in a readable unit: ``412 ms``, ``71.6/s``, ``99.8 MiB``."""
-    if value is None:
-        return "-"
-    if unit == "s":
-        for scale, suffix in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
-            if value >= scale:
-                return f"{value / scale:.3g} {suffix}"
-        return f"{value * 1e9:.3g} ns"
-    if unit == "bytes":
-        for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-            if value >= scale:
-                return f"{value / scale:.3g} {suffix}"
-        return f"{value:.0f} B"
-    return f"{value:.3g}/s"
-
-
-def _percent(ratio: float) -> str:
-    change = (ratio - 1.0) * 100.0
-    return f"{change:+.0f}%" if abs(change) >= 10 else f"{change:+.1f}%"
-
-
-def _interval(row: MetricRow) -> str:
-    if row.ratio_ci95 is None:
-        return "-"
-    low, high = ((r - 1.0) * 100.0 for r in row.ratio_ci95)
-    return f"{_signed(low)}..{_signed(high)}%"
-
-
-def _signed(percent: float) -> str:
-    return f"{percent:+.0f}" if abs(percent) >= 10 else f"{percent:+.1f}"
-
-
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-TABLE_HEADER = ("", "old", "new", "change", "95% interval", "verdict")
-_WIDTHS = (14, 9, 9, 7, 14)
-
-
-def _line(cells: Iterable[str]) -> str:
-    cells = list(cells)
-    first = cells[0].ljust(_WIDTHS[0])
-    middle = [cell.rjust(width) for cell, width in zip(cells[1:5], _WIDTHS[1:])]
-    return " ".join([first, *middle, cells[5]]).rstrip()
-
-
-def format_table(comparison: FileComparison, width: int = 80) -> str:
-    """The comparison as plain text within ``width`` columns (80 by default): one block per configuration, one row
-    per figure, then what is missing, the notes and the regressions."""
-    pct = f"{comparison.threshold * 100:g}%"
-    lines = [
-        _clip(f"old: {comparison.old.path} ({comparison.old.description})", width),
-        _clip(f"new: {comparison.new.path} ({comparison.new.description})", width),
-        *(f"warning: {w}" for w in (*comparison.old.warnings, *comparison.new.warnings)),
-        "",
-        _line(("configuration", *TABLE_HEADER[1:])),
-    ]
-    current = None
-    for row in comparison.rows:
-        if row.config != current:
-            current = row.config
-            lines.append(_clip(row.config, width))
-        marker = "*" if row.note else ""
-        lines.append(
-            _line(
-                (
-                    f"  {row.metric}{marker}",
-                    format_value(row.old_median, row.unit),
-                    format_value(row.new_median, row.unit),
-                    _percent(row.ratio) if row.ratio is not None else "-",
-                    _interval(row),
-                    row.verdict,
-                )
-            )
-        )
-    if not comparison.rows:
-        lines.append("(no configuration measured in both files)")
-    lines.append("")
-    notes = sorted({row.note for row in comparison.rows if row.note})
-    lines += [_clip(f"* {note}", width) for note in notes]
-    if comparison.only_in_old:
-        lines.append(_clip(f"only in old: {', '.join(comparison.only_in_old)}", width))
-    if comparison.only_in_new:
-        lines.append(_clip(f"only in new: {', '.join(comparison.only_in_new)}", width))
-    lines += [_clip(note, width) for note in comparison.notes]
-    lines.append(
-        _clip(
-            f"change: new/old of the medians, 95% bootstrap interval; a verdict needs a change beyond {pct} "
-            f"and p < {SIGNIFICANCE_LEVEL} (Mann-Whitney, interval excluding 0%) or the interval beyond {pct}.",
-            10**6,
-        )
-    )
-    regressions = comparison.regressions
-    if regressions:
-        named = ", ".join(f"{row.config} ({row.metric} {_percent(row.ratio or 1.0)})" for row in regressions)
-        lines.append(f"REGRESSION beyond {pct} and the noise: {named}")
-    else:
-        lines.append(f"no regression beyond {pct} and the noise")
-    return "\n".join(_wrap(line, width) for line in lines)
-
-
-def _wrap(line: str, width: int) -> str:
-    if len(line) <= width:
-        return line
-    import textwrap
-
-    return "\n".join(textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False))
-
-
-def markdown_report(comparison: FileComparison) -> str:
-    """The comparison as Markdown: a table with every figure, its interval, p-value and verdict."""
-    pct = f"{comparison.threshold * 100:g}%"
-    out = [
-        "# lightning-perf compare",
-        "",
-        f"- old: `{comparison.old.path}` ({comparison.old.description})",
-        f"- new: `{comparison.new.path}` ({comparison.new.description})",
-        f"- threshold: {pct}",
-        f"- method: {METHOD}",
-        "",
-        "| configuration | figure | old | new | change | 95% interval | p-value | n old / new | verdict |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for row in comparison.rows:
-        p = "-" if row.p_value is None else f"{row.p_value:.2g}"
-        verdict_text = f"**{row.verdict}**" if row.regression else row.verdict
-        out.append(
-            f"| {row.config} | {row.metric} | {format_value(row.old_median, row.unit)} | "
-            f"{format_value(row.new_median, row.unit)} | {_percent(row.ratio) if row.ratio else '-'} | "
-            f"{_interval(row)} | {p} | {row.n_old} / {row.n_new} | {verdict_text} |"
-        )
-    out.append("")
-    extra = [*comparison.old.warnings, *comparison.new.warnings, *sorted({r.note for r in comparison.rows if r.note})]
-    if comparison.only_in_old:
-        extra.append(f"only in old: {', '.join(comparison.only_in_old)}")
-    if comparison.only_in_new:
-        extra.append(f"only in new: {', '.join(comparison.only_in_new)}")
-    extra += comparison.notes
-    out += [f"- {line}" for line in extra]
-    regressions = comparison.regressions
-    out += [
-        "",
-        f"**Regression** beyond {pct} and the noise: " + ", ".join(f"{r.config} ({r.metric})" for r in regressions)
-        if regressions
-        else f"No regression beyond {pct} and the noise.",
-        "",
-    ]
-    return "\n".join(out)

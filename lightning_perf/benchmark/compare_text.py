@@ -1,0 +1,172 @@
+"""The text of a comparison of two result files: the 80-column table and the Markdown report.
+
+Split from :mod:`lightning_perf.benchmark.compare` (which loads and compares; its names for these stay importable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from lightning_perf.profiling.significance import SIGNIFICANCE_LEVEL
+
+if TYPE_CHECKING:
+    from lightning_perf.benchmark.compare import FileComparison, MetricRow
+
+METHOD = (
+    f"change: new/old of the medians; 95% interval: percentile bootstrap of that ratio (2000 resamples, seed 0); "
+    f"verdict: beyond the threshold and significant (Mann-Whitney U p < {SIGNIFICANCE_LEVEL}, normal approximation "
+    f"with tie correction, with an interval that excludes no change; or the whole interval beyond the threshold)"
+)
+
+
+def format_value(value: float | None, unit: str) -> str:
+    """A figure in a readable unit: ``412 ms``, ``71.6/s``, ``99.8 MiB``."""
+    if value is None:
+        return "-"
+    if unit == "s":
+        for scale, suffix in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+            if value >= scale:
+                return f"{value / scale:.3g} {suffix}"
+        return f"{value * 1e9:.3g} ns"
+    if unit == "bytes":
+        for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if value >= scale:
+                return f"{value / scale:.3g} {suffix}"
+        return f"{value:.0f} B"
+    return f"{value:.3g}/s"
+
+
+def _percent(ratio: float) -> str:
+    change = (ratio - 1.0) * 100.0
+    return f"{change:+.0f}%" if abs(change) >= 10 else f"{change:+.1f}%"
+
+
+def _interval(row: MetricRow) -> str:
+    if row.ratio_ci95 is None:
+        return "-"
+    low, high = ((r - 1.0) * 100.0 for r in row.ratio_ci95)
+    return f"{_signed(low)}..{_signed(high)}%"
+
+
+def _signed(percent: float) -> str:
+    return f"{percent:+.0f}" if abs(percent) >= 10 else f"{percent:+.1f}"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+TABLE_HEADER = ("", "old", "new", "change", "95% interval", "verdict")
+_WIDTHS = (14, 9, 9, 7, 14)
+
+
+def _line(cells: Iterable[str]) -> str:
+    cells = list(cells)
+    first = cells[0].ljust(_WIDTHS[0])
+    middle = [cell.rjust(width) for cell, width in zip(cells[1:5], _WIDTHS[1:])]
+    return " ".join([first, *middle, cells[5]]).rstrip()
+
+
+def format_table(comparison: FileComparison, width: int = 80) -> str:
+    """The comparison as plain text within ``width`` columns (80 by default): one block per configuration, one row
+    per figure, then what is missing, the notes and the regressions."""
+    pct = f"{comparison.threshold * 100:g}%"
+    lines = [
+        _clip(f"old: {comparison.old.path} ({comparison.old.description})", width),
+        _clip(f"new: {comparison.new.path} ({comparison.new.description})", width),
+        *(f"warning: {w}" for w in (*comparison.old.warnings, *comparison.new.warnings)),
+        "",
+        _line(("configuration", *TABLE_HEADER[1:])),
+    ]
+    current = None
+    for row in comparison.rows:
+        if row.config != current:
+            current = row.config
+            lines.append(_clip(row.config, width))
+        marker = "*" if row.note else ""
+        lines.append(
+            _line(
+                (
+                    f"  {row.metric}{marker}",
+                    format_value(row.old_median, row.unit),
+                    format_value(row.new_median, row.unit),
+                    _percent(row.ratio) if row.ratio is not None else "-",
+                    _interval(row),
+                    row.verdict,
+                )
+            )
+        )
+    if not comparison.rows:
+        lines.append("(no configuration measured in both files)")
+    lines.append("")
+    notes = sorted({row.note for row in comparison.rows if row.note})
+    lines += [_clip(f"* {note}", width) for note in notes]
+    if comparison.only_in_old:
+        lines.append(_clip(f"only in old: {', '.join(comparison.only_in_old)}", width))
+    if comparison.only_in_new:
+        lines.append(_clip(f"only in new: {', '.join(comparison.only_in_new)}", width))
+    lines += [_clip(note, width) for note in comparison.notes]
+    lines.append(
+        _clip(
+            f"change: new/old of the medians, 95% bootstrap interval; a verdict needs a change beyond {pct} "
+            f"and p < {SIGNIFICANCE_LEVEL} (Mann-Whitney, interval excluding 0%) or the interval beyond {pct}.",
+            10**6,
+        )
+    )
+    regressions = comparison.regressions
+    if regressions:
+        named = ", ".join(f"{row.config} ({row.metric} {_percent(row.ratio or 1.0)})" for row in regressions)
+        lines.append(f"REGRESSION beyond {pct} and the noise: {named}")
+    else:
+        lines.append(f"no regression beyond {pct} and the noise")
+    return "\n".join(_wrap(line, width) for line in lines)
+
+
+def _wrap(line: str, width: int) -> str:
+    if len(line) <= width:
+        return line
+    import textwrap
+
+    return "\n".join(textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False))
+
+
+def markdown_report(comparison: FileComparison) -> str:
+    """The comparison as Markdown: a table with every figure, its interval, p-value and verdict."""
+    pct = f"{comparison.threshold * 100:g}%"
+    out = [
+        "# lightning-perf compare",
+        "",
+        f"- old: `{comparison.old.path}` ({comparison.old.description})",
+        f"- new: `{comparison.new.path}` ({comparison.new.description})",
+        f"- threshold: {pct}",
+        f"- method: {METHOD}",
+        "",
+        "| configuration | figure | old | new | change | 95% interval | p-value | n old / new | verdict |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in comparison.rows:
+        p = "-" if row.p_value is None else f"{row.p_value:.2g}"
+        verdict_text = f"**{row.verdict}**" if row.regression else row.verdict
+        out.append(
+            f"| {row.config} | {row.metric} | {format_value(row.old_median, row.unit)} | "
+            f"{format_value(row.new_median, row.unit)} | {_percent(row.ratio) if row.ratio else '-'} | "
+            f"{_interval(row)} | {p} | {row.n_old} / {row.n_new} | {verdict_text} |"
+        )
+    out.append("")
+    extra = [*comparison.old.warnings, *comparison.new.warnings, *sorted({r.note for r in comparison.rows if r.note})]
+    if comparison.only_in_old:
+        extra.append(f"only in old: {', '.join(comparison.only_in_old)}")
+    if comparison.only_in_new:
+        extra.append(f"only in new: {', '.join(comparison.only_in_new)}")
+    extra += comparison.notes
+    out += [f"- {line}" for line in extra]
+    regressions = comparison.regressions
+    out += [
+        "",
+        f"**Regression** beyond {pct} and the noise: " + ", ".join(f"{r.config} ({r.metric})" for r in regressions)
+        if regressions
+        else f"No regression beyond {pct} and the noise.",
+        "",
+    ]
+    return "\n".join(out)
