@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
@@ -14,8 +15,16 @@ from typing_extensions import override
 from lightning_perf._validation import check_bool
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
-from lightning_perf.functional.attention import UNCHANGED, AttentionAdapter, AttentionDecision, swap_attention
-from lightning_perf.functional.surgery import restore_modules
+from lightning_perf.functional.attention import (
+    ACTIONS,
+    ALREADY_FUSED,
+    SWAPPED,
+    SWITCHED_CONFIG,
+    AttentionAdapter,
+    AttentionDecision,
+    SwapResult,
+    swap_attention,
+)
 
 
 class FlashAttentionCallback(Callback):
@@ -38,9 +47,13 @@ class FlashAttentionCallback(Callback):
     Modules it knows: ``nn.MultiheadAttention`` (on its own or inside ``nn.TransformerEncoderLayer`` /
     ``DecoderLayer``; calls with ``need_weights=True``, its default, keep the original path, so pass
     ``need_weights=False`` where you discard the weights), the common hand-written pattern (a fused q/k/v ``Linear``,
-    eager softmax attention, an output ``Linear``; causal or not), and whatever your own
-    :class:`~lightning_perf.functional.attention.AttentionAdapter` knows. A module it cannot swap stays unchanged, with
-    the reason in :attr:`decisions`.
+    eager softmax attention, an output ``Linear``; causal or not: timm's ViT ``Attention``, MONAI's ``SABlock``),
+    Hugging Face models with eager attention (their configuration is switched to ``"sdpa"``, and back at teardown), and
+    whatever your own :class:`~lightning_perf.functional.attention.AttentionAdapter` knows. A swapped module takes the
+    calls its original takes: default arguments (``attn_mask=None``, ``is_causal=False``) and masks whose meaning was
+    learned from the original run the kernel; any other argument makes that call run the original code, reported once
+    by name. Modules that already call SDPA (timm's ``fused_attn=True``, Hugging Face ``"sdpa"``) are reported as
+    already fused and left alone. A module it cannot swap stays unchanged, with the reason in :attr:`decisions`.
 
     When it helps: attention-heavy models, long sequences (the fused kernels never build the ``(T, T)`` score
     matrix: memory grows with ``T`` instead of ``T^2``), hand-written attention. When it does nothing:
@@ -57,7 +70,8 @@ class FlashAttentionCallback(Callback):
 
     Attributes:
         decisions: module name -> ``(kernel, reason)`` for every attention module found in the last ``setup``;
-            ``kernel`` is ``"flash_attn"``, ``"sdpa"`` or ``"unchanged"``.
+            ``kernel`` is ``"flash_attn"``, ``"sdpa"`` or ``"unchanged"``, and ``decision.action`` says what was done:
+            ``"swapped"``, ``"already fused"``, ``"switched config"`` or ``"kept"``.
 
     Raises:
         ValueError: for an adapter class path that does not import or does not name an ``AttentionAdapter``.
@@ -97,7 +111,7 @@ class FlashAttentionCallback(Callback):
         self.parity_check = parity_check
         self.strict = strict
         self.decisions: dict[str, AttentionDecision] = {}
-        self._replaced: dict[str, tuple[nn.Module, nn.Module]] = {}
+        self._result = SwapResult()
         self._device = torch.device("cpu")
         self._compute_dtype: torch.dtype | None = None
 
@@ -118,7 +132,7 @@ class FlashAttentionCallback(Callback):
             strict=self.strict,
         )
         self.decisions = result.decisions
-        self._replaced = result.replaced
+        self._result = result
         if not result.decisions:
             warn_once(
                 f"FlashAttentionCallback found no attention module in {type(pl_module).__name__} that it knows "
@@ -126,12 +140,14 @@ class FlashAttentionCallback(Callback):
                 "nothing changes."
             )
             return
-        lines = [f"  {name}: {kernel} ({reason})" for name, (kernel, reason) in result.decisions.items()]
+        lines = [f"  {name}: {d.action}, {d.kernel} ({d.reason})" for name, d in result.decisions.items()]
+        counts = Counter(d.action for d in result.decisions.values())
+        summary = ", ".join(f"{counts[action]} {action}" for action in ACTIONS if counts[action])
         rank_zero_info(
-            f"FlashAttentionCallback: {len(result.swapped)} of {len(result.decisions)} attention modules swapped\n"
-            + "\n".join(lines)
+            f"FlashAttentionCallback: {len(result.swapped)} of {len(result.decisions)} attention modules swapped "
+            f"({summary})\n" + "\n".join(lines)
         )
-        if not result.swapped:
+        if not result.swapped and counts[ALREADY_FUSED] < len(result.decisions):
             warn_once(
                 "FlashAttentionCallback left every attention module unchanged: "
                 + "; ".join(f"{name}: {reason}" for name, (_, reason) in result.decisions.items())
@@ -148,13 +164,13 @@ class FlashAttentionCallback(Callback):
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
         discard_pending_surgery(pl_module)
-        restore_modules(pl_module, self._replaced)
-        self._replaced = {}
+        self._result.undo(pl_module)
 
     @property
     def swapped(self) -> list[str]:
-        """Names of the modules swapped in the last ``setup``."""
-        return [name for name, decision in self.decisions.items() if decision.kernel != UNCHANGED]
+        """Names of the modules that compute with a fused kernel because of the last ``setup`` (swapped, or switched
+        by configuration); modules found already fused are not among them."""
+        return [name for name, d in self.decisions.items() if d.action in (SWAPPED, SWITCHED_CONFIG)]
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:

@@ -37,10 +37,28 @@ Built-in adapters, tried after the ones you register (:func:`register_attention_
   torch already runs SDPA inside ``nn.MultiheadAttention`` when called with ``need_weights=False``, and that
   ``nn.TransformerEncoderLayer`` has its own fused inference fast path (eval mode, no grad), which bypasses the swap.
 - :class:`FusedQKVAttentionAdapter`: the common hand-written pattern (one ``Linear`` making q, k and v, one output
-  ``Linear``, an eager ``softmax(q @ k^T * scale) @ v`` in between, optionally causal, optionally with dropout modules),
-  recognised by structure and then by behaviour: among the standard variants (head count, q/k/v layout, causal or
-  not) the one whose output matches the module's own is used; a module no variant reproduces (rotary embeddings, a
-  different scale, extra inputs) is left unchanged with that reason.
+  ``Linear``, an eager ``softmax(q @ k^T * scale) @ v`` in between, optionally causal, optionally with dropout modules:
+  timm's ViT ``Attention``, MONAI's ``SABlock``, nanoGPT), recognised by structure and then by behaviour: among the
+  standard variants (head count, q/k/v layout, causal or not) the one whose output matches the module's own is used;
+  a module no variant reproduces (rotary embeddings, a different scale) is left unchanged with that reason. The
+  swapped module takes the original's signature (:class:`ArgumentPlan`): arguments at their default value
+  (``attn_mask=None, is_causal=False``, as timm's and MONAI's blocks pass them) run the kernel, so do masks and causal
+  flags whose meaning was learned from the original by probe calls (MONAI's key padding ``attn_mask``, timm's
+  additive one, ``is_causal=True``); a call with any other argument runs the original code, reported once by the
+  argument's name (:class:`~lightning_perf.FallbackWarning`) and counted in the module's ``fallbacks``.
+
+Not swapped, reported (:class:`AttentionDecision` ``action``):
+
+- modules that already call SDPA (:meth:`AttentionAdapter.already_fused`: one traced call sees
+  :func:`torch.nn.functional.scaled_dot_product_attention`; timm with ``fused_attn=True``, MONAI with
+  ``use_flash_attention=True``): ``"already fused"``, left alone and never counted as a swap;
+- models that pick their attention from a configuration (Hugging Face ``transformers``, found by capability:
+  ``config._attn_implementation`` and ``set_attn_implementation``): ``"eager"`` is switched to ``"sdpa"`` after a
+  parity check of the whole model (``"switched config"``, undone by :meth:`SwapResult.undo`), ``"sdpa"`` is
+  ``"already fused"``; the attention modules named are those that call SDPA in a traced forward.
+
+:class:`SDPACalls` counts the SDPA calls per module while active: the tests use it to check that swapped modules run
+the kernel during training.
 
 Example::
 
@@ -61,6 +79,12 @@ from torch import nn
 
 from lightning_perf._device import as_device, module_device
 from lightning_perf._warnings import FallbackWarning, warn_once
+from lightning_perf.functional.attention_arguments import ArgumentNotHonoured, ArgumentPlan
+from lightning_perf.functional.attention_config import (
+    configurable_attention_models,
+    restore_attention_implementations,
+    switch_attention_implementation,
+)
 from lightning_perf.functional.attention_detect import (
     AttentionAdapter,
     FusedQKVAttentionAdapter,
@@ -69,8 +93,13 @@ from lightning_perf.functional.attention_detect import (
     register_attention_adapter,
 )
 from lightning_perf.functional.attention_kernels import (
+    ACTIONS,
+    ALREADY_FUSED,
     FLASH_ATTN,
+    KEPT,
     SDPA,
+    SWAPPED,
+    SWITCHED_CONFIG,
     UNCHANGED,
     AttentionDecision,
     AttentionNotSwappable,
@@ -84,12 +113,20 @@ from lightning_perf.functional.attention_modules import (
     SwappedAttention,
 )
 from lightning_perf.functional.attention_parity import check_parity
-from lightning_perf.functional.surgery import FilterFn, find_modules, replace_modules
+from lightning_perf.functional.attention_trace import SDPACalls
+from lightning_perf.functional.surgery import FilterFn, find_modules, replace_modules, restore_modules
 
 __all__ = [
+    "ACTIONS",
+    "ALREADY_FUSED",
     "FLASH_ATTN",
+    "KEPT",
     "SDPA",
+    "SWAPPED",
+    "SWITCHED_CONFIG",
     "UNCHANGED",
+    "ArgumentNotHonoured",
+    "ArgumentPlan",
     "AttentionAdapter",
     "AttentionDecision",
     "AttentionNotSwappable",
@@ -98,6 +135,7 @@ __all__ = [
     "FusedQKVAttentionAdapter",
     "FusedQKVSpec",
     "MultiheadAttentionAdapter",
+    "SDPACalls",
     "SwapResult",
     "SwappedAttention",
     "attention",
@@ -106,6 +144,7 @@ __all__ = [
     "choose_kernel",
     "register_attention_adapter",
     "restore_attention",
+    "restore_attention_implementations",
     "swap_attention",
 ]
 
@@ -115,17 +154,28 @@ class SwapResult:
     """What :func:`swap_attention` did.
 
     Attributes:
-        decisions: module name -> :class:`AttentionDecision`, for every attention module found (swapped or not).
+        decisions: module name -> :class:`AttentionDecision`, for every attention module found (swapped, already
+            fused, switched by configuration, or kept with the reason).
         replaced: module name -> ``(original, swapped)``; give it to
             :func:`~lightning_perf.functional.surgery.restore_modules` to undo exactly this swap.
+        switched: model name -> ``(model, previous implementation)`` for the models whose configuration was switched
+            to SDPA; give it to :func:`restore_attention_implementations` to undo the switch (:meth:`undo` does both).
     """
 
     decisions: dict[str, AttentionDecision] = field(default_factory=dict)
     replaced: dict[str, tuple[nn.Module, nn.Module]] = field(default_factory=dict)
+    switched: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
 
     @property
     def swapped(self) -> list[str]:
-        return [name for name, decision in self.decisions.items() if decision.kernel != UNCHANGED]
+        """The modules that now compute with a fused kernel because of this call (swapped or switched config)."""
+        return [name for name, decision in self.decisions.items() if decision.action in (SWAPPED, SWITCHED_CONFIG)]
+
+    def undo(self, model: nn.Module) -> None:
+        """Put back every original module and every previous attention implementation."""
+        restore_modules(model, self.replaced)
+        restore_attention_implementations(self.switched)
+        self.replaced, self.switched = {}, {}
 
 
 def swap_attention(
@@ -141,7 +191,10 @@ def swap_attention(
     """Swap every attention module of ``model`` that an adapter knows for a fused-kernel version, in place.
 
     Call it before building the optimizer (the swapped modules reuse the original parameters, so an existing optimizer
-    also stays valid). Modules swapped already are reported and left as they are.
+    also stays valid). Modules swapped already are reported and left as they are; so are modules that already call
+    SDPA (:meth:`AttentionAdapter.already_fused`). Models that choose their attention from a configuration (Hugging
+    Face ``transformers``) are switched from ``"eager"`` to ``"sdpa"`` instead
+    (:mod:`~lightning_perf.functional.attention_config`), and nothing inside them is swapped.
 
     Args:
         model: the model.
@@ -160,9 +213,29 @@ def swap_attention(
     target = as_device(device) if device is not None else module_device(model)
     all_adapters = attention_adapters(adapters)
     result = SwapResult()
+    configured: list[str] = []
+    for name, hf_model in configurable_attention_models(model):
+        if filter_fn is not None and not filter_fn(hf_model, name):
+            continue
+        configured.append(name)
+        decisions, previous, problem = switch_attention_implementation(
+            name, hf_model, device=target, compute_dtype=compute_dtype, parity_check=parity_check
+        )
+        if problem is not None:
+            message = f"The attention implementation of `{name or type(model).__name__}` stays 'eager': {problem}."
+            if strict:
+                raise RuntimeError(message)
+            warn_once(message, FallbackWarning)
+            decisions = {name: AttentionDecision(UNCHANGED, f"config not switched: {problem}")}
+        result.decisions.update(decisions)
+        if previous is not None:
+            result.switched[name] = (hf_model, previous)
+
+    def inside_configured(name: str) -> bool:
+        return any(outer == "" or name == outer or name.startswith(f"{outer}.") for outer in configured)
 
     def adapter_for(module: nn.Module, name: str) -> AttentionAdapter | None:
-        if filter_fn is not None and not filter_fn(module, name):
+        if inside_configured(name) or (filter_fn is not None and not filter_fn(module, name)):
             return None
         return next((a for a in all_adapters if a.matches(module, name)), None)
 
@@ -177,12 +250,22 @@ def swap_attention(
         adapter = adapter_for(module, name)
         assert adapter is not None
         try:
+            calls = adapter.sample_inputs(module, torch.Generator().manual_seed(0))
+            if adapter.already_fused(module, calls):
+                reason = f"already fused: {type(module).__name__} calls scaled_dot_product_attention itself"
+                result.decisions[name] = AttentionDecision(UNCHANGED, reason, ALREADY_FUSED)
+                continue
             swapped = adapter.swap(module, SDPA)
+            calls += swapped.__dict__.pop("parity_calls", [])
             decision = choose_kernel(int(getattr(swapped, "head_dim", 0)), target, compute_dtype)
             setattr(swapped, "kernel", decision.kernel)  # noqa: B010 (any nn.Module an adapter returns)
-            calls = adapter.sample_inputs(module, torch.Generator().manual_seed(0)) if parity_check else []
             notes: list[str] = []
-            problem = check_parity(module, swapped, calls, device=target, compute_dtype=compute_dtype, notes=notes)
+            problem = None
+            if parity_check:
+                problem = check_parity(module, swapped, calls, device=target, compute_dtype=compute_dtype, notes=notes)
+            honoured = _honoured_arguments(swapped)
+            if honoured:
+                notes.append(honoured)
             if notes:
                 decision = AttentionDecision(decision.kernel, f"{decision.reason}; {'; '.join(notes)}")
         except AttentionNotSwappable as reason:
@@ -209,8 +292,25 @@ def swap_attention(
     return result
 
 
+def _honoured_arguments(swapped: nn.Module) -> str:
+    """What a swapped module's kernel serves besides its input (for the decision's reason)."""
+    plan = getattr(swapped, "arguments", None)
+    if not isinstance(plan, ArgumentPlan) or not plan.optional():
+        return ""
+    served = [f"{name}=<default>" for name, _ in plan.optional()]
+    served += sorted(f"{name}=True" for name in plan.causal)
+    served += [
+        f"{name} ({', '.join(f'{dtype} {layout}: {reading}' for (dtype, layout), reading in masks.items())})"
+        for name, masks in plan.masks.items()
+    ]
+    return "kernel serves " + ", ".join(served) + "; other arguments fall back per call (reported)"
+
+
 def restore_attention(model: nn.Module) -> list[str]:
-    """Put back the original of every swapped attention module in ``model``; returns their names."""
+    """Put back the original of every swapped attention module in ``model``; returns their names.
+
+    Configuration switches are undone by :meth:`SwapResult.undo` (or :func:`restore_attention_implementations`).
+    """
     return list(replace_modules(model, lambda m, n: isinstance(m, SwappedAttention), _original_of))
 
 

@@ -20,6 +20,7 @@ from lightning_perf.functional.attention_parity import (
     outputs_close,
     train_without_dropout,
 )
+from lightning_perf.functional.attention_trace import SDPACalls
 
 __all__ = [
     "AttentionAdapter",
@@ -73,6 +74,17 @@ class AttentionAdapter:
             return [((x,), {})]
         raise AttentionNotSwappable(f"its forward does not accept a (batch, seq, {embed}) tensor")
 
+    def already_fused(self, module: nn.Module, calls: list[tuple[tuple[Any, ...], dict]]) -> bool:
+        """Whether ``module`` already computes its attention with SDPA: its first sample call (eval mode, no grad)
+        calls :func:`torch.nn.functional.scaled_dot_product_attention` (:class:`SDPACalls`). Such a module (timm's
+        ``Attention`` with ``fused_attn=True``, MONAI's ``SABlock(use_flash_attention=True)``) is left alone."""
+        if not calls:
+            return False
+        args, kwargs = calls[0]
+        with torch.no_grad(), eval_without_dropout(module), SDPACalls() as seen:
+            module(*args, **kwargs)
+        return seen.total > 0
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -101,6 +113,11 @@ class MultiheadAttentionAdapter(AttentionAdapter):
         if module.bias_k is not None or module.add_zero_attn:
             raise AttentionNotSwappable("add_bias_kv / add_zero_attn change the key sequence; SDPA has no such option")
         return FusedMultiheadAttention.from_module(module, kernel)
+
+    def already_fused(self, module: nn.Module, calls: list[tuple[tuple[Any, ...], dict]]) -> bool:
+        # torch runs SDPA inside nn.MultiheadAttention only for need_weights=False calls (the sample calls): the swap
+        # still serves need_weights=False callers with flash-attn on GPUs, and is kept as before.
+        return False
 
     def sample_inputs(self, module: nn.Module, generator: torch.Generator) -> list[tuple[tuple[Any, ...], dict]]:
         assert isinstance(module, nn.MultiheadAttention)
@@ -157,7 +174,8 @@ class FusedQKVAttentionAdapter(AttentionAdapter):
                     for layout in ("qkv", "head"):
                         spec = FusedQKVSpec(qkv_name, out_name, heads, causal, layout, attn_dropout, out_dropout)
                         candidate = FusedQKVAttention.from_module(module, spec, kernel)
-                        if outputs_close(candidate(x), expected, x.dtype):
+                        if outputs_close(candidate.fused(x), expected, x.dtype):
+                            candidate.parity_calls = candidate.learn_arguments(x)
                             return candidate
         raise AttentionNotSwappable(
             f"its output matches no standard fused-QKV attention (heads {candidates}, layouts qkv/head, causal or "

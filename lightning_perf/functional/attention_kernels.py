@@ -17,9 +17,14 @@ from lightning_perf._device import as_device, cuda_capability, is_sm_at_least
 from lightning_perf._imports import is_flash_attn_available, require
 
 __all__ = [
+    "ACTIONS",
+    "ALREADY_FUSED",
     "FLASH_ATTN",
     "HALF_DTYPES",
+    "KEPT",
     "SDPA",
+    "SWAPPED",
+    "SWITCHED_CONFIG",
     "UNCHANGED",
     "AttentionDecision",
     "AttentionNotSwappable",
@@ -35,12 +40,44 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 
 
-class AttentionDecision(NamedTuple):
-    """What was done with one attention module: the ``kernel`` (``"flash_attn"``, ``"sdpa"`` or ``"unchanged"``)
-    and the ``reason``."""
+SWAPPED = "swapped"
+ALREADY_FUSED = "already fused"
+SWITCHED_CONFIG = "switched config"
+KEPT = "kept"
+ACTIONS = (SWAPPED, ALREADY_FUSED, SWITCHED_CONFIG, KEPT)
+"""What :func:`swap_attention` did with a module: swapped it for a fused-kernel version, found it already calling a
+fused kernel (left alone), switched its model's configuration to SDPA (Hugging Face ``attn_implementation``), or kept
+it unchanged because it cannot be swapped (the reason says why)."""
 
+
+class _Decision(NamedTuple):
     kernel: str
     reason: str
+
+
+class AttentionDecision(_Decision):
+    """What was done with one attention module: the ``kernel`` it computes with (``"flash_attn"``, ``"sdpa"`` or
+    ``"unchanged"``: the module's own code) and the ``reason``; unpacks as ``kernel, reason``.
+
+    ``action`` is one of :data:`ACTIONS`; by default :data:`SWAPPED` for a fused kernel and :data:`KEPT` for
+    ``"unchanged"``. An already fused module has kernel ``"unchanged"`` (its own code already calls SDPA) and action
+    :data:`ALREADY_FUSED`: it is never counted as a swap.
+    """
+
+    action: str
+
+    def __new__(cls, kernel: str, reason: str, action: str | None = None) -> AttentionDecision:
+        self = super().__new__(cls, kernel, reason)
+        self.action = action if action is not None else (KEPT if kernel == UNCHANGED else SWAPPED)
+        if self.action not in ACTIONS:
+            raise ValueError(f"`AttentionDecision(action={action!r})` is not valid. Expected one of {ACTIONS}.")
+        return self
+
+    def __repr__(self) -> str:
+        return f"AttentionDecision(kernel={self.kernel!r}, reason={self.reason!r}, action={self.action!r})"
+
+    def __reduce__(self) -> tuple:
+        return (AttentionDecision, (self.kernel, self.reason, self.action))
 
 
 class AttentionNotSwappable(Exception):

@@ -6,6 +6,7 @@ Part of :mod:`lightning_perf.functional.attention` (import the public names from
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_perf._warnings import FallbackWarning, warn_once
+from lightning_perf.functional.attention_arguments import ArgumentNotHonoured, ArgumentPlan, combine_masks
 from lightning_perf.functional.attention_kernels import SDPA, AttentionNotSwappable, attention
+from lightning_perf.functional.attention_parity import eval_without_dropout, outputs_close
 from lightning_perf.functional.surgery import adopt_tensors
 
 __all__ = [
@@ -195,10 +199,15 @@ class FusedQKVSpec:
 class FusedQKVAttention(SwappedAttention):
     """A hand-written fused-QKV self-attention module computing through flash-attn or SDPA, with its own parameters.
 
-    Build it with :meth:`from_module`; calls with more than the input tensor go to the original module.
+    Build it with :meth:`from_module`. It takes the calls its original takes (same signature): arguments given their
+    default value (``attn_mask=None``, ``is_causal=False``) go to the kernel, and so do masks and causal flags whose
+    meaning :meth:`learn_arguments` learned from the original (:class:`ArgumentPlan`); a call with any other argument
+    runs the original code, reported once by the argument's name and counted in :attr:`fallbacks`.
     """
 
     spec: FusedQKVSpec
+    arguments: ArgumentPlan
+    fallbacks: Counter[str]
 
     @classmethod
     def from_module(cls, module: nn.Module, spec: FusedQKVSpec, kernel: str = SDPA) -> FusedQKVAttention:
@@ -219,11 +228,34 @@ class FusedQKVAttention(SwappedAttention):
         for name in (spec.attn_dropout, spec.out_dropout):
             if name is not None and not isinstance(module._modules.get(name), nn.Dropout):
                 raise AttentionNotSwappable(f"`{name}` is not an nn.Dropout child of the module")
-        return clone_as(module, cls, spec=spec, kernel=kernel, head_dim=embed // spec.num_heads)  # type: ignore[no-any-return]
+        plan = ArgumentPlan.from_forward(module.forward)
+        attributes = {"spec": spec, "kernel": kernel, "head_dim": embed // spec.num_heads, "arguments": plan}
+        return clone_as(module, cls, fallbacks=Counter(), **attributes)  # type: ignore[no-any-return]
 
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs or x.dim() != 3:
-            return self.call_original(x, *args, **kwargs)
+    def learn_arguments(self, x: Tensor) -> list[tuple[tuple[Any, ...], dict]]:
+        """Learn from the original what its mask arguments and causal flags mean (probe calls on ``x``, eval mode).
+
+        Returns the calls that exercise them, for the parity check (:func:`check_parity`).
+        """
+        original = self.original
+        with torch.no_grad(), eval_without_dropout(original, self):
+            return self.arguments.learn(
+                original,
+                lambda x, mask, causal: self.fused(x, mask, causal),
+                x,
+                lambda a, b: outputs_close(a, b, x.dtype),
+            )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            x, mask, causal = self.arguments.resolve(args, kwargs)
+        except ArgumentNotHonoured as reason:
+            self._fall_back(reason)
+            return self.call_original(*args, **kwargs)
+        return self.fused(x, mask, causal)
+
+    def fused(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """The kernel path: ``x`` ``(batch, seq, embed)``; ``mask`` as SDPA reads it; ``causal`` adds to the spec's."""
         spec = self.spec
         batch, seq, _ = x.shape
         qkv = self._modules[spec.qkv](x)  # type: ignore[misc]
@@ -232,11 +264,22 @@ class FusedQKVAttention(SwappedAttention):
         q, k, v = qkv.view(batch, seq, *split, self.head_dim).unbind(2 if spec.layout == "qkv" else 3)
         dropout = self._modules[spec.attn_dropout] if spec.attn_dropout else None
         p = float(dropout.p) if isinstance(dropout, nn.Dropout) and self.training else 0.0
-        out = attention(q, k, v, kernel=self.kernel, is_causal=spec.causal, dropout_p=p, scale=spec.scale)
+        causal = causal or spec.causal
+        if mask is not None and causal:  # SDPA takes a mask or the causal flag, not both
+            mask, causal = combine_masks([mask], q.dtype, causal_shape=(seq, seq)), False
+        out = attention(q, k, v, kernel=self.kernel, attn_mask=mask, is_causal=causal, dropout_p=p, scale=spec.scale)
         out = self._modules[spec.out](out.reshape(batch, seq, embed))  # type: ignore[misc]
         if spec.out_dropout:
             out = self._modules[spec.out_dropout](out)  # type: ignore[misc]
         return out
+
+    def _fall_back(self, reason: ArgumentNotHonoured) -> None:
+        self.fallbacks[reason.name] += 1
+        warn_once(
+            f"A swapped {type(self.original).__name__} ran its original (eager) attention code for a call: {reason}. "
+            "Only calls with that argument fall back; the others run the fused kernel.",
+            FallbackWarning,
+        )
 
     def extra_repr(self) -> str:
         return f"kernel={self.kernel!r}, {self.spec}"

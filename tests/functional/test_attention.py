@@ -216,7 +216,10 @@ def test_extra_forward_arguments_go_to_the_original() -> None:
     model = nn.Sequential(WithScale(16, 4))
     swapped = swapped_copy(model)
     x = torch.randn(2, 5, 16)
-    torch.testing.assert_close(swapped[0](x, gain=2.0), model[0](x, gain=2.0))
+    with pytest.warns(FallbackWarning, match="`gain` = 2.0 has no meaning learned from the original"):
+        torch.testing.assert_close(swapped[0](x, gain=2.0), model[0](x, gain=2.0))
+    assert swapped[0].fallbacks == {"gain": 1}
+    torch.testing.assert_close(swapped[0](x, gain=1.0), model[0](x))  # the default value: the fused kernel
 
 
 class NanoGPTAdapter(AttentionAdapter):

@@ -1,0 +1,160 @@
+"""Models that choose their attention code from a configuration: switch Hugging Face eager attention to SDPA.
+
+Part of :mod:`lightning_perf.functional.attention` (import the public names from there).
+
+A Hugging Face ``transformers`` model reads ``config._attn_implementation`` on every call (``"eager"``, ``"sdpa"``,
+``"flash_attention_2"``...) and exposes ``set_attn_implementation`` to change it (transformers 4.48+, and 5). Such a
+model, found by capability (a ``config`` with ``_attn_implementation`` and a ``set_attn_implementation`` method, no
+import of ``transformers``), is not swapped module by module:
+
+- with ``"eager"`` it is switched to ``"sdpa"`` (the model's own SDPA code, masks and caches included), after the
+  parity check of the whole model on its ``dummy_inputs`` (eval and training mode, dropout off and on from the same
+  RNG); a mismatch or a refusal switches it back, with the reason. :func:`restore_attention_implementations` undoes
+  the switch;
+- with ``"sdpa"`` (or any other fused implementation) it is reported as already fused and left alone.
+
+The attention modules inside are named in the decisions: those that call SDPA in one traced forward
+(:class:`~lightning_perf.functional.attention_trace.SDPACalls`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_perf.functional.attention_kernels import (
+    ALREADY_FUSED,
+    SDPA,
+    SWITCHED_CONFIG,
+    UNCHANGED,
+    AttentionDecision,
+)
+from lightning_perf.functional.attention_parity import check_parity, eval_without_dropout
+from lightning_perf.functional.attention_trace import SDPACalls
+
+__all__ = ["configurable_attention_models", "restore_attention_implementations", "switch_attention_implementation"]
+
+_EAGER = "eager"
+
+
+def configurable_attention_models(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost submodules of ``model`` (itself included) that choose their attention from ``config``."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{outer}.") or outer == "" for outer, _ in found):
+            continue
+        config = getattr(module, "config", None)
+        if isinstance(getattr(config, "_attn_implementation", None), str) and callable(
+            getattr(module, "set_attn_implementation", None)
+        ):
+            found.append((name, module))
+    return found
+
+
+def switch_attention_implementation(
+    name: str,
+    model: nn.Module,
+    *,
+    device: torch.device,
+    compute_dtype: torch.dtype | None,
+    parity_check: bool,
+) -> tuple[dict[str, AttentionDecision], str | None, str | None]:
+    """Switch one configurable model from eager attention to SDPA, or find it already fused.
+
+    Returns:
+        ``(decisions, previous, problem)``: the decision per attention module (or per model when no module could be
+        named), the implementation to go back to when it was switched (else ``None``), and what went wrong (a refused
+        switch, a parity mismatch: the model is then back on its implementation).
+    """
+    current = model.config._attn_implementation  # type: ignore[union-attr]
+    prefix = f"{name}." if name else ""
+    if current != _EAGER:
+        reason = f"already fused: its config's attn_implementation is {current!r}"
+        names = _sdpa_callers(model, prefix) or [name]
+        return {n: AttentionDecision(UNCHANGED, reason, ALREADY_FUSED) for n in names}, None, None
+    try:
+        model.set_attn_implementation(SDPA)  # type: ignore[operator]
+    except Exception as error:  # transformers refuses (model without SDPA support, too old a torch...)
+        return {}, None, f"its config cannot switch to 'sdpa' ({type(error).__name__}: {error})"
+    if model.config._attn_implementation != SDPA:  # type: ignore[union-attr]
+        return {}, None, "set_attn_implementation('sdpa') left it unchanged (the model does not support switching)"
+    problem = None
+    if parity_check:
+        try:
+            calls = [((), _sample_kwargs(model))]
+            problem = check_parity(
+                _Implementation(model, _EAGER),
+                _Implementation(model, SDPA),
+                calls,
+                device=device,
+                compute_dtype=compute_dtype,
+            )
+        except Exception as error:
+            problem = f"{type(error).__name__}: {error}"
+    if problem is not None:
+        model.set_attn_implementation(current)  # type: ignore[operator]
+        return {}, None, problem
+    reason = f"switched config: attn_implementation {current!r} -> 'sdpa' on `{name or type(model).__name__}`"
+    names = _sdpa_callers(model, prefix) or [name]
+    return {n: AttentionDecision(SDPA, reason, SWITCHED_CONFIG) for n in names}, current, None
+
+
+def restore_attention_implementations(switched: dict[str, tuple[nn.Module, str]]) -> list[str]:
+    """Put back each switched model's previous attention implementation; returns their names."""
+    for model, previous in switched.values():
+        model.set_attn_implementation(previous)  # type: ignore[operator]
+    return list(switched)
+
+
+class _Implementation(nn.Module):
+    """Calls ``model`` with its config's attention implementation set to ``implementation`` (for the parity check)."""
+
+    def __init__(self, model: nn.Module, implementation: str) -> None:
+        super().__init__()
+        self.model = model
+        self.implementation = implementation
+
+    def forward(self, **kwargs: Any) -> Any:
+        saved = self.model.config._attn_implementation  # type: ignore[union-attr]
+        self.model.set_attn_implementation(self.implementation)  # type: ignore[operator]
+        try:
+            out = self.model(**kwargs)
+        finally:
+            self.model.set_attn_implementation(saved)  # type: ignore[operator]
+        return out.to_tuple() if callable(getattr(out, "to_tuple", None)) else out
+
+
+def _sample_kwargs(model: nn.Module) -> dict[str, Any]:
+    dummy = getattr(model, "dummy_inputs", None)
+    if not isinstance(dummy, dict) or not dummy:
+        raise RuntimeError("the model has no dummy_inputs to check it on")
+    kwargs = dict(dummy)
+    if "use_cache" in _parameters(model.forward):
+        kwargs["use_cache"] = False  # nothing to cache in a check
+    return kwargs
+
+
+def _parameters(forward: Callable[..., Any]) -> Sequence[str]:
+    try:
+        return list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _sdpa_callers(model: nn.Module, prefix: str) -> list[str]:
+    """The modules of ``model`` that call SDPA in one forward on its dummy inputs (eval mode, no grad)."""
+    try:
+        kwargs = _sample_kwargs(model)
+        with torch.no_grad(), eval_without_dropout(model), SDPACalls(model) as calls:
+            model(**{k: v.to(_device(model)) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    except Exception:  # only the names in a report
+        return []
+    return [f"{prefix}{n}" if n else prefix.rstrip(".") for n in calls.counts]
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
