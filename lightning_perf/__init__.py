@@ -1,9 +1,10 @@
 """Performance optimizations for PyTorch Lightning: callbacks and strategies you stack on any Trainer.
 
 ``import lightning_perf`` is cheap: callbacks and strategies load on first use, no optional dependency (torchao,
-onnx, onnxruntime, tensorrt, flash-attn, matplotlib) is imported until a feature needs it, and Lightning itself is not
-imported either, so :mod:`lightning_perf.functional`, :mod:`lightning_perf.profiling` and :mod:`lightning_perf.deploy`
-serve plain PyTorch training loops.
+onnx, onnxruntime, tensorrt, flash-attn, matplotlib, monai) is imported until a feature needs it, and Lightning itself
+is not imported either, so :mod:`lightning_perf.functional`, :mod:`lightning_perf.profiling` and
+:mod:`lightning_perf.deploy` serve plain PyTorch training loops. ``from lightning_perf import
+SlidingWindowInferenceCallback`` (or any other callback or strategy) imports only what it needs.
 """
 
 from __future__ import annotations

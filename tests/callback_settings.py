@@ -30,6 +30,7 @@ from lightning_perf.callbacks import (
     GradCheckpointCallback,
     MemoryProfilerCallback,
     QATCallback,
+    SlidingWindowInferenceCallback,
     TensorRTExportCallback,
 )
 from lightning_perf.strategies import PowerSGDDDPStrategy
@@ -165,6 +166,9 @@ SETTINGS: list[Setting] = [
         numerics="lossy",
         numerics_reason="rank-2 gradient compression from the third step on",
     ),
+    # Predict, test and validate in windows of the patch the model trained on (fit untouched: training is exact); the
+    # tiny unet3d predicts 32^3 volumes in 16^3 windows, and its 16^3 validation/test patches are one window each.
+    Setting(SlidingWindowInferenceCallback, {"roi_size": "model", "sw_batch_size": 4}, workload="unet3d"),
     # Observers: one steady step after warm-up, with the host-sync check (a TorchFunctionMode) on the warm-up step,
     # so every generic test, resume and DDP included, also checks that observing leaves training unchanged.
     Setting(BottleneckCallback, {"warmup_steps": 1, "sync_check_steps": 1}),

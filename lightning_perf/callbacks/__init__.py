@@ -9,6 +9,7 @@ from lightning_perf.callbacks.fused_optimizer import FusedOptimizerCallback
 from lightning_perf.callbacks.grad_checkpoint import GradCheckpointCallback
 from lightning_perf.callbacks.memory_profiler import MemoryProfilerCallback
 from lightning_perf.callbacks.qat import QATCallback
+from lightning_perf.callbacks.sliding_window import SlidingWindowInferenceCallback
 from lightning_perf.callbacks.tensorrt_export import TensorRTExportCallback
 
 __all__: list[str] = [
@@ -21,5 +22,6 @@ __all__: list[str] = [
     "GradCheckpointCallback",
     "MemoryProfilerCallback",
     "QATCallback",
+    "SlidingWindowInferenceCallback",
     "TensorRTExportCallback",
 ]

@@ -2,6 +2,12 @@
 
 A volume holds a few random spheres brighter than the background, plus Gaussian noise; the mask is the union of
 the spheres. This is the memory- and convolution-heavy workload (Conv3d, BatchNorm3d, transposed convolutions).
+
+The network trains, validates and tests on patches (``volume_size``, 32^3 by default) and predicts whole volumes
+(``predict_volume_size``, 96^3 by default) whose spheres have the training sizes: a predict run either feeds the whole
+volume to the fully convolutional network at once, or runs it window by window with
+:class:`~lightning_perf.callbacks.SlidingWindowInferenceCallback` (``roi_size="model"`` reads the module's
+``roi_size``, the patch it trained on).
 """
 
 from __future__ import annotations
@@ -87,8 +93,24 @@ class SphereVolumeDataset(Dataset):
 
 
 _DATA_SIZES: dict[str, dict[str, int]] = {
-    "tiny": {"batch_size": 4, "train": 128, "val": 32, "test": 32, "predict": 16, "volume_size": 16},
-    "default": {"batch_size": 4, "train": 256, "val": 32, "test": 32, "predict": 32, "volume_size": 32},
+    "tiny": {
+        "batch_size": 4,
+        "train": 128,
+        "val": 32,
+        "test": 32,
+        "predict": 16,
+        "volume_size": 16,
+        "predict_volume_size": 32,
+    },
+    "default": {
+        "batch_size": 4,
+        "train": 256,
+        "val": 32,
+        "test": 32,
+        "predict": 32,
+        "volume_size": 32,
+        "predict_volume_size": 96,
+    },
 }
 
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -102,7 +124,10 @@ for _name, _settings in _MODEL_PRESETS.items():
 class UNet3DDataModule(SyntheticDataModule):
     """Sphere volumes and masks for :class:`UNet3DModule`: 16^3 (``tiny``) or 32^3 (``default``), batch 4.
 
-    Batches are ``(volumes, masks)``: float ``(B, 1, S, S, S)`` and long ``(B, 1, S, S, S)`` with values 0/1.
+    Batches are ``(volumes, masks)``: float ``(B, 1, S, S, S)`` and long ``(B, 1, S, S, S)`` with values 0/1. The
+    train, validation and test splits are patches of side ``volume_size``; the predict split holds whole volumes of
+    side ``predict_volume_size`` (32^3 ``tiny``, 96^3 ``default``) with spheres of the same sizes as in training
+    (their number grows with the volume's cross-section), for sliding-window inference.
 
     Args:
         preset: one of ``tiny`` and ``default``.
@@ -111,7 +136,8 @@ class UNet3DDataModule(SyntheticDataModule):
         pin_memory: passed to every ``DataLoader``.
         persistent_workers: keep workers alive between epochs (only used when ``num_workers > 0``).
         seed: selects the volumes and the training order.
-        volume_size: side of the cubic volumes; ``None`` takes the preset's.
+        volume_size: side of the cubic volumes of the train, validation and test splits; ``None`` takes the preset's.
+        predict_volume_size: side of the predict split's whole volumes; ``None`` takes the preset's.
     """
 
     SIZES = _DATA_SIZES
@@ -126,15 +152,35 @@ class UNet3DDataModule(SyntheticDataModule):
         persistent_workers: bool = False,
         seed: int = 0,
         volume_size: int | None = None,
+        predict_volume_size: int | None = None,
     ) -> None:
         super().__init__(preset, batch_size, num_workers, pin_memory, persistent_workers, seed)
-        shape = resolve_preset(self.SIZES, preset, {"volume_size": volume_size}, type(self).__name__)
+        shape = resolve_preset(
+            self.SIZES,
+            preset,
+            {"volume_size": volume_size, "predict_volume_size": predict_volume_size},
+            type(self).__name__,
+        )
         self.volume_size: int = shape["volume_size"]
+        self.predict_volume_size: int = shape["predict_volume_size"]
         self.save_hyperparameters()
 
     @override
     def make_dataset(self, split: str, num_samples: int) -> Dataset:
-        return SphereVolumeDataset(num_samples, self.volume_size, seed=self.seed, split=SPLITS.index(split))
+        if split != "predict":
+            return SphereVolumeDataset(num_samples, self.volume_size, seed=self.seed, split=SPLITS.index(split))
+        # Whole volumes: the spheres keep their training sizes (radii scaled back by the size ratio), and there are
+        # more of them, in proportion to the cross-section, so that foreground stays common.
+        scale = self.volume_size / self.predict_volume_size
+        low, high = RADIUS_RANGE
+        return SphereVolumeDataset(
+            num_samples,
+            self.predict_volume_size,
+            seed=self.seed,
+            split=SPLITS.index(split),
+            max_spheres=max(4, round(4 / scale**2)),
+            radius_range=(low * scale, high * scale),
+        )
 
 
 class ConvBlock3d(nn.Sequential):
@@ -207,8 +253,10 @@ class UNet3DModule(DemoModule):
 
     ``tiny``: 16^3 volumes, width 8, 3 levels. ``default``: 32^3 volumes, width 16, 3 levels. The loss is binary
     cross-entropy plus soft Dice; the metric is the voxel-wise F1 score, which equals the Dice coefficient.
-    ``forward(volumes)`` returns foreground logits ``(B, 1, S, S, S)``. Logs ``train_loss``/``train_dice``,
-    ``val_loss``/``val_dice``, ``test_loss``/``test_dice``.
+    ``forward(volumes)`` returns foreground logits ``(B, 1, S, S, S)`` for any side ``S`` divisible by
+    ``2 ** (levels - 1)``. Logs ``train_loss``/``train_dice``, ``val_loss``/``val_dice``, ``test_loss``/``test_dice``.
+    ``roi_size`` is the patch it trains on, ``(volume_size,) * 3``: what
+    ``SlidingWindowInferenceCallback(roi_size="model")`` reads.
 
     Args:
         preset: one of ``tiny`` and ``default``; the other arguments override its values when not ``None``.
@@ -254,6 +302,7 @@ class UNet3DModule(DemoModule):
         self.net = UNet3D(config["width"], levels)
         self.init_metrics(BinaryF1Score)
         self.example_input_array = torch.zeros(1, 1, size, size, size)
+        self.roi_size: tuple[int, int, int] = (size, size, size)
 
     @override
     def compute(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:

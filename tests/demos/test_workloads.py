@@ -27,6 +27,9 @@ TINY_SHAPES: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
     "lm": ((32, 32), (32, 32), (32, 32, 64)),
 }
 
+# unet3d predicts whole volumes (32^3 on `tiny`) with the network that trains on 16^3 patches.
+UNET3D_TINY_PREDICT_SHAPE = (4, 1, 32, 32, 32)
+
 # Learnability after LEARN_STEPS steps on `tiny`. Observed over seeds 0-7 (the test uses seed 0): val_acc >= 0.81
 # convnet, >= 0.72 vit, >= 0.52 lm (chance 1/64; the chain allows ~0.55); val_dice >= 0.77 unet3d (all-foreground
 # scores ~0.22); mean of the last 5 training losses <= 0.5x the first. The thresholds keep a wide margin below that.
@@ -98,7 +101,8 @@ def test_tiny_shapes_and_single_parameter_child(name: str) -> None:
     assert data.batch_size == in_shape[0]
     with torch.no_grad():
         assert tuple(model(inputs).shape) == out_shape
-        assert tuple(model.predict_step(_first_batch(data, "predict"), 0).shape) == out_shape
+        predict_shape = UNET3D_TINY_PREDICT_SHAPE if name == "unet3d" else out_shape
+        assert tuple(model.predict_step(_first_batch(data, "predict"), 0).shape) == predict_shape
         example = model(model.example_input_array)
     assert tuple(example.shape) == (1, *out_shape[1:])
     # Tools find "the single child module that holds the parameters".
@@ -346,3 +350,24 @@ def test_built_by_lightning_cli(name: str) -> None:
     )
     assert isinstance(cli.model, workload.module_cls) and cli.model.hparams["lr"] == 0.01
     assert isinstance(cli.datamodule, workload.datamodule_cls) and cli.datamodule.batch_size == 3
+
+
+def test_unet3d_trains_on_patches_and_predicts_whole_volumes() -> None:
+    model, data = make_workload("unet3d", "tiny", seed=0)
+    assert model.roi_size == (16, 16, 16) == tuple(model.example_input_array.shape[2:])
+    train_volumes, _ = _first_batch(data)
+    predict_volumes, predict_masks = _first_batch(data, "predict")
+    assert tuple(train_volumes.shape[2:]) == (16, 16, 16)
+    assert tuple(predict_volumes.shape[2:]) == (32, 32, 32) == tuple(predict_masks.shape[2:])
+    # Spheres of the training sizes, more of them: the foreground share stays of the same order as in training.
+    train_share = float(_first_batch(data)[1].float().mean())
+    predict_share = float(predict_masks.float().mean())
+    assert 0.25 * train_share < predict_share < 4 * train_share, (train_share, predict_share)
+
+    _, default = make_workload("unet3d", "default")
+    assert (default.volume_size, default.predict_volume_size) == (32, 96)
+    _, custom = make_workload("unet3d", "tiny", batch_size=1)
+    custom_data = type(custom)("tiny", batch_size=1, predict_volume_size=24)
+    assert tuple(_first_batch(custom_data, "predict")[0].shape) == (1, 1, 24, 24, 24)
+    with pytest.raises(ValueError, match=r"predict_volume_size=0.*positive integer"):
+        type(custom)("tiny", predict_volume_size=0)
