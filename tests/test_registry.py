@@ -82,6 +82,9 @@ def test_removed_entry_leaves_the_bench() -> None:
         ({"tuner_order": float("nan")}, "tuner_order=nan"),
         ({"requires": ("tpu",)}, "requires=('tpu',)"),
         ({"advice": AdviceRule("compute_bound", "x")}, "advice="),
+        ({"stages": ("train",)}, "stages=('train',)"),
+        ({"stages": ()}, "stages=()"),
+        ({"stages": "predict"}, "stages='predict'"),
     ],
 )
 def test_bad_entries_are_refused(kwargs: dict, message: str) -> None:
@@ -97,3 +100,25 @@ def test_duplicate_and_bad_advice_rules() -> None:
         AdviceRule("slow", "x")
     with pytest.raises(ValueError, match="when='sometimes'"):
         AdviceRule("compute_bound", "x", "sometimes")
+
+
+def test_a_predict_only_optimization_is_one_entry() -> None:
+    from lightning_perf.benchmark.configs import get_config, split_by_stage
+
+    entry = optimizations.register(
+        Optimization(
+            "dummy_int8",
+            "a predict-only stand-in",
+            callback=f"{__name__}.DummySpeedupCallback",
+            stages=optimizations.INFERENCE_STAGES,
+        )
+    )
+    try:
+        assert get_config("dummy_int8").stages == ("predict", "validate", "test")
+        assert split_by_stage(["baseline", "dummy_int8"], "predict") == (["baseline", "dummy_int8"], [])
+        assert split_by_stage(["dummy_int8"], "fit")[1] == [
+            ("dummy_int8", "applies to predict/validate/test only, not to fit")
+        ]
+        assert "dummy_int8" not in optimizations.tuner_search_list("optimization")
+    finally:
+        optimizations.unregister(entry.name)

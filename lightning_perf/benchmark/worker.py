@@ -98,6 +98,7 @@ class RunResult:
     latency_p99_s: float | None = None
     precision: str | None = None  # the precision the run used
     trainer_settings: list[str] = field(default_factory=list)  # the --config file's trainer keys applied
+    predict_skipped: str | None = None  # why a fit run timed no inference (a user's data without a predict split)
 
 
 class _StepClock(Callback):
@@ -210,6 +211,12 @@ def _batch_size_of(model: pl.LightningModule, datamodule: pl.LightningDataModule
         return spec.batch_size
     holder = batch_size_holder(model, datamodule)
     return holder[1] if holder is not None else None
+
+
+def _has_predict_data(model: pl.LightningModule, datamodule: pl.LightningDataModule | None) -> bool:
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return is_overridden("predict_dataloader", datamodule) or is_overridden("predict_dataloader", model)
 
 
 def _comparable_to_peak(sample: MemorySample) -> int:
@@ -387,7 +394,9 @@ def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
     result.losses = clock.losses
     result.data_wait_s = clock.data_wait_s
 
-    if spec.predict_batches > 0:
+    if spec.predict_batches > 0 and not _has_predict_data(model, datamodule):
+        result.predict_skipped = "neither the data module nor the model defines predict_dataloader"
+    elif spec.predict_batches > 0:
         datamodule.setup("predict")
         available = len(datamodule.predict_dataloader())
         if available < 2:

@@ -14,3 +14,9 @@ def test_workload_and_preset_names_match_the_demos() -> None:
 
 def test_bench_configuration_names_match_the_bench_registry() -> None:
     assert sorted(bench.config_names()) == sorted(available_configs())
+
+
+def test_stage_names_match_the_optimization_stages() -> None:
+    from lightning_perf.optimizations import STAGES
+
+    assert _common.STAGE_NAMES == STAGES
