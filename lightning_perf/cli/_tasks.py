@@ -354,28 +354,29 @@ def _ratio_text(row: dict[str, Any], key: str) -> str:
     return f"{ratio:.2f}x [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else f"{ratio:.2f}x"
 
 
-def _figure_keys(run: _Run) -> tuple[str, str]:
-    """The time and ratio keys a task's summary shows: training steps for fit, per-batch latency for inference."""
+def _figure_keys(run: _Run, row: dict[str, Any]) -> tuple[str, str]:
+    """The time and ratio keys a row shows: the median step for fit, the median per-batch latency for inference."""
     stage = (run.results or {}).get("options", {}).get("stage") or run.task.stage or "fit"
     if stage == "fit":
         return "step_median_s", "speedup"
+    if row.get("latency_p50_s") is not None:
+        return "latency_p50_s", "latency_p50_speedup"
     return "predict_step_median_s", "predict_speedup"
 
 
 def _summary_rows(run: _Run) -> list[dict[str, Any]]:
     if run.results is None:
         return []
-    time_key, ratio_key = _figure_keys(run)
     rows = []
     for row in run.results.get("summary", []):
         if not isinstance(row, dict):
             continue
-        time_value = row.get("latency_p50_s") if ratio_key != "speedup" else None
+        time_key, ratio_key = _figure_keys(run, row)
         rows.append(
             {
                 "config": row.get("config"),
-                "time_key": "latency_p50_s" if time_value is not None else time_key,
-                "time_s": time_value if time_value is not None else row.get(time_key),
+                "time_key": time_key,
+                "time_s": row.get(time_key),
                 "ratio_key": ratio_key,
                 "ratio": row.get(ratio_key),
                 "ratio_ci95": row.get(f"{ratio_key}_ci95"),
@@ -451,7 +452,8 @@ def _tables(runs: Sequence[_Run], comparisons: Sequence[dict[str, Any]]) -> list
             if figure["disturbed"]:
                 verdict += " (disturbed)"
             note = figure["error"] or figure["skipped"] or (run.error if run.status != "ok" else "") or ""
-            ratio = _ratio_text(figure, "ratio")
+            baseline = figure["config"] == "baseline" and figure["ratio"] is None and figure["time_s"] is not None
+            ratio = "1.00x" if baseline else _ratio_text(figure, "ratio")
             rows.append([run.task.name, run.label, run.status, figure["config"], time_text, ratio, f"{verdict} {note}"])
     columns = ["task", "ref", "status", "configuration", "time", "vs baseline [95% interval]", "verdict / error"]
     lines = [markdown_table(columns, rows), ""]
