@@ -4,7 +4,10 @@
 - :mod:`~lightning_perf.deploy.quantize.torchao`: ``QATConfig(step="convert")`` (``backend="torchao"``);
 - :mod:`~lightning_perf.deploy.quantize.convert`: :func:`convert` and :func:`float_copy`, whatever the back-end;
 - :mod:`~lightning_perf.deploy.quantize.save`: :func:`export_quantized` (convert, validate, save, time, report) and
-  :func:`save_quantized`.
+  :func:`save_quantized`;
+- :mod:`~lightning_perf.deploy.quantize.dynamic`: dynamic int8 for CPU inference (:func:`quantize_dynamic`: eager
+  ``torch.ao``, ONNX Runtime or torchao, the fastest correct one measured on the module), and
+  :mod:`~lightning_perf.deploy.quantize.dynamic_save`: :func:`export_dynamic` (validate, time, save, report).
 
 The training-time half (recipes, prepare, the observer / fake-quant / batch-norm schedules) is
 :mod:`lightning_perf.functional.qat`.
@@ -13,6 +16,8 @@ The training-time half (recipes, prepare, the observer / fake-quant / batch-norm
 from __future__ import annotations
 
 from lightning_perf.deploy.quantize.convert import calibrate, convert, float_copy
+from lightning_perf.deploy.quantize.dynamic import DynamicQuantization, quantize_dynamic
+from lightning_perf.deploy.quantize.dynamic_save import DynamicReport, export_dynamic
 from lightning_perf.deploy.quantize.save import (
     QuantizationReport,
     compiled_latency,
@@ -23,14 +28,18 @@ from lightning_perf.deploy.quantize.save import (
 from lightning_perf.deploy.validate import ValidationSummary, compare_models
 
 __all__ = [
+    "DynamicQuantization",
+    "DynamicReport",
     "QuantizationReport",
     "ValidationSummary",
     "calibrate",
     "compare_models",
     "compiled_latency",
     "convert",
+    "export_dynamic",
     "export_quantized",
     "float_copy",
+    "quantize_dynamic",
     "save_quantized",
     "write_program",
 ]

@@ -29,6 +29,7 @@ from lightning_perf.deploy.artifacts import StagedSet
 from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.inputs import as_input_tuple
 from lightning_perf.deploy.quantize.dynamic import DynamicQuantization, OnnxRuntimeModule, int8_size_bytes
+from lightning_perf.deploy.quantize.save import write_program
 from lightning_perf.deploy.validate import ValidationSummary, compare_models
 from lightning_perf.functional.qat import QuantizationError, with_batch
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
@@ -117,8 +118,6 @@ def _write_model(backend: str, module: nn.Module, example: tuple[torch.Tensor, .
         torch.save(getattr(module, "module", module).state_dict(), buffer)
         path.write_bytes(buffer.getvalue())
     else:
-        from lightning_perf.deploy.quantize.save import write_program
-
         write_program(module, example, path)
 
 
@@ -186,16 +185,17 @@ def export_dynamic(
             except Exception as exc:
                 report.problems.append(f"saving: {failure_reason(exc)}")
         report.ok = passed and report.artifact is not None and not report.problems
-        if report.ok and benchmark and batch_sizes:
-            modes = [(m, m.training) for m in (reference, quantized)]
+        if report.ok and benchmark and batch_sizes and quantized is not None:
+            int8 = quantized
+            modes = [(m, m.training) for m in (reference, int8)]
             reference.eval()
-            quantized.eval()  # type: ignore[union-attr]
+            int8.eval()
             try:
                 for size in batch_sizes:
                     batch = with_batch(example, size)
                     base, cand = paired_blocks(
                         functools.partial(reference, *batch),
-                        functools.partial(quantized, *batch),  # type: ignore[misc]
+                        functools.partial(int8, *batch),
                         iterations=latency_iterations,
                         warmup=latency_warmup,
                     )
@@ -205,7 +205,7 @@ def export_dynamic(
                 warnings.warn(f"Timing the int8 model failed: {failure_reason(exc)}", FallbackWarning, stacklevel=2)
             finally:
                 for module, mode in modes:
-                    module.train(mode)  # type: ignore[union-attr]
+                    module.train(mode)
         report.report_path = dirpath / set_name / f"{filename}.json"
         staged.write_json(report.report_path.name, report.to_dict())
         staged.commit(set_name)
