@@ -28,12 +28,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_perf.functional.checkpoint_blocks import find_checkpoint_blocks
 from lightning_perf.functional.surgery import (
     FilterFn,
     ForwardPatch,
     find_forward_patch,
     find_modules,
-    find_repeated_blocks,
     import_module_class,
     patch_forward,
     unpatch_forward,
@@ -75,6 +75,86 @@ def _combined_contexts(
     return forward_context, recompute()
 
 
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` looks like a key/value cache that a block writes into (duck-typed Hugging Face ``Cache``)."""
+    return (
+        not isinstance(value, torch.Tensor)
+        and callable(getattr(value, "update", None))
+        and callable(getattr(value, "get_seq_length", None))
+    )
+
+
+def _caches_in(values: Any) -> list[Any]:
+    """The caches among ``values`` and, one level down, inside them (an encoder-decoder cache holds two)."""
+    found: dict[int, Any] = {}
+    for value in values:
+        if is_cache(value):
+            found[id(value)] = value
+            for inner in getattr(value, "__dict__", {}).values():
+                if is_cache(inner):
+                    found[id(inner)] = inner
+    return list(found.values())
+
+
+class _CacheReplay:
+    """Keep the recompute from writing into a key/value cache a second time.
+
+    In the forward, each cache's ``update`` runs as usual and what it returns (the keys and values the attention then
+    reads: the past ones and this step's) is recorded. In the recompute, ``update`` writes nothing and returns the
+    recorded tensors in the same order, so the attention sees exactly what it saw in the forward. The patch is an
+    instance attribute put in place around each call and removed after it. Only the gradient graph of the forward is
+    used by backward (the non-reentrant recompute only refills saved tensors), so returning the forward's tensors
+    computes the same gradients. Reads inside the block (``get_seq_length()``) see the cache after the forward's write.
+    """
+
+    def __init__(self, caches: list[Any]) -> None:
+        self.caches = caches
+        self.recorded: dict[int, list[Any]] = {id(c): [] for c in caches}
+        self.forward_done = False
+
+    @contextlib.contextmanager
+    def patched(self) -> Any:
+        replaying = self.forward_done
+        saved = []
+        for cache in self.caches:
+            had = "update" in cache.__dict__
+            saved.append((cache, had, cache.__dict__.get("update")))
+            cache.__dict__["update"] = self._replay(cache) if replaying else self._record(cache)
+        try:
+            yield
+        finally:
+            for cache, had, previous in saved:
+                if had:
+                    cache.__dict__["update"] = previous
+                else:
+                    cache.__dict__.pop("update", None)
+            self.forward_done = True
+
+    def _record(self, cache: Any) -> Any:
+        update, log = cache.update, self.recorded[id(cache)]
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            result = update(*args, **kwargs)
+            log.append(result)
+            return result
+
+        return record
+
+    def _replay(self, cache: Any) -> Any:
+        log, position = self.recorded[id(cache)], iter(range(len(self.recorded[id(cache)])))
+
+        def replay(*args: Any, **kwargs: Any) -> Any:
+            index = next(position, None)
+            if index is None:
+                raise RuntimeError(
+                    f"The recompute of a checkpointed block called {type(cache).__name__}.update() more often than "
+                    "its forward did; the block's calls to the cache differ between the two runs."
+                )
+            return log[index]
+
+        return replay
+
+
 class CheckpointedForward(ForwardPatch):
     """A block's forward run under non-reentrant activation checkpointing; see :func:`apply_activation_checkpointing`.
 
@@ -113,14 +193,23 @@ class CheckpointedForward(ForwardPatch):
             options["context_fn"] = lambda: (contextlib.nullcontext(), _RestoreBuffers(stat_modules))
         elif self.context_fn is not None:
             options["context_fn"] = self.context_fn
+        caches = [] if torch.compiler.is_compiling() else _caches_in([*args, *kwargs.values()])
+        function = self._with_cache_replay(_CacheReplay(caches)) if caches else self.call_original
         return checkpoint(
-            self.call_original,
+            function,
             *args,
             use_reentrant=False,
             preserve_rng_state=self.preserve_rng_state,
             **options,
             **kwargs,
         )
+
+    def _with_cache_replay(self, replay: _CacheReplay) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with replay.patched():
+                return self.call_original(*args, **kwargs)
+
+        return run
 
 
 def resolve_module_classes(modules: Any) -> tuple[list[type[nn.Module]], list[str]]:
@@ -164,9 +253,10 @@ def select_blocks(
 
     Args:
         model: the model.
-        modules: ``"auto"`` (the largest group of repeated blocks, see
-            :func:`~lightning_perf.functional.surgery.find_repeated_blocks`), or module classes: classes, dotted class
-            paths, or bare class names matched against the class names in ``model``.
+        modules: ``"auto"`` (the repeated blocks that hold real work: transformer layers, Swin blocks, residual
+            blocks, U-Net stages; never conv-norm-activation sub-blocks, see
+            :func:`~lightning_perf.functional.checkpoint_blocks.find_checkpoint_blocks`), or module classes: classes,
+            dotted class paths, or bare class names matched against the class names in ``model``.
         filter_fn: ``filter_fn(module, name) -> bool`` instead of ``modules``.
 
     Raises:
@@ -175,7 +265,7 @@ def select_blocks(
     if filter_fn is not None:
         return find_modules(model, filter_fn, outermost=True)
     if modules == "auto":
-        return find_repeated_blocks(model)
+        return find_checkpoint_blocks(model)
     classes, names = resolve_module_classes(modules)
     if names:
         present = {type(m).__name__ for m in model.modules()}
@@ -254,7 +344,7 @@ def apply_activation_checkpointing(
 
     Args:
         model: the model.
-        modules: which blocks, see :func:`select_blocks` (``"auto"``: the largest group of repeated blocks).
+        modules: which blocks, see :func:`select_blocks` (``"auto"``: the repeated blocks that hold real work).
         filter_fn: ``filter_fn(module, name) -> bool`` instead of ``modules``.
         every_n: checkpoint only every ``every_n``-th of the selected blocks (less recompute, less memory saved).
         fraction: checkpoint only the first ``fraction`` of the selected blocks, in ``(0, 1]``.

@@ -208,6 +208,31 @@ def _children_through_containers(parent: nn.Module) -> list[nn.Module]:
     return children
 
 
+def repeated_block_groups(model: nn.Module, min_repeats: int = 2) -> dict[type, list[nn.Module]]:
+    """Groups of repeated blocks by class: ``{cls: [block, ...]}``, the candidates of :func:`find_repeated_blocks`.
+
+    A group holds every block of class ``cls`` that has at least ``min_repeats - 1`` same-class siblings (children of
+    one module, seen through plain containers), pooled across parents, in ``model.modules()`` order, each block once.
+
+    Raises:
+        ValueError: if ``min_repeats`` is not an int >= 2.
+    """
+    if isinstance(min_repeats, bool) or not isinstance(min_repeats, int) or min_repeats < 2:
+        raise ValueError(f"`min_repeats={min_repeats!r}` is not valid. Expected an int >= 2.")
+    pooled: dict[type, dict[int, nn.Module]] = defaultdict(dict)
+    for parent in model.modules():
+        if type(parent) in _CONTAINERS and parent is not model:
+            continue  # its children were counted with its owner's
+        siblings: dict[type, list[nn.Module]] = defaultdict(list)
+        for child in _children_through_containers(parent):
+            if _is_block(child):
+                siblings[type(child)].append(child)
+        for cls, members in siblings.items():
+            if len(members) >= min_repeats:
+                pooled[cls].update((id(m), m) for m in members)
+    return {cls: list(members.values()) for cls, members in pooled.items()}
+
+
 def find_repeated_blocks(model: nn.Module, *, min_repeats: int = 2) -> list[tuple[str, nn.Module]]:
     """The model's main repeated blocks: the layers of a transformer, the residual blocks of a ResNet's stages.
 
@@ -238,19 +263,7 @@ def find_repeated_blocks(model: nn.Module, *, min_repeats: int = 2) -> list[tupl
         >>> [name for name, _ in find_repeated_blocks(nn.TransformerEncoder(layer, 3, enable_nested_tensor=False))]
         ['layers.0', 'layers.1', 'layers.2']
     """
-    if isinstance(min_repeats, bool) or not isinstance(min_repeats, int) or min_repeats < 2:
-        raise ValueError(f"`find_repeated_blocks(min_repeats={min_repeats!r})` is not valid. Expected an int >= 2.")
-    pooled: dict[type, dict[int, nn.Module]] = defaultdict(dict)
-    for parent in model.modules():
-        if type(parent) in _CONTAINERS and parent is not model:
-            continue  # its children were counted with its owner's
-        siblings: dict[type, list[nn.Module]] = defaultdict(list)
-        for child in _children_through_containers(parent):
-            if _is_block(child):
-                siblings[type(child)].append(child)
-        for cls, members in siblings.items():
-            if len(members) >= min_repeats:
-                pooled[cls].update((id(m), m) for m in members)
+    pooled = {cls: {id(m): m for m in members} for cls, members in repeated_block_groups(model, min_repeats).items()}
     if not pooled:
         return []
 

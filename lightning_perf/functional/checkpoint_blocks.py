@@ -1,0 +1,100 @@
+"""Which blocks activation checkpointing wraps when asked for ``"auto"``: repeated blocks that hold real work.
+
+:func:`~lightning_perf.functional.surgery.find_repeated_blocks` (shared with regional compilation) finds the biggest
+group of repeated same-class siblings. For checkpointing that is not enough: a checkpointed block keeps its input (and
+its output lives on as the next block's input) and drops what it keeps inside, so a block saves memory only when it
+keeps much more inside than its input and output. A conv-norm-activation sub-block keeps two or three tensors the size
+of its output: wrapping it saves next to nothing and still recomputes it. On MONAI's SwinUNETR the biggest group by
+that rule was 26 such sub-blocks, while the Swin stages and the decoder blocks went unwrapped.
+
+:func:`find_checkpoint_blocks` scores candidates by structure alone (no forward, no example input needed), in three
+steps:
+
+1. **Candidates**: groups of at least ``min_repeats`` same-class sibling blocks, pooled across parents (the
+   :func:`~lightning_perf.functional.surgery.repeated_block_groups` of regional compilation).
+2. **Size of a block**: its *layers*, the submodules that compute something and keep activations for backward: every
+   leaf module but ``nn.Identity`` and zero-probability dropout, plus any module holding parameters of its own
+   (``nn.MultiheadAttention``'s ``in_proj_weight``). Each layer keeps about one tensor of the block's width, the block
+   keeps one (its input), so checkpointing saves about ``layers - 1`` of them per block. A group whose blocks hold fewer
+   than :data:`MIN_LAYERS` layers (conv + norm + activation) is never chosen.
+3. **Choice**: the group covering the most layers wins; a group of more, smaller blocks (the Swin blocks inside a Swin
+   stage, the residual blocks of a ResNet stage) wins over the group holding them when it covers at least 90% as many
+   layers (finer blocks keep the recompute's peak lower). Then every other eligible group that is neither inside nor
+   around a chosen block and covers at least a quarter of the winner's layers joins: the decoder blocks of a U-Net
+   next to its encoder blocks, the decoder layers of an encoder-decoder transformer next to the encoder's.
+
+The result: the layers of a transformer (GPT-2's ``GPT2Block``, ``nn.TransformerEncoderLayer``), the stages of a Swin
+transformer plus the up-sampling blocks of SwinUNETR's decoder, the residual blocks of a ResNet, the encoder and
+decoder stages of a U-Net.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_perf.functional.surgery import find_modules, repeated_block_groups
+
+MIN_LAYERS = 4
+"""Fewest layers a repeated block must hold to be worth checkpointing (conv + norm + activation hold three)."""
+
+_FINER_SHARE = 0.9  # a group of finer blocks wins when it covers at least this share of the best group's layers
+_JOIN_SHARE = 0.25  # another disjoint group joins when it covers at least this share of the winner's layers
+
+
+def _is_layer(module: nn.Module) -> bool:
+    if module._parameters and any(p is not None for p in module._parameters.values()):
+        return True
+    if module._modules or isinstance(module, nn.Identity):
+        return False
+    return not (isinstance(module, nn.modules.dropout._DropoutNd) and module.p == 0)
+
+
+def count_layers(module: nn.Module) -> int:
+    """The layers of ``module`` (itself included): modules that compute and keep activations, see the module doc."""
+    return sum(1 for m in module.modules() if _is_layer(m))
+
+
+def find_checkpoint_blocks(model: nn.Module, *, min_repeats: int = 2) -> list[tuple[str, nn.Module]]:
+    """The blocks worth checkpointing in ``model``, outermost only, in ``named_modules`` order (see the module doc).
+
+    Args:
+        model: the model to search.
+        min_repeats: how many same-class siblings make a group.
+
+    Returns:
+        ``[(name, block), ...]``; empty when no repeated block holds :data:`MIN_LAYERS` layers.
+
+    Example::
+
+        >>> layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        >>> [name for name, _ in find_checkpoint_blocks(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))]
+        ['layers.0', 'layers.1']
+    """
+    groups = []
+    for members in repeated_block_groups(model, min_repeats=min_repeats).values():
+        sizes = [count_layers(m) for m in members]
+        if min(sizes) >= MIN_LAYERS:
+            groups.append((sum(sizes), members))
+    if not groups:
+        return []
+    groups.sort(key=lambda g: -g[0])
+    best_cover = groups[0][0]
+    contenders = [g for g in groups if g[0] >= _FINER_SHARE * best_cover]
+    winner = max(contenders, key=lambda g: (len(g[1]), g[0]))
+    chosen: list[nn.Module] = list(winner[1])
+    for cover, members in groups:
+        if members is winner[1] or cover < _JOIN_SHARE * winner[0]:
+            continue
+        if any(_nested(a, b) for a in members for b in chosen):
+            continue
+        chosen.extend(members)
+    ids = {id(m) for m in chosen}
+    return find_modules(model, lambda m, _: id(m) in ids, outermost=True)
+
+
+def _nested(a: nn.Module, b: nn.Module) -> bool:
+    """Whether one of ``a`` and ``b`` lies inside the other (or they are the same module)."""
+    return a is b or any(m is b for m in a.modules()) or any(m is a for m in b.modules())
+
+
+__all__: list[str] = ["MIN_LAYERS", "count_layers", "find_checkpoint_blocks"]
