@@ -72,6 +72,8 @@ class FlashAttentionCallback(Callback):
         decisions: module name -> ``(kernel, reason)`` for every attention module found in the last ``setup``;
             ``kernel`` is ``"flash_attn"``, ``"sdpa"`` or ``"unchanged"``, and ``decision.action`` says what was done:
             ``"swapped"``, ``"already fused"``, ``"switched config"`` or ``"kept"``.
+        fallbacks: swapped module name -> ``{argument: calls}`` for the calls that ran the original code during the
+            last run (an argument the kernel cannot serve), filled at teardown.
 
     Raises:
         ValueError: for an adapter class path that does not import or does not name an ``AttentionAdapter``.
@@ -111,6 +113,7 @@ class FlashAttentionCallback(Callback):
         self.parity_check = parity_check
         self.strict = strict
         self.decisions: dict[str, AttentionDecision] = {}
+        self.fallbacks: dict[str, dict[str, int]] = {}
         self._result = SwapResult()
         self._device = torch.device("cpu")
         self._compute_dtype: torch.dtype | None = None
@@ -164,6 +167,16 @@ class FlashAttentionCallback(Callback):
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
         discard_pending_surgery(pl_module)
+        self.fallbacks = {
+            name: dict(counts)
+            for name, (_, swapped) in self._result.replaced.items()
+            if (counts := getattr(swapped, "fallbacks", None))
+        }
+        if self.fallbacks:
+            rank_zero_info(
+                "FlashAttentionCallback: calls that ran the original attention code (argument: calls): "
+                + "; ".join(f"{name}: {counts}" for name, counts in self.fallbacks.items())
+            )
         self._result.undo(pl_module)
 
     @property

@@ -10,6 +10,7 @@ are compared with the un-swapped model's.
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -380,3 +381,42 @@ def test_callback_switches_gpt2_back_on_teardown(tmp_path: Path) -> None:
     trainer(tmp_path, callbacks=[callback], max_steps=2, limit_val_batches=0).fit(LMModule(model))
     assert callback.swapped == ["net.transformer.h.0.attn", "net.transformer.h.1.attn"]
     assert model.config._attn_implementation == "eager"
+
+
+def test_callback_reports_fallbacks_and_switches_gpt2_back_on_exception(tmp_path: Path, caplog: Any) -> None:
+    class Fails(FlashAttentionCallback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+            assert pl_module.net.config._attn_implementation == "sdpa"
+            raise RuntimeError("stop")
+
+    model = gpt2("eager")
+    module = SequenceModule(model)
+    module.train_dataloader = lambda: torch.utils.data.DataLoader([lm_batch(0)], batch_size=None)  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="stop"):
+        trainer(tmp_path, callbacks=[Fails()], limit_val_batches=0).fit(module)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_callback_logs_each_decision_and_the_calls_that_fell_back(tmp_path: Path, caplog: Any) -> None:
+    class TemperatureAttention(TimmAttention):
+        def forward(self, x: Tensor, attn_mask: Tensor | None = None, temperature: float = 1.0) -> Tensor:  # type: ignore[override]
+            return super().forward(x / temperature, attn_mask=attn_mask)
+
+    class TwoCalls(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = TemperatureAttention(16)
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head((self.attn(x, temperature=2.0) + self.attn(x, temperature=1.0)).mean(1))
+
+    torch.manual_seed(0)
+    callback = FlashAttentionCallback()
+    module = ZooModule(TwoCalls())
+    with caplog.at_level(logging.INFO), pytest.warns(FallbackWarning, match="`temperature` = 2.0 has no meaning"):
+        trainer(tmp_path, callbacks=[callback], max_steps=2, limit_val_batches=0).fit(module)
+    assert "1 of 1 attention modules swapped (1 swapped)" in caplog.text
+    assert "net.attn: swapped, sdpa (" in caplog.text
+    assert callback.fallbacks == {"net.attn": {"temperature": 2}}
+    assert module.calls.counts["attn"] == 2  # the temperature=1.0 (default) calls ran the kernel
