@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -127,7 +128,7 @@ def _option_items(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> lis
         elif action.nargs == 0 or eq:
             items.append((action.dest, [token]))
         else:
-            items.append((action.dest, tokens[i : i + 2]))
+            items.append((action.dest, list(tokens[i : i + 2])))
             i += 1
         i += 1
     return items
@@ -202,7 +203,7 @@ def _check_configs_exist(parser: argparse.ArgumentParser, args: argparse.Namespa
 
 def _plan(tasks: Sequence[Any], cli_refs: Sequence[str], output_dir: Path, force: bool) -> list[_Run]:
     from lightning_perf.benchmark.refs import WORKING_TREE, file_label
-    from lightning_perf.benchmark.runner import unused_output
+    from lightning_perf.benchmark.report import unused_output
 
     runs = []
     for task in tasks:
@@ -243,7 +244,7 @@ def _read_results(path: Path) -> dict[str, Any] | None:
 
 def _execute(run: _Run, argv: list[str], runner: Callable[[BenchCall], BenchOutcome]) -> None:
     from lightning_perf._io import atomic_write_text
-    from lightning_perf.benchmark.runner import output_paths
+    from lightning_perf.benchmark.report import output_paths
 
     checkout = run.checkout
     call = BenchCall(run.task.name, run.label, argv, checkout.cwd(), checkout.env(), run.output)
@@ -261,7 +262,7 @@ def _execute(run: _Run, argv: list[str], runner: Callable[[BenchCall], BenchOutc
     if outcome.returncode == 0:
         run.error = f"the bench wrote no results file at {run.output}"
     run.log = run.output.with_suffix(".log")
-    command = " ".join(["lightning-perf", "bench", *argv])
+    command = shlex.join(["lightning-perf", "bench", *argv])
     text = f"$ {command}\n# cwd: {call.cwd}\n# exit status {outcome.returncode}\n\n{outcome.stdout}\n{outcome.stderr}"
     atomic_write_text(run.log, text)
 
@@ -368,13 +369,22 @@ def _summary_rows(run: _Run) -> list[dict[str, Any]]:
     if run.results is None:
         return []
     rows = []
-    for row in run.results.get("summary", []):
-        if not isinstance(row, dict):
-            continue
+    sections = run.results.get("by_batch_size")  # a --batch-sizes sweep: one report per batch size
+    if not isinstance(sections, list):
+        sections = [run.results]
+    pairs = [
+        (section, row)
+        for section in sections
+        if isinstance(section, dict)
+        for row in section.get("summary", [])
+        if isinstance(row, dict)
+    ]
+    for section, row in pairs:
         time_key, ratio_key = _figure_keys(run, row)
+        size = section.get("batch_size") if section is not run.results else None
         rows.append(
             {
-                "config": row.get("config"),
+                "config": row.get("config") if size is None else f"{row.get('config')} (batch {size})",
                 "time_key": time_key,
                 "time_s": row.get(time_key),
                 "ratio_key": ratio_key,
@@ -427,6 +437,10 @@ def _compare_runs(runs: Sequence[_Run], threshold: float) -> list[dict[str, Any]
     return comparisons
 
 
+def _is_baseline(config: Any) -> bool:
+    return config == "baseline" or str(config).startswith("baseline (batch ")
+
+
 def _change(ratio: float | None) -> str:
     return "-" if ratio is None else f"{(ratio - 1.0) * 100.0:+.1f}%"
 
@@ -448,11 +462,11 @@ def _tables(runs: Sequence[_Run], comparisons: Sequence[dict[str, Any]]) -> list
         for figure in figures:
             what = figure["time_key"].removesuffix("_s").replace("_", " ")
             time_text = f"{format_value(figure['time_s'], 's')} ({what})" if figure["time_s"] is not None else "n/a"
-            verdict = "reference" if figure["config"] == "baseline" else (figure["verdict"] or "n/a")
+            verdict = "reference" if _is_baseline(figure["config"]) else (figure["verdict"] or "n/a")
             if figure["disturbed"]:
                 verdict += " (disturbed)"
             note = figure["error"] or figure["skipped"] or (run.error if run.status != "ok" else "") or ""
-            baseline = figure["config"] == "baseline" and figure["ratio"] is None and figure["time_s"] is not None
+            baseline = _is_baseline(figure["config"]) and figure["ratio"] is None and figure["time_s"] is not None
             ratio = "1.00x" if baseline else _ratio_text(figure, "ratio")
             rows.append([run.task.name, run.label, run.status, figure["config"], time_text, ratio, f"{verdict} {note}"])
     columns = ["task", "ref", "status", "configuration", "time", "vs baseline [95% interval]", "verdict / error"]
@@ -486,7 +500,7 @@ def _tables(runs: Sequence[_Run], comparisons: Sequence[dict[str, Any]]) -> list
 def _finish(args: argparse.Namespace, runs: Sequence[_Run], output_dir: Path, say: Callable[[str], None]) -> int:
     from lightning_perf._io import atomic_write_text
     from lightning_perf.benchmark.compare import METHOD
-    from lightning_perf.benchmark.runner import unused_output
+    from lightning_perf.benchmark.report import unused_output
     from lightning_perf.cli.compare import DEFAULT_THRESHOLD, percentage
 
     threshold = percentage(DEFAULT_THRESHOLD)
@@ -496,7 +510,9 @@ def _finish(args: argparse.Namespace, runs: Sequence[_Run], output_dir: Path, sa
     regressions = [
         f"{c['task']}: {r} ({c['candidate']} vs {c['reference']})" for c in comparisons for r in c["regressions"]
     ]
-    command = " ".join(["lightning-perf", *(getattr(args, "argv", None) or ["bench"])])
+    command = shlex.join(["lightning-perf", *(getattr(args, "argv", None) or ["bench"])])
+    failed_lines = [f"{run.task.name} @ {run.label}: {run.error}" for run in failed]
+    not_run_lines = [f"{run.task.name} @ {run.label}" for run in not_run]
     summary = {
         "kind": SUMMARY_KIND,
         "command": command,
@@ -506,16 +522,16 @@ def _finish(args: argparse.Namespace, runs: Sequence[_Run], output_dir: Path, sa
         "method": METHOD,
         "runs": [run.to_dict() for run in runs],
         "comparisons": comparisons,
-        "failed": [f"{run.task.name} @ {run.label}: {run.error}" for run in failed],
-        "not_run": [f"{run.task.name} @ {run.label}" for run in not_run],
+        "failed": failed_lines,
+        "not_run": not_run_lines,
         "regressions": regressions,
     }
     json_path = unused_output(output_dir / "summary.json", force=args.force)
     md_path = json_path.with_suffix(".md")
     tables = _tables(runs, comparisons)
-    verdicts = [f"{len(failed)} failed: " + "; ".join(summary["failed"]) if failed else "every task ran"]
+    verdicts = [f"{len(failed)} failed: " + "; ".join(failed_lines) if failed else "every task ran"]
     if not_run:
-        verdicts.append(f"{len(not_run)} not run (--fail-fast): {', '.join(summary['not_run'])}")
+        verdicts.append(f"{len(not_run)} not run (--fail-fast): {', '.join(not_run_lines)}")
     if comparisons:
         pct = f"{threshold * 100:g}%"
         verdicts.append(

@@ -78,7 +78,10 @@ class FakeBench:
             )
             factor = float(done.stdout)
             self.factors.append(done.stdout.strip())
-        call.output.write_text(json.dumps(_results(call, factor)))
+        results = _results(call, factor)
+        if "--batch-sizes" in call.argv:  # a sweep: one report per batch size in one file
+            results = {"kind": "lightning-perf-bench-sweep", "by_batch_size": [{"batch_size": 8, **results}]}
+        call.output.write_text(json.dumps(results))
         call.output.with_suffix(".md").write_text("# bench\n")
         return BenchOutcome(0, "table\n", "")
 
@@ -169,6 +172,18 @@ def test_a_failing_task_is_reported_and_the_others_go_on(
     summary = _summary(tmp_path / "out", "summary-2.json")  # the first summary is kept
     assert [r["status"] for r in summary["runs"]] == ["ok", "failed", "not run"]
     assert summary["not_run"] == ["c @ working tree"] and "1 not run (--fail-fast)" in capsys.readouterr().out
+
+
+def test_a_batch_size_sweep_is_summarized_per_batch_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake: FakeBench
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    tasks = _tasks_file(tmp_path, "a,,,,,convnet")
+    assert main(["bench", "--tasks", str(tasks), "--output", "out", "--batch-sizes", "8"]) == 0
+    assert "--batch-sizes" in fake.calls[0].argv
+    rows = _summary(tmp_path / "out")["runs"][0]["rows"]
+    assert [row["config"] for row in rows] == ["baseline (batch 8)", "channels_last (batch 8)"]
+    assert "| 1.00x " in (tmp_path / "out" / "summary.md").read_text()
 
 
 def test_files_are_never_overwritten_silently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake: FakeBench) -> None:
