@@ -134,7 +134,8 @@ class BlockProfile:
     Attributes:
         name: the block's qualified name in the model.
         saved_bytes: activation bytes first saved for backward inside the block (unique storages), no checkpointing.
-        input_bytes: bytes of its inputs that a checkpoint keeps alive and nothing before the block saves.
+        input_bytes: bytes a fully checkpointed block still keeps: its inputs (that nothing before it saves) and the
+            outputs it saves itself.
         forward_s: time of the block's ops in the profiled forward.
         kept_bytes: per selective policy name, the bytes kept under it (inputs plus the kept ops' outputs).
         recompute_s: per selective policy name, the time of the ops it recomputes.
@@ -246,6 +247,7 @@ class ActivationRecorder:
         self._current: str | None = None
         self._ops: dict[str, list[tuple[str, int, list[int]]]] = {}  # block -> [(op class, ns, output storage ids)]
         self._inputs: dict[str, set[int]] = {}
+        self._outputs: dict[str, set[int]] = {}
         self._saved: dict[int, str | None] = {}  # storage id -> block it was first saved in (None: outside)
         self._ids = _StorageIds()
         self._excluded: set[int] = set()
@@ -266,6 +268,7 @@ class ActivationRecorder:
             return
         self._ops = {name: [] for name, _ in self.blocks}
         self._inputs = {name: set() for name, _ in self.blocks}
+        self._outputs = {name: set() for name, _ in self.blocks}
         self._saved = {}
         self._ids = _StorageIds()
         self._excluded = {self._ids.key(t) for t in (*self.model.parameters(), *self.model.buffers())} - {None}
@@ -325,8 +328,13 @@ class ActivationRecorder:
                     self._inputs[name].add(key)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._current is not None and self.blocks[[n for n, _ in self.blocks].index(self._current)][1] is module:
+        name = self._current
+        if name is not None and self.blocks[[n for n, _ in self.blocks].index(name)][1] is module:
             self._current = None
+            for t in tree_flatten(output)[0]:
+                key = self._ids.key(t) if isinstance(t, torch.Tensor) else None
+                if key is not None and key not in self._excluded:
+                    self._outputs[name].add(key)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = self._ids.key(t)
@@ -341,8 +349,11 @@ class ActivationRecorder:
         profiles = []
         for name, _ in self.blocks:
             saved = sum(size[k] for k, block in self._saved.items() if block == name)
-            # A checkpoint keeps its inputs alive: count those this block saved first or nobody saved.
+            # Checkpointed, a block still keeps its inputs (the checkpoint holds them: count those this block saved
+            # first or nobody saved) and those of its outputs it saved itself (a ReLU saves its result), which stay
+            # alive as the next block's input.
             inputs = {k for k in self._inputs[name] if self._saved.get(k, name) == name}
+            inputs |= {k for k in self._outputs[name] if self._saved.get(k) == name}
             ops = self._ops[name]
             forward_ns = sum(elapsed for _, elapsed, _ in ops)
             kept, recompute = {}, {}
@@ -555,7 +566,7 @@ def plan_checkpointing(profile: ActivationProfile, budget: float) -> CheckpointP
         options = [(0.0, block.saved_bytes, "none", ())]
         for policy, classes in _POLICIES.items():
             present = tuple(c for c in classes if block.op_counts.get(c))
-            if present and block.kept_bytes[policy] < block.saved_bytes:
+            if present and policy in block.kept_bytes and block.kept_bytes[policy] < block.saved_bytes:
                 options.append((max(block.recompute_s[policy], 0.0), block.kept_bytes[policy], "selective", present))
         options.append((block.forward_s, min(block.input_bytes, block.saved_bytes), "full", ()))
         hull = _hull(options)
