@@ -382,8 +382,13 @@ def run_benchmark(
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in left_out],
-        notes=precision_notes(options),
+        notes=precision_notes(options) + _predict_skipped_notes(results),
     )
+
+
+def _predict_skipped_notes(results: dict[str, list[RunResult]]) -> list[str]:
+    reasons = sorted({r.predict_skipped for runs in results.values() for r in runs if r.predict_skipped})
+    return [f"no inference timing: {reason}" for reason in reasons]
 
 
 def precision_notes(options: BenchOptions) -> list[str]:

@@ -176,6 +176,9 @@ def test_fit_on_classes_by_import_path_sets_the_batch_size_in_hparams() -> None:
                                 predict_batches=2, source=source))  # fmt: skip
     assert result.ok, result.error
     assert result.batch_size == 2 and len(result.losses) == 3 and result.predict_step_median_s is not None
+    spec = RunSpec(workload="Classifier", config="baseline", steps=2, warmup_steps=1, source=source, stage="validate")
+    validated = run_worker(spec)
+    assert validated.ok and len(validated.predict_step_times_s) == 2 and validated.losses == []
 
 
 def test_configurations_say_which_stages_they_apply_to() -> None:
@@ -282,6 +285,8 @@ def test_batch_sizes_sweep_one_section_per_size_and_the_scaling_table(
     assert header.split("|")[2:4] == [" batch 1 ", " batch 4 "], header
     assert markdown.count("### `Classifier`, predict on cpu, batch size") == 2
     assert f"wrote {output}" in capsys.readouterr().out
+    assert main(["compare", str(output), str(output)]) == 0  # per configuration and batch size
+    assert "channels_last @ batch 4" in capsys.readouterr().out
 
 
 def test_a_real_predict_run_records_its_source_and_stage_and_compares(
