@@ -11,7 +11,12 @@ time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain nu
 
     schema_version, kind, command, wall_s
     options      the BenchOptions (workload, configs, preset, steps, warmup_steps, repeats, batch_size, precision,
-                 device, seed, predict_batches, num_workers, timeout_s)
+                 device, seed, predict_batches, num_workers, timeout_s, stage ("fit" | "predict" | "validate" |
+                 "test"), source (the user's model, null for a workload: {kind: "import", model, datamodule,
+                 model_args, datamodule_args} or {kind: "config", configs: [paths], model, datamodule, ...}; workload
+                 is then the model's class name), precision_from ("--config" when the file's precision is the run's),
+                 ignored_trainer_settings (the file's trainer keys the bench decides itself))
+    notes        [str]: a configuration's own precision over the run's, a fit run that timed no inference
     machine      profiling.machine.describe_machine(): cpu, cpu_count, torch_threads, cpu_flags {avx2, avx512f,
                  avx512_vnni, avx512_bf16, amx_tile, amx_bf16, amx_int8}, cpu_bf16_instructions, gpu, gpu_driver,
                  versions (lightning_perf, torch, lightning)
@@ -42,7 +47,13 @@ time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain nu
             "given: Lightning get_available_flops", "measured matmul 2048^3 fp32, 2 threads (cached)",
             "unknown: ..."), peak_causes (what disturbed a measured peak), mfu (achieved / peak, a fraction) and
             mfu_ci95 (see benchmark.utilization)
-    runs         every worker's RunResult: spec {config, repeat, ...}, ok, skipped, error, batch_size,
+        inference stages (--stage predict|validate|test; a "step" is then one batch's latency, and step_times_s,
+            speedup... describe it): latency_p50_s, latency_p95_s, latency_p99_s (median over repeats of each
+            repeat's percentile), and against baseline, each with _ci95, _verdict, _method, _n:
+            latency_p50_speedup, latency_p95_speedup, latency_p99_speedup, predict_throughput_ratio,
+            first_batch_speedup, warmup_speedup (baseline / configuration: > 1 is faster), peak_memory_ratio
+    runs         every worker's RunResult (also latency_p50_s/_p95_s/_p99_s, precision, trainer_settings):
+                 spec {config, repeat, ...}, ok, skipped, error, batch_size,
                  step_median_s, step_times_s, predict_step_median_s, predict_step_times_s, throughput, warmup_s,
                  model_init_s, first_batch_s, first_forward_s, peak_memory_bytes, step_memory_bytes, losses,
                  data_wait_s, wall_s, flops_per_step, flops_by_operator, flops_error (repeat 0)

@@ -1,4 +1,10 @@
-"""``lightning-perf bench``: configurations side by side on a reference workload, each run in a fresh process.
+"""``lightning-perf bench``: configurations side by side on a reference workload or the user's own model, each run
+in a fresh process.
+
+The user's model comes from ``--model pkg.mod:Class --datamodule pkg.mod:Class`` (JSON arguments) and/or LightningCLI
+``--config`` files (their ``trainer:`` settings apply to every configuration); ``--stage predict|validate|test``
+measures inference per batch (latency percentiles, throughput, cold first batch, warm-up, memory) instead of training
+steps; ``--batch-sizes 1,8,32`` repeats the bench per batch size and adds a batch-scaling table.
 
 The parser imports nothing heavy: the configuration names come from :mod:`lightning_perf.optimizations` (plain data)
 and the workload names from :mod:`lightning_perf.cli._common`; torch, Lightning and rich load in :func:`run`.
@@ -68,9 +74,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``bench`` on the ``lightning-perf`` sub-parsers."""
     parser = subparsers.add_parser(
         "bench",
-        help="measure configurations side by side on a reference workload",
-        description="Train a reference workload under each configuration (fresh process per run, repeats "
-        "interleaved) and print step time, throughput, warm-up, memory and inference speed against baseline.",
+        help="measure configurations side by side on a reference workload or your own model",
+        description="Train a reference workload or your own model (--model/--datamodule, --config) under each "
+        "configuration (fresh process per run, repeats interleaved) and print step time, throughput, warm-up, memory "
+        "and inference speed against baseline; --stage predict measures per-batch inference latency instead.",
         allow_abbrev=False,
     )
     what = parser.add_mutually_exclusive_group()
