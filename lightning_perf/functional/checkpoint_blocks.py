@@ -18,14 +18,15 @@ steps:
    keeps one (its input), so checkpointing saves about ``layers - 1`` of them per block. A group whose blocks hold fewer
    than :data:`MIN_LAYERS` layers (conv + norm + activation) is never chosen.
 3. **Choice**: the group covering the most layers wins; a group of more, smaller blocks (the Swin blocks inside a Swin
-   stage, the residual blocks of a ResNet stage) wins over the group holding them when it covers at least 90% as many
-   layers (finer blocks keep the recompute's peak lower). Then every other eligible group that is neither inside nor
-   around a chosen block and covers at least a quarter of the winner's layers joins: the decoder blocks of a U-Net
-   next to its encoder blocks, the decoder layers of an encoder-decoder transformer next to the encoder's.
+   stage, whose patch merging is left out; the residual blocks of a custom ResNet stage) wins over it when it covers
+   at least three quarters as many layers (finer blocks keep the recompute's peak lower). Then every other eligible
+   group that is neither inside nor around a chosen block and covers at least a quarter of the winner's layers joins:
+   the decoder blocks of a U-Net next to its encoder blocks, the decoder layers of an encoder-decoder transformer next
+   to the encoder's.
 
-The result: the layers of a transformer (GPT-2's ``GPT2Block``, ``nn.TransformerEncoderLayer``), the stages of a Swin
-transformer plus the up-sampling blocks of SwinUNETR's decoder, the residual blocks of a ResNet, the encoder and
-decoder stages of a U-Net.
+The result: the layers of a transformer (GPT-2's ``GPT2Block``, ``nn.TransformerEncoderLayer``), the blocks of a Swin
+transformer (on MONAI's SwinUNETR with them its residual encoder and up-sampling decoder blocks, 18 in all instead of
+26 conv sub-blocks), the residual blocks of a ResNet, the encoder and decoder stages of a U-Net.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from lightning_perf.functional.surgery import find_modules, repeated_block_group
 MIN_LAYERS = 4
 """Fewest layers a repeated block must hold to be worth checkpointing (conv + norm + activation hold three)."""
 
-_FINER_SHARE = 0.9  # a group of finer blocks wins when it covers at least this share of the best group's layers
+_FINER_SHARE = 0.75  # a group of finer blocks wins when it covers at least this share of the best group's layers
 _JOIN_SHARE = 0.25  # another disjoint group joins when it covers at least this share of the winner's layers
 
 
