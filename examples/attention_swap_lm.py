@@ -78,8 +78,10 @@ def main() -> None:
         limit_val_batches=0,
     )
     trainer.fit(model, datamodule=data)
-    for name, (kernel, reason) in callback.decisions.items():
-        print(f"{name}: {kernel} ({reason})")
+    for name, decision in callback.decisions.items():
+        print(f"{name}: {decision.action}, {decision.kernel} ({decision.reason})")
+    if callback.fallbacks:
+        print(f"calls that ran the original attention code: {callback.fallbacks}")
 
     # Timing on the bare network, at sequence lengths beyond the preset's (positions and mask sized to fit).
     vocab = model.vocab_size
