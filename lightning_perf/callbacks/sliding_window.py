@@ -148,9 +148,10 @@ class SlidingWindowInferenceCallback(Callback):
             self._patched = pl_module
             roi = patch.settings.roi_size
             size = self.chosen_sw_batch_size or "auto"
+            where = f"{getattr(stage, 'value', stage)} runs {type(pl_module).__name__}.forward in {roi} windows"
             rank_zero_info(
-                f"{_OWNER}: {stage} runs {type(pl_module).__name__}.forward in {roi} windows (sw_batch_size={size}, "
-                f"overlap={self.settings.overlap}, mode={self.settings.mode!r})."
+                f"{_OWNER}: {where} (sw_batch_size={size}, overlap={self.settings.overlap}, "
+                f"mode={self.settings.mode!r})."
             )
 
     def _report(self, choice: SwBatchSizeChoice) -> None:
