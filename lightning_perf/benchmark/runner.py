@@ -290,10 +290,11 @@ class RunEvent:
     elapsed_s: float
     remaining_s: float
     status: str  # "ok", "skipped: ...", "failed: ..."
+    unit: str = "step"  # "batch" for an inference stage (the median is then a batch's latency)
 
     def line(self) -> str:
         """``"[3/9] channels_last repeat 1/3: step 41.2 ms, elapsed 0:32, about 1:05 left"``."""
-        what = f"step {self.step_median_s * 1e3:.1f} ms" if self.step_median_s is not None else self.status
+        what = f"{self.unit} {self.step_median_s * 1e3:.1f} ms" if self.step_median_s is not None else self.status
         return (
             f"[{self.done}/{self.total}] {self.config} repeat {self.repeat + 1}/{self.repeats}: {what}, "
             f"elapsed {_clock(self.elapsed_s)}, about {_clock(self.remaining_s)} left"
@@ -366,6 +367,7 @@ def run_benchmark(
                         RunEvent(
                             name, repeat, options.repeats, done, total, result.step_median_s if result.ok else None,
                             elapsed, elapsed / done * (total - done), status,
+                            "step" if options.stage == "fit" else "batch",
                         )
                     )  # fmt: skip
     if progress is not None:
