@@ -6,6 +6,7 @@ import copy
 import logging
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
@@ -25,6 +26,7 @@ class Spy(GradCheckpointCallback):
     seen: list[str]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self.seen = checkpointed_modules(pl_module)
 
 
@@ -200,3 +202,133 @@ def test_bf16_mixed_precision(tmp_path: Path) -> None:
     callback = Spy()
     trainer(tmp_path, callbacks=[callback], precision="bf16-mixed").fit(model)
     assert callback.seen == ["net.layers.0", "net.layers.1"]
+
+
+# ----------------------------------------------------------------------------------------------- memory_budget
+
+
+def prenorm_encoder(depth: int = 4, dim: int = 32, dropout: float = 0.0) -> nn.Module:
+    layer = nn.TransformerEncoderLayer(dim, 2, 4 * dim, dropout=dropout, batch_first=True, norm_first=True)
+    return nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+
+
+def budget_model(dropout: float = 0.0) -> SequenceModule:
+    return SequenceModule(prenorm_encoder(dropout=dropout), dim=32, seq=32, samples=32)
+
+
+def test_memory_budget_plans_applies_measures_reports_once_and_unwraps(tmp_path: Path, caplog) -> None:
+    model = budget_model()
+    callback = Spy(memory_budget=0.5)
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, callbacks=[callback], max_steps=4).fit(model)
+    plan = callback.plan
+    assert plan is not None and plan.checkpointed and callback.wrapped == [c.name for c in plan.checkpointed]
+    assert callback.seen == callback.wrapped  # checkpointed while training
+    assert plan.expected_bytes <= 0.5 * plan.baseline_bytes
+    assert plan.measured_ratio is not None and plan.measured_ratio <= 0.5 * 1.15  # allocator, first checkpointed step
+    assert caplog.text.count("GradCheckpointCallback: memory_budget=0.5: checkpointing") == 1
+    assert "measured:" in caplog.text
+    assert checkpointed_modules(model) == []
+
+
+def test_memory_budget_trains_as_the_plain_model(tmp_path: Path) -> None:
+    results = []
+    for callbacks in ([], [GradCheckpointCallback(memory_budget=0.3)]):
+        torch.manual_seed(0)
+        model = budget_model(dropout=0.1)
+        trainer(tmp_path, callbacks=callbacks, max_steps=4).fit(model)
+        results.append(model.state_dict())
+    for key in results[0]:
+        torch.testing.assert_close(results[1][key], results[0][key], msg=key)
+
+
+def test_memory_budget_fit_twice_and_resume(tmp_path: Path) -> None:
+    model = budget_model()
+    callback = Spy(memory_budget=0.5)
+    for _ in range(2):
+        trainer(tmp_path, callbacks=[callback], max_steps=3).fit(model)
+        assert callback.seen and checkpointed_modules(model) == []
+
+    def fit(max_epochs: int, ckpt: Path | None = None, save: Path | None = None) -> SequenceModule:
+        torch.manual_seed(0)
+        model = budget_model()
+        run = trainer(
+            tmp_path, callbacks=[GradCheckpointCallback(memory_budget=0.5)], max_steps=-1, max_epochs=max_epochs
+        )
+        run.fit(model, ckpt_path=ckpt)
+        if save is not None:
+            run.save_checkpoint(save)
+        return model
+
+    straight = fit(2)
+    fit(1, save=tmp_path / "one.ckpt")
+    resumed = fit(2, ckpt=tmp_path / "one.ckpt")
+    for key, value in straight.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, msg=key)
+
+
+def test_memory_budget_one_checkpoints_nothing_and_says_so(tmp_path: Path, caplog) -> None:
+    model = budget_model()
+    callback = Spy(memory_budget=1.0)
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, callbacks=[callback]).fit(model)
+    assert callback.seen == [] and callback.plan is None
+    assert caplog.text.count("memory_budget=1.0): no activation checkpointing") == 1
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom at step 3"), KeyboardInterrupt()], ids=["RuntimeError", "Ctrl+C"])
+def test_memory_budget_undone_on_a_failed_fit(tmp_path: Path, error: BaseException) -> None:
+    model = budget_model()
+    plain = plain_model_signature(model)
+    callback = Spy(memory_budget=0.5)
+    fit_interrupted(tmp_path, model, callback, error)
+    assert callback.seen and checkpointed_modules(model) == []
+    assert plain_model_signature(model) == plain
+
+
+def test_memory_budget_under_compile_sets_the_compiler_budget_and_restores_it(tmp_path: Path) -> None:
+    from torch._functorch import config
+
+    from lightning_perf.callbacks import CompileCallback
+
+    class Seen(GradCheckpointCallback):
+        budget_seen: float | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+            self.budget_seen = config.activation_memory_budget
+
+    before = config.activation_memory_budget
+    callback = Seen(memory_budget=0.5)
+
+    class Stop(RuntimeError):
+        pass
+
+    class FailAtStart(pl.Callback):
+        def on_train_batch_start(self, *args: object) -> None:
+            raise Stop("no need to compile: the setting is what is tested")
+
+    with pytest.raises(Stop):
+        trainer(tmp_path, callbacks=[CompileCallback(), callback, FailAtStart()]).fit(budget_model())
+    assert callback.budget_seen == 0.5 and callback.plan is None
+    assert config.activation_memory_budget == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"memory_budget": 0}, ValueError, r"memory_budget=0\).*\(0, 1\]"),
+        ({"memory_budget": -0.5}, ValueError, r"memory_budget=-0.5\).*\(0, 1\]"),
+        ({"memory_budget": 1.5}, ValueError, r"memory_budget=1.5\).*\(0, 1\]"),
+        ({"memory_budget": float("nan")}, ValueError, r"memory_budget=nan\).*\(0, 1\]"),
+        ({"memory_budget": float("inf")}, ValueError, r"memory_budget=inf\).*\(0, 1\]"),
+        ({"memory_budget": True}, TypeError, r"memory_budget=True\).*Expected a number"),
+        ({"memory_budget": "0.5"}, TypeError, r"memory_budget='0.5'\).*Expected a number"),
+        ({"memory_budget": 0.5, "every_n": 2}, ValueError, r"memory_budget=0.5, every_n=2.*not both"),
+        ({"memory_budget": 0.5, "fraction": 0.5}, ValueError, r"fraction=0.5\)`: give `memory_budget`.*not both"),
+    ],
+)
+def test_bad_memory_budgets_fail_at_construction(kwargs: dict, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match) as info:
+        GradCheckpointCallback(**kwargs)
+    assert "GradCheckpointCallback" in str(info.value)
