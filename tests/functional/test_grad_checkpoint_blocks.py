@@ -17,6 +17,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from lightning_perf.functional.checkpoint_blocks import MIN_LAYERS, count_layers, find_checkpoint_blocks
 from lightning_perf.functional.grad_checkpoint import CheckpointedForward, apply_activation_checkpointing, select_blocks
 from lightning_perf.functional.surgery import find_repeated_blocks
+from tests._models import ResNet, Stage
 
 # ------------------------------------------------------------------------------------------------ models of the zoos
 
@@ -198,6 +199,20 @@ def test_unet_like_picks_encoder_and_decoder_stages() -> None:
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_gpt2_picks_its_layers(attn: str) -> None:
     assert names(select_blocks(gpt2(attn))) == ["transformer.h.0", "transformer.h.1"]
+
+
+def test_both_stacks_of_an_encoder_decoder_and_blocks_over_custom_stages() -> None:
+    model = nn.Transformer(16, 2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32, batch_first=True)
+    assert names(find_checkpoint_blocks(model)) == [
+        "encoder.layers.0",
+        "encoder.layers.1",
+        "decoder.layers.0",
+        "decoder.layers.1",
+    ]
+    assert names(find_checkpoint_blocks(nn.Sequential(Stage(8, 2), Stage(8, 2)))) == [
+        f"{s}.blocks.{b}" for s in (0, 1) for b in (0, 1)
+    ]
+    assert names(find_checkpoint_blocks(ResNet(blocks_per_stage=2))) == names(find_repeated_blocks(ResNet(2)))
 
 
 def test_only_tiny_repeated_sub_blocks_means_nothing_to_checkpoint() -> None:

@@ -18,6 +18,7 @@ from lightning_perf.functional.surgery import (
     find_repeated_blocks,
     import_module_class,
     patch_forward,
+    repeated_block_groups,
     replace_modules,
     restore_modules,
     take_over_modes,
@@ -161,6 +162,17 @@ def test_no_repeated_blocks() -> None:
 def test_min_repeats_must_be_at_least_two() -> None:
     with pytest.raises(ValueError, match="min_repeats=1"):
         find_repeated_blocks(encoder(), min_repeats=1)
+    with pytest.raises(ValueError, match="min_repeats=True"):
+        repeated_block_groups(encoder(), min_repeats=True)
+
+
+def test_repeated_block_groups_pools_same_class_siblings_across_parents() -> None:
+    model = nn.Sequential(Stage(8, 2), Stage(8, 3))
+    groups = repeated_block_groups(model)
+    assert set(groups) == {Stage, nn.TransformerEncoderLayer}
+    assert groups[Stage] == [model[0], model[1]]
+    assert groups[nn.TransformerEncoderLayer] == [*model[0].blocks, *model[1].blocks]
+    assert repeated_block_groups(model, min_repeats=3) == {nn.TransformerEncoderLayer: list(model[1].blocks)}
 
 
 # ------------------------------------------------------------------------------------------------ forward patches
