@@ -320,7 +320,7 @@ def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
         result.ok, result.skipped = False, reason
         return result
 
-    source = None
+    source: Any = None
     if build is None and spec.source is not None:
         from lightning_perf.benchmark.sources import source_from_dict
 
