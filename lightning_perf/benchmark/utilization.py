@@ -134,6 +134,16 @@ def add_utilization(rows: Sequence[Any], peak_of: Callable[[str], PeakFlops | No
         figures = utilization(row.flops_per_step, row.step_median_s, peak, step_time_ci95_s=row.step_median_ci95_s)
         for key, value in figures.items():
             setattr(row, key, value)
+        if row.mfu is not None and row.mfu > 1.0:
+            # Achieved above the peak: the peak's kernel (a matmul in the run's dtype) is not what this configuration
+            # runs (e.g. emulated bf16 matmuls on a CPU without bf16 instructions, while its convolutions take a
+            # faster path). A utilization above 100% means nothing: report it as unknown, and why.
+            row.peak_source = (
+                f"unknown: the achieved rate is {row.mfu:.1f}x the peak ({row.peak_source}), which therefore does "
+                "not represent this configuration's kernels"
+            )
+            row.mfu = None
+            row.mfu_ci95 = None
 
 
 def mfu_cell(row: Any) -> str:

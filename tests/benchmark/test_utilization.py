@@ -111,6 +111,23 @@ def test_an_unknown_peak_leaves_mfu_unknown_but_keeps_the_achieved_rate() -> Non
     assert unknown_mfu_lines(rows) == ["MFU unknown: peak FLOP/s unknown: no table entry for 'Some GPU'"]
 
 
+def test_a_peak_below_the_achieved_rate_gives_no_mfu_and_says_why() -> None:
+    """Seen: bf16-mixed on a CPU without bf16 instructions printed an MFU of 490% against the emulated bf16 matmul
+    peak. A utilization above 100% means the peak does not represent the run's kernels: unknown, with the reason."""
+    rows = _summaries()
+    achieved = FLOPS / rows[1].step_median_s  # channels_last, the faster row
+    peak = achieved / 4.9
+    add_utilization(rows, lambda config: PeakFlops(peak, "measured matmul 2048^3 bf16"))
+    by_name = {row.config: row for row in rows}
+    fast, slow = by_name["channels_last"], by_name[BASELINE]
+    assert fast.mfu is None and fast.mfu_ci95 is None and mfu_cell(fast) == "-"
+    assert fast.achieved_flops_per_second == pytest.approx(achieved)
+    assert fast.peak_source.startswith("unknown: the achieved rate is 4.9x the peak (measured matmul 2048^3 bf16)")
+    assert slow.mfu is None and slow.peak_source.startswith("unknown: the achieved rate is 2.")
+    lines = unknown_mfu_lines(rows)
+    assert len(lines) == 2 and all("does not represent this configuration's kernels" in line for line in lines)
+
+
 def test_a_disturbed_peak_marks_the_mfu_and_warns() -> None:
     rows = _summaries()
     cause = "other processes' load: they kept 1.50 cores busy"
@@ -153,7 +170,7 @@ def test_the_console_table_with_mfu_fits_80_columns() -> None:
         "bf16-mixed": [_run("bf16-mixed", r, 0.05) for r in range(2)],
     }
     rows = summarize_runs(results)
-    add_utilization(rows, lambda config: PeakFlops(1e10, "measured", ("other processes' load",)))
+    add_utilization(rows, lambda config: PeakFlops(1e11, "measured", ("other processes' load",)))
     for row in rows:
         row.disturbed = True
         row.likely_cause = "compile warm-up not amortized" if row.config != BASELINE else None
