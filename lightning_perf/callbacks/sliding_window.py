@@ -143,7 +143,7 @@ class SlidingWindowInferenceCallback(Callback):
             return
         require_monai()
         self._undo()
-        patch = apply_sliding_window(pl_module, self.settings, on_choice=self._report, choice=self.choice)
+        patch = apply_sliding_window(pl_module, self.settings, on_choice=self._report, choice=self.choice, owner=_OWNER)
         if patch is not None:
             self._patched = pl_module
             roi = patch.settings.roi_size

@@ -589,6 +589,7 @@ def apply_sliding_window(
     *,
     on_choice: Callable[[SwBatchSizeChoice], None] | None = None,
     choice: SwBatchSizeChoice | None = None,
+    owner: str = "apply_sliding_window",
 ) -> SlidingWindowForward | None:
     """Route ``module``'s forward through the sliding window, in place (the module keeps its class and keys).
 
@@ -597,6 +598,7 @@ def apply_sliding_window(
         settings: from :func:`validate_sliding_window`; ``roi_size="model"`` is resolved here from ``module``.
         on_choice: called once with the :class:`SwBatchSizeChoice` when ``sw_batch_size="auto"`` has measured.
         choice: an earlier choice to reuse (``"auto"`` then measures nothing).
+        owner: the name error messages give the caller.
 
     Returns:
         The patch, or ``None`` if the module's forward already goes through a sliding window.
@@ -610,7 +612,7 @@ def apply_sliding_window(
     """
     require_monai()
     if isinstance(settings.roi_size, str):
-        settings = settings.with_roi(resolve_roi_size(module))
+        settings = settings.with_roi(resolve_roi_size(module, owner))
     return patch_forward(module, lambda m: SlidingWindowForward(m, settings, on_choice, choice))
 
 

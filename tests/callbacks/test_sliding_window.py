@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import signal
 from typing import Any
 
 import lightning.pytorch as pl
@@ -209,7 +210,9 @@ def test_roi_size_from_the_model() -> None:
     (x,) = next(iter(loader))
     assert (prediction - _reference(model, x, 3, 2, "gaussian")).abs().max() < 1e-4
 
-    with pytest.raises(ValueError, match=r"roi_size='model'.*TinySegNet declares no patch size"):
+    with pytest.raises(
+        ValueError, match=r"SlidingWindowInferenceCallback\(roi_size=.model.\).*TinySegNet declares no patch size"
+    ):
         _trainer([SlidingWindowInferenceCallback("model")]).predict(_model(3), dataloaders=loader)
 
 
@@ -309,11 +312,12 @@ def test_forward_restored_after_an_exception_in_predict(exception: type[BaseExce
 
     callback = SlidingWindowInferenceCallback(ROI[3])
     trainer = _trainer([callback, FailSecond()])
-    if exception is KeyboardInterrupt:
-        trainer.predict(model, dataloaders=loader)  # Lightning turns an interrupt into a graceful stop
-    else:
-        with pytest.raises(_Boom):
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit if exception is KeyboardInterrupt else _Boom):  # Lightning exits on Ctrl+C
             trainer.predict(model, dataloaders=loader)
+    finally:
+        signal.signal(signal.SIGINT, sigint)  # Lightning ignores SIGINT from a Ctrl+C on
     assert "forward" not in model.__dict__ and sliding_window_patch(model) is None and not callback.active
     # A second run behaves as the first.
     model.seen.clear()
