@@ -20,6 +20,7 @@ shaped both ways at once) makes only that call run the original code, and is rep
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,7 +75,7 @@ class ArgumentPlan:
             params.insert(0, ("input", inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.empty))
         return cls(params)
 
-    @property
+    @functools.cached_property
     def signature(self) -> inspect.Signature:
         return inspect.Signature([inspect.Parameter(n, k, default=d) for n, k, d in self.parameters])
 
@@ -134,8 +135,10 @@ class ArgumentPlan:
             ArgumentNotHonoured: for the first argument the kernel cannot serve.
             TypeError: when the call does not fit the signature (the original would raise too).
         """
-        bound = self.signature.bind(*args, **kwargs)
-        items = list(bound.arguments.items())
+        if len(args) == 1 and not kwargs:  # the common call: the input alone
+            items = [(self.parameters[0][0], args[0])]
+        else:
+            items = list(self.signature.bind(*args, **kwargs).arguments.items())
         x = items[0][1]
         if not isinstance(x, Tensor) or x.dim() != 3:
             raise ArgumentNotHonoured(items[0][0], f"is not a (batch, seq, embed) tensor ({type(x).__name__})")

@@ -70,7 +70,7 @@ def switch_attention_implementation(
         named), the implementation to go back to when it was switched (else ``None``), and what went wrong (a refused
         switch, a parity mismatch: the model is then back on its implementation).
     """
-    current = model.config._attn_implementation  # type: ignore[union-attr]
+    current = str(model.config._attn_implementation)  # type: ignore[union-attr]
     prefix = f"{name}." if name else ""
     if current != _EAGER:
         reason = f"already fused: its config's attn_implementation is {current!r}"

@@ -175,7 +175,8 @@ class FusedQKVAttentionAdapter(AttentionAdapter):
                         spec = FusedQKVSpec(qkv_name, out_name, heads, causal, layout, attn_dropout, out_dropout)
                         candidate = FusedQKVAttention.from_module(module, spec, kernel)
                         if outputs_close(candidate.fused(x), expected, x.dtype):
-                            candidate.parity_calls = candidate.learn_arguments(x)
+                            # the calls exercising the learned arguments, for swap_attention's parity check
+                            candidate.__dict__["parity_calls"] = candidate.learn_arguments(x)
                             return candidate
         raise AttentionNotSwappable(
             f"its output matches no standard fused-QKV attention (heads {candidates}, layouts qkv/head, causal or "
