@@ -458,6 +458,20 @@ def _builtin_optimizations() -> list[Optimization]:
             slowdown_causes=(SlowdownCause("always", "recomputes activations in the backward pass: time for memory"),),
             stages=("fit",),
         ),
+        *(
+            Optimization(
+                f"grad_checkpoint_budget{round(budget * 100)}",
+                f"GradCheckpointCallback(memory_budget={budget}): keeps about {budget:.0%} of the activation memory, "
+                "checkpointing blocks fully or selectively at the least recompute",
+                callback=_callback("GradCheckpointCallback"),
+                callback_kwargs={"memory_budget": budget},
+                slowdown_causes=(
+                    SlowdownCause("always", "recomputes part of the activations in the backward pass: time for memory"),
+                ),
+                stages=("fit",),
+            )
+            for budget in (0.75, 0.5, 0.25)
+        ),
         Optimization(
             "flash_attention",
             "FlashAttentionCallback(): attention through flash-attn 2 (CUDA, fp16/bf16) or fused SDPA kernels",
