@@ -118,12 +118,12 @@ class DynamicInt8:
         try:
             choice = self._quantize(module, example)
         except Exception as exc:
-            self._fallback(exc, f"the {trainer.state.fn} run goes on in float")
+            self._fallback(exc, f"the {trainer.state.fn.value} run goes on in float")
             return
         if choice.module is None:
             warn_once(
                 f"`{self.owner}(mode='dynamic')`: no int8 back-end was correct and faster than fp32 for {name!r} "
-                f"on this CPU; the {trainer.state.fn} run goes on in float.\n{choice.describe()}",
+                f"on this CPU; the {trainer.state.fn.value} run goes on in float.\n{choice.describe()}",
                 NoEffectWarning,
             )
             return
