@@ -481,6 +481,16 @@ def _builtin_optimizations() -> list[Optimization]:
             tuner_order=40,
         ),
         Optimization(
+            "dynamic_int8",
+            "QATCallback(mode='dynamic'): predict/test/validate through a dynamic int8 copy (CPU; the fastest correct "
+            "back-end, measured)",
+            callback=_callback("QATCallback"),
+            callback_kwargs={"mode": "dynamic", "export": False},
+            changes_numerics=True,
+            stages=INFERENCE_STAGES,
+            slowdown_causes=(SlowdownCause("always", "no int8 back-end beat fp32 on this CPU: the float model ran"),),
+        ),
+        Optimization(
             "qat",
             "QATCallback(export=False): x86 PT2E fake quantization during training (the step overhead of QAT)",
             # Training only: the int8 model's own speed is what QATCallback's end-of-fit report measures.

@@ -33,12 +33,16 @@ CPU_FLAGS: tuple[str, ...] = (
     "avx2",
     "avx512f",
     "avx512_vnni",
+    "avx_vnni",
     "avx512_bf16",
+    "avx512_fp16",
     "amx_tile",
     "amx_bf16",
     "amx_int8",
+    "amx_fp16",
 )
-"""The x86 flags that decide which oneDNN kernels a CPU gets: fp32 vector width, int8 dot products, bf16 math."""
+"""The x86 flags that decide which oneDNN kernels a CPU gets: fp32 vector width, int8 dot products (VNNI, AMX-INT8),
+bf16 and fp16 math."""
 
 
 def _read_cpuinfo(path: str = "/proc/cpuinfo") -> str | None:
