@@ -22,8 +22,8 @@ from lightning_perf.profiling.machine import (
 
 AVX2_ONLY = "processor : 0\nmodel name : AMD EPYC 7B13\nflags : fpu sse sse2 avx avx2 fma\n"
 SAPPHIRE = (
-    "model name : Intel Xeon\nflags : avx2 avx512f avx512_vnni avx_vnni avx512_bf16 avx512_fp16 amx_tile amx_bf16 amx_int8 "
-    "amx_fp16\n"
+    "model name : Intel Xeon\nflags : avx2 avx512f avx512_vnni avx_vnni avx512_bf16 avx512_fp16 "
+    "amx_tile amx_bf16 amx_int8 amx_fp16\n"
 )
 
 
