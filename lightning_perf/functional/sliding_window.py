@@ -279,8 +279,8 @@ def resolve_roi_size(model: nn.Module, owner: str = "sliding_window_inference") 
     """
     roi = getattr(model, "roi_size", None)
     if roi is None:
-        hparams = getattr(model, "hparams", None)
-        roi = hparams.get("roi_size") if hasattr(hparams, "get") else None
+        hparams: Any = getattr(model, "hparams", None)
+        roi = hparams.get("roi_size") if hparams is not None and hasattr(hparams, "get") else None
     if roi is None:
         raise ValueError(
             f"`{owner}(roi_size='model')`: {type(model).__name__} declares no patch size. Expected a `roi_size` "
