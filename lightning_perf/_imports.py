@@ -35,6 +35,7 @@ OPTIONAL_DEPENDENCIES: dict[str, OptionalDependency] = {
         OptionalDependency("torch_tensorrt", "torch-tensorrt", "tensorrt"),
         OptionalDependency("flash_attn", "flash-attn", "flash"),
         OptionalDependency("matplotlib", "matplotlib", "plot"),
+        OptionalDependency("monai", "monai", "monai"),
     )
 }
 

@@ -491,6 +491,24 @@ def _builtin_optimizations() -> list[Optimization]:
             slowdown_causes=(SlowdownCause("always", "no int8 back-end beat fp32 on this CPU: the float model ran"),),
         ),
         Optimization(
+            "sliding_window",
+            "SlidingWindowInferenceCallback(roi_size='model', sw_batch_size='auto'): whole volumes predicted in the "
+            "model's patch windows (MONAI, Gaussian blending), the window batch size measured",
+            callback=_callback("SlidingWindowInferenceCallback"),
+            callback_kwargs={"roi_size": "model", "sw_batch_size": "auto"},
+            stages=INFERENCE_STAGES,
+        ),
+        *(
+            Optimization(
+                f"sliding_window_sw{n}",
+                f"SlidingWindowInferenceCallback(roi_size='model', sw_batch_size={n}): whole volumes in patch windows",
+                callback=_callback("SlidingWindowInferenceCallback"),
+                callback_kwargs={"roi_size": "model", "sw_batch_size": n},
+                stages=INFERENCE_STAGES,
+            )
+            for n in (1, 2, 4, 8)
+        ),
+        Optimization(
             "qat",
             "QATCallback(export=False): x86 PT2E fake quantization during training (the step overhead of QAT)",
             # Training only: the int8 model's own speed is what QATCallback's end-of-fit report measures.

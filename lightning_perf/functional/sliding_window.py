@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_perf._imports import require
 from lightning_perf.functional.surgery import ForwardPatch, find_forward_patch, patch_forward, unpatch_forward
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
 from lightning_perf.profiling.memory import MemoryProbe
@@ -80,23 +81,8 @@ AUTO_MEMORY_FRACTION = 0.8
 
 
 def require_monai() -> ModuleType:
-    """Import ``monai.inferers``, or raise a ``ModuleNotFoundError`` naming the ``monai`` extra.
-
-    The check reads the installed distribution (as :mod:`lightning_perf._imports` does), so a local folder named
-    ``monai`` does not pass for the package.
-    """
-    installed = importlib.util.find_spec("monai") is not None
-    if installed:
-        try:
-            importlib.metadata.version("monai")
-        except importlib.metadata.PackageNotFoundError:
-            installed = False
-    if not installed:
-        raise ModuleNotFoundError(
-            "SlidingWindowInferenceCallback needs `monai`. `monai` is not installed. It is part of the `monai` "
-            "extra: `pip install 'lightning-perf[monai]'` (or `pip install monai`).",
-            name="monai",
-        )
+    """Import ``monai.inferers``, or raise a ``ModuleNotFoundError`` naming the ``monai`` extra."""
+    require("monai", "SlidingWindowInferenceCallback")
     return importlib.import_module("monai.inferers")
 
 
