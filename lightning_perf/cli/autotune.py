@@ -5,6 +5,9 @@ Either a reference workload (``--workload convnet``) or the user's own classes b
     lightning-perf autotune --model my_project.models:Segmenter --datamodule my_project.data:Scans \\
         --model-args '{"depth": 4}' --time-budget 300 --output tuned.yaml
 
+``--stage predict`` (or ``validate``, ``test``) tunes for inference: per-batch latency and throughput, the inference
+precisions (``bf16-true``, ``16-true``) and the optimizations that apply to that stage.
+
 writes ``tuned.yaml`` (a LightningCLI config: ``python train.py fit --config tuned.yaml``) and ``tuned.json``, and
 names both at the end. Existing files are never overwritten unless ``--force``: the run gets a number instead.
 The parser imports nothing heavy; the user's classes are imported after parsing, and a class that does not import
@@ -19,6 +22,7 @@ from typing import Any
 
 from lightning_perf.cli._common import (
     PRESET_NAMES,
+    STAGE_NAMES,
     WORKLOAD_NAMES,
     UsageError,
     choice_list,
@@ -37,11 +41,13 @@ from lightning_perf.cli._common import (
 
 
 def _search_lists() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The precisions and the optimizations the tuner searches (a light import: the list is plain data)."""
-    from lightning_perf.optimizations import optimizations, tuner_search_list
+    """The precisions (for any stage: the tuner checks them against ``--stage``) and the optimizations the tuner can
+    search (a light import: the list is plain data)."""
+    from lightning_perf.optimizations import optimizations
 
+    precisions = tuple(o.name for o in optimizations() if "precision" in o.trainer_kwargs)
     stackable = tuple(o.name for o in optimizations() if "precision" not in o.trainer_kwargs)
-    return tuner_search_list("precision"), stackable
+    return precisions, stackable
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -83,6 +89,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument(
+        "--stage",
+        choices=STAGE_NAMES,
+        default="fit",
+        help="what to tune: fit (training step time) or an inference stage (per-batch latency, throughput) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--time-budget", type=positive_float, default=300.0, help="seconds for the whole search (default: %(default)s)"
     )
     parser.add_argument("--steps", type=int_at_least(3), default=10, help="measured steps per trial, >= 3 (default 10)")
@@ -91,7 +104,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--precisions",
         type=choice_list(precisions, what="precision", allow_empty=True),
         default=None,
-        help=f"mixed precisions to try, '' for none (default: those of {', '.join(precisions)} the device supports)",
+        help=f"precisions to try, from {', '.join(precisions)}; '' for none (default: those the device supports "
+        "for the stage: the mixed ones for fit, the -true ones first for inference)",
     )
     parser.add_argument(
         "--optimizations",
@@ -166,6 +180,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         tuner = AutoTuner(
             **kwargs,
             device=args.device,
+            stage=args.stage,
             time_budget_s=args.time_budget,
             steps=args.steps,
             warmup_steps=args.warmup_steps,

@@ -61,9 +61,19 @@ def skip_reason(name: str, capabilities: ModelCapabilities, device: Any, *, expl
         return "the model has no attention module the swap knows (nn.MultiheadAttention or a registered adapter)"
     if need == "convolutions" and not capabilities.convolutions:
         return "the model has no 2D or 3D convolution layer: channels-last changes nothing"
-    if name == "bf16-mixed" and device.type == "cpu" and not explicit:
+    if device.type == "cpu" and not explicit and _needs_bf16(name):
         from lightning_perf.benchmark import configs
 
         if not configs.device_capabilities(device)["fast_bf16"]:
             return "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 would be emulated, slower than fp32"
     return None
+
+
+def _needs_bf16(name: str) -> bool:
+    """Whether the optimization ``name`` computes in bf16 (``bf16-mixed``, ``bf16-true``: requires bf16)."""
+    from lightning_perf.optimizations import get
+
+    try:
+        return "bf16" in get(name).requires
+    except KeyError:
+        return False

@@ -15,12 +15,15 @@ def recommend(
     holder: tuple[str, int] | None,
     dm_params: list[str],
     causes: list[str] | None = None,
+    stage: str = "fit",
 ) -> Recommendation:
     """The recommendation for ``candidate`` (a :class:`~lightning_perf.tuning.tuner.Candidate`) measured as ``best``.
 
-    With ``causes`` (the reference measurement was disturbed) nothing is recommended: the result says why.
+    With ``causes`` (the reference measurement was disturbed) nothing is recommended: the result says why. ``stage``
+    is the Trainer stage tuned for (an inference stage adds how to run it and what was not checked).
     """
     from lightning_perf.benchmark.configs import get_config
+    from lightning_perf.tuning.inference import inference_notes
 
     if causes:
         return Recommendation(
@@ -32,6 +35,7 @@ def recommend(
             speedup=None,
             reliable=False,
             causes=list(causes),
+            stage=stage,
         )
     config = get_config(candidate.config_name)
     specs = [(path, dict(args)) for path, args in (config.callback_specs or ())]
@@ -50,6 +54,7 @@ def recommend(
         )
     if any(c.startswith("compile") for c in candidate.configs):
         notes.append(f"compile costs {best.warmup_s or 0:.0f} s of warm-up per run; it pays off on long runs")
+    notes += inference_notes(stage, candidate.configs)
     unchanged = best.verdict == "baseline"
     return Recommendation(
         configs=candidate.configs,
@@ -62,11 +67,13 @@ def recommend(
         speedup_verdict=None if unchanged else best.speedup_verdict,
         speedup_method=None if unchanged else best.speedup_method,
         notes=notes,
+        stage=stage,
     )
 
 
-def bench_command(source: Any, device: str, candidate: Any) -> str | None:
-    """The ``lightning-perf bench`` command that measures the recommendation again (reference workloads only)."""
+def bench_command(source: Any, device: str, candidate: Any, stage: str = "fit") -> str | None:
+    """The ``lightning-perf bench`` command that measures the recommendation again, for the stage tuned (reference
+    workloads only)."""
     from lightning_perf.benchmark.sources import WorkloadSource
 
     if not isinstance(source, WorkloadSource):
@@ -78,6 +85,8 @@ def bench_command(source: Any, device: str, candidate: Any) -> str | None:
         f"--configs baseline,{candidate.config_name}" if candidate.configs else "--configs baseline",
         f"--device {device}",
     ]
+    if stage != "fit":
+        parts.append(f"--stage {stage}")
     if candidate.batch_size is not None:
         parts.append(f"--batch-size {candidate.batch_size}")
     workers = dict(candidate.loader).get("num_workers")

@@ -25,6 +25,8 @@ class Trial:
     step_median_s: float | None = None
     step_p25_s: float | None = None
     step_p75_s: float | None = None
+    latency_p95_s: float | None = None  # inference stages: the step is one batch; its 95th and 99th percentiles
+    latency_p99_s: float | None = None
     throughput: float | None = None  # samples per second at the median step
     speedup: float | None = None  # per-sample speed vs the baseline (baseline time / this trial's time)
     speedup_ci95: list[float] | None = None  # its 95% interval [low, high]
@@ -49,6 +51,21 @@ class Trial:
     @property
     def measured(self) -> bool:
         return self.step_median_s is not None
+
+    def fill(self, result: Any) -> None:
+        """Take the figures of a successful run (a worker's ``RunResult``: a training or an inference stage)."""
+        from lightning_perf.tuning.verdicts import median, quartiles
+
+        times = result.step_times_s
+        self.step_median_s = median(times)
+        self.step_p25_s, self.step_p75_s = quartiles(times)
+        self.latency_p95_s, self.latency_p99_s = result.latency_p95_s, result.latency_p99_s
+        self.throughput = result.throughput if result.throughput is not None else result.predict_throughput
+        self.warmup_s = result.warmup_s
+        self.peak_memory_bytes = result.peak_memory_bytes
+        self.step_memory_bytes = result.step_memory_bytes
+        if result.data_wait_s:
+            self.data_wait_share = median(result.data_wait_s) / self.step_median_s
 
     def set_ratio(self, name: str, estimate: Any) -> None:
         """Store a :class:`~lightning_perf.profiling.intervals.RatioEstimate` as ``name``, ``name_ci95``,
@@ -85,6 +102,7 @@ class Recommendation:
     notes: list[str] = field(default_factory=list)
     reliable: bool = True
     causes: list[str] = field(default_factory=list)  # why the measurement is unreliable
+    stage: str = "fit"  # the Trainer stage it was tuned for: fit, or predict / validate / test (inference)
 
     @property
     def changes_nothing(self) -> bool:
@@ -128,6 +146,7 @@ class TuningResult:
     batch_size_holder: str | None = None
     bench_command: str | None = None
     reliability: dict[str, Any] = field(default_factory=lambda: {"reliable": True, "causes": []})
+    stage: str = "fit"  # the Trainer stage tuned for (fit: training steps; predict/validate/test: per-batch latency)
 
     def ranked(self) -> list[Trial]:
         """Measured trials, fastest per sample first, then the ones without a measurement."""
@@ -177,6 +196,7 @@ class TuningResult:
             "kind": "lightning-perf-autotune",
             "source": self.source,
             "device": self.device,
+            "stage": self.stage,
             "time_budget_s": self.time_budget_s,
             "elapsed_s": self.elapsed_s,
             "reliability": dict(self.reliability),
@@ -216,7 +236,7 @@ class TuningResult:
         rec = self.recommendation
         header = [
             "# lightning-perf autotune recommendation (a LightningCLI config: `--config` this file)",
-            f"# model: {self.source}; device: {self.device}",
+            f"# model: {self.source}; device: {self.device}; tuned for: {self.stage}",
             f"# {rec.headline.rstrip(':')} ({self.elapsed_s:.0f} s of tuning, "
             f"{sum(t.measured for t in self.trials)} trials)",
         ]
@@ -259,10 +279,13 @@ class TuningResult:
             console = Console()
             if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
                 console = Console(width=160)
+        columns = self.TABLE_COLUMNS
+        if self.stage != "fit":  # an inference run's step is one batch: its latency
+            columns = tuple("batch ms (IQR)" if c == "step ms (IQR)" else c for c in columns)
         print_table(
-            self.TABLE_COLUMNS,
+            columns,
             self.table_rows(),
-            title=f"autotune: {self.source} on {self.device} ({self.elapsed_s:.0f} s)",
+            title=f"autotune ({self.stage}): {self.source} on {self.device} ({self.elapsed_s:.0f} s)",
             console=console,
         )
         rec = self.recommendation

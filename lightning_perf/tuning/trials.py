@@ -12,16 +12,18 @@ from lightning_perf.optimizations import tuner_search_list
 __all__ = ["check_search_lists", "memory_problem", "resolve_isolation", "run_in_process"]
 
 
-def check_search_lists(precisions: Any, optimizations: Any) -> tuple[str, ...]:
-    """Validate the tuner's ``precisions`` and ``optimizations``; returns the optimizations to search.
+def check_search_lists(precisions: Any, optimizations: Any, stage: str = "fit") -> tuple[str, ...]:
+    """Validate the tuner's ``precisions`` (those searched for ``stage``) and ``optimizations``; returns the
+    optimizations to search.
 
     Raises:
         TypeError: for something that is not a list of names.
         ValueError: naming an unknown name, or an optimization that sets the precision.
     """
     from lightning_perf.benchmark.configs import get_config
+    from lightning_perf.tuning.inference import precision_names
 
-    searchable = tuner_search_list("precision")
+    searchable = precision_names(stage)
     if precisions is not None:
         if isinstance(precisions, str) or not isinstance(precisions, Sequence):
             raise TypeError(
@@ -30,9 +32,11 @@ def check_search_lists(precisions: Any, optimizations: Any) -> tuple[str, ...]:
             )
         bad = [p for p in precisions if p not in searchable]
         if bad:
+            known = bad[0] in precision_names("predict") + precision_names("fit")
+            what = f"is not searched for stage={stage!r}" if known else "is unknown"
             raise ValueError(
-                f"`AutoTuner(precisions={list(precisions)!r})` is not valid: {bad[0]!r} is unknown. Expected names "
-                f"from {', '.join(searchable)}."
+                f"`AutoTuner(precisions={list(precisions)!r})` is not valid: {bad[0]!r} {what}. Expected names from "
+                f"{', '.join(searchable)}."
             )
     if optimizations is None:
         optimizations = tuner_search_list("optimization")

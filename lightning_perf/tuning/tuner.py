@@ -27,6 +27,8 @@ The search, in order, within ``time_budget_s``:
    is a noticeable share of the step.
 5. batch size: doublings of the current one up to ``max_batch_size`` (default 4x) that fit in memory; the best
    throughput wins.
+
+``stage="predict"`` (``"validate"``, ``"test"``) tunes for inference: see :mod:`lightning_perf.tuning.inference`.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ from lightning_perf.benchmark.sources import (
     init_parameters,
 )
 from lightning_perf.optimizations import tuner_alternatives, tuner_search_list
-from lightning_perf.tuning.capabilities import ModelCapabilities, model_capabilities, skip_reason
+from lightning_perf.tuning.capabilities import ModelCapabilities, model_capabilities
 from lightning_perf.tuning.conditions import TrialWatch, baseline_spread_cause
+from lightning_perf.tuning.inference import NO_DATA_STAGE, check_stage, search_plan, trial_skip_reason
 from lightning_perf.tuning.recommend import bench_command, recommend
 from lightning_perf.tuning.results import Trial, TuningResult
 from lightning_perf.tuning.trials import check_search_lists, memory_problem, resolve_isolation, run_in_process
@@ -61,7 +64,6 @@ from lightning_perf.tuning.verdicts import (
     loss_deviation,
     median,
     per_sample_times,
-    quartiles,
     speedup_estimate,
 )
 
@@ -120,6 +122,8 @@ class AutoTuner:
         workload: a reference workload name instead of ``model``/``datamodule`` (``preset`` picks its size).
         source: a :class:`~lightning_perf.benchmark.sources.ModelSource` instead of the above (the CLI's import paths).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        stage: the Trainer stage to tune: ``"fit"`` (training steps), or ``"predict"``, ``"validate"``, ``"test"``
+            (per-batch inference latency; :mod:`lightning_perf.tuning.inference`).
         time_budget_s: wall-clock budget for the whole search; trials that would not fit are skipped.
         steps: measured steps per trial (after ``warmup_steps`` excluded ones).
         warmup_steps: excluded steps at the start of each trial (compilation, allocator growth).
@@ -151,6 +155,7 @@ class AutoTuner:
         preset: str = "default",
         source: ModelSource | None = None,
         device: str = "cpu",
+        stage: str = "fit",
         time_budget_s: float = 300.0,
         steps: int = 10,
         warmup_steps: int = 3,
@@ -229,7 +234,8 @@ class AutoTuner:
             check_bool("AutoTuner", flag, value)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"`AutoTuner(seed={seed!r})` is not valid. Expected an integer.")
-        optimizations = check_search_lists(precisions, optimizations)
+        self.stage = check_stage(stage)
+        optimizations = check_search_lists(precisions, optimizations, self.stage)
         self.source = source
         self.device = str(device)
         self.time_budget_s = float(time_budget_s)
@@ -272,11 +278,12 @@ class AutoTuner:
         dm_params, model_params = sorted(init_parameters(datamodule)), sorted(init_parameters(model))
         own_loader = {k: getattr(datamodule, k) for k in LOADER_SETTINGS if hasattr(datamodule, k)}
         self._capabilities = model_capabilities(model)  # counted once, here: no trial needed to know
+        self._plan = search_plan(self.stage, self.precisions, self.optimizations, device=self.device)
         del model, datamodule
         isolation = resolve_isolation(self.isolation, self.source)
         self._watch = TrialWatch(self.device, self._probes)
         self._say(
-            f"autotune: {self.source.describe()} on {self.device}, budget {self.time_budget_s:.0f} s, "
+            f"autotune ({self.stage}): {self.source.describe()} on {self.device}, budget {self.time_budget_s:.0f} s, "
             f"{self.warmup_steps}+{self.steps} steps per trial, {isolation}"
         )
 
@@ -298,11 +305,12 @@ class AutoTuner:
             if trial.speedup is not None and trial.verdict != "baseline" and trial.speedup_text not in trial.reason:
                 trial.reason = "; ".join(x for x in (trial.reason, f"{trial.speedup_text} vs baseline") if x)
         candidate, best, _ = incumbent
-        recommendation = recommend(candidate, best, holder, dm_params, self._unreliable)
+        recommendation = recommend(candidate, best, holder, dm_params, self._unreliable, self.stage)
         disturbed = [f"{t.label}: {'; '.join(t.disturbed)}" for t in self._trials if t.disturbed]
         result = TuningResult(
             source=self.source.describe(),
             device=self.device,
+            stage=self.stage,
             time_budget_s=self.time_budget_s,
             elapsed_s=time.monotonic() - start,
             trials=self._trials,
@@ -310,7 +318,7 @@ class AutoTuner:
             datamodule_init_args=dm_params,
             model_init_args=model_params,
             batch_size_holder=holder[0] if holder else None,
-            bench_command=None if self._unreliable else bench_command(self.source, self.device, candidate),
+            bench_command=None if self._unreliable else bench_command(self.source, self.device, candidate, self.stage),
             reliability={
                 "reliable": not self._unreliable,
                 "causes": list(self._unreliable) or disturbed,
@@ -333,7 +341,8 @@ class AutoTuner:
             )
         if not result.ok:
             raise ModelError(
-                "The model failed its baseline trial, trained as given (fp32, its own batch size and loaders), so "
+                f"The model failed its baseline trial, its {self.stage} run as given (fp32, its own batch size and "
+                "loaders), so "
                 "there is nothing to tune. This is the model's own error:\n\n"
                 + (result.traceback or result.error or "no traceback")
             )
@@ -386,38 +395,22 @@ class AutoTuner:
         return pooled
 
     def _precision_stage(self, incumbent: tuple[Candidate, Trial, Any], base: Any) -> tuple[Candidate, Trial, Any]:
-        import torch
-
-        from lightning_perf._device import supports_bf16
-
-        device = torch.device(self.device)
-        precisions = self.precisions
-        if precisions is None:
-            precisions = tuple(p for p in PRECISIONS if p != "16-mixed" or device.type == "cuda")
-        start = incumbent
-        best = incumbent
-        for precision in precisions:
+        plan, start, best = self._plan, incumbent, incumbent
+        for precision in plan.precisions:
             candidate = start[0].with_(f"+{precision}", "precision", configs=(*start[0].configs, precision))
-            why = skip_reason(precision, self._capabilities, device, explicit=self.precisions is not None)
+            explicit = self.precisions is not None
+            why = plan.left_out.get(precision) or trial_skip_reason(
+                precision, self._capabilities, self.device, explicit=explicit
+            )
             if why is not None:
                 self._skip(candidate, why)
-                continue
-            if precision == "bf16-mixed" and not supports_bf16(device):
-                self._skip(candidate, f"{device} does not support bfloat16")
-                continue
-            if precision == "16-mixed" and device.type != "cuda":
-                self._skip(candidate, "fp16 autocast with a gradient scaler is for CUDA devices")
                 continue
             best = self._challenge(candidate, start, best, base)
         return best
 
     def _optimization_stage(self, incumbent: tuple[Candidate, Trial, Any], base: Any) -> tuple[Candidate, Trial, Any]:
-        import torch
-
-        from lightning_perf.benchmark.configs import get_config
-
         alternatives = tuner_alternatives()
-        for name in self.optimizations:
+        for name in self._plan.optimizations:
             configs = incumbent[0].configs
             label = f"+{name}"
             replaced = alternatives.get(name)
@@ -425,8 +418,7 @@ class AutoTuner:
                 configs = tuple(c for c in configs if c != replaced)
                 label = f"{name} instead of {replaced}"
             candidate = incumbent[0].with_(label, "optimization", configs=(*configs, name))
-            reason = skip_reason(name, self._capabilities, torch.device(self.device))
-            reason = reason or get_config(name).why_not(torch.device(self.device))
+            reason = self._plan.left_out.get(name) or trial_skip_reason(name, self._capabilities, self.device)
             if reason is not None:
                 self._skip(candidate, reason)
                 continue
@@ -436,6 +428,9 @@ class AutoTuner:
     def _data_stage(
         self, incumbent: tuple[Candidate, Trial, Any], base: Any, own: dict[str, Any]
     ) -> tuple[Candidate, Trial, Any]:
+        if self.stage != "fit":
+            self._skip(incumbent[0].with_("num_workers", "data"), NO_DATA_STAGE)
+            return incumbent
         share = incumbent[1].data_wait_share
         cpus = os.cpu_count() or 1
         limit = self.max_num_workers if self.max_num_workers is not None else cpus
@@ -530,7 +525,7 @@ class AutoTuner:
             trial.verdict = "unreliable"
             trial.reason = f"unreliable: {'; '.join(causes)} (measured twice, disturbed both times): not compared"
             return best
-        if base is not None and candidate.batch_size == against[0].batch_size:
+        if base is not None and self.stage == "fit" and candidate.batch_size == against[0].batch_size:
             trial.loss_deviation = loss_deviation(result.losses, base.losses)
             if trial.loss_deviation > self.loss_rtol:
                 trial.verdict = "rejected"
@@ -683,6 +678,7 @@ class AutoTuner:
             predict_batches=0,
             repeat=self._count,
             loader_overrides=dict(candidate.loader),
+            stage=self.stage,
         )
 
     def _trial(self, candidate: Candidate, timeout: float) -> tuple[Any, list[str], list[str]]:
@@ -748,15 +744,7 @@ class AutoTuner:
             trial.wall_s = result.wall_s
             trial.error = result.error
             if result.ok and result.step_times_s:
-                times = result.step_times_s
-                trial.step_median_s = median(times)
-                trial.step_p25_s, trial.step_p75_s = quartiles(times)
-                trial.throughput = result.throughput
-                trial.warmup_s = result.warmup_s
-                trial.peak_memory_bytes = result.peak_memory_bytes
-                trial.step_memory_bytes = result.step_memory_bytes
-                if result.data_wait_s:
-                    trial.data_wait_share = median(result.data_wait_s) / trial.step_median_s
+                trial.fill(result)
                 if self._base_runs and candidate.stage != "baseline":
                     estimate = speedup_estimate(self._base_runs, [per_sample_times(result)], paired=False)
                     trial.set_ratio("speedup", estimate)
@@ -767,7 +755,8 @@ class AutoTuner:
             self._say(f" failed ({trial.wall_s:.1f} s): {result.error}")
         else:
             vs = "" if trial.speedup is None else f", {trial.speedup_text} vs baseline"
-            self._say(f" {trial.step_median_s * 1e3:.1f} ms/step{vs} ({trial.wall_s:.1f} s)")  # type: ignore[operator]
+            unit = "step" if self.stage == "fit" else "batch"
+            self._say(f" {trial.step_median_s * 1e3:.1f} ms/{unit}{vs} ({trial.wall_s:.1f} s)")  # type: ignore[operator]
         return trial
 
     def _skip(self, candidate: Candidate, reason: str) -> None:

@@ -71,3 +71,11 @@ class SmallAttentionNet(SmallMLP):
     def __init__(self) -> None:
         super().__init__()
         self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+
+
+class PredictDataModule(PlainDataModule):
+    """:class:`PlainDataModule` with a predict split: batches of images alone, which the default ``predict_step``
+    feeds to ``forward``."""
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(self.x, batch_size=self.batch_size)  # type: ignore[arg-type]

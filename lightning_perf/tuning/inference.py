@@ -1,0 +1,162 @@
+"""Tuning for inference: what ``AutoTuner(stage="predict")`` (or ``"validate"``, ``"test"``) searches, and how.
+
+A trial of an inference stage runs ``trainer.predict`` / ``validate`` / ``test`` of the model as built, through the
+same worker as ``lightning-perf bench --stage predict`` (:mod:`lightning_perf.benchmark.inference`), in a fresh
+process. Its "step" is one batch: the figure compared is the per-batch latency (lower is better) at the same batch
+size, and samples per second in the batch-size stage (both are the per-sample time the tuner compares).
+
+The search lists come from the one list of optimizations (:mod:`lightning_perf.optimizations`), filtered by the
+entries' ``stages``:
+
+- precision: the entries that set the Trainer's precision and apply to the stage: the inference-only ones first
+  (``bf16-true``, ``16-true``: weights and activations in reduced precision), then the mixed ones of the fit search.
+  The device checks of training apply (bf16 emulated on a CPU without bf16 instructions is skipped, fp16 needs a
+  CUDA device or a CPU with fp16 arithmetic).
+- optimizations: the optimization stage's list (channels-last, compile, and whatever is registered with
+  ``stages`` including the tuned stage, such as dynamic int8); a training-only entry (fused optimizer) is listed as
+  skipped with the reason, not measured.
+- no data-loading stage: the inference worker does not measure the data wait, so there is nothing to decide it on.
+- batch size: doublings, kept on throughput, as for training.
+
+There is no loss in an inference run, so a candidate that changes numerics (reduced precision, int8) is compared on
+speed only: the recommendation says so and asks for an accuracy check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_perf.optimizations import INFERENCE_STAGES, STAGES, optimizations, tuner_search_list
+from lightning_perf.tuning.capabilities import ModelCapabilities, skip_reason
+
+__all__ = [
+    "NO_DATA_STAGE",
+    "SearchPlan",
+    "check_stage",
+    "inference_notes",
+    "precision_names",
+    "search_plan",
+    "trial_skip_reason",
+]
+
+NO_DATA_STAGE = (
+    "the data wait is not measured in inference runs (the latency is timed per batch, fetch excluded): "
+    "loader workers are not tried"
+)
+"""Why an inference search has no data-loading stage."""
+
+
+def check_stage(stage: Any) -> str:
+    """``stage`` if it is a Trainer stage the tuner can tune for.
+
+    Raises:
+        ValueError: naming the value and the stages expected.
+    """
+    if not isinstance(stage, str) or stage not in STAGES:
+        raise ValueError(f"`AutoTuner(stage={stage!r})` is not valid. Expected one of: {', '.join(STAGES)}.")
+    return stage
+
+
+def precision_names(stage: str = "fit") -> tuple[str, ...]:
+    """The precisions the tuner searches for ``stage``, in order (``fit``: the registry's precision stage)."""
+    if stage not in INFERENCE_STAGES:
+        return tuner_search_list("precision")
+    found = [
+        ("fit" in o.stages, o.tuner_order, i, o.name)
+        for i, o in enumerate(optimizations())
+        if "precision" in o.trainer_kwargs
+        and stage in o.stages
+        and (o.tuner_stage == "precision" or "fit" not in o.stages)
+    ]
+    return tuple(name for *_, name in sorted(found))
+
+
+@dataclass(frozen=True)
+class SearchPlan:
+    """The search for one Trainer stage: every name in order, and those left out because they do not apply to the
+    stage (name -> why; the tuner lists them as skipped trials with that reason)."""
+
+    stage: str
+    precisions: tuple[str, ...]
+    optimizations: tuple[str, ...]
+    left_out: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def searched_precisions(self) -> tuple[str, ...]:
+        return tuple(p for p in self.precisions if p not in self.left_out)
+
+    @property
+    def searched_optimizations(self) -> tuple[str, ...]:
+        return tuple(o for o in self.optimizations if o not in self.left_out)
+
+
+def search_plan(
+    stage: str, precisions: Any = None, optimization_names: Any = None, *, device: Any = None
+) -> SearchPlan:
+    """The precisions and optimizations to try for ``stage``; the ones that do not apply to it are left out with the
+    reason (e.g. ``fused_optimizer``: "applies to training only, not to predict").
+
+    Args:
+        stage: the Trainer stage tuned for.
+        precisions: the user's list (None: :func:`precision_names`; on a CPU ``device`` the fp16 autocast of
+            ``16-mixed`` is left out, as the fit search does).
+        optimization_names: the user's list (None: the registry's optimization stage).
+        device: the device (``"cpu"``, ``"cuda:0"``, a ``torch.device``), to choose the default precisions.
+    """
+    from lightning_perf.benchmark.configs import get_config
+
+    if precisions is None:
+        cuda = str(device).startswith("cuda")
+        precisions = tuple(p for p in precision_names(stage) if p != "16-mixed" or cuda)
+    if optimization_names is None:
+        optimization_names = tuner_search_list("optimization")
+    left_out: dict[str, str] = {}
+    for name in (*precisions, *optimization_names):
+        why = get_config(name).why_not_stage(stage)
+        if why is not None:
+            left_out[name] = why
+    return SearchPlan(stage, tuple(precisions), tuple(optimization_names), left_out)
+
+
+def trial_skip_reason(name: str, capabilities: ModelCapabilities, device: Any, *, explicit: bool = False) -> str | None:
+    """Why the trial of ``name`` (a precision or an optimization) cannot apply to this model on ``device``, or None.
+
+    The model's own structure first (:func:`~lightning_perf.tuning.capabilities.skip_reason`), then the device
+    (bf16 support, fp16 autocast outside CUDA, the configuration's requirements).
+    """
+    import torch
+
+    from lightning_perf._device import supports_bf16
+    from lightning_perf.benchmark.configs import get_config
+
+    device = torch.device(device)
+    why = skip_reason(name, capabilities, device, explicit=explicit)
+    if why is not None:
+        return why
+    precision = str(get_config(name).trainer_kwargs.get("precision", ""))
+    if precision.startswith("bf16") and not supports_bf16(device):
+        return f"{device} does not support bfloat16"
+    if precision == "16-mixed" and device.type != "cuda":
+        return "fp16 autocast with a gradient scaler is for CUDA devices"
+    return get_config(name).why_not(device)
+
+
+def inference_notes(stage: str, configs: tuple[str, ...]) -> list[str]:
+    """The recommendation's notes for an inference stage: how to run it, and what was not checked."""
+    if stage not in INFERENCE_STAGES:
+        return []
+    from lightning_perf.optimizations import get, names
+
+    known = set(names())
+    numeric = [c for c in configs if c in known and get(c).changes_numerics]
+    notes = [
+        f"tuned for {stage}: `python train.py {stage} --config <this file>` with LightningCLI; these settings are "
+        "for inference, not for training"
+    ]
+    if numeric:
+        notes.append(
+            f"{', '.join(numeric)} change the outputs' numerics; inference runs have no loss, so the tuner compared "
+            "speed only: check the outputs or accuracy against the model as given before deploying"
+        )
+    return notes
