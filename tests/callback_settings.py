@@ -136,6 +136,15 @@ SETTINGS: list[Setting] = [
         numerics="close",
         numerics_reason="recomputed activations (dropout replayed from the saved RNG state)",
     ),
+    # A memory budget: the first step is profiled, then blocks are checkpointed fully or selectively.
+    Setting(
+        GradCheckpointCallback,
+        {"memory_budget": 0.5},
+        workload="lm",
+        name="GradCheckpointCallback-budget",
+        numerics="close",
+        numerics_reason="recomputed activations (dropout replayed from the saved RNG state)",
+    ),
     # SDPA draws its attention-dropout mask from the RNG in its own way: same distribution, other masks.
     Setting(
         FlashAttentionCallback,
@@ -165,6 +174,13 @@ SETTINGS: list[Setting] = [
         {"start_powerSGD_iter": 2},
         numerics="lossy",
         numerics_reason="rank-2 gradient compression from the third step on",
+    ),
+    # Dynamic int8 for predict/test/validate only (training untouched: exact); the eager back-end, no timing.
+    Setting(
+        QATCallback,
+        {"mode": "dynamic", "backend": "eager", "benchmark": False, "validation_batches": 1},
+        workload="lm",
+        name="QATCallback-dynamic",
     ),
     # Predict, test and validate in 8^3 windows (fit untouched: training is exact): the tiny unet3d's 32^3 predict
     # volumes and 16^3 validation/test patches go through MONAI's window; the trust tests' 8x8 images are one window.
