@@ -51,10 +51,11 @@ class GradCheckpointCallback(Callback):
     own ``FSDPStrategy(activation_checkpointing_policy={Block})`` instead: this callback then warns and does nothing.
 
     Args:
-        modules: which blocks: ``"auto"`` (the largest group of repeated blocks, found by structure: the layers of a
-            transformer, the residual blocks of a ResNet), or block classes: ``nn.Module`` subclasses, dotted class
-            paths (``"torch.nn.TransformerEncoderLayer"``, YAML-friendly) or bare class names (``"Block"``) matched
-            against the classes in the model.
+        modules: which blocks: ``"auto"`` (repeated blocks that hold real work, found by structure: the layers of a
+            transformer, Swin blocks, the stages of a ResNet or U-Net; never conv-norm-activation sub-blocks; see
+            :func:`~lightning_perf.functional.checkpoint_blocks.find_checkpoint_blocks`), or block classes:
+            ``nn.Module`` subclasses, dotted class paths (``"torch.nn.TransformerEncoderLayer"``, YAML-friendly) or
+            bare class names (``"Block"``) matched against the classes in the model.
         filter_fn: ``filter_fn(module, name) -> bool`` choosing the blocks, instead of ``modules``. A block inside a
             chosen block is not wrapped again.
         every_n: checkpoint only every ``every_n``-th of the chosen blocks (1, 1 + n, ...): less recompute, less saved.
