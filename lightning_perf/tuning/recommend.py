@@ -72,16 +72,23 @@ def recommend(
 
 
 def bench_command(source: Any, device: str, candidate: Any, stage: str = "fit") -> str | None:
-    """The ``lightning-perf bench`` command that measures the recommendation again, for the stage tuned (reference
-    workloads only)."""
-    from lightning_perf.benchmark.sources import WorkloadSource
+    """The ``lightning-perf bench`` command that measures the recommendation again, for the stage tuned (a reference
+    workload, or classes named by import path; None for objects the command line cannot name)."""
+    import json
+    import shlex
 
-    if not isinstance(source, WorkloadSource):
+    from lightning_perf.benchmark.sources import ImportSource, WorkloadSource
+
+    if isinstance(source, WorkloadSource):
+        parts = ["lightning-perf bench", f"--workload {source.workload}", f"--preset {source.preset}"]
+    elif isinstance(source, ImportSource):
+        parts = ["lightning-perf bench", f"--model {source.model}", f"--datamodule {source.datamodule}"]
+        for option, args in (("--model-args", source.model_args), ("--datamodule-args", source.datamodule_args)):
+            if args:
+                parts.append(f"{option} {shlex.quote(json.dumps(args))}")
+    else:
         return None
-    parts = [
-        "lightning-perf bench",
-        f"--workload {source.workload}",
-        f"--preset {source.preset}",
+    parts += [
         f"--configs baseline,{candidate.config_name}" if candidate.configs else "--configs baseline",
         f"--device {device}",
     ]

@@ -279,7 +279,7 @@ class TuningResult:
             console = Console()
             if not console.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
                 console = Console(width=160)
-        columns = self.TABLE_COLUMNS
+        columns: tuple[str, ...] = self.TABLE_COLUMNS
         if self.stage != "fit":  # an inference run's step is one batch: its latency
             columns = tuple("batch ms (IQR)" if c == "step ms (IQR)" else c for c in columns)
         print_table(

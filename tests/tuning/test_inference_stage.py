@@ -7,6 +7,7 @@ latencies, one real in-process search of a tiny model, the recommendation's stag
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import yaml
 
 import lightning_perf.tuning.tuner as tuner_module
 from lightning_perf import optimizations
-from lightning_perf.benchmark.sources import WorkloadSource
+from lightning_perf.benchmark.sources import ImportSource, WorkloadSource
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.optimizations import INFERENCE_STAGES, Optimization
 from lightning_perf.tuning import AutoTuner, Candidate
@@ -215,6 +216,17 @@ def test_bench_command_measures_the_stage_tuned() -> None:
 
     args = build_parser().parse_args(command.split()[1:])  # the bench accepts it as printed
     assert args.stage == "predict" and args.batch_size == 16
+    # The user's classes by import path: the same command with --model/--datamodule and their arguments, quoted.
+    own = ImportSource(
+        "tests.tuning._user_models:SmallConvNet",
+        "tests.tuning._user_models:PredictDataModule",
+        datamodule_args={"batch_size": 8, "samples": 64},
+    )
+    command = bench_command(own, "cpu", candidate, "test")
+    assert command is not None and "--stage test" in command
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert args.model == own.model and args.datamodule == own.datamodule and args.stage == "test"
+    assert args.datamodule_args == {"batch_size": 8, "samples": 64} and args.model_args is None
 
 
 ARGS = ["autotune", "--workload", "convnet", "--preset", "tiny", "--precisions", "", "--optimizations", ""]
