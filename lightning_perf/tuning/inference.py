@@ -31,12 +31,14 @@ from lightning_perf.optimizations import INFERENCE_STAGES, STAGES, optimizations
 from lightning_perf.tuning.capabilities import ModelCapabilities, skip_reason
 
 __all__ = [
+    "MIN_TIMED_BATCHES",
     "NO_DATA_STAGE",
     "SearchPlan",
     "check_stage",
     "inference_notes",
     "precision_names",
     "search_plan",
+    "too_few_batches",
     "trial_skip_reason",
 ]
 
@@ -140,6 +142,22 @@ def trial_skip_reason(name: str, capabilities: ModelCapabilities, device: Any, *
     if precision == "16-mixed" and device.type != "cuda":
         return "fp16 autocast with a gradient scaler is for CUDA devices"
     return get_config(name).why_not(device)
+
+
+MIN_TIMED_BATCHES = 3
+"""Fewest steady batches an inference trial must time for its latency to be compared (an interval needs a spread)."""
+
+
+def too_few_batches(stage: str, result: Any) -> str | None:
+    """Why an inference run timed too few batches to compare (its data ran out after the warm-up), or None."""
+    timed = len(result.step_times_s)
+    if stage not in INFERENCE_STAGES or not result.ok or timed >= MIN_TIMED_BATCHES:
+        return None
+    return (
+        f"the {stage} data ran out: {timed} batch(es) timed after the warm-up at batch size {result.batch_size}, "
+        f"at least {MIN_TIMED_BATCHES} are needed to compare (give the data module more {stage} samples, or lower "
+        "the warm-up steps)"
+    )
 
 
 def inference_notes(stage: str, configs: tuple[str, ...]) -> list[str]:

@@ -55,7 +55,7 @@ from lightning_perf.benchmark.sources import (
 from lightning_perf.optimizations import tuner_alternatives, tuner_search_list
 from lightning_perf.tuning.capabilities import ModelCapabilities, model_capabilities
 from lightning_perf.tuning.conditions import TrialWatch, baseline_spread_cause
-from lightning_perf.tuning.inference import NO_DATA_STAGE, check_stage, search_plan, trial_skip_reason
+from lightning_perf.tuning.inference import NO_DATA_STAGE, check_stage, search_plan, too_few_batches, trial_skip_reason
 from lightning_perf.tuning.recommend import bench_command, recommend
 from lightning_perf.tuning.results import Trial, TuningResult
 from lightning_perf.tuning.trials import check_search_lists, memory_problem, resolve_isolation, run_in_process
@@ -339,6 +339,8 @@ class AutoTuner:
                 f"{self.steps} steps) did not finish within it. A run needs at least twice one trial's time; "
                 f"raise time_budget_s or lower steps."
             )
+        if not result.ok and result.skipped:
+            raise TuningError(f"The baseline trial cannot be measured: {result.skipped}.")
         if not result.ok:
             raise ModelError(
                 f"The model failed its baseline trial, its {self.stage} run as given (fp32, its own batch size and "
@@ -688,7 +690,7 @@ class AutoTuner:
         interrupted steps) is measured once more when the budget allows; ``causes`` are those of the result
         returned (empty: clean), ``first causes`` those of the run measured again (empty: it was not)."""
         token = self._watch.start()
-        result = self._measure(candidate, timeout)
+        result = self._usable(self._measure(candidate, timeout))
         if result is None or not result.ok:
             return result, [], []
         causes = self._watch.causes(token, candidate.label, result.step_times_s)
@@ -700,10 +702,16 @@ class AutoTuner:
             return result, [], causes
         self._say(f" disturbed ({'; '.join(causes)}); measuring it again")
         token = self._watch.start()
-        again = self._measure(candidate, remaining)
+        again = self._usable(self._measure(candidate, remaining))
         if again is None or not again.ok:
             return result, [], causes
         return again, causes, self._watch.causes(token, candidate.label, again.step_times_s)
+
+    def _usable(self, result: Any) -> Any:
+        """``result``, marked failed (and skipped: not the model's error) when it timed too few batches to compare."""
+        if result is not None and (short := too_few_batches(self.stage, result)):
+            result.ok, result.error, result.skipped = False, short, short
+        return result
 
     def _measure(self, candidate: Candidate, timeout: float) -> Any:
         """Run one trial; ``None`` when it ran out of time."""

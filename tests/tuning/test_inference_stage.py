@@ -21,7 +21,7 @@ from lightning_perf import optimizations
 from lightning_perf.benchmark.sources import ImportSource, WorkloadSource
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.optimizations import INFERENCE_STAGES, Optimization
-from lightning_perf.tuning import AutoTuner, Candidate
+from lightning_perf.tuning import AutoTuner, Candidate, TuningError
 from lightning_perf.tuning.inference import NO_DATA_STAGE, precision_names, search_plan, trial_skip_reason
 from lightning_perf.tuning.recommend import bench_command
 from tests.tuning._scripted import quiet_machine, script_trials, scripted_result
@@ -148,6 +148,22 @@ def test_predict_decisions_on_latency_and_throughput(monkeypatch: pytest.MonkeyP
     assert rec.trainer_kwargs == {"precision": "bf16-true"}
     assert any("python train.py predict --config" in note for note in rec.notes)
     assert any("bf16-true change the outputs' numerics" in note and "speed only" in note for note in rec.notes)
+
+
+def test_a_run_whose_data_ran_out_is_not_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+    short = inference_result(0.009, 16)
+    short.step_times_s = short.step_times_s[:2]  # the predict split gave two batches after the warm-up
+    script_trials(monkeypatch, {"baseline": inference_result(0.010, 8), "batch_size=16": short})
+    kwargs: dict[str, Any] = {"stage": "predict", "precisions": [], "optimizations": [], "progress": False}
+    result = AutoTuner(SmallConvNet(), PredictDataModule(), max_batch_size=16, **kwargs).run()
+    trial = result.trials[-1]
+    assert trial.label == "batch_size=16" and trial.verdict == "failed" and not trial.measured
+    assert "the predict data ran out: 2 batch(es) timed after the warm-up at batch size 16" in trial.reason
+    assert result.recommendation.batch_size is None
+
+    script_trials(monkeypatch, {"baseline": short})
+    with pytest.raises(TuningError, match=r"baseline trial cannot be measured: the predict data ran out: 2 batch"):
+        AutoTuner(SmallConvNet(), PredictDataModule(), **kwargs).run()
 
 
 def test_training_keeps_rejecting_a_run_without_losses(monkeypatch: pytest.MonkeyPatch) -> None:
