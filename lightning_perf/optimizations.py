@@ -487,6 +487,8 @@ def _builtin_optimizations() -> list[Optimization]:
             callback=_callback("QATCallback"),
             callback_kwargs={"mode": "dynamic", "export": False},
             changes_numerics=True,
+            tuner_stage="optimization",
+            tuner_order=45,
             stages=INFERENCE_STAGES,
             slowdown_causes=(SlowdownCause("always", "no int8 back-end beat fp32 on this CPU: the float model ran"),),
         ),

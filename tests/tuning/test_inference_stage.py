@@ -54,7 +54,11 @@ def test_predict_search_leaves_out_training_only_optimizations_with_the_reason()
     assert "16-mixed" in search_plan("predict", device="cuda:0").precisions
     # Training keeps its own lists: no pure-precision weights in a fit search.
     assert precision_names("fit") == ("bf16-mixed", "16-mixed")
-    assert search_plan("fit", device="cpu").left_out == {}
+    # Inference-only entries are named in a fit search, with the reason, and never tried.
+    fit_plan = search_plan("fit", device="cpu")
+    assert fit_plan.left_out == {"dynamic_int8": "applies to predict/validate/test only, not to fit"}
+    assert "dynamic_int8" not in fit_plan.searched_optimizations
+    assert "dynamic_int8" in plan.searched_optimizations
 
 
 @pytest.fixture
