@@ -490,7 +490,13 @@ def _builtin_optimizations() -> list[Optimization]:
             tuner_stage="optimization",
             tuner_order=45,
             stages=INFERENCE_STAGES,
-            slowdown_causes=(SlowdownCause("always", "no int8 back-end beat fp32 on this CPU: the float model ran"),),
+            slowdown_causes=(
+                SlowdownCause(
+                    "always",
+                    "small Linear layers: quantizing activations per batch costs more than int8 matmuls save (or no "
+                    "back-end beat fp32 and the float model ran)",
+                ),
+            ),
         ),
         Optimization(
             "sliding_window",
