@@ -365,7 +365,7 @@ def test_unet3d_trains_on_patches_and_predicts_whole_volumes() -> None:
     assert 0.25 * train_share < predict_share < 4 * train_share, (train_share, predict_share)
 
     _, default = make_workload("unet3d", "default")
-    assert (default.volume_size, default.predict_volume_size) == (32, 96)
+    assert (default.volume_size, default.predict_volume_size) == (32, 64)
     _, custom = make_workload("unet3d", "tiny", batch_size=1)
     custom_data = type(custom)("tiny", batch_size=1, predict_volume_size=24)
     assert tuple(_first_batch(custom_data, "predict")[0].shape) == (1, 1, 24, 24, 24)
