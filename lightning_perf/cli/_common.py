@@ -27,6 +27,7 @@ __all__ = [
     "WORKLOAD_NAMES",
     "CliParser",
     "UsageError",
+    "add_source_arguments",
     "choice_list",
     "comma_names",
     "device",
@@ -286,3 +287,34 @@ STAGE_NAMES: tuple[str, ...] = ("fit", "predict", "validate", "test")
 
 TRAINER_PRECISIONS: tuple[str, ...] = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 """The ``Trainer(precision=...)`` values the bench accepts."""
+
+
+def add_source_arguments(parser: argparse.ArgumentParser, what_runs: str, workload_help: str) -> None:
+    """The options that name the model a command measures, shared by ``bench`` and ``autotune``: ``--workload`` (a
+    reference workload) or ``--model``/``--datamodule`` with JSON arguments (exclusive), and ``--config`` (LightningCLI
+    files, repeatable, merged in order; their trainer settings apply to every ``what_runs``)."""
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--workload", default=None, choices=WORKLOAD_NAMES, help=workload_help)
+    what.add_argument(
+        "--model",
+        type=module_class_spec,
+        metavar="MODULE:CLASS",
+        help="your LightningModule class, e.g. my_pkg.models:Net (with --datamodule)",
+    )
+    parser.add_argument(
+        "--model-args", type=json_object, default=None, help="JSON object of the model's keyword arguments"
+    )
+    parser.add_argument(
+        "--datamodule", type=module_class_spec, metavar="MODULE:CLASS", help="your LightningDataModule class"
+    )
+    parser.add_argument("--datamodule-args", type=json_object, default=None, help="JSON object of its arguments")
+    parser.add_argument(
+        "--config",
+        type=existing_file,
+        action="append",
+        default=None,
+        metavar="YAML",
+        help="a LightningCLI config (model:, data:, trainer:), repeatable, merged in order as LightningCLI does; its "
+        f"trainer settings apply to every {what_runs} (the YAML autotune writes is accepted, with "
+        "--model/--datamodule)",
+    )

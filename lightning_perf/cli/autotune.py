@@ -23,16 +23,13 @@ from typing import Any
 from lightning_perf.cli._common import (
     PRESET_NAMES,
     STAGE_NAMES,
-    WORKLOAD_NAMES,
     UsageError,
+    add_source_arguments,
     choice_list,
     device,
-    existing_file,
     fail,
     int_at_least,
-    json_object,
     load_user_source,
-    module_class_spec,
     non_negative_float,
     non_negative_int,
     positive_float,
@@ -64,29 +61,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "changing the losses. Writes the recommendation as a LightningCLI YAML and as JSON.",
         allow_abbrev=False,
     )
-    what = parser.add_mutually_exclusive_group()
-    what.add_argument("--workload", choices=WORKLOAD_NAMES, help="a reference workload")
-    what.add_argument(
-        "--model", type=module_class_spec, metavar="MODULE:CLASS", help="the LightningModule class, e.g. pkg.mod:Net"
-    )
+    add_source_arguments(parser, "trial", "a reference workload")
     parser.add_argument("--preset", default="default", choices=PRESET_NAMES, help="workload size, default: %(default)s")
-    parser.add_argument(
-        "--datamodule",
-        type=module_class_spec,
-        metavar="MODULE:CLASS",
-        help="the LightningDataModule class (with --model)",
-    )
-    parser.add_argument("--model-args", type=json_object, default=None, help="JSON object of the model's arguments")
-    parser.add_argument("--datamodule-args", type=json_object, default=None, help="JSON object of its arguments")
-    parser.add_argument(
-        "--config",
-        type=existing_file,
-        action="append",
-        default=None,
-        metavar="YAML",
-        help="a LightningCLI config (model:, data:, trainer:), repeatable, merged in order; its trainer settings apply "
-        "to every trial (this command's own output YAML is accepted, with --model/--datamodule)",
-    )
     parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument(
         "--stage",

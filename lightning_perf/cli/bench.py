@@ -21,14 +21,11 @@ from lightning_perf.cli._common import (
     PRESET_NAMES,
     STAGE_NAMES,
     TRAINER_PRECISIONS,
-    WORKLOAD_NAMES,
     UsageError,
+    add_source_arguments,
     device,
-    existing_file,
     fail,
-    json_object,
     load_user_source,
-    module_class_spec,
     non_negative_int,
     one_line,
     positive_int,
@@ -80,32 +77,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "and inference speed against baseline; --stage predict measures per-batch inference latency instead.",
         allow_abbrev=False,
     )
-    what = parser.add_mutually_exclusive_group()
-    what.add_argument(
-        "--workload", default=None, choices=WORKLOAD_NAMES, help="a reference workload (default: convnet)"
-    )
-    what.add_argument(
-        "--model",
-        type=module_class_spec,
-        metavar="MODULE:CLASS",
-        help="your LightningModule class, e.g. my_pkg.models:Net (with --datamodule)",
-    )
-    parser.add_argument(
-        "--model-args", type=json_object, default=None, help="JSON object of the model's keyword arguments"
-    )
-    parser.add_argument(
-        "--datamodule", type=module_class_spec, metavar="MODULE:CLASS", help="your LightningDataModule class"
-    )
-    parser.add_argument("--datamodule-args", type=json_object, default=None, help="JSON object of its arguments")
-    parser.add_argument(
-        "--config",
-        type=existing_file,
-        action="append",
-        default=None,
-        metavar="YAML",
-        help="a LightningCLI config (model:, data:, trainer:), repeatable, merged in order as LightningCLI does; its "
-        "trainer settings apply to every configuration",
-    )
+    add_source_arguments(parser, "configuration", "a reference workload (default: convnet)")
     parser.add_argument(
         "--stage",
         default="fit",
