@@ -36,11 +36,12 @@ class MLPBlocks(pl.LightningModule):
     def __init__(self, width: int = 1024, depth: int = 2, num_classes: int = 10, lr: float = 1e-3) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.blocks = nn.Sequential(*(MLPBlock(width) for _ in range(depth)))
-        self.head = nn.Linear(width, num_classes)
+        # One child holding the network: `QATCallback` quantizes one submodule (name it with `submodule=` when the
+        # LightningModule has several children with parameters).
+        self.net = nn.Sequential(*(MLPBlock(width) for _ in range(depth)), nn.Linear(width, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.blocks(x))
+        return self.net(x)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
