@@ -212,12 +212,10 @@ def _needs_fp16(device: torch.device) -> str | None:
     """fp16 arithmetic in hardware: any CUDA device; a CPU with AVX512-FP16 or AMX-FP16 (else fp16 is emulated)."""
     if device.type == "cuda":
         return None
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        flags = set()
-    if flags & {"avx512_fp16", "amx_fp16"}:
+    from lightning_perf.profiling.machine import cpu_flags
+
+    flags = cpu_flags() or {}
+    if flags.get("avx512_fp16") or flags.get("amx_fp16"):
         return None
     return f"{device} has no fp16 arithmetic (a CUDA device, or a CPU with avx512_fp16/amx_fp16)"
 
