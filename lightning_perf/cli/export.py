@@ -64,7 +64,11 @@ def _range(text: str) -> tuple[int, int, int]:
 
 
 def _shape(text: str) -> list[int]:
-    return _positive_ints(text.replace(",", "x"), "x", "D1xD2...: positive integer sizes, e.g. 3x224x224")
+    expected = "D1xD2...: positive integer sizes, e.g. 3x224x224"
+    try:
+        return _positive_ints(text.replace(",", "x"), "x", expected)
+    except argparse.ArgumentTypeError:
+        raise _invalid(text, expected) from None  # the value as typed ('3,x'), not as rewritten
 
 
 def _sizes(text: str) -> list[int]:
