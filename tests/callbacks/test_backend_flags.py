@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_perf import NoEffectWarning
+from lightning_perf import LightningPerfWarning, NoEffectWarning
 from lightning_perf.callbacks import BackendFlagsCallback
 from lightning_perf.functional import backend_flags as bf
 from lightning_perf.functional.backend_flags import BackendFlags, capture
@@ -138,6 +140,49 @@ def test_fastest_preset_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         _trainer(tmp_path, [BackendFlagsCallback(preset="fastest")]).fit(BoringModel())
 
 
+def test_no_argument_on_cpu_sets_nothing_and_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bf, "has_fast_cpu_bf16", lambda: True)
+    before = capture()
+    probe = Probe()
+    callback = BackendFlagsCallback()
+    assert callback.preset == "recommended"
+    with caplog.at_level(logging.INFO), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = _trainer(tmp_path, [callback, probe])
+        trainer.fit(BoringModel())
+        trainer.validate(BoringModel(), verbose=False)
+    # An info line, not a warning: nothing is wrong with the user's setup.
+    assert not [w for w in record if issubclass(w.category, LightningPerfWarning)]
+    assert probe.during == before and capture() == before
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("BackendFlagsCallback")]
+    assert len(lines) == 1, lines
+    assert "nothing set on cpu" in lines[0] and "without changing its numerics" in lines[0]
+    assert "float32_matmul_precision='medium'" in lines[0]  # what this (bf16) CPU could opt into
+
+
+def test_no_argument_on_cuda_chooses_the_recommended_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    callback = BackendFlagsCallback()
+    monkeypatch.setattr(bf, "supports_tf32", lambda device=None: True)
+    assert callback.flags_for(torch.device("cuda")) == BackendFlags(
+        cudnn_benchmark=True, matmul_tf32=True, cudnn_tf32=True, float32_matmul_precision="high"
+    )
+    monkeypatch.setattr(bf, "supports_tf32", lambda device=None: False)  # pre-Ampere: no TF32 units
+    assert callback.flags_for(torch.device("cuda")) == BackendFlags(cudnn_benchmark=True)
+    assert callback.flags_for(torch.device("cpu")) == BackendFlags()
+
+
+def test_recommended_preset_with_an_explicit_tf32_does_not_contradict_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bf, "supports_tf32", lambda device=None: True)
+    flags = BackendFlagsCallback(preset="recommended", tf32=False).flags_for(torch.device("cuda"))
+    assert flags.cudnn_benchmark is True and flags.matmul_tf32 is False and flags.float32_matmul_precision is None
+    flags = BackendFlagsCallback(preset="recommended", float32_matmul_precision="highest").flags_for(
+        torch.device("cuda")
+    )
+    assert flags.float32_matmul_precision == "highest" and flags.matmul_tf32 is None and flags.cudnn_tf32 is True
+
+
 def test_explicit_settings_override_the_preset() -> None:
     callback = BackendFlagsCallback(preset="fastest", float32_matmul_precision="highest", cudnn_benchmark=False)
     cuda = callback.flags_for(torch.device("cuda"))
@@ -161,7 +206,6 @@ def test_lightning_benchmark_flag_is_set_at_trainer_init_and_what_comes_back(tmp
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({}, ValueError, r"BackendFlagsCallback\(\)` needs at least one setting"),
         ({"tf32": "yes"}, TypeError, r"tf32='yes'.*Expected True, False or None"),
         ({"cudnn_benchmark": 1}, TypeError, r"cudnn_benchmark=1"),
         ({"float32_matmul_precision": "low"}, ValueError, r"float32_matmul_precision='low'"),
@@ -170,7 +214,7 @@ def test_lightning_benchmark_flag_is_set_at_trainer_init_and_what_comes_back(tmp
             ValueError,
             r"BackendFlagsCallback\(sdpa_backends=\['flash', 'turbo'\]\)",
         ),
-        ({"preset": "fast"}, ValueError, r"preset='fast'.*Expected one of 'fastest'"),
+        ({"preset": "fast"}, ValueError, r"preset='fast'.*Expected one of 'recommended', 'fastest'"),
         ({"tf32": True, "float32_matmul_precision": "highest"}, ValueError, "contradict each other"),
     ],
 )
@@ -188,6 +232,22 @@ def test_cuda_settings_apply_and_restore(tmp_path: Path) -> None:
     assert probe.during is not None
     assert probe.during.cudnn_benchmark is (not before.cudnn_benchmark)
     assert probe.during.matmul_tf32 is (not before.matmul_tf32) and probe.during.cudnn_tf32 is (not before.matmul_tf32)
+    assert capture() == before
+
+
+@pytest.mark.gpu
+def test_no_argument_on_cuda_applies_and_restores_the_recommended_settings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    before = capture()
+    probe = Probe()
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, [BackendFlagsCallback(), probe], accelerator="gpu").fit(BoringModel())
+    assert probe.during is not None and probe.during.cudnn_benchmark is True
+    if torch.cuda.get_device_capability() >= (8, 0):
+        assert probe.during.matmul_tf32 is True and probe.during.cudnn_tf32 is True
+        assert probe.during.float32_matmul_precision == "high"
+    assert "the settings recommended for cuda" in caplog.text
     assert capture() == before
 
 
