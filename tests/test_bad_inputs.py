@@ -323,3 +323,32 @@ def test_bad_input_is_named(build: Callable[..., Any], argument: str, kwargs: di
     if isinstance(value, torch.nn.Module):
         shown = type(value).__name__  # a module's repr spans lines; its class names it
     assert shown in message, message
+
+
+def test_config_without_jsonargparse_is_a_usage_error_naming_the_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    """`bench --config` after an install that lost `jsonargparse[signatures]`: exit 2 and one line saying what to
+    install, not "LightningCLI refused" the user's file."""
+    import lightning.pytorch.cli as lightning_cli
+
+    from lightning_perf.cli import main
+
+    monkeypatch.setattr(lightning_cli, "_JSONARGPARSE_SIGNATURES_AVAILABLE", False)
+    config = tmp_path / "cli.yaml"
+    config.write_text("model:\n  class_path: lightning.pytorch.demos.boring_classes.BoringModel\n")
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--config", str(config), "--output", str(tmp_path / "out.json")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "--config" in err[0] and "pip install 'jsonargparse[signatures]" in err[0] and "refused" not in err[0]
+
+
+def test_jsonargparse_is_a_dependency_of_the_main_install() -> None:
+    """The README's main install (`pip install -e ".[plot]"`) must bring what `bench --config` needs."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert any(dep.replace(" ", "").startswith("jsonargparse[signatures]") for dep in project["dependencies"])

@@ -110,8 +110,13 @@ def load_lightning_config(
         ValueError: a file LightningCLI refuses (unknown key, bad value, class that does not import), with its message
             on one line; a configuration with no model.
     """
-    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.cli import _JSONARGPARSE_SIGNATURES_AVAILABLE, LightningCLI
 
+    if not _JSONARGPARSE_SIGNATURES_AVAILABLE:  # before the `try` below, which would call it a refusal of the file
+        raise ModuleNotFoundError(
+            "reading a LightningCLI file needs `jsonargparse[signatures]`, a dependency of lightning-perf missing "
+            "here: `pip install 'jsonargparse[signatures]>=4.39,<5'` (or reinstall lightning-perf with dependencies)"
+        )
     captured: dict[str, Any] = {}
 
     class _Capture(LightningCLI):
