@@ -5,7 +5,9 @@ queued so far, so the host can no longer run ahead and the device idles while th
 
 - On CUDA the recorder turns on ``torch.cuda.set_sync_debug_mode("warn")`` while active: PyTorch itself then warns
   at every synchronizing operation (also inside C++: ``nonzero``, boolean masks, copies to the host), and the
-  warnings are collected instead of shown. The previous mode is restored on :meth:`HostSyncRecorder.stop`.
+  warnings are collected instead of shown. The previous mode is restored on :meth:`HostSyncRecorder.stop`. torch's
+  own notice that the debug mode "is a prototype feature" is about the recorder's tool, not the user's code: it is
+  filtered out where the mode is set (that message only; every other warning reaches the caller).
 - On other devices nothing synchronizes, so the recorder predicts what would on a GPU: a
   :class:`~torch.overrides.TorchFunctionMode` sees every Python-level tensor call and counts those that need the
   value on the host (``item``, ``tolist``, ``cpu``, ``numpy``, ``bool``/``int``/``float`` of a tensor, data-dependent
@@ -32,10 +34,14 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_perf._device import as_device
 
-__all__ = ["CUDA_SYNC_WARNING", "HostSyncRecorder", "SyncSite"]
+__all__ = ["CUDA_SYNC_WARNING", "DEBUG_MODE_PROTOTYPE_WARNING", "HostSyncRecorder", "SyncSite"]
 
 CUDA_SYNC_WARNING = "synchronizing CUDA operation"
 """Part of the warning PyTorch emits for each synchronization under ``set_sync_debug_mode("warn")``."""
+
+DEBUG_MODE_PROTOTYPE_WARNING = "Synchronization debug mode is a prototype feature"
+"""Start of the UserWarning torch emits (once per process) when the sync debug mode is set: about the mode we chose
+to use, not about the user's code, so the recorder never lets it reach the caller."""
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
@@ -102,6 +108,18 @@ def _call_site() -> tuple[str, int, str] | None:
     if frame is None or frame.f_code.co_filename.startswith(_TORCH_DIR):
         return None
     return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+
+
+def _is_prototype_warning(record: warnings.WarningMessage) -> bool:
+    return issubclass(record.category, UserWarning) and str(record.message).startswith(DEBUG_MODE_PROTOTYPE_WARNING)
+
+
+def _set_sync_debug_mode(mode: int | str) -> None:
+    """``torch.cuda.set_sync_debug_mode`` without torch's "prototype feature" UserWarning (only that one: any other
+    warning raised meanwhile goes where it would have gone)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=DEBUG_MODE_PROTOTYPE_WARNING, category=UserWarning)
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 def _boolean_mask(index: Any) -> bool:
@@ -173,7 +191,7 @@ class HostSyncRecorder:
             self._catcher = warnings.catch_warnings(record=True)
             self._caught = self._catcher.__enter__()
             warnings.filterwarnings("always", message=f".*{CUDA_SYNC_WARNING}")
-            torch.cuda.set_sync_debug_mode("warn")
+            _set_sync_debug_mode("warn")
         else:
             self._mode = _SyncCallMode(self._counts)
             self._mode.__enter__()
@@ -190,7 +208,7 @@ class HostSyncRecorder:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
             return
-        torch.cuda.set_sync_debug_mode(self._previous_debug_mode)
+        _set_sync_debug_mode(self._previous_debug_mode)
         catcher, caught = self._catcher, self._caught or []
         self._catcher, self._caught = None, None
         assert catcher is not None
@@ -198,7 +216,7 @@ class HostSyncRecorder:
         for record in caught:
             if issubclass(record.category, UserWarning) and CUDA_SYNC_WARNING in str(record.message):
                 self._counts[("cuda-sync", record.filename, record.lineno, "")] += 1
-            else:
+            elif not _is_prototype_warning(record):
                 warnings.showwarning(record.message, record.category, record.filename, record.lineno, record.file)
 
     def sites(self) -> list[SyncSite]:

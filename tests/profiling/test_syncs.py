@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_perf.profiling.syncs import CUDA_SYNC_WARNING, HostSyncRecorder
+from lightning_perf.profiling.syncs import CUDA_SYNC_WARNING, DEBUG_MODE_PROTOTYPE_WARNING, HostSyncRecorder
 
 
 def _line(marker: str) -> int:
@@ -104,3 +104,32 @@ def test_cuda_debug_mode_is_used_restored_and_other_warnings_survive() -> None:
     assert any(s.lineno == _line("# CUDA-ITEM") and s.kind == "cuda-sync" for s in recorder.sites())
     assert [str(w.message) for w in outer] == ["unrelated"]
     assert all(CUDA_SYNC_WARNING not in str(w.message) for w in outer)
+
+
+def test_torch_prototype_notice_is_dropped_and_other_warnings_survive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's warning handling, on any machine: torch's debug-mode functions replaced by fakes that warn the
+    way torch does (its "prototype feature" notice when the mode is set, one warning per synchronization)."""
+    modes: list[int | str] = []
+
+    def set_mode(mode: int | str) -> None:
+        warnings.warn(
+            f"{DEBUG_MODE_PROTOTYPE_WARNING} and does not yet detect all synchronizing operations",
+            UserWarning,
+            stacklevel=2,
+        )
+        modes.append(mode)
+
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    recorder = HostSyncRecorder("cuda")
+    with warnings.catch_warnings(record=True) as outer:
+        warnings.simplefilter("always")
+        recorder.start()
+        warnings.warn(f"called a {CUDA_SYNC_WARNING}", UserWarning, stacklevel=1)
+        warnings.warn("unrelated", UserWarning, stacklevel=1)
+        recorder.stop()
+        # Only the notice raised while the recorder sets the mode is dropped: no filter is left behind.
+        warnings.warn(f"{DEBUG_MODE_PROTOTYPE_WARNING} (raised elsewhere)", UserWarning, stacklevel=1)
+    assert modes == ["warn", 0]
+    assert [str(w.message) for w in outer] == ["unrelated", f"{DEBUG_MODE_PROTOTYPE_WARNING} (raised elsewhere)"]
+    assert recorder.total == 1 and recorder.sites()[0].kind == "cuda-sync"
