@@ -145,7 +145,8 @@ class BottleneckCallback(Callback):
     never overwritten silently: when ``<filename>.json`` or ``.png`` already exists there, this run writes
     ``<filename>-2.*`` (then ``-3``, ...), unless ``overwrite=True``.
     The callback's own cost (its hooks, the timer included) is measured and reported. The JSON report is also kept in
-    :attr:`report`.
+    :attr:`report`. A pickled copy keeps the settings and :attr:`report`, not the timers of a run in progress (CUDA
+    events cannot be pickled): they are built again when the copy's fit starts.
 
     Args:
         warmup_steps: leading training steps reported apart as warm-up (compilation, autotuning, allocator growth).
@@ -239,6 +240,16 @@ class BottleneckCallback(Callback):
         self._loader: LoaderSettings | None = None
         self._fit_start_ns = 0
         self._epochs_started = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (a spawn launcher's, a deepcopy of the Trainer's callbacks) holds the settings and the last report,
+        # never the run in progress: the timers hold CUDA events (which cannot be pickled) and the hook handles belong
+        # to this process's optimizers. `on_fit_start` builds all of it again.
+        state = self.__dict__.copy()
+        idle = type(self).__new__(type(self))
+        idle._reset()
+        state.update(vars(idle), _handles=[])
+        return state
 
     # --------------------------------------------------------------------------------------------- phase machinery
 

@@ -449,3 +449,71 @@ def test_cuda_sync_debug_mode_finds_item_in_the_step(tmp_path: Path) -> None:
     sites = callback.report["host_syncs"]["sites"]
     assert any(s.lineno == _line_of("# CUDA-SYNC-LINE") for s in sites), sites
     assert torch.cuda.get_sync_debug_mode() == 0
+
+
+# ------------------------------------------------------------------------------------------------------- pickling
+
+
+class _Unpicklable:
+    """Stands for a CUDA event: ``pickle`` refuses it the way it refuses ``torch.cuda.Event``."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("cannot pickle 'Event' object")
+
+
+def test_pickles_after_fit_with_run_time_device_state_left_behind(tmp_path: Path) -> None:
+    import copy
+    import pickle
+
+    callback = scripted_fit(tmp_path)
+    assert callback._timer is not None and callback._handles == []
+    # What a CUDA fit leaves in the timers: events of the last (closed, unresolved) phases.
+    callback._timer._open["step"] = _Unpicklable()
+    callback._val_timer._open["validation"] = _Unpicklable()  # type: ignore[union-attr]
+    with pytest.raises(TypeError, match="cannot pickle"):
+        pickle.dumps(callback._timer)
+    clone = pickle.loads(pickle.dumps(callback))
+    assert clone.report is not None and callback.report is not None
+    assert clone.report.keys() == callback.report.keys()
+    assert clone.report["per_step"]["records"] == callback.report["per_step"]["records"]
+    assert clone._timer is None and clone._val_timer is None and clone._recorder is None
+    assert (clone.warmup_steps, clone.filename, clone.thresholds) == (1, "bottleneck", callback.thresholds)
+    assert callback._timer is not None  # the original keeps its run
+    deep = copy.deepcopy(callback)
+    assert deep._timer is None and deep.report is not None
+    # The copy measures a fit of its own: its timers are built at fit start.
+    clone._clock = ScriptedClock()
+    quiet_trainer(tmp_path / "again", [clone], max_steps=3).fit(Scripted(clone._clock), DataLoader(torch.randn(8, 4)))
+    assert clone.report is not None and clone.report["steps"]["total"] == 3
+
+
+def test_a_copy_taken_mid_fit_starts_idle(tmp_path: Path) -> None:
+    import pickle
+
+    copies: list[BottleneckCallback] = []
+
+    class CopyMidFit(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 2:
+                copies.append(pickle.loads(pickle.dumps(trainer.callbacks[0])))
+
+    clock = ScriptedClock()
+    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, verbose=False)
+    callback._clock = clock
+    data = DataLoader(SlowData(clock, 0.5), batch_size=2)
+    quiet_trainer(tmp_path, [callback, CopyMidFit()], max_steps=4).fit(Scripted(clock), data)
+    (copy_,) = copies
+    assert copy_._timer is None and not copy_._step_open and copy_._current is None and copy_._handles == []
+    assert callback.report is not None and callback.report["steps"]["total"] == 4
+
+
+@pytest.mark.gpu
+def test_pickles_after_a_cuda_fit(tmp_path: Path) -> None:
+    import pickle
+
+    pl.seed_everything(0, verbose=False)
+    model, data = make_workload("convnet", "tiny", seed=0)
+    callback = BottleneckCallback(warmup_steps=2, sync_check_steps=1, verbose=False)
+    quiet_trainer(tmp_path, [callback], accelerator="cuda", max_steps=4).fit(model, datamodule=data)
+    clone = pickle.loads(pickle.dumps(callback))
+    assert clone.report is not None and clone.report["device"].startswith("cuda") and clone._timer is None
