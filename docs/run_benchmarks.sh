@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Reproduce the CPU tables of docs/benchmarks.md (run on a quiet machine: nothing else using the cores).
+# Re-run the CPU training tables of docs/benchmarks.md (on a quiet machine: nothing else using the cores), then
+# regenerate the page from docs/bench/*.json. The other tables' commands are in their captions.
 # Each `lightning-perf bench` runs every configuration in a fresh process, repeats interleaved.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,3 +38,6 @@ lightning-perf bench --force --workload convnet --quiet --steps "$steps" --repea
 
 # Observers' cost against Lightning's profilers.
 python examples/observer_overhead.py --steps 200 --rounds 5 --output "$out/observer-overhead.json"
+
+# The page: every table from the result files (docs/benchmarks.template.md holds the prose).
+python docs/make_benchmarks_md.py
