@@ -24,6 +24,7 @@ from lightning_perf.callbacks._model_hooks import (
 )
 from lightning_perf.functional.channels_last import apply_channels_last, batch_to_channels_last, validate_dims
 from lightning_perf.functional.fused_optimizer import match_state_layout
+from lightning_perf.functional.sharding import is_sharded_parameter
 
 
 def _match_layout(optimizer: Optimizer) -> None:
@@ -43,6 +44,11 @@ class ChannelsLastCallback(Callback):
     callback loads into a plain model and the other way round.
 
     A model without 2D/3D convolutions is left as it is, with one :class:`~lightning_perf.NoEffectWarning`.
+
+    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``) the sharded weights keep their
+    layout: FSDP2 gathers them contiguous before every forward, so converting a shard would change nothing. The inputs
+    are converted as always, and the convolution kernels run in channels-last, reordering the gathered weights per call
+    (said once on rank zero).
 
     Args:
         dims: ``"auto"`` (default) converts the 2D convolutions and 4D inputs and the 3D convolutions and 5D inputs
@@ -79,7 +85,9 @@ class ChannelsLastCallback(Callback):
                 NoEffectWarning,
             )
             return
-        if report.changed and not self._reported:  # each stage converts again (teardown restores): say it once
+        if (
+            report.changed or report.sharded
+        ) and not self._reported:  # each stage converts again (teardown restores): say it once
             rank_zero_info(f"{type(self).__name__}: {report.summary()}.")
             self._reported = True
         self._transform = partial(batch_to_channels_last, dims=report.dims)
@@ -104,6 +112,8 @@ class ChannelsLastCallback(Callback):
         self._handles.clear()
         with torch.no_grad():
             for param, stride in self._converted:
+                if is_sharded_parameter(param):
+                    continue  # never converted (FSDP2 keeps its own layout); a plain copy_ would mix Tensor and DTensor
                 # Same values, same Parameter object (optimizers and DDP keep theirs): only the layout goes back.
                 param.data = torch.empty_strided(param.shape, stride, dtype=param.dtype, device=param.device).copy_(
                     param.data

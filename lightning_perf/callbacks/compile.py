@@ -19,6 +19,7 @@ from lightning_perf.functional.compile import (
     CompiledModules,
     CompileMonitor,
     compile_options,
+    inside_wrappers,
     select_regions,
     top_level_blocks,
     validate_regions,
@@ -33,6 +34,33 @@ _STEP_METHOD = {
     "test": "test_step",
     "predict": "predict_step",
 }
+
+
+def _evaluation_hooks(loop: str) -> tuple[Callable[..., None], Callable[..., None]]:
+    """``on_<loop>_batch_start`` / ``_end`` of :class:`CompileCallback` for an evaluation or predict loop."""
+
+    def batch_start(
+        self: CompileCallback,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._batch_start()
+
+    def batch_end(
+        self: CompileCallback,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._check_forward_ran(pl_module, loop)
+
+    return batch_start, batch_end
 
 
 class CompileCallback(Callback):
@@ -141,6 +169,7 @@ class CompileCallback(Callback):
         self._monitor = CompileMonitor()
         self._timer: PhaseTimer | None = None
         self._cudagraph_steps = False
+        self._said_inside_wrappers = False
 
     # ------------------------------------------------------------------------------------------ applying, undoing
 
@@ -148,7 +177,10 @@ class CompileCallback(Callback):
         stage = trainer.state.fn.value if trainer.state.fn is not None else None
         if self._compiled is not None or stage not in self.stages:
             return  # compiled already in this entry point (fit's validation loop), or this stage runs eager
-        modules = select_regions(pl_module, self.regions)
+        selected = select_regions(pl_module, self.regions)
+        modules = inside_wrappers(pl_module, selected)
+        if modules != selected:
+            self._note_inside_wrappers(trainer, modules)
         if not modules:
             warn_once(
                 f"`{type(self).__name__}(regions={self.regions!r})` found nothing to compile in "
@@ -166,10 +198,22 @@ class CompileCallback(Callback):
                     NoEffectWarning,
                 )
         self._compiled = CompiledModules(modules, self._compile_kwargs, strict=self.strict)
-        self._entry_check = _MAIN_LOOP[stage] if self.regions is None else None
+        self._entry_check = _MAIN_LOOP[stage] if self.regions is None and modules == selected else None
         self._monitor.start()
         if stage == "fit":
             self._timer = PhaseTimer(pl_module.device, warmup_steps=self.warmup_steps)
+
+    def _note_inside_wrappers(self, trainer: pl.Trainer, modules: list[tuple[str, nn.Module]]) -> None:
+        if self._said_inside_wrappers:
+            return
+        self._said_inside_wrappers = True
+        rank_zero_info(
+            f"{type(self).__name__}(regions={self.regions!r}): the model is sharded with FSDP2 "
+            f"({type(trainer.strategy).__name__}), so each of its {len(modules)} fully_shard-ed block(s) is compiled "
+            "in its forward, inside its wrapper (the all-gather and reshard hooks stay outside the compiled code): "
+            + ", ".join(name for name, _ in modules[:4])
+            + (", ..." if len(modules) > 4 else "")
+        )
 
     def _undo(self) -> None:
         if self._compiled is not None:
@@ -253,59 +297,10 @@ class CompileCallback(Callback):
             self._timer.end_step()
         self._check_forward_ran(pl_module, "train")
 
-    @override
-    def on_validation_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._batch_start()
-
-    @override
-    def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._check_forward_ran(pl_module, "validation")
-
-    @override
-    def on_test_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._batch_start()
-
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._check_forward_ran(pl_module, "test")
-
-    @override
-    def on_predict_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._batch_start()
-
-    @override
-    def on_predict_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._check_forward_ran(pl_module, "predict")
+    # Validation, test and predict batches: the same two hooks, made once per loop by `_evaluation_hooks` below.
+    on_validation_batch_start, on_validation_batch_end = _evaluation_hooks("validation")
+    on_test_batch_start, on_test_batch_end = _evaluation_hooks("test")
+    on_predict_batch_start, on_predict_batch_end = _evaluation_hooks("predict")
 
     # ------------------------------------------------------------------------------------------------- report
 

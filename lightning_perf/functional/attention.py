@@ -114,6 +114,12 @@ from lightning_perf.functional.attention_modules import (
 )
 from lightning_perf.functional.attention_parity import check_parity
 from lightning_perf.functional.attention_trace import SDPACalls
+from lightning_perf.functional.sharding import (
+    is_fsdp_module,
+    is_sharded_parameter,
+    plain_parameters,
+    rebind_parameters,
+)
 from lightning_perf.functional.surgery import FilterFn, find_modules, replace_modules, restore_modules
 
 __all__ = [
@@ -250,19 +256,30 @@ def swap_attention(
         adapter = adapter_for(module, name)
         assert adapter is not None
         try:
-            calls = adapter.sample_inputs(module, torch.Generator().manual_seed(0))
-            if adapter.already_fused(module, calls):
-                reason = f"already fused: {type(module).__name__} calls scaled_dot_product_attention itself"
-                result.decisions[name] = AttentionDecision(UNCHANGED, reason, ALREADY_FUSED)
-                continue
-            swapped = adapter.swap(module, SDPA)
-            calls += swapped.__dict__.pop("parity_calls", [])
-            decision = choose_kernel(int(getattr(swapped, "head_dim", 0)), target, compute_dtype)
-            setattr(swapped, "kernel", decision.kernel)  # noqa: B010 (any nn.Module an adapter returns)
+            sharded = _sharded_refusal(module)
             notes: list[str] = []
-            problem = None
-            if parity_check:
-                problem = check_parity(module, swapped, calls, device=target, compute_dtype=compute_dtype, notes=notes)
+            # Sharded (FSDP2) parameters are DTensors outside a training step: probe and check on plain stand-ins of
+            # their full shapes (the same on every rank, no collective call), then give the swap the real ones back.
+            with plain_parameters(module) as stand_ins:
+                calls = adapter.sample_inputs(module, torch.Generator().manual_seed(0))
+                if adapter.already_fused(module, calls):
+                    reason = f"already fused: {type(module).__name__} calls scaled_dot_product_attention itself"
+                    result.decisions[name] = AttentionDecision(UNCHANGED, reason, ALREADY_FUSED)
+                    continue
+                if sharded is not None:
+                    raise AttentionNotSwappable(sharded)
+                swapped = adapter.swap(module, SDPA)
+                calls += swapped.__dict__.pop("parity_calls", [])
+                decision = choose_kernel(int(getattr(swapped, "head_dim", 0)), target, compute_dtype)
+                setattr(swapped, "kernel", decision.kernel)  # noqa: B010 (any nn.Module an adapter returns)
+                problem = None
+                if parity_check:
+                    problem = check_parity(
+                        module, swapped, calls, device=target, compute_dtype=compute_dtype, notes=notes
+                    )
+                rebind_parameters(swapped, stand_ins)
+            if stand_ins:
+                notes.append("parameters sharded by FSDP2: checked on stand-in weights of their full shapes")
             honoured = _honoured_arguments(swapped)
             if honoured:
                 notes.append(honoured)
@@ -290,6 +307,26 @@ def swap_attention(
     if swaps:
         result.replaced = replace_modules(model, list(swaps), lambda m, n: swaps[n])
     return result
+
+
+def _sharded_refusal(module: nn.Module) -> str | None:
+    """Why a module with FSDP2-sharded parameters cannot be swapped, or ``None`` when it can.
+
+    FSDP2 puts the gathered parameters back, before each forward, on the modules that held them when ``fully_shard``
+    ran. A swapped module that holds such parameters itself (not through shared child modules) would keep the shards.
+    """
+    if is_fsdp_module(module):
+        return (
+            "fully_shard was applied to the attention module itself; swapping it would drop its FSDP2 hooks "
+            "(shard the block around it instead)"
+        )
+    own = [n for n, p in module.named_parameters(recurse=False) if is_sharded_parameter(p)]
+    if own:
+        return (
+            f"it holds FSDP2-sharded parameters itself ({', '.join(own)}), which FSDP2 gathers for the original "
+            "module only (nn.MultiheadAttention called with need_weights=False already runs SDPA)"
+        )
+    return None
 
 
 def _honoured_arguments(swapped: nn.Module) -> str:

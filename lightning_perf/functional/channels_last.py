@@ -4,6 +4,11 @@ Convolutions in oneDNN (CPU) and cuDNN (tensor cores) run fastest on NHWC / NDHW
 its convolution weights in ``torch.channels_last`` (2D) or ``torch.channels_last_3d`` (3D) and receiving its inputs in
 the same format; the layout then flows through the network and into the gradients. Values never change, only strides,
 so ``state_dict`` keys and contents are the same as without it.
+
+Sharded weights (FSDP2's ``fully_shard``: DTensor parameters) keep their layout: FSDP2 all-gathers every shard into a
+contiguous weight before each forward (and copies a shard whose layout changed back into its own flat buffer), so
+converting a shard would change nothing the convolution sees. The inputs still go channels-last, and the convolution
+kernels (oneDNN, cuDNN) then run in channels-last, reordering the gathered weight per call.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Any, Literal
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
+
+from lightning_perf.functional.sharding import is_sharded_parameter
 
 Dims = Literal["auto", 2, 3]
 
@@ -82,20 +89,30 @@ class ChannelsLastReport:
         dims: the spatial ranks that apply to this model (batches of these ranks should be converted too).
         layers: qualified names of the convolution layers now in channels-last format, by rank.
         changed: how many of their weights changed layout (1x1 kernels and weights converted before already match).
+        sharded: layers whose weights are DTensor shards (FSDP2), left in their layout (see the module's docstring);
+            their inputs are still converted.
         skipped_reason: why nothing applies, when ``dims`` is empty.
     """
 
     dims: frozenset[int] = frozenset()
     layers: dict[int, list[str]] = field(default_factory=lambda: {2: [], 3: []})
     changed: int = 0
+    sharded: list[str] = field(default_factory=list)
     skipped_reason: str | None = None
 
     def summary(self) -> str:
         """One sentence for a log: the layers of each rank and their inputs' format."""
-        return "; ".join(
+        text = "; ".join(
             f"{len(self.layers[d])} {d}D conv layer(s) and {d + 2}D inputs in {_format_name(MEMORY_FORMATS[d])}"
             for d in sorted(self.dims)
         )
+        if self.sharded:
+            text += (
+                f" ({len(self.sharded)} of these layers have FSDP2-sharded weights: FSDP2 gathers them contiguous for "
+                "each forward, so they stay as they are and the convolution kernels reorder them for the channels-last "
+                "inputs)"
+            )
+        return text
 
 
 def _format_name(memory_format: torch.memory_format) -> str:
@@ -143,7 +160,11 @@ def apply_channels_last(model: nn.Module, dims: Dims = "auto") -> ChannelsLastRe
     modules = dict(model.named_modules())
     for spatial in sorted(target):
         for name in found[spatial]:
-            report.changed += _to_format(modules[name].weight, MEMORY_FORMATS[spatial])
+            weight = modules[name].weight
+            if is_sharded_parameter(weight):
+                report.sharded.append(name)
+            else:
+                report.changed += _to_format(weight, MEMORY_FORMATS[spatial])
             report.layers[spatial].append(name)
     return report
 

@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,7 +50,15 @@ import torch
 from torch import nn
 
 from lightning_perf._warnings import FallbackWarning, warn_once
-from lightning_perf.functional.surgery import find_modules, find_repeated_blocks, import_module_class
+from lightning_perf.functional.sharding import is_fsdp_module
+from lightning_perf.functional.surgery import (
+    ForwardPatch,
+    find_forward_patch,
+    find_modules,
+    find_repeated_blocks,
+    import_module_class,
+    unpatch_forward,
+)
 
 __all__ = [
     "COMPILE_MODES",
@@ -59,6 +69,8 @@ __all__ = [
     "compile_modules",
     "compile_options",
     "compile_regions",
+    "fresh_compile_cache",
+    "inside_wrappers",
     "is_compiler_error",
     "select_regions",
     "top_level_blocks",
@@ -130,9 +142,27 @@ def compile_options(
                 f"`{owner}(mode={mode!r}, options=...)`: torch.compile takes a mode or options, not both. "
                 "Pass the options only (e.g. {'triton.cudagraphs': True} for reduce-overhead)."
             )
+        if backend == "inductor":
+            _check_inductor_options(options, owner)
     kwargs: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend, "mode": mode}
     kwargs["options"] = None if options is None else dict(options)
     return kwargs
+
+
+def _check_inductor_options(options: Mapping[str, Any], owner: str) -> None:
+    """Refuse an option name ``torch._inductor`` does not have (torch would only fail at the first compiled call)."""
+    import difflib
+
+    from torch import _inductor
+
+    known = [name for name in _inductor.list_options() if not name.startswith("_") and name != "TYPE_CHECKING"]
+    for key in options:
+        if key not in known:
+            nearest = difflib.get_close_matches(key, known, n=3, cutoff=0.0)
+            raise ValueError(
+                f"`{owner}(options={{{key!r}: ...}})`: {key!r} is not an inductor option. Nearest valid ones: "
+                f"{', '.join(repr(n) for n in nearest)} (all of them: torch._inductor.list_options())."
+            )
 
 
 def validate_regions(regions: Any, owner: str = "compile_regions") -> str | tuple[type[nn.Module] | str, ...] | None:
@@ -217,6 +247,28 @@ def select_regions(model: nn.Module, regions: Regions) -> list[tuple[str, nn.Mod
     )
 
 
+def inside_wrappers(model: nn.Module, selected: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``selected`` moved inside FSDP2's wrappers: never compile around an ``FSDPModule`` (its hooks, collectives).
+
+    A selected module that holds ``fully_shard``-ed modules is replaced by the innermost of them (the blocks, each then
+    compiled in its forward, inside its wrapper: per-block compilation after wrapping); a selected ``FSDPModule`` with
+    none inside is compiled in its forward. Without FSDP2, ``selected`` is returned as it is.
+    """
+    sharded = find_modules(model, lambda m, n: is_fsdp_module(m))
+    if not sharded:
+        return selected
+    innermost = [
+        (name, module)
+        for name, module in sharded
+        if not any(other is not module and is_fsdp_module(other) for other in module.modules())
+    ]
+    kept: dict[str, nn.Module] = {}
+    for name, module in selected:
+        inside = [(n, m) for n, m in innermost if m is not module and any(m is sub for sub in module.modules())]
+        kept.update(inside or [(name, module)])
+    return list(kept.items())
+
+
 # ------------------------------------------------------------------------------------------------------- compiling
 
 
@@ -250,8 +302,7 @@ def _with_recompile_limit(
     return kwargs
 
 
-def _compiled_call(module: nn.Module, compile_kwargs: Mapping[str, Any]) -> Callable[..., Any]:
-    call: Callable[..., Any] = module._call_impl
+def _compiled(call: Callable[..., Any], module: nn.Module, compile_kwargs: Mapping[str, Any]) -> Callable[..., Any]:
     try:
         from torch._dynamo import external_utils, trace_rules
 
@@ -271,13 +322,25 @@ class _CompiledCall:
 
     __slots__ = ("calls", "compiled", "forward", "module", "name", "owner")
 
-    def __init__(self, owner: CompiledModules, name: str, module: nn.Module, compiled: Callable[..., Any]) -> None:
+    def __init__(self, owner: CompiledModules, name: str, module: nn.Module, compile_kwargs: Mapping[str, Any]) -> None:
         self.owner = owner
         self.name = name
         self.module = module
-        self.compiled = compiled
+        self.compiled = _compiled(module._call_impl, module, compile_kwargs)
         self.forward = _function_of(module.forward)
         self.calls = 0
+        module._compiled_call_impl = self
+
+    @property
+    def installed(self) -> bool:
+        return self.module._compiled_call_impl is self
+
+    def uninstall(self) -> None:
+        if self.installed:
+            self.module._compiled_call_impl = None
+
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module._call_impl(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _function_of(self.module.forward) is not self.forward:
@@ -285,13 +348,53 @@ class _CompiledCall:
             # through the module's `__call__`. Compiling that would compile the whole step (logging included); run
             # it eagerly instead, and the step's own `self(x)` runs compiled.
             return self.module._call_impl(*args, **kwargs)
-        self.calls += 1
-        try:
-            return self.compiled(*args, **kwargs)
-        except Exception as error:
-            if not is_compiler_error(error):
-                raise
-            return self.owner._fall_back(self, error, args, kwargs)
+        return _run_compiled(self, args, kwargs)
+
+
+class _CompiledForward(ForwardPatch):
+    """A sharded (FSDP2) block's ``forward`` compiled inside its wrapper: FSDP2's hooks stay eager around it.
+
+    Patching ``forward`` rather than ``__call__`` keeps the all-gather before and the reshard after the compiled region,
+    as compiling each block before ``fully_shard`` does (torchtitan's order); a forward patch already there (activation
+    checkpointing) is compiled with the block, so checkpointing runs inside the compiled region.
+    """
+
+    def __init__(self, owner: CompiledModules, name: str, module: nn.Module, compile_kwargs: Mapping[str, Any]) -> None:
+        super().__init__(module)
+        self.owner = owner
+        self.name = name
+        self.calls = 0
+        self.compiled = _compiled(self.call_original, module, compile_kwargs)
+        module.__dict__["forward"] = self.__call__
+
+    @property
+    def installed(self) -> bool:
+        return find_forward_patch(self.module, _CompiledForward) is self
+
+    def uninstall(self) -> None:
+        if self.installed:
+            unpatch_forward(self.module, _CompiledForward)
+
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call_original(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.installed:  # a fallback took it out while an outer caller still held this bound method
+            return self.call_original(*args, **kwargs)
+        return _run_compiled(self, args, kwargs)
+
+
+_Compiled = _CompiledCall | _CompiledForward
+
+
+def _run_compiled(entry: _Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    entry.calls += 1
+    try:
+        return entry.compiled(*args, **kwargs)
+    except Exception as error:
+        if not is_compiler_error(error):
+            raise
+        return entry.owner._fall_back(entry, error, args, kwargs)
 
 
 def _function_of(method: Any) -> Any:
@@ -312,13 +415,13 @@ class CompiledModules:
     ) -> None:
         self.strict = strict
         self.failures: dict[str, str] = {}
-        self._calls: list[_CompiledCall] = []
+        self._calls: list[_Compiled] = []
         modules = list(modules)
         compile_kwargs = _with_recompile_limit(compile_kwargs, modules)
         for name, module in modules:
-            call = _CompiledCall(self, name, module, _compiled_call(module, compile_kwargs))
-            module._compiled_call_impl = call
-            self._calls.append(call)
+            # An FSDP2 block is compiled inside its wrapper (its forward); any other module in place of its __call__.
+            kind = _CompiledForward if is_fsdp_module(module) else _CompiledCall
+            self._calls.append(kind(self, name, module, compile_kwargs))
         self.names: list[str] = [call.name for call in self._calls]
 
     @property
@@ -329,24 +432,22 @@ class CompiledModules:
     @property
     def active(self) -> list[str]:
         """Names of the modules that still run compiled."""
-        return [call.name for call in self._calls if call.module._compiled_call_impl is call]
+        return [call.name for call in self._calls if call.installed]
 
     def remove(self) -> None:
         """Make every module plain again (a module compiled by someone else since is left alone). Idempotent."""
         for call in self._calls:
-            if call.module._compiled_call_impl is call:
-                call.module._compiled_call_impl = None
+            call.uninstall()
 
-    def _fall_back(self, failed: _CompiledCall, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _fall_back(self, failed: _Compiled, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # The eager call decides whose error it is: if it fails too, that error (the model's) propagates unchanged.
-        result = failed.module._call_impl(*args, **kwargs)
+        result = failed.eager(*args, **kwargs)
         if self.strict:
             raise error
         cls = type(failed.module)
         siblings = [call for call in self._calls if type(call.module) is cls]
         for call in siblings:  # the same code would fail the same way: do not pay for it once per block
-            if call.module._compiled_call_impl is call:
-                call.module._compiled_call_impl = None
+            call.uninstall()
         cause = f"{type(error).__name__}: {_summary(error)}"
         self.failures[cls.__name__] = cause
         warn_once(
@@ -410,7 +511,46 @@ def compile_regions(
     )
     if not isinstance(strict, bool):
         raise TypeError(f"`compile_regions(strict={strict!r})` is not valid. Expected True or False.")
-    return CompiledModules(select_regions(model, validate_regions(regions)), kwargs, strict=strict)
+    selected = inside_wrappers(model, select_regions(model, validate_regions(regions)))
+    return CompiledModules(selected, kwargs, strict=strict)
+
+
+@contextlib.contextmanager
+def fresh_compile_cache(directory: str | os.PathLike[str] | None = None) -> Iterator[str]:
+    """Compile cold inside the block: torch's in-memory caches cleared, inductor's on-disk caches in a new folder.
+
+    For measuring cold-start compile time (the first steps of a fit, ``CompileCallback.report["warmup_time_s"]`` and
+    ``"compile_time_s"``): ``torch._dynamo.reset()`` and inductor's ``clear_caches()`` on entry and exit, and
+    ``TORCHINDUCTOR_CACHE_DIR`` pointed at ``directory`` (default: a new temporary folder, removed afterwards) while
+    the block runs; the previous setting is restored on exit. Yields the folder used.
+
+    Example::
+
+        with fresh_compile_cache():
+            trainer.fit(model)  # compiles from scratch, as a new process on a new machine would
+    """
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with contextlib.ExitStack() as stack:
+        folder = str(directory) if directory is not None else stack.enter_context(tempfile.TemporaryDirectory())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+        _clear_compile_caches()
+        try:
+            yield folder
+        finally:
+            _clear_compile_caches()
+            if previous is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+def _clear_compile_caches() -> None:
+    torch._dynamo.reset()
+    try:
+        from torch._inductor.utils import clear_caches
+    except ImportError:  # pragma: no cover - torch without inductor, or a later torch that moved it
+        return
+    clear_caches()
 
 
 # ------------------------------------------------------------------------------------------------------ monitoring
