@@ -5,6 +5,7 @@ from lightning_perf.callbacks.bottleneck import BottleneckCallback
 from lightning_perf.callbacks.channels_last import ChannelsLastCallback
 from lightning_perf.callbacks.compile import CompileCallback
 from lightning_perf.callbacks.flash_attention import FlashAttentionCallback
+from lightning_perf.callbacks.float8 import Float8TrainingCallback
 from lightning_perf.callbacks.fused_optimizer import FusedOptimizerCallback
 from lightning_perf.callbacks.grad_checkpoint import GradCheckpointCallback
 from lightning_perf.callbacks.memory_profiler import MemoryProfilerCallback
@@ -18,6 +19,7 @@ __all__: list[str] = [
     "ChannelsLastCallback",
     "CompileCallback",
     "FlashAttentionCallback",
+    "Float8TrainingCallback",
     "FusedOptimizerCallback",
     "GradCheckpointCallback",
     "MemoryProfilerCallback",
