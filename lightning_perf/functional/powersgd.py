@@ -59,6 +59,7 @@ __all__ = [
     "gather_state_dict",
     "register_powersgd_hook",
     "ring_allreduce_seconds",
+    "waits_each_bucket",
 ]
 
 HookVariant = Literal["powersgd", "batched"]
@@ -123,6 +124,26 @@ def validate_powersgd_options(
     check_number(owner, "min_compression_rate", min_compression_rate)
     check_number(owner, "orthogonalization_epsilon", orthogonalization_epsilon)
     check_int(owner, "random_seed", random_seed, 0)
+
+
+def waits_each_bucket(backend: str, device_type: str) -> bool:
+    """Whether :func:`register_powersgd_hook` finishes each bucket's collectives before its hook returns.
+
+    torch's hook chains its P and Q all-reduces from future callbacks; on gloo a blocking wait inside such a callback
+    can deadlock (the ranks enqueue their collectives in different orders), so everywhere but NCCL each bucket is
+    finished first. On NCCL the asynchronous hook runs as torch ships it, overlapping communication with the rest of
+    the backward pass.
+
+    Args:
+        backend: the process group's backend as ``torch.distributed.get_backend`` names it: ``"nccl"``, ``"gloo"``,
+            or per device type, ``"cpu:gloo,cuda:nccl"``.
+        device_type: where the gradients are (``"cuda"``, ``"cpu"``): picks the backend from a per-device string.
+    """
+    chosen = backend
+    if ":" in backend:
+        per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+        chosen = per_device.get(device_type, "")
+    return chosen.strip().lower() != "nccl"
 
 
 def ring_allreduce_seconds(nbytes: float, workers: int, bandwidth_bytes_per_s: float) -> float:
@@ -270,6 +291,8 @@ class PowerSGDHook:
         # Before start_powerSGD_iter torch's hook all-reduces plainly by itself; after it, a "batched" bucket whose
         # saved state is not yet placeable is all-reduced plainly here, once.
         compressing, plain_here = state.iter >= state.start_powerSGD_iter, False
+        if compressing:
+            self._to_buffer_device(bucket.index(), buffer)
         if compressing and not self._prepare(bucket):
             compressing, plain_here = False, True
         before, after = state.total_numel_before_compression, state.total_numel_after_compression
@@ -297,6 +320,15 @@ class PowerSGDHook:
         stats, self._stats = self._stats, CommunicationStats()
         return stats
 
+    def _to_buffer_device(self, index: int, buffer: Tensor) -> None:
+        """Put this bucket's residual, P and Q where its gradients are: every tensor the hook hands to a collective
+        must be on a device of the process group's backend (NCCL has no CPU tensors: "No backend type associated
+        with device type cpu"). A no-op once they are (one device comparison per tensor and bucket)."""
+        for memory in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict):
+            tensor = memory.get(index)
+            if tensor is not None and tensor.device != buffer.device:
+                memory[index] = tensor.to(buffer.device)
+
     # -------------------------------------------------------------------------------- layouts
     def _prepare(self, bucket: dist.GradBucket) -> bool:
         """Make the state dicts hold this bucket's state; ``False`` if it must wait a step (see the class docstring)."""
@@ -313,11 +345,11 @@ class PowerSGDHook:
                 self._restoring = bool(self._pending)
                 self.relayouts += 1
             buffer = bucket.buffer()
-            base, size = buffer.data_ptr(), buffer.element_size()
+            base = buffer.storage_offset()
             layout = _Layout(
                 params=params,
                 names=tuple(self._names[id(p)] for p in params),
-                offsets=[(g.data_ptr() - base) // size for g in bucket.gradients()],
+                offsets=[int(g.storage_offset()) - int(base) for g in bucket.gradients()],  # views into the buffer
                 shapes=[p.shape for p in params],
             )
             self._layouts[index] = layout
@@ -536,7 +568,8 @@ def register_powersgd_hook(
             matters; torch's default is 0.
         random_seed: seed of the random Q initialization (the same on every rank).
         process_group: the group to all-reduce over; ``None`` is the default group.
-        synchronous: finish each bucket's collectives before the hook returns. ``None``: everywhere but NCCL.
+        synchronous: finish each bucket's collectives before the hook returns. ``None``: everywhere but NCCL
+            (:func:`waits_each_bucket`).
 
     Example::
 
@@ -560,9 +593,9 @@ def register_powersgd_hook(
     check_optional_bool(owner, "synchronous", synchronous)
     check_instance(owner, "model", model, DistributedDataParallel, "a DistributedDataParallel model")
     group = process_group if process_group is not None else dist.group.WORLD
-    if synchronous is None:
-        synchronous = dist.get_backend(group) != "nccl"
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if synchronous is None:
+        synchronous = waits_each_bucket(str(dist.get_backend(group)), device.type)
     state = _torch_powersgd.PowerSGDState(
         process_group=process_group,
         matrix_approximation_rank=matrix_approximation_rank,

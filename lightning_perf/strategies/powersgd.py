@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import os
 import pickle
@@ -21,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_perf._validation import check_bool, check_number
+from lightning_perf._validation import check_bool, check_choice, check_number
 from lightning_perf._warnings import FallbackWarning, warn_once
 from lightning_perf.functional.powersgd import (
     CommunicationStats,
@@ -35,6 +37,23 @@ from lightning_perf.functional.powersgd import (
 CHECKPOINT_KEY = "powersgd"
 # DDPStrategy arguments that would install another communication hook or a post-local-SGD averager.
 _COMM_HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def _check_ddp_kwargs(owner: str, kwargs: dict[str, Any]) -> None:
+    """Refuse at construction what ``DistributedDataParallel`` would refuse only at fit: an unknown keyword, or one
+    that Lightning sets itself (``module``, ``device_ids``)."""
+    accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "device_ids"}
+    for name in kwargs:
+        if name in accepted:
+            continue
+        near = difflib.get_close_matches(name, sorted(accepted | _OWN_ARGUMENTS), n=1)
+        hint = f" Did you mean `{near[0]}`?" if near else ""
+        raise TypeError(
+            f"`{owner}({name}={kwargs[name]!r})` is not valid: `{name}` is neither an argument of {owner} nor of "
+            f"torch's DistributedDataParallel.{hint} Expected one of the DistributedDataParallel arguments: "
+            f"{', '.join(sorted(accepted))}."
+        )
 
 
 def default_start_iter(optimizer_steps: float) -> int:
@@ -109,10 +128,12 @@ class PowerSGDDDPStrategy(DDPStrategy):
     Raises:
         ValueError: for a rank < 1, a negative or non-integer ``start_powerSGD_iter``, ``start_powerSGD_iter`` < 2
             with error feedback or warm start, an unknown ``hook``, a negative ``min_compression_rate`` or epsilon,
-            a non-positive ``bucket_cap_mb``, or any of DDPStrategy's own communication-hook arguments
-            (``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper``, ``model_averaging_period``); at ``fit``,
-            for ``static_graph=True`` with ``Trainer(accumulate_grad_batches > 1)``.
-        TypeError: for a non-boolean flag.
+            a non-positive ``bucket_cap_mb``, a ``start_method`` other than ``"popen"``, ``"spawn"``, ``"fork"``,
+            ``"forkserver"``, or any of DDPStrategy's own communication-hook arguments (``ddp_comm_hook``,
+            ``ddp_comm_state``, ``ddp_comm_wrapper``, ``model_averaging_period``); at ``fit``, for
+            ``static_graph=True`` with ``Trainer(accumulate_grad_batches > 1)``.
+        TypeError: for a non-boolean flag, a ``timeout`` that is not a ``datetime.timedelta``, or a keyword that is
+            not an argument of the strategy or of ``DistributedDataParallel`` (a near name is suggested).
 
     Example::
 
@@ -173,6 +194,13 @@ class PowerSGDDDPStrategy(DDPStrategy):
             check_bool(owner, name, flag)
         for name in _COMM_HOOK_ARGUMENTS:  # LightningCLI passes every DDPStrategy argument, as None
             kwargs.pop(name, None)
+        _check_ddp_kwargs(owner, kwargs)
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(
+                f"`{owner}(timeout={timeout!r})` is not valid. Expected a datetime.timedelta (e.g. "
+                "`timedelta(minutes=30)`, the time a collective may wait) or None."
+            )
+        check_choice(owner, "start_method", start_method, _START_METHODS)
         if bucket_cap_mb is not None:
             check_number(owner, "bucket_cap_mb", bucket_cap_mb, exclusive=True)
             kwargs["bucket_cap_mb"] = bucket_cap_mb
@@ -319,3 +347,7 @@ class PowerSGDDDPStrategy(DDPStrategy):
         strategy_registry.register(
             "ddp_powersgd", cls, description="DDP with PowerSGD gradient compression (lightning_perf)", override=True
         )
+
+
+# The strategy's own argument names, for "did you mean" suggestions on a misspelled keyword.
+_OWN_ARGUMENTS = frozenset(inspect.signature(PowerSGDDDPStrategy.__init__).parameters) - {"self", "kwargs"}

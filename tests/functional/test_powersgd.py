@@ -21,6 +21,7 @@ from lightning_perf.functional.powersgd import (
     gather_state_dict,
     register_powersgd_hook,
     ring_allreduce_seconds,
+    waits_each_bucket,
 )
 
 
@@ -214,3 +215,156 @@ def test_ring_allreduce_model() -> None:
     assert ring_allreduce_seconds(1e9, 1, 1e9) == 0.0
     with pytest.raises(ValueError, match="workers=0"):
         ring_allreduce_seconds(1.0, 0, 1.0)
+
+
+# ------------------------------------------------------------------------------ backends and devices (NCCL, CUDA)
+
+
+@pytest.mark.parametrize(
+    ("backend", "device_type", "waits"),
+    [
+        ("nccl", "cuda", False),  # NCCL: torch's asynchronous hook, as shipped
+        ("gloo", "cpu", True),  # gloo: each bucket finished before the hook returns (else it can deadlock)
+        ("gloo", "cuda", True),
+        ("cpu:gloo,cuda:nccl", "cuda", False),
+        ("cpu:gloo,cuda:nccl", "cpu", True),
+        ("NCCL", "cuda", False),
+        ("mpi", "cpu", True),
+    ],
+)
+def test_the_hook_waits_on_each_bucket_everywhere_but_nccl(backend: str, device_type: str, waits: bool) -> None:
+    assert waits_each_bucket(backend, device_type) is waits
+
+
+class _FakeGroup:
+    def size(self) -> int:
+        return 1
+
+
+class _Bucket:
+    """What DDP hands a comm hook: one flat buffer on ``device`` and each parameter's gradient as a view into it."""
+
+    def __init__(self, model: nn.Module, device: str, index: int = 0) -> None:
+        self.params = list(model.parameters())
+        self.buf = torch.zeros(sum(p.numel() for p in self.params), device=device)
+        self.grads, offset = [], 0
+        for p in self.params:
+            self.grads.append(self.buf[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self._index = index
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def index(self) -> int:
+        return self._index
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self.grads
+
+    def is_last(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def collective_devices(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """Replace ``dist.all_reduce`` by one that records the device of every tensor handed to it."""
+    seen: list[torch.device] = []
+
+    class Work:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+        def get_future(self) -> torch.futures.Future:
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result([self.tensor])
+            return future
+
+        def wait(self) -> bool:
+            return True
+
+    def all_reduce(tensor: torch.Tensor, op: object = None, group: object = None, async_op: bool = False) -> Work:
+        seen.append(tensor.device)
+        return Work(tensor)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    return seen
+
+
+@pytest.mark.parametrize("variant", ["powersgd", "batched"])
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed-from-a-cpu-checkpoint"])
+def test_every_collective_gets_tensors_on_the_buckets_device(
+    process_group, collective_devices: list[torch.device], variant: str, resumed: bool
+) -> None:
+    """On a GPU every tensor handed to NCCL must be on the GPU. The "meta" device stands in for CUDA here: a tensor
+    the hook's state creates on the CPU (a fresh Q, a restored residual) would show up as a CPU tensor."""
+    rank = 1 if variant == "batched" else 2
+    saved = None
+    if resumed:
+        run = _Run(_model(), hook=variant, matrix_approximation_rank=rank)
+        run.train(_batches(4))
+        saved = _roundtrip(run.hook.state_dict())  # on the CPU, as a checkpoint holds it
+        collective_devices.clear()
+    model = _model()
+    state = torch_powersgd.PowerSGDState(_FakeGroup(), matrix_approximation_rank=rank, start_powerSGD_iter=2)
+    names = {id(p): n for n, p in model.named_parameters()}
+    hook = PowerSGDHook(state, variant, names, synchronous=False, guard_cpu_synchronize=False)  # type: ignore[arg-type]
+    if saved is not None:
+        assert hook.load_state_dict(saved) == []
+    for _ in range(4):
+        hook.run(_Bucket(model, "meta")).wait()  # type: ignore[arg-type]
+    assert collective_devices and set(collective_devices) == {torch.device("meta")}
+    held = [*state.error_dict.values(), *state.p_memory_dict.values(), *state.q_memory_dict.values()]
+    assert held and all(t.device.type == "meta" for t in held)
+    assert state.iter == (8 if resumed else 4)
+
+
+def test_state_left_on_another_device_follows_the_bucket(process_group, collective_devices: list[torch.device]) -> None:
+    model = _model()
+    state = torch_powersgd.PowerSGDState(_FakeGroup(), start_powerSGD_iter=2)
+    hook = PowerSGDHook(state, "powersgd", {id(p): n for n, p in model.named_parameters()}, False, False)
+    for _ in range(3):
+        hook.run(_Bucket(model, "meta")).wait()  # type: ignore[arg-type]
+    for memory in (state.error_dict, state.p_memory_dict, state.q_memory_dict):
+        memory[0] = torch.zeros(memory[0].shape)  # as if built on the CPU
+    collective_devices.clear()
+    hook.run(_Bucket(model, "meta")).wait()  # type: ignore[arg-type]
+    assert set(collective_devices) == {torch.device("meta")}
+    assert all(m[0].device.type == "meta" for m in (state.error_dict, state.p_memory_dict, state.q_memory_dict))
+
+
+@pytest.mark.gpu
+def test_powersgd_trains_a_cuda_model_on_nccl(tmp_path) -> None:
+    """One process on NCCL: torch's asynchronous hook, state on the GPU, every collective on CUDA tensors."""
+    if not dist.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    initialized_here = not dist.is_initialized()
+    if initialized_here:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    elif "nccl" not in str(dist.get_backend()) or dist.get_world_size() != 1:
+        pytest.skip(f"an earlier test left a {dist.get_backend()} group of {dist.get_world_size()} up here")
+    try:
+        torch.manual_seed(0)
+        model = _model().cuda()
+        ddp = DistributedDataParallel(model, device_ids=[0])
+        hook = register_powersgd_hook(ddp, start_powerSGD_iter=2)
+        assert not hook.synchronous  # NCCL keeps the asynchronous hook
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in _batches(5):
+            ddp(x.cuda()).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        stats = hook.take_stats()
+        assert stats.compression_rate > 1
+        held = [*hook.state.error_dict.values(), *hook.state.q_memory_dict.values()]
+        assert held and all(t.is_cuda for t in held)
+        state = _roundtrip(gather_state_dict(hook))
+        resumed = register_powersgd_hook(DistributedDataParallel(copy.deepcopy(model), device_ids=[0]))
+        assert resumed.load_state_dict(state) == []
+    finally:
+        if initialized_here:
+            dist.destroy_process_group()

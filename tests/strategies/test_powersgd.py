@@ -50,11 +50,35 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
         ),
         ({"ddp_comm_state": object()}, ValueError, "Use `lightning.pytorch.strategies.DDPStrategy` for another hook"),
         ({"model_averaging_period": 4}, ValueError, r"model_averaging_period=...\)` is not supported"),
+        (
+            {"no_such_kwarg": 1},
+            TypeError,
+            r"PowerSGDDDPStrategy\(no_such_kwarg=1\)` is not valid: `no_such_kwarg` is neither an argument of "
+            r"PowerSGDDDPStrategy nor of torch's DistributedDataParallel\. Expected one of .*broadcast_buffers",
+        ),
+        ({"bucket_cap_md": 4}, TypeError, r"bucket_cap_md=4\)` is not valid.*Did you mean `bucket_cap_mb`\?"),
+        ({"device_ids": [0]}, TypeError, r"device_ids=\[0\]\)` is not valid"),  # Lightning sets it
+        ({"timeout": 5}, TypeError, r"timeout=5\)` is not valid\. Expected a datetime\.timedelta"),
+        (
+            {"start_method": "thread"},
+            ValueError,
+            r"start_method='thread'\)` is not valid\. Expected one of 'popen', 'spawn', 'fork', 'forkserver'",
+        ),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         PowerSGDDDPStrategy(**kwargs)
+
+
+def test_valid_ddp_and_strategy_arguments_are_accepted() -> None:
+    from datetime import timedelta
+
+    strategy = PowerSGDDDPStrategy(
+        broadcast_buffers=False, timeout=timedelta(minutes=5), start_method="spawn", ddp_comm_hook=None
+    )
+    assert strategy._ddp_kwargs["broadcast_buffers"] is False and strategy._timeout == timedelta(minutes=5)
+    assert PowerSGDDDPStrategy(timeout=None)._timeout is None
 
 
 def test_start_iteration_without_error_feedback_or_warm_start_may_be_zero() -> None:
@@ -252,3 +276,22 @@ def test_load_checkpoint_reads_a_plain_checkpoint(tmp_path: Path) -> None:
     checkpoint = strategy.load_checkpoint(path)
     assert torch.equal(checkpoint["state_dict"]["w"], torch.ones(2))
     assert strategy._loaded_state == {"start_powerSGD_iter": 2}
+
+
+# ------------------------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+def test_one_cuda_process_on_nccl_compresses_checkpoints_and_resumes(tmp_path: Path) -> None:
+    """The GPU run's failure (a CPU tensor sent through the NCCL group) and the NCCL hook choice, on one process."""
+    strategy = PowerSGDDDPStrategy(start_powerSGD_iter=2)
+    trainer = _fit(tmp_path, strategy, accelerator="cuda")
+    hook = strategy.powersgd
+    assert hook is not None and not hook.synchronous  # NCCL: torch's asynchronous hook
+    assert trainer.callback_metrics["powersgd/compression_rate"] > 1
+    held = [*hook.state.error_dict.values(), *hook.state.p_memory_dict.values(), *hook.state.q_memory_dict.values()]
+    assert held and all(t.is_cuda for t in held)
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed_strategy = PowerSGDDDPStrategy()
+    resumed = _fit(tmp_path, resumed_strategy, accelerator="cuda", ckpt_path=ckpt, max_steps=5)
+    assert resumed.global_step == 5 and resumed_strategy.powersgd is not None
+    assert all(t.is_cuda for t in resumed_strategy.powersgd.state.error_dict.values())
