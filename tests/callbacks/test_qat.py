@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_perf import FallbackWarning, NoEffectWarning, _imports
 from lightning_perf.callbacks import QATCallback
-from lightning_perf.callbacks import qat as callback_module
+from lightning_perf.deploy.quantize import save as save_module
 from lightning_perf.demos import ConvNetModule, make_workload
 from lightning_perf.functional import qat
 
@@ -521,7 +521,7 @@ def test_failure_at_the_end_warns_and_leaves_model_and_checkpoints(
         def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             Snapshot.files = {path: path.read_bytes() for path in tmp_path.rglob("*.ckpt")}
 
-    monkeypatch.setattr(callback_module, "export_quantized", broken)
+    monkeypatch.setattr(save_module, "export_quantized", broken)
     model, data = _convnet()
     trainer = _trainer(tmp_path, [Snapshot(), QATCallback(**QUICK)], enable_checkpointing=True)
     with pytest.warns(FallbackWarning, match="export exploded.*unchanged"):

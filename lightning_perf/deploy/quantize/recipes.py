@@ -1,0 +1,230 @@
+"""The recipes after training (static PTQ, dynamic int8), and :func:`recipe_for` / :func:`quantizer_for`.
+
+:func:`recipe_for` turns an adapter's ``mode`` / ``backend`` / ``base_config`` options into one recipe object
+(:mod:`~lightning_perf.deploy.quantize.quantizer`); :func:`quantizer_for` builds the quantizer registered for the
+recipe's type: :class:`~lightning_perf.deploy.quantize.qat_quantizer.QATQuantizer` (QAT, ``x86`` and ``torchao``),
+:class:`StaticPTQQuantizer`, :class:`DynamicInt8Quantizer`. No Lightning here.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_perf._imports import require
+from lightning_perf._warnings import NoEffectWarning, warn_once
+from lightning_perf.deploy.quantize.convert import calibrate
+from lightning_perf.deploy.quantize.dynamic import DynamicQuantization, check_dynamic_backend, quantize_dynamic
+from lightning_perf.deploy.quantize.dynamic_save import DynamicReport, export_dynamic
+from lightning_perf.deploy.quantize.qat_quantizer import QATQuantizer, export_with_options
+from lightning_perf.deploy.quantize.quantizer import (
+    DynamicInt8Recipe,
+    LoopData,
+    QuantizeOptions,
+    Quantizer,
+    StaticPTQRecipe,
+    TorchaoQATRecipe,
+    X86QATRecipe,
+    register_quantizer,
+    registered_quantizer,
+    resolve_submodule,
+)
+from lightning_perf.deploy.quantize.save import QuantizationReport
+from lightning_perf.functional.qat import BACKENDS, MODES, is_prepared, make_recipe, prepare
+from lightning_perf.functional.qat_config import base_config_spec, resolve_base_config
+from lightning_perf.functional.surgery import replace_modules
+
+__all__ = ["DynamicInt8Quantizer", "QATQuantizer", "StaticPTQQuantizer", "quantizer_for", "recipe_for"]
+
+ALL_MODES = (*MODES, "dynamic")
+
+
+def recipe_for(mode: Any, backend: Any, base_config: Any, owner: str) -> Any:
+    """The recipe object of an adapter's options (``backend=None``: ``"x86"``, or ``"auto"`` for dynamic int8).
+
+    Raises:
+        ValueError: for an unknown mode, a back-end the mode does not have, or a base config it cannot take.
+        ModuleNotFoundError: if torchao is missing for QAT or PTQ.
+    """
+    if mode not in ALL_MODES:
+        raise ValueError(f"`{owner}(mode={mode!r})` is not valid. Expected one of: {', '.join(ALL_MODES)}.")
+    if mode == "dynamic":
+        return DynamicInt8Recipe(check_dynamic_backend(owner, "auto" if backend is None else backend))
+    backend = "x86" if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"`{owner}(backend={backend!r})` is not valid. Expected one of: {', '.join(BACKENDS)}.")
+    require("torchao", f"{owner}(backend={backend!r})")
+    spec = base_config_spec(resolve_base_config(base_config, owner)) if backend == "torchao" else None
+    if backend == "x86" and base_config is not None:
+        make_recipe(backend, mode, base_config, input_shapes=[(1,)], owner=owner)  # raises with the reason
+    if mode == "ptq":
+        return StaticPTQRecipe(backend, spec)
+    return X86QATRecipe() if backend == "x86" else TorchaoQATRecipe(spec)
+
+
+def quantizer_for(recipe: Any, options: QuantizeOptions) -> Quantizer:
+    """The quantizer registered for ``type(recipe)``, built for ``options``."""
+    return registered_quantizer(recipe)(recipe, options)
+
+
+@register_quantizer(StaticPTQRecipe)
+class StaticPTQQuantizer(Quantizer):
+    """Training is not touched; at the end of ``fit`` or of a ``validate`` run a copy of the submodule is calibrated
+    on ``calibration_batches`` validation batches (``x86``), converted, validated on the following ones, saved and
+    timed."""
+
+    finishes_after = frozenset({"fit", "validate"})
+
+    def finish(self, root: nn.Module, data: LoopData) -> QuantizationReport:
+        o = self.options
+        name, module = resolve_submodule(self.owner, root, o.submodule)
+        if is_prepared(module):
+            raise ValueError(f"{name!r} is prepared for QAT; post-training quantization needs the float model.")
+        found = data.validation(module)
+        needed = None if o.validation_batches is None else o.validation_batches + o.calibration_batches
+        batches = list(itertools.islice(found, needed)) if found is not None else []
+        example = data.example(module, "val")
+        float_module = module if self.recipe.backend == "torchao" else copy.deepcopy(module).cpu()
+        recipe = make_recipe(self.recipe.backend, "ptq", self.recipe.base_config, example, owner=self.owner)
+        prepared = prepare(float_module, recipe, example, owner=self.owner)
+        calibration, held_out = batches[: o.calibration_batches], batches[o.calibration_batches :]
+        data.metadata["calibration_samples"] = calibrate(prepared, calibration)
+        self.recipe_used, self.name = recipe, name
+        return export_with_options(prepared, float_module, held_out or calibration, example, data, o, name)
+
+
+def _signature(module: nn.Module, example: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    """Changes when the float weights (their storage or any in-place update) or the input shapes change."""
+    tensors = tuple((n, t.data_ptr(), t._version) for n, t in module.state_dict(keep_vars=True).items())
+    return tensors, tuple((tuple(t.shape[1:]), t.dtype) for t in example)
+
+
+@register_quantizer(DynamicInt8Recipe)
+class DynamicInt8Quantizer(Quantizer):
+    """Dynamic int8: training is not touched and nothing is calibrated.
+
+    What is quantized: ``submodule`` when given; else the only child holding parameters; else, when several children
+    hold them (an embedding, a stack of blocks and a head side by side), the whole module, whose ``forward`` the int8
+    copy then stands in for during runs of their own. At the end of ``fit`` the int8 copy is built by the fastest
+    correct back-end, validated, timed and saved; in a ``predict``/``test``/``validate`` run it is built on the first
+    batch and swapped in until the run ends (CPU only).
+    """
+
+    def __init__(self, recipe: Any, options: QuantizeOptions) -> None:
+        super().__init__(recipe, options)
+        self.choice: DynamicQuantization | None = None
+        self._built: tuple[tuple[Any, ...], DynamicQuantization] | None = None
+        self._swapped: tuple[str, nn.Module, nn.Module] | None = None  # (name, float module, int8 module)
+        self._declined: nn.Module | None = None  # the module a run could not quantize (tried once per run)
+
+    def target(self, root: nn.Module) -> tuple[str, nn.Module]:
+        """The name (``""``: the whole module) and module quantized."""
+        if self.options.submodule is not None:
+            return resolve_submodule(self.owner, root, self.options.submodule)
+        holders = [(n, c) for n, c in root.named_children() if next(c.parameters(), None) is not None]
+        return holders[0] if len(holders) == 1 else ("", root)
+
+    def _quantize(self, module: nn.Module, example: tuple[torch.Tensor, ...]) -> DynamicQuantization:
+        signature = _signature(module, example)
+        if self._built is not None and self._built[0] == signature:
+            return self._built[1]
+        o = self.options
+        choice = quantize_dynamic(
+            module,
+            example,
+            self.recipe.backend,
+            min_cosine=o.min_cosine,
+            min_agreement=o.min_agreement,
+            iterations=o.latency_iterations,
+            warmup=o.latency_warmup,
+        )
+        self.choice, self._built = choice, (signature, choice)
+        return choice
+
+    def run_batch(self, root: nn.Module, inputs: Any, stage: str) -> None:
+        if self._swapped is not None:
+            return
+        name, module = self.target(root)
+        if self._declined is module:
+            return
+        self._declined = module
+        device = next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
+        if device.type != "cpu":
+            warn_once(
+                f"`{self.owner}(mode='dynamic')` runs int8 on the CPU only; the model is on {device}: "
+                "it runs in float, unchanged.",
+                NoEffectWarning,
+            )
+            return
+        choice = self._quantize(module, inputs(module))  # a failure: the adapter's fallback, the run goes on
+        if choice.module is None:
+            warn_once(
+                f"`{self.owner}(mode='dynamic')`: no int8 back-end was correct and faster than fp32 for "
+                f"{name or type(root).__name__!r} on this CPU; the {stage} run goes on in float.\n{choice.describe()}",
+                NoEffectWarning,
+            )
+            return
+        int8 = choice.module
+        if name:
+            replace_modules(root, [name], lambda m, _: int8, check_state_dict=False)
+        else:  # the whole module: the int8 copy stands in for its forward (steps calling `self(...)`)
+            root.__dict__["forward"] = int8
+        self._swapped = (name, module, int8)
+
+    def end_run(self, root: nn.Module, *, failed_fit: bool = False) -> None:
+        self._declined = None
+        if self._swapped is None:
+            return
+        name, module, int8 = self._swapped
+        self._swapped = None
+        if not name:
+            if root.__dict__.get("forward") is int8:
+                del root.__dict__["forward"]
+            return
+        try:
+            current = root.get_submodule(name)
+        except AttributeError:
+            return
+        if current is int8:
+            replace_modules(root, [name], lambda m, _: module, check_state_dict=False)
+
+    def finish(self, root: nn.Module, data: LoopData) -> DynamicReport:
+        o = self.options
+        name, module = self.target(root)
+        device = next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
+        if device.type != "cpu":
+            module = copy.deepcopy(module).cpu()
+        found = data.validation(module)
+        batches = list(itertools.islice(found, o.validation_batches)) if found is not None else []
+        was_training = module.training
+        module.eval()
+        try:
+            example = batches[0][0] if batches else data.example(module, "train")
+            choice = self._quantize(module, example)
+            return export_dynamic(
+                module,
+                choice,
+                example_inputs=example,
+                validation_data=batches or None,
+                validation_batches=o.validation_batches,
+                min_cosine=o.min_cosine,
+                min_agreement=o.min_agreement,
+                dirpath=data.dirpath,
+                filename=o.filename,
+                benchmark=o.benchmark,
+                batch_sizes=o.benchmark_batch_sizes,
+                latency_iterations=o.latency_iterations,
+                latency_warmup=o.latency_warmup,
+                strict=o.strict,
+                metadata={**data.metadata, "submodule": name or None},
+            )
+        finally:
+            module.train(was_training)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The int8 copies and the swapped modules belong to this process's model.
+        return {**self.__dict__, "_built": None, "_swapped": None, "_declined": None}
