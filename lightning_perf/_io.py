@@ -3,7 +3,8 @@
 A reader never sees a half-written file under its final name; a set of files that must change together goes through
 :mod:`lightning_perf.deploy.artifacts`. :func:`load_checkpoint` reads a file with ``torch.load(weights_only=True)``
 and nothing else: a file never runs code, and a file that needs more globals fails with an error naming the global
-and ``torch.serialization.add_safe_globals``.
+and ``torch.serialization.add_safe_globals``. A file that is not a checkpoint at all (text, random bytes, a truncated
+or corrupt archive) fails with :class:`NotACheckpointError` saying what is wrong with it, never with that advice.
 
 Everything is first written to a hidden temporary file in the destination's own directory (so the final
 ``os.replace`` is a rename within one file system, which POSIX and Windows make atomic) and moved into place only
@@ -17,11 +18,21 @@ import os
 import pickle
 import re
 import secrets
+import struct
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["UnsafeCheckpointError", "atomic_path", "atomic_write_bytes", "atomic_write_text", "load_checkpoint"]
+__all__ = [
+    "NotACheckpointError",
+    "UnsafeCheckpointError",
+    "atomic_path",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "checkpoint_problem",
+    "load_checkpoint",
+]
 
 
 def _temporary_sibling(path: Path) -> Path:
@@ -96,23 +107,103 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint holds a global that ``torch.load(weights_only=True)`` does not allow; it was not loaded."""
 
 
-def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", what: str = "the checkpoint") -> Any:
+class NotACheckpointError(ValueError):
+    """A file is not a PyTorch checkpoint (text, random bytes, a truncated or corrupt archive); nothing was loaded."""
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTO = 0x80  # the first opcode of a pickle of protocol 2 and later: torch.save's legacy format starts with it
+
+
+def _looks_like_text(head: bytes) -> bool:
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:  # a multi-byte character cut at the end of `head` is still text
+        try:
+            text = head[:-3].decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    return all(ch.isprintable() or ch in "\t\r\n\f" for ch in text)
+
+
+def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why the file at ``path`` cannot be a ``torch.save`` checkpoint, read from its bytes alone (no torch, no
+    unpickling), or ``None`` when it has the form of one (a zip archive holding ``data.pkl``, or a legacy pickle).
+
+    Raises:
+        OSError: if the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if not head:
+        return "the file is empty"
+    if head.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except (zipfile.BadZipFile, EOFError, ValueError) as exc:
+            return f"truncated or corrupt zip archive ({exc})"
+        if not any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
+            held = ", ".join(names[:3]) or "nothing"
+            return f"a zip archive without the data.pkl that torch.save writes (it holds {held})"
+        return None
+    if head[0] == _PICKLE_PROTO and len(head) > 1 and 2 <= head[1] <= 5:
+        return None
+    if len(head) >= 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] > 1:
+        return "a safetensors file (load it with safetensors.torch.load_file)"
+    if _looks_like_text(head):
+        first = head.decode("utf-8", errors="replace").strip().splitlines()
+        return f"a text file (it starts with {first[0][:40]!r})" if first else "a text file of blank lines"
+    return (
+        f"it starts with the bytes {head[:8].hex(' ')}: neither a zip archive (what torch.save writes) nor a pickle "
+        "(its legacy format)"
+    )
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", what: str = "the file") -> Any:
     """``torch.load(path, map_location=..., weights_only=True)``, with no fallback to a full unpickling.
 
     Raises:
-        UnsafeCheckpointError: if the file needs a global outside torch's allow-list; the message names the global
-            met (e.g. a hyperparameter's class) and how to allow it with ``torch.serialization.add_safe_globals``
-            after checking that the file comes from a trusted source.
+        NotACheckpointError: if the file is not a PyTorch checkpoint (empty, text, random bytes, a truncated or corrupt
+            zip archive, a corrupt pickle); the message says which.
+        UnsafeCheckpointError: if the file is a checkpoint that needs a global outside torch's allow-list; the message
+            names the global met (e.g. a hyperparameter's class) and how to allow it with
+            ``torch.serialization.add_safe_globals`` after checking that the file comes from a trusted source.
     """
     import torch
 
+    def not_a_checkpoint(problem: str) -> NotACheckpointError:
+        return NotACheckpointError(f"{what} {str(path)!r} is not a PyTorch checkpoint: {problem}")
+
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise not_a_checkpoint(problem)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        name = found.group(1) if found else "a global outside torch's allow-list"
+        if found is None:  # the unpickler met bytes that are no pickle of torch's: corrupt, not unsafe
+            detail = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:Check the documentation|$)", str(exc), re.S)
+            said = " ".join(detail.group(1).split())[:160] if detail else _reason(exc)
+            raise not_a_checkpoint(
+                f"its pickle is truncated or corrupt, or was not written by torch.save ({said})"
+            ) from None
+        name = found.group(1)
         raise UnsafeCheckpointError(
             f"{what} {str(path)!r} was not loaded: it holds {name}, which torch.load(weights_only=True) does not allow "
             "(loading it could run code from the file). If you trust the file, allow that class before loading: "
-            f"torch.serialization.add_safe_globals([{name.rsplit('.', 1)[-1] if found else '...'}])."
+            f"torch.serialization.add_safe_globals([{name.rsplit('.', 1)[-1]}])."
         ) from None
+    except RuntimeError as exc:
+        if "PytorchStreamReader" in str(exc) or "inline_container" in str(exc):
+            raise not_a_checkpoint(f"truncated or corrupt zip archive ({_reason(exc)})") from None
+        raise
+    except (EOFError, IndexError, KeyError, struct.error, UnicodeDecodeError) as exc:
+        # The legacy pickle path meeting bytes that end early or decode to nothing torch wrote.
+        raise not_a_checkpoint(f"its contents are truncated or corrupt ({_reason(exc)})") from None
+
+
+def _reason(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {first[:160]}" if first else type(exc).__name__

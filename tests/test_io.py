@@ -1,12 +1,22 @@
-"""Atomic writes: the final name holds either the old file or the complete new one, never a partial one."""
+"""Atomic writes: the final name holds either the old file or the complete new one, never a partial one. Safe
+checkpoint reads: a file that is not a checkpoint says what is wrong with it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from lightning_perf._io import atomic_path, atomic_write_bytes, atomic_write_text
+from lightning_perf._io import (
+    NotACheckpointError,
+    UnsafeCheckpointError,
+    atomic_path,
+    atomic_write_bytes,
+    atomic_write_text,
+    checkpoint_problem,
+    load_checkpoint,
+)
 
 
 def test_write_text_creates_parents_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -60,3 +70,68 @@ def test_temporary_names_differ(tmp_path: Path) -> None:
         second.write_text("2")
     assert first != second
     assert (tmp_path / "x").read_text() == "1"  # the outer one finished last
+
+
+# ------------------------------------------------------------------------------------ files that are not checkpoints
+
+
+def _checkpoint_bytes(tmp_path: Path) -> bytes:
+    import torch
+
+    path = tmp_path / "real.ckpt"
+    torch.save({"state_dict": {"w": torch.arange(64.0)}}, path)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda real: b"", "the file is empty"),
+        (lambda real: b"epoch=3 step=120\nnot a checkpoint\n", "a text file (it starts with 'epoch=3 step=120')"),
+        (lambda real: real[: len(real) // 2], "truncated or corrupt zip archive"),
+        (lambda real: bytes([0x13, 0x37]) + bytes(range(256)) * 8, "it starts with the bytes 13 37 00 01"),
+        (lambda real: b"\x80\x02" + bytes(range(7, 256)), "truncated or corrupt"),  # a pickle header, then garbage
+    ],
+    ids=["empty", "text", "truncated-zip", "random-bytes", "corrupt-pickle"],
+)
+def test_a_file_that_is_not_a_checkpoint_says_what_is_wrong(
+    tmp_path: Path, make: Callable[[bytes], bytes], problem: str
+) -> None:
+    path = tmp_path / "model.ckpt"
+    path.write_bytes(make(_checkpoint_bytes(tmp_path)))
+    with pytest.raises(NotACheckpointError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert f"the file {str(path)!r} is not a PyTorch checkpoint: " in message and problem in message, message
+    assert "add_safe_globals" not in message  # no advice to lower a security guard for a corrupt file
+    assert not isinstance(info.value, UnsafeCheckpointError)
+
+
+def test_a_zip_that_torch_did_not_write_is_not_a_checkpoint(tmp_path: Path) -> None:
+    import zipfile
+
+    path = tmp_path / "notes.zip"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("notes/readme.txt", "hello")
+    assert checkpoint_problem(path) == (
+        "a zip archive without the data.pkl that torch.save writes (it holds notes/readme.txt)"
+    )
+
+
+def test_real_checkpoints_load_and_only_a_disallowed_global_gets_the_add_safe_globals_advice(tmp_path: Path) -> None:
+    import torch
+
+    modern, legacy, unsafe = tmp_path / "a.ckpt", tmp_path / "b.ckpt", tmp_path / "c.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}}, modern)
+    torch.save({"state_dict": {"w": torch.ones(2)}}, legacy, _use_new_zipfile_serialization=False)
+    torch.save({"state_dict": {}, "hyper_parameters": _Opaque()}, unsafe)
+    for path in (modern, legacy):
+        assert checkpoint_problem(path) is None
+        assert torch.equal(load_checkpoint(path)["state_dict"]["w"], torch.ones(2))
+    assert checkpoint_problem(unsafe) is None
+    with pytest.raises(UnsafeCheckpointError, match=r"holds tests.test_io._Opaque.*add_safe_globals\(\[_Opaque\]\)"):
+        load_checkpoint(unsafe)
+
+
+class _Opaque:
+    """A class torch's weights-only unpickler does not allow."""

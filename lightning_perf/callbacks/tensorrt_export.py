@@ -119,6 +119,7 @@ class TensorRTExportCallback(Callback):
         batch = validate_options(**self.export_kwargs, device=device, owner=type(self).__name__).batch_range
         self.export_kwargs["batch_range"] = (batch.min, batch.opt, batch.max)
         if input_shapes is not None:
+            _check_input_shapes(type(self).__name__, input_shapes)
             example_inputs_from_shapes(input_shapes)  # raises on a bad shape, now rather than after training
         if not isinstance(filename, str) or not filename or "/" in filename or filename.startswith("."):
             raise ValueError(
@@ -225,6 +226,36 @@ class TensorRTExportCallback(Callback):
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
+
+
+def _check_input_shapes(owner: str, shapes: Any) -> None:
+    """A list of shapes, one per model input, each a non-empty sequence of positive ints (no batch dimension)."""
+
+    def positive(size: Any) -> bool:
+        return isinstance(size, int) and not isinstance(size, bool) and size >= 1
+
+    expected = (
+        "Expected a list of shapes, one per model input, each without the batch dimension: e.g. [(3, 32)] for one "
+        "input of 3x32 samples, [(3, 224, 224), (10,)] for two inputs"
+    )
+    if isinstance(shapes, (str, bytes, Mapping)) or not isinstance(shapes, Sequence) or not shapes:
+        raise ValueError(f"`{owner}(input_shapes={shapes!r})` is not valid. {expected}.")
+    if all(positive(size) for size in shapes):  # one shape given flat, the commonest slip
+        raise ValueError(
+            f"`{owner}(input_shapes={shapes!r})` is not valid: that is one shape, not a list of shapes. {expected}; "
+            f"did you mean input_shapes=[{tuple(shapes)!r}]?"
+        )
+    for i, shape in enumerate(shapes):
+        if (
+            isinstance(shape, (str, bytes, Mapping))
+            or not isinstance(shape, Sequence)
+            or not shape
+            or not all(positive(size) for size in shape)
+        ):
+            raise ValueError(
+                f"`{owner}(input_shapes={shapes!r})` is not valid: input {i}'s shape {shape!r} is not a sequence of "
+                f"positive sizes. {expected}."
+            )
 
 
 def _check_optional(owner: str, name: str, value: Any, types: Any, expected: str) -> None:

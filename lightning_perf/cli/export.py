@@ -180,6 +180,14 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             fail(parser, "--validation-batch-sizes", size, f"batch sizes within --batch-range {low}..{high}")
     if args.dirpath is not None and args.dirpath.exists() and not args.dirpath.is_dir():
         fail(parser, "--dirpath", str(args.dirpath), "a directory (this is a file)")
+    from lightning_perf._io import checkpoint_problem  # stdlib only: the file's bytes, before torch is imported
+
+    try:
+        problem = checkpoint_problem(args.checkpoint)
+    except OSError as exc:
+        problem = f"it cannot be read ({exc.strerror or exc})"
+    if problem is not None:
+        parser.error(f"argument checkpoint: {str(args.checkpoint)!r} is not a PyTorch checkpoint: {one_line(problem)}")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -189,7 +197,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
     from rich.console import Console
 
-    from lightning_perf._io import UnsafeCheckpointError, load_checkpoint
+    from lightning_perf._io import NotACheckpointError, UnsafeCheckpointError, load_checkpoint
     from lightning_perf.benchmark.sources import ImportClassError, import_class
     from lightning_perf.deploy.export import ExportError, export_model, validate_options
     from lightning_perf.deploy.inputs import (
@@ -237,9 +245,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ImportClassError as exc:
         raise UsageError(str(exc)) from None
     try:
-        load_checkpoint(args.checkpoint, "cpu", what="checkpoint")  # weights_only=True: fails before any code runs
-    except UnsafeCheckpointError as exc:
-        raise UsageError(str(exc)) from None
+        loaded = load_checkpoint(args.checkpoint, "cpu", what="file")  # weights_only=True: fails before code runs
+    except (UnsafeCheckpointError, NotACheckpointError) as exc:
+        raise UsageError(f"argument checkpoint: {one_line(exc)}") from None
+    if not isinstance(loaded, dict) or "state_dict" not in loaded:
+        held = (
+            f"a dict with the keys {sorted(map(str, loaded))[:5]}"
+            if isinstance(loaded, dict)
+            else type(loaded).__name__
+        )
+        raise UsageError(
+            f"argument checkpoint: {str(args.checkpoint)!r} is a PyTorch file but not a Lightning checkpoint: it holds "
+            f"{held}. Expected what Trainer.save_checkpoint writes (a dict with a 'state_dict')"
+        )
+    del loaded
     try:
         model = module_cls.load_from_checkpoint(args.checkpoint, map_location="cpu", weights_only=True)
     except Exception as exc:

@@ -9,8 +9,9 @@ and the CLI fail at construction rather than after training.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._device import as_device
+from lightning_perf._imports import is_available
 from lightning_perf._validation import check_bool, check_int
 from lightning_perf.deploy.inputs import DimRange, InputSpec
 from lightning_perf.deploy.validate import DEFAULT_TOLERANCES, Tolerance
@@ -31,11 +33,49 @@ __all__ = [
     "Runner",
     "dynamic_shapes",
     "failure_reason",
+    "known_onnx_providers",
     "validate_options",
 ]
 
 BACKENDS = ("tensorrt", "onnx")
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# onnxruntime 1.31's `get_all_providers()`: the names checked against when onnxruntime is not installed here.
+_ONNX_PROVIDERS = (
+    "TensorrtExecutionProvider",
+    "CUDAExecutionProvider",
+    "MIGraphXExecutionProvider",
+    "OpenVINOExecutionProvider",
+    "DnnlExecutionProvider",
+    "VitisAIExecutionProvider",
+    "QNNExecutionProvider",
+    "NnapiExecutionProvider",
+    "VSINPUExecutionProvider",
+    "JsExecutionProvider",
+    "CoreMLExecutionProvider",
+    "DmlExecutionProvider",
+    "RknpuExecutionProvider",
+    "WebNNExecutionProvider",
+    "WebGpuExecutionProvider",
+    "XnnpackExecutionProvider",
+    "CANNExecutionProvider",
+    "AzureExecutionProvider",
+    "ROCMExecutionProvider",
+    "ACLExecutionProvider",
+    "ArmNNExecutionProvider",
+    "CPUExecutionProvider",
+)
+
+
+def known_onnx_providers() -> tuple[str, ...]:
+    """Every execution provider name onnxruntime knows (built into this install or not): the installed onnxruntime's
+    own list, else a static one."""
+    if is_available("onnxruntime"):
+        import onnxruntime
+
+        return tuple(onnxruntime.get_all_providers())
+    return _ONNX_PROVIDERS
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -183,16 +223,7 @@ def validate_options(
                 f"`{owner}(validation_batch_sizes={validation_batch_sizes!r})` is not valid. Expected batch sizes "
                 f"within the batch range {rng.min}..{rng.max}."
             )
-    if tolerance is None:
-        tol = DEFAULT_TOLERANCES[precision]
-    elif isinstance(tolerance, Tolerance):
-        tol = tolerance
-    elif isinstance(tolerance, Mapping):
-        tol = Tolerance(**{**asdict(DEFAULT_TOLERANCES[precision]), **tolerance})
-    else:
-        raise TypeError(
-            f"`{owner}(tolerance={tolerance!r})` is not valid. Expected a Tolerance or a dict of its fields."
-        )
+    tol = _tolerance(owner, tolerance, precision)
     check_bool(owner, "strict", strict)
     check_int(owner, "latency_iterations", latency_iterations, 0)
     check_int(owner, "latency_warmup", latency_warmup, 0)
@@ -204,13 +235,9 @@ def validate_options(
         raise ValueError(f"`{owner}(device={device!r})` is not valid. Expected 'cpu', 'cuda' or 'cuda:N'.")
     if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset < 18):
         raise ValueError(f"`{owner}(opset={opset!r})` is not valid. Expected None (the exporter's default) or >= 18.")
-    if onnx_providers is not None and (
-        isinstance(onnx_providers, str) or not all(isinstance(p, str) for p in onnx_providers)
-    ):
-        raise ValueError(
-            f"`{owner}(onnx_providers={onnx_providers!r})` is not valid. Expected a list of onnxruntime execution "
-            "provider names, e.g. ['CUDAExecutionProvider', 'CPUExecutionProvider']."
-        )
+    if onnx_providers is not None:
+        _check_onnx_providers(owner, onnx_providers)
+    _check_precision(owner, precision, names, dev, onnx_providers)
     return ExportOptions(
         backends=tuple(names),
         precision=precision,
@@ -226,3 +253,74 @@ def validate_options(
         opset=opset,
         strict=bool(strict),
     )
+
+
+def _tolerance(owner: str, tolerance: Any, precision: str) -> Tolerance:
+    keys = tuple(f.name for f in fields(Tolerance))
+    expected = (
+        f"Expected a Tolerance or a dict with some of the keys {', '.join(map(repr, keys))} (finite numbers >= 0)."
+    )
+    if tolerance is None:
+        return DEFAULT_TOLERANCES[precision]
+    if isinstance(tolerance, Tolerance):
+        return tolerance
+    if not isinstance(tolerance, Mapping):
+        raise TypeError(f"`{owner}(tolerance={tolerance!r})` is not valid. {expected}")
+    unknown = [k for k in tolerance if k not in keys]
+    if unknown:
+        raise ValueError(
+            f"`{owner}(tolerance={tolerance!r})` is not valid: no key {', '.join(map(repr, unknown))}. {expected}"
+        )
+    try:
+        return Tolerance(**{**asdict(DEFAULT_TOLERANCES[precision]), **tolerance})
+    except ValueError as exc:
+        raise ValueError(f"`{owner}(tolerance={tolerance!r})` is not valid: {exc}") from None
+
+
+def _check_onnx_providers(owner: str, providers: Any) -> None:
+    shown = f"`{owner}(onnx_providers={providers!r})` is not valid."
+    example = "e.g. ['CUDAExecutionProvider', 'CPUExecutionProvider']"
+    if (
+        isinstance(providers, (str, bytes))
+        or not isinstance(providers, Sequence)
+        or not providers
+        or not all(isinstance(p, str) for p in providers)
+    ):
+        raise ValueError(f"{shown} Expected a non-empty list of onnxruntime execution provider names, {example}.")
+    known = known_onnx_providers()
+    unknown = [p for p in providers if p not in known]
+    if unknown:
+        hints = [
+            f"{p!r}: did you mean {close[0]!r}?" for p in unknown if (close := difflib.get_close_matches(p, known, 1))
+        ]
+        raise ValueError(
+            f"{shown} {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not an onnxruntime "
+            f"execution provider{' (' + '; '.join(hints) + ')' if hints else ''}. Expected names from: "
+            f"{', '.join(known)}."
+        )
+
+
+# Which backend computes which precision where; checked at construction, so that a precision nothing here can export
+# fails before training rather than as a fallback warning after it.
+_PRECISION_SUPPORT = (
+    "fp32 exports with either backend anywhere; fp16 needs a CUDA device (TensorRT, or ONNX with onnxruntime-gpu's "
+    "CUDA provider: onnxruntime's CPU provider lacks half-precision kernels for many operators); bf16 needs TensorRT "
+    "on a CUDA device (onnxruntime's Python API cannot feed or return bfloat16: numpy has no such type)"
+)
+
+
+def _check_precision(
+    owner: str, precision: str, backends: Sequence[str], device: torch.device, providers: Sequence[str] | None
+) -> None:
+    if precision == "fp32":
+        return
+    on_cuda = device.type == "cuda"
+    able = "tensorrt" in backends and on_cuda
+    if "onnx" in backends and precision == "fp16" and on_cuda:
+        able = able or providers is None or providers[0] != "CPUExecutionProvider"
+    if not able:
+        raise ValueError(
+            f"`{owner}(precision={precision!r})` cannot be exported with backends={list(backends)!r} on {device}: "
+            f"{_PRECISION_SUPPORT}. Expected precision='fp32' here, or a CUDA device with a backend that computes "
+            f"{precision}."
+        )

@@ -245,7 +245,10 @@ def test_input_shapes_stand_in_for_a_missing_example(tmp_path: Path) -> None:
         ({"precision": "fp8"}, r"TensorRTExportCallback\(precision='fp8'\).*fp32, fp16, bf16"),
         ({"batch_range": (16, 8, 32)}, "min <= opt <= max, got min=16, opt=8, max=32"),
         ({"batch_range": (1, 64, 32)}, "got min=1, opt=64, max=32"),
-        ({"input_shapes": [(3, -1)]}, "positive integer sizes"),
+        (
+            {"input_shapes": [(3, -1)]},
+            r"input_shapes=\[\(3, -1\)\]\)`.*input 0's shape \(3, -1\) is not a sequence of positive",
+        ),
         ({"filename": "../model"}, "filename='../model'"),
         ({"filename": ""}, "filename=''"),
         ({"backends": []}, r"backends=\[\].*non-empty"),
@@ -264,11 +267,51 @@ def test_input_shapes_stand_in_for_a_missing_example(tmp_path: Path) -> None:
         ({"dirpath": 3}, r"dirpath=3.*directory path"),
         ({"input_key": ""}, r"input_key=''"),
         ({"input_key": 0}, r"input_key=0"),
+        # Issue 28: each refused at construction, naming the argument, the value and what is valid.
+        ({"onnx_providers": ["NoSuchProvider"]}, r"onnx_providers=\['NoSuchProvider'\].*not an onnxruntime execution"),
+        ({"onnx_providers": ["CUDAExecutionprovider"]}, r"did you mean 'CUDAExecutionProvider'\?"),
+        ({"onnx_providers": []}, r"onnx_providers=\[\].*non-empty list"),
+        (
+            {"precision": "fp16", "device": "cpu"},
+            r"precision='fp16'\)` cannot be .* on cpu.*fp16 needs a CUDA",
+        ),
+        (
+            {"precision": "bf16", "device": "cpu"},
+            r"precision='bf16'\)` cannot be.*bf16 needs TensorRT on a CUDA",
+        ),
+        (
+            {"precision": "bf16", "backends": ["onnx"], "device": "cuda"},
+            r"'bf16'.*backends=\['onnx'\] on cuda",
+        ),
+        (
+            {"precision": "fp16", "backends": ["onnx"], "device": "cuda", "onnx_providers": ["CPUExecutionProvider"]},
+            r"precision='fp16'.*lacks half-precision kernels",
+        ),
+        ({"input_shapes": [3, 32]}, r"input_shapes=\[3, 32\]\)` is not valid: that is one shape.*\[\(3, 32\)\]\?"),
+        ({"input_shapes": [(3, 32), 5]}, r"input_shapes=\[\(3, 32\), 5\]\)`.*input 1's shape 5"),
+        ({"input_shapes": "3x32"}, r"input_shapes='3x32'\)` is not valid. Expected a list of shapes"),
+        ({"tolerance": {"nope": 1}}, r"tolerance=\{'nope': 1\}\)` is not valid: no key 'nope'.*'atol', 'rtol'"),
+        ({"tolerance": {"atol": -1.0}}, r"tolerance=\{'atol': -1.0\}\)` is not valid: `Tolerance\(atol=-1.0\)"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         TensorRTExportCallback(**kwargs)
+
+
+def test_precisions_that_some_backend_computes_are_accepted() -> None:
+    TensorRTExportCallback(precision="bf16", device="cuda")  # TensorRT on a CUDA device (checked again at export)
+    TensorRTExportCallback(precision="fp16", backends=["onnx"], device="cuda")  # onnxruntime-gpu's CUDA provider
+    TensorRTExportCallback(onnx_providers=["TensorrtExecutionProvider", "CPUExecutionProvider"])
+
+
+def test_provider_names_are_checked_without_onnxruntime(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_perf.deploy import backend
+
+    monkeypatch.setattr(backend, "is_available", lambda module: False)
+    assert "CUDAExecutionProvider" in backend.known_onnx_providers()
+    with pytest.raises(ValueError, match="'Cuda' is not an onnxruntime execution provider"):
+        TensorRTExportCallback(onnx_providers=["Cuda"])
 
 
 class _Payload:

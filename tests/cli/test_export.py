@@ -104,6 +104,9 @@ def test_export_a_checkpoint_with_its_datamodule(checkpoint: Path, tmp_path: Pat
         (["--filename", "../x"], "argument --filename: '../x' is not valid. Expected a plain, non-hidden file stem"),
         (["--onnx-providers", " , "], "argument --onnx-providers: ' , ' is not valid"),
         (["--backend", "onnx"], "unrecognized arguments: --backend"),  # no abbreviation of --backends
+        (["--precision", "fp16", "--device", "cpu"], "(precision='fp16')` cannot be exported with backends="),
+        (["--precision", "bf16", "--backends", "onnx"], "bf16 needs TensorRT on a CUDA device"),
+        (["--onnx-providers", "NoSuchProvider"], "'NoSuchProvider' is not an onnxruntime execution provider"),
         (["--module-class", "lightning_perf.demos:NoSuchModule"], "has no attribute 'NoSuchModule'"),
         (["--module-class", "no_such_pkg.models:Net"], "cannot import module 'no_such_pkg.models'"),
         (["--module-class", "lightning_perf.demos:ConvNetDataModule"], "is not a subclass of LightningModule"),
@@ -138,6 +141,46 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path: Path, capsys) -> 
     err = capsys.readouterr().err
     assert info.value.code == 2 and "add_safe_globals" in err and "Traceback" not in err
     assert not marker.exists()
+
+
+NOT_A_CHECKPOINT = "is not a PyTorch checkpoint:"
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (lambda real: b"epoch: 3\nloss: 0.25\n", f"{NOT_A_CHECKPOINT} a text file (it starts with 'epoch: 3')"),
+        (lambda real: real[: len(real) // 2], f"{NOT_A_CHECKPOINT} truncated or corrupt zip archive"),
+        (lambda real: bytes([0x4D, 0x5A]) + bytes(range(256)) * 4, f"{NOT_A_CHECKPOINT} it starts with the bytes"),
+    ],
+    ids=["text", "truncated-zip", "random-bytes"],
+)
+def test_a_file_that_is_not_a_checkpoint_exits_2_with_one_line_before_any_work(
+    checkpoint: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, content: Any, problem: str
+) -> None:
+    path = tmp_path / "model.ckpt"
+    path.write_bytes(content(checkpoint.read_bytes()))
+
+    def no_work(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the export started on a file that is not a checkpoint")
+
+    monkeypatch.setattr("lightning_perf.benchmark.sources.import_class", no_work)  # refused before the class import
+    with pytest.raises(SystemExit) as info:
+        main(["export", str(path), "--module-class", CONVNET, "--input-shape", "3x16x16"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1, err
+    assert f"argument checkpoint: {str(path)!r} {problem}" in err[0], err[0]
+    assert "add_safe_globals" not in err[0] and "Traceback" not in err[0]
+
+
+def test_a_pytorch_file_that_is_not_a_lightning_checkpoint_is_named_as_such(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "weights.pt"
+    torch.save({"conv.weight": torch.zeros(2)}, path)
+    with pytest.raises(SystemExit) as info:
+        main(["export", str(path), "--module-class", CONVNET, "--input-shape", "3x16x16"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and len(err) == 1, err
+    assert "is a PyTorch file but not a Lightning checkpoint: it holds a dict with the keys ['conv.weight']" in err[0]
 
 
 class _Payload:

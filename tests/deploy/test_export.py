@@ -18,7 +18,7 @@ from lightning_perf import FallbackWarning
 from lightning_perf._imports import is_onnx_available, is_onnxruntime_available
 from lightning_perf.demos import make_workload
 from lightning_perf.deploy.artifacts import committed_set, write_set
-from lightning_perf.deploy.backend import validate_options
+from lightning_perf.deploy.backend import BackendUnavailable, validate_options
 from lightning_perf.deploy.export import ExportError, export_model
 from lightning_perf.deploy.inputs import (
     DimRange,
@@ -333,16 +333,34 @@ def test_tensorrt_unavailable_without_an_export_runs_nothing(tmp_path: Path) -> 
     assert _files(tmp_path) == ["model.failed/model.export.json"]
 
 
+def test_a_precision_no_listed_backend_computes_here_is_refused_before_any_export(tmp_path: Path) -> None:
+    for precision, backends, device in (
+        ("fp16", ["onnx"], "cpu"),
+        ("bf16", ["onnx"], "cpu"),
+        ("bf16", ["onnx"], "cuda"),
+    ):
+        with pytest.raises(ValueError, match=rf"precision='{precision}'\)` cannot be exported.*fp32 exports"):
+            export_model(
+                nn.Linear(3, 2),
+                torch.randn(2, 3),
+                backends=backends,
+                precision=precision,
+                dirpath=tmp_path,
+                **{**SMALL, "device": device},
+            )
+    assert not tmp_path.exists() or _files(tmp_path) == []
+
+
 @needs_onnx
-def test_half_precision_onnx_without_a_gpu_provider_is_unavailable_with_the_reason(tmp_path: Path) -> None:
-    with pytest.warns(FallbackWarning, match="'onnx' is unavailable: fp16 ONNX needs a GPU execution provider"):
-        report = export_model(
-            nn.Linear(3, 2), torch.randn(2, 3), backends=["onnx"], precision="fp16", dirpath=tmp_path, **SMALL
-        )
-    assert report.attempts[0].status == "unavailable"
-    assert _files(tmp_path) == ["model.failed/model.export.json"]
-    with pytest.warns(FallbackWarning, match="'onnx' is unavailable: bf16 ONNX is not supported"):
-        export_model(nn.Linear(3, 2), torch.randn(2, 3), backends=["onnx"], precision="bf16", dirpath=tmp_path, **SMALL)
+def test_half_precision_onnx_without_a_gpu_provider_is_unavailable_with_the_reason() -> None:
+    """On a CUDA device whose onnxruntime has only the CPU provider, fp16 ONNX is a fallback with the reason."""
+    import onnxruntime
+
+    options = validate_options(backends=["onnx"], precision="fp16", device="cuda")
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has a CUDA provider")
+    with pytest.raises(BackendUnavailable, match="fp16 ONNX needs a GPU execution provider"):
+        OnnxBackend().check(options)
 
 
 # -------------------------------------------------------------------------------------------------- validation
@@ -440,6 +458,9 @@ def test_validation_data_that_does_not_fit_the_example_fails_before_exporting(tm
         ({"latency_iterations": -1}, "latency_iterations=-1"),
         ({"device": "tpu"}, "device='tpu'"),
         ({"opset": 9}, "opset=9"),
+        ({"tolerance": {"nope": 1}}, r"tolerance=\{'nope': 1\}\)` is not valid: no key 'nope'"),
+        ({"onnx_providers": ["NoSuchProvider"]}, "'NoSuchProvider' is not an onnxruntime execution provider"),
+        ({"precision": "bf16", "device": "cpu"}, "precision='bf16'"),
     ],
 )
 def test_invalid_options_are_named(kwargs: dict[str, Any], message: str) -> None:
@@ -448,7 +469,7 @@ def test_invalid_options_are_named(kwargs: dict[str, Any], message: str) -> None
 
 
 def test_default_tolerances_follow_precision() -> None:
-    assert validate_options(precision="fp16").tolerance == Tolerance(1e-2, 1e-2, 0.99)
+    assert validate_options(precision="fp16", device="cuda").tolerance == Tolerance(1e-2, 1e-2, 0.99)
     assert validate_options(precision="fp32", tolerance={"atol": 1e-3}).tolerance.atol == 1e-3
     assert validate_options(precision="fp32").tolerance.atol == pytest.approx(1e-4)
     assert validate_options(batch_range=[2, 2, 2]).batch_range.sizes() == [2]
