@@ -1,0 +1,136 @@
+"""The stopping rule of ``--repeats auto``: scripted intervals and a scripted clock, no process, no timing."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_perf.benchmark.settle import (
+    STOP_BUDGET,
+    STOP_MAX,
+    STOP_SETTLED,
+    Settling,
+    is_settled,
+    relative_half_width,
+    repeats_to_settle,
+    unsettled_text,
+)
+from lightning_perf.profiling.intervals import METHOD_BOOTSTRAP, METHOD_SINGLE, METHOD_T, RatioEstimate, paired_ratio
+
+
+class ScriptedClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def estimate(ratio: float, half: float, n: int, method: str = METHOD_T) -> RatioEstimate:
+    return RatioEstimate(ratio, ratio * (1 - half), ratio * (1 + half), method, "faster", n)
+
+
+def run_round(settling: Settling, clock: ScriptedClock, configs, seconds: float = 10.0) -> None:
+    for name in configs:
+        clock.now += seconds
+        settling.record_run(name, seconds)
+
+
+def test_settled_means_within_target_both_sides() -> None:
+    assert is_settled(estimate(1.5, 0.04, 5))
+    assert not is_settled(estimate(1.5, 0.06, 5))
+    skewed = RatioEstimate(2.0, 1.98, 2.2, METHOD_T, "faster", 6)  # +10% above, -1% below
+    assert relative_half_width(skewed) == pytest.approx(0.1)
+    assert not is_settled(skewed)
+    assert relative_half_width(RatioEstimate(1.2, 1.2, 1.2, METHOD_SINGLE, "x", 1)) is None
+
+
+def test_projection_follows_one_over_sqrt_n() -> None:
+    # A t interval of +-10% from 8 repeats: t(7)/sqrt(8) = 0.836; +-5% needs t(n-1)/sqrt(n) <= 0.418: n = 25.
+    assert repeats_to_settle(estimate(1.3, 0.10, 8)) == 25
+    assert repeats_to_settle(estimate(1.3, 0.04, 8)) == 8  # already settled
+    assert repeats_to_settle(RatioEstimate(1.0, 1.0, 1.0, METHOD_SINGLE, "x", 1)) is None
+    # The projection is what a real interval does: the same spread measured over more repeats narrows as predicted.
+    pattern = [1.0, 1.1, 0.95, 1.05]
+    few = paired_ratio([[2.0 * p] for p in pattern * 2], [[1.0]] * 8)
+    many = paired_ratio([[2.0 * p] for p in pattern * 8], [[1.0]] * 32)
+    need = repeats_to_settle(few, relative_half_width(many) * 1.05)  # type: ignore[operator]
+    assert need is not None and 24 <= need <= 34
+
+
+def test_bootstrap_interval_projects_past_the_switch_to_t() -> None:
+    boot = estimate(1.5, 0.20, 3, METHOD_BOOTSTRAP)
+    need = repeats_to_settle(boot)
+    assert need is not None and need > 3
+
+
+def test_stops_when_every_ratio_settles() -> None:
+    clock = ScriptedClock()
+    settling = Settling(target=0.05, time_budget_s=600, min_repeats=2, clock=clock)
+    run_round(settling, clock, ["baseline", "a", "b"])
+    first = settling.decide({"a": estimate(1.5, 0.03, 1), "b": estimate(1.2, 0.2, 1)}, repeats=1)
+    assert not first.stop and first.active == ("baseline", "a", "b")  # the minimum, settled or not
+    run_round(settling, clock, first.active)
+    second = settling.decide({"a": estimate(1.5, 0.03, 2), "b": estimate(1.2, 0.2, 2, METHOD_BOOTSTRAP)}, repeats=2)
+    assert not second.stop
+    assert second.active == ("baseline", "b")  # a settled: only baseline and b run again
+    assert [u.config for u in second.unsettled] == ["b"]
+    run_round(settling, clock, second.active)
+    third = settling.decide({"a": estimate(1.5, 0.03, 2), "b": estimate(1.2, 0.045, 3)}, repeats=3)
+    assert third.stop and third.reason == STOP_SETTLED and not third.unsettled
+
+
+def test_stops_at_the_budget_and_reports_unsettled() -> None:
+    clock = ScriptedClock()
+    settling = Settling(target=0.05, time_budget_s=100, min_repeats=2, clock=clock)
+    for repeat in (1, 2, 3):
+        run_round(settling, clock, ["baseline", "a"], seconds=15.0)
+        decision = settling.decide({"a": estimate(1.1, 0.15, repeat, METHOD_BOOTSTRAP)}, repeats=repeat)
+        if decision.stop:
+            break
+    # 3 rounds of 30 s: 90 s spent, the next round (30 s) would end past 100 s.
+    assert decision.stop and decision.reason == STOP_BUDGET and repeat == 3
+    (item,) = decision.unsettled
+    assert item.config == "a" and item.repeats == 3
+    assert item.repeats_needed is not None and item.repeats_needed > 3
+    assert item.seconds_needed == pytest.approx((item.repeats_needed - 3) * 30.0)
+    text = unsettled_text(item)
+    assert text.startswith("unsettled after 3 repeats (+-15%): about ")
+    assert "would settle it to +-5%" in text and "min" in text
+
+
+def test_the_budget_keeps_a_reserve_and_the_minimum_always_runs() -> None:
+    clock = ScriptedClock()
+    settling = Settling(time_budget_s=30, min_repeats=2, clock=clock)
+    run_round(settling, clock, ["baseline", "a"], seconds=20.0)  # 40 s: past the budget already
+    assert not settling.decide({"a": estimate(1.1, 0.3, 1)}, repeats=1).stop  # the minimum runs regardless
+    clock2 = ScriptedClock()
+    settling2 = Settling(time_budget_s=100, min_repeats=2, clock=clock2)
+    for _ in (1, 2):
+        run_round(settling2, clock2, ["baseline", "a"], seconds=10.0)
+    assert not settling2.decide({"a": estimate(1.1, 0.3, 2)}, repeats=2).stop  # 40 + 20 <= 100
+    assert settling2.decide({"a": estimate(1.1, 0.3, 2)}, repeats=2, reserve_s=50).reason == STOP_BUDGET
+
+
+def test_stops_at_max_repeats_and_skips_failed_configs() -> None:
+    clock = ScriptedClock()
+    settling = Settling(time_budget_s=10_000, min_repeats=1, max_repeats=2, clock=clock)
+    run_round(settling, clock, ["baseline", "a", "broken"])
+    decision = settling.decide({"a": estimate(1.1, 0.3, 1), "broken": None}, repeats=1)
+    assert decision.active == ("baseline", "a")
+    run_round(settling, clock, decision.active)
+    assert settling.decide({"a": estimate(1.1, 0.3, 2), "broken": None}, repeats=2).reason == STOP_MAX
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "word"),
+    [
+        ({"target": 0}, "target"),
+        ({"target": 1.5}, "target"),
+        ({"time_budget_s": 0}, "time_budget_s"),
+        ({"min_repeats": 0}, "min_repeats"),
+        ({"min_repeats": 3, "max_repeats": 2}, "max_repeats"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, word) -> None:
+    with pytest.raises(ValueError, match=word):
+        Settling(**kwargs)
