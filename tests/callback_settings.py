@@ -26,6 +26,7 @@ from lightning_perf.callbacks import (
     ChannelsLastCallback,
     CompileCallback,
     FlashAttentionCallback,
+    Float8TrainingCallback,
     FusedOptimizerCallback,
     GradCheckpointCallback,
     MemoryProfilerCallback,
@@ -162,6 +163,18 @@ SETTINGS: list[Setting] = [
         name="FlashAttentionCallback-lm",
         numerics="lossy",
         numerics_reason="attention dropout masks drawn by SDPA, not nn.Dropout",
+    ),
+    # Every eligible layer, unmeasured: on a GPU of compute capability 8.9+ the tiny lm trains in float8 (uncompiled,
+    # so it also warns that float8 is slow without compile); elsewhere it warns NoEffectWarning and changes nothing.
+    Setting(
+        Float8TrainingCallback,
+        {"filter": "all"},
+        workload="lm",
+        trainer_kwargs={"precision": "bf16-mixed"},
+        ddp=False,
+        marks=(pytest.mark.filterwarnings("ignore:Float8TrainingCallback:lightning_perf.LightningPerfWarning"),),
+        numerics="lossy",
+        numerics_reason="float8 matrix products on GPUs of compute capability 8.9+ (unchanged elsewhere)",
     ),
     # A cheap backend: aot_eager still captures forward and backward graphs with dynamo and AOT autograd (guards,
     # caches, counters, state_dict keys), without inductor's 10-30 s cold compile per process. Inductor is covered by
