@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -126,8 +125,23 @@ class Float8TrainingCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            run_after_configure_model(pl_module, self._convert)
+
+    def _convert(self, pl_module: pl.LightningModule) -> None:
         owner = type(self).__name__
-        if stage != "fit":
+        trainer = pl_module.trainer
+        # The strategy first: a model that shards itself in configure_model is sharded now, whatever the device.
+        sharded = sharded_linears(pl_module)
+        if sharded:
+            warn_once(
+                f"{owner} leaves the model unchanged under {type(trainer.strategy).__name__}: {len(sharded)} "
+                f"nn.Linear layers (e.g. {sharded[0]}) are already sharded by `fully_shard` when callbacks run, and "
+                "torchao converts before sharding. Call "
+                "`lightning_perf.functional.float8.convert_to_float8(module, names)` in `configure_model` before "
+                "`fully_shard` instead.",
+                NoEffectWarning,
+            )
             return
         device = trainer.strategy.root_device
         if (reason := float8_unsupported_reason(device)) is not None:
@@ -139,21 +153,6 @@ class Float8TrainingCallback(Callback):
                 f"{owner} leaves the model unchanged under precision={precision!r}: torchao's float8 layers take "
                 "bf16 inputs and return bf16 (their speed-up is against bf16). Use "
                 "`Trainer(precision='bf16-mixed')` (or 'bf16-true').",
-                NoEffectWarning,
-            )
-            return
-        run_after_configure_model(pl_module, lambda module: self._convert(trainer, module, device))
-
-    def _convert(self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.device) -> None:
-        owner = type(self).__name__
-        sharded = sharded_linears(pl_module)
-        if sharded:
-            warn_once(
-                f"{owner} leaves the model unchanged under {type(trainer.strategy).__name__}: {len(sharded)} "
-                f"nn.Linear layers (e.g. {sharded[0]}) are already sharded by `fully_shard` when callbacks run, and "
-                "torchao converts before sharding. Call "
-                "`lightning_perf.functional.float8.convert_to_float8(module, names)` in `configure_model` before "
-                "`fully_shard` instead.",
                 NoEffectWarning,
             )
             return
