@@ -7,6 +7,7 @@ from a checkpoint at an epoch boundary sees exactly the batches an uninterrupted
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
@@ -18,8 +19,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchmetrics import Metric
 from typing_extensions import override
 
-PRESETS: tuple[str, ...] = ("tiny", "default")
-"""Size presets every workload offers: ``tiny`` for tests (milliseconds per step), ``default`` for benchmarks."""
+PRESETS: tuple[str, ...] = ("tiny", "default", "gpu")
+"""Size presets every workload offers: ``tiny`` for tests (milliseconds per step), ``default`` for benchmarks on a
+CPU (tens to hundreds of milliseconds per step), ``gpu`` for benchmarks on one data-center GPU (models of the size
+people train there: ResNet-50, GPT-2 small, ViT-B/16 and a 3D U-Net at 128^3; too large for a CPU)."""
 
 SPLITS: tuple[str, ...] = ("train", "val", "test", "predict")
 
@@ -191,6 +194,16 @@ class SyntheticDataModule(pl.LightningDataModule):
         self.seed = seed
         self.datasets: dict[str, Dataset] = {}
 
+    def resolve_shape(self, **values: int | None) -> None:
+        """Set each of ``values`` as an attribute: the given value, or the preset's (from :attr:`SIZES`) for None.
+
+        Raises:
+            ValueError: for a value that is not a positive integer.
+        """
+        shape = resolve_preset(self.SIZES, self.preset, values, type(self).__name__)
+        for key in values:
+            setattr(self, key, int(shape[key]))
+
     def make_dataset(self, split: str, num_samples: int) -> Dataset:
         """Build the dataset of ``split`` (one of ``train``, ``val``, ``test``, ``predict``) from ``self.seed``."""
         raise NotImplementedError
@@ -255,15 +268,19 @@ class SyntheticDataModule(pl.LightningDataModule):
 class DemoModule(pl.LightningModule):
     """Base of the workloads' modules: one network in ``self.net``, metrics per stage, AdamW with a cosine schedule.
 
-    A subclass builds ``self.net`` (the single child holding every parameter), its metrics with
-    :meth:`init_metrics`, its optimizer settings with :meth:`use_optimizer_settings`, sets ``example_input_array``,
-    and calls ``self.save_hyperparameters()``. It may override :meth:`split_batch` and :meth:`compute` when its batch
-    or loss differ from ``(inputs, labels)`` classification.
+    A subclass names its preset table in :attr:`MODEL_PRESETS`, spells out its constructor's arguments (``preset``
+    first, then every setting as ``None`` = "the preset's"; Lightning saves them as hyperparameters and LightningCLI
+    reads them) and calls ``super().__init__()`` from it: this constructor saves the hyperparameters, resolves the
+    preset with the given values on top (:meth:`resolve_hparams`), lets :meth:`check_config` refuse a combination,
+    takes the optimizer settings, and builds the network, the metrics and ``example_input_array`` with :meth:`build`.
+    A subclass may override :meth:`split_batch` and :meth:`compute` when its batch or loss differ from
+    ``(inputs, labels)`` classification.
 
     The cosine schedule is stepped once per epoch and spans ``schedule_epochs`` epochs (see :data:`SCHEDULE_EPOCHS`).
     """
 
     metric_name: ClassVar[str] = "acc"
+    MODEL_PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     net: nn.Module
     train_metric: Metric
@@ -272,6 +289,33 @@ class DemoModule(pl.LightningModule):
     lr: float
     weight_decay: float
     schedule_epochs: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        caller = inspect.currentframe()
+        # The subclass's constructor holds the arguments to save (Lightning walks on up through further subclasses).
+        self.save_hyperparameters(frame=caller.f_back if caller is not None else None)
+        config = self.resolve_hparams(self.MODEL_PRESETS)
+        self.check_config(config)
+        self.use_optimizer_settings(config)
+        self.net, metric, self.example_input_array = self.build(config)
+        self.init_metrics(metric)
+
+    def check_config(self, config: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` naming the argument when the resolved settings do not fit together (default: none)."""
+
+    def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
+        """The network (the single child holding every parameter), a factory of the per-stage metric, and an example
+        input of batch size 1, from the resolved settings."""
+        raise NotImplementedError
+
+    def check_divides(self, config: Mapping[str, Any], divisor: str, total: str, expected: str) -> None:
+        """Raise ``ValueError`` unless ``config[divisor]`` divides ``config[total]``."""
+        if config[total] % config[divisor]:
+            raise ValueError(
+                f"`{type(self).__name__}({divisor}={config[divisor]!r})` does not divide {total}={config[total]!r}."
+                f" Expected {expected}."
+            )
 
     @override
     def forward(self, x: Tensor) -> Tensor:

@@ -7,13 +7,14 @@ seed, so a model trained on one seed's samples is evaluated fairly on another's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
+from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
@@ -23,7 +24,6 @@ from lightning_perf.demos._base import (
     DemoModule,
     SyntheticDataModule,
     generator_for,
-    resolve_preset,
 )
 
 # The patterns are part of the task's definition, not of the data seed.
@@ -106,7 +106,7 @@ class TemplateImageDataModule(SyntheticDataModule):
     """Data module of the template-image classification task; :class:`ConvNetDataModule` and the ViT's share it.
 
     Args:
-        preset: one of ``tiny`` and ``default``.
+        preset: one of ``tiny``, ``default`` and ``gpu``.
         batch_size: samples per batch; ``None`` takes the preset's.
         num_workers: ``DataLoader`` worker processes.
         pin_memory: passed to every ``DataLoader``.
@@ -131,11 +131,9 @@ class TemplateImageDataModule(SyntheticDataModule):
         num_classes: int | None = None,
     ) -> None:
         super().__init__(preset, batch_size, num_workers, pin_memory, persistent_workers, seed)
-        shape = resolve_preset(
-            self.SIZES, preset, {"image_size": image_size, "num_classes": num_classes}, type(self).__name__
-        )
-        self.image_size: int = shape["image_size"]
-        self.num_classes: int = shape["num_classes"]
+        self.image_size: int
+        self.num_classes: int
+        self.resolve_shape(image_size=image_size, num_classes=num_classes)
         self.save_hyperparameters()
 
     @override
@@ -148,6 +146,8 @@ class TemplateImageDataModule(SyntheticDataModule):
 _DATA_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"batch_size": 32, "train": 512, "val": 128, "test": 128, "predict": 64, "image_size": 16},
     "default": {"batch_size": 32, "train": 2048, "val": 256, "test": 256, "predict": 256, "image_size": 64},
+    # ImageNet-sized images at the batch of the usual ResNet-50 benchmarks.
+    "gpu": {"batch_size": 128, "train": 4096, "val": 512, "test": 512, "predict": 512, "image_size": 224},
 }
 for _sizes in _DATA_SIZES.values():
     _sizes["num_classes"] = 10
@@ -169,18 +169,34 @@ _MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "weight_decay": 0.01,
         "schedule_epochs": SCHEDULE_EPOCHS,
     },
+    # ResNet-50's scale (23.7M parameters, 3.7 GMACs per 224x224 image forward; ResNet-50: 25.6M, 4.1) with its
+    # ImageNet stem and four stages of 64 to 512 channels, in basic blocks.
+    "gpu": {
+        "width": 64,
+        "num_stages": 4,
+        "blocks_per_stage": 4,
+        "stem_stride": 4,
+        "lr": 1e-3,
+        "weight_decay": 0.01,
+        "schedule_epochs": SCHEDULE_EPOCHS,
+    },
 }
+_MODEL_PRESETS["tiny"]["stem_stride"] = _MODEL_PRESETS["default"]["stem_stride"] = 1
+STEM_STRIDES = (1, 4)
+"""``1``: a 3x3 convolution at full resolution (small images); ``4``: ImageNet's 7x7 stride-2 convolution and 3x3
+stride-2 max-pool, the first stage then keeping the stem's resolution (as in torchvision's ResNets)."""
 for _name, _settings in _MODEL_PRESETS.items():
     _settings.update(image_size=_DATA_SIZES[_name]["image_size"], num_classes=_DATA_SIZES[_name]["num_classes"])
 
 
 class ConvNetDataModule(TemplateImageDataModule):
-    """Template images for :class:`ConvNetModule`: 3x16x16 (``tiny``) or 3x64x64 (``default``), 10 classes.
+    """Template images for :class:`ConvNetModule`: 3x16x16 (``tiny``), 3x64x64 (``default``) or 3x224x224
+    (``gpu``, batch 128), 10 classes.
 
     Batches are ``(images, labels)``: float ``(B, 3, S, S)`` and long ``(B,)``.
 
     Args:
-        preset: one of ``tiny`` and ``default``.
+        preset: one of ``tiny``, ``default`` and ``gpu``.
         batch_size: samples per batch; ``None`` takes the preset's (32).
         num_workers: ``DataLoader`` worker processes.
         pin_memory: passed to every ``DataLoader``.
@@ -237,20 +253,35 @@ class ResNet(nn.Module):
         num_stages: number of stages.
         blocks_per_stage: basic blocks per stage.
         in_channels: image channels.
+        stem_stride: one of :data:`STEM_STRIDES`.
     """
 
     def __init__(
-        self, num_classes: int, width: int, num_stages: int, blocks_per_stage: int, in_channels: int = 3
+        self,
+        num_classes: int,
+        width: int,
+        num_stages: int,
+        blocks_per_stage: int,
+        in_channels: int = 3,
+        stem_stride: int = 1,
     ) -> None:
         super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)
-        )
+        if stem_stride == 1:
+            self.stem = nn.Sequential(
+                nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)
+            )
+        else:
+            self.stem = nn.Sequential(
+                nn.Conv2d(in_channels, width, 7, stride=2, padding=3, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(3, stride=2, padding=1),
+            )
         stages = []
         channels = width
         for index in range(num_stages):
             out = width * 2**index
-            blocks = [BasicBlock(channels, out, stride=2)]
+            blocks = [BasicBlock(channels, out, stride=1 if index == 0 and stem_stride > 1 else 2)]
             blocks += [BasicBlock(out, out) for _ in range(blocks_per_stage - 1)]
             stages.append(nn.Sequential(*blocks))
             channels = out
@@ -271,10 +302,12 @@ class ConvNetModule(DemoModule):
     """ResNet-style classifier of :class:`ConvNetDataModule` images.
 
     ``tiny``: widths 8/16/32, one block per stage, 16x16 inputs. ``default``: widths 32/64/128, two blocks per stage,
-    64x64 inputs. Logs ``train_loss``/``train_acc``, ``val_loss``/``val_acc``, ``test_loss``/``test_acc``.
+    64x64 inputs. ``gpu``: ImageNet stem, widths 64/128/256/512, four blocks per stage, 224x224 inputs (about 23M
+    parameters: ResNet-50's scale). Logs ``train_loss``/``train_acc``, ``val_loss``/``val_acc``,
+    ``test_loss``/``test_acc``.
 
     Args:
-        preset: one of ``tiny`` and ``default``; the other arguments override its values when not ``None``.
+        preset: one of ``tiny``, ``default`` and ``gpu``; the other arguments override its values when not ``None``.
         width: channels of the first stage (doubled per stage).
         num_stages: number of stages, each halving the resolution.
         blocks_per_stage: basic blocks per stage.
@@ -283,6 +316,7 @@ class ConvNetModule(DemoModule):
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
         schedule_epochs: epochs over which the cosine schedule takes the learning rate from ``lr`` to 0.
+        stem_stride: one of :data:`STEM_STRIDES` (1: small-image stem; 4: ImageNet stem).
 
     Raises:
         ValueError: if the preset is unknown or a value out of range.
@@ -292,6 +326,8 @@ class ConvNetModule(DemoModule):
         model = ConvNetModule("tiny")
         logits = model(model.example_input_array)  # (1, 10)
     """
+
+    MODEL_PRESETS = _MODEL_PRESETS
 
     def __init__(
         self,
@@ -304,11 +340,26 @@ class ConvNetModule(DemoModule):
         lr: float | None = None,
         weight_decay: float | None = None,
         schedule_epochs: int | None = None,
+        stem_stride: int | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        config = self.resolve_hparams(_MODEL_PRESETS)
-        self.use_optimizer_settings(config)
-        self.net = ResNet(config["num_classes"], config["width"], config["num_stages"], config["blocks_per_stage"])
-        self.init_metrics(lambda: MulticlassAccuracy(config["num_classes"], average="micro"))
-        self.example_input_array = torch.zeros(1, 3, config["image_size"], config["image_size"])
+
+    @override
+    def check_config(self, config: Mapping[str, Any]) -> None:
+        if config["stem_stride"] not in STEM_STRIDES:
+            raise ValueError(
+                f"`ConvNetModule(stem_stride={config['stem_stride']!r})` is not valid. Expected one of "
+                f"{', '.join(map(str, STEM_STRIDES))}."
+            )
+
+    @override
+    def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
+        net = ResNet(
+            config["num_classes"],
+            config["width"],
+            config["num_stages"],
+            config["blocks_per_stage"],
+            stem_stride=config["stem_stride"],
+        )
+        size = config["image_size"]
+        return net, lambda: MulticlassAccuracy(config["num_classes"], average="micro"), torch.zeros(1, 3, size, size)

@@ -12,12 +12,14 @@ volume to the fully convolutional network at once, or runs it window by window w
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
+from torchmetrics import Metric
 from torchmetrics.classification import BinaryF1Score
 from typing_extensions import override
 
@@ -27,7 +29,6 @@ from lightning_perf.demos._base import (
     DemoModule,
     SyntheticDataModule,
     generator_for,
-    resolve_preset,
 )
 
 NOISE_STD = 0.5
@@ -111,27 +112,41 @@ _DATA_SIZES: dict[str, dict[str, int]] = {
         "volume_size": 32,
         "predict_volume_size": 64,
     },
+    # 128^3 patches at batch 2 (476 GMACs per patch forward; roughly 10-15 GB of float32 activations by estimate,
+    # far below an 80 GB GPU); whole 192^3 volumes to predict (3.4 patches: sliding-window inference has to tile).
+    "gpu": {
+        "batch_size": 2,
+        "train": 128,
+        "val": 8,
+        "test": 8,
+        "predict": 8,
+        "volume_size": 128,
+        "predict_volume_size": 192,
+    },
 }
 
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"width": 8, "levels": 3, "lr": 1e-2, "weight_decay": 0.01, "schedule_epochs": SCHEDULE_EPOCHS},
     "default": {"width": 16, "levels": 3, "lr": 1e-3, "weight_decay": 0.01, "schedule_epochs": SCHEDULE_EPOCHS},
+    # The 3D U-Net of medical segmentation (widths 32 to 512 over 5 levels, 22.6M parameters).
+    "gpu": {"width": 32, "levels": 5, "lr": 1e-3, "weight_decay": 0.01, "schedule_epochs": SCHEDULE_EPOCHS},
 }
 for _name, _settings in _MODEL_PRESETS.items():
     _settings.update(volume_size=_DATA_SIZES[_name]["volume_size"])
 
 
 class UNet3DDataModule(SyntheticDataModule):
-    """Sphere volumes and masks for :class:`UNet3DModule`: 16^3 (``tiny``) or 32^3 (``default``), batch 4.
+    """Sphere volumes and masks for :class:`UNet3DModule`: 16^3 (``tiny``) or 32^3 (``default``) at batch 4, or 128^3
+    at batch 2 (``gpu``).
 
     Batches are ``(volumes, masks)``: float ``(B, 1, S, S, S)`` and long ``(B, 1, S, S, S)`` with values 0/1. The
     train, validation and test splits are patches of side ``volume_size``; the predict split holds whole volumes of
     side ``predict_volume_size`` (32^3 ``tiny``, 64^3 ``default``: 8 times a patch, which keeps the default bench's
-    inference timing to a few seconds a batch on a 2-core CPU) with spheres of the same sizes as in training (their
-    number grows with the volume's cross-section), for sliding-window inference.
+    inference timing to a few seconds a batch on a 2-core CPU; 192^3 ``gpu``) with spheres of the same sizes as in
+    training (their number grows with the volume's cross-section), for sliding-window inference.
 
     Args:
-        preset: one of ``tiny`` and ``default``.
+        preset: one of ``tiny``, ``default`` and ``gpu``.
         batch_size: volumes per batch; ``None`` takes the preset's.
         num_workers: ``DataLoader`` worker processes.
         pin_memory: passed to every ``DataLoader``.
@@ -156,14 +171,9 @@ class UNet3DDataModule(SyntheticDataModule):
         predict_volume_size: int | None = None,
     ) -> None:
         super().__init__(preset, batch_size, num_workers, pin_memory, persistent_workers, seed)
-        shape = resolve_preset(
-            self.SIZES,
-            preset,
-            {"volume_size": volume_size, "predict_volume_size": predict_volume_size},
-            type(self).__name__,
-        )
-        self.volume_size: int = shape["volume_size"]
-        self.predict_volume_size: int = shape["predict_volume_size"]
+        self.volume_size: int
+        self.predict_volume_size: int
+        self.resolve_shape(volume_size=volume_size, predict_volume_size=predict_volume_size)
         self.save_hyperparameters()
 
     @override
@@ -252,7 +262,8 @@ def soft_dice_loss(logits: Tensor, target: Tensor, eps: float = 1.0) -> Tensor:
 class UNet3DModule(DemoModule):
     """Binary 3D segmentation of :class:`UNet3DDataModule` volumes.
 
-    ``tiny``: 16^3 volumes, width 8, 3 levels. ``default``: 32^3 volumes, width 16, 3 levels. The loss is binary
+    ``tiny``: 16^3 volumes, width 8, 3 levels. ``default``: 32^3 volumes, width 16, 3 levels. ``gpu``: 128^3
+    volumes, width 32, 5 levels (22.6M parameters). The loss is binary
     cross-entropy plus soft Dice; the metric is the voxel-wise F1 score, which equals the Dice coefficient.
     ``forward(volumes)`` returns foreground logits ``(B, 1, S, S, S)`` for any side ``S`` divisible by
     ``2 ** (levels - 1)``. Logs ``train_loss``/``train_dice``, ``val_loss``/``val_dice``, ``test_loss``/``test_dice``.
@@ -260,7 +271,7 @@ class UNet3DModule(DemoModule):
     ``SlidingWindowInferenceCallback(roi_size="model")`` reads.
 
     Args:
-        preset: one of ``tiny`` and ``default``; the other arguments override its values when not ``None``.
+        preset: one of ``tiny``, ``default`` and ``gpu``; the other arguments override its values when not ``None``.
         width: channels at full resolution (doubled per level).
         levels: resolution levels.
         volume_size: input side length (sets ``example_input_array``).
@@ -280,6 +291,8 @@ class UNet3DModule(DemoModule):
 
     metric_name = "dice"
 
+    MODEL_PRESETS = _MODEL_PRESETS
+
     def __init__(
         self,
         preset: str = "default",
@@ -291,19 +304,21 @@ class UNet3DModule(DemoModule):
         schedule_epochs: int | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        config = self.resolve_hparams(_MODEL_PRESETS)
+
+    @override
+    def check_config(self, config: Mapping[str, Any]) -> None:
         size, levels = config["volume_size"], config["levels"]
         if size % 2 ** (levels - 1):
             raise ValueError(
                 f"`UNet3DModule(volume_size={size!r})` is not divisible by 2 ** (levels - 1) = {2 ** (levels - 1)}."
                 " Expected a size every level can halve."
             )
-        self.use_optimizer_settings(config)
-        self.net = UNet3D(config["width"], levels)
-        self.init_metrics(BinaryF1Score)
-        self.example_input_array = torch.zeros(1, 1, size, size, size)
+
+    @override
+    def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
+        size = config["volume_size"]
         self.roi_size: tuple[int, int, int] = (size, size, size)
+        return UNet3D(config["width"], config["levels"]), BinaryF1Score, torch.zeros(1, 1, size, size, size)
 
     @override
     def compute(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:

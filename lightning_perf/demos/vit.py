@@ -6,10 +6,12 @@ activation checkpointing, per-block compilation and attention-related optimizati
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
@@ -19,6 +21,7 @@ from lightning_perf.demos.convnet import TemplateImageDataModule
 _DATA_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"batch_size": 32, "train": 512, "val": 128, "test": 128, "predict": 64, "image_size": 16},
     "default": {"batch_size": 32, "train": 2048, "val": 256, "test": 256, "predict": 256, "image_size": 32},
+    "gpu": {"batch_size": 64, "train": 4096, "val": 512, "test": 512, "predict": 512, "image_size": 224},
 }
 for _sizes in _DATA_SIZES.values():
     _sizes["num_classes"] = 10
@@ -44,19 +47,31 @@ _MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "weight_decay": 0.01,
         "schedule_epochs": SCHEDULE_EPOCHS,
     },
+    # ViT-B/16: 224x224 images in 16x16 patches (196 tokens), 12 blocks of width 768 with 12 heads (about 86M).
+    "gpu": {
+        "patch_size": 16,
+        "dim": 768,
+        "depth": 12,
+        "num_heads": 12,
+        "mlp_ratio": 4,
+        "lr": 3e-4,
+        "weight_decay": 0.05,
+        "schedule_epochs": SCHEDULE_EPOCHS,
+    },
 }
 for _name, _settings in _MODEL_PRESETS.items():
     _settings.update(image_size=_DATA_SIZES[_name]["image_size"], num_classes=_DATA_SIZES[_name]["num_classes"])
 
 
 class ViTDataModule(TemplateImageDataModule):
-    """Template images for :class:`ViTModule`: 3x16x16 (``tiny``) or 3x32x32 (``default``), 10 classes.
+    """Template images for :class:`ViTModule`: 3x16x16 (``tiny``), 3x32x32 (``default``) or 3x224x224
+    (``gpu``, batch 64), 10 classes.
 
     The same task and dataset as :class:`~lightning_perf.demos.convnet.ConvNetDataModule`, at the ViT's sizes.
     Batches are ``(images, labels)``: float ``(B, 3, S, S)`` and long ``(B,)``.
 
     Args:
-        preset: one of ``tiny`` and ``default``.
+        preset: one of ``tiny``, ``default`` and ``gpu``.
         batch_size: samples per batch; ``None`` takes the preset's (32).
         num_workers: ``DataLoader`` worker processes.
         pin_memory: passed to every ``DataLoader``.
@@ -141,10 +156,11 @@ class ViTModule(DemoModule):
     """Vision Transformer classifier of :class:`ViTDataModule` images.
 
     ``tiny``: 16x16 inputs, patch 4, dim 32, depth 2, 2 heads. ``default``: 32x32 inputs, patch 4, dim 128, depth 8,
-    4 heads. Logs ``train_loss``/``train_acc``, ``val_loss``/``val_acc``, ``test_loss``/``test_acc``.
+    4 heads. ``gpu``: ViT-B/16 (224x224 inputs, patch 16, dim 768, depth 12, 12 heads; about 86M parameters).
+    Logs ``train_loss``/``train_acc``, ``val_loss``/``val_acc``, ``test_loss``/``test_acc``.
 
     Args:
-        preset: one of ``tiny`` and ``default``; the other arguments override its values when not ``None``.
+        preset: one of ``tiny``, ``default`` and ``gpu``; the other arguments override its values when not ``None``.
         image_size: input side length (a multiple of ``patch_size``).
         patch_size: patch side length.
         dim: embedding width.
@@ -166,6 +182,8 @@ class ViTModule(DemoModule):
         logits = model(model.example_input_array)  # (1, 10)
     """
 
+    MODEL_PRESETS = _MODEL_PRESETS
+
     def __init__(
         self,
         preset: str = "default",
@@ -181,20 +199,15 @@ class ViTModule(DemoModule):
         schedule_epochs: int | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        config = self.resolve_hparams(_MODEL_PRESETS)
-        if config["image_size"] % config["patch_size"]:
-            raise ValueError(
-                f"`ViTModule(patch_size={config['patch_size']!r})` does not divide image_size={config['image_size']!r}."
-                " Expected a patch size that tiles the image."
-            )
-        if config["dim"] % config["num_heads"]:
-            raise ValueError(
-                f"`ViTModule(num_heads={config['num_heads']!r})` does not divide dim={config['dim']!r}."
-                " Expected a divisor of dim."
-            )
-        self.use_optimizer_settings(config)
-        self.net = VisionTransformer(
+
+    @override
+    def check_config(self, config: Mapping[str, Any]) -> None:
+        self.check_divides(config, "patch_size", "image_size", "a patch size that tiles the image")
+        self.check_divides(config, "num_heads", "dim", "a divisor of dim")
+
+    @override
+    def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
+        net = VisionTransformer(
             config["image_size"],
             config["patch_size"],
             config["dim"],
@@ -203,5 +216,5 @@ class ViTModule(DemoModule):
             config["mlp_ratio"],
             config["num_classes"],
         )
-        self.init_metrics(lambda: MulticlassAccuracy(config["num_classes"], average="micro"))
-        self.example_input_array = torch.zeros(1, 3, config["image_size"], config["image_size"])
+        size = config["image_size"]
+        return net, lambda: MulticlassAccuracy(config["num_classes"], average="micro"), torch.zeros(1, 3, size, size)

@@ -81,7 +81,7 @@ class _LossRecorder(Callback):
 
 def test_registry() -> None:
     assert workload_names() == NAMES == list(WORKLOADS)
-    assert PRESETS == ("tiny", "default")
+    assert PRESETS == ("tiny", "default", "gpu")
     for name, workload in WORKLOADS.items():
         assert workload.name == name
         assert workload.task in ("classification", "segmentation", "language-modeling")
@@ -371,3 +371,66 @@ def test_unet3d_trains_on_patches_and_predicts_whole_volumes() -> None:
     assert tuple(_first_batch(custom_data, "predict")[0].shape) == (1, 1, 24, 24, 24)
     with pytest.raises(ValueError, match=r"predict_volume_size=0.*positive integer"):
         type(custom)("tiny", predict_volume_size=0)
+
+
+# ------------------------------------------------------------------------------------------------ the gpu preset
+
+# Parameters (millions) and the shape of one example input of each ``gpu`` preset: the scale of the model people train
+# on one GPU (ResNet-50 25.6M, ViT-B/16 86M, GPT-2 small 124M with its 50257-token vocabulary).
+GPU_SCALE: dict[str, tuple[float, float, tuple[int, ...], int]] = {
+    "convnet": (20.0, 30.0, (1, 3, 224, 224), 128),
+    "unet3d": (15.0, 30.0, (1, 1, 128, 128, 128), 2),
+    "vit": (80.0, 90.0, (1, 3, 224, 224), 64),
+    "lm": (90.0, 130.0, (1, 512), 16),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_preset_has_the_scale_it_names(name: str) -> None:
+    low, high, example_shape, batch_size = GPU_SCALE[name]
+    with torch.device("meta"):  # the real sizes without allocating them
+        model, data = make_workload(name, "gpu")
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    assert low <= millions <= high, f"{name}: {millions:.1f}M parameters"
+    assert tuple(model.example_input_array.shape) == example_shape
+    assert data.batch_size == batch_size
+    assert model.hparams["preset"] == data.hparams["preset"] == "gpu"
+    holders = [child for child in model.children() if any(True for _ in child.parameters())]
+    assert holders == [model.net]
+
+
+def test_gpu_preset_shapes_of_each_network() -> None:
+    with torch.device("meta"):
+        lm, lm_data = make_workload("lm", "gpu")
+        vit, _ = make_workload("vit", "gpu")
+        unet, unet_data = make_workload("unet3d", "gpu")
+    assert (len(lm.net.blocks), lm.net.tok_embed.embedding_dim, lm_data.seq_len) == (12, 768, 512)
+    assert len(vit.net.blocks) == 12 and vit.hparams_initial["preset"] == "gpu"
+    assert unet_data.volume_size == 128 and unet_data.predict_volume_size % 16 == 0
+    assert len(unet.net.encoders) == 5
+
+
+def test_the_convnet_gpu_preset_has_the_imagenet_stem() -> None:
+    with torch.device("meta"):
+        model, _ = make_workload("convnet", "gpu")
+        small, _ = make_workload("convnet", "tiny")
+        out = model(model.example_input_array)
+    assert isinstance(model.net.stem[-1], nn.MaxPool2d) and model.net.stem[0].stride == (2, 2)
+    assert model.net.stages[0][0].conv1.stride == (1, 1)  # the first stage keeps the stem's 56x56
+    assert small.net.stem[0].kernel_size == (3, 3) and small.net.stages[0][0].conv1.stride == (2, 2)
+    assert tuple(out.shape) == (1, 10)
+    with pytest.raises(ValueError, match=r"ConvNetModule\(stem_stride=2\)` is not valid. Expected one of 1, 4"):
+        make_workload("convnet", "tiny", stem_stride=2)
+
+
+def test_a_subclass_of_a_workload_module_saves_its_own_arguments_too() -> None:
+    from lightning_perf.demos import ConvNetModule
+
+    class Wider(ConvNetModule):
+        def __init__(self, preset: str = "tiny", extra: int = 3, width: int | None = 12) -> None:
+            super().__init__(preset, width=width)
+            self.extra = extra
+
+    model = Wider(extra=5)
+    assert model.hparams["extra"] == 5 and model.hparams["width"] == 12 and model.hparams["preset"] == "tiny"
+    assert model.net.stem[0].out_channels == 12
