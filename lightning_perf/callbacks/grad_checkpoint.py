@@ -81,8 +81,9 @@ class GradCheckpointCallback(Callback):
 
     Raises:
         ValueError: for a class path that does not import, both ``modules`` and ``filter_fn``, an ``every_n`` below 1,
-            a ``fraction`` or ``memory_budget`` outside ``(0, 1]``, ``memory_budget`` with ``every_n`` or ``fraction``
-            (at construction); for a bare class name the model does not use (at setup).
+            a ``fraction`` or ``memory_budget`` outside ``(0, 1]``, ``memory_budget`` with ``every_n`` or ``fraction``,
+            a lower-case name that no module class has (``"nonexistent"``) (at construction); for a bare class name
+            the model does not use (at setup, naming ``modules``).
         TypeError: for arguments of the wrong type (a non-bool ``preserve_rng_state``, a ``filter_fn`` that is not
             callable, ``modules`` that are neither classes nor strings).
 
@@ -115,7 +116,9 @@ class GradCheckpointCallback(Callback):
             )
         if not (isinstance(modules, str) and modules == "auto"):
             try:
-                resolve_module_classes(modules)  # a class path that does not import fails here, not at fit time
+                # A class path that does not import, or a name no module class has, fails here, not at fit time.
+                _, names = resolve_module_classes(modules)
+                _check_class_names(names)
             except (TypeError, ValueError) as err:
                 raise type(err)(f"`GradCheckpointCallback(modules={modules!r})` is not valid. {err}") from err
         try:
@@ -160,9 +163,15 @@ class GradCheckpointCallback(Callback):
         else:
             run_after_configure_model(pl_module, lambda module: self._prepare_budget(trainer, module))
 
+    def _select(self, pl_module: pl.LightningModule) -> list[tuple[str, nn.Module]]:
+        try:
+            return select_blocks(pl_module, self.modules, self.filter_fn)
+        except ValueError as err:  # a bare class name the model does not use: only known now
+            raise ValueError(f"`GradCheckpointCallback(modules={self.modules!r})`: {err}") from err
+
     def _prepare_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         budget = float(self.memory_budget)  # type: ignore[arg-type]
-        chosen = select_blocks(pl_module, self.modules, self.filter_fn)
+        chosen = self._select(pl_module)
         if not chosen:
             self._apply(pl_module)  # warns once that nothing matched
             return
@@ -235,6 +244,7 @@ class GradCheckpointCallback(Callback):
         profile, state.profile = state.profile, None
         plan = plan_checkpointing(profile, float(self.memory_budget)) if trainer.is_global_zero else None  # type: ignore[arg-type]
         plan = trainer.strategy.broadcast(plan, src=0)  # every rank checkpoints the same blocks
+        assert plan is not None  # rank zero planned it
         self.plan = plan
         self.wrapped = apply_plan(pl_module, plan, self.preserve_rng_state)
         self._patched = [pl_module.get_submodule(n) for n in self.wrapped]
@@ -251,7 +261,7 @@ class GradCheckpointCallback(Callback):
         rank_zero_info(f"GradCheckpointCallback: {self.plan.describe()}")
 
     def _apply(self, pl_module: pl.LightningModule) -> None:
-        chosen = select_blocks(pl_module, self.modules, self.filter_fn)
+        chosen = self._select(pl_module)
         if not chosen:
             what = (
                 "found no repeated blocks" if self.filter_fn is None and self.modules == "auto" else "matched nothing"
@@ -343,9 +353,35 @@ def _grad_bytes(module: nn.Module) -> int:
 def _runs_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     from lightning_perf.callbacks.compile import CompileCallback
 
-    if any(isinstance(c, CompileCallback) for c in trainer.callbacks):
+    if any(isinstance(c, CompileCallback) for c in getattr(trainer, "callbacks", ())):
         return True
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules())
+
+
+def _check_class_names(names: list[str]) -> None:
+    """Refuse a bare name that cannot be a module class: lower-case and no ``nn.Module`` subclass defined has it.
+
+    A capitalised name may belong to a class not imported yet (checked at setup, against the model's classes).
+    """
+    unknown = [name for name in names if name[:1].islower() and name not in _module_class_names()]
+    if unknown:
+        raise ValueError(
+            f"{', '.join(repr(n) for n in unknown)} is neither 'auto' nor the name of an nn.Module class. Expected "
+            "'auto', module classes, class paths such as 'torch.nn.TransformerEncoderLayer', or class names such as "
+            "'Block'."
+        )
+
+
+def _module_class_names() -> set[str]:
+    seen: set[type] = set()
+    pending: list[type] = [nn.Module]
+    while pending:
+        subclasses: list[type] = type.__subclasses__(pending.pop())
+        for sub in subclasses:
+            if sub not in seen:
+                seen.add(sub)
+                pending.append(sub)
+    return {cls.__name__ for cls in seen}
 
 
 def _abbreviate(names: list[str], keep: int = 6) -> str:

@@ -256,6 +256,11 @@ def swap_attention(
         adapter = adapter_for(module, name)
         assert adapter is not None
         try:
+            if is_fsdp_module(module):  # probing it would run FSDP2's hooks (and its lazy init) outside a step
+                raise AttentionNotSwappable(
+                    "fully_shard was applied to the attention module itself; swapping it would drop its FSDP2 hooks "
+                    "(shard the block around it instead)"
+                )
             sharded = _sharded_refusal(module)
             notes: list[str] = []
             # Sharded (FSDP2) parameters are DTensors outside a training step: probe and check on plain stand-ins of
@@ -310,16 +315,11 @@ def swap_attention(
 
 
 def _sharded_refusal(module: nn.Module) -> str | None:
-    """Why a module with FSDP2-sharded parameters cannot be swapped, or ``None`` when it can.
+    """Why a module holding FSDP2-sharded parameters itself cannot be swapped, or ``None`` when it can.
 
     FSDP2 puts the gathered parameters back, before each forward, on the modules that held them when ``fully_shard``
     ran. A swapped module that holds such parameters itself (not through shared child modules) would keep the shards.
     """
-    if is_fsdp_module(module):
-        return (
-            "fully_shard was applied to the attention module itself; swapping it would drop its FSDP2 hooks "
-            "(shard the block around it instead)"
-        )
     own = [n for n, p in module.named_parameters(recurse=False) if is_sharded_parameter(p)]
     if own:
         return (

@@ -78,13 +78,18 @@ def fsdp_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     The root itself (``model``, or the outermost ``FSDPModule`` inside it when the LightningModule holds the sharded
     model as a child) is not a block: it wraps everything. A model sharded only at its root has no blocks.
     """
-    roots = find_modules(model, lambda m, n: is_fsdp_module(m), outermost=True)
+    sharded = ([("", model)] if is_fsdp_module(model) else []) + find_modules(model, lambda m, n: is_fsdp_module(m))
+    roots = [(name, m) for name, m in sharded if not any(_inside(name, outer) for outer, _ in sharded)]
     blocks: list[tuple[str, nn.Module]] = []
-    for root_name, root in roots:
-        prefix = f"{root_name}." if root_name else ""
-        inner = find_modules(root, lambda m, n: bool(n) and is_fsdp_module(m), outermost=True)
-        blocks.extend((prefix + name, module) for name, module in inner)
+    for name, module in sharded:
+        if any(name == root for root, _ in roots) or any(_inside(name, outer) for outer, _ in blocks):
+            continue
+        blocks.append((name, module))
     return blocks
+
+
+def _inside(name: str, outer: str) -> bool:
+    return name != outer and (outer == "" or name.startswith(f"{outer}."))
 
 
 def _stand_in(param: torch.Tensor, generator: torch.Generator) -> nn.Parameter:

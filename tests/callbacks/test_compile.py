@@ -123,6 +123,16 @@ def _trainer(root: Path, *callbacks: pl.Callback, **overrides: Any) -> pl.Traine
         ({"backend": 1.5}, TypeError, r"CompileCallback\(backend=1.5\)"),
         ({"options": "fast"}, TypeError, r"CompileCallback\(options='fast'\)"),
         ({"mode": "max-autotune", "options": {"max_autotune": True}}, ValueError, r"a mode or options, not both"),
+        (
+            {"options": {"no_such_inductor_option": 1}},
+            ValueError,
+            r"CompileCallback\(options=\{'no_such_inductor_option': ...\}\).*not an inductor option. Nearest valid",
+        ),
+        (
+            {"options": {"epilogue_fusin": False}},
+            ValueError,
+            r"'epilogue_fusin'.*Nearest valid ones: 'epilogue_fusion'",
+        ),
         ({"regions": []}, ValueError, r"CompileCallback\(regions=\[\]\)"),
         ({"regions": 4}, TypeError, r"CompileCallback\(regions=4\)"),
         ({"regions": ["torch.nn.NotALayer"]}, ValueError, r"Cannot import the module class 'torch.nn.NotALayer'"),

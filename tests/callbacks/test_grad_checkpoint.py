@@ -161,6 +161,8 @@ def test_unknown_class_name_fails_at_setup(tmp_path: Path) -> None:
         ({"preserve_rng_state": "false"}, TypeError, r"preserve_rng_state='false'.*Expected True or False"),
         ({"preserve_rng_state": None}, TypeError, r"preserve_rng_state=None.*Expected True or False"),
         ({"preserve_rng_state": 0}, TypeError, r"preserve_rng_state=0.*Expected True or False"),
+        ({"modules": "nonexistent"}, ValueError, r"modules='nonexistent'.*neither 'auto' nor the name of an nn.Module"),
+        ({"modules": ["Block", "autoo"]}, ValueError, r"'autoo' is neither 'auto'"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict, error: type[Exception], match: str) -> None:
@@ -185,6 +187,14 @@ def test_a_failed_or_interrupted_fit_leaves_the_plain_model(tmp_path: Path, erro
     second = fit_losses(tmp_path, model, GradCheckpointCallback())
     assert second == pytest.approx(first, rel=1e-6, abs=1e-7)
     assert plain_model_signature(model) == plain
+
+
+def test_a_class_name_the_model_lacks_fails_at_setup_naming_modules() -> None:
+    callback = GradCheckpointCallback(modules="NoSuchBlock")  # could be a class not imported yet: checked at setup
+    model = SequenceModule(encoder(depth=2))
+    with pytest.raises(ValueError, match=r"GradCheckpointCallback\(modules='NoSuchBlock'\).*'NoSuchBlock'"):
+        callback._apply(model)
+    assert checkpointed_modules(model) == []
 
 
 def test_fsdp_warns_with_the_advice_and_leaves_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
