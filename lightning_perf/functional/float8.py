@@ -23,13 +23,14 @@ sharded (:func:`sharded_linears`) cannot be swapped: FSDP keeps a reference to t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -414,14 +415,16 @@ def time_linear_shape(
     bf16 against its float8 version, paired and interleaved (ABBA blocks, ``repeats`` times): ``(bf16 blocks, float8
     blocks)`` of per-call seconds. ``compiled`` compiles both, as a float8 model must be to be fast.
     """
-    torchao_float8 = require("torchao", "Float8 training").float8
+    require("torchao", "Float8 training")
+    from torchao.float8.float8_linear import Float8Linear
+
     dev = as_device(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
     base = nn.Linear(shape.in_features, shape.out_features, bias=shape.bias)
     base = base.to(device=dev, dtype=torch.bfloat16)
     fp8 = nn.Linear(shape.in_features, shape.out_features, bias=shape.bias).to(device=dev, dtype=torch.bfloat16)
     fp8.load_state_dict(base.state_dict())
-    fp8 = torchao_float8.Float8Linear.from_float(fp8, config=float8_config(recipe, emulate=emulate))
+    fp8 = Float8Linear.from_float(fp8, config=float8_config(recipe, emulate=emulate))
     x = torch.randn(shape.rows, shape.in_features, generator=generator).to(device=dev, dtype=torch.bfloat16)
     grad = torch.randn(shape.rows, shape.out_features, generator=generator).to(device=dev, dtype=torch.bfloat16)
     x.requires_grad_(True)
@@ -439,11 +442,30 @@ def time_linear_shape(
     base_step, fp8_step = step_of(base), step_of(fp8)
     baseline: Blocks = []
     candidate: Blocks = []
-    for _ in range(repeats):
-        b, c = paired_blocks(base_step, fp8_step, iterations=iterations, warmup=warmup, device=dev)
-        baseline += b
-        candidate += c
+    # Every timed shape compiles the same forward code again: without room for them, dynamo's recompile limit (8)
+    # would silently leave the later shapes uncompiled, and float8 uncompiled is slow. Restored on return.
+    with _dynamo_room(compiled):
+        for _ in range(repeats):
+            b, c = paired_blocks(base_step, fp8_step, iterations=iterations, warmup=warmup, device=dev)
+            baseline += b
+            candidate += c
     return baseline, candidate
+
+
+@contextlib.contextmanager
+def _dynamo_room(compiled: bool, extra: int = 64) -> Iterator[None]:
+    if not compiled:
+        yield
+        return
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    before = getattr(dynamo_config, name)
+    setattr(dynamo_config, name, before + extra)
+    try:
+        yield
+    finally:
+        setattr(dynamo_config, name, before)
 
 
 def linear_rows(model: nn.Module, inputs: Any) -> dict[str, int]:

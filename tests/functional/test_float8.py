@@ -197,6 +197,18 @@ def test_default_cache_path_follows_the_environment(monkeypatch: pytest.MonkeyPa
     assert f8.default_cache_path() == tmp_path / "float8_shapes.json"
 
 
+def test_time_linear_shape_returns_paired_blocks_and_restores_dynamo() -> None:
+    import torch._dynamo.config as dynamo_config
+
+    limit = dynamo_config.recompile_limit
+    with f8._dynamo_room(compiled=True):
+        assert dynamo_config.recompile_limit > limit
+    assert dynamo_config.recompile_limit == limit
+    shape = LinearShape(64, 32, 32, True)
+    base, fp8 = f8.time_linear_shape(shape, device="cpu", compiled=False, emulate=True, iterations=2, repeats=2)
+    assert len(base) == len(fp8) == 4 and all(len(b) == 1 and b[0] > 0 for b in base + fp8)
+
+
 def test_linear_rows_from_a_shape_only_forward() -> None:
     from lightning_perf.demos import make_workload
 
