@@ -30,6 +30,7 @@ from types import MappingProxyType
 from typing import Any
 
 __all__ = [
+    "BASELINE",
     "BENCH_CAPABILITIES",
     "CONDITIONS",
     "INFERENCE_STAGES",
@@ -50,6 +51,10 @@ __all__ = [
     "tuner_search_list",
     "unregister",
 ]
+
+BASELINE = "baseline"
+"""The bench's reference configuration (plain Lightning, fp32): every ratio is taken against it. Not an optimization,
+so no entry may take the name."""
 
 SYMPTOMS: tuple[str, ...] = ("compute_bound", "device_idle", "optimizer_step")
 """Advice rules of :mod:`lightning_perf.profiling.advice` that recommend optimizations from this list."""

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 import lightning_perf.optimizations as optimizations
-from lightning_perf.optimizations import Optimization
+from lightning_perf.optimizations import BASELINE, Optimization
 
-BASELINE = "baseline"
 CallbackFactory = Callable[[], list[Any]]
 # A callback as LightningCLI writes it: its import path and its keyword arguments.
 CallbackSpec = tuple[str, Mapping[str, Any]]

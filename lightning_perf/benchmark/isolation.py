@@ -20,7 +20,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_perf.benchmark.worker import RunResult, RunSpec
+from lightning_perf.benchmark.spec import RunSpec
+from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.profiling import TRUTHFUL_CPU_MEMORY_ENV
 
 __all__ = ["run_isolated"]

@@ -1,7 +1,7 @@
 """The bench's report: tables for the console (80 columns) and the Markdown file, and the output files.
 
-Split from :mod:`lightning_perf.benchmark.runner`, which measures; this module only formats a
-:class:`~lightning_perf.benchmark.runner.BenchReport` and writes it.
+The runner (:mod:`lightning_perf.benchmark.runner`) measures; this module only formats a
+:class:`~lightning_perf.benchmark.results.BenchReport` and writes it.
 """
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_perf.benchmark.configs import BASELINE
+from lightning_perf.benchmark.results import ONE_REPEAT
 from lightning_perf.benchmark.utilization import MFU_LEGEND, mfu_cell, utilization_lines, utilization_markdown
+from lightning_perf.optimizations import BASELINE
 from lightning_perf.profiling import format_bytes, markdown_table, plot_bars, write_json
 from lightning_perf.profiling.intervals import NO_CLEAR_DIFFERENCE
 
 if TYPE_CHECKING:
-    from lightning_perf.benchmark.runner import BenchReport, ConfigSummary
+    from lightning_perf.benchmark.results import BenchReport, ConfigSummary
 
 DISTURBED = "(disturbed)"
 
@@ -49,7 +50,7 @@ TABLE_LEGEND = (
 CONSOLE_COLUMNS = ("config", "step ms", "speed-up", "verdict", "memory", "predict", "MFU")
 CONSOLE_LEGEND = (
     "speed-up: baseline step time / step time, paired per repeat, [95% interval]; memory, predict: ratios to "
-    "baseline (~ : no clear difference). ? and (disturbed): measured while the machine was disturbed. " + MFU_LEGEND
+    "baseline (~ : no clear difference, or one repeat). ? and (disturbed): measured while the machine was disturbed. " + MFU_LEGEND
 )
 
 
@@ -82,7 +83,7 @@ def _compact_ratio(s: ConfigSummary, name: str) -> str:
     estimate = s.estimate(name)
     if estimate is None:
         return "n/a"
-    return f"{_mark(s)}{'~' if estimate.verdict == NO_CLEAR_DIFFERENCE else ''}{estimate.ratio:.2f}x"
+    return f"{_mark(s)}{'~' if estimate.verdict in (NO_CLEAR_DIFFERENCE, ONE_REPEAT) else ''}{estimate.ratio:.2f}x"
 
 
 def table_rows(report: BenchReport) -> list[list[str]]:
@@ -168,7 +169,7 @@ INFERENCE_LEGEND = (
 INFERENCE_CONSOLE_COLUMNS = ("config", "p50 ms", "p50 speed-up", "verdict", "p95 | p99", "memory")
 INFERENCE_CONSOLE_LEGEND = (
     "speed-up: baseline latency / latency per batch, paired per repeat, [95% interval]; p95 | p99, memory: ratios to "
-    "baseline (~ : no clear difference). ? and (disturbed): measured while the machine was disturbed. Throughput, "
+    "baseline (~ : no clear difference, or one repeat). ? and (disturbed): measured while the machine was disturbed. Throughput, "
     "first-batch and warm-up ratios are in the Markdown file."
 )
 

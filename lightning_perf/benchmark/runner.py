@@ -10,7 +10,7 @@ Results file (JSON, ``kind: "lightning-perf-bench"``). Every time is in seconds 
 time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain numbers::
 
     schema_version, kind, command, wall_s
-    options      the BenchOptions (workload, configs, preset, steps, warmup_steps, repeats, batch_size, precision,
+    options      the BenchSpec (workload, configs, preset, steps, warmup_steps, repeats, batch_size, precision,
                  device, seed, predict_batches, num_workers, timeout_s, stage ("fit" | "predict" | "validate" |
                  "test"), source (the user's model, null for a workload: {kind: "import", model, datamodule,
                  model_args, datamodule_args} or {kind: "config", configs: [paths], model, datamodule, ...}; workload
@@ -66,267 +66,79 @@ import shlex
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lightning_perf.benchmark.configs import resolve_configs
+from lightning_perf._deprecation import moved_names
 from lightning_perf.benchmark.isolation import run_isolated
-
-# The report's tables and files (formerly here) live in benchmark/report.py; these names stay importable from here.
-from lightning_perf.benchmark.report import (  # noqa: F401
-    CONSOLE_COLUMNS,
-    CONSOLE_LEGEND,
-    DISTURBED,
-    TABLE_COLUMNS,
-    TABLE_LEGEND,
-    console_rows,
-    markdown_report,
-    output_paths,
-    reliability_lines,
-    table_rows,
-    unused_output,
-    write_outputs,
-)
-from lightning_perf.benchmark.utilization import (
-    PeakFn,
-    add_utilization,
-    machine_peak,
-    matmul_setting,
-)
-from lightning_perf.benchmark.worker import RunResult, RunSpec
-from lightning_perf.profiling.intervals import RatioEstimate, paired_ratio
+from lightning_perf.benchmark.results import ONE_REPEAT, BenchReport, ConfigSummary, ProgressFn, RunEvent
+from lightning_perf.benchmark.spec import BenchSpec, RunSpec
+from lightning_perf.benchmark.utilization import PeakFn, add_utilization, machine_peak, matmul_setting
+from lightning_perf.benchmark.worker import RunResult
+from lightning_perf.optimizations import BASELINE
+from lightning_perf.profiling.intervals import METHOD_SINGLE, RatioEstimate, paired_ratio
 from lightning_perf.profiling.reliability import ConditionMonitor, Reliability, assess
 from lightning_perf.profiling.stats import median, percentile
 
-BASELINE = "baseline"
+__all__ = [
+    "INFERENCE_RATIOS",
+    "add_likely_causes",
+    "mark_disturbed",
+    "precision_notes",
+    "run_benchmark",
+    "summarize_runs",
+]
 
-
-@dataclass
-class BenchOptions:
-    """Options of one ``lightning-perf bench`` invocation (the CLI flags, validated)."""
-
-    workload: str = "convnet"
-    configs: Sequence[str] = ()
-    preset: str = "default"
-    steps: int = 20
-    warmup_steps: int = 5
-    repeats: int = 3
-    batch_size: int | None = None
-    precision: str = "32-true"
-    device: str = "cpu"
-    seed: int = 0
-    predict_batches: int = 10
-    num_workers: int = 0
-    timeout_s: float = 900.0
-    source: dict[str, Any] | None = None  # the user's model (ModelSource.to_dict()); workload is then its label
-    stage: str = "fit"
-    precision_from: str | None = None  # where options.precision came from when not the default ("--config")
-    ignored_trainer_settings: dict[str, Any] = field(default_factory=dict)  # the --config keys the bench owns
-
-    def __post_init__(self) -> None:
-        from lightning_perf.demos import PRESETS, workload_names
-        from lightning_perf.optimizations import STAGES
-
-        if self.stage not in STAGES:
-            raise ValueError(f"stage={self.stage!r} is unknown. Expected one of: {', '.join(STAGES)}.")
-        if self.source is None and self.workload not in workload_names():
-            raise ValueError(f"workload={self.workload!r} is unknown. Expected one of: {', '.join(workload_names())}.")
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset={self.preset!r} is unknown. Expected one of: {', '.join(PRESETS)}.")
-        for name, minimum in (("steps", 1), ("warmup_steps", 1), ("repeats", 1), ("predict_batches", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"{name}={value!r} is not valid. Expected an integer >= {minimum}.")
-        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
-            raise ValueError(f"batch_size={self.batch_size!r} is not valid. Expected a positive integer.")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device={self.device!r} is not valid. Expected 'cpu', 'cuda' or 'cuda:N'.")
-        names = [c.name for c in resolve_configs(self.configs or [BASELINE])]
-        if BASELINE not in names:  # every ratio is taken against a baseline measured in the same session
-            names.insert(0, BASELINE)
-        self.configs = names
-
-
-@dataclass
-class ConfigSummary:
-    """One configuration's figures, aggregated over repeats (the keys are described in the module docstring)."""
-
-    config: str
-    runs: int = 0
-    skipped: str | None = None
-    error: str | None = None
-    disturbed: bool = False
-    likely_cause: str | None = None
-    step_median_s: float | None = None
-    step_min_s: float | None = None  # smallest and largest per-repeat median
-    step_max_s: float | None = None
-    step_p10_s: float | None = None  # over all steady-state steps of all repeats
-    step_p90_s: float | None = None
-    speedup: float | None = None  # baseline step time / this step time, paired per repeat
-    speedup_ci95: list[float] | None = None
-    speedup_verdict: str | None = None
-    speedup_method: str | None = None
-    speedup_n: int | None = None
-    speedup_min: float | None = None  # smallest and largest per-repeat ratio
-    speedup_max: float | None = None
-    throughput: float | None = None
-    warmup_s: float | None = None
-    model_init_s: float | None = None
-    first_batch_s: float | None = None
-    first_forward_s: float | None = None
-    peak_memory_bytes: float | None = None
-    step_memory_bytes: float | None = None
-    memory_ratio: float | None = None  # steady-state step memory / baseline's
-    memory_ratio_ci95: list[float] | None = None
-    memory_ratio_verdict: str | None = None
-    memory_ratio_method: str | None = None
-    memory_ratio_n: int | None = None
-    predict_step_median_s: float | None = None
-    predict_throughput: float | None = None
-    predict_speedup: float | None = None  # baseline predict time / this predict time, paired per repeat
-    predict_speedup_ci95: list[float] | None = None
-    predict_speedup_verdict: str | None = None
-    predict_speedup_method: str | None = None
-    predict_speedup_n: int | None = None
-    final_train_loss: float | None = None
-    flops_per_step: int | None = None  # utilization: see lightning_perf.benchmark.utilization
-    flops_error: str | None = None
-    step_median_ci95_s: list[float] | None = None
-    achieved_flops_per_second: float | None = None
-    achieved_flops_per_second_ci95: list[float] | None = None
-    peak_flops_per_second: float | None = None
-    peak_source: str | None = None
-    peak_causes: list[str] = field(default_factory=list)
-    mfu: float | None = None  # achieved FLOP/s / peak FLOP/s, a fraction
-    mfu_ci95: list[float] | None = None
-    step_times_s: list[list[float]] = field(default_factory=list)
-    predict_step_times_s: list[list[float]] = field(default_factory=list)
-    # Inference stages: latency_p50_s/_p95_s/_p99_s and the ratios of INFERENCE_RATIOS, each with _ci95, _verdict,
-    # _method, _n; written flat into the JSON summary row.
-    inference: dict[str, Any] = field(default_factory=dict)
-
-    def get(self, key: str) -> Any:
-        """A field, or an inference figure (``None`` when absent)."""
-        return getattr(self, key) if key in self.__dataclass_fields__ else self.inference.get(key)
-
-    def estimate(self, name: str) -> RatioEstimate | None:
-        """The ratio ``name`` (``speedup``, ``memory_ratio``, ``predict_speedup``, or one of
-        :data:`INFERENCE_RATIOS`) as a :class:`RatioEstimate`."""
-        ratio, ci = self.get(name), self.get(f"{name}_ci95")
-        if ratio is None or self.get(f"{name}_verdict") is None:
-            return None
-        low, high = ci if ci is not None else (ratio, ratio)
-        method, n = self.get(f"{name}_method"), self.get(f"{name}_n")
-        return RatioEstimate(ratio, low, high, method, self.get(f"{name}_verdict"), n)
-
-    def set_estimate(self, name: str, estimate: RatioEstimate) -> None:
-        for key, value in estimate.to_dict(name).items():
-            if key in self.__dataclass_fields__:
-                setattr(self, key, value)
-            else:
-                self.inference[key] = value
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON summary row: every field, the inference figures flat among them."""
-        row = asdict(self)
-        return {**{k: v for k, v in row.items() if k != "inference"}, **row["inference"]}
-
-
-@dataclass
-class BenchReport:
-    options: dict[str, Any]
-    command: str
-    summaries: list[ConfigSummary] = field(default_factory=list)
-    runs: list[dict[str, Any]] = field(default_factory=list)
-    wall_s: float = 0.0
-    machine: dict[str, Any] = field(default_factory=dict)
-    run: dict[str, Any] = field(default_factory=dict)
-    reliability: dict[str, Any] = field(default_factory=lambda: {"reliable": True, "causes": []})
-    left_out: list[dict[str, str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # e.g. a configuration's precision over the --config file's
-
-    @property
-    def stage(self) -> str:
-        return str(self.options.get("stage", "fit"))
-
-    @property
-    def failed(self) -> list[ConfigSummary]:
-        return [s for s in self.summaries if s.error is not None]
-
-    @property
-    def reliable(self) -> bool:
-        return bool(self.reliability.get("reliable", True))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": "lightning-perf-bench",
-            "command": self.command,
-            "options": self.options,
-            "wall_s": self.wall_s,
-            "machine": self.machine,
-            "run": self.run,
-            "reliability": self.reliability,
-            "left_out": self.left_out,
-            "notes": self.notes,
-            "summary": [s.to_dict() for s in self.summaries],
-            "runs": self.runs,
-        }
-
-
-ProgressFn = Callable[[int, int, str], None]
-
-
-@dataclass(frozen=True)
-class RunEvent:
-    """One finished run, for a progress line: which, what it measured, and how far the bench is."""
-
-    config: str
-    repeat: int
-    repeats: int
-    done: int
-    total: int
-    step_median_s: float | None
-    elapsed_s: float
-    remaining_s: float
-    status: str  # "ok", "skipped: ...", "failed: ..."
-    unit: str = "step"  # "batch" for an inference stage (the median is then a batch's latency)
-
-    def line(self) -> str:
-        """``"[3/9] channels_last repeat 1/3: step 41.2 ms, elapsed 0:32, about 1:05 left"``."""
-        what = f"{self.unit} {self.step_median_s * 1e3:.1f} ms" if self.step_median_s is not None else self.status
-        return (
-            f"[{self.done}/{self.total}] {self.config} repeat {self.repeat + 1}/{self.repeats}: {what}, "
-            f"elapsed {_clock(self.elapsed_s)}, about {_clock(self.remaining_s)} left"
-        )
-
-
-def _clock(seconds: float) -> str:
-    seconds = max(0, round(seconds))
-    return f"{seconds // 60}:{seconds % 60:02d}"
+# Names that lived here once: importing them from here still works, warns, and names the new home.
+_REPORT = "lightning_perf.benchmark.report"
+_RESULTS = "lightning_perf.benchmark.results"
+__getattr__ = moved_names(
+    __name__,
+    {
+        "BASELINE": "lightning_perf.optimizations",
+        "BenchOptions": "lightning_perf.benchmark.spec:BenchSpec",
+        **dict.fromkeys(("BenchReport", "ConfigSummary", "RunEvent"), _RESULTS),
+        **dict.fromkeys(
+            (
+                "CONSOLE_COLUMNS",
+                "CONSOLE_LEGEND",
+                "DISTURBED",
+                "TABLE_COLUMNS",
+                "TABLE_LEGEND",
+                "console_rows",
+                "markdown_report",
+                "output_paths",
+                "reliability_lines",
+                "table_rows",
+                "unused_output",
+                "write_outputs",
+            ),
+            _REPORT,
+        ),
+    },
+)
 
 
 def run_benchmark(
-    options: BenchOptions,
+    spec: BenchSpec,
     progress: ProgressFn | None = None,
     command: str | None = None,
     *,
     on_run: Callable[[RunEvent], None] | None = None,
     monitor: ConditionMonitor | None = None,
     argv: Sequence[str] | None = None,
-    left_out: Sequence[tuple[str, str]] = (),
     peak: PeakFn | None = None,
 ) -> BenchReport:
-    """Run every configuration ``options.repeats`` times, interleaved, each in a fresh process, and summarize.
+    """Run every configuration ``spec.repeats`` times, interleaved, each in a fresh process, and summarize.
 
     Args:
-        options: what to run.
+        spec: what to run (validated and resolved on construction).
         progress: called before each run with ``(done, total, what)`` (a progress bar).
-        command: the command line to record (default: one rebuilt from ``options``).
+        command: the command line to record (default: one rebuilt from ``spec``).
         on_run: called after each run with a :class:`RunEvent` (a progress line).
         monitor: watches the machine around each run (default: a :class:`ConditionMonitor` on the real counters).
         argv: the command line for the ``run`` metadata (default: ``command`` split).
-        left_out: ``(config, why)`` for configurations the caller chose not to run, recorded in the report.
         peak: ``(device, precision, fast_fp32_matmul) -> PeakFlops`` for the MFU (default:
             :func:`~lightning_perf.benchmark.utilization.machine_peak`; a CPU peak is measured after every run, once
             per machine and dtype, and cached). Asked once per precision, only where FLOPs were counted.
@@ -335,13 +147,13 @@ def run_benchmark(
 
     from lightning_perf.profiling.machine import describe_machine, finish_run, run_metadata
 
-    command = command or _command_for(options)
+    command = command or _command_for(spec)
     run_info = run_metadata(list(argv) if argv is not None else shlex.split(command))
     machine = describe_machine()
     monitor = monitor if monitor is not None else ConditionMonitor()
-    order = list(options.configs)
-    plan = [(r, order[r % len(order) :] + order[: r % len(order)]) for r in range(options.repeats)]
-    total = options.repeats * len(order)
+    order = list(spec.names)
+    plan = [(r, order[r % len(order) :] + order[: r % len(order)]) for r in range(spec.repeats)]
+    total = spec.repeats * len(order)
     results: dict[str, list[RunResult]] = {name: [] for name in order}
     start = time.perf_counter()
     done = 0
@@ -350,9 +162,9 @@ def run_benchmark(
         for repeat, names in plan:
             for name in names:
                 if progress is not None:
-                    progress(done, total, f"repeat {repeat + 1}/{options.repeats}: {name}")
+                    progress(done, total, f"repeat {repeat + 1}/{spec.repeats}: {name}")
                 token = monitor.start()
-                result = _run_in_subprocess(_spec(options, name, repeat), Path(tmp), options.timeout_s)
+                result = _run_in_subprocess(spec.run_spec(name, repeat), Path(tmp), spec.timeout_s)
                 conditions = monitor.stop(token, f"{name}, repeat {repeat + 1}", config=name, repeat=repeat)
                 if result.ok:  # a skipped or failed run measured nothing the conditions could have disturbed
                     watched.append(conditions)
@@ -365,15 +177,15 @@ def run_benchmark(
                         status = f"failed: {' '.join(result.error.split())[:160]}"
                     on_run(
                         RunEvent(
-                            name, repeat, options.repeats, done, total, result.step_median_s if result.ok else None,
+                            name, repeat, spec.repeats, done, total, result.step_median_s if result.ok else None,
                             elapsed, elapsed / done * (total - done), status,
-                            "step" if options.stage == "fit" else "batch",
+                            "step" if spec.stage == "fit" else "batch",
                         )
                     )  # fmt: skip
     if progress is not None:
         progress(done, total, "done")
     summaries = summarize_runs(results)
-    cores = 1 if options.device.startswith("cuda") else torch.get_num_threads()
+    cores = 1 if spec.device.startswith("cuda") else torch.get_num_threads()
     reliability = assess(
         watched,
         {s.config: s.step_times_s for s in summaries if s.step_times_s},
@@ -381,12 +193,12 @@ def run_benchmark(
         cpu_count=int(machine.get("cpu_count_usable") or machine.get("cpu_count") or 1),
     )
     mark_disturbed(summaries, reliability, watched)
-    add_likely_causes(summaries, machine, options)
+    add_likely_causes(summaries, machine, spec)
     if progress is not None and any(s.flops_per_step for s in summaries):
         progress(done, total, "peak FLOP/s")
-    add_utilization(summaries, _peak_lookup(options, machine, peak))
+    add_utilization(summaries, _peak_lookup(spec, machine, peak))
     return BenchReport(
-        options=asdict(options) | {"configs": list(order)},
+        options=spec.to_dict(),
         command=command,
         summaries=summaries,
         runs=[asdict(r) for name in order for r in results[name]],
@@ -394,9 +206,17 @@ def run_benchmark(
         machine=machine,
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
-        left_out=[{"config": name, "reason": why} for name, why in left_out],
-        notes=precision_notes(options) + _predict_skipped_notes(results),
+        left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
+        notes=precision_notes(spec) + _predict_skipped_notes(results),
     )
+
+
+def _ratio(numerator: Any, denominator: Any, **words: str) -> RatioEstimate:
+    """:func:`paired_ratio`, except that a single repeat gives the ratio alone, with :data:`ONE_REPEAT`."""
+    estimate = paired_ratio(numerator, denominator, **words)
+    if estimate.n == 1:
+        return RatioEstimate(estimate.ratio, estimate.ratio, estimate.ratio, METHOD_SINGLE, ONE_REPEAT, 1)
+    return estimate
 
 
 def _predict_skipped_notes(results: dict[str, list[RunResult]]) -> list[str]:
@@ -404,52 +224,32 @@ def _predict_skipped_notes(results: dict[str, list[RunResult]]) -> list[str]:
     return [f"no inference timing: {reason}" for reason in reasons]
 
 
-def precision_notes(options: BenchOptions) -> list[str]:
+def precision_notes(spec: BenchSpec) -> list[str]:
     """One line per configuration whose own precision replaces the run's (``--precision`` or the --config file's)."""
     from lightning_perf.benchmark.configs import get_config
 
     notes = []
-    origin = f" (from {options.precision_from})" if options.precision_from else ""
-    for name in options.configs:
+    origin = f" (from {spec.precision_from})" if spec.precision_from else ""
+    for name in spec.names:
         own = get_config(name).trainer_kwargs.get("precision")
-        if own is not None and str(own) != options.precision:
-            notes.append(f"{name}: precision {own} overrides {options.precision}{origin}")
+        if own is not None and str(own) != spec.precision:
+            notes.append(f"{name}: precision {own} overrides {spec.precision}{origin}")
     return notes
 
 
-def _peak_lookup(options: BenchOptions, machine: dict[str, Any], peak: PeakFn | None) -> Callable[[str], Any]:
+def _peak_lookup(spec: BenchSpec, machine: dict[str, Any], peak: PeakFn | None) -> Callable[[str], Any]:
     """config -> its peak, asked once per (precision, fast float32 matmuls) setting."""
     bf16 = machine.get("cpu_bf16_instructions")
     ask = peak or (lambda d, p, f: machine_peak(d, p, f, cpu_bf16_instructions=bool(bf16)))
     known: dict[tuple[str, bool], Any] = {}
 
     def lookup(config: str) -> Any:
-        setting = matmul_setting(config, options.precision)
+        setting = matmul_setting(config, spec.precision)
         if setting not in known:
-            known[setting] = ask(options.device, *setting)
+            known[setting] = ask(spec.device, *setting)
         return known[setting]
 
     return lookup
-
-
-def _spec(options: BenchOptions, config: str, repeat: int) -> RunSpec:
-    return RunSpec(
-        source=options.source,
-        stage=options.stage,
-        workload=options.workload,
-        config=config,
-        preset=options.preset,
-        steps=options.steps,
-        warmup_steps=options.warmup_steps,
-        batch_size=options.batch_size,
-        precision=options.precision,
-        device=options.device,
-        seed=options.seed,
-        predict_batches=options.predict_batches,
-        num_workers=options.num_workers,
-        repeat=repeat,
-        count_flops=repeat == 0 and options.stage == "fit",
-    )
 
 
 def _run_in_subprocess(spec: RunSpec, tmp: Path, timeout_s: float) -> RunResult:
@@ -550,24 +350,24 @@ def _inference_ratios(summary: ConfigSummary, paired: list[tuple[RunResult, RunR
         if not pairs:
             continue
         if larger_better:  # configuration / baseline
-            summary.set_estimate(name, paired_ratio([r for _, r in pairs], [b for b, _ in pairs], above_one=above,
+            summary.set_estimate(name, _ratio([r for _, r in pairs], [b for b, _ in pairs], above_one=above,
                                                     below_one=below))  # fmt: skip
         else:  # baseline / configuration
-            summary.set_estimate(name, paired_ratio([b for b, _ in pairs], [r for _, r in pairs]))
+            summary.set_estimate(name, _ratio([b for b, _ in pairs], [r for _, r in pairs]))
 
 
 def _paired_ratios(summary: ConfigSummary, paired: list[tuple[RunResult, RunResult]]) -> None:
     steps = [(_step_samples(b), _step_samples(r)) for b, r in paired]
     steps = [(b, r) for b, r in steps if b and r]
     if steps:
-        summary.set_estimate("speedup", paired_ratio([b for b, _ in steps], [r for _, r in steps]))
+        summary.set_estimate("speedup", _ratio([b for b, _ in steps], [r for _, r in steps]))
         ratios = [_median(b) / _median(r) for b, r in steps]  # type: ignore[operator]
         summary.speedup_min, summary.speedup_max = min(ratios), max(ratios)
     memory = [
         (r.step_memory_bytes, b.step_memory_bytes) for b, r in paired if b.step_memory_bytes and r.step_memory_bytes
     ]
     if memory:
-        estimate = paired_ratio(
+        estimate = _ratio(
             [float(m) for m, _ in memory],
             [float(m) for _, m in memory],
             above_one="more memory",
@@ -580,7 +380,7 @@ def _paired_ratios(summary: ConfigSummary, paired: list[tuple[RunResult, RunResu
         if b.predict_step_median_s and r.predict_step_median_s
     ]
     if predict:
-        summary.set_estimate("predict_speedup", paired_ratio([b for b, _ in predict], [r for _, r in predict]))
+        summary.set_estimate("predict_speedup", _ratio([b for b, _ in predict], [r for _, r in predict]))
 
 
 def mark_disturbed(summaries: Sequence[ConfigSummary], reliability: Reliability, watched: Sequence[Any]) -> None:
@@ -597,7 +397,7 @@ def mark_disturbed(summaries: Sequence[ConfigSummary], reliability: Reliability,
         s.disturbed = own or via_baseline
 
 
-def add_likely_causes(summaries: Sequence[ConfigSummary], machine: dict[str, Any], options: BenchOptions) -> None:
+def add_likely_causes(summaries: Sequence[ConfigSummary], machine: dict[str, Any], spec: BenchSpec) -> None:
     """Name a likely cause for each configuration slower than baseline, from the optimizations' slowdown causes."""
     import lightning_perf.optimizations as optimizations
 
@@ -607,29 +407,29 @@ def add_likely_causes(summaries: Sequence[ConfigSummary], machine: dict[str, Any
         if s.speedup_verdict != "slower":
             continue
         causes = [cause.text for part in s.config.split("+") if part in known for cause in known[part].slowdown_causes
-                  if _slowdown_condition(cause.when, s, base, machine, options)]  # fmt: skip
+                  if _slowdown_condition(cause.when, s, base, machine, spec)]  # fmt: skip
         s.likely_cause = "; ".join(causes[:2]) or None
 
 
 def _slowdown_condition(
-    when: str, s: ConfigSummary, base: ConfigSummary | None, machine: dict[str, Any], options: BenchOptions
+    when: str, s: ConfigSummary, base: ConfigSummary | None, machine: dict[str, Any], spec: BenchSpec
 ) -> bool:
     if when == "always":
         return True
     if when == "cpu_without_bf16":
-        return not options.device.startswith("cuda") and machine.get("cpu_bf16_instructions") is False
+        return not spec.device.startswith("cuda") and machine.get("cpu_bf16_instructions") is False
     if when == "warmup_longer":
         if base is None or s.warmup_s is None or base.warmup_s is None:
             return False
-        saved = ((base.step_median_s or 0.0) - (s.step_median_s or 0.0)) * options.steps
+        saved = ((base.step_median_s or 0.0) - (s.step_median_s or 0.0)) * spec.steps
         return s.warmup_s - base.warmup_s > max(saved, 0.5 * base.warmup_s)
     return False
 
 
-def _command_for(options: BenchOptions) -> str:
-    args = ["lightning-perf", "bench", "--workload", options.workload, "--configs", ",".join(options.configs)]
-    args += ["--preset", options.preset, "--steps", str(options.steps), "--warmup-steps", str(options.warmup_steps)]
-    args += ["--repeats", str(options.repeats), "--device", options.device, "--precision", options.precision]
-    if options.batch_size is not None:
-        args += ["--batch-size", str(options.batch_size)]
+def _command_for(spec: BenchSpec) -> str:
+    args = ["lightning-perf", "bench", "--workload", spec.workload, "--configs", ",".join(spec.names)]
+    args += ["--preset", spec.preset, "--steps", str(spec.steps), "--warmup-steps", str(spec.warmup_steps)]
+    args += ["--repeats", str(spec.repeats), "--device", spec.device, "--precision", spec.precision]
+    if spec.batch_size is not None:
+        args += ["--batch-size", str(spec.batch_size)]
     return shlex.join(args)

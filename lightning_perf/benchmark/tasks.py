@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_perf.benchmark.spec import SpecError, check_config_names, check_preset, check_workload
+
 __all__ = [
     "COLUMN_OPTIONS",
     "OPTIONAL_COLUMNS",
@@ -209,13 +211,28 @@ def _parse_cell(
             return None, _invalid(text, "configuration names separated by ';' ('+' stacks them)")
         if any("," in item for item in items):
             return None, _invalid(text, "configuration names separated by ';', not ',' ('+' stacks them)")
-        return items, _check_option(parser, "--configs", ",".join(items))
+        return items, _spec_check(check_config_names, ",".join(items)) if parser is not None else None
     if column == "ref":
         refs = tuple(item.strip() for item in text.split(";") if item.strip())
         if not refs or any(r.startswith("-") or any(c.isspace() for c in r) for r in refs):
             return None, _invalid(text, "git refs separated by ';' (a branch, tag or commit; '.' is the working tree)")
         return refs, None
+    if parser is not None and column in ("workload", "preset"):
+        return text, _spec_check(check_workload if column == "workload" else _check_preset, text)
     return text, _check_option(parser, COLUMN_OPTIONS[column], text) if column in COLUMN_OPTIONS else None
+
+
+def _check_preset(text: str) -> str:
+    return check_preset(text, "cpu")
+
+
+def _spec_check(check: Callable[[str], Any], text: str) -> str | None:
+    """The bench spec's own check of a name (:mod:`lightning_perf.benchmark.spec`): its message, else None."""
+    try:
+        check(text)
+    except SpecError as exc:
+        return _invalid(text, exc.expected)
+    return None
 
 
 def _check_source(task: dict[str, Any], path: Path, line: int) -> None:

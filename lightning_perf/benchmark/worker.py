@@ -34,32 +34,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_perf._device import as_device, synchronize
+from lightning_perf.benchmark.spec import RunSpec
 from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer
 from lightning_perf.profiling.flops import FlopCount, count_flops
-
-
-@dataclass
-class RunSpec:
-    """What one worker process runs. Only plain values, so it travels as JSON."""
-
-    workload: str
-    config: str
-    preset: str = "default"
-    steps: int = 20
-    warmup_steps: int = 5
-    batch_size: int | None = None
-    precision: str = "32-true"
-    device: str = "cpu"
-    seed: int = 0
-    predict_batches: int = 10
-    num_workers: int = 0
-    pin_memory: bool = False
-    persistent_workers: bool = False
-    repeat: int = 0
-    loader_overrides: dict[str, Any] = field(default_factory=dict)  # the auto-tuner's DataLoader settings
-    count_flops: bool = False  # count one training step's FLOPs after the measurement (the bench: repeat 0)
-    source: dict[str, Any] | None = None  # the user's model (ModelSource.to_dict()); None: the workload
-    stage: str = "fit"  # "fit", or an inference stage measured per batch: "predict", "validate", "test"
 
 
 @dataclass

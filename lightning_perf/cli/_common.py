@@ -28,6 +28,7 @@ __all__ = [
     "CliParser",
     "UsageError",
     "add_source_arguments",
+    "check_output",
     "choice_list",
     "comma_names",
     "device",
@@ -44,11 +45,12 @@ __all__ = [
     "positive_float",
     "positive_int",
     "positive_int_list",
+    "spec_error",
 ]
 
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 _MODULE_CLASS = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
-_DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+|mps)$")
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 
 
 class UsageError(ValueError):
@@ -86,6 +88,33 @@ class CliParser(argparse.ArgumentParser):
 def fail(parser: argparse.ArgumentParser, option: str, value: Any, expected: str) -> NoReturn:
     """Exit 2 with one line naming ``option``, ``value`` and what is expected (for checks made after parsing)."""
     parser.error(f"argument {option}: {value!r} is not valid. Expected {one_line(expected)}.")
+
+
+def spec_error(parser: argparse.ArgumentParser, exc: Any) -> NoReturn:
+    """Exit 2 with the one line of a ``SpecError`` (:mod:`lightning_perf.benchmark.spec`): its option, the value as
+    given and what is expected."""
+    fail(parser, exc.option, exc.value, exc.expected)
+
+
+def check_output(parser: argparse.ArgumentParser, option: str, output: Path | None, what: str) -> None:
+    """Exit 2 unless ``output`` can be written: not a directory, and its folder exists and is writable or can be
+    created. Checked by creating (and removing) a scratch folder in the nearest existing parent, so that a run never
+    ends in an error about its output after the work is done."""
+    import tempfile
+
+    if output is None:
+        return
+    if output.is_dir():
+        fail(parser, option, str(output), f"a file path for {what}, not a directory")
+    parent = output.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        fail(parser, option, str(output), "a path whose existing parent is a directory")
+    try:
+        Path(tempfile.mkdtemp(prefix=".lightning-perf-check-", dir=parent)).rmdir()
+    except OSError as exc:
+        fail(parser, option, str(output), f"a path in a folder that can be written ({parent}: {exc.strerror})")
 
 
 def positive_int(text: str) -> int:
@@ -226,9 +255,10 @@ def module_class_spec(text: str) -> str:
 
 
 def device(text: str) -> str:
-    """``cpu``, ``cuda``, ``cuda:N`` or ``mps`` (the syntax only; whether the device exists is checked later)."""
+    """``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps`` (the syntax only; whether the device exists is checked
+    later)."""
     if not _DEVICE.match(text.strip()):
-        raise _invalid(text, "cpu, cuda, cuda:N or mps")
+        raise _invalid(text, "auto, cpu, cuda, cuda:N or mps")
     return text.strip()
 
 
@@ -279,8 +309,9 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 WORKLOAD_NAMES: tuple[str, ...] = ("convnet", "unet3d", "vit", "lm")
 """The reference workloads of :mod:`lightning_perf.demos` (``workload_names()``)."""
 
-PRESET_NAMES: tuple[str, ...] = ("tiny", "default")
-"""The workload sizes of :mod:`lightning_perf.demos` (``PRESETS``)."""
+PRESET_NAMES: tuple[str, ...] = ("tiny", "default", "gpu")
+"""The workload sizes named in ``--help`` (:mod:`lightning_perf.demos` ``PRESETS``, read at run time, is the check;
+``gpu``: the GPU-sized preset, the default on a CUDA device)."""
 
 STAGE_NAMES: tuple[str, ...] = ("fit", "predict", "validate", "test")
 """The Trainer stages the bench measures (``--stage``): training steps, or an inference stage's per-batch latency."""
@@ -294,7 +325,9 @@ def add_source_arguments(parser: argparse.ArgumentParser, what_runs: str, worklo
     reference workload) or ``--model``/``--datamodule`` with JSON arguments (exclusive), and ``--config`` (LightningCLI
     files, repeatable, merged in order; their trainer settings apply to every ``what_runs``)."""
     what = parser.add_mutually_exclusive_group()
-    what.add_argument("--workload", default=None, choices=WORKLOAD_NAMES, help=workload_help)
+    what.add_argument(
+        "--workload", default=None, metavar="{" + ",".join(WORKLOAD_NAMES) + "}", help=workload_help
+    )  # checked with the other names of the run (a misspelling gets a suggestion)
     what.add_argument(
         "--model",
         type=module_class_spec,

@@ -25,8 +25,8 @@ from lightning_perf.cli._common import (
     STAGE_NAMES,
     UsageError,
     add_source_arguments,
+    check_output,
     choice_list,
-    device,
     fail,
     int_at_least,
     load_user_source,
@@ -34,6 +34,7 @@ from lightning_perf.cli._common import (
     non_negative_int,
     positive_float,
     positive_int,
+    spec_error,
 )
 
 
@@ -62,8 +63,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     add_source_arguments(parser, "trial", "a reference workload")
-    parser.add_argument("--preset", default="default", choices=PRESET_NAMES, help="workload size, default: %(default)s")
-    parser.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument(
+        "--preset",
+        default=None,
+        metavar="PRESET",
+        help=f"workload size, one of {', '.join(PRESET_NAMES)} (default: gpu on a CUDA device where the workload has "
+        "it, else default)",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto, cpu, cuda or cuda:N (default: auto: CUDA when a CUDA device is visible; the output says which)",
+    )
     parser.add_argument(
         "--stage",
         choices=STAGE_NAMES,
@@ -129,10 +140,7 @@ def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParse
         ):
             if value is not None:
                 fail(parser, option, value, f"no {option} with --workload ({option} goes with --model)")
-    if args.device == "mps":
-        fail(parser, "--device", args.device, "cpu, cuda or cuda:N (the tuner does not run on mps)")
-    if args.output is not None and args.output.is_dir():
-        fail(parser, "--output", str(args.output), "a file path for the YAML, not a directory")
+    check_output(parser, "--output", args.output, "the YAML")
     if args.no_batch_size and args.max_batch_size is not None:
         fail(parser, "--max-batch-size", args.max_batch_size, "no --max-batch-size with --no-batch-size")
     if args.no_data_loading and args.max_num_workers is not None:
@@ -142,12 +150,12 @@ def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParse
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the tuner; exit status 0, 1 when the model fails under its own settings, 2 for bad arguments."""
     _check_combinations(args, parser)
+    from lightning_perf.benchmark.spec import SpecError
     from lightning_perf.tuning import AutoTuner, ModelError, TuningError
 
     kwargs: dict[str, Any] = {}
     if args.workload is not None:
         kwargs.update(workload=args.workload, preset=args.preset)
-        name = f"{args.workload}-{args.preset}"
     else:
         source, model, _ = load_user_source(args)
         kwargs["source"] = source
@@ -170,8 +178,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             seed=args.seed,
             progress=not args.quiet,
         )
+    except SpecError as exc:
+        spec_error(parser, exc)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    if args.workload is not None:
+        name = f"{args.workload}-{tuner.preset}"
+    if not args.quiet:
+        print(f"device: {tuner.device} ({tuner.device_reason})")
     try:
         result = tuner.run()
     except ModelError as exc:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import tempfile
 import time
 from collections.abc import Sequence
@@ -52,6 +51,7 @@ from lightning_perf.benchmark.sources import (
     batch_size_holder,
     init_parameters,
 )
+from lightning_perf.benchmark.spec import RunSpec, check_preset, check_workload, resolve_device
 from lightning_perf.optimizations import tuner_alternatives, tuner_search_list
 from lightning_perf.tuning.capabilities import ModelCapabilities, model_capabilities
 from lightning_perf.tuning.conditions import TrialWatch, baseline_spread_cause
@@ -119,9 +119,11 @@ class AutoTuner:
     Args:
         model: the user's ``LightningModule`` (copied for every trial, never modified).
         datamodule: its ``LightningDataModule`` (copied likewise).
-        workload: a reference workload name instead of ``model``/``datamodule`` (``preset`` picks its size).
+        workload: a reference workload name instead of ``model``/``datamodule`` (``preset`` picks its size; ``None``:
+            ``gpu`` on a CUDA device where the workload has it, else ``default``).
         source: a :class:`~lightning_perf.benchmark.sources.ModelSource` instead of the above (the CLI's import paths).
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (CUDA when one is visible; ``device_reason`` says
+            why).
         stage: the Trainer stage to tune: ``"fit"`` (training steps), or ``"predict"``, ``"validate"``, ``"test"``
             (per-batch inference latency; :mod:`lightning_perf.tuning.inference`).
         time_budget_s: wall-clock budget for the whole search; trials that would not fit are skipped.
@@ -152,7 +154,7 @@ class AutoTuner:
         datamodule: Any = None,
         *,
         workload: str | None = None,
-        preset: str = "default",
+        preset: str | None = None,
         source: ModelSource | None = None,
         device: str = "cpu",
         stage: str = "fit",
@@ -192,25 +194,12 @@ class AutoTuner:
                     "(wrap plain DataLoaders with `LightningDataModule.from_datasets`)."
                 )
             source = ObjectSource.from_objects(model, datamodule)
-        elif workload is not None:
-            from lightning_perf.demos import PRESETS, workload_names
-
-            if workload not in workload_names():
-                raise ValueError(f"workload={workload!r} is unknown. Expected one of: {', '.join(workload_names())}.")
-            if preset not in PRESETS:
-                raise ValueError(f"preset={preset!r} is unknown. Expected one of: {', '.join(PRESETS)}.")
-            source = WorkloadSource(workload, preset, seed)
+        device, self.device_reason = resolve_device(device, "AutoTuner", "the tuner")
+        self.preset = preset if workload is None else check_preset(preset, device.split(":")[0], "AutoTuner")
+        if workload is not None:
+            source = WorkloadSource(check_workload(workload, "AutoTuner"), self.preset, seed)
         elif not isinstance(source, ModelSource):
             raise ValueError(f"source={source!r} is not valid. Expected a lightning_perf.tuning.ModelSource.")
-        if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda|cuda:\d+", device):
-            raise ValueError(f"`AutoTuner(device={device!r})` is not valid. Expected 'cpu', 'cuda' or 'cuda:N'.")
-        if str(device).startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ValueError(
-                    f"`AutoTuner(device={device!r})` is not available: torch sees no CUDA device. Expected 'cpu'."
-                )
         check_number("AutoTuner", "time_budget_s", time_budget_s, 0.0, exclusive=True)
         check_int("AutoTuner", "steps", steps, 3)
         check_int("AutoTuner", "warmup_steps", warmup_steps, 1)
@@ -665,9 +654,7 @@ class AutoTuner:
 
     # ------------------------------------------------------------------ running and recording trials
 
-    def _spec(self, candidate: Candidate) -> Any:
-        from lightning_perf.benchmark.worker import RunSpec
-
+    def _spec(self, candidate: Candidate) -> RunSpec:
         self._count += 1
         return RunSpec(
             workload=self.source.describe(),

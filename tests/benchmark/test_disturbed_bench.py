@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
-from lightning_perf.benchmark.runner import BenchOptions, console_rows, reliability_lines, run_benchmark
+from lightning_perf.benchmark.report import console_rows, reliability_lines
+from lightning_perf.benchmark.runner import run_benchmark
+from lightning_perf.benchmark.spec import BenchSpec
 
 # Each loop ends itself after this many seconds even if the finally below were never reached.
 BUSY_LIFETIME_S = 600
@@ -27,7 +29,7 @@ def test_a_bench_beside_busy_processes_is_not_reliable() -> None:
     # Enough loops to take every core the bench leaves free and then some (3 on a 2-core machine).
     busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(free + 3)]
     try:
-        options = BenchOptions(
+        options = BenchSpec(
             workload="convnet",
             preset="tiny",
             configs=["baseline", "fused_optimizer"],

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_perf.benchmark.runner import BenchOptions, BenchReport, summarize_runs, table_rows
+from lightning_perf.benchmark.report import table_rows
+from lightning_perf.benchmark.results import BenchReport
+from lightning_perf.benchmark.runner import summarize_runs
+from lightning_perf.benchmark.spec import BenchSpec
 from lightning_perf.benchmark.worker import RunResult
 
 
@@ -57,21 +60,22 @@ def test_failures_and_skips_are_reported_not_dropped() -> None:
     assert rows["gpu"][1] == "skipped: needs a CUDA device"
 
 
-def test_options_add_baseline_and_validate() -> None:
-    options = BenchOptions(workload="convnet", configs=["bf16-mixed"], preset="tiny")
-    assert list(options.configs) == ["baseline", "bf16-mixed"]
-    with pytest.raises(ValueError, match=r"workload='nope' is unknown. Expected one of: convnet"):
-        BenchOptions(workload="nope")
-    with pytest.raises(ValueError, match=r"steps=0 is not valid"):
-        BenchOptions(steps=0)
-    with pytest.raises(ValueError, match=r"device='tpu' is not valid"):
-        BenchOptions(device="tpu")
+def test_spec_adds_baseline_and_validates() -> None:
+    spec = BenchSpec(workload="convnet", configs=["bf16-mixed"], preset="tiny", device="cpu")
+    assert spec.names == ("baseline", "bf16-mixed")
+    with pytest.raises(ValueError, match=r"workload='nope'\)` is not valid. Expected one of convnet"):
+        BenchSpec(workload="nope")
+    with pytest.raises(ValueError, match=r"steps=0\)` is not valid"):
+        BenchSpec(steps=0)
+    with pytest.raises(ValueError, match=r"device='tpu'\)` is not valid"):
+        BenchSpec(device="tpu")
 
 
 def test_worker_records_losses_and_data_wait_for_a_custom_builder() -> None:
     """The auto-tuner's path through the worker: a builder of the user's objects, per-step losses, data wait."""
     from lightning_perf.benchmark.sources import apply_data_settings
-    from lightning_perf.benchmark.worker import RunSpec, run
+    from lightning_perf.benchmark.spec import RunSpec
+    from lightning_perf.benchmark.worker import run
     from tests.tuning._user_models import PlainDataModule, SmallConvNet
 
     def build(spec: RunSpec) -> tuple[SmallConvNet, PlainDataModule]:

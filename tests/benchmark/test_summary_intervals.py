@@ -8,21 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_perf.benchmark.runner import (
-    BASELINE,
-    CONSOLE_COLUMNS,
-    BenchOptions,
-    BenchReport,
-    RunEvent,
-    add_likely_causes,
-    console_rows,
-    mark_disturbed,
-    reliability_lines,
-    summarize_runs,
-    table_rows,
-    unused_output,
-)
+from lightning_perf.benchmark.report import CONSOLE_COLUMNS, console_rows, reliability_lines, table_rows, unused_output
+from lightning_perf.benchmark.results import BenchReport, RunEvent
+from lightning_perf.benchmark.runner import add_likely_causes, mark_disturbed, summarize_runs
+from lightning_perf.benchmark.spec import BenchSpec
 from lightning_perf.benchmark.worker import RunResult
+from lightning_perf.optimizations import BASELINE
 from lightning_perf.profiling.reliability import Reliability, RunConditions
 
 
@@ -78,7 +69,7 @@ def test_a_slower_configuration_names_its_likely_cause() -> None:
     results["bf16-mixed"] = [_run("bf16-mixed", r, 0.8, seed=40 + r) for r in range(2)]
     results["compile"] = [_run("compile", r, 0.3, seed=50 + r, warmup=30.0) for r in range(2)]
     rows = summarize_runs(results)
-    options = BenchOptions(configs=["bf16-mixed"], preset="tiny")
+    options = BenchSpec(configs=["bf16-mixed"], preset="tiny")
     add_likely_causes(rows, {"cpu_bf16_instructions": False}, options)
     by_name = {s.config: s for s in rows}
     assert "bf16 is emulated" in by_name["bf16-mixed"].likely_cause
@@ -128,7 +119,7 @@ def test_the_console_table_fits_80_columns() -> None:
         _run("channels_last+compile+fused_optimizer", r, 0.5, seed=60 + r, warmup=30.0) for r in range(2)
     ]
     rows = summarize_runs(results)
-    add_likely_causes(rows, {"cpu_bf16_instructions": False}, BenchOptions(preset="tiny"))
+    add_likely_causes(rows, {"cpu_bf16_instructions": False}, BenchSpec(preset="tiny"))
     for s in rows:
         s.disturbed = True
     table = rich_table(list(CONSOLE_COLUMNS), console_rows(BenchReport(options={}, command="x", summaries=rows)))

@@ -18,17 +18,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_perf.benchmark import runner
-from lightning_perf.benchmark.runner import (
-    BASELINE,
-    CONSOLE_COLUMNS,
-    BenchOptions,
-    BenchReport,
-    console_rows,
-    markdown_report,
-    reliability_lines,
-    run_benchmark,
-    summarize_runs,
-)
+from lightning_perf.benchmark.report import CONSOLE_COLUMNS, console_rows, markdown_report, reliability_lines
+from lightning_perf.benchmark.results import BenchReport, ConfigSummary
+from lightning_perf.benchmark.runner import run_benchmark, summarize_runs
+from lightning_perf.benchmark.spec import BenchSpec, RunSpec
 from lightning_perf.benchmark.utilization import (
     add_utilization,
     machine_peak,
@@ -37,7 +30,8 @@ from lightning_perf.benchmark.utilization import (
     unknown_mfu_lines,
     utilization_markdown,
 )
-from lightning_perf.benchmark.worker import RunResult, RunSpec, count_training_step_flops, run
+from lightning_perf.benchmark.worker import RunResult, count_training_step_flops, run
+from lightning_perf.optimizations import BASELINE
 from lightning_perf.profiling import PeakFlops
 
 FLOPS = 2_000_000_000
@@ -60,7 +54,7 @@ def _run(config: str, repeat: int, step: float, flops: int | None = FLOPS, error
     )
 
 
-def _summaries(**kw: Any) -> list[runner.ConfigSummary]:
+def _summaries(**kw: Any) -> list[ConfigSummary]:
     return summarize_runs(
         {
             BASELINE: [_run(BASELINE, r, 0.2, **kw) for r in range(3)],
@@ -151,7 +145,7 @@ def test_the_peak_is_asked_once_per_matmul_setting() -> None:
         asked.append((device, precision, fast_fp32_matmul))
         return PeakFlops(1e12, f"given for {precision}")
 
-    add_utilization(rows, runner._peak_lookup(BenchOptions(preset="tiny"), {}, peak))
+    add_utilization(rows, runner._peak_lookup(BenchSpec(preset="tiny"), {}, peak))
     assert asked == [("cpu", "32-true", False), ("cpu", "bf16-mixed", False), ("cpu", "32-true", True)]
     assert {row.config: row.peak_source for row in rows}["bf16-mixed"] == "given for bf16-mixed"
 
@@ -298,15 +292,15 @@ def test_a_model_whose_flops_cannot_be_counted_still_runs_and_says_why() -> None
 
 
 def test_only_repeat_0_counts() -> None:
-    options = BenchOptions(preset="tiny", repeats=2)
-    assert runner._spec(options, BASELINE, 0).count_flops is True
-    assert runner._spec(options, BASELINE, 1).count_flops is False
+    spec = BenchSpec(preset="tiny", repeats=2, device="cpu")
+    assert spec.run_spec(BASELINE, 0).count_flops is True
+    assert spec.run_spec(BASELINE, 1).count_flops is False
 
 
 @pytest.mark.slow
 def test_a_tiny_bench_counts_equal_flops_for_every_configuration(tmp_path: Path) -> None:
     """End to end, in worker processes: channels_last transforms the model and its inputs, the count does not see it."""
-    options = BenchOptions(
+    options = BenchSpec(
         workload="convnet", preset="tiny", configs=[BASELINE, "channels_last"], steps=2, warmup_steps=1, repeats=1,
         predict_batches=0, timeout_s=300.0,
     )  # fmt: skip

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from lightning_perf.benchmark import runner
+from lightning_perf.benchmark.results import BenchReport, RunEvent
+from lightning_perf.benchmark.spec import BenchSpec
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.cli import main
 
@@ -38,8 +40,8 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """``run_benchmark`` replaced: it reports each planned run as the real one does and returns synthetic figures."""
     seen: dict[str, Any] = {"reliability": {"reliable": True, "causes": []}}
 
-    def run_benchmark(options: runner.BenchOptions, progress: Any = None, command: Any = None, **kw: Any):
-        seen["options"], seen["left_out"] = options, list(kw.get("left_out", ()))
+    def run_benchmark(options: BenchSpec, progress: Any = None, command: Any = None, **kw: Any):
+        seen["options"], seen["left_out"] = options, list(options.left_out)
         results: dict[str, list[RunResult]] = {name: [] for name in options.configs}
         total, done = options.repeats * len(options.configs), 0
         for repeat in range(options.repeats):
@@ -47,16 +49,14 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
                 results[name].append(_result(name, repeat, 0.1 * (1 + i), seen.get("flops_error")))
                 done += 1
                 if kw.get("on_run") is not None:
-                    kw["on_run"](
-                        runner.RunEvent(name, repeat, options.repeats, done, total, 0.1, done, total - done, "ok")
-                    )
-        return runner.BenchReport(
+                    kw["on_run"](RunEvent(name, repeat, options.repeats, done, total, 0.1, done, total - done, "ok"))
+        return BenchReport(
             options={"workload": options.workload, "preset": options.preset, "device": options.device,
                      "repeats": options.repeats, "steps": options.steps, "warmup_steps": options.warmup_steps},
             command=command,
             summaries=runner.summarize_runs(results),
             reliability=seen["reliability"],
-            left_out=[{"config": n, "reason": r} for n, r in kw.get("left_out", ())],
+            left_out=[{"config": n, "reason": r} for n, r in options.left_out],
         )  # fmt: skip
 
     monkeypatch.setattr(runner, "run_benchmark", run_benchmark)

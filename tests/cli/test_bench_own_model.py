@@ -9,6 +9,7 @@ worker process) and compares its file with itself.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,9 @@ from lightning_perf.benchmark.report import (
     inference_console_rows,
     markdown_report,
 )
-from lightning_perf.benchmark.worker import RunResult, RunSpec
+from lightning_perf.benchmark.results import BenchReport
+from lightning_perf.benchmark.spec import BenchSpec, RunSpec
+from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.benchmark.worker import run as run_worker
 from lightning_perf.cli import main
 from lightning_perf.profiling import rich_table
@@ -154,8 +157,9 @@ def test_predict_on_a_config_runs_the_users_callbacks_and_a_configuration_overri
     user_yaml: Path, tmp_path: Path
 ) -> None:
     source = {"kind": "config", "configs": [str(user_yaml)]}
-    spec = RunSpec(workload="Classifier", config="baseline", steps=3, warmup_steps=1, source=source, stage="predict")
-    spec.precision = "64-true"  # what the runner resolves from the file when --precision is not given
+    # precision: what the runner resolves from the file when --precision is not given
+    spec = RunSpec(workload="Classifier", config="baseline", steps=3, warmup_steps=1, source=source, stage="predict",
+                   precision="64-true")  # fmt: skip
     result = run_worker(spec)
     assert result.ok, result.error
     assert result.precision == "64-true" and set(result.trainer_settings) == {"callbacks", "gradient_clip_val"}
@@ -164,9 +168,9 @@ def test_predict_on_a_config_runs_the_users_callbacks_and_a_configuration_overri
     assert 0 < result.latency_p50_s <= result.latency_p95_s <= result.latency_p99_s
     assert result.predict_throughput == pytest.approx(8 / result.latency_p50_s)
     assert result.first_batch_s > 0 and result.warmup_s >= result.first_batch_s and result.peak_memory_bytes > 0
-    overridden = run_worker(RunSpec(**{**spec.__dict__, "config": "bf16-true"}))
+    overridden = run_worker(replace(spec, config="bf16-true"))
     assert overridden.ok and overridden.precision == "bf16-true"
-    fit_only = run_worker(RunSpec(**{**spec.__dict__, "config": "fused_optimizer"}))
+    fit_only = run_worker(replace(spec, config="fused_optimizer"))
     assert fit_only.skipped == "applies to training only, not to predict"
 
 
@@ -235,7 +239,7 @@ def test_an_inference_summary_has_every_latency_ratio_with_its_interval_and_fits
         assert low <= fast[name] <= high and fast[f"{name}_verdict"] == "faster", name
     assert fast["peak_memory_ratio_verdict"] == "no clear difference"
     assert fast["latency_p50_s"] == pytest.approx(0.005, rel=0.05)
-    report = runner.BenchReport(
+    report = BenchReport(
         options={"workload": "Classifier", "preset": "default", "device": "cpu", "repeats": 3, "steps": 12,
                  "warmup_steps": 1, "stage": "predict", "source": {"kind": "import", "model": MODEL}},
         command="lightning-perf bench ...", summaries=summaries,
@@ -253,14 +257,14 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """``run_benchmark`` replaced by synthetic latencies that shrink per sample as the batch grows."""
     seen: list[Any] = []
 
-    def run_benchmark(options: runner.BenchOptions, progress: Any = None, command: Any = None, **kw: Any):
+    def run_benchmark(options: BenchSpec, progress: Any = None, command: Any = None, **kw: Any):
         seen.append(options)
         scale = 0.01 * (options.batch_size or 1) ** 0.5
         results = {
             name: [_latency_result(name, r, scale / (1 + i)) for r in range(options.repeats)]
             for i, name in enumerate(options.configs)
         }
-        return runner.BenchReport(options=runner.asdict(options), command=command,
+        return BenchReport(options=options.to_dict(), command=command,
                                   summaries=runner.summarize_runs(results))  # fmt: skip
 
     monkeypatch.setattr(runner, "run_benchmark", run_benchmark)

@@ -9,7 +9,9 @@ from lightning_perf.demos import PRESETS, workload_names
 
 def test_workload_and_preset_names_match_the_demos() -> None:
     assert list(_common.WORKLOAD_NAMES) == workload_names()
-    assert tuple(_common.PRESET_NAMES) == tuple(PRESETS)
+    # --help names every preset; the check itself reads PRESETS at run time. "gpu" is named ahead of the demos that
+    # add it (the GPU-sized preset, the default on CUDA).
+    assert set(PRESETS) <= set(_common.PRESET_NAMES) and set(_common.PRESET_NAMES) - set(PRESETS) <= {"gpu"}
 
 
 def test_bench_configuration_names_match_the_bench_registry() -> None:

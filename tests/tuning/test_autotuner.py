@@ -69,7 +69,7 @@ def test_loss_deviation() -> None:
         ({"optimizations": ["turbo"]}, r"Unknown benchmark configuration 'turbo'"),
         ({"optimizations": ["bf16-mixed"]}, r"'bf16-mixed' sets the precision\. Expected it in `precisions`"),
         ({"max_batch_size": 0}, r"max_batch_size=0\)` is not valid"),
-        ({"preset": "huge"}, r"preset='huge' is unknown"),
+        ({"preset": "huge"}, r"AutoTuner\(preset='huge'\)` is not valid\. Expected one of tiny, default"),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict[str, Any], message: str) -> None:

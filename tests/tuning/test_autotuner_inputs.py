@@ -12,8 +12,8 @@ from tests.tuning._user_models import PlainDataModule, SmallConvNet
 BAD = [
     ({"workload": "mnist"}, "workload='mnist'", "Expected one of"),
     ({"workload": "convnet", "preset": "huge"}, "preset='huge'", "Expected one of"),
-    ({"device": "tpu"}, "device='tpu'", "Expected 'cpu', 'cuda' or 'cuda:N'"),
-    ({"device": 0}, "device=0", "Expected 'cpu'"),
+    ({"device": "tpu"}, "device='tpu'", "Expected auto, cpu, cuda or cuda:N"),
+    ({"device": 0}, "device=0", "Expected auto, cpu"),
     ({"time_budget_s": 0}, "time_budget_s=0", "Expected a finite number > 0"),
     ({"time_budget_s": math.inf}, "time_budget_s=inf", "Expected a finite number"),
     ({"time_budget_s": "60"}, "time_budget_s='60'", "Expected a finite number"),

@@ -1,0 +1,308 @@
+"""The one validated description of a bench, from the command line (or a script) to every worker process.
+
+:class:`BenchSpec` is built once, by ``lightning-perf bench`` from its arguments or by a script, and checks everything
+once, here: the device (``auto`` resolves to CUDA when one is visible, and says why), the workload, the preset (the
+workload's ``gpu`` size by default on CUDA), the configuration names (with a "did you mean" for a misspelling) and the
+numbers. The runner (:func:`lightning_perf.benchmark.runner.run_benchmark`) takes it as it is, and hands each worker
+process a :class:`RunSpec`: the same settings plus the one configuration and repeat it runs.
+
+Both share :class:`RunSettings`, so a setting is declared once and copied by name (:meth:`BenchSpec.run_spec`). The
+auto-tuner builds :class:`RunSpec` itself and uses the same checks (:func:`check_workload`, :func:`check_preset`,
+:func:`resolve_device`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from lightning_perf.optimizations import BASELINE, STAGES
+
+__all__ = [
+    "DEVICE_CHOICES",
+    "BenchSpec",
+    "RunSettings",
+    "RunSpec",
+    "SpecError",
+    "check_config_names",
+    "check_preset",
+    "check_workload",
+    "did_you_mean",
+    "resolve_device",
+]
+
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+class SpecError(ValueError):
+    """A setting of a bench that cannot run: names the setting, the value as given and what is expected.
+
+    The command line turns it into ``argument --<setting>: '<value>' is not valid. Expected <expected>.`` (exit 2).
+    """
+
+    def __init__(self, setting: str, value: Any, expected: str, owner: str = "BenchSpec") -> None:
+        self.setting, self.value, self.expected = setting, value, expected
+        super().__init__(f"`{owner}({setting}={value!r})` is not valid. Expected {expected}.")
+
+    @property
+    def option(self) -> str:
+        """The command-line option of the setting (``--warmup-steps`` for ``warmup_steps``)."""
+        return "--" + self.setting.replace("_", "-")
+
+
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """``"did you mean 'channels_last'?"`` for the nearest of ``choices``, or ``""`` when none is near."""
+    near = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {near[0]!r}?" if near else ""
+
+
+def check_workload(workload: str, owner: str = "BenchSpec") -> str:
+    """``workload`` when it names a reference workload, else :class:`SpecError` with the nearest name."""
+    from lightning_perf.demos import workload_names
+
+    known = workload_names()
+    if workload not in known:
+        hint = did_you_mean(workload, known)
+        raise SpecError("workload", workload, f"one of {', '.join(known)}" + (f" ({hint})" if hint else ""), owner)
+    return workload
+
+
+def check_preset(preset: str | None, device_type: str, owner: str = "BenchSpec") -> str:
+    """The workload size: ``preset`` when it is one of the demos' presets; ``None`` picks ``gpu`` on a CUDA device
+    when the demos offer it, else ``default``."""
+    from lightning_perf.demos import PRESETS
+
+    if preset is None:
+        return "gpu" if device_type == "cuda" and "gpu" in PRESETS else "default"
+    if preset not in PRESETS:
+        hint = did_you_mean(preset, PRESETS)
+        raise SpecError("preset", preset, f"one of {', '.join(PRESETS)}" + (f" ({hint})" if hint else ""), owner)
+    return preset
+
+
+def resolve_device(text: str, owner: str = "BenchSpec", what: str = "the bench") -> tuple[str, str]:
+    """``(device, why)``: ``auto`` becomes ``cuda`` when a CUDA device is visible, else ``cpu``; an explicit CUDA
+    device must exist. ``why`` is one line for the output (``"auto: CUDA is visible (NVIDIA H100 80GB HBM3)"``)."""
+    if not isinstance(text, str) or not _DEVICE.match(text.strip()):
+        hint = f" ({what} does not run on mps)" if text == "mps" else ""
+        raise SpecError("device", text, DEVICE_CHOICES + hint, owner)
+    import torch
+
+    text = text.strip()
+    visible = torch.cuda.is_available()
+    if text == "auto":
+        return (
+            ("cuda", f"auto: CUDA is visible ({_gpu_name(0)})")
+            if visible
+            else ("cpu", "auto: no CUDA device is visible")
+        )
+    if text.startswith("cuda"):
+        if not visible:
+            raise SpecError("device", text, "cpu or auto: no CUDA device is visible", owner)
+        if ":" in text and int(text.partition(":")[2]) >= torch.cuda.device_count():
+            raise SpecError("device", text, f"cuda:0 to cuda:{torch.cuda.device_count() - 1}", owner)
+        return text, f"asked for ({_gpu_name(int(text.partition(':')[2] or 0))})"
+    return text, "asked for"
+
+
+def _gpu_name(index: int) -> str:
+    import torch
+
+    try:
+        return str(torch.cuda.get_device_name(index))
+    except Exception as exc:  # a driver that answers is_available() but not the name: say so, choose anyway
+        return f"name unknown: {type(exc).__name__}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """What every run of a bench (and every trial of the tuner) measures with; only plain values, so it travels as
+    JSON.
+
+    Args:
+        workload: a reference workload's name, or the label of the user's model when ``source`` is given.
+        preset: the reference workload's size.
+        steps: steady-state steps (batches, for an inference stage) per run.
+        warmup_steps: excluded warm-up steps.
+        batch_size: samples per batch; ``None``: the workload's (the model's) own.
+        precision: ``Trainer(precision=...)`` of every configuration that does not set its own.
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        seed: the model's initialization and the data's order.
+        predict_batches: timed inference batches after a fit (0: none).
+        num_workers: DataLoader workers.
+        source: the user's model (``ModelSource.to_dict()``); ``None``: the reference workload.
+        stage: ``fit``, or an inference stage measured per batch (``predict``, ``validate``, ``test``).
+    """
+
+    workload: str = "convnet"
+    preset: str = "default"
+    steps: int = 20
+    warmup_steps: int = 5
+    batch_size: int | None = None
+    precision: str = "32-true"
+    device: str = "cpu"
+    seed: int = 0
+    predict_batches: int = 10
+    num_workers: int = 0
+    source: dict[str, Any] | None = None
+    stage: str = "fit"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec(RunSettings):
+    """What one worker process runs: the bench's settings, one configuration (``a+b`` for a stack) and its repeat."""
+
+    config: str
+    repeat: int = 0
+    count_flops: bool = False  # count one training step's FLOPs after the measurement (the bench: repeat 0)
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    loader_overrides: dict[str, Any] = field(default_factory=dict)  # the auto-tuner's DataLoader settings
+
+
+def _positive(spec: Any, name: str, minimum: int) -> None:
+    value = getattr(spec, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise SpecError(name, value, f"an integer >= {minimum}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSpec(RunSettings):
+    """One ``lightning-perf bench``: which configurations, on what, how often; validated and resolved on construction.
+
+    Args (beyond :class:`RunSettings`, whose ``device`` also takes ``auto`` and whose ``preset`` takes ``None``, the
+    device's default size):
+        configs: the configurations: ``None`` (the device's default set), ``"all"``, a comma-separated string or a
+            sequence of names, each a registered name or a ``+``-joined stack. Resolved to a tuple, ``baseline``
+            first, without duplicates and without the ones that do not apply to ``stage`` (those go to ``left_out``).
+        repeats: runs per configuration, interleaved.
+        timeout_s: the limit of one run.
+        batch_sizes: a sweep: one bench per size (``batch_size`` must then be ``None``).
+        precision_from: where ``precision`` came from when not the default (``"--config"``).
+        ignored_trainer_settings: the ``--config`` file's trainer keys the bench decides itself.
+        left_out: ``(configuration, why)`` for each one not run; filled on construction.
+        device_reason: why this device (``"auto: no CUDA device is visible"``); filled on construction.
+
+    Raises:
+        SpecError: (a ``ValueError``) naming the setting, the value as given and what is expected.
+    """
+
+    configs: str | Sequence[str] | None = None
+    repeats: int = 3
+    timeout_s: float = 900.0
+    batch_sizes: tuple[int, ...] = ()
+    precision_from: str | None = None
+    ignored_trainer_settings: Mapping[str, Any] = field(default_factory=dict)
+    left_out: tuple[tuple[str, str], ...] = ()
+    device_reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise SpecError("stage", self.stage, f"one of {', '.join(STAGES)}")
+        for name, minimum in (("steps", 1), ("warmup_steps", 1), ("repeats", 1), ("predict_batches", 0)):
+            _positive(self, name, minimum)
+        _positive(self, "num_workers", 0)
+        if self.batch_size is not None:
+            _positive(self, "batch_size", 1)
+        sizes = tuple(self.batch_sizes)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or len(set(sizes)) < len(sizes):
+            raise SpecError("batch_sizes", self.batch_sizes, "distinct integers >= 1, e.g. (1, 8, 32)")
+        if sizes and self.batch_size is not None:
+            raise SpecError("batch_sizes", sizes, "no batch_sizes together with batch_size")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise SpecError("timeout_s", self.timeout_s, "a number of seconds > 0")
+        device, why = resolve_device(self.device)
+        if self.source is None:
+            check_workload(self.workload)
+        preset = check_preset(self.preset, device.split(":")[0])
+        configs, left_out = _resolve_configs(self.configs, device, self.stage, self.left_out)
+        set_ = object.__setattr__
+        set_(self, "device", device)
+        set_(self, "device_reason", self.device_reason if self.device == device and self.device_reason else why)
+        set_(self, "preset", preset)
+        set_(self, "configs", configs)
+        set_(self, "left_out", left_out)
+        set_(self, "batch_sizes", sizes)
+        set_(self, "ignored_trainer_settings", dict(self.ignored_trainer_settings))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The resolved configuration names, ``baseline`` first."""
+        return tuple(self.configs or ())
+
+    def run_spec(self, config: str, repeat: int) -> RunSpec:
+        """What the worker process of ``config``'s repeat ``repeat`` runs (FLOPs are counted on repeat 0 of a fit)."""
+        shared = {f.name: getattr(self, f.name) for f in fields(RunSettings)}
+        return RunSpec(**shared, config=config, repeat=repeat, count_flops=repeat == 0 and self.stage == "fit")
+
+    def per_batch_size(self) -> list[BenchSpec]:
+        """The benches of a sweep, one per batch size (this spec alone when it is not a sweep)."""
+        if not self.batch_sizes:
+            return [self]
+        return [replace(self, batch_size=size, batch_sizes=()) for size in self.batch_sizes]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``options`` of the results file."""
+        data = asdict(self)
+        data["configs"] = list(self.names)
+        data["left_out"] = [list(item) for item in self.left_out]
+        data["batch_sizes"] = list(self.batch_sizes)
+        return data
+
+
+def check_config_names(configs: str | Sequence[str], owner: str = "BenchSpec") -> tuple[str, ...]:
+    """The configurations named in ``configs`` (a comma-separated string or a sequence), each a registered name or a
+    ``+``-joined stack, in order and without duplicates; a :class:`SpecError` echoing ``configs`` as given for an
+    empty or unknown name (with the nearest registered one) or a stack whose parts conflict."""
+    from lightning_perf.benchmark import configs as registry
+
+    items = configs.split(",") if isinstance(configs, str) else list(configs)
+    expected = "comma-separated configuration names, each a registered name or a '+'-joined stack (--list shows them)"
+    if not items or any(not isinstance(item, str) for item in items) or all(not item.strip() for item in items):
+        raise SpecError("configs", configs, expected, owner)
+    items = [item.strip() for item in items]
+    if any(not item for item in items):
+        raise SpecError("configs", configs, expected + ", with no empty name between commas", owner)
+    known = registry.available_configs()
+    resolved: list[str] = []
+    for item in items:
+        for part in (p.strip() for p in item.split("+")):
+            if part not in known:
+                hint = did_you_mean(part, known) or f"--list shows all {len(known)}"
+                raise SpecError("configs", configs, f"registered names (unknown configuration {part!r}: {hint})", owner)
+        try:
+            name = registry.get_config(item).name
+        except ValueError as exc:  # a stack whose parts conflict (two precisions, two strategies)
+            raise SpecError("configs", configs, f"a stack that can be built: {str(exc).rstrip('.')}", owner) from None
+        if name not in resolved:
+            resolved.append(name)
+    return tuple(resolved)
+
+
+def _resolve_configs(
+    configs: str | Sequence[str] | None, device: str, stage: str, left_out: Sequence[tuple[str, str]]
+) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The names to run (``baseline`` first) and the ones left out with why; every name is looked up here, once."""
+    import torch
+
+    from lightning_perf.benchmark import configs as registry
+
+    if configs is None:
+        names, out = registry.default_configs(torch.device(device), stage=stage)
+        return tuple(names), tuple(out)
+    if isinstance(configs, str) and configs.strip() == "all":
+        names, out = registry.split_by_stage(registry.available_configs(), stage)
+        return tuple(names), tuple((name, why) for name, why in out if name != BASELINE)
+    if isinstance(configs, (list, tuple)) and list(configs) == ["all"]:
+        return _resolve_configs("all", device, stage, left_out)
+    resolved = list(check_config_names(configs))
+    if BASELINE not in resolved:  # every ratio is taken against a baseline measured in the same session
+        resolved.insert(0, BASELINE)
+    kept, out = registry.split_by_stage(resolved, stage)
+    # A re-built spec passes its left-out list back in: keep the entries that are not run now.
+    earlier = tuple((name, why) for name, why in left_out if name not in kept and name not in dict(out))
+    return tuple(kept), (*earlier, *out)
