@@ -6,7 +6,9 @@ capture, guards, caches and counters, without inductor's cold compile.
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from lightning_perf.functional.compile import (
     compile_modules,
     compile_options,
     compile_regions,
+    fresh_compile_cache,
     is_compiler_error,
     select_regions,
     top_level_blocks,
@@ -302,4 +305,22 @@ def test_a_shape_error_is_the_models_own_not_dynamos() -> None:
             model(torch.randn(2, 5))
     assert type(info.value) is RuntimeError and not is_compiler_error(info.value)
     assert compiled.active == ["0"]
+    compiled.remove()
+
+
+def test_fresh_compile_cache_compiles_cold_in_a_new_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "warm"))
+    backend = CountingBackend()
+    block = Block()
+    compiled = compile_regions(block, backend=backend)
+    block(torch.randn(2, 8))
+    assert len(backend.graphs) == 1
+    with fresh_compile_cache(tmp_path / "cold") as folder:
+        assert folder == str(tmp_path / "cold") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        block(torch.randn(2, 8))  # the dynamo cache was reset: compiled again, as in a new process
+        assert len(backend.graphs) == 2
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "warm")
+    with fresh_compile_cache() as folder:
+        assert os.path.isdir(folder) and folder != str(tmp_path / "warm")
+    assert not os.path.exists(folder)  # a temporary folder of its own, removed afterwards
     compiled.remove()
