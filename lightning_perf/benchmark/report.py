@@ -50,7 +50,8 @@ TABLE_LEGEND = (
 CONSOLE_COLUMNS = ("config", "step ms", "speed-up", "verdict", "memory", "predict", "MFU")
 CONSOLE_LEGEND = (
     "speed-up: baseline step time / step time, paired per repeat, [95% interval]; memory, predict: ratios to "
-    "baseline (~ : no clear difference, or one repeat). ? and (disturbed): measured while the machine was disturbed. " + MFU_LEGEND
+    "baseline (~ : no clear difference, or one repeat). ? and (disturbed): measured while the machine was "
+    "disturbed. " + MFU_LEGEND
 )
 
 
@@ -169,7 +170,8 @@ INFERENCE_LEGEND = (
 INFERENCE_CONSOLE_COLUMNS = ("config", "p50 ms", "p50 speed-up", "verdict", "p95 | p99", "memory")
 INFERENCE_CONSOLE_LEGEND = (
     "speed-up: baseline latency / latency per batch, paired per repeat, [95% interval]; p95 | p99, memory: ratios to "
-    "baseline (~ : no clear difference, or one repeat). ? and (disturbed): measured while the machine was disturbed. Throughput, "
+    "baseline (~ : no clear difference, or one repeat). ? and (disturbed): measured while the machine was "
+    "disturbed. Throughput, "
     "first-batch and warm-up ratios are in the Markdown file."
 )
 

@@ -202,7 +202,11 @@ def test_files_are_never_overwritten_silently(tmp_path: Path, monkeypatch: pytes
     ("rows", "extra", "words"),
     [
         (("a,,,,,convnet", "b,,,zero,,convnet"), [], "tasks.csv, line 3, column 'steps': 'zero' is not valid"),
-        (("a,,warp,,,convnet",), [], "line 2, column 'configs': 'warp' is not valid. Expected registered names (unknown configuration 'warp'"),
+        (
+            ("a,,warp,,,convnet",),
+            [],
+            "line 2, column 'configs': 'warp' is not valid. Expected registered names (unknown configuration 'warp'",
+        ),
         (("a,missing.yaml,,,,",), [], "line 2, column 'config': "),
         (("a,,,,,convnet",), ["--workload", "lm"], "argument --workload: not valid with --tasks"),
         (("a,,,,,convnet",), ["--ref", "nope"], "argument --ref: 'nope' is not valid"),
