@@ -17,6 +17,7 @@ import math
 import numbers
 import os
 import platform
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEMA_VERSION",
+    "bar_figure",
     "environment_info",
     "format_bytes",
     "format_seconds",
@@ -41,7 +43,9 @@ __all__ = [
     "plot_stacked_steps",
     "print_table",
     "rich_table",
+    "text_table",
     "to_jsonable",
+    "wrap_lines",
     "write_json",
     "write_markdown",
 ]
@@ -360,6 +364,90 @@ def print_table(
     console.print(rich_table(columns, rows, title=title))
 
 
+CONSOLE_WIDTH = 80
+"""The width every console line of the bench, compare and the tuner fits in: nothing is cut, long text is wrapped."""
+
+
+def wrap_lines(text: str, width: int = CONSOLE_WIDTH, indent: str = "  ") -> list[str]:
+    """``text`` wrapped at spaces to lines of at most ``width`` characters, continuation lines indented by ``indent``.
+
+    A word longer than a line (a long path) is broken rather than cut, so nothing is lost and no line is longer than
+    ``width``; explicit line breaks in ``text`` are kept.
+    """
+    lines = []
+    for paragraph in text.splitlines() or [""]:
+        lines += textwrap.wrap(
+            paragraph, width, subsequent_indent=indent, break_on_hyphens=False, break_long_words=True
+        ) or [""]
+    return lines
+
+
+def _wrap_cell(text: str, width: int) -> list[str]:
+    lines = []
+    for part in text.splitlines() or [""]:
+        lines += textwrap.wrap(part, width, break_on_hyphens=False, break_long_words=True) or [""]
+    return lines
+
+
+def _words_width(text: str) -> int:
+    return max((len(word) for word in text.split()), default=0)
+
+
+def text_table(
+    columns: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    title: str | None = None,
+    width: int = CONSOLE_WIDTH,
+    gap: int = 2,
+) -> str:
+    """A plain-text table that fits ``width`` columns without cutting anything: cells wrap at spaces.
+
+    Columns start at their natural width; while the table is too wide, the widest column that can still wrap
+    without breaking a word gives up one character. Only when even the longest words do not fit are words broken
+    (never shortened with an ellipsis). Cells may hold line breaks; numbers are formatted as in
+    :func:`markdown_table` and right-aligned.
+
+    Raises:
+        ValueError: if a row does not have one cell per column, or ``width`` leaves no room for them.
+    """
+    numeric = _check_rows(columns, rows)
+    header = [str(c) for c in columns]
+    body = [[_cell_text(cell) for cell in row] for row in rows]
+    cells = [header, *body]
+    count = len(columns)
+    if width < count * (1 + gap):
+        raise ValueError(f"`text_table(width={width!r})` is too narrow for {count} columns.")
+    natural = [max(max(len(line) for line in (row[j].splitlines() or [""])) for row in cells) for j in range(count)]
+    floor = [max(1, max(_words_width(row[j]) for row in cells)) for j in range(count)]
+    widths = [max(n, 1) for n in natural]
+    room = width - gap * (count - 1)
+    while sum(widths) > room:
+        shrinkable = [j for j in range(count) if widths[j] > floor[j]]
+        if not shrinkable:  # the longest words do not fit: break them, widest column first
+            shrinkable = [j for j in range(count) if widths[j] > 1]
+        j = max(shrinkable, key=lambda k: widths[k])
+        widths[j] -= 1
+
+    def render(row: Sequence[str], align: Sequence[bool]) -> list[str]:
+        wrapped = [_wrap_cell(cell, w) for cell, w in zip(row, widths)]
+        height = max(len(w) for w in wrapped)
+        out = []
+        for i in range(height):
+            parts = []
+            for lines, w, right in zip(wrapped, widths, align):
+                piece = lines[i] if i < len(lines) else ""
+                parts.append(piece.rjust(w) if right else piece.ljust(w))
+            out.append((" " * gap).join(parts).rstrip())
+        return out
+
+    lines = wrap_lines(title, width) if title else []
+    lines += render(header, [False] * count)
+    lines.append((" " * gap).join("-" * w for w in widths))
+    for row in body:
+        lines += render(row, numeric)
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------------------------------------- charts
 
 
@@ -392,6 +480,7 @@ def plot_bars(
     title: str = "",
     ylabel: str = "",
     reference: float | None = None,
+    marks: Sequence[str | None] | None = None,
 ) -> Path:
     """A bar chart, one bar per label with optional error bars (e.g. speed-up per configuration), as PNG.
 
@@ -404,6 +493,10 @@ def plot_bars(
         title: chart title.
         ylabel: y-axis label.
         reference: draw a dashed horizontal line at this height (e.g. 1.0 for "as fast as the baseline").
+        marks: per bar, a short word saying why not to trust it (``"disturbed"``, ``"unsettled"``) or None: each
+            word gets a hatch pattern and a legend entry.
+
+    Labels, title and axis label are wrapped, never cut: a stack's name breaks after its ``+``.
 
     Returns:
         ``path`` as a :class:`Path`.
@@ -412,14 +505,47 @@ def plot_bars(
         ModuleNotFoundError: if matplotlib is not installed (the ``plot`` extra).
         ValueError: if the inputs are empty or of different lengths.
     """
+    return _save_png(bar_figure(labels, values, errors, title=title, ylabel=ylabel, reference=reference, marks=marks),
+                     path)  # fmt: skip
+
+
+_HATCHES = ("//", "xx", "..", "\\\\", "++")
+
+
+def _wrap_label(label: str, width: int) -> str:
+    """A tick label on several lines (after ``+`` and spaces), whole."""
+    return "\n".join(textwrap.wrap(label.replace("+", "+ "), width, break_long_words=False)).replace("+ ", "+")
+
+
+def bar_figure(
+    labels: Sequence[str],
+    values: Sequence[float | None],
+    errors: Sequence[float | tuple[float, float] | None] | None = None,
+    *,
+    title: str = "",
+    ylabel: str = "",
+    reference: float | None = None,
+    marks: Sequence[str | None] | None = None,
+) -> Any:
+    """The figure :func:`plot_bars` saves (a matplotlib ``Figure``), for a caller that adds to it or a test.
+
+    Raises:
+        ModuleNotFoundError: if matplotlib is not installed (the ``plot`` extra).
+        ValueError: if the inputs are empty or of different lengths.
+    """
     if not labels:
         raise ValueError("`plot_bars()` got no bars: `labels` is empty.")
-    if len(values) != len(labels) or (errors is not None and len(errors) != len(labels)):
+    if (
+        len(values) != len(labels)
+        or (errors is not None and len(errors) != len(labels))
+        or (marks is not None and len(marks) != len(labels))
+    ):
         raise ValueError(
-            f"`plot_bars()` needs one value (and one error) per label: got {len(labels)} labels, {len(values)} "
-            f"values{'' if errors is None else f', {len(errors)} errors'}."
+            f"`plot_bars()` needs one value (and one error, one mark) per label: got {len(labels)} labels, "
+            f"{len(values)} values{'' if errors is None else f', {len(errors)} errors'}"
+            f"{'' if marks is None else f', {len(marks)} marks'}."
         )
-    fig = _figure("plot_bars()", (max(4.0, 0.9 * len(labels) + 2.0), 4.0))
+    fig = _figure("plot_bars()", (max(5.0, 1.1 * len(labels) + 2.0), 4.5))
     ax = fig.add_subplot()
     heights = [_number(v) for v in values]
     yerr = None
@@ -432,22 +558,38 @@ def plot_bars(
         yerr = [below, above]
     positions = list(range(len(labels)))
     bars = ax.bar(positions, heights, yerr=yerr, capsize=4, color="tab:blue", alpha=0.85)
+    words = list(dict.fromkeys(m for m in (marks or ()) if m))
+    for bar, mark in zip(bars, marks or ()):
+        if mark:
+            bar.set_hatch(_HATCHES[words.index(mark) % len(_HATCHES)])
+            bar.set_edgecolor("black")
+    if words:
+        patch = importlib.import_module("matplotlib.patches").Patch
+        handles = [
+            patch(facecolor="tab:blue", alpha=0.85, edgecolor="black", hatch=_HATCHES[i % len(_HATCHES)], label=word)
+            for i, word in enumerate(words)
+        ]
+        ax.legend(handles=handles, fontsize="small", loc="best")
     ax.bar_label(
         bars, labels=["" if math.isnan(h) else _signed_three_digits(h) for h in heights], padding=2, fontsize=8
     )
     for position, height in zip(positions, heights):
         if math.isnan(height):  # say that a bar is missing rather than leave a gap that reads as zero
             ax.text(position, 0, "n/a", ha="center", va="bottom", fontsize=8)
-    rotate = len(labels) > 4
+    rotate = len(labels) > 6
     ax.set_xticks(
-        positions, [str(label) for label in labels], rotation=30 if rotate else 0, ha="right" if rotate else "center"
+        positions,
+        [_wrap_label(str(label), 16) for label in labels],
+        rotation=30 if rotate else 0,
+        ha="right" if rotate else "center",
+        fontsize=8,
     )
     ax.set_xlim(-0.6, len(labels) - 0.4)  # a missing (NaN) bar at either end would otherwise fall off the axes
     if reference is not None:
         ax.axhline(reference, color="gray", linestyle="--", linewidth=1)
-    ax.set_title(title)
-    ax.set_ylabel(ylabel)
-    return _save_png(fig, path)
+    ax.set_title("\n".join(textwrap.wrap(title, max(30, int(fig.get_figwidth() * 11)))), fontsize=10)
+    ax.set_ylabel("\n".join(textwrap.wrap(ylabel, 40)), fontsize=9)
+    return fig
 
 
 def plot_stacked_steps(

@@ -247,3 +247,56 @@ def test_importing_the_package_does_not_import_matplotlib() -> None:
     assert "lightning: False" in out  # the measurement layer does not need Lightning either
     assert "import: False" in out
     assert "draw: True False" in out  # drawing imports matplotlib, but never pyplot
+
+
+def test_text_table_fits_80_columns_without_cutting_a_word() -> None:
+    from lightning_perf.profiling.report import text_table
+
+    rows = [
+        ["baseline", 425.2, "1.00x", "reference (disturbed)", "1.00x", "25%"],
+        ["fused_optimizer", 450.0, "?0.94x\n[0.88-1.01]", "? no clear difference (disturbed)", "~1.00x", "?24%"],
+        ["channels_last+fused_optimizer", 262.1, "1.62x [1.51-1.82]", "faster; unsettled after 3 repeats", "", "40%"],
+    ]
+    text = text_table(["config", "step ms", "speed-up", "verdict", "memory", "MFU"], rows, title="convnet " * 15)
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+    assert "…" not in text
+    for word in ("channels_last+fused_optimizer", "fused_optimizer", "(disturbed)", "[0.88-1.01]", "unsettled"):
+        assert word in text  # every word whole, on one line
+    assert "425.2" in text and lines[0].startswith("convnet convnet")
+
+
+def test_text_table_breaks_words_only_when_they_cannot_fit() -> None:
+    from lightning_perf.profiling.report import text_table
+
+    text = text_table(["a", "b"], [["x" * 60, "y" * 60]], width=40)
+    assert all(len(line) <= 40 for line in text.splitlines())
+    assert text.count("x") == 60 and text.count("y") == 60  # broken, nothing lost
+    with pytest.raises(ValueError, match="width"):
+        text_table(["a", "b", "c"], [[1, 2, 3]], width=5)
+
+
+def test_wrap_lines_keeps_every_word_within_80_columns() -> None:
+    from lightning_perf.profiling.report import wrap_lines
+
+    warning = "warning: measurement disturbed by " + "other processes used 1.9 of 2 cores " * 5 + "/a/" + "p" * 100
+    lines = wrap_lines(warning)
+    assert all(len(line) <= 80 for line in lines) and len(lines) > 2
+    assert all(line.startswith("  ") for line in lines[1:])
+    assert "".join(lines).replace(" ", "") == warning.replace(" ", "")
+
+
+@needs_matplotlib
+def test_bar_chart_labels_whole_and_marked_bars_hatched() -> None:
+    from lightning_perf.profiling.report import bar_figure
+
+    labels = ["baseline", "channels_last+fused_optimizer", "fused_optimizer", "compile"]
+    ylabel = "baseline step time / configuration's step time (95% interval)"
+    fig = bar_figure(labels, [1.0, 1.7, 0.95, 1.2], ylabel=ylabel, marks=[None, "unsettled", "disturbed", None])
+    ax = fig.axes[0]
+    ticks = [t.get_text().replace("\n", "") for t in ax.get_xticklabels()]
+    assert ticks == labels
+    assert ax.get_ylabel().replace("\n", " ") == ylabel and max(map(len, ax.get_ylabel().splitlines())) <= 40
+    hatches = [bar.get_hatch() for bar in ax.patches]
+    assert hatches[0] is None and hatches[3] is None and hatches[1] and hatches[2] and hatches[1] != hatches[2]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["unsettled", "disturbed"]
