@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -68,6 +70,8 @@ class Stage(nn.Module):
 
 class NanoGPTAttention(nn.Module):
     """nanoGPT's ``CausalSelfAttention`` written out eagerly, with its dropouts and its causal ``bias`` buffer."""
+
+    bias: Tensor
 
     def __init__(self, n_embd: int = 16, n_head: int = 2, block_size: int = 32, dropout: float = 0.1) -> None:
         super().__init__()
@@ -259,3 +263,131 @@ class BranchesOnTraining(nn.Module):
         else:
             h = 0.5 * h
         return self.head(self.norm(x + h))
+
+
+# ---------------------------------------- models that shard themselves (FSDP2 in configure_model, tests/_multiproc.py)
+
+
+def shard_blocks(root: nn.Module, blocks: nn.ModuleList, mesh: Any) -> None:
+    """What a user of ``ModelParallelStrategy`` writes: ``fully_shard`` on every block, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(root, mesh=mesh)
+
+
+class _SelfShardingModule(pl.LightningModule):
+    """Deterministic data (no shuffling), SGD with momentum, and FSDP2 per block in ``configure_model``.
+
+    Under ``ModelParallelStrategy`` the blocks are sharded over the mesh's ``data_parallel`` dimension; under any
+    other strategy (no device mesh) ``configure_model`` leaves the model as it is, so the same class trains plainly.
+    """
+
+    net: nn.Module
+    data: torch.utils.data.TensorDataset
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        mesh = self.device_mesh
+        if mesh is None or isinstance(self.net, FSDPModule):
+            return
+        shard_blocks(self.net, self.net.blocks, mesh["data_parallel"])  # type: ignore[arg-type]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def _loss(self, batch: list[Tensor]) -> Tensor:
+        x, y = batch
+        out = self(x)
+        classes = out.shape[1] if out.dim() != 3 else out.shape[-1]
+        out = out.movedim(1, -1) if out.dim() != 3 else out
+        return F.cross_entropy(out.reshape(-1, classes), y.reshape(-1))
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def _loader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.data, batch_size=4)
+
+    train_dataloader = val_dataloader = test_dataloader = predict_dataloader = _loader
+
+
+class ShardedLM(_SelfShardingModule):
+    """A small decoder-only LM (nanoGPT blocks: eager causal attention + MLP) that shards itself block by block."""
+
+    def __init__(self, vocab: int = 32, dim: int = 32, depth: int = 2, seq: int = 16, samples: int = 32) -> None:
+        super().__init__()
+        self.net = TinyGPT(depth=depth, dim=dim, vocab=vocab)  # a 32-token causal mask: seq <= 32
+        g = torch.Generator().manual_seed(2)
+        tokens = torch.randint(0, vocab, (samples, seq + 1), generator=g)
+        self.data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        self.example_input_array = tokens[:4, :-1]
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self, width: int, dims: int) -> None:
+        super().__init__()
+        conv, norm = (nn.Conv2d, nn.BatchNorm2d) if dims == 2 else (nn.Conv3d, nn.BatchNorm3d)
+        self.conv1, self.bn1 = conv(width, width, 3, padding=1, bias=False), norm(width)
+        self.conv2, self.bn2 = conv(width, width, 3, padding=1, bias=False), norm(width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class _DenseConvNet(nn.Module):
+    def __init__(self, dims: int, width: int, depth: int, classes: int) -> None:
+        super().__init__()
+        conv = nn.Conv2d if dims == 2 else nn.Conv3d
+        self.stem = conv(3, width, 3, padding=1)
+        self.blocks = nn.ModuleList(_ConvBlock(width, dims) for _ in range(depth))
+        self.head = conv(width, classes, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(self.stem(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class ShardedConvNet(_SelfShardingModule):
+    """A dense-prediction residual conv net (2D or 3D, BatchNorm) that shards itself block by block.
+
+    Per-pixel (per-voxel) classes, so inference transforms that need a spatial output (sliding windows) apply too.
+    """
+
+    def __init__(self, dims: int = 2, width: int = 8, depth: int = 2, size: int = 16, samples: int = 32) -> None:
+        super().__init__()
+        if dims not in (2, 3):
+            raise ValueError(f"`ShardedConvNet(dims={dims!r})` is not valid. Expected 2 or 3.")
+        classes = 4
+        self.net = _DenseConvNet(dims, width, depth, classes)
+        g = torch.Generator().manual_seed(2)
+        size = size if dims == 2 else size // 2
+        shape = (size,) * dims
+        x = torch.randn(samples, 3, *shape, generator=g)
+        self.data = torch.utils.data.TensorDataset(x, torch.randint(0, classes, (samples, *shape), generator=g))
+        self.example_input_array = x[:4]
+
+
+SHARDED_MODELS: dict[str, Callable[[], pl.LightningModule]] = {
+    "lm": ShardedLM,
+    "conv2d": lambda: ShardedConvNet(dims=2),
+    "conv3d": lambda: ShardedConvNet(dims=3),
+}

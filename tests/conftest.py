@@ -8,6 +8,37 @@ import pytest
 import torch
 
 from lightning_perf._warnings import reset_warn_once
+from tests import _device
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        action="store",
+        default=None,
+        choices=_device.DEVICES,
+        help=(
+            "device for the registry's generic and trust tests (tests/test_generic.py, tests/test_trust.py): "
+            f"cpu (default) or cuda; also the environment variable {_device.ENV_VAR}"
+        ),
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        device = _device.resolve(
+            config.getoption("device", None), os.environ.get(_device.ENV_VAR), torch.cuda.is_available()
+        )
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    _device.select(device)
+    if device == "cuda":
+        # Before any CUDA work: cuBLAS reads it once (the resume test runs deterministically, tests/_device.py).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _device.CUBLAS_WORKSPACE_CONFIG)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"lightning_perf registry tests on: {_device.device()}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +14,21 @@ import torch
 import yaml
 
 from lightning_perf.demos import WORKLOADS, make_workload
-from tests.callback_settings import SETTINGS, Setting, params, public_classes
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests import _device, _multiproc
+from tests.callback_settings import (
+    SETTINGS,
+    Setting,
+    device_marks,
+    fsdp2_duplicate_of,
+    loss_mismatch,
+    params,
+    public_classes,
+)
 
 
 def _trainer(setting: Setting, root: Path, extra: Any = None, **overrides: Any) -> pl.Trainer:
     kwargs: dict[str, Any] = {
-        "accelerator": "cpu",
+        "accelerator": _device.accelerator(),  # pytest --device cuda (tests/_device.py)
         "devices": 1,
         "max_steps": 3,
         "limit_val_batches": 2,
@@ -50,9 +54,10 @@ def _trainer(setting: Setting, root: Path, extra: Any = None, **overrides: Any) 
 def _workload(setting: Setting, seed: int = 0) -> tuple[pl.LightningModule, pl.LightningDataModule]:
     """The setting's workload; ``seed`` picks the model's initial weights and the data (a checkpoint restores both).
 
-    The global seed stays 0: DDP-based strategies seed their sampler from it, even on one device.
+    The global seed stays 0: DDP-based strategies seed their sampler from it, even on one device. On CUDA data
+    loader workers are seeded too (``workers=True``), part of the resume test's deterministic settings.
     """
-    pl.seed_everything(0, verbose=False)
+    pl.seed_everything(0, verbose=False, workers=_device.on_cuda())
     return make_workload(setting.workload, setting.preset, seed=seed)
 
 
@@ -93,14 +98,24 @@ def test_fit_validate_test_predict(setting: Setting, tmp_path: Path) -> None:
     trainer.fit(model, datamodule=data)
     (val,) = trainer.validate(model, datamodule=data, verbose=False)
     (test,) = trainer.test(model, datamodule=data, verbose=False)
-    predictions = trainer.predict(model, datamodule=data)
+    predictions: list[Any] = list(trainer.predict(model, datamodule=data) or [])
     assert math.isfinite(val["val_loss"]) and math.isfinite(test["test_loss"])
     assert predictions and all(torch.isfinite(p).all() for p in predictions)
 
 
 @pytest.mark.parametrize("setting", params())
 def test_resume_equals_uninterrupted(setting: Setting, tmp_path: Path) -> None:
-    """Two epochs in one go equal one epoch, a checkpoint, and a resumed second epoch with fresh objects."""
+    """Two epochs in one go equal one epoch, a checkpoint, and a resumed second epoch with fresh objects.
+
+    On CUDA the three fits run with deterministic kernels (``tests/_device.py:deterministic``: deterministic
+    algorithms, cuDNN deterministic without autotuning, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, seeded workers), restored
+    after: without them cuDNN's kernels make two identical runs differ, whatever the callback.
+    """
+    with _device.deterministic() as how:
+        _resume_equals_uninterrupted(setting, tmp_path, how)
+
+
+def _resume_equals_uninterrupted(setting: Setting, tmp_path: Path, how: str) -> None:
     limits = {"limit_train_batches": 2, "max_steps": -1}
 
     model, data = _workload(setting)
@@ -121,7 +136,7 @@ def test_resume_equals_uninterrupted(setting: Setting, tmp_path: Path) -> None:
     expected, actual = model.state_dict(), resumed_model.state_dict()
     assert expected.keys() == actual.keys()
     for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], atol=setting.resume_atol, rtol=0, msg=key)
+        torch.testing.assert_close(actual[key], expected[key], atol=setting.resume_atol, rtol=0, msg=f"{key} ({how})")
 
 
 @pytest.mark.parametrize("setting", params())
@@ -147,7 +162,7 @@ def test_built_from_lightning_cli_yaml(setting: Setting, tmp_path: Path) -> None
     from lightning.pytorch.cli import LightningCLI
 
     entry = {"class_path": setting.class_path, "init_args": dict(setting.kwargs)}
-    trainer_cfg: dict[str, Any] = {"accelerator": "cpu", "devices": 1, "logger": False}
+    trainer_cfg: dict[str, Any] = {"accelerator": _device.accelerator(), "devices": 1, "logger": False}
     trainer_cfg.update({k: v for k, v in setting.trainer_kwargs.items() if isinstance(v, (str, int, float, bool))})
     trainer_cfg["strategy" if setting.is_strategy else "callbacks"] = entry if setting.is_strategy else [entry]
     config = {
@@ -168,7 +183,7 @@ def test_built_from_lightning_cli_yaml(setting: Setting, tmp_path: Path) -> None
     if setting.is_strategy:
         assert isinstance(cli.trainer.strategy, setting.cls)
     else:
-        assert any(isinstance(cb, setting.cls) for cb in cli.trainer.callbacks)
+        assert any(isinstance(cb, setting.cls) for cb in cli.trainer.callbacks)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("setting", params())
@@ -185,23 +200,189 @@ def test_pickles_before_and_after_fit(setting: Setting, tmp_path: Path) -> None:
     assert clone.state_dict().keys() == instance.state_dict().keys()
 
 
+# ------------------------------------------------------------------- 2 processes: DDP and FSDP2, in one shared launch
+
+DDP_TEST, FSDP2_TEST = "test_ddp_two_processes", "test_fsdp2_two_processes"
+# The whole matrix in one launch; a setting that hangs costs _multiproc.COLLECTIVE_TIMEOUT_S, then the rest is reported.
+LAUNCH_TIMEOUT_S = 1500
+
+
+class SharedLaunch:
+    """The results of the one 2-process launch that ran every selected DDP and FSDP2 job (``tests/_multiproc.py``)."""
+
+    def __init__(self, out: Path, log: Path, returncode: int | None, skip_reason: str = "") -> None:
+        self.out, self.log, self.returncode, self.skip_reason = out, log, returncode, skip_reason
+
+    def result(self, mode: str, setting: Setting | None, model: str | None = None) -> dict[str, Any]:
+        if self.skip_reason:
+            pytest.skip(self.skip_reason)
+        path = self.out / _multiproc.result_name(mode, setting.id if setting else None, model)
+        if not path.exists():
+            tail = self.log.read_text(errors="replace")[-4000:] if self.log.exists() else "(no log)"
+            pytest.fail(f"no result for this job from the shared launch (exit status {self.returncode}):\n{tail}")
+        return json.loads(path.read_text())
+
+
+def _jobs(items: list[pytest.Item]) -> list[dict[str, Any]]:
+    """The jobs of the selected 2-process tests (after -k/-m): DDP first, then each sharded model's plain run."""
+    ddp, fsdp2 = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        setting = callspec.params.get("setting") if callspec is not None else None
+        if not isinstance(setting, Setting) or item.get_closest_marker("skip") is not None:
+            continue
+        name = getattr(item, "originalname", "")
+        if name == DDP_TEST:
+            ddp.append({"mode": "ddp", "setting": setting.id, "model": None})
+        elif name == FSDP2_TEST and _fsdp2_runs(setting):
+            fsdp2.append({"mode": "fsdp2", "setting": setting.id, "model": setting.sharded_model})
+    plain = [{"mode": "fsdp2", "setting": None, "model": m} for m in dict.fromkeys(j["model"] for j in fsdp2)]
+    return ddp + plain + fsdp2
+
+
+def _fsdp2_runs(setting: Setting) -> bool:
+    return setting.fsdp2_mode != "skip" and fsdp2_duplicate_of(setting) is None and not setting.is_strategy
+
+
+@pytest.fixture(scope="session")
+def shared_launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SharedLaunch:
+    """Starts the 2 processes once for every selected DDP and FSDP2 test (about 8 s of start-up, paid once)."""
+    out = tmp_path_factory.mktemp("multiproc")
+    log = out / "launch.log"
+    if _device.on_cuda() and torch.cuda.device_count() < 2:
+        reason = (
+            f"2-process tests on CUDA need 2 GPUs; this machine has {torch.cuda.device_count()} "
+            "(CPU CI runs them with gloo)"
+        )
+        return SharedLaunch(out, log, None, reason)
+    jobs = _jobs(request.session.items)
+    returncode = _multiproc.run(jobs, out, _device.device(), LAUNCH_TIMEOUT_S, log)
+    return SharedLaunch(out, log, returncode)
+
+
+def _failures(report: dict[str, Any]) -> str:
+    failed = [r for r in report["ranks"] if not r["ok"]]
+    return "\n".join(f"rank {r.get('rank', '?')}: {r['error']}\n{r.get('traceback') or ''}" for r in failed)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("setting", params([s for s in SETTINGS if s.ddp]))
-def test_ddp_two_processes(setting: Setting, tmp_path: Path) -> None:
-    """A 2-process DDP fit on CPU (gloo) runs the callback on both ranks and ends with identical weights."""
-    result = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tests" / "_ddp_fit.py"), setting.id, str(result), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(result.read_text())
-    assert report["world_size"] == 2
-    assert report["global_step"] == 3
-    assert report["ranks_agree"], "parameters differ between ranks after DDP training"
+def test_ddp_two_processes(setting: Setting, shared_launch: SharedLaunch) -> None:
+    """A 2-process DDP fit (gloo on CPU) runs the callback on both ranks and ends with identical weights."""
+    report = shared_launch.result("ddp", setting)
+    assert all(r["ok"] for r in report["ranks"]), _failures(report)
+    for rank in report["ranks"]:
+        assert rank["world_size"] == 2
+        assert rank["global_step"] == 3
+        assert len(rank["losses"]) == 3 and all(math.isfinite(x) for x in rank["losses"])
+    assert report["ranks_agree"], f"parameters differ between ranks after DDP training: {report['checksums']}"
+
+
+def _fsdp2_params() -> list[Any]:
+    out = []
+    for s in SETTINGS:
+        marks = device_marks(s)
+        if s.fsdp2_mode == "xfail":
+            marks = (*marks, pytest.mark.xfail(strict=True, reason=f"under FSDP2: {s.fsdp2_reason}"))
+        out.append(pytest.param(s, marks=marks, id=s.id))
+    return out
+
+
+STRATEGY_NAME = "ModelParallelStrategy"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("setting", _fsdp2_params())
+def test_fsdp2_two_processes(setting: Setting, shared_launch: SharedLaunch) -> None:
+    """Under ``ModelParallelStrategy`` (FSDP2 per block in ``configure_model``, 2 processes), the callback trains
+    with the plain FSDP2 run's losses (in the terms of its ``numerics``) without a warning, or refuses at setup with
+    a message naming the strategy."""
+    if setting.is_strategy:
+        pytest.skip(f"{setting.id} is a strategy: it takes the place of {STRATEGY_NAME}")
+    if setting.fsdp2_mode == "skip":
+        pytest.skip(setting.fsdp2_reason)
+    duplicate = fsdp2_duplicate_of(setting)
+    if duplicate is not None:
+        pytest.skip(f"the same class and arguments on the same sharded model as {duplicate.id}")
+    plain = shared_launch.result("fsdp2", None, setting.sharded_model)
+    assert all(r["ok"] for r in plain["ranks"]), f"the plain FSDP2 run failed:\n{_failures(plain)}"
+    report = shared_launch.result("fsdp2", setting)
+    ranks = report["ranks"]
+    said = [r["error"] for r in ranks if r["error"]] + [
+        w["message"] for r in ranks for w in r.get("warnings", ()) if w["lightning_perf"]
+    ]
+    if setting.fsdp2_mode == "refuses":
+        assert any(STRATEGY_NAME in message for message in said), (
+            f"{setting.id} is registered as refusing FSDP2 but said nothing naming {STRATEGY_NAME}: {said}"
+        )
+        if not all(r["ok"] for r in ranks):
+            return  # refused with an error at setup
+    else:
+        assert all(r["ok"] for r in ranks), _failures(report)
+        assert not said, f"{setting.id} warned under FSDP2: {said}"
+    for rank, reference in zip(ranks, plain["ranks"]):
+        assert rank["strategy"] == STRATEGY_NAME
+        assert rank["global_step"] == 3 and len(rank["losses"]) == len(reference["losses"]) == 3
+        for step, (loss, expected) in enumerate(zip(rank["losses"], reference["losses"])):
+            problem = loss_mismatch(setting, loss, expected)
+            assert problem is None, f"{setting.id} under FSDP2, rank {rank['rank']}, step {step}: {problem}"
+
+
+# ------------------------------------------------------------------------------------------------- the device switch
+
+
+@pytest.mark.parametrize(
+    ("option", "env", "cuda", "expected"),
+    [
+        (None, None, False, "cpu"),
+        (None, "", True, "cpu"),
+        ("cpu", "cuda", True, "cpu"),  # the option wins over the variable
+        (None, "CUDA", True, "cuda"),
+        ("cuda", None, True, "cuda"),
+    ],
+)
+def test_device_switch_resolves(option: str | None, env: str | None, cuda: bool, expected: str) -> None:
+    assert _device.resolve(option, env, cuda) == expected
+
+
+@pytest.mark.parametrize(
+    ("option", "env", "match"),
+    [
+        ("cuda", None, r"--device=cuda .* no CUDA device"),
+        (None, "cuda", r"LIGHTNING_PERF_TEST_DEVICE=cuda .* no CUDA device"),
+        (None, "tpu", r"LIGHTNING_PERF_TEST_DEVICE='tpu' is not a test device. Expected one of \('cpu', 'cuda'\)"),
+    ],
+)
+def test_device_switch_refuses(option: str | None, env: str | None, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _device.resolve(option, env, cuda_available=False)
+
+
+def test_device_switch_selects_the_accelerator(tmp_path: Path) -> None:
+    """The trainers of the generic tests take their accelerator from the switch (CPU here: a CPU-only check)."""
+    setting = SETTINGS[0]
+    assert _device.device() == ("cuda" if _device.on_cuda() else "cpu")
+    expected = "CUDAAccelerator" if _device.on_cuda() else "CPUAccelerator"
+    assert type(_trainer(setting, tmp_path).accelerator).__name__ == expected
+    saved = _device.device()
+    try:
+        _device.select("cuda")
+        assert _device.accelerator() == "gpu"
+        _device.select("cpu")
+        assert _device.accelerator() == "cpu"
+        with pytest.raises(ValueError, match=r"select\(device='xpu'\)"):
+            _device.select("xpu")
+    finally:
+        _device.select(saved)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_device_cuda_without_cuda_is_a_usage_error(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    cmd = [sys.executable, "-m", "pytest", "--device", "cuda", "--co", "-q", "-p", "no:cacheprovider", str(here)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=here.parent, check=False)
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--device=cuda asks for the registry's tests on CUDA, but torch sees no CUDA device" in proc.stderr

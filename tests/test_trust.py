@@ -32,8 +32,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_perf.functional.backend_flags import capture
+from tests import _device
 from tests._models import BranchesOnTraining, ConvBNDropout, EncoderWithDropout, FusedQKVTransformer
-from tests.callback_settings import SETTINGS, Setting, params
+from tests.callback_settings import CLOSE, LOSSY_BAND, SETTINGS, Setting, params
 
 pytestmark = pytest.mark.filterwarnings("ignore::lightning_perf.NoEffectWarning")
 
@@ -47,10 +48,6 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
 # The model each entry's undo test runs on: the kind its reference workload has (convolutions or attention).
 UNDO_MODEL = {"convnet": "conv_bn_dropout", "unet3d": "conv_bn_dropout", "vit": "fused_qkv_attention"}
 UNDO_MODEL["lm"] = "fused_qkv_attention"
-# "close": three SGD steps carry the rounding differences of the first forward on, a little amplified.
-CLOSE = {"rtol": 1e-4, "atol": 1e-5}
-# "lossy": a loss stays within this factor of the plain run's loss at the same step.
-LOSSY_BAND = 1.5
 
 
 class TrustModule(pl.LightningModule):
@@ -159,7 +156,7 @@ class Raise(Callback):
 
 def _trainer(setting: Setting, root: Path, instance: Any, extra: list[Callback], **overrides: Any) -> pl.Trainer:
     kwargs: dict[str, Any] = {
-        "accelerator": "cpu",
+        "accelerator": _device.accelerator(),  # pytest --device cuda (tests/_device.py)
         "devices": 1,
         "max_epochs": 1,
         "limit_train_batches": 3,
@@ -220,7 +217,9 @@ def _compare(setting: Setting, what: str, actual: torch.Tensor, expected: torch.
     if setting.numerics == "exact":
         assert torch.equal(actual, expected), f"{setting.id}: {what} differs from the plain run"
     elif setting.numerics == "close":
-        torch.testing.assert_close(actual, expected, **CLOSE, msg=lambda m: f"{setting.id}: {what}: {m}")
+        torch.testing.assert_close(
+            actual, expected, rtol=CLOSE["rtol"], atol=CLOSE["atol"], msg=lambda m: f"{setting.id}: {what}: {m}"
+        )
     else:
         assert actual.shape == expected.shape and actual.dtype == expected.dtype, f"{setting.id}: {what}"
         if actual.is_floating_point():
@@ -279,10 +278,10 @@ def test_training_unchanged(setting: Setting, model_name: str, tmp_path: Path) -
 
     # Gradients, by the plain model's parameter names.
     assert len(run.grads) == len(plain_run.grads) == 3
-    for step, (grads, reference) in enumerate(zip(run.grads, plain_run.grads)):
-        assert grads.keys() == reference.keys(), f"{setting.id}: gradients at step {step} are of other parameters"
-        for name in reference:
-            _compare(setting, f"gradient of {name} at step {step}", grads[name], reference[name])
+    for step, (grads, plain_grads) in enumerate(zip(run.grads, plain_run.grads)):
+        assert grads.keys() == plain_grads.keys(), f"{setting.id}: gradients at step {step} are of other parameters"
+        for name in plain_grads:
+            _compare(setting, f"gradient of {name} at step {step}", grads[name], plain_grads[name])
 
     # The final state_dict (weights, batch norm running statistics, counters).
     state, reference_state = model.state_dict(), plain.state_dict()
