@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-__all__ = ["Stats", "median", "percentile", "summarize"]
+__all__ = ["Stats", "median", "median_of_repeats", "percentile", "summarize"]
 
 _NAN = float("nan")
 
@@ -80,6 +80,27 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 def median(values: Sequence[float]) -> float:
     """The median of the values (the mean of the two middle ones for an even count); NaN when empty."""
     return percentile(values, 50.0)
+
+
+def median_of_repeats(repeats: Sequence[Sequence[float] | float]) -> float:
+    """The figure a repeated measurement quotes: the median of the per-repeat medians; NaN when there is none.
+
+    The one definition of a configuration's step time shared by ``lightning-perf bench`` (its table) and
+    ``lightning-perf compare`` (reading the same file), so both print the same number. Each repeat is one process:
+    its steady-state step times (warm-up excluded) or one figure; empty repeats are skipped. Per repeat first, so a
+    repeat with more steps does not weigh more, and the ratios (paired per repeat) and the time quoted agree.
+
+    Example::
+
+        >>> median_of_repeats([[1.0, 1.2, 1.1], [2.0, 2.1], 1.5])
+        1.5
+    """
+    medians = []
+    for repeat in repeats:
+        values = [float(repeat)] if isinstance(repeat, (int, float)) else [float(v) for v in repeat]
+        if values:
+            medians.append(median(values))
+    return median(medians)
 
 
 def summarize(values: Sequence[float]) -> Stats:
