@@ -58,12 +58,14 @@ class Float8TrainingCallback(Callback):
     measured ratio (:attr:`plan`). ``filter="all"`` converts every eligible layer unmeasured; a callable
     ``filter(module, fqn) -> bool`` decides alone.
 
-    Gates, each said once on rank zero, with training left unchanged: no CUDA GPU of compute capability 8.9+ (Ada,
-    Hopper or newer), a precision other than ``"bf16-mixed"`` / ``"bf16-true"``, a ``validate``/``test``/``predict``
-    run (float8 here is a training speed-up), layers already sharded by FSDP2 (``ModelParallelStrategy`` with
-    ``fully_shard`` in ``configure_model``: torchao converts before sharding, so call
-    :func:`~lightning_perf.functional.float8.convert_to_float8` there, before ``fully_shard``). Without a
-    :class:`~lightning_perf.callbacks.CompileCallback` (or a compiled module) it warns that float8 is slow uncompiled.
+    Gates, checked in this order once ``configure_model`` has run, each said once on rank zero (a
+    :class:`~lightning_perf.NoEffectWarning`) with training left unchanged: layers already sharded by FSDP2
+    (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``: torchao converts before sharding, so call
+    :func:`~lightning_perf.functional.float8.convert_to_float8` there, before ``fully_shard``; the message names the
+    strategy), no CUDA GPU of compute capability 8.9+ (Ada, Hopper or newer), a precision other than ``"bf16-mixed"`` /
+    ``"bf16-true"``, no layer chosen. ``validate``/``test``/``predict`` runs are left alone (float8 here is a training
+    speed-up). Without a :class:`~lightning_perf.callbacks.CompileCallback` (or a module compiled in place) it warns
+    once that float8 is slow uncompiled.
 
     When it helps: large matrix products (transformers of roughly 1B parameters and up, hidden sizes of 2048+) on H100,
     H200, L40S, RTX 4090 and newer, with ``torch.compile``. When it hurts: small layers (casting costs more than the
