@@ -376,13 +376,35 @@ def test_device_switch_selects_the_accelerator(tmp_path: Path) -> None:
         _device.select(saved)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_device_cuda_without_cuda_is_a_usage_error(tmp_path: Path) -> None:
-    import subprocess
-    import sys
+class _Config:
+    """What ``pytest_configure`` reads of a ``pytest.Config``: the ``--device`` option."""
 
-    here = Path(__file__).resolve().parent
-    cmd = [sys.executable, "-m", "pytest", "--device", "cuda", "--co", "-q", "-p", "no:cacheprovider", str(here)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=here.parent, check=False)
-    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "--device=cuda asks for the registry's tests on CUDA, but torch sees no CUDA device" in proc.stderr
+    def __init__(self, device: str | None) -> None:
+        self.device = device
+
+    def getoption(self, name: str, default: Any = None) -> Any:
+        return self.device if name == "device" else default
+
+
+@pytest.mark.parametrize(("option", "env"), [("cuda", None), (None, "cuda")])
+def test_device_cuda_without_cuda_is_a_usage_error(
+    option: str | None, env: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pytest --device cuda`` (or the variable) on a machine without CUDA stops the session with a usage error."""
+    from tests import conftest
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if env is None:
+        monkeypatch.delenv(_device.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(_device.ENV_VAR, env)
+    saved = _device.device()
+    try:
+        with pytest.raises(pytest.UsageError, match="asks for the registry's tests on CUDA, but torch sees no CUDA"):
+            conftest.pytest_configure(_Config(option))  # type: ignore[arg-type]
+        assert _device.device() == saved  # nothing selected
+        monkeypatch.delenv(_device.ENV_VAR, raising=False)
+        conftest.pytest_configure(_Config("cpu"))  # type: ignore[arg-type]
+        assert _device.device() == "cpu"
+    finally:
+        _device.select(saved)
