@@ -61,6 +61,7 @@ from lightning_perf.deploy.inputs import (
 from lightning_perf.deploy.onnx import OnnxBackend
 from lightning_perf.deploy.tensorrt import TensorRTBackend
 from lightning_perf.deploy.validate import Tolerance, ValidationResult, flat_outputs, full_fp32, validate_runner
+from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, measure_latency
 
 __all__ = [
@@ -307,6 +308,7 @@ def export_model(
     batches = {b: take_batch(tuple(t.to(dev) for t in pool), b) for b in sizes}
 
     reference = copy.deepcopy(model).eval().to(device=dev, dtype=torch.float32)
+    disable_cache(reference)  # a Hugging Face model exports and validates without its key/value cache
     with full_fp32(dev):
         ref_outputs = {b: flat_outputs(reference(*cast_inputs(batches[b], torch.float32, dev))) for b in sizes}
     output_names = ref_outputs[sizes[0]][1]

@@ -97,6 +97,12 @@ def flat_outputs(output: Any) -> tuple[list[Tensor], list[str]]:
         return [output], ["output"]
     leaves, _ = pytree.tree_flatten(output)
     if not leaves or not all(isinstance(t, Tensor) for t in leaves):
+        if isinstance(output, Mapping):  # e.g. a Hugging Face ModelOutput holding a key/value cache
+            other = {str(k): type(v).__name__ for k, v in output.items() if not isinstance(v, Tensor)}
+            raise ValueError(
+                f"The model output {type(output).__name__} holds values that are not tensors: {other}. A Hugging Face "
+                "model's cache (`past_key_values`) is left out with `use_cache=False`."
+            )
         raise ValueError(f"The model output {type(output).__name__} is not a tensor or a container of tensors.")
     if isinstance(output, Mapping) and len(leaves) == len(output):
         return leaves, [str(k) for k in output]

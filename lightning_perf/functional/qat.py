@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import itertools
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from lightning_perf._deprecation import moved_names
 from lightning_perf._imports import require
 from lightning_perf.functional.inputs import as_input_tuple
 from lightning_perf.functional.qat_config import SUPPORTED_BASE_CONFIGS, base_config_spec, resolve_base_config
+from lightning_perf.functional.qat_device import cache_off, cpu_copy, parameter_device, take_tensors_of
 
 __all__ = [
     "BACKENDS",
@@ -611,8 +611,8 @@ def prepare(
         qat = recipe.mode == "qat"
         # X86InductorQuantizer annotates the graph of a CPU model: capture a CPU copy when the parameters live
         # elsewhere (CUDA, meta), and give the prepared graph the module's own tensors afterwards.
-        device = _parameter_device(module)
-        source = module if device.type == "cpu" else _cpu_copy(module)
+        device = parameter_device(module)
+        source = module if device.type == "cpu" else cpu_copy(module)
         with cache_off(source):
             captured = capture_module(source, tuple(t.cpu() for t in example), training=qat)
         quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config(is_qat=qat))
@@ -630,7 +630,7 @@ def prepare(
             )
         prepared = _as_prepared_graph_module(prepared)  # type: ignore[arg-type]
         if source is not module:
-            _take_tensors_of(prepared, module, device)
+            take_tensors_of(prepared, module, device)
         set_quantization_info(prepared, recipe=recipe, float_keys=float_keys, bn_frozen=False)
         prepared.train(qat)
         return prepared
@@ -655,73 +655,6 @@ def prepare(
         )
     set_quantization_info(module, recipe=recipe, float_keys=float_keys)
     return module
-
-
-def _parameter_device(module: nn.Module) -> torch.device:
-    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
-    return torch.device("cpu") if tensor is None else tensor.device
-
-
-def _cpu_copy(module: nn.Module) -> nn.Module:
-    """A CPU copy of ``module`` for capture (values matter only where the graph depends on them: meta tensors get
-    uninitialized storage)."""
-    copied = quiet_deepcopy(module)
-    if any(t.is_meta for t in itertools.chain(copied.parameters(), copied.buffers())):
-        return copied.to_empty(device="cpu")
-    return copied.cpu()
-
-
-def _take_tensors_of(prepared: torch.fx.GraphModule, module: nn.Module, device: torch.device) -> None:
-    """Give ``prepared`` (captured from a CPU copy of ``module``) ``module``'s own parameters and buffers, and move its
-    observers, fake quantizers and constants to ``device``: it then trains ``module``'s tensors where they are."""
-    for key, value in module.state_dict(keep_vars=True).items():
-        owner_name, _, attr = key.rpartition(".")
-        try:
-            owner = prepared.get_submodule(owner_name)
-        except AttributeError:
-            continue  # folded away by the quantizer (not read by the graph)
-        if attr in owner._parameters:
-            owner._parameters[attr] = value  # type: ignore[assignment]
-        elif attr in owner._buffers:
-            owner._buffers[attr] = value
-    own = {id(t) for t in module.state_dict(keep_vars=True).values()}
-
-    def moved(t: Tensor) -> Tensor:
-        return torch.empty_like(t, device=device) if device.type == "meta" else t.to(device)
-
-    for sub in prepared.modules():
-        for store in (sub._parameters, sub._buffers):
-            for name, t in list(store.items()):
-                if t is not None and id(t) not in own and t.device != device:
-                    new = moved(t)
-                    store[name] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new  # type: ignore[assignment]
-        for name, value in list(vars(sub).items()):
-            if isinstance(value, Tensor) and value.device != device:  # constants the graph reads by name
-                sub.__dict__[name] = moved(value)
-    changed = False
-    for node in prepared.graph.nodes:
-        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type == "cpu":
-            node.kwargs = {**node.kwargs, "device": device}
-            changed = True
-    if changed:
-        prepared.recompile()
-
-
-@contextlib.contextmanager
-def cache_off(module: nn.Module) -> Iterator[None]:
-    """Turn off the key/value cache of Hugging Face models inside ``module`` (``config.use_cache``) while capturing:
-    ``torch.export`` cannot take a ``DynamicCache`` output, and a deployed model called once per input needs none."""
-    changed: list[Any] = []
-    for sub in module.modules():
-        config: Any = getattr(sub, "config", None)
-        if getattr(config, "use_cache", None) is True:
-            changed.append(config)
-            config.use_cache = False
-    try:
-        yield
-    finally:
-        for config in changed:
-            config.use_cache = True
 
 
 # ---------------------------------------------------------------------------------------------------- schedules

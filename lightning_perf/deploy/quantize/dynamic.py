@@ -46,6 +46,7 @@ from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.inputs import as_input_tuple
 from lightning_perf.deploy.validate import ValidationSummary, compare_models
 from lightning_perf.functional.qat import QuantizationError
+from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
 from lightning_perf.profiling.machine import cpu_flags
 
@@ -400,6 +401,7 @@ def quantize_dynamic(
     example = tuple(t.detach().cpu() for t in as_input_tuple(example_inputs, "quantize_dynamic(example_inputs)"))
     flags = cpu_flags()
     reference = copy.deepcopy(module).cpu().eval()
+    disable_cache(reference)  # a Hugging Face model's int8 copy is built, checked and timed without its cache
     if backend == "auto":
         names, skipped = dynamic_candidates(flags)
     else:

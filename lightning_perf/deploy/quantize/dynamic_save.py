@@ -32,6 +32,7 @@ from lightning_perf.deploy.quantize.dynamic import DynamicQuantization, OnnxRunt
 from lightning_perf.deploy.quantize.save import write_program
 from lightning_perf.deploy.validate import ValidationSummary, compare_models
 from lightning_perf.functional.qat import QuantizationError, with_batch
+from lightning_perf.functional.qat_device import cache_off
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
 
 __all__ = ["DynamicReport", "export_dynamic", "float_size_bytes"]
@@ -160,7 +161,7 @@ def export_dynamic(
     report.float_bytes = float_size_bytes(reference)
     batches = list(itertools.islice(validation_data, validation_batches)) if validation_data is not None else []
     quantized = choice.module
-    with StagedSet(dirpath) as staged:
+    with cache_off(float_module), StagedSet(dirpath) as staged:
         passed = False
         if quantized is None or choice.backend is None:
             report.problems.append("no back-end built a correct int8 model faster than fp32 (see `choice`)")

@@ -12,6 +12,7 @@ verdict) and writes a JSON report. The files are one artifact set (:mod:`lightni
 from __future__ import annotations
 
 import functools
+import io
 import itertools
 import os
 import time
@@ -40,6 +41,7 @@ from lightning_perf.functional.qat import (
     recipe_of,
     with_batch,
 )
+from lightning_perf.functional.qat_device import cache_off
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
 
 __all__ = ["QuantizationReport", "compiled_latency", "export_quantized", "save_quantized", "write_program"]
@@ -133,8 +135,13 @@ def write_program(quantized: nn.Module, example_inputs: Any, path: Path) -> Path
     device = module_device(quantized)
     source = quiet_deepcopy(quantized) if isinstance(quantized, torch.fx.GraphModule) else quantized
     program = capture_program(source, tuple(t.to(device) for t in example))
+    # torch's native zip writer must never write to the disk itself: when a write fails (a full disk), it raises,
+    # and its destructor then throws again while finishing the archive, which aborts the process (`terminate called
+    # after throwing an instance of 'c10::Error'`). It writes to memory; Python writes the bytes and raises OSError.
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
     with open(path, "wb") as handle:
-        torch.export.save(program, handle)
+        handle.write(buffer.getbuffer())
     return path
 
 
@@ -267,7 +274,8 @@ def export_quantized(
         failure = exc
         report.problems.append(f"{step}: {failure_reason(exc) if not isinstance(exc, QuantizationError) else exc}")
 
-    with StagedSet(dirpath) as staged:
+    # A Hugging Face model validates, exports and is timed without its key/value cache (the copies inherit that).
+    with cache_off(prepared, float_model), StagedSet(dirpath) as staged:
         quantized: nn.Module | None = None
         started = time.perf_counter()
         try:
