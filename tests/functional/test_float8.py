@@ -310,7 +310,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_layers_sharded_by_fully_shard_are_found_and_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sharded_layers_are_refused_and_convert_then_shard_trains(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -324,6 +324,15 @@ def test_layers_sharded_by_fully_shard_are_found_and_refused(monkeypatch: pytest
         assert sharded_linears(model) == ["up", "down", "narrow", "head"]
         with pytest.raises(ValueError, match="before `fully_shard`"):
             convert_to_float8(model, ["up"], emulate=True)
+        # torchao's order, convert then shard, trains (weights all-gathered in bf16, or in float8).
+        for all_gather in (False, True):
+            model = Tiny()
+            convert_to_float8(model, ["up", "down"], emulate=True, fsdp_float8_all_gather=all_gather)
+            for module in (model.up, model.down, model):
+                fully_shard(module)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(torch.randn(8, 32)).float().sum().backward()
+            assert type(model.up).__name__ == "FSDPFloat8Linear" and model.up.weight.grad is not None
     finally:
         dist.destroy_process_group()
     assert sharded_linears(Tiny()) == []
