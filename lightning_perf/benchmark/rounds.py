@@ -1,0 +1,100 @@
+"""The bench's schedule: interleaved rounds of runs, a fixed number (``--repeats N``) or until settled (``auto``).
+
+A round runs each configuration once, in an order that rotates from round to round (so a drift of the machine falls
+on every configuration alike); repeat ``i`` of a configuration pairs with baseline's repeat ``i``. With a
+:class:`~lightning_perf.benchmark.settle.Settling`, after each round the ratios measured so far decide whether another
+round runs and which configurations it holds (baseline and the ones not yet settled). The runs themselves and the
+ratios are the caller's (``run_one`` and ``estimates_of``), so this schedule is tested without processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_perf.benchmark.settle import Decision, Settling
+from lightning_perf.optimizations import BASELINE
+from lightning_perf.profiling.intervals import RatioEstimate
+
+__all__ = ["Rounds", "rotated", "run_rounds"]
+
+RunOne = Callable[[str, int], Any]
+"""``(configuration, repeat) -> result`` (a :class:`~lightning_perf.benchmark.worker.RunResult`)."""
+EstimatesOf = Callable[[Mapping[str, Sequence[Any]]], Mapping[str, "RatioEstimate | None"]]
+"""results so far -> each configuration's ratio against baseline (None where it measured nothing)."""
+
+
+def rotated(names: Sequence[str], round_index: int) -> list[str]:
+    """``names`` rotated by ``round_index`` places (round 0 keeps the given order)."""
+    if not names:
+        return []
+    shift = round_index % len(names)
+    return list(names[shift:]) + list(names[:shift])
+
+
+@dataclass
+class Rounds:
+    """What a schedule ran.
+
+    Attributes:
+        results: configuration -> its results, in the order they ran.
+        rounds: the rounds run.
+        decision: the settling rule's last decision (None for a fixed number of repeats).
+    """
+
+    results: dict[str, list[Any]] = field(default_factory=dict)
+    rounds: int = 0
+    decision: Decision | None = None
+
+
+def run_rounds(
+    names: Sequence[str],
+    run_one: RunOne,
+    *,
+    repeats: int | None = None,
+    settling: Settling | None = None,
+    estimates_of: EstimatesOf | None = None,
+    first_repeat: int = 0,
+    reserve_s: Callable[[], float] | None = None,
+    results: dict[str, list[Any]] | None = None,
+) -> Rounds:
+    """Run ``names`` in interleaved rounds: ``repeats`` rounds, or until ``settling`` stops.
+
+    Args:
+        names: the configurations, baseline among them.
+        run_one: runs one configuration's repeat and returns its result.
+        repeats: a fixed number of rounds (``--repeats N``); give this or ``settling``.
+        settling: the rule that decides after each round (``--repeats auto``), with ``estimates_of``.
+        estimates_of: the ratios against baseline from the results so far.
+        first_repeat: the repeat number of the first round (a later phase continues the numbering, so its runs pair
+            only with baseline's runs of the same phase).
+        reserve_s: seconds the rule keeps for later phases (asked after each round).
+        results: results to add to (a later phase's configurations join the earlier ones').
+    """
+    if (repeats is None) == (settling is None):
+        raise ValueError("`run_rounds` needs either `repeats` or `settling`, not both.")
+    if settling is not None and estimates_of is None:
+        raise ValueError("`run_rounds(settling=...)` needs `estimates_of`.")
+    out = Rounds(results=results if results is not None else {})
+    for name in names:
+        out.results.setdefault(name, [])
+    active = list(names)
+    while True:
+        repeat = first_repeat + out.rounds
+        for name in rotated(active, out.rounds):
+            start = settling.clock() if settling is not None else 0.0
+            out.results[name].append(run_one(name, repeat))
+            if settling is not None:
+                settling.record_run(name, settling.clock() - start)
+        out.rounds += 1
+        if settling is None:
+            if out.rounds >= repeats:  # type: ignore[operator]
+                return out
+            continue
+        estimates = estimates_of(out.results)  # type: ignore[misc]
+        estimates = {n: e for n, e in estimates.items() if n in names and n != BASELINE}
+        out.decision = settling.decide(estimates, out.rounds, reserve_s=reserve_s() if reserve_s else 0.0)
+        if out.decision.stop:
+            return out
+        active = [n for n in names if n in out.decision.active]

@@ -1,0 +1,76 @@
+"""The bench's schedule: interleaved rounds, fixed or until settled, with scripted runs and a scripted clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_perf.benchmark.rounds import rotated, run_rounds
+from lightning_perf.benchmark.settle import STOP_BUDGET, STOP_SETTLED, Settling
+from lightning_perf.profiling.intervals import METHOD_T, RatioEstimate
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rotation() -> None:
+    assert rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+
+
+def test_fixed_repeats_interleave_every_configuration() -> None:
+    ran = []
+    out = run_rounds(["baseline", "a"], lambda n, r: ran.append((n, r)) or (n, r), repeats=3)
+    assert ran == [("baseline", 0), ("a", 0), ("a", 1), ("baseline", 1), ("baseline", 2), ("a", 2)]
+    assert out.rounds == 3 and out.decision is None and len(out.results["a"]) == 3
+
+
+def test_auto_repeats_drop_settled_configurations_and_stop() -> None:
+    clock = Clock()
+    ran = []
+
+    def run_one(name: str, repeat: int):
+        clock.now += 10
+        ran.append((name, repeat))
+        return repeat
+
+    def estimates_of(results):
+        n = len(results["b"])
+        half = 0.19 / n  # b narrows with each repeat; a is settled from the start
+        return {"a": RatioEstimate(1.5, 1.45, 1.55, METHOD_T, "faster", len(results["a"])),
+                "b": RatioEstimate(1.2, 1.2 * (1 - half), 1.2 * (1 + half), METHOD_T, "faster", n)}  # fmt: skip
+
+    settling = Settling(time_budget_s=1000, min_repeats=2, clock=clock)
+    out = run_rounds(["baseline", "a", "b"], run_one, settling=settling, estimates_of=estimates_of)
+    assert out.decision is not None and out.decision.reason == STOP_SETTLED
+    assert [r for n, r in ran if n == "a"] == [0, 1]  # the minimum, then a settled
+    assert [r for n, r in ran if n == "b"] == [0, 1, 2, 3]  # 0.19/4 < +-5%
+    assert [r for n, r in ran if n == "baseline"] == [0, 1, 2, 3]
+
+
+def test_a_later_phase_continues_the_numbering_within_the_budget() -> None:
+    clock = Clock()
+
+    def run_one(name: str, repeat: int):
+        clock.now += 20
+        return repeat
+
+    wide = {"s": RatioEstimate(1.3, 1.0, 1.6, METHOD_T, "no clear difference", 2)}
+    settling = Settling(time_budget_s=100, min_repeats=2, clock=clock)
+    results = {"baseline": [0, 1]}
+    out = run_rounds(["baseline", "s"], run_one, settling=settling, estimates_of=lambda r: wide, first_repeat=2,
+                     results=results)  # fmt: skip
+    assert out.results["baseline"] == [0, 1, 2, 3] and out.results["s"] == [2, 3]
+    assert out.decision is not None and out.decision.reason == STOP_BUDGET  # 80 s spent, a round needs 40
+    assert out.decision.unsettled[0].config == "s"
+
+
+def test_needs_one_way_to_stop() -> None:
+    with pytest.raises(ValueError, match="repeats"):
+        run_rounds(["baseline"], lambda n, r: None)
+    with pytest.raises(ValueError, match="estimates_of"):
+        run_rounds(["baseline"], lambda n, r: None, settling=Settling())
