@@ -89,6 +89,15 @@ class CompileCallback(Callback):
     gradients of a compiled region are ready when its compiled backward ends, so finer regions overlap the gradient
     all-reduce with computation better.
 
+    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` per block in ``configure_model``) compilation goes
+    inside the wrappers: whatever ``regions`` selects that holds ``fully_shard``-ed blocks (the LightningModule with
+    ``regions=None``, say) is replaced by those blocks, and each is compiled in its ``forward``, so FSDP2's all-gather
+    and reshard hooks stay eager around the compiled code, as when each block is compiled before ``fully_shard``
+    (torchtitan's order). Activation checkpointing patched in by
+    :class:`~lightning_perf.callbacks.GradCheckpointCallback` runs inside the compiled region. Identical blocks share
+    one compiled graph. Gradients are those of the eager run (tested on 2 CPU processes). To measure a cold start,
+    fit inside :func:`~lightning_perf.functional.compile.fresh_compile_cache`.
+
     A compiler failure (raised lazily, at a module's first call) re-runs that call eagerly and turns compilation off
     for that module class, with a :class:`~lightning_perf.FallbackWarning` carrying the cause; ``strict=True`` raises
     instead. An error of the model itself propagates unchanged.

@@ -55,6 +55,12 @@ class FlashAttentionCallback(Callback):
     by name. Modules that already call SDPA (timm's ``fused_attn=True``, Hugging Face ``"sdpa"``) are reported as
     already fused and left alone. A module it cannot swap stays unchanged, with the reason in :attr:`decisions`.
 
+    Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``) attention modules inside
+    sharded blocks are recognised and checked on plain stand-in weights of their full shapes (the same on every rank,
+    no collective call) and then swapped holding the real sharded parameters, which FSDP2 gathers as before. Kept, with
+    the reason: an attention module ``fully_shard`` was applied to itself, and one that holds sharded parameters itself
+    rather than in child layers (``nn.MultiheadAttention``).
+
     When it helps: attention-heavy models, long sequences (the fused kernels never build the ``(T, T)`` score
     matrix: memory grows with ``T`` instead of ``T^2``), hand-written attention. When it does nothing:
     ``nn.MultiheadAttention`` called with ``need_weights=False`` already runs SDPA inside torch, so the gain there

@@ -32,6 +32,7 @@ from lightning_perf.functional.grad_checkpoint import (
     select_blocks,
     validate_portion,
 )
+from lightning_perf.functional.sharding import is_sharded
 from lightning_perf.functional.surgery import find_forward_patch, unpatch_forward
 from lightning_perf.profiling.memory import MemoryProbe
 
@@ -47,8 +48,11 @@ class GradCheckpointCallback(Callback):
     before the optimizer and DDP exist) and unpatched in ``teardown``, or in ``on_exception`` when the fit fails or is
     interrupted: after ``fit`` the model is as it was.
 
-    Works on a single device and under DDP, with mixed precision and with ``torch.compile``. Under FSDP use Lightning's
-    own ``FSDPStrategy(activation_checkpointing_policy={Block})`` instead: this callback then warns and does nothing.
+    Works on a single device, under DDP and under FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` per block in
+    ``configure_model``), with mixed precision and with ``torch.compile``. Under FSDP2 the checkpointed region is each
+    block's ``forward``, inside its wrapper (FSDP2 gathers the block's parameters again for the recompute); the root is
+    never wrapped. Under ``FSDPStrategy`` (FSDP1) use Lightning's own
+    ``FSDPStrategy(activation_checkpointing_policy={Block})`` instead: this callback then warns and does nothing.
 
     Args:
         modules: which blocks: ``"auto"`` (repeated blocks that hold real work, found by structure: the layers of a
@@ -180,6 +184,15 @@ class GradCheckpointCallback(Callback):
                 "GradCheckpointCallback(memory_budget=1.0): no activation checkpointing (1.0 keeps all the activation "
                 "memory of training without it)."
             )
+            return
+        if is_sharded(pl_module):
+            warn_once(
+                f"GradCheckpointCallback(memory_budget={budget:g}) under {type(trainer.strategy).__name__}: the budget "
+                "planner profiles one step of tensors it can address, and FSDP2's sharded parameters (DTensors, "
+                "gathered per block) are not; every chosen block is checkpointed fully instead (less activation "
+                "memory than the budget, more recompute). Pass `every_n` or `fraction` to checkpoint fewer blocks."
+            )
+            self._apply(pl_module)
             return
         state = _BudgetState(blocks=chosen)
         self._budget_state = state

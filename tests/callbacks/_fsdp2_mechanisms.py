@@ -131,6 +131,7 @@ class ShardedModule(pl.LightningModule):
     def configure_model(self) -> None:
         if isinstance(self.model, FSDPModule):
             return
+        assert self.device_mesh is not None  # set by ModelParallelStrategy before configure_model
         mesh = self.device_mesh["data_parallel"]
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
@@ -257,7 +258,9 @@ def _undone(pl_module: pl.LightningModule) -> dict[str, Any]:
 SCENARIOS: dict[str, tuple[str, Callable[[], list[pl.Callback]], Any]] = {
     "plain": ("lm", lambda: [], _forward_calls),
     "grad_checkpoint": ("lm", lambda: [cb.GradCheckpointCallback()], _forward_calls),
+    "grad_checkpoint_budget": ("lm", lambda: [cb.GradCheckpointCallback(memory_budget=0.5)], _forward_calls),
     "compile": ("lm", lambda: [cb.CompileCallback(backend="aot_eager")], None),
+    "compile_inductor": ("lm", lambda: [cb.CompileCallback(regions="auto")], None),
     "flash_attention": ("lm", lambda: [cb.FlashAttentionCallback()], _sdpa_counts),
     "fused_optimizer": ("lm", lambda: [cb.FusedOptimizerCallback()], None),
     "memory_profiler": ("lm", lambda: [cb.MemoryProfilerCallback()], None),
@@ -329,6 +332,8 @@ def run(name: str, root: Path) -> dict[str, Any]:
             elif attribute == "report" and isinstance(value, dict) and "compiled" in value:
                 result["compiled"] = value["compiled"]
                 result["compile_report"] = {k: value[k] for k in ("compilations", "unique_graphs", "graph_breaks")}
+        if isinstance(callback, cb.GradCheckpointCallback) and callback.plan is not None:
+            result["plan"] = callback.plan.describe()
         if isinstance(callback, cb.MemoryProfilerCallback):
             result["memory_report"] = callback.report is not None
         if isinstance(callback, cb.FlashAttentionCallback):

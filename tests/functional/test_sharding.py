@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_perf.functional.attention import SDPACalls, restore_attention, swap_attention
 from lightning_perf.functional.channels_last import apply_channels_last
-from lightning_perf.functional.compile import compile_regions, inside_wrappers
+from lightning_perf.functional.compile import CompileMonitor, compile_regions, inside_wrappers
 from lightning_perf.functional.grad_checkpoint import apply_activation_checkpointing
 from lightning_perf.functional.sharding import (
     fsdp_blocks,
@@ -157,7 +157,11 @@ def test_compile_goes_inside_the_wrappers(mesh: object) -> None:
     assert compiled.names == ["blocks.0", "blocks.1"]
     assert all(getattr(b, "_compiled_call_impl", None) is None for b in sharded.blocks)  # not around the hooks
     x = torch.randn(2, 3, 4, 4)
+    monitor = CompileMonitor()
+    monitor.start()
     sharded(x).sum().backward()
+    stats = monitor.stop()
+    assert stats.compilations == 1 and stats.graph_breaks == 0  # the two blocks share one graph, hooks outside it
     plain(x).sum().backward()
     assert compiled.calls == 2
     grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
