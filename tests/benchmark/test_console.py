@@ -1,4 +1,4 @@
-"""The bench's closing output: 80 columns, nothing cut, every ? explained, the recommendation last (scripted results)."""
+"""The bench's closing output: 80 columns, nothing cut, every ? explained, the recommendation last."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def report() -> BenchReport:
             0.7,
             0.85,
             likely_cause="recomputes part of the activations in the backward pass: time for memory",
-        ),  # fmt: skip
+        ),
         row("channels_last+fused_optimizer", 0.25, 1.70, 1.6, 1.8),
     ]
     return BenchReport(
