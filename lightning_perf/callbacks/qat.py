@@ -33,7 +33,7 @@ from lightning_perf.callbacks._qat_support import (
 from lightning_perf.callbacks.tensorrt_export import _val_dataloader
 from lightning_perf.deploy.inputs import split_inputs, submodule_inputs
 from lightning_perf.deploy.quantize.quantizer import SCHEDULE_UNITS, LoopData, check_options
-from lightning_perf.deploy.quantize.recipes import quantizer_for, recipe_for
+from lightning_perf.deploy.quantize.recipes import load_qat_checkpoint, quantizer_for, recipe_for
 from lightning_perf.functional.qat import QuantizationError, QuantizationRecipe
 
 __all__ = ["SCHEDULE_UNITS", "QATCallback"]
@@ -44,59 +44,51 @@ RUN_STAGES = ("predict", "test", "validate")
 class QATCallback(Callback):
     """Quantization-aware training that yields a real int8 model: prepared before training, converted after it.
 
-    **QAT** (``mode="qat"``): in ``setup`` (after ``configure_model``, before the optimizers and DDP exist) the
-    submodule is replaced by its prepared version, so its fake-quantize and observer state trains, checkpoints and
-    synchronizes like any other. ``backend="x86"`` (CNNs and general models for CPU deployment): captured with
-    ``torch.export`` from a CPU copy and prepared by torchao's PT2E ``X86InductorQuantizer``, then trained where the
-    model lives (CPU or CUDA); the int8 model is converted for the CPU. ``backend="torchao"`` (Linear-heavy models):
-    ``quantize_(submodule, QATConfig(base_config, step="prepare"))``. Schedules in epochs or steps
-    (``schedule_unit``): fake quantization from ``fake_quant_after``, observers stop after ``disable_observers_after``,
-    batch-norm statistics freeze after ``freeze_bn_after``; every ``eval_converted_every_n_epochs`` a converted copy
-    is compared with the model and logged under ``qat/``.
+    Each ``mode`` is a recipe carried out by the quantizer registered for its type
+    (:mod:`lightning_perf.deploy.quantize.quantizer`); this callback schedules it on the Trainer's hooks.
 
-    **PTQ** (``mode="ptq"``): at the end of ``fit`` (or of ``Trainer.validate``) a copy is calibrated on
-    ``calibration_batches`` validation batches, converted, validated, saved and timed. **Dynamic int8**
-    (``mode="dynamic"``, ``backend`` ``"auto"``/``"eager"``/``"onnxruntime"``/``"torchao"``): training untouched; every
-    eligible Linear of ``submodule`` (default: the only child holding parameters, else the whole LightningModule) is
-    quantized by the fastest back-end that agrees with fp32; ``predict``/``test``/``validate`` run through it (CPU).
+    - ``"qat"``: in ``setup`` (after ``configure_model``, before optimizers and DDP) the submodule is replaced by its
+      prepared version, whose fake-quantize and observer state trains, checkpoints and synchronizes like any other.
+      ``backend="x86"`` (CNNs and general models for CPU deployment): torchao's PT2E ``X86InductorQuantizer`` on a
+      ``torch.export`` graph captured from a CPU copy; it trains where the model lives (CPU or CUDA) and ends as a CPU
+      int8 model. ``backend="torchao"`` (Linear-heavy models): ``quantize_(submodule, QATConfig(base_config))``.
+      Schedules in epochs or steps: fake quantization from ``fake_quant_after``, observers until
+      ``disable_observers_after``, batch-norm statistics until ``freeze_bn_after``.
+    - ``"ptq"``: at the end of ``fit`` (or ``Trainer.validate``) a copy is calibrated on ``calibration_batches``.
+    - ``"dynamic"`` (``backend`` ``"auto"``/``"eager"``/``"onnxruntime"``/``"torchao"``): training untouched; every
+      eligible Linear of ``submodule`` (default: the only child holding parameters, else the whole LightningModule,
+      whose ``forward`` the int8 copy stands in for) goes int8 with the fastest back-end that agrees with fp32;
+      ``predict``/``test``/``validate`` runs go through it (CPU).
 
-    The submodule is ``submodule`` or the LightningModule's only child holding parameters; its example input is what
-    it receives for ``example_input_array`` (else the first batch). At the end of ``fit`` on rank zero, the converted
-    model is validated on validation batches, saved as ``<dirpath>/<filename>/<filename>.pt2`` (``onnx=True`` adds
-    ONNX) with ``<filename>.json`` as one atomic artifact set, and timed against the float model (``benchmark``). A
-    failure there, a full disk included, warns with a :class:`~lightning_perf.FallbackWarning` and leaves the trained
-    model and checkpoints untouched (``strict=True`` raises).
-
-    Every run ends with the plain model (``teardown``, and ``on_exception``): the float submodule goes back with the
-    trained weights; the callback keeps the quantization state (:attr:`quantization_state`), which later runs,
-    checkpoints (its own entry; the model's ``state_dict`` keeps its keys) and :meth:`prepared` put back. A Trainer
-    loading a checkpoint prepares the model from the checkpoint's recipe first; outside a Trainer use
-    :meth:`load_checkpoint`.
+    At the end of ``fit`` (rank zero) the int8 model is validated on ``validation_batches`` validation batches, saved
+    with its JSON report as one atomic artifact set ``<dirpath>/<filename>/`` (``.pt2``; ``onnx=True`` adds ONNX) and
+    timed against the float model on the CPU. A failure there, a full disk included, warns with a
+    :class:`~lightning_perf.FallbackWarning` and leaves model and checkpoints untouched (``strict=True`` raises).
+    Every run ends with the plain float model (``teardown`` and ``on_exception``); the callback keeps the quantization
+    state (:attr:`quantization_state`) for later runs, checkpoints (its own entry: the model's ``state_dict`` keeps
+    its keys), :meth:`prepared` and :meth:`load_checkpoint`.
 
     Args:
-        backend: ``"x86"`` (default) or ``"torchao"``; for ``mode="dynamic"``: ``"auto"`` (default), ``"eager"``,
-            ``"onnxruntime"`` or ``"torchao"``.
+        backend: ``"x86"`` (default) or ``"torchao"``; for ``mode="dynamic"`` see above (default ``"auto"``).
         mode: ``"qat"``, ``"ptq"`` or ``"dynamic"``.
         submodule: dotted name of the submodule to quantize.
-        base_config: ``torchao`` backend: the torchao config to train for, an object, a class name or
-            ``{class name: {field: value}}`` (:func:`~lightning_perf.functional.qat_config.resolve_base_config`).
+        base_config: ``torchao``: the config to train for: an object, a class name or ``{class name: {field: value}}``.
         disable_observers_after, freeze_bn_after, fake_quant_after, schedule_unit: the QAT schedules.
-        eval_converted_every_n_epochs: compare a converted copy with the model every this many epochs.
+        eval_converted_every_n_epochs: compare a converted copy with the model (logged under ``qat/``).
         calibration_batches: validation batches to calibrate on (PTQ).
-        validation_batches: validation batches to validate the quantized model on (``None``: all; at least 1).
-        min_cosine: the quantized outputs' least cosine similarity to the reference's.
-        min_agreement: ``mode="dynamic"``: the least top-1 agreement with fp32.
-        export: quantize, validate, save and time at the end of ``fit`` (``False``: QAT only).
+        validation_batches: validation batches to validate the int8 model on (``None``: all).
+        min_cosine, min_agreement: what the int8 outputs must reach (cosine; dynamic: top-1 agreement with fp32).
+        export: quantize, save and time at the end of ``fit`` (``False``: QAT only).
         benchmark, benchmark_batch_sizes, latency_iterations, latency_warmup: the timing at the end.
         dirpath: where to write; default the ``ModelCheckpoint``'s directory, else ``<default_root_dir>/quantized``.
         filename: name of the artifact set and stem of its files.
-        onnx: also export the quantized model to ONNX (needs ``export=True``).
+        onnx: also export the int8 model to ONNX.
         input_key: the model input's key when batches are dicts.
         strict: raise instead of warning when the end-of-fit quantization fails.
 
     Raises:
         ValueError: for an invalid option, naming it, its value and what is expected.
-        ModuleNotFoundError: if torchao is not installed (the ``qat`` extra) for QAT or PTQ.
+        ModuleNotFoundError: if torchao (the ``qat`` extra) is missing for QAT or PTQ.
 
     Example::
 
@@ -271,16 +263,8 @@ class QATCallback(Callback):
         if summary is None:
             return
         self.history.append({"epoch": trainer.current_epoch, "global_step": trainer.global_step, **summary.to_dict()})
-        figures = {
-            "int8_cosine": summary.cosine,
-            "int8_top1_agreement": summary.top1_agreement,
-            "fake_quant_accuracy": summary.reference_accuracy,
-            "int8_accuracy": summary.quantized_accuracy,
-            "accuracy_gap_pp": summary.accuracy_gap,
-        }
-        metrics = {f"qat/{key}": float(value) for key, value in figures.items() if value is not None}
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(summary.metrics("qat/"), step=trainer.global_step)
         rank_zero_info(f"{type(self).__name__}: converted model at epoch {trainer.current_epoch}: {summary.describe()}")
 
     def _run_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
@@ -383,26 +367,15 @@ class QATCallback(Callback):
         pl_module: pl.LightningModule, checkpoint_path: str | Path, map_location: Any = "cpu"
     ) -> QuantizationRecipe:
         """Load a checkpoint written with this callback into a fresh (float) ``pl_module``, outside a Trainer: the
-        submodule is prepared as the checkpoint's recipe says, then the weights and quantization state are loaded
-        (strictly; ``torch.load(weights_only=True)``). Returns the recipe.
+        submodule is prepared as its recipe says, then weights and quantization state load strictly (the file read
+        with ``torch.load(weights_only=True)``). Returns the recipe.
 
         Raises:
-            ValueError: if the checkpoint holds no ``QATCallback`` state with a QAT recipe.
+            ValueError: if the checkpoint holds no ``QATCallback`` state with a QAT recipe, or several.
             UnsafeCheckpointError: if the file needs a global torch does not allow by default.
         """
         checkpoint = load_checkpoint(checkpoint_path, map_location, what="QATCallback.load_checkpoint:")
-        entries = {k: v for k, v in (checkpoint.get("callbacks") or {}).items() if k.startswith("QATCallback")}
-        states = [v for v in entries.values() if (v.get("recipe") or {}).get("mode") == "qat"]
-        if len(states) != 1:
-            raise ValueError(
-                f"{checkpoint_path} holds {len(states)} QATCallback states with a QAT recipe; expected exactly one."
-            )
-        recipe = QuantizationRecipe.from_dict(states[0]["recipe"])
-        callback = QATCallback(recipe.backend, base_config=recipe.base_config, benchmark=False)
-        merged = {**checkpoint, "callbacks": {callback.state_key: states[0]}}
-        callback.before_weights_load(pl_module, merged)
-        pl_module.load_state_dict(merged["state_dict"])
-        return recipe
+        return load_qat_checkpoint(pl_module, checkpoint, "QATCallback")
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -215,6 +215,17 @@ class ValidationSummary:
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "accuracy_gap_pp": self.accuracy_gap}
 
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        """The figures a logger records (those known), named ``<prefix>int8_cosine`` and so on."""
+        figures = {
+            "int8_cosine": self.cosine,
+            "int8_top1_agreement": self.top1_agreement,
+            "fake_quant_accuracy": self.reference_accuracy,
+            "int8_accuracy": self.quantized_accuracy,
+            "accuracy_gap_pp": self.accuracy_gap,
+        }
+        return {f"{prefix}{key}": float(value) for key, value in figures.items() if value is not None}
+
     def describe(self) -> str:
         """One line: cosine, max abs difference, top-1 agreement and the accuracies when known."""
         text = f"cosine {self.cosine:.5f}, max abs diff {self.max_abs_diff:.3g}"

@@ -349,3 +349,23 @@ def test_torchao_ptq_leaves_the_float_model_alone() -> None:
 def test_torchao_rejects_a_bare_linear() -> None:
     with pytest.raises(qat.QuantizationError, match="is one itself"):
         qat.prepare(nn.Linear(4, 4), qat.make_recipe("torchao", "qat", example_inputs=torch.zeros(1, 4)))
+
+
+# ------------------------------------------------------------------------------- parameters off the CPU (CUDA)
+
+
+def test_x86_prepare_captures_a_cpu_copy_and_trains_the_modules_own_tensors_where_they_live() -> None:
+    # The meta device stands in for CUDA: X86InductorQuantizer annotates the graph of a CPU copy (zeros would do: only
+    # shapes matter), and the prepared graph holds the module's own tensors on their device, observers moved there.
+    from lightning_perf.deploy.quantize.qat_quantizer import holds_tensors_of
+
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    net = net.to("meta")
+    recipe = qat.make_recipe("x86", "qat", None, torch.zeros(2, 3, 8, 8))
+    prepared = qat.prepare(net, recipe, torch.zeros(2, 3, 8, 8))
+    fake_quantizers = [m for m in prepared.modules() if "FakeQuantize" in type(m).__name__]
+    assert len(fake_quantizers) >= 3  # conv and linear weights and their input activations
+    assert holds_tensors_of(prepared, net) and qat.is_prepared(prepared)
+    assert {t.device.type for t in prepared.state_dict().values()} == {"meta"}
+    assert not [n for n in prepared.graph.nodes if getattr(n.kwargs.get("device"), "type", None) == "cpu"]
+    assert restore_float(prepared, net) is net

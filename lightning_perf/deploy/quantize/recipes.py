@@ -34,11 +34,18 @@ from lightning_perf.deploy.quantize.quantizer import (
     resolve_submodule,
 )
 from lightning_perf.deploy.quantize.save import QuantizationReport
-from lightning_perf.functional.qat import BACKENDS, MODES, is_prepared, make_recipe, prepare
+from lightning_perf.functional.qat import BACKENDS, MODES, QuantizationRecipe, is_prepared, make_recipe, prepare
 from lightning_perf.functional.qat_config import base_config_spec, resolve_base_config
 from lightning_perf.functional.surgery import replace_modules
 
-__all__ = ["DynamicInt8Quantizer", "QATQuantizer", "StaticPTQQuantizer", "quantizer_for", "recipe_for"]
+__all__ = [
+    "DynamicInt8Quantizer",
+    "QATQuantizer",
+    "StaticPTQQuantizer",
+    "load_qat_checkpoint",
+    "quantizer_for",
+    "recipe_for",
+]
 
 ALL_MODES = (*MODES, "dynamic")
 
@@ -69,6 +76,24 @@ def recipe_for(mode: Any, backend: Any, base_config: Any, owner: str) -> Any:
 def quantizer_for(recipe: Any, options: QuantizeOptions) -> Quantizer:
     """The quantizer registered for ``type(recipe)``, built for ``options``."""
     return registered_quantizer(recipe)(recipe, options)
+
+
+def load_qat_checkpoint(root: nn.Module, checkpoint: dict[str, Any], owner: str = "QATCallback") -> QuantizationRecipe:
+    """Prepare ``root`` as the one ``owner`` entry with a QAT recipe in ``checkpoint["callbacks"]`` says, then load the
+    checkpoint's weights and quantization state into it (strictly). Returns the recipe.
+
+    Raises:
+        ValueError: if the checkpoint holds no such entry, or several.
+    """
+    entries = {k: v for k, v in (checkpoint.get("callbacks") or {}).items() if k.startswith(owner)}
+    states = [v for v in entries.values() if (v.get("recipe") or {}).get("mode") == "qat"]
+    if len(states) != 1:
+        raise ValueError(f"The checkpoint holds {len(states)} {owner} states with a QAT recipe; expected exactly one.")
+    recipe = QuantizationRecipe.from_dict(states[0]["recipe"])
+    qat_recipe = recipe_for("qat", recipe.backend, recipe.base_config, owner)
+    quantizer = quantizer_for(qat_recipe, QuantizeOptions(owner=owner))
+    root.load_state_dict(quantizer.before_weights_load(root, states[0], checkpoint["state_dict"]))
+    return recipe
 
 
 @register_quantizer(StaticPTQRecipe)

@@ -307,6 +307,8 @@ def export_quantized(
                 report.artifact = dirpath / set_name / name
             except Exception as exc:
                 fail("saving", exc)
+                staged.file(name).unlink(missing_ok=True)  # a partial file; the set is a failed one
+                set_name = f"{filename}.failed"
             report.ok = passed and report.artifact is not None and not report.problems
         if report.ok and onnx:
             try:
