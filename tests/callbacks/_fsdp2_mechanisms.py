@@ -11,7 +11,6 @@ or ``all``.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 import traceback
@@ -32,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 if __package__ in (None, ""):  # run as a script: make `tests` and `lightning_perf` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from examples.fsdp2_lm import Transformer
 from lightning_perf import callbacks as cb
 from lightning_perf.functional.attention import SDPACalls, SwappedAttention
 from lightning_perf.functional.sharding import is_sharded_parameter
@@ -43,52 +43,9 @@ VOCAB, SEQ, WIDTH, HEADS, DEPTH = 64, 16, 32, 4, 3
 # ------------------------------------------------------------------------------------------------------------ models
 
 
-class CausalSelfAttention(nn.Module):
-    """nanoGPT's attention: one q/k/v projection, eager causal softmax attention, an output projection."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = (
-            t.view(batch, seq, self.heads, width // self.heads).transpose(1, 2) for t in self.qkv(x).split(width, dim=2)
-        )
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        blocked = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-        weights = scores.masked_fill(blocked, float("-inf")).softmax(dim=-1)
-        return self.proj((weights @ v).transpose(1, 2).reshape(batch, seq, width))
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width, heads)
-        self.norm2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class TinyLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block(WIDTH, HEADS) for _ in range(DEPTH))
-        self.norm = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+def TinyLM() -> nn.Module:
+    """The example's transformer (examples/fsdp2_lm.py, so the example's model is tested), tiny."""
+    return Transformer(VOCAB, WIDTH, HEADS, DEPTH)
 
 
 class ConvBlock(nn.Module):
@@ -144,10 +101,7 @@ class ShardedModule(pl.LightningModule):
         if self.fail_at_step is not None and self.global_step == self.fail_at_step:
             raise RuntimeError("planned failure")
         x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(
-            logits.flatten(0, 1) if self.kind == "lm" else logits, y.flatten(0, 1) if self.kind == "lm" else y
-        )
+        loss = F.cross_entropy(self(x), y.flatten() if self.kind == "lm" else y)  # the LM's logits: one row a token
         self.losses.append(float(loss.detach()))
         return loss
 
