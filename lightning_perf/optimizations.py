@@ -30,20 +30,25 @@ from types import MappingProxyType
 from typing import Any
 
 __all__ = [
+    "ADVICE_FACTS",
     "BASELINE",
     "BENCH_CAPABILITIES",
-    "CONDITIONS",
+    "DEVICE_CAPABILITIES",
     "INFERENCE_STAGES",
+    "MODEL_FEATURES",
     "REQUIREMENTS",
-    "SLOWDOWN_CONDITIONS",
+    "RUN_FACTS",
     "STAGES",
     "SYMPTOMS",
     "TUNER_STAGES",
     "AdviceRule",
+    "Condition",
     "Optimization",
     "SlowdownCause",
     "advice_for",
+    "find",
     "get",
+    "holds",
     "names",
     "optimizations",
     "register",
@@ -59,19 +64,6 @@ so no entry may take the name."""
 SYMPTOMS: tuple[str, ...] = ("compute_bound", "device_idle", "optimizer_step")
 """Advice rules of :mod:`lightning_perf.profiling.advice` that recommend optimizations from this list."""
 
-CONDITIONS: tuple[str, ...] = (
-    "always",
-    "cuda",
-    "has_convolutions",
-    "full_precision_fast_bf16",
-    "full_precision_tf32_off",
-    "optimizers_not_fused",
-)
-"""When an advice rule applies, as named predicates on the measured step (evaluated by the advice module)."""
-
-REQUIREMENTS: tuple[str, ...] = ("cuda", "bf16", "fp16", "backend_flags", "torchao")
-"""What an optimization needs to run, as named predicates on the device (evaluated by the bench configurations)."""
-
 STAGES: tuple[str, ...] = ("fit", "predict", "validate", "test")
 """The Trainer stages an optimization can apply to (``lightning-perf bench --stage``): a training-only one (a fused
 optimizer, activation checkpointing) says ``stages=("fit",)``, an inference-only one (pure bf16 weights, dynamic int8)
@@ -83,15 +75,78 @@ INFERENCE_STAGES: tuple[str, ...] = ("predict", "validate", "test")
 TUNER_STAGES: tuple[str, ...] = ("precision", "optimization")
 """The auto-tuner stages that try optimizations from this list (the data and batch-size stages are the tuner's own)."""
 
-BENCH_CAPABILITIES: tuple[str, ...] = ("cpu", "cuda", "fast_bf16")
-"""What a device may offer that makes an optimization worth a place in the no-argument ``lightning-perf bench``:
-``cpu`` and ``cuda`` (the device type), ``fast_bf16`` (bf16 in hardware: a CPU with avx512_bf16 or AMX, a GPU from
-Ampere on). Evaluated by :mod:`lightning_perf.benchmark.configs`."""
+DEVICE_CAPABILITIES: Mapping[str, str] = MappingProxyType(
+    {
+        "cpu": "a CPU",
+        "cuda": "a CUDA device",
+        "bf16": "bfloat16 support",
+        "fast_bf16": "bf16 hardware (avx512_bf16/AMX, Ampere+ GPU)",
+        "fp16": "fp16 arithmetic (a CUDA device, or a CPU with avx512_fp16/amx_fp16)",
+        "fast_fp32_matmul": "a faster float32 matmul mode (TF32 on a GPU, oneDNN bf16 on a CPU with bf16 instructions)",
+    }
+)
+"""What a device may offer, each with the words the tools print: an entry's ``requires`` (all needed to run) and
+``bench_default_on`` (any one puts it in the no-argument bench) name these. Probed by
+:func:`lightning_perf.benchmark.configs.device_capabilities`."""
 
-SLOWDOWN_CONDITIONS: tuple[str, ...] = ("always", "cpu_without_bf16", "warmup_longer")
-"""When a slowdown cause applies, as named predicates on the bench's run: ``cpu_without_bf16`` (on a CPU without bf16
-instructions), ``warmup_longer`` (the configuration's warm-up took longer than baseline's by more than the steady
-state saved over the run's steps). Evaluated by :mod:`lightning_perf.benchmark.runner`."""
+REQUIREMENTS: tuple[str, ...] = tuple(DEVICE_CAPABILITIES)
+"""The names an entry's ``requires`` takes (the device capabilities)."""
+
+BENCH_CAPABILITIES: tuple[str, ...] = tuple(DEVICE_CAPABILITIES)
+"""The names an entry's ``bench_default_on`` takes (the device capabilities)."""
+
+MODEL_FEATURES: Mapping[str, str] = MappingProxyType(
+    {
+        "attention": "attention module the swap knows (nn.MultiheadAttention or a registered adapter)",
+        "convolutions": "2D or 3D convolution layer",
+    }
+)
+"""What a model may hold that an optimization acts on (an entry's ``model_needs``), each with the words the tools
+print. Counted by :func:`lightning_perf.tuning.capabilities.model_capabilities`; the advice reads ``convolutions``."""
+
+ADVICE_FACTS: Mapping[str, str] = MappingProxyType(
+    {
+        "cuda": "the step ran on a CUDA device",
+        "full_precision": "the step ran in fp32 or fp64 (no mixed or low precision)",
+        "fast_bf16": "the device has bf16 hardware",
+        "tf32_off": "the device has TF32 tensor cores and float32 matmuls do not use them",
+        "optimizers_fused": "every optimizer steps with fused or foreach kernels",
+    }
+)
+"""What the advice knows about a measured step; an :class:`AdviceRule` applies when each fact it names has the value
+it gives (``when={"full_precision": True, "fast_bf16": True}``). Read from
+:class:`lightning_perf.profiling.advice.StepBreakdown`."""
+
+RUN_FACTS: Mapping[str, str] = MappingProxyType(
+    {
+        "bf16_emulated": "the run was on a CPU without bf16 instructions",
+        "warmup_not_amortized": "its warm-up exceeded baseline's by more than the steady state saved over the run",
+    }
+)
+"""What the bench knows about a configuration's run, for :class:`SlowdownCause` (``when={"bf16_emulated": True}``).
+Evaluated by :mod:`lightning_perf.benchmark.runner`."""
+
+Condition = Mapping[str, bool]
+"""Facts and the value each must have (all of them); empty: always."""
+
+
+def _condition(owner: str, when: object, facts: Mapping[str, str]) -> Condition:
+    """``when`` as a read-only ``{fact: value}``: ``"always"`` is ``{}``, a fact's name is ``{name: True}``."""
+    if when == "always":
+        return MappingProxyType({})
+    if isinstance(when, str) and when in facts:
+        return MappingProxyType({when: True})
+    if isinstance(when, Mapping) and all(k in facts and isinstance(v, bool) for k, v in when.items()):
+        return MappingProxyType(dict(when))
+    raise ValueError(
+        f"`{owner}(when={when!r})` is not valid. Expected 'always', a fact or a dict of facts to True/False; the "
+        f"facts: {', '.join(facts)}."
+    )
+
+
+def holds(condition: Condition, facts: Mapping[str, bool | None]) -> bool:
+    """Whether every fact of ``condition`` has its value in ``facts`` (an unknown fact, ``None``, does not hold)."""
+    return all(facts.get(fact) is value for fact, value in condition.items())
 
 
 @dataclass(frozen=True)
@@ -101,20 +156,20 @@ class AdviceRule:
     Args:
         symptom: the advice rule it answers, one of :data:`SYMPTOMS`.
         action: what to do, one short imperative phrase (shown to the user).
-        when: the condition under which it helps, one of :data:`CONDITIONS`.
+        when: the facts of the measured step under which it helps (names from :data:`ADVICE_FACTS`): a dict of fact
+            to the value it must have, one fact's name (it must hold), or ``"always"``.
     """
 
     symptom: str
     action: str
-    when: str = "always"
+    when: Condition | str = "always"
 
     def __post_init__(self) -> None:
         if self.symptom not in SYMPTOMS:
             raise ValueError(f"`AdviceRule(symptom={self.symptom!r})` is not valid. Expected one of: {SYMPTOMS}.")
         if not isinstance(self.action, str) or not self.action.strip():
             raise ValueError(f"`AdviceRule(action={self.action!r})` is not valid. Expected a non-empty string.")
-        if self.when not in CONDITIONS:
-            raise ValueError(f"`AdviceRule(when={self.when!r})` is not valid. Expected one of: {CONDITIONS}.")
+        object.__setattr__(self, "when", _condition("AdviceRule", self.when, ADVICE_FACTS))
 
 
 @dataclass(frozen=True)
@@ -122,18 +177,16 @@ class SlowdownCause:
     """A likely reason why an optimization came out slower than baseline, shown next to the bench's figure.
 
     Args:
-        when: the condition under which the reason holds, one of :data:`SLOWDOWN_CONDITIONS`.
+        when: the facts of the run under which the reason holds (names from :data:`RUN_FACTS`): a dict of fact to
+            the value it must have, one fact's name (it must hold), or ``"always"``.
         text: the reason, one short phrase (shown to the user).
     """
 
-    when: str
+    when: Condition | str
     text: str
 
     def __post_init__(self) -> None:
-        if self.when not in SLOWDOWN_CONDITIONS:
-            raise ValueError(
-                f"`SlowdownCause(when={self.when!r})` is not valid. Expected one of: {SLOWDOWN_CONDITIONS}."
-            )
+        object.__setattr__(self, "when", _condition("SlowdownCause", self.when, RUN_FACTS))
         if not isinstance(self.text, str) or not self.text.strip():
             raise ValueError(f"`SlowdownCause(text={self.text!r})` is not valid. Expected a non-empty string.")
 
@@ -152,13 +205,21 @@ class Optimization:
         tuner_stage: the auto-tuner stage that tries it (one of :data:`TUNER_STAGES`), or ``None``: not searched.
         tuner_order: position within the stage (lower first).
         replaces: the name of an optimization this one is tried in place of, not on top of.
-        requires: what the device must offer (names from :data:`REQUIREMENTS`).
+        requires: what the device must offer, all of it (names from :data:`DEVICE_CAPABILITIES`).
         advice: when the advice recommends it.
-        bench_default_on: the capabilities (names from :data:`BENCH_CAPABILITIES`) under which the no-argument
+        bench_default_on: the capabilities (names from :data:`DEVICE_CAPABILITIES`) under which the no-argument
             ``lightning-perf bench`` includes it (any one suffices); empty: only when asked for.
         slowdown_causes: likely reasons why it comes out slower than baseline, checked in order.
         stages: the Trainer stages (names from :data:`STAGES`) it applies to; the bench leaves it out of a run of
             another stage and says why. Default: every stage.
+        packages: optional dependencies it imports (module names, e.g. ``("torchao",)``); the bench skips it with
+            the install hint where one is missing.
+        model_needs: what the model must hold for it to change anything (names from :data:`MODEL_FEATURES`): the
+            tuner skips its trial on a model without, the advice does not recommend it.
+        fast_fp32_matmul: it lets float32 matmuls run in the device's faster mode (TF32, oneDNN bf16): the MFU of a
+            run with it is taken against that mode's peak (its utilization dtype).
+        long_warmup: its warm-up is long (compilation): the tuner budgets its trial accordingly and the
+            recommendation says the warm-up pays off on long runs only.
 
     A predict-only optimization is one entry, e.g.
     ``Optimization("dynamic_int8", "...", callback="lightning_perf.callbacks.QATCallback",
@@ -179,11 +240,17 @@ class Optimization:
     bench_default_on: tuple[str, ...] = ()
     slowdown_causes: tuple[SlowdownCause, ...] = ()
     stages: tuple[str, ...] = STAGES
+    packages: tuple[str, ...] = ()
+    model_needs: tuple[str, ...] = ()
+    fast_fp32_matmul: bool = False
+    long_warmup: bool = False
 
     def __post_init__(self) -> None:
         owner = f"Optimization(name={self.name!r})"
         if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "+, "):
             raise ValueError(f"`{owner}` is not a valid name. Expected a non-empty word without '+', ',' or spaces.")
+        if self.name == BASELINE:
+            raise ValueError(f"`{owner}` is not a valid name. Expected another: {BASELINE!r} is the bench's reference.")
         if not isinstance(self.description, str) or not self.description.strip():
             raise ValueError(f"`{owner}`: description={self.description!r} is not valid. Expected a non-empty string.")
         if self.callback is not None and (not isinstance(self.callback, str) or "." not in self.callback.strip(".")):
@@ -232,6 +299,15 @@ class Optimization:
                 f"`{owner}`: stages={self.stages!r} is not valid. Expected a non-empty tuple of names from {STAGES}."
             )
         object.__setattr__(self, "stages", tuple(self.stages))
+        for arg, allowed in (("packages", None), ("model_needs", MODEL_FEATURES)):
+            value = getattr(self, arg)
+            if isinstance(value, str) or any(not isinstance(v, str) or (allowed and v not in allowed) for v in value):
+                expected = f"names from {tuple(allowed)}" if allowed else "importable module names, e.g. ('torchao',)"
+                raise ValueError(f"`{owner}`: {arg}={value!r} is not valid. Expected a tuple of {expected}.")
+            object.__setattr__(self, arg, tuple(value))
+        for arg in ("fast_fp32_matmul", "long_warmup"):
+            if not isinstance(getattr(self, arg), bool):
+                raise TypeError(f"`{owner}`: {arg}={getattr(self, arg)!r} is not valid. Expected a bool.")
 
     @property
     def callback_name(self) -> str | None:
@@ -267,6 +343,12 @@ def get(name: str) -> Optimization:
     """
     _ensure_builtins()
     return _REGISTRY[name]
+
+
+def find(name: str) -> Optimization | None:
+    """The optimization called ``name``, or ``None`` (``baseline``, a stack, a bench-only configuration)."""
+    _ensure_builtins()
+    return _REGISTRY.get(name)
 
 
 def optimizations() -> list[Optimization]:
@@ -326,13 +408,13 @@ def _builtin_optimizations() -> list[Optimization]:
                 AdviceRule(
                     "compute_bound",
                     "train in mixed precision: Trainer(precision='bf16-mixed')",
-                    "full_precision_fast_bf16",
+                    {"full_precision": True, "fast_bf16": True},
                 ),
             ),
             bench_default_on=("fast_bf16",),
             slowdown_causes=(
                 SlowdownCause(
-                    "cpu_without_bf16", "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 is emulated"
+                    "bf16_emulated", "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 is emulated"
                 ),
             ),
         ),
@@ -355,7 +437,7 @@ def _builtin_optimizations() -> list[Optimization]:
             bench_default_on=("fast_bf16",),
             slowdown_causes=(
                 SlowdownCause(
-                    "cpu_without_bf16", "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 is emulated"
+                    "bf16_emulated", "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 is emulated"
                 ),
             ),
             stages=INFERENCE_STAGES,
@@ -375,9 +457,8 @@ def _builtin_optimizations() -> list[Optimization]:
             callback=_callback("ChannelsLastCallback"),
             tuner_stage="optimization",
             tuner_order=10,
-            advice=(
-                AdviceRule("compute_bound", "store convolution inputs and weights channels-last", "has_convolutions"),
-            ),
+            advice=(AdviceRule("compute_bound", "store convolution inputs and weights channels-last"),),
+            model_needs=("convolutions",),
             bench_default_on=("cpu", "cuda"),
             slowdown_causes=(
                 SlowdownCause(
@@ -401,9 +482,10 @@ def _builtin_optimizations() -> list[Optimization]:
             ),
             bench_default_on=("cuda",),
             slowdown_causes=(
-                SlowdownCause("warmup_longer", "compile warm-up not amortized over this run's steps"),
+                SlowdownCause("warmup_not_amortized", "compile warm-up not amortized over this run's steps"),
                 SlowdownCause("always", "inductor's kernels gain little on this model and device"),
             ),
+            long_warmup=True,
         ),
         Optimization(
             "compile_reduce_overhead",
@@ -415,7 +497,10 @@ def _builtin_optimizations() -> list[Optimization]:
             tuner_order=60,
             replaces="compile",
             requires=("cuda",),
-            slowdown_causes=(SlowdownCause("warmup_longer", "compile warm-up (and CUDA graph capture) not amortized"),),
+            slowdown_causes=(
+                SlowdownCause("warmup_not_amortized", "compile warm-up (and CUDA graph capture) not amortized"),
+            ),
+            long_warmup=True,
         ),
         Optimization(
             "backend_flags",
@@ -425,14 +510,15 @@ def _builtin_optimizations() -> list[Optimization]:
             changes_numerics=True,
             tuner_stage="optimization",
             tuner_order=30,
-            requires=("backend_flags",),
+            requires=("fast_fp32_matmul",),
             advice=(
                 AdviceRule(
                     "compute_bound",
                     "let float32 matmuls and convolutions use TF32 tensor cores",
-                    "full_precision_tf32_off",
+                    {"full_precision": True, "tf32_off": True},
                 ),
             ),
+            fast_fp32_matmul=True,
             bench_default_on=("cuda", "fast_bf16"),
         ),
         Optimization(
@@ -443,7 +529,9 @@ def _builtin_optimizations() -> list[Optimization]:
             tuner_order=20,
             advice=(
                 AdviceRule(
-                    "optimizer_step", "step the optimizer with torch's fused or foreach kernels", "optimizers_not_fused"
+                    "optimizer_step",
+                    "step the optimizer with torch's fused or foreach kernels",
+                    {"optimizers_fused": False},
                 ),
             ),
             bench_default_on=("cpu", "cuda"),
@@ -484,6 +572,7 @@ def _builtin_optimizations() -> list[Optimization]:
             changes_numerics=True,
             tuner_stage="optimization",
             tuner_order=40,
+            model_needs=("attention",),
         ),
         Optimization(
             "dynamic_int8",
@@ -528,7 +617,7 @@ def _builtin_optimizations() -> list[Optimization]:
             callback=_callback("QATCallback"),
             callback_kwargs={"export": False},
             changes_numerics=True,
-            requires=("torchao",),
+            packages=("torchao",),
             slowdown_causes=(
                 SlowdownCause("always", "fake quantization adds work to every training step (the cost of QAT)"),
             ),

@@ -122,3 +122,76 @@ def test_a_predict_only_optimization_is_one_entry() -> None:
         assert "dummy_int8" not in optimizations.tuner_search_list("optimization")
     finally:
         optimizations.unregister(entry.name)
+
+
+def test_an_entry_carries_its_own_requirements_needs_conditions_and_dtype() -> None:
+    """Everything the tools ask of an optimization comes from its entry: no list elsewhere names it."""
+    import torch
+
+    from lightning_perf.benchmark.configs import get_config
+    from lightning_perf.benchmark.utilization import matmul_setting
+    from lightning_perf.profiling.advice import StepBreakdown, recommend
+    from lightning_perf.tuning.capabilities import ModelCapabilities, skip_reason
+    from lightning_perf.tuning.recommend import long_warmup
+
+    entry = optimizations.register(
+        Optimization(
+            "dummy_fusion",
+            "a stand-in that needs CUDA, a package and convolutions",
+            callback=f"{__name__}.DummySpeedupCallback",
+            requires=("cuda",),
+            packages=("no_such_package_for_the_registry_test",),
+            model_needs=("convolutions",),
+            fast_fp32_matmul=True,
+            long_warmup=True,
+            advice=(AdviceRule("compute_bound", "fuse the dummy layers", {"full_precision": True, "cuda": True}),),
+            slowdown_causes=(optimizations.SlowdownCause({"warmup_not_amortized": True}, "dummy warm-up"),),
+        )
+    )
+    try:
+        assert get_config("dummy_fusion").why_not(torch.device("cpu")) == "needs a CUDA device"
+        assert matmul_setting("channels_last+dummy_fusion", "32-true") == ("32-true", True)
+        assert matmul_setting("channels_last", "32-true") == ("32-true", False)
+        assert long_warmup(["baseline", "channels_last", "dummy_fusion"]) == ["dummy_fusion"]
+        reason = skip_reason("dummy_fusion", ModelCapabilities(), torch.device("cpu"))
+        assert reason == "the model has no 2D or 3D convolution layer: dummy_fusion changes nothing"
+        assert skip_reason("dummy_fusion", ModelCapabilities(convolutions=("conv",)), torch.device("cpu")) is None
+
+        shares = {"data": 0.02, "transfer": 0.02, "forward": 0.4, "backward": 0.45, "optimizer": 0.05, "other": 0.06}
+        medians = {p: 0.01 for p in shares}
+
+        def actions(**facts: object) -> tuple[str, ...]:
+            step = StepBreakdown(shares=shares, medians=medians, step_median_s=0.1, steps=20, **facts)  # type: ignore[arg-type]
+            return next(rec for rec in recommend(step) if rec.rule == "compute_bound").actions
+
+        assert "fuse the dummy layers" in actions(device_type="cuda", has_convolutions=True)
+        assert "fuse the dummy layers" not in actions(device_type="cuda", has_convolutions=False)  # model need
+        assert "fuse the dummy layers" not in actions(device_type="cpu", has_convolutions=True)  # condition
+        assert "fuse the dummy layers" not in actions(device_type="cuda", has_convolutions=True, precision="bf16-mixed")
+    finally:
+        optimizations.unregister(entry.name)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model_needs": ("gpus",)}, "model_needs=('gpus',)"),
+        ({"packages": "torchao"}, "packages='torchao'"),
+        ({"fast_fp32_matmul": 1}, "fast_fp32_matmul=1"),
+        ({"long_warmup": "yes"}, "long_warmup='yes'"),
+        ({"name": "baseline"}, "'baseline' is the bench's reference"),
+    ],
+)
+def test_bad_data_fields_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises((TypeError, ValueError)) as info:
+        Optimization(**{"name": "x", "description": "d", **kwargs})
+    assert message in str(info.value)
+
+
+def test_conditions_name_known_facts() -> None:
+    with pytest.raises(ValueError, match=r"AdviceRule\(when=\{'sunny': True\}\)` is not valid.*full_precision"):
+        AdviceRule("compute_bound", "x", {"sunny": True})
+    with pytest.raises(ValueError, match=r"SlowdownCause\(when=\{'bf16_emulated': 1\}\)` is not valid"):
+        optimizations.SlowdownCause({"bf16_emulated": 1}, "x")  # type: ignore[dict-item]
+    assert AdviceRule("compute_bound", "x", "cuda").when == {"cuda": True}
+    assert AdviceRule("compute_bound", "x").when == {}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import lightning_perf.optimizations as optimizations
-from lightning_perf.optimizations import BASELINE, Optimization
+from lightning_perf.optimizations import BASELINE, DEVICE_CAPABILITIES, Optimization
 
 CallbackFactory = Callable[[], list[Any]]
 # A callback as LightningCLI writes it: its import path and its keyword arguments.
@@ -101,26 +101,44 @@ class BenchConfig:
         return f"applies to {only} only, not to {stage}"
 
 
-_REGISTRY: dict[str, BenchConfig] = {}
+BASELINE_CONFIG = BenchConfig(BASELINE, "plain Lightning, fp32 (the reference every ratio is taken against)")
+# Configurations only the bench knows (tests, experiments); the optimizations' own are derived on lookup.
+_BENCH_ONLY: dict[str, BenchConfig] = {}
+# name -> (the entry it was built from, the configuration): rebuilt when the list holds another entry by that name.
+_DERIVED: dict[str, tuple[Optimization, BenchConfig]] = {}
 
 
 def register_config(config: BenchConfig, *, replace: bool = False) -> BenchConfig:
-    """Add ``config`` to the registry; a second registration of a name is an error unless ``replace``.
+    """Add a configuration that only the bench knows; a second registration of a name is an error unless ``replace``.
 
     An optimization that the auto-tuner and the advice should know too is registered in
     :mod:`lightning_perf.optimizations` instead: its configuration is derived from there.
     """
-    _ensure_builtins()
-    if config.name in _REGISTRY and not replace:
+    if (config.name == BASELINE or _lookup(config.name) is not None) and not replace:
         raise ValueError(f"A benchmark configuration named {config.name!r} is already registered.")
-    _REGISTRY[config.name] = config
+    _BENCH_ONLY[config.name] = config
     return config
+
+
+def _lookup(name: str) -> BenchConfig | None:
+    """The single configuration called ``name``, or ``None``."""
+    if name == BASELINE:
+        return BASELINE_CONFIG
+    if name in _BENCH_ONLY:
+        return _BENCH_ONLY[name]
+    optimization = optimizations.find(name)
+    if optimization is None:
+        return None
+    known = _DERIVED.get(name)
+    if known is None or known[0] is not optimization:
+        known = _DERIVED[name] = (optimization, config_from_optimization(optimization))
+    return known[1]
 
 
 def available_configs() -> list[str]:
     """The registered configuration names, ``baseline`` first."""
-    _ensure_builtins()
-    return sorted(_REGISTRY, key=lambda n: (n != BASELINE, n))
+    names = {*optimizations.names(), *_BENCH_ONLY} - {BASELINE}
+    return [BASELINE, *sorted(names)]
 
 
 def get_config(name: str) -> BenchConfig:
@@ -129,17 +147,16 @@ def get_config(name: str) -> BenchConfig:
     Raises:
         ValueError: for an unknown name, listing the valid ones.
     """
-    _ensure_builtins()
     parts = [p.strip() for p in name.split("+")]
-    unknown = [p for p in parts if p not in _REGISTRY]
+    found = [_lookup(p) for p in parts]
+    unknown = [p for p, config in zip(parts, found) if config is None]
     if unknown or not parts:
         raise ValueError(
             f"Unknown benchmark configuration {unknown[0] if unknown else name!r} in {name!r}. "
             f"Valid names: {', '.join(available_configs())}; join several with '+' to stack them."
         )
-    if len(parts) == 1:
-        return _REGISTRY[parts[0]]
-    return stack_configs([_REGISTRY[p] for p in parts])
+    configs = [config for config in found if config is not None]
+    return configs[0] if len(configs) == 1 else stack_configs(configs)
 
 
 def resolve_configs(names: str | Iterable[str]) -> list[BenchConfig]:
@@ -158,7 +175,7 @@ def resolve_configs(names: str | Iterable[str]) -> list[BenchConfig]:
 def stack_configs(configs: list[BenchConfig]) -> BenchConfig:
     """Combine configurations into one: callbacks in order, Trainer arguments merged, at most one strategy."""
     if any(len(c.parts) > 1 for c in configs):  # a stack of stacks: flatten to registered single configurations
-        configs = [_REGISTRY[p] for c in configs for p in c.parts]
+        configs = [get_config(p) for c in configs for p in c.parts]
     trainer_kwargs: dict[str, Any] = {}
     for config in configs:
         for key, value in config.trainer_kwargs.items():
@@ -197,63 +214,12 @@ def stack_configs(configs: list[BenchConfig]) -> BenchConfig:
     )
 
 
-def _needs_cuda(device: torch.device) -> str | None:
-    return None if device.type == "cuda" else "needs a CUDA device"
-
-
-def _needs_bf16(device: torch.device) -> str | None:
-    from lightning_perf._device import supports_bf16
-
-    return None if supports_bf16(device) else f"{device} does not support bfloat16"
-
-
-def _needs_fp16(device: torch.device) -> str | None:
-    """fp16 arithmetic in hardware: any CUDA device; a CPU with AVX512-FP16 or AMX-FP16 (else fp16 is emulated)."""
-    if device.type == "cuda":
-        return None
-    from lightning_perf.profiling.machine import cpu_flags
-
-    flags = cpu_flags() or {}
-    if flags.get("avx512_fp16") or flags.get("amx_fp16"):
-        return None
-    return f"{device} has no fp16 arithmetic (a CUDA device, or a CPU with avx512_fp16/amx_fp16)"
-
-
-def _backend_flags_apply(device: torch.device) -> str | None:
-    from lightning_perf.functional.backend_flags import fastest_flags
-
-    if fastest_flags(device).requested():
-        return None
-    return f"no backend flag speeds up float32 training on {device} (no TF32, no oneDNN bf16 matmuls)"
-
-
-def _torchao_applies(device: torch.device) -> str | None:
-    from lightning_perf._imports import install_hint, is_torchao_available
-
-    return None if is_torchao_available() else install_hint("torchao")
-
-
-_REQUIREMENT_CHECKS: dict[str, Applicability] = {
-    "cuda": _needs_cuda,
-    "bf16": _needs_bf16,
-    "fp16": _needs_fp16,
-    "backend_flags": _backend_flags_apply,
-    "torchao": _torchao_applies,
-}
-# name -> (the optimization entry, the configuration built from it), to follow later changes of the list.
-_DERIVED: dict[str, tuple[Optimization, BenchConfig]] = {}
-
-
 def config_from_optimization(optimization: Optimization) -> BenchConfig:
-    """The bench configuration of one entry of :mod:`lightning_perf.optimizations`."""
-    checks = [_REQUIREMENT_CHECKS[r] for r in optimization.requires]
+    """The bench configuration of one entry of :mod:`lightning_perf.optimizations`: it runs where the device offers
+    every capability the entry ``requires`` and every package it needs imports."""
 
     def applies_to(device: torch.device) -> str | None:
-        for check in checks:
-            reason = check(device)
-            if reason is not None:
-                return reason
-        return None
+        return _missing(optimization, device)
 
     specs = () if optimization.callback is None else ((optimization.callback, optimization.callback_kwargs),)
     return BenchConfig(
@@ -261,28 +227,22 @@ def config_from_optimization(optimization: Optimization) -> BenchConfig:
         optimization.description,
         callback_specs=specs,
         trainer_kwargs=optimization.trainer_kwargs,
-        applies_to=applies_to if checks else None,
+        applies_to=applies_to if optimization.requires or optimization.packages else None,
         stages=optimization.stages,
     )
 
 
-def _ensure_builtins() -> None:
-    """Bring the registry in line with ``baseline`` and the list of optimizations (which may change at any time)."""
-    if BASELINE not in _REGISTRY:
-        _REGISTRY[BASELINE] = BenchConfig(
-            BASELINE, "plain Lightning, fp32 (the reference every ratio is taken against)"
-        )
-    current = {o.name: o for o in optimizations.optimizations()}
-    for name, (optimization, config) in list(_DERIVED.items()):
-        if current.get(name) is not optimization:
-            del _DERIVED[name]
-            if _REGISTRY.get(name) is config:
-                del _REGISTRY[name]
-    for name, optimization in current.items():
-        if name not in _REGISTRY:
-            config = config_from_optimization(optimization)
-            _REGISTRY[name] = config
-            _DERIVED[name] = (optimization, config)
+def _missing(optimization: Optimization, device: torch.device) -> str | None:
+    """What ``device`` (or this installation) lacks for ``optimization``, in words, or ``None``."""
+    from lightning_perf._imports import install_hint, is_available
+
+    for capability in optimization.requires:
+        if not device_offers(device, capability):
+            return f"needs {DEVICE_CAPABILITIES[capability]}"
+    for package in optimization.packages:
+        if not is_available(package):
+            return install_hint(package)
+    return None
 
 
 def split_by_stage(names: Iterable[str], stage: str) -> tuple[list[str], list[tuple[str, str]]]:
@@ -298,28 +258,51 @@ def split_by_stage(names: Iterable[str], stage: str) -> tuple[list[str], list[tu
 
 
 def device_capabilities(device: torch.device) -> dict[str, bool]:
-    """Which of :data:`lightning_perf.optimizations.BENCH_CAPABILITIES` ``device`` offers.
+    """Which of :data:`lightning_perf.optimizations.DEVICE_CAPABILITIES` ``device`` offers (see
+    :func:`device_offers`)."""
+    return {capability: device_offers(device, capability) for capability in DEVICE_CAPABILITIES}
 
-    ``fast_bf16``: on a CPU, avx512_bf16 or AMX in ``/proc/cpuinfo`` (oneDNN's own probe where the flags are
-    unknown); on a GPU, Ampere (sm 80) or later, where bf16 runs on tensor cores.
+
+def device_offers(device: torch.device, capability: str) -> bool:
+    """Whether ``device`` offers ``capability``, probed alone (one probe per name of the vocabulary).
+
+    ``bf16``: bfloat16 tensors work there (emulated or not); ``fast_bf16``: on a CPU, avx512_bf16 or AMX in
+    ``/proc/cpuinfo`` (oneDNN's own probe where the flags are unknown), on a GPU Ampere (sm 80) or later;
+    ``fp16``: any CUDA device, a CPU with avx512_fp16 or amx_fp16; ``fast_fp32_matmul``: a backend flag makes float32
+    matmuls faster there (TF32 on a GPU, oneDNN's bf16 path on a CPU with bf16 instructions).
+
+    Raises:
+        KeyError: for a name outside the vocabulary.
     """
-    from lightning_perf._device import has_fast_cpu_bf16, is_sm_at_least
+    from lightning_perf._device import has_fast_cpu_bf16, is_sm_at_least, supports_bf16
     from lightning_perf.profiling.machine import cpu_flags, has_cpu_bf16_instructions
 
-    if device.type == "cuda":
-        fast_bf16 = is_sm_at_least(8, 0, device)
-    else:
-        native = has_cpu_bf16_instructions(cpu_flags())
-        fast_bf16 = has_fast_cpu_bf16() if native is None else native
-    return {"cpu": device.type == "cpu", "cuda": device.type == "cuda", "fast_bf16": bool(fast_bf16)}
+    if capability not in DEVICE_CAPABILITIES:
+        raise KeyError(f"{capability!r} is not a device capability. Expected one of: {', '.join(DEVICE_CAPABILITIES)}")
+    cuda = device.type == "cuda"
+    if capability in ("cpu", "cuda"):
+        return device.type == capability
+    if capability == "bf16":
+        return bool(supports_bf16(device))
+    if capability == "fp16":
+        flags = cpu_flags() or {}
+        return cuda or bool(flags.get("avx512_fp16") or flags.get("amx_fp16"))
+    if capability == "fast_fp32_matmul" and cuda:
+        from lightning_perf.functional.backend_flags import fastest_flags
+
+        return bool(fastest_flags(device).requested())
+    # fast_bf16, and fast_fp32_matmul on a CPU (oneDNN runs float32 matmuls in bf16 where the CPU has bf16 instructions)
+    if cuda:
+        return bool(is_sm_at_least(8, 0, device))
+    native = has_cpu_bf16_instructions(cpu_flags())
+    return bool(has_fast_cpu_bf16() if native is None else native)
 
 
 def _why_left_out(optimization: Optimization, device: torch.device, capabilities: Mapping[str, bool]) -> str | None:
     if not optimization.bench_default_on:
         return "not in the default set (name it in --configs)"
     if not any(capabilities.get(c, False) for c in optimization.bench_default_on):
-        names = {"cpu": "a CPU", "cuda": "a CUDA device", "fast_bf16": "bf16 hardware (avx512_bf16/AMX, Ampere+ GPU)"}
-        why = "in the default set only on " + " or ".join(names[c] for c in optimization.bench_default_on)
+        why = "in the default set only on " + " or ".join(DEVICE_CAPABILITIES[c] for c in optimization.bench_default_on)
         if "fast_bf16" in optimization.bench_default_on and device.type == "cpu":
             why += "; this CPU has no bf16 instructions, bf16 would be emulated"
         return why + " (name it in --configs to measure it anyway)"

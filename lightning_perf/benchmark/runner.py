@@ -398,32 +398,34 @@ def mark_disturbed(summaries: Sequence[ConfigSummary], reliability: Reliability,
 
 
 def add_likely_causes(summaries: Sequence[ConfigSummary], machine: dict[str, Any], spec: BenchSpec) -> None:
-    """Name a likely cause for each configuration slower than baseline, from the optimizations' slowdown causes."""
+    """Name a likely cause for each configuration slower than baseline, from the optimizations' slowdown causes whose
+    facts hold for its run (:data:`~lightning_perf.optimizations.RUN_FACTS`)."""
     import lightning_perf.optimizations as optimizations
 
-    known = {o.name: o for o in optimizations.optimizations()}
     base = next((s for s in summaries if s.config == BASELINE), None)
     for s in summaries:
         if s.speedup_verdict != "slower":
             continue
-        causes = [cause.text for part in s.config.split("+") if part in known for cause in known[part].slowdown_causes
-                  if _slowdown_condition(cause.when, s, base, machine, spec)]  # fmt: skip
+        facts = _run_facts(s, base, machine, spec)
+        parts = [o for part in s.config.split("+") if (o := optimizations.find(part)) is not None]
+        causes = [c.text for o in parts for c in o.slowdown_causes if optimizations.holds(c.when, facts)]
         s.likely_cause = "; ".join(causes[:2]) or None
 
 
-def _slowdown_condition(
-    when: str, s: ConfigSummary, base: ConfigSummary | None, machine: dict[str, Any], spec: BenchSpec
-) -> bool:
-    if when == "always":
-        return True
-    if when == "cpu_without_bf16":
-        return not spec.device.startswith("cuda") and machine.get("cpu_bf16_instructions") is False
-    if when == "warmup_longer":
-        if base is None or s.warmup_s is None or base.warmup_s is None:
-            return False
+def _run_facts(
+    s: ConfigSummary, base: ConfigSummary | None, machine: dict[str, Any], spec: BenchSpec
+) -> dict[str, bool]:
+    """What the bench knows about ``s``'s run (the facts a :class:`~lightning_perf.optimizations.SlowdownCause`
+    names): bf16 emulated on a CPU without bf16 instructions; a warm-up longer than baseline's by more than the steady
+    state saved over the run's steps (and by more than half of baseline's)."""
+    not_amortized = False
+    if base is not None and s.warmup_s is not None and base.warmup_s is not None:
         saved = ((base.step_median_s or 0.0) - (s.step_median_s or 0.0)) * spec.steps
-        return s.warmup_s - base.warmup_s > max(saved, 0.5 * base.warmup_s)
-    return False
+        not_amortized = s.warmup_s - base.warmup_s > max(saved, 0.5 * base.warmup_s)
+    return {
+        "bf16_emulated": not spec.device.startswith("cuda") and machine.get("cpu_bf16_instructions") is False,
+        "warmup_not_amortized": not_amortized,
+    }
 
 
 def _command_for(spec: BenchSpec) -> str:

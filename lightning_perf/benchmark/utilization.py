@@ -48,13 +48,15 @@ _RESAMPLES = 2000
 
 def matmul_setting(config: str, options_precision: str) -> tuple[str, bool]:
     """``(precision, fast_fp32_matmul)`` of a configuration: its own ``Trainer(precision=...)`` or the bench's, and
-    whether it lets float32 matmuls run faster than fp32 (``backend_flags``: TF32 on CUDA, bf16 on a bf16 CPU)."""
+    whether a part lets float32 matmuls run in the device's faster mode (its entry's ``fast_fp32_matmul``: TF32 on
+    CUDA, bf16 on a bf16 CPU), the peak its MFU is then taken against."""
     from lightning_perf.benchmark.configs import get_config
+    from lightning_perf.optimizations import find
 
     config_obj = get_config(config)
     precision = str(config_obj.trainer_kwargs.get("precision", options_precision))
-    parts = config_obj.parts or (config_obj.name,)
-    return precision, "backend_flags" in parts
+    parts = [find(part) for part in config_obj.parts or (config_obj.name,)]
+    return precision, any(part is not None and part.fast_fp32_matmul for part in parts)
 
 
 def machine_peak(

@@ -30,7 +30,7 @@ Which optimizations each of the last three rules offers, and when, comes from th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -190,6 +190,20 @@ class StepBreakdown:
     def median(self, phase: str) -> float:
         value = self.medians.get(phase)
         return math.nan if value is None else float(value)
+
+    def facts(self) -> dict[str, bool | None]:
+        """The facts an advice rule of the optimization list can name (:data:`~lightning_perf.optimizations.
+        ADVICE_FACTS`), and what the model holds (:data:`~lightning_perf.optimizations.MODEL_FEATURES`; None:
+        unknown)."""
+        return {
+            "cuda": self.device_type == "cuda",
+            "full_precision": self.precision in ("32", "32-true", "64", "64-true"),
+            "fast_bf16": self.fast_bf16,
+            "tf32_off": self.tf32_capable and not self.tf32_enabled,
+            "optimizers_fused": self.optimizers_fused is True,
+            "convolutions": self.has_convolutions,
+            "attention": None,
+        }
 
 
 @dataclass(frozen=True)
@@ -439,31 +453,18 @@ def _compute_bound(b: StepBreakdown) -> Recommendation | None:
     )
 
 
-def _full_precision(b: StepBreakdown) -> bool:
-    return b.precision in ("32", "32-true", "64", "64-true")
-
-
-# The conditions an entry of the optimization list can name (``AdviceRule.when``), as predicates on the step.
-_CONDITIONS: dict[str, Callable[[StepBreakdown], bool]] = {
-    "always": lambda b: True,
-    "cuda": lambda b: b.device_type == "cuda",
-    "has_convolutions": lambda b: b.has_convolutions,
-    "full_precision_fast_bf16": lambda b: _full_precision(b) and b.fast_bf16,
-    "full_precision_tf32_off": lambda b: _full_precision(b) and b.tf32_capable and not b.tf32_enabled,
-    "optimizers_not_fused": lambda b: b.optimizers_fused is not True,
-}
-
-
 def _registered_advice(b: StepBreakdown, symptom: str) -> tuple[list[str], list[str]]:
     """The actions and callbacks that the list of optimizations offers for ``symptom`` and that apply to ``b``;
     a callback already in use is not suggested again."""
     actions: list[str] = []
     callbacks: list[str] = []
+    facts = b.facts()
     for optimization, rule in optimizations.advice_for(symptom):
         name = optimization.callback_name
         if name is not None and (name in b.active_callbacks or name in callbacks):
             continue
-        if not _CONDITIONS[rule.when](b):
+        needs = {need: True for need in optimization.model_needs}  # an unknown feature (None) is not assumed
+        if not optimizations.holds(rule.when, facts) or not optimizations.holds(needs, facts):
             continue
         actions.append(rule.action)
         if name is not None:

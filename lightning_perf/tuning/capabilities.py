@@ -7,20 +7,17 @@ its reason instead of costing a trial and, worse, a chance for noise to look lik
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MODEL_NEEDS", "ModelCapabilities", "model_capabilities", "skip_reason"]
-
-MODEL_NEEDS: Mapping[str, str] = {"flash_attention": "attention", "channels_last": "convolutions"}
-"""Optimization name -> what the model must contain for it to change anything (a field of
-:attr:`ModelCapabilities`)."""
+__all__ = ["ModelCapabilities", "model_capabilities", "skip_reason"]
 
 
 @dataclass(frozen=True)
 class ModelCapabilities:
     """What a model holds that optimizations act on.
+
+    One field per :data:`lightning_perf.optimizations.MODEL_FEATURES` name (what an entry's ``model_needs`` names).
 
     Attributes:
         attention: names of the attention modules the attention swap knows (its registered adapters).
@@ -56,11 +53,12 @@ def skip_reason(name: str, capabilities: ModelCapabilities, device: Any, *, expl
         device: a ``torch.device``.
         explicit: the user named it: an emulated bf16 is measured anyway (what it costs is then the question).
     """
-    need = MODEL_NEEDS.get(name)
-    if need == "attention" and not capabilities.attention:
-        return "the model has no attention module the swap knows (nn.MultiheadAttention or a registered adapter)"
-    if need == "convolutions" and not capabilities.convolutions:
-        return "the model has no 2D or 3D convolution layer: channels-last changes nothing"
+    from lightning_perf.optimizations import MODEL_FEATURES, find
+
+    optimization = find(name)
+    for need in optimization.model_needs if optimization is not None else ():
+        if not getattr(capabilities, need):
+            return f"the model has no {MODEL_FEATURES[need]}: {name} changes nothing"
     if device.type == "cpu" and not explicit and _needs_bf16(name):
         from lightning_perf.benchmark import configs
 
@@ -70,10 +68,8 @@ def skip_reason(name: str, capabilities: ModelCapabilities, device: Any, *, expl
 
 
 def _needs_bf16(name: str) -> bool:
-    """Whether the optimization ``name`` computes in bf16 (``bf16-mixed``, ``bf16-true``: requires bf16)."""
-    from lightning_perf.optimizations import get
+    """Whether the optimization ``name`` computes in bf16 (its entry requires bf16)."""
+    from lightning_perf.optimizations import find
 
-    try:
-        return "bf16" in get(name).requires
-    except KeyError:
-        return False
+    optimization = find(name)
+    return optimization is not None and "bf16" in optimization.requires

@@ -102,7 +102,7 @@ def search_plan(
     Args:
         stage: the Trainer stage tuned for.
         precisions: the user's list (None: :func:`precision_names`; on a CPU ``device`` the fp16 autocast of
-            ``16-mixed`` is left out, as the fit search does).
+            ``16-mixed``, whose entry requires CUDA, is left out, as the fit search does).
         optimization_names: the user's list (None: the registry's optimization stage).
         device: the device (``"cpu"``, ``"cuda:0"``, a ``torch.device``), to choose the default precisions.
     """
@@ -110,7 +110,8 @@ def search_plan(
 
     if precisions is None:
         cuda = str(device).startswith("cuda")
-        precisions = tuple(p for p in precision_names(stage) if p != "16-mixed" or cuda)
+        # Left out by default where the entry needs CUDA and the device is not one (fp16 autocast with a scaler).
+        precisions = tuple(p for p in precision_names(stage) if cuda or "cuda" not in _requires(p))
     if optimization_names is None:
         optimization_names = tuner_search_list("optimization")
     left_out: dict[str, str] = {}
@@ -119,6 +120,13 @@ def search_plan(
         if why is not None:
             left_out[name] = why
     return SearchPlan(stage, tuple(precisions), tuple(optimization_names), left_out)
+
+
+def _requires(name: str) -> tuple[str, ...]:
+    from lightning_perf.optimizations import find
+
+    optimization = find(name)
+    return optimization.requires if optimization is not None else ()
 
 
 def trial_skip_reason(name: str, capabilities: ModelCapabilities, device: Any, *, explicit: bool = False) -> str | None:

@@ -6,7 +6,14 @@ from typing import Any
 
 from lightning_perf.tuning.results import Recommendation, Trial
 
-__all__ = ["bench_command", "recommend"]
+__all__ = ["bench_command", "long_warmup", "recommend"]
+
+
+def long_warmup(configs: Any) -> list[str]:
+    """The names among ``configs`` whose entries say their warm-up is long (compilation)."""
+    from lightning_perf.optimizations import find
+
+    return [name for name in configs if (o := find(name)) is not None and o.long_warmup]
 
 
 def recommend(
@@ -52,8 +59,9 @@ def recommend(
             f"the data module's __init__ does not take {', '.join(missing)}: set "
             f"{', '.join(f'{k}={loader[k]!r}' for k in missing)} in its DataLoaders"
         )
-    if any(c.startswith("compile") for c in candidate.configs):
-        notes.append(f"compile costs {best.warmup_s or 0:.0f} s of warm-up per run; it pays off on long runs")
+    if long_warmup(candidate.configs):
+        names = ", ".join(long_warmup(candidate.configs))
+        notes.append(f"{names} costs {best.warmup_s or 0:.0f} s of warm-up per run; it pays off on long runs")
     notes += inference_notes(stage, candidate.configs)
     unchanged = best.verdict == "baseline"
     return Recommendation(

@@ -56,7 +56,7 @@ from lightning_perf.optimizations import tuner_alternatives, tuner_search_list
 from lightning_perf.tuning.capabilities import ModelCapabilities, model_capabilities
 from lightning_perf.tuning.conditions import TrialWatch, baseline_spread_cause
 from lightning_perf.tuning.inference import NO_DATA_STAGE, check_stage, search_plan, too_few_batches, trial_skip_reason
-from lightning_perf.tuning.recommend import bench_command, recommend
+from lightning_perf.tuning.recommend import bench_command, long_warmup, recommend
 from lightning_perf.tuning.results import Trial, TuningResult
 from lightning_perf.tuning.trials import check_search_lists, memory_problem, resolve_isolation, run_in_process
 from lightning_perf.tuning.verdicts import (
@@ -645,7 +645,7 @@ class AutoTuner:
     def _estimate(self, candidate: Candidate, against: tuple[Candidate, Trial, Any]) -> float:
         wall = against[1].wall_s or 0.0
         factor = 1.2
-        if any(c.startswith("compile") and c not in against[0].configs for c in candidate.configs):
+        if any(c not in against[0].configs for c in long_warmup(candidate.configs)):
             factor = _COMPILE_COST_FACTOR
         if candidate.batch_size is not None:
             own = against[2].batch_size or candidate.batch_size

@@ -16,15 +16,18 @@ class _B(Callback):
     pass
 
 
+def _needs_cuda(device: torch.device) -> str | None:
+    return None if device.type == "cuda" else "needs a CUDA device"
+
+
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two extra configurations, removed again after the test."""
-    monkeypatch.setattr(configs, "_REGISTRY", dict(configs._REGISTRY))
-    configs._ensure_builtins()
+    monkeypatch.setattr(configs, "_BENCH_ONLY", dict(configs._BENCH_ONLY))
     configs.register_config(BenchConfig("a", "adds A", callbacks=lambda: [_A()], trainer_kwargs={"benchmark": True}))
     configs.register_config(BenchConfig("b", "adds B", callbacks=lambda: [_B()]))
     configs.register_config(BenchConfig("no_bench", "unsets benchmark", trainer_kwargs={"benchmark": False}))
-    configs.register_config(BenchConfig("gpu_only", "needs cuda", applies_to=configs._needs_cuda))
+    configs.register_config(BenchConfig("gpu_only", "needs cuda", applies_to=_needs_cuda))
 
 
 def test_baseline_first_and_bf16_registered() -> None:

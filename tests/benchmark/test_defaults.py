@@ -9,8 +9,8 @@ from lightning_perf import optimizations
 from lightning_perf.benchmark.configs import default_configs, device_capabilities
 from lightning_perf.optimizations import Optimization, SlowdownCause
 
-AVX2_CPU = {"cpu": True, "cuda": False, "fast_bf16": False}
-BF16_CPU = {"cpu": True, "cuda": False, "fast_bf16": True}
+AVX2_CPU = {"cpu": True, "cuda": False, "bf16": True, "fast_bf16": False, "fp16": False, "fast_fp32_matmul": False}
+BF16_CPU = {"cpu": True, "cuda": False, "bf16": True, "fast_bf16": True, "fp16": False, "fast_fp32_matmul": True}
 
 
 def test_an_avx2_only_cpu_gets_no_bf16_and_says_why() -> None:
@@ -40,8 +40,8 @@ def test_capabilities_of_this_machine_follow_its_cpu_flags(monkeypatch: pytest.M
 def test_every_builtin_slowdown_cause_is_well_formed() -> None:
     bf16 = optimizations.get("bf16-mixed")
     assert bf16.bench_default_on == ("fast_bf16",)
-    assert [c.when for c in bf16.slowdown_causes] == ["cpu_without_bf16"]
-    assert optimizations.get("compile").slowdown_causes[0].when == "warmup_longer"
+    assert [c.when for c in bf16.slowdown_causes] == [{"bf16_emulated": True}]
+    assert optimizations.get("compile").slowdown_causes[0].when == {"warmup_not_amortized": True}
     assert "layout conversion" in optimizations.get("channels_last").slowdown_causes[0].text
 
 
