@@ -18,8 +18,11 @@ time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain nu
                  ignored_trainer_settings (the file's trainer keys the bench decides itself))
     notes        [str]: a configuration's own precision over the run's, a fit run that timed no inference
     machine      profiling.machine.describe_machine(): cpu, cpu_count, torch_threads, cpu_flags {avx2, avx512f,
-                 avx512_vnni, avx512_bf16, amx_tile, amx_bf16, amx_int8}, cpu_bf16_instructions, gpu, gpu_driver,
-                 versions (lightning_perf, torch, lightning)
+                 avx512_vnni, avx512_bf16, amx_tile, amx_bf16, amx_int8}, cpu_bf16_instructions, gpu, gpu_count,
+                 gpu_driver, cuda, and the versions lightning_perf, torch, lightning; and the bench's own: device
+                 (the one measured), device_reason ("auto: CUDA is visible (NVIDIA H100 80GB HBM3)"), mfu_peaks
+                 [{precision, fast_fp32_matmul, peak_flops_per_second, source, causes}] (the peaks the MFU was taken
+                 against)
     run          profiling.machine.run_metadata(): command, argv, cwd, git_commit, git_dirty, start_time, end_time
     environment  profiling.environment_info() (added by write_json)
     reliability  {reliable: bool, causes: [str], disturbed_runs: ["<config>, repeat <n>"], disturbed_configs: [...],
@@ -32,7 +35,8 @@ time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain nu
         step_times_s: [[...] per repeat, in repeat order]   raw steady-state step times, to rebuild any interval
         speedup: baseline step time / step time (> 1: faster), geometric mean of the paired per-repeat ratios;
             speedup_ci95: [low, high] (low <= speedup <= high), speedup_verdict: "faster" | "slower" |
-            "no clear difference", speedup_method: "t interval over paired repeats" | "bootstrap over paired steps"
+            "no clear difference" | "one repeat: no interval" (every ratio of a one-repeat bench), speedup_method:
+            "t interval over paired repeats" | "bootstrap over paired steps"
             | "one paired repeat: no interval", speedup_n (paired repeats), speedup_min / speedup_max (per-repeat)
             (baseline's own row: speedup 1.0, the rest null)
         throughput (samples/s at the median step), warmup_s, model_init_s, first_batch_s, first_forward_s
@@ -196,7 +200,9 @@ def run_benchmark(
     add_likely_causes(summaries, machine, spec)
     if progress is not None and any(s.flops_per_step for s in summaries):
         progress(done, total, "peak FLOP/s")
-    add_utilization(summaries, _peak_lookup(spec, machine, peak))
+    peaks: dict[tuple[str, bool], Any] = {}
+    add_utilization(summaries, _peak_lookup(spec, machine, peak, peaks))
+    machine = {**machine, "device": spec.device, "device_reason": spec.device_reason, "mfu_peaks": _peak_rows(peaks)}
     return BenchReport(
         options=spec.to_dict(),
         command=command,
@@ -237,11 +243,13 @@ def precision_notes(spec: BenchSpec) -> list[str]:
     return notes
 
 
-def _peak_lookup(spec: BenchSpec, machine: dict[str, Any], peak: PeakFn | None) -> Callable[[str], Any]:
-    """config -> its peak, asked once per (precision, fast float32 matmuls) setting."""
+def _peak_lookup(
+    spec: BenchSpec, machine: dict[str, Any], peak: PeakFn | None, known: dict[tuple[str, bool], Any] | None = None
+) -> Callable[[str], Any]:
+    """config -> its peak, asked once per (precision, fast float32 matmuls) setting (kept in ``known``)."""
     bf16 = machine.get("cpu_bf16_instructions")
     ask = peak or (lambda d, p, f: machine_peak(d, p, f, cpu_bf16_instructions=bool(bf16)))
-    known: dict[tuple[str, bool], Any] = {}
+    known = {} if known is None else known
 
     def lookup(config: str) -> Any:
         setting = matmul_setting(config, spec.precision)
@@ -250,6 +258,15 @@ def _peak_lookup(spec: BenchSpec, machine: dict[str, Any], peak: PeakFn | None) 
         return known[setting]
 
     return lookup
+
+
+def _peak_rows(peaks: dict[tuple[str, bool], Any]) -> list[dict[str, Any]]:
+    """The peaks the MFU was taken against, one per (precision, fast float32 matmuls) setting, for the results file."""
+    return [
+        {"precision": precision, "fast_fp32_matmul": fast, "peak_flops_per_second": p.flops_per_second,
+         "source": p.source, "causes": list(p.causes)}
+        for (precision, fast), p in peaks.items()
+    ]  # fmt: skip
 
 
 def _run_in_subprocess(spec: RunSpec, tmp: Path, timeout_s: float) -> RunResult:

@@ -191,6 +191,8 @@ class BenchSpec(RunSettings):
         SpecError: (a ``ValueError``) naming the setting, the value as given and what is expected.
     """
 
+    device: str = "auto"
+    preset: str | None = None  # type: ignore[assignment]  # resolved to a preset's name on construction
     configs: str | Sequence[str] | None = None
     repeats: int = 3
     timeout_s: float = 900.0

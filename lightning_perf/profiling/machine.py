@@ -101,7 +101,7 @@ def _gpu() -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
-        return {"gpu": None, "gpu_count": 0, "gpu_driver": None, "gpu_bf16": None}
+        return {"gpu": None, "gpu_count": 0, "gpu_driver": None, "gpu_bf16": None, "cuda": torch.version.cuda}
     driver = None
     try:
         done = subprocess.run(
