@@ -261,17 +261,8 @@ class CompileCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._apply(trainer, pl_module)
 
-    @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._apply(trainer, pl_module)
-
-    @override
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._apply(trainer, pl_module)
-
-    @override
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._apply(trainer, pl_module)
+    # Every entry point starts the same way (in fit's own validation loop `_apply` finds the modules compiled already).
+    on_validation_start = on_test_start = on_predict_start = on_fit_start
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -256,10 +256,11 @@ def swap_attention(
         adapter = adapter_for(module, name)
         assert adapter is not None
         try:
-            if is_fsdp_module(module):  # probing it would run FSDP2's hooks (and its lazy init) outside a step
+            if any(is_fsdp_module(m) for m in module.modules()):
+                # Probing it would run FSDP2's hooks (all-gathers, lazy initialisation) outside a step, on one rank.
                 raise AttentionNotSwappable(
-                    "fully_shard was applied to the attention module itself; swapping it would drop its FSDP2 hooks "
-                    "(shard the block around it instead)"
+                    "fully_shard was applied to the attention module itself or to a layer inside it; swapping it "
+                    "would drop FSDP2's hooks (shard the block around it instead)"
                 )
             sharded = _sharded_refusal(module)
             notes: list[str] = []

@@ -35,6 +35,7 @@ from lightning_perf.functional.attention_kernels import (
 )
 from lightning_perf.functional.attention_parity import check_parity, eval_without_dropout
 from lightning_perf.functional.attention_trace import SDPACalls
+from lightning_perf.functional.sharding import is_sharded
 
 __all__ = ["configurable_attention_models", "restore_attention_implementations", "switch_attention_implementation"]
 
@@ -72,9 +73,13 @@ def switch_attention_implementation(
     """
     current = str(model.config._attn_implementation)  # type: ignore[union-attr]
     prefix = f"{name}." if name else ""
+    # A call of an FSDP2-sharded model outside a training step would run its all-gathers (and FSDP2's lazy
+    # initialisation) on this rank alone: no traced call and no parity check then; HF's own switch is trusted.
+    sharded = is_sharded(model)
+    callers: Callable[[nn.Module, str], list[str]] = (lambda m, p: []) if sharded else _sdpa_callers
     if current != _EAGER:
         reason = f"already fused: its config's attn_implementation is {current!r}"
-        names = _sdpa_callers(model, prefix) or [name]
+        names = callers(model, prefix) or [name]
         return {n: AttentionDecision(UNCHANGED, reason, ALREADY_FUSED) for n in names}, None, None
     try:
         model.set_attn_implementation(SDPA)  # type: ignore[operator]
@@ -83,7 +88,7 @@ def switch_attention_implementation(
     if model.config._attn_implementation != SDPA:  # type: ignore[union-attr]
         return {}, None, "set_attn_implementation('sdpa') left it unchanged (the model does not support switching)"
     problem = None
-    if parity_check:
+    if parity_check and not sharded:
         try:
             calls = [((), _sample_kwargs(model))]
             problem = check_parity(
@@ -99,7 +104,9 @@ def switch_attention_implementation(
         model.set_attn_implementation(current)  # type: ignore[operator]
         return {}, None, problem
     reason = f"switched config: attn_implementation {current!r} -> 'sdpa' on `{name or type(model).__name__}`"
-    names = _sdpa_callers(model, prefix) or [name]
+    if sharded and parity_check:
+        reason += " (sharded by FSDP2: not compared with eager attention, which would need a call outside a step)"
+    names = callers(model, prefix) or [name]
     return {n: AttentionDecision(SDPA, reason, SWITCHED_CONFIG) for n in names}, current, None
 
 

@@ -144,7 +144,10 @@ def test_attention_module_sharded_itself_is_kept_with_the_reason(mesh: object) -
     fully_shard(model, mesh=mesh)
     result = swap_attention(model)
     assert result.decisions["blocks.0.attn"].action == "kept"
-    assert "fully_shard was applied to the attention module itself" in result.decisions["blocks.0.attn"].reason
+    assert (
+        "fully_shard was applied to the attention module itself or to a layer"
+        in result.decisions["blocks.0.attn"].reason
+    )
     assert result.swapped == ["blocks.1.attn"]
 
 
@@ -178,3 +181,22 @@ def test_multihead_attention_holding_shards_itself_is_kept_with_the_reason(mesh:
     result = swap_attention(model)
     decision = result.decisions["0.self_attn"]
     assert decision.action == "kept" and "in_proj_weight" in decision.reason and "FSDP2" in decision.reason
+
+
+def test_a_sharded_hugging_face_model_switches_config_without_calling_it(mesh: object) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+    config._attn_implementation = "eager"
+    model = transformers.GPT2LMHeadModel(config)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    result = swap_attention(model)
+    assert calls == []  # a call outside a step would run FSDP2's all-gathers on one rank alone
+    assert model.config._attn_implementation == "sdpa"
+    (decision,) = result.decisions.values()
+    assert decision.action == "switched config" and "sharded by FSDP2" in decision.reason
+    result.undo(model)
+    assert model.config._attn_implementation == "eager"
