@@ -28,6 +28,12 @@ BENCH = [
     (["--config", "baseline"], "--config", "baseline"),  # no abbreviation of --configs
     (["--output", str(Path(__file__).parent)], "--output", str(Path(__file__).parent)),
     (["--configs", "bf16-mixed+16-mixed", "--list"], None, None),  # --list ignores --configs: exit 0
+    (["--configs", "baseline,,compile"], "--configs", "'baseline,,compile'"),  # an empty name is refused
+    (["--configs", "chanels_last"], "--configs", "did you mean 'channels_last'?"),  # a suggestion, not 22 names
+    (["--workload", "convnt"], "--workload", "did you mean 'convnet'?"),
+    (["--preset", "defualt"], "--preset", "did you mean 'default'?"),
+    (["--output", "/proc/forbidden/x.json"], "--output", "'/proc/forbidden/x.json'"),  # refused before any run
+    (["--device", "cuda:7"], "--device", "cuda:7"),  # no such device here
 ]
 
 AUTOTUNE = [
@@ -80,6 +86,8 @@ AUTOTUNE = [
     (["--workload", "convnet", "--preset", "huge"], "--preset", "huge"),
     (["--workload", "convnet", "--no-batch-size", "--max-batch-size", "8"], "--max-batch-size", "8"),
     (["--workload", "convnet", "--time", "5"], "--time", "5"),  # no abbreviation of --time-budget
+    (["--workload", "convnet", "--output", "/proc/forbidden/t.yaml"], "--output", "'/proc/forbidden/t.yaml'"),
+    (["--workload", "convnt"], "--workload", "did you mean 'convnet'?"),
 ]
 
 
@@ -111,3 +119,20 @@ def test_bad_autotune_invocation(argv: list[str], option: str, value: str | None
 def test_unknown_command_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     line = _one_error_line(["frobnicate"], capsys)
     assert "frobnicate" in line and "bench" in line
+
+
+def test_an_export_shape_is_echoed_as_typed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = tmp_path / "model.ckpt"
+    checkpoint.write_bytes(b"")
+    line = _one_error_line(["export", str(checkpoint), "--input-shape", "3,x"], capsys)
+    assert "--input-shape" in line and "'3,x' is not valid" in line
+
+
+def test_a_writable_output_folder_is_not_created_by_the_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The check makes a scratch folder in the nearest existing parent and removes it: nothing is left behind."""
+    output = tmp_path / "new" / "deeper" / "x.json"
+    line = _one_error_line(["bench", "--output", str(output), "--configs", "nope"], capsys)
+    assert "--configs" in line  # the output passed; the next check failed
+    assert list(tmp_path.iterdir()) == []
