@@ -184,18 +184,21 @@ SECTIONS = (
 # ---------------------------------------------------------------------------------------------------- running
 
 
-def run_boxed(cmd: list[str], box_s: float, log: Any, env: dict[str, str]) -> tuple[int, bool, float]:
-    """Run ``cmd`` under coreutils ``timeout`` (the whole process group is signalled, xdist workers too): return code,
-    whether the box ran out, seconds."""
+def run_boxed(
+    cmd: list[str], box_s: float, log: Any, env: dict[str, str], signal_name: str = "TERM"
+) -> tuple[int, bool, float]:
+    """Run ``cmd`` under coreutils ``timeout`` (the whole process group is signalled, xdist workers too; KILL 15 s
+    after ``signal_name`` if still running): return code, whether the box ran out, seconds. pytest gets ``INT``: it
+    stops as on Ctrl-C and still writes its JUnit report of the tests that ran."""
     start = time.monotonic()
     box = max(1, round(box_s))
     timeout = shutil.which("timeout")
-    wrapped = [timeout, "-k", "10", str(box), *cmd] if timeout else cmd
+    wrapped = [timeout, "-s", signal_name, "-k", "15", str(box), *cmd] if timeout else cmd
     log.write(f"\n$ {' '.join(cmd)}   # time box {box} s\n")
     log.flush()
     proc = subprocess.Popen(wrapped, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     try:
-        rc = proc.wait(timeout=box + 20)
+        rc = proc.wait(timeout=box + 30)
     except subprocess.TimeoutExpired:  # no coreutils timeout here: end the group this script started
         os.killpg(proc.pid, 9)
         rc = proc.wait()
@@ -442,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             box = min(box, left)
             print(f"[gpu_check] {section.name}: running (time box {box:.0f} s)", flush=True)
-            rc, timed_out, seconds = run_boxed(plan, box, log, env)
+            rc, timed_out, seconds = run_boxed(plan, box, log, env, "INT" if section.kind == "pytest" else "TERM")
             result = Result(section.name, "", "", seconds=seconds, box_s=box, command=plan, rc=rc)
             if section.kind == "pytest":
                 result.status, result.detail, result.counts = pytest_result(rc, timed_out, tmp / f"{section.name}.xml")

@@ -187,3 +187,16 @@ def test_bad_arguments_are_refused(gpu_check: ModuleType, capsys: pytest.Capture
     assert "--sections 'gpu-tests,benchmark': unknown benchmark" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["out", "--assume-cuda"])
+
+
+def test_pytest_stopped_by_its_box_still_reports_the_tests_that_ran(gpu_check: ModuleType, tmp_path: Path) -> None:
+    (tmp_path / "test_box.py").write_text(
+        "import time\n\ndef test_quick():\n    pass\n\ndef test_slow():\n    time.sleep(120)\n"
+    )
+    junit = tmp_path / "box.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull, f"--junitxml={junit}"]
+    with (tmp_path / "log").open("w") as log:
+        rc, timed_out, _ = gpu_check.run_boxed([*cmd, str(tmp_path / "test_box.py")], 8, log, dict(os.environ), "INT")
+    status, detail, counts = gpu_check.pytest_result(rc, timed_out, junit)
+    assert (status, counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]) == ("timed out", 1)
+    assert detail.startswith("stopped by its time box (1 passed")
