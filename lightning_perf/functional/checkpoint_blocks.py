@@ -24,19 +24,35 @@ steps:
    the decoder blocks of a U-Net next to its encoder blocks, the decoder layers of an encoder-decoder transformer next
    to the encoder's.
 
+**U-Nets built by nesting** (MONAI's ``UNet`` and ``AttentionUnet``, pix2pix-style ``UnetSkipConnectionBlock``) hold
+no repeated siblings: each resolution level is a module of one class (MONAI's ``SkipConnection``) nested inside the
+level above, between that level's encoder part and its decoder part. :func:`unet_level_blocks` finds them by that
+structure alone: a class with an instance inside another instance of itself is a *level* class; along the chain of
+levels (the *spine*), the parts of each level beside the nested level (its down-sampling encoder block, its up-sampling
+decoder block, a plain ``nn.Sequential`` on one side counted as one part) and the bottleneck of the innermost level
+are the blocks. A part needs only :data:`MIN_LEVEL_LAYERS` layers: at full resolution even a conv-norm-activation
+part keeps two tensors that checkpointing drops, and the levels are where a U-Net's activations are. These blocks
+join the repeated groups above when neither lies inside the other; when they cover more layers they come first.
+
 The result: the layers of a transformer (GPT-2's ``GPT2Block``, ``nn.TransformerEncoderLayer``), the blocks of a Swin
 transformer (on MONAI's SwinUNETR with them its residual encoder and up-sampling decoder blocks, 18 in all instead of
-26 conv sub-blocks), the residual blocks of a ResNet, the encoder and decoder stages of a U-Net.
+26 conv sub-blocks), the residual blocks of a ResNet, the encoder and decoder stages of a U-Net, whether its levels are
+siblings (``ModuleList``s of encoder and decoder blocks, MONAI's ``BasicUNet``) or nested (MONAI's ``UNet``).
 """
 
 from __future__ import annotations
 
+import itertools
+
 from torch import nn
 
-from lightning_perf.functional.surgery import find_modules, repeated_block_groups
+from lightning_perf.functional.surgery import _CONTAINERS, find_modules, repeated_block_groups
 
 MIN_LAYERS = 4
 """Fewest layers a repeated block must hold to be worth checkpointing (conv + norm + activation hold three)."""
+
+MIN_LEVEL_LAYERS = 2
+"""Fewest layers a part of a nested U-Net level must hold (conv + norm: checkpointing it drops at least one tensor)."""
 
 _FINER_SHARE = 0.75  # a group of finer blocks wins when it covers at least this share of the best group's layers
 _JOIN_SHARE = 0.25  # another disjoint group joins when it covers at least this share of the winner's layers
@@ -71,6 +87,19 @@ def find_checkpoint_blocks(model: nn.Module, *, min_repeats: int = 2) -> list[tu
         >>> [name for name, _ in find_checkpoint_blocks(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))]
         ['layers.0', 'layers.1']
     """
+    chosen = _repeated_blocks(model, min_repeats)
+    levels = unet_level_blocks(model)
+    if levels:
+        first, second = (levels, chosen)
+        if sum(map(count_layers, chosen)) > sum(map(count_layers, levels)):
+            first, second = chosen, levels
+        chosen = first + [m for m in second if not any(_nested(m, b) for b in first)]
+    ids = {id(m) for m in chosen}
+    return find_modules(model, lambda m, _: id(m) in ids, outermost=True)
+
+
+def _repeated_blocks(model: nn.Module, min_repeats: int) -> list[nn.Module]:
+    """Steps 1 to 3 of the module doc: the chosen groups of repeated sibling blocks."""
     groups = []
     for members in repeated_block_groups(model, min_repeats=min_repeats).values():
         sizes = [count_layers(m) for m in members]
@@ -89,8 +118,72 @@ def find_checkpoint_blocks(model: nn.Module, *, min_repeats: int = 2) -> list[tu
         if any(_nested(a, b) for a in members for b in chosen):
             continue
         chosen.extend(members)
-    ids = {id(m) for m in chosen}
-    return find_modules(model, lambda m, _: id(m) in ids, outermost=True)
+    return chosen
+
+
+def _level_classes(model: nn.Module) -> set[type]:
+    """Classes (plain containers aside) with an instance nested inside another instance of the same class."""
+    found: set[type] = set()
+    for module in model.modules():
+        cls = type(module)
+        if cls in _CONTAINERS or cls in found:
+            continue
+        if any(type(inner) is cls for inner in itertools.islice(module.modules(), 1, None)):
+            found.add(cls)
+    return found
+
+
+def _spine_split(host: nn.Module, on_spine: set[int]) -> tuple[list[nn.Module], nn.Module | None, list[nn.Module]]:
+    """``host``'s children before the one on the spine (through plain containers), that child, and those after it."""
+    children = list(host.children())
+    for index, child in enumerate(children):
+        if id(child) not in on_spine:
+            continue
+        if type(child) in _CONTAINERS:
+            before, nested, after = _spine_split(child, on_spine)
+            return children[:index] + before, nested, after + children[index + 1 :]
+        return children[:index], child, children[index + 1 :]
+    return children, None, []
+
+
+def unet_level_blocks(model: nn.Module) -> list[nn.Module]:
+    """The encoder and decoder parts of the levels of a U-Net built by nesting, and its bottleneck (see the module
+    doc), in ``model.modules()`` order; empty for a model without nested levels.
+
+    Example::
+
+        from monai.networks.nets import UNet
+
+        net = UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(8, 16, 32), strides=(2, 2))
+        unet_level_blocks(net)  # 2 encoder parts, the bottleneck, 1 decoder part (the top decoder is a lone conv)
+    """
+    classes = _level_classes(model)
+    if not classes:
+        return []
+    levels = [m for m in model.modules() if type(m) in classes]
+    # The spine: every level and every module holding one; a level's host is the level itself, or for the outermost
+    # levels the module that holds them (through plain containers).
+    holding: dict[int, bool] = {}
+    for module in model.modules():
+        holding[id(module)] = any(type(m) in classes for m in module.modules())
+    on_spine = {key for key, holds in holding.items() if holds}
+    parents = {id(child): parent for parent in model.modules() for child in parent.children()}
+    hosts: dict[int, nn.Module] = {}
+    for level in levels:
+        hosts[id(level)] = level
+        parent = parents.get(id(level))
+        while parent is not None and type(parent) in _CONTAINERS and id(parent) in parents:
+            parent = parents[id(parent)]
+        if parent is not None and type(parent) not in classes:
+            hosts.setdefault(id(parent), parent)
+    parts: dict[int, nn.Module] = {}
+    for host in hosts.values():
+        before, _nested, after = _spine_split(host, on_spine)
+        # The innermost level holds no further level: its children (all in `before`) are the bottleneck.
+        for part in before + after:
+            if count_layers(part) >= MIN_LEVEL_LAYERS:
+                parts[id(part)] = part
+    return [m for m in model.modules() if id(m) in parts]
 
 
 def _nested(a: nn.Module, b: nn.Module) -> bool:
@@ -98,4 +191,4 @@ def _nested(a: nn.Module, b: nn.Module) -> bool:
     return a is b or any(m is b for m in a.modules()) or any(m is a for m in b.modules())
 
 
-__all__: list[str] = ["MIN_LAYERS", "count_layers", "find_checkpoint_blocks"]
+__all__: list[str] = ["MIN_LAYERS", "MIN_LEVEL_LAYERS", "count_layers", "find_checkpoint_blocks", "unet_level_blocks"]

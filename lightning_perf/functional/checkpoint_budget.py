@@ -271,7 +271,8 @@ class ActivationRecorder:
         self._outputs = {name: set() for name, _ in self.blocks}
         self._saved = {}
         self._ids = _StorageIds()
-        self._excluded = {self._ids.key(t) for t in (*self.model.parameters(), *self.model.buffers())} - {None}
+        keys = (self._ids.key(t) for t in (*self.model.parameters(), *self.model.buffers()))
+        self._excluded = {key for key in keys if key is not None}
         for name, block in self.blocks:
             enter = functools.partial(self._enter, name)
             self._handles.append(block.register_forward_pre_hook(enter, with_kwargs=True))
@@ -563,7 +564,7 @@ def plan_checkpointing(profile: ActivationProfile, budget: float) -> CheckpointP
     current: list[tuple[float, int, str, tuple[str, ...]]] = []
     hulls: list[list[tuple[float, int, str, tuple[str, ...]]]] = []
     for index, block in enumerate(profile.blocks):
-        options = [(0.0, block.saved_bytes, "none", ())]
+        options: list[tuple[float, int, str, tuple[str, ...]]] = [(0.0, block.saved_bytes, "none", ())]
         for policy, classes in _POLICIES.items():
             present = tuple(c for c in classes if block.op_counts.get(c))
             if present and policy in block.kept_bytes and block.kept_bytes[policy] < block.saved_bytes:
@@ -619,7 +620,7 @@ def plan_checkpointing(profile: ActivationProfile, budget: float) -> CheckpointP
 
 
 def _ops_of(classes: Sequence[str]) -> frozenset[Any]:
-    ops = set()
+    ops: set[Any] = set()
     for cls in classes:
         for name in SAVE_OP_CLASSES[cls]:
             packet = getattr(torch.ops.aten, name, None)
@@ -658,7 +659,7 @@ def apply_plan(model: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool 
     for choice in plan.checkpointed:
         block = model.get_submodule(choice.name)
         context_fn = selective_context_fn(choice.kept_ops) if choice.mode == "selective" else None
-        if patch_forward(block, lambda m, c=context_fn: CheckpointedForward(m, preserve_rng_state, c)) is not None:
+        if patch_forward(block, functools.partial(_checkpointed, preserve_rng_state, context_fn)) is not None:
             wrapped.append(choice.name)
     return wrapped
 
@@ -674,3 +675,9 @@ def set_compiler_memory_budget(budget: float) -> float:
     previous = float(functorch_config.activation_memory_budget)
     functorch_config.activation_memory_budget = float(budget)
     return previous
+
+
+def _checkpointed(
+    preserve_rng_state: bool, context_fn: Callable[[], tuple[Any, Any]] | None, module: nn.Module
+) -> CheckpointedForward:
+    return CheckpointedForward(module, preserve_rng_state, context_fn)

@@ -26,6 +26,7 @@ from lightning_perf.functional.checkpoint_budget import (
 from lightning_perf.functional.grad_checkpoint import remove_activation_checkpointing, select_blocks
 from lightning_perf.profiling.memory import MemoryProbe
 from tests._models import ResNet
+from tests.functional.test_grad_checkpoint_blocks import NestedUNet
 
 
 def transformer(depth: int = 4, dim: int = 32, dropout: float = 0.0) -> nn.Module:
@@ -36,6 +37,7 @@ def transformer(depth: int = 4, dim: int = 32, dropout: float = 0.0) -> nn.Modul
 CASES = {
     "transformer": (lambda: transformer(), (8, 64, 32)),
     "convnet": (lambda: ResNet(blocks_per_stage=3, widths=(8, 16)), (8, 3, 32, 32)),
+    "nested_unet": (lambda: NestedUNet((4, 8, 16)), (2, 1, 16, 16, 16)),  # MONAI UNet's nested levels
 }
 
 

@@ -139,6 +139,56 @@ class UNetLike(nn.Module):
         return self.out(x)
 
 
+class SkipConnection(nn.Module):
+    """MONAI's ``SkipConnection``: ``cat([x, submodule(x)])``, the submodule being the next level down."""
+
+    def __init__(self, submodule: nn.Module) -> None:
+        super().__init__()
+        self.submodule = submodule
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([x, self.submodule(x)], dim=1)
+
+
+class Convolution3d(nn.Sequential):
+    """MONAI's ``Convolution``: conv (or transposed conv), instance norm, PReLU; ``conv_only`` keeps the conv alone."""
+
+    def __init__(self, cin: int, cout: int, stride: int, transposed: bool = False, conv_only: bool = False) -> None:
+        conv: nn.Module = (
+            nn.ConvTranspose3d(cin, cout, 3, stride, padding=1, output_padding=stride - 1)
+            if transposed
+            else nn.Conv3d(cin, cout, 3, stride, padding=1)
+        )
+        super().__init__(conv) if conv_only else super().__init__(conv, nn.InstanceNorm3d(cout), nn.PReLU())
+
+
+class NestedUNet(nn.Module):
+    """MONAI ``UNet``'s structure (``_create_block``): each level is ``Sequential(down, SkipConnection(next level),
+    up)``, the innermost level's submodule is the bottleneck, the top up-convolution is a lone transposed conv."""
+
+    def __init__(self, channels: tuple[int, ...] = (4, 8, 16), in_channels: int = 1, out_channels: int = 2) -> None:
+        super().__init__()
+
+        def level(cin: int, cout: int, chans: tuple[int, ...], top: bool) -> nn.Module:
+            c = chans[0]
+            if len(chans) > 2:
+                sub, up_in = level(c, c, chans[1:], False), 2 * c
+            else:
+                sub, up_in = Convolution3d(c, chans[1], 1), c + chans[1]
+            down = Convolution3d(cin, c, 2)
+            up = Convolution3d(up_in, cout, 2, transposed=True, conv_only=top)
+            return nn.Sequential(down, SkipConnection(sub), up)
+
+        self.model = level(in_channels, out_channels, channels, True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+
+NESTED_UNET_BLOCKS = ["model.0", "model.1.submodule.0", "model.1.submodule.1.submodule", "model.1.submodule.2"]
+"""The encoder parts of the two levels, the bottleneck and the lower decoder part; the top decoder is a lone conv."""
+
+
 def gpt2(attn_implementation: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(  # dropout 0.1 everywhere (the defaults): the recompute replays the RNG
@@ -194,6 +244,65 @@ def test_swin_like_picks_the_swin_blocks_never_the_conv_sub_blocks() -> None:
 
 def test_unet_like_picks_encoder_and_decoder_stages() -> None:
     assert names(select_blocks(UNetLike())) == ["down.0", "down.1", "down.2", "up.0", "up.1"]
+
+
+def test_nested_unet_picks_its_levels_encoder_and_decoder_parts_and_bottleneck() -> None:
+    model = NestedUNet()
+    assert all(count_layers(m) < MIN_LAYERS for _, m in find_repeated_blocks(model))  # no sibling group to pick
+    assert names(select_blocks(model)) == NESTED_UNET_BLOCKS
+    assert names(select_blocks(NestedUNet((4, 8, 16, 32)))) == [
+        "model.0",
+        "model.1.submodule.0",
+        "model.1.submodule.1.submodule.0",
+        "model.1.submodule.1.submodule.1.submodule",
+        "model.1.submodule.1.submodule.2",
+        "model.1.submodule.2",
+    ]
+
+
+def test_nested_unet_recomputes_each_level_part_once_with_the_same_gradients() -> None:
+    torch.manual_seed(0)
+    plain = NestedUNet()
+    wrapped = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(wrapped) == NESTED_UNET_BLOCKS
+    bottleneck, head = count_calls(wrapped.model[1].submodule[1].submodule[0]), count_calls(wrapped.model[2][0])
+    x = torch.randn(2, 1, 8, 8, 8)
+    assert_same_grads(plain, wrapped, lambda m: m(x).square().mean())
+    assert (bottleneck[0], head[0]) == (2, 1)  # recomputed inside a checkpointed level part; the head only once
+
+
+def test_monai_unet_and_attention_unet_levels() -> None:
+    nets = pytest.importorskip("monai.networks.nets")
+    torch.manual_seed(0)
+    plain = nets.UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(8, 16, 32), strides=(2, 2))
+    assert names(find_checkpoint_blocks(plain)) == NESTED_UNET_BLOCKS
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped)
+    x = torch.randn(1, 1, 16, 16, 16)
+    assert_same_grads(plain, wrapped, lambda m: m(x).square().mean())
+    residual = nets.UNet(3, 1, 2, channels=(4, 8, 16), strides=(2, 2), num_res_units=2)
+    assert names(find_checkpoint_blocks(residual)) == [
+        "model.0",
+        "model.1.submodule.0",
+        "model.1.submodule.1.submodule",
+        "model.1.submodule.2",
+        "model.2",  # the top up-convolution and its residual unit: more than a lone conv
+    ]
+    attention = nets.AttentionUnet(spatial_dims=3, in_channels=1, out_channels=2, channels=(4, 8, 16), strides=(2, 2))
+    chosen = names(find_checkpoint_blocks(attention))
+    assert chosen[:2] == ["model.0", "model.1.attention"] and "model.1.submodule.1.submodule" in chosen
+
+
+def test_levels_join_the_sibling_stages_of_a_hand_written_unet_without_nesting_them() -> None:
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.nested, self.flat = NestedUNet(), UNetLike()
+
+    chosen = names(select_blocks(Both()))
+    assert chosen == [f"nested.{n}" for n in NESTED_UNET_BLOCKS] + [
+        f"flat.{n}" for n in ("down.0", "down.1", "down.2", "up.0", "up.1")
+    ]
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
