@@ -144,8 +144,11 @@ def _condition(owner: str, when: object, facts: Mapping[str, str]) -> Condition:
     )
 
 
-def holds(condition: Condition, facts: Mapping[str, bool | None]) -> bool:
-    """Whether every fact of ``condition`` has its value in ``facts`` (an unknown fact, ``None``, does not hold)."""
+def holds(condition: Condition | str, facts: Mapping[str, bool | None]) -> bool:
+    """Whether every fact of ``condition`` has its value in ``facts`` (an unknown fact, ``None``, does not hold); a
+    string is ``"always"`` or one fact that must be true, as :class:`AdviceRule` and :class:`SlowdownCause` take it."""
+    if isinstance(condition, str):
+        return condition == "always" or facts.get(condition) is True
     return all(facts.get(fact) is value for fact, value in condition.items())
 
 

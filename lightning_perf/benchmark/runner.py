@@ -217,9 +217,9 @@ def run_benchmark(
     )
 
 
-def _ratio(numerator: Any, denominator: Any, **words: str) -> RatioEstimate:
+def _ratio(numerator: Any, denominator: Any, above_one: str = "faster", below_one: str = "slower") -> RatioEstimate:
     """:func:`paired_ratio`, except that a single repeat gives the ratio alone, with :data:`ONE_REPEAT`."""
-    estimate = paired_ratio(numerator, denominator, **words)
+    estimate = paired_ratio(numerator, denominator, above_one=above_one, below_one=below_one)
     if estimate.n == 1:
         return RatioEstimate(estimate.ratio, estimate.ratio, estimate.ratio, METHOD_SINGLE, ONE_REPEAT, 1)
     return estimate
@@ -447,7 +447,7 @@ def _run_facts(
 
 def _command_for(spec: BenchSpec) -> str:
     args = ["lightning-perf", "bench", "--workload", spec.workload, "--configs", ",".join(spec.names)]
-    args += ["--preset", spec.preset, "--steps", str(spec.steps), "--warmup-steps", str(spec.warmup_steps)]
+    args += ["--preset", str(spec.preset), "--steps", str(spec.steps), "--warmup-steps", str(spec.warmup_steps)]
     args += ["--repeats", str(spec.repeats), "--device", spec.device, "--precision", spec.precision]
     if spec.batch_size is not None:
         args += ["--batch-size", str(spec.batch_size)]

@@ -195,9 +195,10 @@ class AutoTuner:
                 )
             source = ObjectSource.from_objects(model, datamodule)
         device, self.device_reason = resolve_device(device, "AutoTuner", "the tuner")
-        self.preset = preset if workload is None else check_preset(preset, device.split(":")[0], "AutoTuner")
+        self.preset = preset
         if workload is not None:
-            source = WorkloadSource(check_workload(workload, "AutoTuner"), self.preset, seed)
+            self.preset = size = check_preset(preset, device.split(":")[0], "AutoTuner")
+            source = WorkloadSource(check_workload(workload, "AutoTuner"), size, seed)
         elif not isinstance(source, ModelSource):
             raise ValueError(f"source={source!r} is not valid. Expected a lightning_perf.tuning.ModelSource.")
         check_number("AutoTuner", "time_budget_s", time_budget_s, 0.0, exclusive=True)
