@@ -195,3 +195,21 @@ def test_conditions_name_known_facts() -> None:
         optimizations.SlowdownCause({"bf16_emulated": 1}, "x")  # type: ignore[dict-item]
     assert AdviceRule("compute_bound", "x", "cuda").when == {"cuda": True}
     assert AdviceRule("compute_bound", "x").when == {}
+
+
+def test_every_fact_and_feature_the_list_names_is_evaluated() -> None:
+    """The vocabularies of the list and the places that evaluate them agree: a new name is evaluated or refused."""
+    import dataclasses
+
+    import torch
+
+    from lightning_perf.benchmark import configs
+    from lightning_perf.profiling.advice import StepBreakdown
+    from lightning_perf.tuning.capabilities import ModelCapabilities
+
+    assert {f.name for f in dataclasses.fields(ModelCapabilities)} == set(optimizations.MODEL_FEATURES)
+    step = StepBreakdown(shares={}, medians={}, step_median_s=0.1, steps=1)
+    assert set(optimizations.ADVICE_FACTS) | set(optimizations.MODEL_FEATURES) == set(step.facts())
+    assert set(configs.device_capabilities(torch.device("cpu"))) == set(optimizations.DEVICE_CAPABILITIES)
+    with pytest.raises(KeyError, match="'tpu' is not a device capability"):
+        configs.device_offers(torch.device("cpu"), "tpu")
