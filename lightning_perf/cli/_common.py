@@ -29,6 +29,7 @@ __all__ = [
     "UsageError",
     "add_source_arguments",
     "check_output",
+    "check_source_options",
     "choice_list",
     "comma_names",
     "device",
@@ -94,6 +95,16 @@ def spec_error(parser: argparse.ArgumentParser, exc: Any) -> NoReturn:
     """Exit 2 with the one line of a ``SpecError`` (:mod:`lightning_perf.benchmark.spec`): its option, the value as
     given and what is expected."""
     fail(parser, exc.option, exc.value, exc.expected)
+
+
+def check_source_options(parser: argparse.ArgumentParser, args: argparse.Namespace, workload_config: str) -> None:
+    """The model options of ``bench`` and ``autotune`` that contradict each other, refused before any import: a
+    ``--model`` without its ``--datamodule`` (and no ``--config`` to give one), a ``--workload`` with ``--config``
+    (``workload_config`` says what to use instead)."""
+    if args.model is not None and args.datamodule is None and not args.config:
+        fail(parser, "--model", args.model, "--datamodule as well (the LightningDataModule class, pkg.mod:Class)")
+    if args.workload is not None and args.config:
+        fail(parser, "--config", str(args.config[0]), f"no --config with --workload ({workload_config})")
 
 
 def check_output(parser: argparse.ArgumentParser, option: str, output: Path | None, what: str) -> None:

@@ -26,6 +26,7 @@ from lightning_perf.cli._common import (
     UsageError,
     add_source_arguments,
     check_output,
+    check_source_options,
     choice_list,
     fail,
     int_at_least,
@@ -128,10 +129,7 @@ def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParse
     """Contradictory or incomplete options, found before anything heavy is imported."""
     if args.workload is None and args.model is None and not args.config:
         parser.error("one of the arguments --workload --model --config is required")
-    if args.workload is not None and args.config:
-        fail(parser, "--config", str(args.config[0]), "no --config with --workload (--config goes with your model)")
-    if args.model is not None and args.datamodule is None and not args.config:
-        fail(parser, "--model", args.model, "--datamodule as well (the LightningDataModule class, pkg.mod:Class)")
+    check_source_options(parser, args, "--config goes with your model")
     if args.workload is not None:
         for option, value in (
             ("--datamodule", args.datamodule),

@@ -22,6 +22,7 @@ from lightning_perf.cli._common import (
     TRAINER_PRECISIONS,
     add_source_arguments,
     check_output,
+    check_source_options,
     fail,
     load_user_source,
     non_negative_int,
@@ -151,19 +152,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Contradictory or incomplete options, found before anything heavy is imported."""
-    if args.model is not None and args.datamodule is None and not args.config:
-        fail(parser, "--model", args.model, "--datamodule as well (the LightningDataModule class, pkg.mod:Class)")
+    check_source_options(
+        parser, args, "the file builds your model; use --model/--datamodule or the file's model: and data: sections"
+    )
     if args.datamodule is not None and args.model is None and not args.config:
         fail(parser, "--datamodule", args.datamodule, "--model as well (the LightningModule class, pkg.mod:Class)")
     if args.model is None and not args.config:
         for option, value in (("--model-args", args.model_args), ("--datamodule-args", args.datamodule_args)):
             if value is not None:
                 fail(parser, option, value, f"{option} together with --model or --config")
-    if args.workload is not None and args.config:
-        fail(
-            parser, "--config", str(args.config[0]), "no --config with --workload (the file builds your model; use "
-            "--model/--datamodule or the file's model: and data: sections)",
-        )  # fmt: skip
     if args.batch_size is not None and args.batch_sizes is not None:
         fail(parser, "--batch-sizes", ",".join(map(str, args.batch_sizes)), "no --batch-sizes with --batch-size")
 
