@@ -11,6 +11,8 @@ from lightning_perf._lazy import lazy_exports
 _EXPORTS = {
     "available_configs": "lightning_perf.benchmark.configs",
     "BenchConfig": "lightning_perf.benchmark.configs",
+    "BenchSpec": "lightning_perf.benchmark.spec",
+    "run_bench": "lightning_perf.benchmark.session",
     "benchmark_training_steps": "lightning_perf.benchmark.pytest_helpers",
     "get_config": "lightning_perf.benchmark.configs",
     "register_config": "lightning_perf.benchmark.configs",
@@ -19,11 +21,13 @@ _EXPORTS = {
 
 __all__ = [
     "BenchConfig",
+    "BenchSpec",
     "available_configs",
     "benchmark_training_steps",
     "get_config",
     "register_config",
     "resolve_configs",
+    "run_bench",
 ]
 
 if TYPE_CHECKING:
@@ -35,6 +39,8 @@ if TYPE_CHECKING:
         resolve_configs,
     )
     from lightning_perf.benchmark.pytest_helpers import benchmark_training_steps
+    from lightning_perf.benchmark.session import run_bench
+    from lightning_perf.benchmark.spec import BenchSpec
 
 
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
