@@ -27,6 +27,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_perf._validation import check_choice, check_instance
+from lightning_perf.functional.sharding import is_sharded_parameter
 
 Mode = Literal["fused", "foreach", "auto"]
 Implementation = Literal["fused", "foreach"]
@@ -120,7 +121,27 @@ def _fused_problem(optimizer: Optimizer, sparse_params: Collection[torch.Tensor]
         error = fused_kernel_error(type(optimizer), device, dtype)  # type: ignore[arg-type]
         if error is not None:
             return f"torch has no fused {type(optimizer).__name__} step for {dtype} on {device} ({error})"
+    if any(is_sharded_parameter(p) for p in _params(optimizer)) and not _dtensor_has_fused_step(optimizer):
+        return (
+            f"its parameters are DTensors (FSDP2) and torch has no DTensor rule for the fused "
+            f"{type(optimizer).__name__} kernel (aten._fused_{type(optimizer).__name__.lower()}_)"
+        )
     return None
+
+
+def _dtensor_has_fused_step(optimizer: Optimizer) -> bool:
+    """Whether DTensor can run this optimizer class's fused kernel (torch 2.13: Adam and AdamW only, not SGD)."""
+    op = getattr(getattr(torch.ops.aten, f"_fused_{type(optimizer).__name__.lower()}_", None), "default", None)
+    if op is None:
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+    except (ImportError, AttributeError):  # pragma: no cover - private registry moved: let torch decide at the step
+        return True
+    registries = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules")
+    return any(op in getattr(propagator, name, {}) for name in registries)
 
 
 def _uses_foreach_already(optimizer: Optimizer) -> bool:

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from lightning_perf.functional.attention import SDPACalls, restore_attention, swap_attention
 from lightning_perf.functional.channels_last import apply_channels_last
 from lightning_perf.functional.compile import CompileMonitor, compile_regions, inside_wrappers
+from lightning_perf.functional.fused_optimizer import choose_implementation, switch_implementation
 from lightning_perf.functional.grad_checkpoint import apply_activation_checkpointing
 from lightning_perf.functional.sharding import (
     fsdp_blocks,
@@ -200,3 +201,30 @@ def test_a_sharded_hugging_face_model_switches_config_without_calling_it(mesh: o
     assert decision.action == "switched config" and "sharded by FSDP2" in decision.reason
     result.undo(model)
     assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1), "fused"),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "foreach"),  # no DTensor rule for aten._fused_sgd_
+    ],
+    ids=["AdamW", "SGD"],
+)
+def test_fused_optimizer_over_dtensors_takes_what_dtensor_can_run(mesh: object, make: object, expected: str) -> None:
+    plain, sharded = _sharded(mesh)
+    optimizers = [make(plain.parameters()), make(sharded.parameters())]  # type: ignore[operator]
+    assert choose_implementation(optimizers[0]).implementation == "fused"
+    if expected == "foreach":
+        refused = choose_implementation(optimizers[1], "fused")
+        assert refused.implementation is None and "no DTensor rule for the fused SGD kernel" in str(refused.reason)
+    assert switch_implementation(optimizers[1]).implementation == expected
+    switch_implementation(optimizers[0])  # the plain model's steps fused too: the same arithmetic for AdamW
+    x = torch.randn(2, 3, 4, 4)
+    for model, optimizer in zip((plain, sharded), optimizers):
+        for _ in range(2):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(dict(sharded.named_parameters())[name].full_tensor(), param, rtol=1e-5, atol=1e-6)
