@@ -256,8 +256,23 @@ def shared_launch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         )
         return SharedLaunch(out, log, None, reason)
     jobs = _jobs(request.session.items)
+    if not jobs:  # every selected 2-process test skips before reading a result
+        return SharedLaunch(out, log, None)
     returncode = _multiproc.run(jobs, out, _device.device(), LAUNCH_TIMEOUT_S, log)
     return SharedLaunch(out, log, returncode)
+
+
+@pytest.mark.parametrize("value", ["maybe", "xfail", "xfail: ", "skip:", "works: fine"])
+def test_fsdp2_field_is_validated(value: str) -> None:
+    with pytest.raises(ValueError, match=r"fsdp2=.*Expected 'works', 'refuses', 'xfail: <reason>' or 'skip: <reason>'"):
+        Setting(SETTINGS[0].cls, fsdp2=value)
+
+
+def test_fsdp2_matrix_runs_each_class_and_model_once() -> None:
+    """Variants that train the same class and arguments on the same sharded model are run once, under the first."""
+    runs = [(s.cls, repr(sorted(s.kwargs.items())), s.sharded_model) for s in SETTINGS if _fsdp2_runs(s)]
+    assert len(runs) == len(set(runs))
+    assert all(s.fsdp2_mode in ("works", "refuses", "xfail", "skip") for s in SETTINGS)
 
 
 def _failures(report: dict[str, Any]) -> str:
