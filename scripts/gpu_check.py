@@ -8,9 +8,10 @@ under 8 minutes with the start-up):
 2. ``cuda-matrix``: the registry's generic and trust tests on CUDA, ``pytest --device cuda tests/test_generic.py
    tests/test_trust.py`` (``-n auto`` with pytest-xdist).
 3. ``bench-lm-fit``: ``lightning-perf bench`` on the GPT-2-small-scale ``lm`` (``--preset gpu``): fp32, bf16 autocast,
-   and the stack a GPU user adds (bf16 + flash attention + fused optimizer + backend flags, with ``fp8`` and
-   ``compile_regional`` when ``bench --list`` has them).
+   and the stack a GPU user adds (bf16 + flash attention + fused optimizer + backend flags).
 4. ``bench-convnet-predict``: the ResNet-50-scale ``convnet`` at 224x224, predict: fp32, bf16, bf16 + channels-last.
+5. ``bench-lm-compiled``: the ``lm`` stack with ``compile_regional`` and ``fp8``, when ``bench --list`` has them, in
+   the time left (a cold compile takes a minute; with too little left it says so, to be run alone with ``--sections``).
 
 Nothing is installed over the machine's torch: the project goes on ``PYTHONPATH``; missing optional packages are
 listed, not installed. Wheels carried in a folder (``$WHEELS``, else ``shared/wheels``, else ``.whl``) are installed
@@ -18,9 +19,9 @@ with ``pip install --no-deps --target`` into a temporary directory put on ``PYTH
 NVIDIA wheel). On a machine without CUDA the CUDA sections are skipped with the reason and the bench runs once on the
 CPU at the ``tiny`` preset, to check its command line (a few minutes at most).
 
-Files in OUTDIR (6): ``gpu_check.log`` (every child's output), ``junit.xml`` (both pytest sections), ``gpu_check.json``
-and ``gpu_check.md`` (environment, sections, bench tables), ``bench-lm-fit.json`` and ``bench-convnet-predict.json``
-(the bench's own reports).
+Files in OUTDIR (at most 7): ``gpu_check.log`` (every child's output), ``junit.xml`` (both pytest sections),
+``gpu_check.json`` and ``gpu_check.md`` (environment, sections, bench tables), and the bench's own report of each
+bench section that ran (``bench-lm-fit.json``, ``bench-convnet-predict.json``, ``bench-lm-compiled.json``).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class Section:
     box_s: float
     kind: str  # "pytest" or "bench"
     plan: Callable[[Context], list[str] | str]  # the command, or why it does not run
+    min_s: float = 10.0  # not started with less time left in the budget than this
 
 
 # ------------------------------------------------------------------------------------------------------ sections
@@ -155,11 +157,23 @@ def _plan_bench_lm(ctx: Context) -> list[str] | str:
     if not ctx.cuda:  # the command line checked on the CPU, at the tiny preset: not a measurement
         common = ["--workload", "lm", "--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup-steps", "1"]
         return _bench(ctx, "bench-lm-fit", *common, "--repeats", "1", "--predict-batches", "0", "--configs", "baseline")
-    stack = "bf16-mixed+flash_attention+fused_optimizer+backend_flags"
-    wanted = ["baseline", "bf16-mixed", stack, f"{stack}+compile_regional", "bf16-mixed+fp8"]
-    configs = _available(ctx, wanted)
-    common = ["--workload", "lm", "--preset", "gpu", "--device", "cuda", "--steps", "10", "--warmup-steps", "3"]
-    return _bench(ctx, "bench-lm-fit", *common, "--repeats", "1", "--predict-batches", "0", "--configs", configs)
+    configs = _available(ctx, ["baseline", "bf16-mixed", _LM_STACK])
+    return _bench(ctx, "bench-lm-fit", *_LM_GPU, "--configs", configs)
+
+
+_LM_STACK = "bf16-mixed+flash_attention+fused_optimizer+backend_flags"
+_LM_GPU = ["--workload", "lm", "--preset", "gpu", "--device", "cuda", "--steps", "10", "--warmup-steps", "3"]
+_LM_GPU += ["--repeats", "1", "--predict-batches", "0"]
+
+
+def _plan_bench_lm_compiled(ctx: Context) -> list[str] | str:
+    if not ctx.cuda:
+        return "no CUDA device: the compiled configurations are measured on the GPU only"
+    compiled = _available(ctx, [f"{_LM_STACK}+compile_regional", "fp8"])
+    if not compiled:
+        return "the bench has neither compile_regional nor fp8 (`lightning-perf bench --list`)"
+    # Apart from bench-lm-fit: a cold compile takes a minute, and a bench stopped by its box writes no report.
+    return _bench(ctx, "bench-lm-compiled", *_LM_GPU, "--configs", f"baseline,{compiled}")
 
 
 def _plan_bench_convnet(ctx: Context) -> list[str] | str:
@@ -178,6 +192,8 @@ SECTIONS = (
     Section("cuda-matrix", 180.0, "pytest", _plan_matrix),
     Section("bench-lm-fit", 125.0, "bench", _plan_bench_lm),
     Section("bench-convnet-predict", 70.0, "bench", _plan_bench_convnet),
+    # Last, with the time left (a second call with `--sections bench-lm-compiled` when the budget ran out first).
+    Section("bench-lm-compiled", 200.0, "bench", _plan_bench_lm_compiled, min_s=120.0),
 )
 
 
@@ -440,8 +456,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.dry_run:
                 results.append(Result(section.name, "planned", " ".join(plan), box_s=box, command=plan))
                 continue
-            if left < min(box, 10.0):
-                results.append(Result(section.name, "skipped", f"the overall budget of {args.budget:.0f} s ran out"))
+            if left < min(box, section.min_s):
+                why = f"the overall budget of {args.budget:.0f} s ran out ({left:.0f} s left, {section.min_s:.0f} s needed)"
+                results.append(Result(section.name, "skipped", f"{why}: run it alone with --sections {section.name}"))
                 continue
             box = min(box, left)
             print(f"[gpu_check] {section.name}: running (time box {box:.0f} s)", flush=True)

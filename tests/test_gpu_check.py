@@ -67,7 +67,8 @@ def test_dry_run_on_cpu_names_the_cuda_sections_it_skips_and_writes_nothing(
     assert gpu_check.main([str(tmp_path / "out"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert not (tmp_path / "out").exists()
-    assert "CUDA sections skipped (no CUDA device): gpu-tests, cuda-matrix, bench-convnet-predict" in out
+    skipped = "gpu-tests, cuda-matrix, bench-convnet-predict, bench-lm-compiled"
+    assert f"CUDA sections skipped (no CUDA device): {skipped}" in out
     assert "--preset tiny --device cpu" in out  # the bench's command line, checked on the CPU
     assert out.rstrip().splitlines()[-1] == "RESULT: OK"
 
@@ -86,6 +87,18 @@ def test_the_cuda_plan_runs_the_matrix_on_cuda_and_the_gpu_presets_with_their_st
     assert f"--configs baseline,bf16-mixed,{stack} " in lines["bench-lm-fit"]
     assert "--stage predict" in lines["bench-convnet-predict"]
     assert "--configs baseline,bf16-true,bf16-true+channels_last " in lines["bench-convnet-predict"]
+    assert "SKIPPED" in lines["bench-lm-compiled"] and "neither compile_regional nor fp8" in lines["bench-lm-compiled"]
+
+
+def test_compiled_configurations_run_apart_when_the_bench_has_them(
+    gpu_check: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gpu_check, "bench_config_names", lambda python, env: [*CONFIGS, "compile_regional", "fp8"])
+    assert gpu_check.main([str(tmp_path), "--dry-run", "--assume-cuda", "--sections", "bench-lm-compiled"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    stack = "bf16-mixed+flash_attention+fused_optimizer+backend_flags"
+    assert f"--configs baseline,{stack}+compile_regional,fp8 " in lines["bench-lm-compiled"]
+    assert "compile_regional" not in lines["bench-lm-fit"]  # a timed-out compile never costs the plain figures
 
 
 @pytest.mark.usefixtures("known_configs")
