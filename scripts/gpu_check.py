@@ -457,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(Result(section.name, "planned", " ".join(plan), box_s=box, command=plan))
                 continue
             if left < min(box, section.min_s):
-                why = f"the overall budget of {args.budget:.0f} s ran out ({left:.0f} s left, {section.min_s:.0f} s needed)"
+                why = f"the overall budget of {args.budget:.0f} s ran out"
+                why += f" ({left:.0f} s left, {section.min_s:.0f} s needed)"
                 results.append(Result(section.name, "skipped", f"{why}: run it alone with --sections {section.name}"))
                 continue
             box = min(box, left)
