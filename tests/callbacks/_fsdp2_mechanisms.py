@@ -221,6 +221,8 @@ SCENARIOS: dict[str, tuple[str, Callable[[], list[pl.Callback]], Any]] = {
     "bottleneck": ("lm", lambda: [cb.BottleneckCallback()], None),
     "backend_flags": ("lm", lambda: [cb.BackendFlagsCallback(float32_matmul_precision="high")], None),
     "qat": ("lm", lambda: [cb.QATCallback()], None),
+    "qat_dynamic": ("lm", lambda: [cb.QATCallback(mode="dynamic")], None),
+    "tensorrt_export": ("conv", lambda: [cb.TensorRTExportCallback(backends=["onnx"], latency_iterations=2)], None),
     "plain_conv": ("conv", lambda: [], _conv_layout),
     "channels_last": ("conv", lambda: [cb.ChannelsLastCallback()], _conv_layout),
     "sliding_window": (
@@ -333,9 +335,9 @@ def main() -> None:
     results = {}
     for name in chosen:
         results[name] = run(name, root)
-    if dist.is_initialized():
-        if dist.get_rank() == 0:
+        if dist.is_initialized() and dist.get_rank() == 0:  # after each scenario: a hang later keeps what ran
             out.write_text(json.dumps(results, indent=1, default=str))
+    if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
