@@ -144,7 +144,7 @@ def test_the_results_file_records_the_device_its_reason_and_the_mfu_peaks(
 
 
 def test_names_that_left_the_runner_still_import_from_there_with_a_warning() -> None:
-    from lightning_perf.benchmark import report, results
+    from lightning_perf.benchmark import report
 
     with pytest.warns(
         DeprecationWarning, match=r"runner.BenchOptions moved to lightning_perf.benchmark.spec.BenchSpec"
@@ -152,7 +152,7 @@ def test_names_that_left_the_runner_still_import_from_there_with_a_warning() -> 
         assert runner.BenchOptions is BenchSpec
     with pytest.warns(DeprecationWarning, match=r"moved to lightning_perf.benchmark.report.console_rows"):
         assert runner.console_rows is report.console_rows
-    with pytest.warns(DeprecationWarning, match=r"moved to lightning_perf.benchmark.results.ConfigSummary"):
-        assert runner.ConfigSummary is results.ConfigSummary
+    with pytest.warns(DeprecationWarning, match=r"moved to lightning_perf.benchmark.report.write_outputs"):
+        assert runner.write_outputs is report.write_outputs
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         runner.nothing_here  # noqa: B018
