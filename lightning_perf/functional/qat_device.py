@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["cache_off", "cpu_copy", "disable_cache", "parameter_device", "take_tensors_of"]
+__all__ = ["cache_off", "cpu_copy", "disable_cache", "parameter_device", "retarget_graph", "take_tensors_of"]
 
 
 def parameter_device(module: nn.Module) -> torch.device:
@@ -61,13 +61,18 @@ def take_tensors_of(prepared: torch.fx.GraphModule, module: nn.Module, device: t
         for name, value in list(vars(sub).items()):
             if isinstance(value, Tensor) and value.device != device:  # constants the graph reads by name
                 sub.__dict__[name] = moved(value)
+    retarget_graph(prepared, device)
+
+
+def retarget_graph(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """Make the tensors a captured graph creates itself (``device=`` arguments fixed at capture) land on ``device``."""
     changed = False
-    for node in prepared.graph.nodes:
-        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"].type == "cpu":
+    for node in gm.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
             node.kwargs = {**node.kwargs, "device": device}
             changed = True
     if changed:
-        prepared.recompile()
+        gm.recompile()
 
 
 def disable_cache(module: nn.Module) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from lightning_perf._imports import require
@@ -15,6 +16,7 @@ from lightning_perf.functional.qat import (
     recipe_of,
     set_quantization_info,
 )
+from lightning_perf.functional.qat_device import retarget_graph
 
 __all__ = ["calibrate", "convert", "float_copy", "restore_float"]
 
@@ -44,6 +46,8 @@ def convert(prepared: nn.Module, recipe: QuantizationRecipe | None = None, *, ow
     model = quiet_deepcopy(prepared)
     if recipe.backend == "x86":
         model = model.cpu()  # X86InductorQuantizer's int8 kernels are CPU kernels
+        if isinstance(model, torch.fx.GraphModule):
+            retarget_graph(model, torch.device("cpu"))  # fine-tuned on a GPU: the graph's own tensors too
     model.eval()
     try:
         model = convert_x86(model) if recipe.backend == "x86" else convert_torchao(model, recipe, owner)
