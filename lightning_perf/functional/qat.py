@@ -59,6 +59,7 @@ __all__ = [
     "cache_off",
     "capture_module",
     "counts_batches",
+    "export_dynamic_batch",
     "fast_pattern_matching",
     "freeze_batchnorm_stats",
     "is_prepared",
@@ -526,24 +527,27 @@ def with_batch(inputs: Sequence[Tensor], batch_size: int) -> tuple[Tensor, ...]:
     return tuple(t.detach()[index.to(t.device)] for t in inputs)
 
 
-def capture_module(module: nn.Module, example: tuple[Tensor, ...], training: bool) -> torch.fx.GraphModule:
-    """``torch.export`` the module in training or inference behaviour, with a dynamic batch dimension.
-
-    The example gets two samples: ``torch.export`` specializes a dimension whose example size is 1.
-    """
+def export_dynamic_batch(module: nn.Module, example: Sequence[Tensor]) -> torch.export.ExportedProgram:
+    """``torch.export`` (non-strict) with a dynamic batch dimension; the example gets two samples, since
+    ``torch.export`` specializes a dimension whose example size is 1."""
     from torch.export import Dim
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation chatter
+        return torch.export.export(
+            module,
+            with_batch(example, 2),
+            dynamic_shapes=tuple({0: Dim.DYNAMIC} for _ in example),
+            strict=False,
+        )
+
+
+def capture_module(module: nn.Module, example: tuple[Tensor, ...], training: bool) -> torch.fx.GraphModule:
+    """``torch.export`` the module in training or inference behaviour, with a dynamic batch dimension."""
     was_training = module.training
     module.train(training)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation chatter
-            program = torch.export.export(
-                module,
-                with_batch(example, 2),
-                dynamic_shapes=tuple({0: Dim.DYNAMIC} for _ in example),
-                strict=False,
-            )
+        program = export_dynamic_batch(module, example)
     except Exception as exc:
         raise QuantizationError(
             f"torch.export could not capture {type(module).__name__} for quantization: {_reason(exc)}. The model "

@@ -9,8 +9,12 @@
   ``torch.ao``, ONNX Runtime or torchao, the fastest correct one measured on the module), and
   :mod:`~lightning_perf.deploy.quantize.dynamic_save`: :func:`export_dynamic` (validate, time, save, report).
 
-The training-time half (recipes, prepare, the observer / fake-quant / batch-norm schedules) is
-:mod:`lightning_perf.functional.qat`.
+Quantization as data: :mod:`~lightning_perf.deploy.quantize.quantizer` holds one recipe object per mode (QAT x86, QAT
+torchao, static PTQ, dynamic int8) and the registry keyed on the recipe's type;
+:func:`lightning_perf.deploy.quantize.recipes.quantizer_for` builds the quantizer that carries a recipe out
+(:mod:`~lightning_perf.deploy.quantize.qat_quantizer`, :mod:`~lightning_perf.deploy.quantize.recipes`), which
+:class:`~lightning_perf.callbacks.QATCallback` schedules. The training-time half (prepare, the observer / fake-quant /
+batch-norm schedules) is :mod:`lightning_perf.functional.qat`.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lightning_perf._imports import require
+from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.quantize.pt2e_x86 import calibrate, convert_x86
 from lightning_perf.deploy.quantize.torchao import convert_torchao, float_linear_layers
 from lightning_perf.functional.qat import (
@@ -19,11 +20,6 @@ from lightning_perf.functional.qat import (
 from lightning_perf.functional.qat_device import retarget_graph
 
 __all__ = ["calibrate", "convert", "float_copy", "restore_float"]
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:500] if text else ''}"
 
 
 def convert(prepared: nn.Module, recipe: QuantizationRecipe | None = None, *, owner: str = "convert") -> nn.Module:
@@ -52,7 +48,7 @@ def convert(prepared: nn.Module, recipe: QuantizationRecipe | None = None, *, ow
     try:
         model = convert_x86(model) if recipe.backend == "x86" else convert_torchao(model, recipe, owner)
     except Exception as exc:
-        raise QuantizationError(f"torchao could not convert the model: {_reason(exc)}") from exc
+        raise QuantizationError(f"torchao could not convert the model: {failure_reason(exc)}") from exc
     set_quantization_info(model, recipe=recipe, float_keys=list(model.state_dict()), converted=True)
     return model.eval()
 

@@ -37,6 +37,7 @@ from lightning_perf.functional.qat import (
     QuantizationError,
     QuantizationRecipe,
     capture_module,
+    export_dynamic_batch,
     quiet_deepcopy,
     recipe_of,
     with_batch,
@@ -113,17 +114,8 @@ def capture_program(module: nn.Module, example: tuple[Tensor, ...]) -> torch.exp
     Raises:
         QuantizationError: if the model cannot be captured.
     """
-    from torch.export import Dim
-
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return torch.export.export(
-                module,
-                with_batch(example, 2),
-                dynamic_shapes=tuple({0: Dim.DYNAMIC} for _ in example),
-                strict=False,
-            )
+        return export_dynamic_batch(module, example)
     except Exception as exc:
         raise QuantizationError(f"torch.export could not capture the quantized model: {failure_reason(exc)}") from exc
 
