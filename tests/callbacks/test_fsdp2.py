@@ -18,10 +18,9 @@ from typing import Any
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCENARIOS = (
-    "plain,grad_checkpoint,grad_checkpoint_budget,flash_attention,fused_optimizer,memory_profiler,"
-    "plain_conv,channels_last,sliding_window,stack,stack_failing"
-)
+# FlashAttention, FusedOptimizer and Compile are seen at work in "stack"; every registry setting's loss under FSDP2 is
+# also checked by tests/test_generic.py::test_fsdp2_two_processes (MemoryProfiler, Bottleneck, BackendFlags there).
+SCENARIOS = "plain,grad_checkpoint,grad_checkpoint_budget,plain_conv,channels_last,sliding_window,stack,stack_failing"
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -89,26 +88,6 @@ def test_grad_checkpoint_memory_budget_checkpoints_every_block_under_fsdp2(repor
     _undone(run)
 
 
-def test_flash_attention_swaps_sharded_attention(report: dict[str, Any]) -> None:
-    run = _same_training(report, "flash_attention", rel=1e-5)
-    assert run["swapped"] == [f"model.blocks.{i}.attn" for i in range(3)]
-    assert run["during"]["attention_classes"] == ["FusedQKVAttention"] * 3
-    assert run["during"]["sdpa_calls"] == 3  # one fused kernel call per block and forward
-    assert all("sharded by FSDP2" in reason for _, reason in run["decisions"].values())
-    _undone(run)
-
-
-def test_fused_optimizer_steps_fused_over_dtensors(report: dict[str, Any]) -> None:
-    run = _same_training(report, "fused_optimizer", rel=1e-5)
-    assert run["during"]["fused"] is True
-    _undone(run)
-
-
-def test_memory_profiler_reports(report: dict[str, Any]) -> None:
-    run = _same_training(report, "memory_profiler")
-    assert run["memory_report"] is True
-
-
 def test_channels_last_runs_the_convolutions_channels_last(report: dict[str, Any]) -> None:
     run = _same_training(report, "channels_last", plain="plain_conv", rel=1e-5)
     assert run["during"]["conv_output_channels_last"] == [True]
@@ -124,7 +103,12 @@ def test_sliding_window_predicts_through_monai(report: dict[str, Any]) -> None:
 def test_stacked_callbacks_train_as_plain_with_compile_inside_the_wrappers(report: dict[str, Any]) -> None:
     """Attention swap, checkpointing, compile (regions=None) and the fused optimizer together: the one compiled fit."""
     run = _same_training(report, "stack", rel=1e-5)  # eager gradients (first step) and losses
-    assert run["during"]["fused"] is True and run["during"]["sdpa_calls"] == 3
+    assert run["during"]["fused"] is True  # AdamW steps fused over the DTensor shards
+    # Each block's hand-written attention was swapped (checked on stand-in weights) and calls the fused kernel.
+    assert run["swapped"] == [f"model.blocks.{i}.attn" for i in range(3)]
+    assert all("sharded by FSDP2" in reason for _, reason in run["decisions"].values())
+    assert run["during"]["attention_classes"] == ["FusedQKVAttention"] * 3
+    assert run["during"]["sdpa_calls"] == 3  # one fused kernel call per block and forward
     # regions=None under FSDP2: each fully_shard-ed block, in its forward (never the root or the LightningModule),
     # around the checkpointed forward; the three identical blocks share one graph.
     assert run["compiled"] == run["wrapped"] == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
