@@ -83,6 +83,7 @@ DEVICE_CAPABILITIES: Mapping[str, str] = MappingProxyType(
         "fast_bf16": "bf16 hardware (avx512_bf16/AMX, Ampere+ GPU)",
         "fp16": "fp16 arithmetic (a CUDA device, or a CPU with avx512_fp16/amx_fp16)",
         "fast_fp32_matmul": "a faster float32 matmul mode (TF32 on a GPU, oneDNN bf16 on a CPU with bf16 instructions)",
+        "fp8": "float8 tensor cores (a CUDA device of compute capability 8.9 or later: Ada, Hopper)",
     }
 )
 """What a device may offer, each with the words the tools print: an entry's ``requires`` (all needed to run) and
@@ -221,6 +222,11 @@ class Optimization:
             tuner skips its trial on a model without, the advice does not recommend it.
         fast_fp32_matmul: it lets float32 matmuls run in the device's faster mode (TF32, oneDNN bf16): the MFU of a
             run with it is taken against that mode's peak (its utilization dtype).
+        with_callbacks: further callbacks it always runs with, as ``(class path, keyword arguments)`` pairs after
+            ``callback`` (``fp8`` is float8 *and* compile: float8 without compile is slow).
+        left_out_because: why the no-argument bench leaves it out where ``bench_default_on`` does not hold, in words
+            a user can act on (the bench adds how to include it).
+        mfu_note: what its MFU is taken against when that is not its own dtype (shown with the peak).
         long_warmup: its warm-up is long (compilation): the tuner budgets its trial accordingly and the
             recommendation says the warm-up pays off on long runs only.
 
@@ -247,6 +253,9 @@ class Optimization:
     model_needs: tuple[str, ...] = ()
     fast_fp32_matmul: bool = False
     long_warmup: bool = False
+    with_callbacks: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    left_out_because: str = ""
+    mfu_note: str = ""
 
     def __post_init__(self) -> None:
         owner = f"Optimization(name={self.name!r})"
@@ -311,6 +320,18 @@ class Optimization:
         for arg in ("fast_fp32_matmul", "long_warmup"):
             if not isinstance(getattr(self, arg), bool):
                 raise TypeError(f"`{owner}`: {arg}={getattr(self, arg)!r} is not valid. Expected a bool.")
+        extra = self.with_callbacks
+        if isinstance(extra, (str, Mapping)) or any(
+            not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str) or "." not in item[0]
+            or not isinstance(item[1], Mapping) for item in extra
+        ):  # fmt: skip
+            raise ValueError(
+                f"`{owner}`: with_callbacks={extra!r} is not valid. Expected a tuple of ('package.module.Class', dict)."
+            )
+        object.__setattr__(self, "with_callbacks", tuple((p, MappingProxyType(dict(k))) for p, k in extra))
+        for arg in ("left_out_because", "mfu_note"):
+            if not isinstance(getattr(self, arg), str):
+                raise TypeError(f"`{owner}`: {arg}={getattr(self, arg)!r} is not valid. Expected a string.")
 
     @property
     def callback_name(self) -> str | None:
@@ -396,6 +417,16 @@ def _callback(name: str) -> str:
     return f"lightning_perf.callbacks.{name}"
 
 
+_COLD_COMPILE = (
+    "a cold compile takes ~30 s per process on a CPU (each bench run is a fresh process), more than the default "
+    "run's steps can win back; a long training run amortizes it"
+)
+_NO_BF16 = "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 would be emulated, several times slower"
+_FLASH = "it acts on attention modules only, and gains most on a GPU in fp16/bf16: include it for a transformer"
+_QAT = "fake quantization adds work to every step: it measures the cost of QAT, not a speed-up"
+_TIME_FOR_MEMORY = "it trades step time for activation memory: slower by design, worth it when memory limits the batch"
+
+
 def _builtin_optimizations() -> list[Optimization]:
     """The optimizations shipped with lightning_perf. Each one adds its entry here."""
     return [
@@ -415,6 +446,7 @@ def _builtin_optimizations() -> list[Optimization]:
                 ),
             ),
             bench_default_on=("fast_bf16",),
+            left_out_because=_NO_BF16,
             slowdown_causes=(
                 SlowdownCause(
                     "bf16_emulated", "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 is emulated"
@@ -430,6 +462,7 @@ def _builtin_optimizations() -> list[Optimization]:
             tuner_order=20,
             requires=("cuda",),
             bench_default_on=("cuda",),
+            left_out_because="fp16 autocast is for GPUs; CPUs without avx512_fp16 emulate it",
         ),
         Optimization(
             "bf16-true",
@@ -438,6 +471,7 @@ def _builtin_optimizations() -> list[Optimization]:
             changes_numerics=True,
             requires=("bf16",),
             bench_default_on=("fast_bf16",),
+            left_out_because="this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 would be emulated",
             slowdown_causes=(
                 SlowdownCause(
                     "bf16_emulated", "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 is emulated"
@@ -452,6 +486,7 @@ def _builtin_optimizations() -> list[Optimization]:
             changes_numerics=True,
             requires=("fp16",),
             bench_default_on=("cuda",),
+            left_out_because="pure fp16 is for GPUs; CPUs without avx512_fp16 emulate it",
             stages=INFERENCE_STAGES,
         ),
         Optimization(
@@ -484,11 +519,29 @@ def _builtin_optimizations() -> list[Optimization]:
                 AdviceRule("compute_bound", "compile the model (fused kernels)"),
             ),
             bench_default_on=("cuda",),
+            left_out_because=_COLD_COMPILE,
             slowdown_causes=(
                 SlowdownCause("warmup_not_amortized", "compile warm-up not amortized over this run's steps"),
                 SlowdownCause("always", "inductor's kernels gain little on this model and device"),
             ),
             long_warmup=True,
+        ),
+        Optimization(
+            "compile_regional",
+            "CompileCallback(regions='auto'): each repeated block compiled once and reused by its copies (regional "
+            "compilation: a shorter cold compile than the whole model's)",
+            callback=_callback("CompileCallback"),
+            callback_kwargs={"regions": "auto"},
+            changes_numerics=True,
+            tuner_stage="optimization",
+            tuner_order=55,
+            replaces="compile",
+            slowdown_causes=(
+                SlowdownCause("warmup_not_amortized", "compile warm-up not amortized over this run's steps"),
+                SlowdownCause("always", "inductor's kernels gain little on this model and device"),
+            ),
+            long_warmup=True,
+            left_out_because=_COLD_COMPILE,
         ),
         Optimization(
             "compile_reduce_overhead",
@@ -499,6 +552,7 @@ def _builtin_optimizations() -> list[Optimization]:
             tuner_stage="optimization",
             tuner_order=60,
             replaces="compile",
+            left_out_because="CUDA graphs need a CUDA device; on a GPU it is the compile variant to try after compile",
             requires=("cuda",),
             slowdown_causes=(
                 SlowdownCause("warmup_not_amortized", "compile warm-up (and CUDA graph capture) not amortized"),
@@ -523,6 +577,7 @@ def _builtin_optimizations() -> list[Optimization]:
             ),
             fast_fp32_matmul=True,
             bench_default_on=("cuda", "fast_bf16"),
+            left_out_because="no backend flag speeds up float32 here (no TF32 cores, no bf16 instructions)",
         ),
         Optimization(
             "fused_optimizer",
@@ -553,6 +608,7 @@ def _builtin_optimizations() -> list[Optimization]:
             ),
             slowdown_causes=(SlowdownCause("always", "recomputes activations in the backward pass: time for memory"),),
             stages=("fit",),
+            left_out_because=_TIME_FOR_MEMORY,
         ),
         *(
             Optimization(
@@ -565,6 +621,7 @@ def _builtin_optimizations() -> list[Optimization]:
                     SlowdownCause("always", "recomputes part of the activations in the backward pass: time for memory"),
                 ),
                 stages=("fit",),
+                left_out_because=_TIME_FOR_MEMORY,
             )
             for budget in (0.75, 0.5, 0.25)
         ),
@@ -576,6 +633,7 @@ def _builtin_optimizations() -> list[Optimization]:
             tuner_stage="optimization",
             tuner_order=40,
             model_needs=("attention",),
+            left_out_because=_FLASH,
         ),
         Optimization(
             "dynamic_int8",
@@ -587,6 +645,7 @@ def _builtin_optimizations() -> list[Optimization]:
             tuner_stage="optimization",
             tuner_order=45,
             stages=INFERENCE_STAGES,
+            left_out_because="it changes inference only: measure it with --stage predict",
             slowdown_causes=(
                 SlowdownCause(
                     "always",
@@ -602,6 +661,7 @@ def _builtin_optimizations() -> list[Optimization]:
             callback=_callback("SlidingWindowInferenceCallback"),
             callback_kwargs={"roi_size": "model", "sw_batch_size": "auto"},
             stages=INFERENCE_STAGES,
+            left_out_because="it changes whole-volume inference only: measure it with --stage predict on a 3D model",
         ),
         *(
             Optimization(
@@ -610,8 +670,25 @@ def _builtin_optimizations() -> list[Optimization]:
                 callback=_callback("SlidingWindowInferenceCallback"),
                 callback_kwargs={"roi_size": "model", "sw_batch_size": n},
                 stages=INFERENCE_STAGES,
+                left_out_because="a fixed window batch size, to compare with sliding_window's measured one",
             )
             for n in (1, 2, 4, 8)
+        ),
+        Optimization(
+            "fp8",
+            "bf16-mixed + Float8TrainingCallback() + CompileCallback(): Linear layers measured faster in float8 train "
+            "in float8 (torchao), compiled",
+            callback=_callback("Float8TrainingCallback"),
+            trainer_kwargs={"precision": "bf16-mixed"},
+            with_callbacks=((_callback("CompileCallback"), {}),),
+            changes_numerics=True,
+            requires=("fp8",),
+            packages=("torchao",),
+            bench_default_on=("fp8",),
+            stages=("fit",),
+            long_warmup=True,
+            mfu_note="against the bf16 peak: a float8 MFU is not defined when layers mix dtypes",
+            left_out_because="float8 matmuls need a CUDA device of compute capability 8.9 or later",
         ),
         Optimization(
             "qat",
@@ -625,5 +702,6 @@ def _builtin_optimizations() -> list[Optimization]:
                 SlowdownCause("always", "fake quantization adds work to every training step (the cost of QAT)"),
             ),
             stages=("fit",),
+            left_out_because=_QAT,
         ),
     ]

@@ -221,7 +221,10 @@ def config_from_optimization(optimization: Optimization) -> BenchConfig:
     def applies_to(device: torch.device) -> str | None:
         return _missing(optimization, device)
 
-    specs = () if optimization.callback is None else ((optimization.callback, optimization.callback_kwargs),)
+    specs: tuple[CallbackSpec, ...] = ()
+    if optimization.callback is not None:
+        specs = ((optimization.callback, optimization.callback_kwargs),)
+    specs += tuple(optimization.with_callbacks)
     return BenchConfig(
         optimization.name,
         optimization.description,
@@ -282,6 +285,8 @@ def device_offers(device: torch.device, capability: str) -> bool:
     cuda = device.type == "cuda"
     if capability in ("cpu", "cuda"):
         return device.type == capability
+    if capability == "fp8":
+        return cuda and bool(is_sm_at_least(8, 9, device))
     if capability == "bf16":
         return bool(supports_bf16(device))
     if capability == "fp16":
@@ -299,14 +304,16 @@ def device_offers(device: torch.device, capability: str) -> bool:
 
 
 def _why_left_out(optimization: Optimization, device: torch.device, capabilities: Mapping[str, bool]) -> str | None:
-    if not optimization.bench_default_on:
-        return "not in the default set (name it in --configs)"
-    if not any(capabilities.get(c, False) for c in optimization.bench_default_on):
-        why = "in the default set only on " + " or ".join(DEVICE_CAPABILITIES[c] for c in optimization.bench_default_on)
-        if "fast_bf16" in optimization.bench_default_on and device.type == "cpu":
-            why += "; this CPU has no bf16 instructions, bf16 would be emulated"
-        return why + " (name it in --configs to measure it anyway)"
-    return get_config(optimization.name).why_not(device)
+    """Why the no-argument bench leaves ``optimization`` out on ``device``, in the entry's own words and with how to
+    include it; ``None`` when it is in."""
+    if any(capabilities.get(c, False) for c in optimization.bench_default_on):
+        return get_config(optimization.name).why_not(device)
+    because = optimization.left_out_because
+    if not because:
+        on = " or ".join(DEVICE_CAPABILITIES[c] for c in optimization.bench_default_on)
+        because = f"it is in the default set only on {on}" if on else "it is not in the default set"
+    where = "CUDA" if device.type == "cuda" else "CPU"
+    return f"left out on {where} because {because}; `--configs ...,{optimization.name}` to include it"
 
 
 def default_configs(

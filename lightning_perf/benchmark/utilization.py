@@ -59,15 +59,27 @@ def matmul_setting(config: str, options_precision: str) -> tuple[str, bool]:
     return precision, any(part is not None and part.fast_fp32_matmul for part in parts)
 
 
+def mfu_note(config: str) -> str:
+    """What a configuration's MFU is taken against when that is not its own dtype (its entries' ``mfu_note``: an fp8
+    run's MFU is against the bf16 peak), or ``""``."""
+    from lightning_perf.benchmark.configs import get_config
+    from lightning_perf.optimizations import find
+
+    config_obj = get_config(config)
+    parts = [find(part) for part in config_obj.parts or (config_obj.name,)]
+    return "; ".join(part.mfu_note for part in parts if part is not None and part.mfu_note)
+
+
 def machine_peak(
     device: str, precision: str, fast_fp32_matmul: bool = False, *, cpu_bf16_instructions: bool | None = None
 ) -> PeakFlops:
     """The peak FLOP/s of ``device`` for matmuls under ``precision``, and how it was obtained.
 
     CUDA: the datasheet table (``fast_fp32_matmul``: TF32 for fp32), else Lightning's ``get_available_flops``. CPU:
-    the cached or freshly measured matmul rate (``fast_fp32_matmul`` on a CPU with bf16 instructions: the bf16 rate,
-    as oneDNN then runs float32 matmuls in bf16; ``cpu_bf16_instructions`` says whether it has them, None: look). Never
-    raises for an unknown precision: the peak is then unknown.
+    the cached or freshly measured matmul rate in the dtype of the run's matmuls: fp32 for a float32 run, also with a
+    backend flag (measured: such a run's matmuls stay float32, at baseline's speed), bf16 only for a bf16 precision
+    (``cpu_bf16_instructions`` is kept for callers and no longer changes the dtype). Never raises for an unknown
+    precision: the peak is then unknown.
     """
     import torch
 
@@ -91,13 +103,6 @@ def machine_peak(
         if not given:
             return PeakFlops(None, f"{peak.source}; Lightning's get_available_flops has none either")
         return peak_flops(target, dtype, given=float(given), given_source="given: Lightning get_available_flops")
-    if fast_fp32_matmul and dtype == torch.float32:
-        if cpu_bf16_instructions is None:
-            from lightning_perf.profiling.machine import describe_machine
-
-            cpu_bf16_instructions = bool(describe_machine().get("cpu_bf16_instructions"))
-        if cpu_bf16_instructions:
-            dtype = torch.bfloat16
     return peak_flops(target, dtype)
 
 
@@ -136,6 +141,9 @@ def add_utilization(rows: Sequence[Any], peak_of: Callable[[str], PeakFlops | No
         figures = utilization(row.flops_per_step, row.step_median_s, peak, step_time_ci95_s=row.step_median_ci95_s)
         for key, value in figures.items():
             setattr(row, key, value)
+        note = mfu_note(row.config)
+        if note and row.peak_source:
+            row.peak_source = f"{row.peak_source} ({note})"
         if row.mfu is not None and row.mfu > 1.0:
             # Achieved above the peak: the peak's kernel (a matmul in the run's dtype) is not what this configuration
             # runs (e.g. emulated bf16 matmuls on a CPU without bf16 instructions, while its convolutions take a

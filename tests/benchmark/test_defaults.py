@@ -9,8 +9,19 @@ from lightning_perf import optimizations
 from lightning_perf.benchmark.configs import default_configs, device_capabilities
 from lightning_perf.optimizations import Optimization, SlowdownCause
 
-AVX2_CPU = {"cpu": True, "cuda": False, "bf16": True, "fast_bf16": False, "fp16": False, "fast_fp32_matmul": False}
-BF16_CPU = {"cpu": True, "cuda": False, "bf16": True, "fast_bf16": True, "fp16": False, "fast_fp32_matmul": True}
+_CPU = {"cpu": True, "cuda": False, "bf16": True, "fp16": False, "fp8": False}
+AVX2_CPU = {**_CPU, "fast_bf16": False, "fast_fp32_matmul": False}
+BF16_CPU = {**_CPU, "fast_bf16": True, "fast_fp32_matmul": True}
+H100 = {
+    "cpu": False,
+    "cuda": True,
+    "bf16": True,
+    "fast_bf16": True,
+    "fp16": True,
+    "fast_fp32_matmul": True,
+    "fp8": True,
+}
+A100 = {**H100, "fp8": False}
 
 
 def test_an_avx2_only_cpu_gets_no_bf16_and_says_why() -> None:
@@ -19,8 +30,33 @@ def test_an_avx2_only_cpu_gets_no_bf16_and_says_why() -> None:
     assert {"channels_last", "fused_optimizer"} <= set(chosen)
     reasons = dict(left_out)
     assert "no bf16 instructions" in reasons["bf16-mixed"] and "emulated" in reasons["bf16-mixed"]
-    assert "CUDA" in reasons["compile"] and "--configs" in reasons["compile"]
+    assert reasons["compile"].startswith("left out on CPU because a cold compile takes ~30 s per process")
+    assert reasons["compile"].endswith("`--configs ...,compile` to include it")
     assert set(chosen) | set(reasons) == {"baseline", *optimizations.names()}
+
+
+def test_every_configuration_left_out_says_why_in_its_own_words() -> None:
+    _, left_out = default_configs(torch.device("cpu"), AVX2_CPU)
+    for name, why in left_out:
+        own = optimizations.get(name).left_out_because
+        if why.startswith("left out on CPU"):
+            assert own and own in why and f"--configs ...,{name}`" in why, name
+
+
+def test_fp8_and_compile_regional_are_registered_with_their_gates() -> None:
+    fp8 = optimizations.get("fp8")
+    assert fp8.trainer_kwargs["precision"] == "bf16-mixed" and fp8.callback_name == "Float8TrainingCallback"
+    assert [path for path, _ in fp8.with_callbacks] == ["lightning_perf.callbacks.CompileCallback"]
+    assert "bf16 peak" in fp8.mfu_note
+    regional = optimizations.get("compile_regional")
+    assert dict(regional.callback_kwargs) == {"regions": "auto"} and regional.replaces == "compile"
+    # With an H100's capabilities fp8 is in the default set (here it then fails the real device's requirement);
+    # with an A100's it is left out by the default set's own rule.
+    h100 = dict(default_configs(torch.device("cpu"), H100)[1])
+    assert h100["fp8"] == "needs float8 tensor cores (a CUDA device of compute capability 8.9 or later: Ada, Hopper)"
+    assert dict(default_configs(torch.device("cpu"), A100)[1])["fp8"].startswith("left out on CPU because float8")
+    reasons = dict(default_configs(torch.device("cpu"), AVX2_CPU)[1])
+    assert "compute capability 8.9" in reasons["fp8"]
 
 
 def test_a_cpu_with_bf16_instructions_gets_bf16() -> None:

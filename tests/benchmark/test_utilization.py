@@ -211,7 +211,7 @@ def test_a_cpu_peak_is_measured_once_in_the_runs_dtype_and_cached(_no_real_peak_
     assert first.flops_per_second == 1e11 and not first.source.endswith("(cached)")
     assert machine_peak("cpu", "32-true").source.endswith("(cached)")
     machine_peak("cpu", "bf16-mixed")
-    machine_peak("cpu", "32-true", True, cpu_bf16_instructions=True)  # float32 matmuls in bf16: bf16's peak
+    machine_peak("cpu", "32-true", True, cpu_bf16_instructions=True)  # float32 matmuls stay fp32: fp32's (cached)
     machine_peak("cpu", "32-true", True, cpu_bf16_instructions=False)  # no bf16 hardware: fp32 as before
     assert [dtype for dtype, _ in _no_real_peak_measurement] == [torch.float32, torch.bfloat16]
     assert machine_peak("cpu", "transformer-engine").flops_per_second is None
