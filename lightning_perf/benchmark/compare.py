@@ -55,6 +55,7 @@ from lightning_perf.profiling.significance import (
     mann_whitney_p_value,
     verdict,
 )
+from lightning_perf.profiling.stats import median_of_repeats
 
 __all__ = [
     "BENCH_KIND",
@@ -603,8 +604,9 @@ def _stats_of(entry: Entry, key: str) -> dict[str, float] | None:
     if not values:
         return None
     ordered = sorted(values)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    # The bench's own figure: the median of the per-repeat medians (one function for both, so the same file gives
+    # the same number in `bench` and `compare`); samples without repeats are one group.
+    median = median_of_repeats(entry.groups.get(key) or [values])
     return {"median": median, "min": ordered[0], "max": ordered[-1], "rounds": float(len(ordered))}
 
 

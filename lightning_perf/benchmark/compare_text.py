@@ -54,7 +54,8 @@ def _signed(percent: float) -> str:
 
 
 def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
+    """``text`` whole: every line is wrapped to ``width`` at the end (:func:`_wrap`), never cut."""
+    return text
 
 
 TABLE_HEADER = ("", "old", "new", "change", "95% interval", "verdict")

@@ -144,3 +144,15 @@ def test_bad_invocations_exit_2_with_one_line(
     assert lines[0].startswith(("lightning-perf compare: error:", "lightning-perf: error: unrecognized arguments"))
     assert named in lines[0]
     assert "Traceback" not in err and out == ""
+
+
+def test_the_header_is_whole_within_80_columns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    deep = tmp_path / ("a-long-folder-name-" * 4) / "bench-results"
+    deep.mkdir(parents=True)
+    old = write(deep / "convnet-main-branch.json", bench_results())
+    code, out, err = _run(capsys, old, old)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "..." not in out and "…" not in out
+    header = "".join(line.strip() for line in lines[: next(i for i, line in enumerate(lines) if not line.strip())])
+    assert str(old).replace(" ", "") in header.replace(" ", "")  # every character of the path, wrapped, not cut
