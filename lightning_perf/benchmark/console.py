@@ -17,7 +17,7 @@ from lightning_perf.profiling.report import CONSOLE_WIDTH, text_table, wrap_line
 if TYPE_CHECKING:
     from lightning_perf.benchmark.results import BenchReport
 
-__all__ = ["console_lines", "mark_lines", "settling_lines"]
+__all__ = ["cold_start_lines", "console_lines", "mark_lines", "settling_lines"]
 
 _EMPTY = ("", "n/a", "-")
 
@@ -87,6 +87,17 @@ def settling_lines(report: BenchReport) -> list[str]:
     return lines
 
 
+def cold_start_lines(report: BenchReport) -> list[str]:
+    """One line with each configuration's cold first step when one took over twice baseline's (a compile with an
+    empty cache: what the first run of a fresh process pays before the steady state)."""
+    first = {s.config: s.get("first_step_s") for s in report.summaries if s.get("first_step_s")}
+    base = first.get(BASELINE)
+    if base is None or not any(value > 2 * base for value in first.values()):
+        return []
+    cells = ", ".join(f"{name} {value:.1f} s" for name, value in first.items())
+    return [f"cold first step (compiling with an empty cache included): {cells}"]
+
+
 def console_lines(report: BenchReport, width: int = CONSOLE_WIDTH) -> list[str]:
     """The bench's closing output as lines of at most ``width`` characters (the table, its legend, notes, warnings,
     the settling of the repeats and the recommendation)."""
@@ -111,6 +122,7 @@ def console_lines(report: BenchReport, width: int = CONSOLE_WIDTH) -> list[str]:
     prose += tables.reliability_lines(report) + mark_lines(report)
     prose += unknown_mfu_lines(report.summaries)
     prose += settling_lines(report)
+    prose += cold_start_lines(report)
     for text in prose:
         lines += wrap_lines(text, width)
     recommendation: dict[str, Any] = getattr(report, "recommendation", None) or {}

@@ -94,7 +94,16 @@ def run_isolated(
     result_path, log_path = workdir / f"{stem}.json", workdir / f"{stem}.log"
     context = multiprocessing.get_context("spawn")
     process = context.Process(target=_child, args=(asdict(spec), source, str(result_path), str(log_path)), name=name)
-    with _environ({**TRUTHFUL_CPU_MEMORY_ENV, "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore")}):
+    # A fresh compile cache per run: a compiled configuration's first step is a cold compile, as on a new machine
+    # (a cache shared between runs would make every run after the first a warm one).
+    cache = workdir / f"{stem}-compile-cache"
+    env = {
+        **TRUTHFUL_CPU_MEMORY_ENV,
+        "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+    }
+    with _environ(env):
         process.start()
     killed = False
     try:

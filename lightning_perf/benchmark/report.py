@@ -32,6 +32,7 @@ TABLE_COLUMNS = (
     "interval from",
     "samples/s",
     "warm-up s",
+    "first step s",
     "step memory",
     "memory [95% CI]",
     "predict/s",
@@ -43,7 +44,8 @@ TABLE_LEGEND = (
     "step ms: steady-state median (min-max of the per-repeat medians); speed-up: baseline step time / step time, "
     "paired within a repeat (geometric mean of the paired ratios) with its 95% interval and verdict: faster or "
     "slower when the interval excludes 1, else no clear difference; warm-up s: first warm-up steps, compilation "
-    "included; step memory: steady-state peak above the memory in use after warm-up, and its ratio to baseline's; "
+    "included; first step s: the first training step, cold (compiling with an empty cache "
+    "included); step memory: steady-state peak above the memory in use after warm-up, and its ratio to baseline's; "
     "predict: inference throughput and baseline predict time / predict time. '?' and (disturbed): the machine was "
     "busy with other work or the samples scattered (see the reliability warnings): do not trust that figure."
 )
@@ -104,6 +106,7 @@ def table_rows(report: BenchReport) -> list[list[str]]:
                 s.speedup_method or "",
                 _num(s.throughput, ".1f"),
                 _num(s.warmup_s, ".2f"),
+                _num(s.first_step_s, ".2f"),
                 format_bytes(s.step_memory_bytes) if s.step_memory_bytes is not None else "n/a",
                 (_estimate_cell(s, "memory_ratio") + f" {s.memory_ratio_verdict}") if s.memory_ratio_verdict else "n/a",
                 _num(s.predict_throughput, ".1f"),
@@ -261,6 +264,15 @@ def reliability_lines(report: BenchReport) -> list[str]:
     return [f"warning: measurement disturbed by {cause}" for cause in lines] + utilization_lines(report.summaries)
 
 
+def _repeats_text(report: BenchReport) -> str:
+    """``3 repeats``, or for ``--repeats auto`` the rounds run and when they stopped."""
+    settling = report.settling or {}
+    if report.options.get("repeats"):
+        return f"{report.options['repeats']} repeats"
+    rounds = settling.get("rounds", "?")
+    return f"{rounds} rounds of repeats (auto: until +-{settling.get('target', 0.05):.0%}, {settling.get('stopped')})"
+
+
 def _num(value: float | None, fmt: str) -> str:
     return "n/a" if value is None else format(value, fmt)
 
@@ -300,7 +312,7 @@ def markdown_report(report: BenchReport) -> str:
         lines += [
             markdown_table(TABLE_COLUMNS, table_rows(report)),
             "",
-            f"{opts['repeats']} repeats x {opts['steps']} steady-state steps after {opts['warmup_steps']} warm-up "
+            f"{_repeats_text(report)} x {opts['steps']} steady-state steps after {opts['warmup_steps']} warm-up "
             f"steps; each run in a fresh process, configurations interleaved. {TABLE_LEGEND} {memory}",
             "",
         ]
@@ -309,13 +321,18 @@ def markdown_report(report: BenchReport) -> str:
         lines += [
             markdown_table(INFERENCE_TABLE_COLUMNS, inference_table_rows(report)),
             "",
-            f"`{report.stage}` of the model as built (no training): {opts['repeats']} repeats x {opts['steps']} timed "
+            f"`{report.stage}` of the model as built (no training): {_repeats_text(report)} x {opts['steps']} timed "
             f"batches after {opts['warmup_steps']} warm-up batches; each run in a fresh process, configurations "
             f"interleaved. {INFERENCE_LEGEND} {memory}",
             "",
         ]
     if report.notes:
         lines += ["Notes:", ""] + [f"- {note}" for note in report.notes] + [""]
+    unsettled = [s for s in report.summaries if s.unsettled]
+    if unsettled:
+        lines += ["Not settled:", ""] + [f"- `{s.config}`: {s.unsettled}" for s in unsettled] + [""]
+    if report.recommendation.get("lines"):
+        lines += ["### Recommendation", "", "```text", *report.recommendation["lines"], "```", ""]
     if report.left_out:
         lines += ["Left out:", ""] + [f"- `{x['config']}`: {x['reason']}" for x in report.left_out]
         lines.append("")
@@ -395,9 +412,10 @@ def write_outputs(report: BenchReport, output: Path) -> list[Path]:
             low, high = s.speedup_ci95 or (s.speedup, s.speedup)
             errors.append((s.speedup - low, high - s.speedup))  # type: ignore[operator]
         plot_bars(
-            [("? " if s.disturbed else "") + s.config for s in measured],
+            [s.config for s in measured],
             [s.speedup for s in measured],  # type: ignore[misc]
             errors=errors,
+            marks=["disturbed" if s.disturbed else "unsettled" if s.settled is False else None for s in measured],
             title=f"{report.options['workload']}: "
             f"{'training' if report.stage == 'fit' else report.stage + ' latency'} speed-up vs baseline "
             f"({report.options['device']})",

@@ -47,6 +47,9 @@ class ConfigSummary:
     model_init_s: float | None = None
     first_batch_s: float | None = None
     first_forward_s: float | None = None
+    first_step_s: float | None = None  # the cold first training step (compilation with an empty cache included)
+    settled: bool | None = None  # --repeats auto: the speed-up's interval within +-target (None: no ratio)
+    unsettled: str | None = None  # "unsettled after N repeats ...: about M repeats (~T more) would settle it"
     peak_memory_bytes: float | None = None
     step_memory_bytes: float | None = None
     memory_ratio: float | None = None  # steady-state step memory / baseline's
@@ -117,6 +120,8 @@ class BenchReport:
     reliability: dict[str, Any] = field(default_factory=lambda: {"reliable": True, "causes": []})
     left_out: list[dict[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # e.g. a configuration's precision over the --config file's
+    settling: dict[str, Any] = field(default_factory=dict)  # how the repeats ended (benchmark.answer.settling_record)
+    recommendation: dict[str, Any] = field(default_factory=dict)  # the winners' stack (answer.recommendation_record)
 
     @property
     def stage(self) -> str:
@@ -141,6 +146,8 @@ class BenchReport:
             "reliability": self.reliability,
             "left_out": self.left_out,
             "notes": self.notes,
+            "settling": self.settling,
+            "recommendation": self.recommendation,
             "summary": [s.to_dict() for s in self.summaries],
             "runs": self.runs,
         }

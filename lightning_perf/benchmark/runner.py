@@ -75,15 +75,19 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf._deprecation import moved_names
+from lightning_perf.benchmark.answer import estimates_from, recommendation_record, settling_record
 from lightning_perf.benchmark.isolation import run_isolated
 from lightning_perf.benchmark.results import ONE_REPEAT, BenchReport, ConfigSummary, ProgressFn, RunEvent
+from lightning_perf.benchmark.rounds import run_rounds
+from lightning_perf.benchmark.settle import Settling
 from lightning_perf.benchmark.spec import BenchSpec, RunSpec
+from lightning_perf.benchmark.stack import Stack, choose_stack
 from lightning_perf.benchmark.utilization import PeakFn, add_utilization, machine_peak, matmul_setting
 from lightning_perf.benchmark.worker import RunResult
-from lightning_perf.optimizations import BASELINE
+from lightning_perf.optimizations import BASELINE, INFERENCE_STAGES
 from lightning_perf.profiling.intervals import METHOD_SINGLE, RatioEstimate, paired_ratio
 from lightning_perf.profiling.reliability import ConditionMonitor, Reliability, assess
-from lightning_perf.profiling.stats import median, percentile
+from lightning_perf.profiling.stats import median, median_of_repeats, percentile
 
 __all__ = [
     "INFERENCE_RATIOS",
@@ -131,6 +135,9 @@ def run_benchmark(
     monitor: ConditionMonitor | None = None,
     argv: Sequence[str] | None = None,
     peak: PeakFn | None = None,
+    run: Callable[[RunSpec, Path, float], RunResult] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    stack_phase: bool = True,
 ) -> BenchReport:
     """Run every configuration ``spec.repeats`` times, interleaved, each in a fresh process, and summarize.
 
@@ -144,46 +151,79 @@ def run_benchmark(
         peak: ``(device, precision, fast_fp32_matmul) -> PeakFlops`` for the MFU (default:
             :func:`~lightning_perf.benchmark.utilization.machine_peak`; a CPU peak is measured after every run, once
             per machine and dtype, and cached). Asked once per precision, only where FLOPs were counted.
+        run: runs one worker (default: a fresh process, :func:`~lightning_perf.benchmark.isolation.run_isolated`);
+            a test passes scripted results.
+        clock: seconds, for the time budget of ``--repeats auto`` (a test passes a scripted one).
+        stack_phase: after the single configurations, measure the winners' stack and recommend it.
+
+    With ``spec.repeats`` None (``--repeats auto``) repeats are added until every speed-up's interval is within
+    ``+-spec.target`` or ``spec.time_budget_s`` is spent (:class:`~lightning_perf.benchmark.settle.Settling`); the
+    winners' stack is measured after the single configurations, interleaved with baseline, within the same budget.
     """
     import torch
 
     from lightning_perf.profiling.machine import describe_machine, finish_run, run_metadata
 
+    run = run or _run_in_subprocess
     command = command or _command_for(spec)
     run_info = run_metadata(list(argv) if argv is not None else shlex.split(command))
     machine = describe_machine()
     monitor = monitor if monitor is not None else ConditionMonitor()
     order = list(spec.names)
-    plan = [(r, order[r % len(order) :] + order[: r % len(order)]) for r in range(spec.repeats)]
-    total = spec.repeats * len(order)
+    settling = None if spec.repeats is not None else Settling(spec.target, spec.time_budget_s, clock=clock)
+    # A fixed count, or the projection of an auto run: the minimum repeats, then what the budget allows.
+    planned = spec.repeats or (settling.min_repeats if settling else 1)  # type: ignore[union-attr]
+    total = planned * len(order)
     results: dict[str, list[RunResult]] = {name: [] for name in order}
-    start = time.perf_counter()
+    start = clock()
     done = 0
     watched = []
     with tempfile.TemporaryDirectory(prefix="lightning-perf-bench-") as tmp:
-        for repeat, names in plan:
-            for name in names:
-                if progress is not None:
-                    progress(done, total, f"repeat {repeat + 1}/{spec.repeats}: {name}")
-                token = monitor.start()
-                result = _run_in_subprocess(spec.run_spec(name, repeat), Path(tmp), spec.timeout_s)
-                conditions = monitor.stop(token, f"{name}, repeat {repeat + 1}", config=name, repeat=repeat)
-                if result.ok:  # a skipped or failed run measured nothing the conditions could have disturbed
-                    watched.append(conditions)
-                results[name].append(result)
-                done += 1
-                if on_run is not None:
-                    elapsed = time.perf_counter() - start
-                    status = "ok" if result.ok else f"skipped: {result.skipped}" if result.skipped else "failed"
-                    if result.error and not result.ok:
-                        status = f"failed: {' '.join(result.error.split())[:160]}"
-                    on_run(
-                        RunEvent(
-                            name, repeat, spec.repeats, done, total, result.step_median_s if result.ok else None,
-                            elapsed, elapsed / done * (total - done), status,
-                            "step" if spec.stage == "fit" else "batch",
-                        )
-                    )  # fmt: skip
+
+        def run_one(name: str, repeat: int) -> RunResult:
+            nonlocal done, total
+            total = max(total, done + 1)
+            shown = f"{repeat + 1}/{spec.repeats}" if spec.repeats else f"{repeat + 1}"
+            if progress is not None:
+                progress(done, total, f"repeat {shown}: {name}")
+            token = monitor.start()
+            result = run(spec.run_spec(name, repeat), Path(tmp), spec.timeout_s)
+            conditions = monitor.stop(token, f"{name}, repeat {repeat + 1}", config=name, repeat=repeat)
+            if result.ok:  # a skipped or failed run measured nothing the conditions could have disturbed
+                watched.append(conditions)
+            done += 1
+            if on_run is not None:
+                elapsed = clock() - start
+                status = "ok" if result.ok else f"skipped: {result.skipped}" if result.skipped else "failed"
+                if result.error and not result.ok:
+                    status = f"failed: {' '.join(result.error.split())[:160]}"
+                left = elapsed / done * (total - done) if spec.repeats else (settling.remaining_s if settling else 0.0)
+                on_run(
+                    RunEvent(
+                        name, repeat, spec.repeats or 0, done, total, result.step_median_s if result.ok else None,
+                        elapsed, max(left, 0.0), status, "step" if spec.stage == "fit" else "batch",
+                    )
+                )  # fmt: skip
+            return result
+
+        def estimates_of(so_far: Any) -> dict[str, RatioEstimate | None]:
+            return estimates_from(summarize_runs(so_far))
+
+        def stack_reserve() -> float:  # two rounds of baseline and the stack, kept for the recommendation
+            return 2 * settling.round_s([BASELINE, BASELINE]) if settling is not None else 0.0
+
+        singles = run_rounds(order, run_one, repeats=spec.repeats, settling=settling, estimates_of=estimates_of,
+                             reserve_s=stack_reserve, results=results)  # fmt: skip
+        stack = choose_stack(estimates_of(results)) if stack_phase else Stack(())
+        decisions = [singles.decision]
+        rounds = singles.rounds
+        if len(stack.names) > 1 and stack.name not in order:
+            total = done + (spec.repeats or 2) * 2
+            measured = run_rounds([BASELINE, stack.name], run_one, repeats=spec.repeats, settling=settling,
+                                  estimates_of=estimates_of, first_repeat=singles.rounds, results=results)  # fmt: skip
+            decisions.append(measured.decision)
+            rounds += measured.rounds
+            order.append(stack.name)
     if progress is not None:
         progress(done, total, "done")
     summaries = summarize_runs(results)
@@ -201,12 +241,17 @@ def run_benchmark(
     peaks: dict[tuple[str, bool], Any] = {}
     add_utilization(summaries, _peak_lookup(spec, machine, peak, peaks))
     machine = {**machine, "device": spec.device, "device_reason": spec.device_reason, "mfu_peaks": _peak_rows(peaks)}
+    settled = settling_record(settling, decisions, rounds, summaries)
+    source = spec.source or {}
+    answer = recommendation_record(stack, summaries, config_file=source.get("kind") == "config") if stack_phase else {}
     return BenchReport(
         options=spec.to_dict(),
         command=command,
         summaries=summaries,
         runs=[asdict(r) for name in order for r in results[name]],
-        wall_s=time.perf_counter() - start,
+        wall_s=clock() - start,
+        settling=settled,
+        recommendation=answer,
         machine=machine,
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
@@ -303,7 +348,7 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
         if failures:
             summary.error = f"{len(failures)} of {len(runs)} runs failed: {failures[0]}"
         medians = [r.step_median_s for r in ok if r.step_median_s is not None]
-        summary.step_median_s = _median(medians)
+        summary.step_median_s = median_of_repeats([_step_samples(r) for r in ok]) if medians else None
         summary.step_min_s, summary.step_max_s = min(medians), max(medians)
         summary.step_times_s = [list(r.step_times_s) for r in ok]
         summary.predict_step_times_s = [list(r.predict_step_times_s) for r in ok if r.predict_step_times_s]
@@ -315,6 +360,7 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
         summary.model_init_s = _median([r.model_init_s for r in ok])
         summary.first_batch_s = _median([r.first_batch_s for r in ok])
         summary.first_forward_s = _median([r.first_forward_s for r in ok])
+        summary.first_step_s = _median([getattr(r, "first_step_s", None) for r in ok])
         summary.peak_memory_bytes = _median([r.peak_memory_bytes for r in ok])
         summary.step_memory_bytes = _median([r.step_memory_bytes for r in ok])
         summary.predict_step_median_s = _median([r.predict_step_median_s for r in ok])
@@ -394,8 +440,20 @@ def _paired_ratios(summary: ConfigSummary, paired: list[tuple[RunResult, RunResu
         for b, r in paired
         if b.predict_step_median_s and r.predict_step_median_s
     ]
-    if predict:
+    if predict and changes_inference(summary.config):  # a training-only change leaves inference as it was
         summary.set_estimate("predict_speedup", _ratio([b for b, _ in predict], [r for _, r in predict]))
+
+
+def changes_inference(config: str) -> bool:
+    """Whether ``config`` applies to an inference stage (its entries' ``stages``): a fit-only one (a fused optimizer,
+    checkpointing) gets no predict ratio, which would only measure noise."""
+    from lightning_perf.benchmark.configs import get_config
+
+    try:
+        stages = get_config(config).stages
+    except ValueError:
+        return True
+    return any(stage in stages for stage in INFERENCE_STAGES)
 
 
 def mark_disturbed(summaries: Sequence[ConfigSummary], reliability: Reliability, watched: Sequence[Any]) -> None:

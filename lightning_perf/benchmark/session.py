@@ -97,17 +97,23 @@ def run_bench(
 def _measure(spec: BenchSpec, command: str, argv: list[str], console: Any, quiet: bool) -> tuple[BenchReport, int]:
     """Run one bench and print its table; ``(report, exit status)``."""
     from lightning_perf.benchmark.runner import run_benchmark
+    from lightning_perf.profiling.report import wrap_lines
 
     if not quiet:
         unit = "steps" if spec.stage == "fit" else "batches"
-        console.print(
-            f"bench: {', '.join(spec.names)} on {spec.workload}{'' if spec.source else f' ({spec.preset})'}, "
-            f"{spec.stage}, {spec.device}: {spec.repeats} repeats x ({spec.warmup_steps} warm-up + {spec.steps} "
-            f"{unit}), each run in a fresh process",
-            soft_wrap=True,
+        repeats = (
+            f"{spec.repeats} repeats"
+            if spec.repeats
+            else f"repeats until every speed-up is within +-{spec.target:.0%} (at most {spec.time_budget_s:.0f} s)"
         )
-        for name, why in spec.left_out:
-            console.print(f"left out {name}: {why}", soft_wrap=True)
+        intro = (
+            f"bench: {', '.join(spec.names)} on {spec.workload}{'' if spec.source else f' ({spec.preset})'}, "
+            f"{spec.stage}, {spec.device}: {repeats} x ({spec.warmup_steps} warm-up + {spec.steps} {unit}), each run "
+            "in a fresh process; then the winners together"
+        )
+        for name, why in [("", intro), *spec.left_out]:
+            for text in wrap_lines(f"{name}: {why}" if name else why):
+                console.print(text, soft_wrap=True, markup=False, highlight=False)
     if quiet:
         report = run_benchmark(spec, command=command, argv=argv)
     elif not console.is_terminal:  # a log or a pipe: one line per finished run, nothing redrawn
@@ -129,10 +135,10 @@ def _measure(spec: BenchSpec, command: str, argv: list[str], console: Any, quiet
         columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
         with Progress(TextColumn("[bold]bench[/bold] {task.description}"), *columns, console=console,
                       transient=True) as bar:  # fmt: skip
-            task = bar.add_task("starting", total=len(spec.names) * spec.repeats)
+            task = bar.add_task("starting", total=len(spec.names) * (spec.repeats or 2))
 
             def progress(done: int, total: int, what: str) -> None:
-                bar.update(task, completed=done, description=what)
+                bar.update(task, completed=done, total=total, description=what)
 
             report = run_benchmark(spec, progress=progress, command=command, argv=argv)
     _print_report(report, spec, console)
@@ -140,26 +146,9 @@ def _measure(spec: BenchSpec, command: str, argv: list[str], console: Any, quiet
 
 
 def _print_report(report: BenchReport, spec: BenchSpec, console: Any) -> None:
-    from rich import box
+    """The table, its legend, notes, warnings, the settling of the repeats and the recommendation, in 80 columns."""
+    from lightning_perf.benchmark.console import console_lines
 
-    from lightning_perf.benchmark import report as tables
-    from lightning_perf.benchmark.utilization import unknown_mfu_lines
-    from lightning_perf.profiling import rich_table
-
-    heading = f"{tables.title(report).replace('`', '')}: {spec.repeats} x {spec.steps}"
-    if report.stage == "fit":
-        table = rich_table(list(tables.CONSOLE_COLUMNS), tables.console_rows(report), title=heading + " steps")
-        legend = tables.CONSOLE_LEGEND
-    else:
-        rows = tables.inference_console_rows(report)
-        table = rich_table(list(tables.INFERENCE_CONSOLE_COLUMNS), rows, title=heading + " batches")
-        legend = tables.INFERENCE_CONSOLE_LEGEND
-    table.box, table.pad_edge = box.SIMPLE_HEAD, False
-    console.print(table)
-    console.print(legend, style="dim")
-    for note in report.notes:
-        console.print(f"note: {note}", soft_wrap=True, markup=False)
-    for warning in tables.reliability_lines(report):
-        console.print(warning, style="yellow", soft_wrap=True, markup=False)
-    for reason in unknown_mfu_lines(report.summaries):
-        console.print(reason, style="dim", soft_wrap=True, markup=False)
+    for line in console_lines(report):
+        style = "yellow" if line.startswith("warning:") else "bold" if line.startswith("Recommendation:") else None
+        console.print(line, style=style, soft_wrap=True, markup=False, highlight=False)

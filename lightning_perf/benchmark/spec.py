@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from lightning_perf.benchmark.settle import DEFAULT_TARGET, DEFAULT_TIME_BUDGET_S
 from lightning_perf.optimizations import BASELINE, STAGES
 
 __all__ = [
@@ -179,7 +180,10 @@ class BenchSpec(RunSettings):
         configs: the configurations: ``None`` (the device's default set), ``"all"``, a comma-separated string or a
             sequence of names, each a registered name or a ``+``-joined stack. Resolved to a tuple, ``baseline``
             first, without duplicates and without the ones that do not apply to ``stage`` (those go to ``left_out``).
-        repeats: runs per configuration, interleaved.
+        repeats: runs per configuration, interleaved; ``None`` (``--repeats auto``): until every speed-up's 95%
+            interval lies within ``+-target`` or ``time_budget_s`` is spent.
+        target: the relative half-width at which a speed-up counts as settled (0.05: +-5%).
+        time_budget_s: seconds of measuring that ``--repeats auto`` may spend (single configurations and stack).
         timeout_s: the limit of one run.
         batch_sizes: a sweep: one bench per size (``batch_size`` must then be ``None``).
         precision_from: where ``precision`` came from when not the default (``"--config"``).
@@ -194,7 +198,9 @@ class BenchSpec(RunSettings):
     device: str = "auto"
     preset: str | None = None  # type: ignore[assignment]  # resolved to a preset's name on construction
     configs: str | Sequence[str] | None = None
-    repeats: int = 3
+    repeats: int | None = None
+    target: float = DEFAULT_TARGET
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S
     timeout_s: float = 900.0
     batch_sizes: tuple[int, ...] = ()
     precision_from: str | None = None
@@ -205,8 +211,15 @@ class BenchSpec(RunSettings):
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
             raise SpecError("stage", self.stage, f"one of {', '.join(STAGES)}")
-        for name, minimum in (("steps", 1), ("warmup_steps", 1), ("repeats", 1), ("predict_batches", 0)):
+        for name, minimum in (("steps", 1), ("warmup_steps", 1), ("predict_batches", 0)):
             _positive(self, name, minimum)
+        if self.repeats is not None:
+            _positive(self, "repeats", 1)
+        if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0 < self.target < 1:
+            raise SpecError("target", self.target, "a fraction between 0 and 1 (0.05: +-5%)")
+        budget = self.time_budget_s
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+            raise SpecError("time_budget_s", budget, "a number of seconds > 0")
         _positive(self, "num_workers", 0)
         if self.batch_size is not None:
             _positive(self, "batch_size", 1)

@@ -53,6 +53,7 @@ class RunResult:
     model_init_s: float | None = None
     first_batch_s: float | None = None
     first_forward_s: float | None = None
+    first_step_s: float | None = None  # the first training step, cold: compile with an empty inductor cache included
     warmup_s: float | None = None
     step_median_s: float | None = None  # median of the steady-state step times
     step_times_s: list[float] = field(default_factory=list)  # every steady-state step, in order
@@ -92,6 +93,7 @@ class _StepClock(Callback):
         self.warmup_steps = warmup_steps
         self.first_batch_s: float | None = None
         self.first_forward_s: float | None = None
+        self.first_step_s: float | None = None
         self.warmup_s: float | None = None
         self.memory_before_steps: int | None = None
         self.last_loss: float | None = None
@@ -139,6 +141,10 @@ class _StepClock(Callback):
         self.timer.stop("step")
         self.timer.end_step()
         self._batches_done += 1
+        if self._batches_done == 1:  # the cold first step: compilation (a fresh inductor cache), autotuning, allocation
+            synchronize(self.device)
+            assert self._batch_start_ns is not None
+            self.first_step_s = (time.perf_counter_ns() - self._batch_start_ns) / 1e9
         if self._batches_done == self.warmup_steps:
             synchronize(self.device)  # once, at the warm-up boundary, so warm-up time is complete
             assert self._train_start_ns is not None
@@ -358,6 +364,7 @@ def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
     step_stats = steady["step"]
     result.first_batch_s = clock.first_batch_s
     result.first_forward_s = clock.first_forward_s
+    result.first_step_s = clock.first_step_s
     result.warmup_s = clock.warmup_s
     result.step_median_s = step_stats.median
     result.step_times_s = [record["step"] for record in clock.timer.steps]

@@ -36,8 +36,39 @@ from lightning_perf.optimizations import BASELINE
 # fresh process), with enough steps per repeat for the bootstrap interval to be informative.
 DEFAULT_STEPS = 15
 DEFAULT_WARMUP_STEPS = 3
-DEFAULT_REPEATS = 3
+DEFAULT_REPEATS = "auto"
+DEFAULT_TARGET = "5%"
+DEFAULT_TIME_BUDGET_S = 150.0  # benchmark.settle's default (not imported: --help stays light)
 DEFAULT_PREDICT_BATCHES = 5
+
+
+def repeats_value(text: str) -> int | str:
+    """``--repeats``: ``auto`` or an integer >= 1."""
+    return "auto" if text.strip() == "auto" else positive_int(text)
+
+
+def target_value(text: str) -> float:
+    """``--target``: a percentage (``5%``) or a fraction (``0.05``) between 0 and 1, exclusive."""
+    expected = "a percentage such as 5% (or a fraction such as 0.05), above 0 and below 100%"
+    stripped = text.strip()
+    try:
+        value = float(stripped[:-1]) / 100.0 if stripped.endswith("%") else float(stripped)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.")
+    return value
+
+
+def seconds_value(text: str) -> float:
+    """``--time-budget``: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid. Expected a number of seconds > 0, e.g. 150.")
+    return value
 
 
 def config_names() -> list[str]:
@@ -90,10 +121,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--repeats",
-        type=positive_int,
+        type=repeats_value,
         default=DEFAULT_REPEATS,
-        help="runs per configuration (default %(default)s; from 5 on the interval comes from the spread between "
-        "repeats, below from a bootstrap over steps)",
+        help="runs per configuration: auto (default) adds interleaved repeats until every speed-up's 95%% interval "
+        "is within --target or --time-budget is spent; N runs exactly N (from 5 on the interval comes from the spread "
+        "between repeats, below from a bootstrap over steps)",
+    )
+    parser.add_argument(
+        "--target",
+        type=target_value,
+        default=DEFAULT_TARGET,
+        help="with --repeats auto: a speed-up is settled when its 95%% interval is within +-TARGET "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=seconds_value,
+        default=DEFAULT_TIME_BUDGET_S,
+        metavar="SECONDS",
+        help="with --repeats auto: seconds of measuring, single configurations and the winners' stack together "
+        "(default %(default)g: the default bench ends within about 3 minutes on a 2-core CPU)",
     )
     parser.add_argument("--batch-size", type=positive_int, default=None, help="default: the preset's (the model's)")
     parser.add_argument(
@@ -206,7 +253,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             preset=args.preset,
             steps=args.steps,
             warmup_steps=args.warmup_steps,
-            repeats=args.repeats,
+            repeats=None if args.repeats == "auto" else args.repeats,
+            target=args.target if isinstance(args.target, float) else target_value(args.target),
+            time_budget_s=args.time_budget,
             batch_size=args.batch_size,
             batch_sizes=tuple(args.batch_sizes or ()),
             precision=precision or "32-true",

@@ -89,3 +89,15 @@ def test_columns_with_nothing_measured_are_left_out() -> None:
     header = next(line for line in lines if line.startswith("config"))
     assert "predict" not in header and "memory" not in header and "MFU" not in header
     assert "speed-up" in header and "verdict" in header
+
+
+def test_cold_first_steps_are_shown_when_a_compile_makes_them_long() -> None:
+    from lightning_perf.benchmark.console import cold_start_lines
+
+    r = report()
+    assert cold_start_lines(r) == []
+    r.summaries[0].first_step_s = 3.1  # type: ignore[attr-defined]
+    r.summaries[2].first_step_s = 49.0  # type: ignore[attr-defined]
+    assert cold_start_lines(r) == [
+        "cold first step (compiling with an empty cache included): baseline 3.1 s, channels_last 49.0 s"
+    ]

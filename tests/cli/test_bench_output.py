@@ -43,13 +43,14 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     def run_benchmark(options: BenchSpec, progress: Any = None, command: Any = None, **kw: Any):
         seen["options"], seen["left_out"] = options, list(options.left_out)
         results: dict[str, list[RunResult]] = {name: [] for name in options.configs}
-        total, done = options.repeats * len(options.configs), 0
-        for repeat in range(options.repeats):
+        repeats = options.repeats or 3  # --repeats auto: three rounds here
+        total, done = repeats * len(options.configs), 0
+        for repeat in range(repeats):
             for i, name in enumerate(options.configs):
                 results[name].append(_result(name, repeat, 0.1 * (1 + i), seen.get("flops_error")))
                 done += 1
                 if kw.get("on_run") is not None:
-                    kw["on_run"](RunEvent(name, repeat, options.repeats, done, total, 0.1, done, total - done, "ok"))
+                    kw["on_run"](RunEvent(name, repeat, repeats, done, total, 0.1, done, total - done, "ok"))
         return BenchReport(
             options={"workload": options.workload, "preset": options.preset, "device": options.device,
                      "repeats": options.repeats, "steps": options.steps, "warmup_steps": options.warmup_steps},
@@ -74,9 +75,12 @@ def test_no_arguments_choose_by_capability_and_say_what_was_left_out(
     assert main(["bench"]) == 0
     options = fake_bench["options"]
     assert list(options.configs) == ["baseline", "channels_last", "fused_optimizer"]
-    assert (options.steps, options.warmup_steps, options.repeats, options.preset) == (15, 3, 3, "default")
+    assert (options.steps, options.warmup_steps, options.repeats, options.preset) == (15, 3, None, "default")
+    assert (options.target, options.time_budget_s) == (0.05, 150.0)  # --repeats auto by default
     printed = capsys.readouterr().out
-    assert "left out bf16-mixed: in the default set only on bf16 hardware" in printed
+    assert "bf16-mixed: left out on CPU because this CPU has no bf16 instructions" in printed
+    assert "compile: left out on CPU because a cold compile takes ~30 s per process" in " ".join(printed.split())
+    assert all(len(line) <= 80 for line in printed.splitlines() if not line.startswith(("[", "wrote ")))
     assert "bf16 would be emulated" in printed
     # piped: one plain line per finished run, no progress bar
     lines = [line for line in printed.splitlines() if line.startswith("[")]
@@ -129,6 +133,7 @@ def test_a_disturbed_run_prints_a_warning_per_cause_and_marks_its_figures(
     out = tmp_path / "r.json"
     assert main(["bench", "--configs", "baseline,channels_last", "--repeats", "2", "--output", str(out)]) == 0
     printed = capsys.readouterr().out
+    flat = " ".join(printed.split())  # warnings are wrapped to 80 columns
     for cause in causes:
-        assert f"warning: measurement disturbed by {cause}" in printed
+        assert f"warning: measurement disturbed by {cause}" in flat
     assert "Reliability: disturbed" in out.with_suffix(".md").read_text()

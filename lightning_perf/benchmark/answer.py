@@ -1,0 +1,110 @@
+"""The bench's answer as data: how the repeats settled, and the recommended stack, for the report and its readers.
+
+The runner measures (:mod:`lightning_perf.benchmark.rounds`, :mod:`lightning_perf.benchmark.settle`); these functions
+turn what it measured into the report's ``settling`` and ``recommendation`` entries and mark each summary row
+settled or not, so the console, the Markdown and the PNG say the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning_perf.benchmark.settle import (
+    DEFAULT_TARGET,
+    Decision,
+    Settling,
+    Unsettled,
+    is_settled,
+    relative_half_width,
+    repeats_to_settle,
+    unsettled_text,
+)
+from lightning_perf.benchmark.stack import Stack, recommendation_lines
+from lightning_perf.optimizations import BASELINE
+from lightning_perf.profiling.intervals import RatioEstimate
+
+if TYPE_CHECKING:
+    from lightning_perf.benchmark.results import ConfigSummary
+
+__all__ = ["estimates_from", "mark_settled", "recommendation_record", "settling_record"]
+
+RATIO = "speedup"
+"""The ratio that must settle and that picks the winners (for an inference stage, the per-batch latency speed-up)."""
+
+
+def estimates_from(summaries: Sequence[ConfigSummary]) -> dict[str, RatioEstimate | None]:
+    """Each measured configuration's speed-up against baseline (None where it measured nothing)."""
+    return {s.config: s.estimate(RATIO) for s in summaries if s.config != BASELINE}
+
+
+def mark_settled(
+    summaries: Sequence[ConfigSummary], target: float = DEFAULT_TARGET, settling: Settling | None = None
+) -> list[Unsettled]:
+    """Set each row's ``settled`` and, where it did not, ``unsettled`` (what would settle it); returns those rows."""
+    out = []
+    for s in summaries:
+        estimate = s.estimate(RATIO) if s.config != BASELINE else None
+        if estimate is None:
+            continue
+        s.settled = is_settled(estimate, target)
+        if s.settled:
+            s.unsettled = None
+            continue
+        needed = repeats_to_settle(estimate, target)
+        seconds = None
+        if needed is not None and settling is not None:
+            seconds = max(needed - estimate.n, 0) * settling.round_s([BASELINE, s.config])
+        item = Unsettled(s.config, estimate.n, relative_half_width(estimate), needed, seconds)
+        s.unsettled = unsettled_text(item, target)
+        out.append(item)
+    return out
+
+
+def settling_record(
+    settling: Settling | None, decisions: Sequence[Decision | None], rounds: int, summaries: Sequence[ConfigSummary]
+) -> dict[str, Any]:
+    """The report's ``settling``: the mode, target, budget, rounds, why it stopped, and every unsettled ratio."""
+    if settling is None:
+        mark_settled(summaries)
+        return {"mode": "fixed", "rounds": rounds}
+    unsettled = mark_settled(summaries, settling.target, settling)
+    stopped = "; ".join(dict.fromkeys(d.reason for d in decisions if d is not None and d.reason))
+    return {
+        "mode": "auto",
+        "target": settling.target,
+        "time_budget_s": settling.time_budget_s,
+        "elapsed_s": settling.elapsed_s,
+        "rounds": rounds,
+        "stopped": stopped,
+        "unsettled": [{**item.__dict__, "text": unsettled_text(item, settling.target)} for item in unsettled],
+    }
+
+
+def recommendation_record(
+    stack: Stack, summaries: Sequence[ConfigSummary], *, config_file: bool = False
+) -> dict[str, Any]:
+    """The report's ``recommendation``: the stack, what was dropped from it, its speed-up and the lines to add."""
+    by_name = {s.config: s for s in summaries}
+    singles = estimates_from(summaries)
+    row = by_name.get(stack.name) if len(stack.names) > 1 else by_name.get(stack.name or "")
+    estimate = row.estimate(RATIO) if row is not None else None
+    note = ""
+    if row is not None and row.unsettled:
+        note = row.unsettled
+    if row is not None and row.disturbed:
+        note = "; ".join(filter(None, [note, "measured while the machine was disturbed"]))
+    lines = recommendation_lines(
+        stack,
+        estimate if len(stack.names) > 1 else None,
+        singles,
+        settled_note=note,
+        config_file=config_file,
+    )
+    return {
+        "stack": stack.name,
+        "configs": list(stack.names),
+        "dropped": [list(item) for item in stack.dropped],
+        "speedup": None if estimate is None else estimate.to_dict(RATIO),
+        "lines": lines,
+    }

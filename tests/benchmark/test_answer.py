@@ -1,0 +1,46 @@
+"""The report's settling and recommendation entries, from scripted summaries."""
+
+from __future__ import annotations
+
+from lightning_perf.benchmark.answer import estimates_from, recommendation_record, settling_record
+from lightning_perf.benchmark.results import ConfigSummary
+from lightning_perf.benchmark.settle import STOP_BUDGET, Decision, Settling
+from lightning_perf.benchmark.stack import choose_stack
+from lightning_perf.profiling.intervals import METHOD_T, RatioEstimate
+
+
+def summary(config: str, ratio: float | None = None, low: float = 0, high: float = 0, n: int = 4) -> ConfigSummary:
+    s = ConfigSummary(config=config, runs=n, step_median_s=0.1)
+    if ratio is None:
+        s.speedup = 1.0
+    else:
+        verdict = "faster" if low > 1 else "slower" if high < 1 else "no clear difference"
+        s.set_estimate("speedup", RatioEstimate(ratio, low, high, METHOD_T, verdict, n))
+    return s
+
+
+def test_settling_record_marks_rows_and_says_what_would_settle_them() -> None:
+    rows = [summary("baseline"), summary("a", 1.5, 1.47, 1.53), summary("b", 1.1, 0.95, 1.25)]
+    clock = iter(range(0, 1000, 10)).__next__
+    settling = Settling(time_budget_s=100, clock=lambda: float(clock()))
+    for name in ("baseline", "a", "b"):
+        settling.record_run(name, 10.0)
+    record = settling_record(settling, [Decision(True, STOP_BUDGET)], 4, rows)
+    assert record["mode"] == "auto" and record["stopped"] == STOP_BUDGET and record["rounds"] == 4
+    assert rows[1].settled is True and rows[1].unsettled is None
+    assert rows[2].settled is False and rows[2].unsettled.startswith("unsettled after 4 repeats (+-14%)")
+    assert [u["config"] for u in record["unsettled"]] == ["b"]
+    assert settling_record(None, [], 3, rows) == {"mode": "fixed", "rounds": 3}
+
+
+def test_recommendation_record_of_a_measured_stack() -> None:
+    rows = [summary("baseline"), summary("channels_last", 1.6, 1.5, 1.7), summary("fused_optimizer", 1.1, 1.05, 1.15)]
+    stack = choose_stack(estimates_from(rows))
+    rows.append(summary(stack.name, 1.72, 1.66, 1.78))
+    record = recommendation_record(stack, rows)
+    assert record["stack"] == "channels_last+fused_optimizer"
+    assert record["speedup"]["speedup"] == 1.72
+    assert record["lines"][0] == "Recommendation: channels_last+fused_optimizer: 1.72x [1.66-1.78] speed-up."
+    single = recommendation_record(choose_stack(estimates_from(rows[:2])), rows[:2], config_file=True)
+    assert single["lines"][0].startswith("Recommendation: channels_last: 1.60x [1.50-1.70]")
+    assert single["lines"][1] == "Or in your LightningCLI --config file:"
