@@ -533,8 +533,7 @@ def _builtin_optimizations() -> list[Optimization]:
             callback=_callback("CompileCallback"),
             callback_kwargs={"regions": "auto"},
             changes_numerics=True,
-            tuner_stage="optimization",
-            tuner_order=55,
+            tuner_order=55,  # not searched by the tuner (one compile trial is enough there); ordered for a stack
             replaces="compile",
             slowdown_causes=(
                 SlowdownCause("warmup_not_amortized", "compile warm-up not amortized over this run's steps"),

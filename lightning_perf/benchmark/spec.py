@@ -19,7 +19,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from lightning_perf.benchmark.settle import DEFAULT_TARGET, DEFAULT_TIME_BUDGET_S
 from lightning_perf.optimizations import BASELINE, STAGES
 
 __all__ = [
@@ -199,8 +198,8 @@ class BenchSpec(RunSettings):
     preset: str | None = None  # type: ignore[assignment]  # resolved to a preset's name on construction
     configs: str | Sequence[str] | None = None
     repeats: int | None = None
-    target: float = DEFAULT_TARGET
-    time_budget_s: float = DEFAULT_TIME_BUDGET_S
+    target: float = 0.05  # settle.DEFAULT_TARGET (not imported: this module stays free of NumPy and torch)
+    time_budget_s: float = 150.0  # settle.DEFAULT_TIME_BUDGET_S
     timeout_s: float = 900.0
     batch_sizes: tuple[int, ...] = ()
     precision_from: str | None = None

@@ -134,3 +134,13 @@ def test_stops_at_max_repeats_and_skips_failed_configs() -> None:
 def test_bad_arguments_name_themselves(kwargs, word) -> None:
     with pytest.raises(ValueError, match=word):
         Settling(**kwargs)
+
+
+def test_the_spec_and_the_command_line_default_to_the_rule_s_defaults() -> None:
+    from lightning_perf.benchmark.settle import DEFAULT_TARGET, DEFAULT_TIME_BUDGET_S
+    from lightning_perf.benchmark.spec import BenchSpec
+    from lightning_perf.cli import bench
+
+    fields = BenchSpec.__dataclass_fields__
+    assert (fields["target"].default, fields["time_budget_s"].default) == (DEFAULT_TARGET, DEFAULT_TIME_BUDGET_S)
+    assert bench.DEFAULT_TIME_BUDGET_S == DEFAULT_TIME_BUDGET_S and bench.target_value(bench.DEFAULT_TARGET) == 0.05

@@ -77,7 +77,7 @@ AUTOTUNE = [
     (["--workload", "convnet", "--time-budget", "0"], "--time-budget", "'0'"),
     (["--workload", "convnet", "--time-budget", "nan"], "--time-budget", "'nan'"),
     (["--workload", "convnet", "--min-gain", "-0.1"], "--min-gain", "'-0.1'"),
-    (["--workload", "convnet", "--precisions", "fp8"], "--precisions", "fp8"),
+    (["--workload", "convnet", "--precisions", "fp4"], "--precisions", "fp4"),
     (["--workload", "convnet", "--optimizations", "warp"], "--optimizations", "warp"),
     (["--workload", "convnet", "--optimizations", "bf16-mixed"], "--optimizations", "bf16-mixed"),
     (["--workload", "convnet", "--max-batch-size", "0"], "--max-batch-size", "'0'"),

@@ -261,7 +261,7 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         seen.append(options)
         scale = 0.01 * (options.batch_size or 1) ** 0.5
         results = {
-            name: [_latency_result(name, r, scale / (1 + i)) for r in range(options.repeats)]
+            name: [_latency_result(name, r, scale / (1 + i)) for r in range(options.repeats or 3)]
             for i, name in enumerate(options.configs)
         }
         return BenchReport(options=options.to_dict(), command=command,
