@@ -55,11 +55,11 @@ def mark_lines(report: BenchReport) -> list[str]:
         involved = [s.config] if s.config == BASELINE else [s.config, BASELINE]
         parts = []
         own_runs = [r for r in runs if any(r.startswith(f"{c}, ") for c in involved)]
-        if own_runs:
-            load = [c for c in causes if not c.startswith("dispersion of ")]
+        if own_runs:  # what loaded the machine, in short (its figures are in the warnings above)
+            kinds = [c.split(":")[0].split(" during ")[0] for c in causes if not c.startswith("dispersion of ")]
             parts.append(
                 f"runs measured while the machine was busy ({'; '.join(own_runs)})"
-                + (f": {'; '.join(load)}" if load else "")
+                + (f": {', '.join(dict.fromkeys(kinds))}" if kinds else "")
             )
         parts += [c for c in causes if any(c.startswith(f"dispersion of {c2}:") for c2 in involved)]
         if not parts:
@@ -105,8 +105,8 @@ def console_lines(report: BenchReport, width: int = CONSOLE_WIDTH) -> list[str]:
     from lightning_perf.benchmark.utilization import unknown_mfu_lines
 
     opts = report.options
-    repeats = opts.get("repeats")
-    heading = f"{tables.title(report).replace('`', '')}: {repeats if repeats else 'auto'} x {opts.get('steps')}"
+    repeats = opts.get("repeats") or f"{(report.settling or {}).get('rounds', '?')} rounds (auto)"
+    heading = f"{tables.title(report).replace('`', '')}: {repeats} x {opts.get('steps')}"
     if report.stage == "fit":
         columns, rows, legend = list(tables.CONSOLE_COLUMNS), tables.console_rows(report), tables.CONSOLE_LEGEND
         heading += " steps"

@@ -175,7 +175,9 @@ class RunEvent:
         """``"[3/9] channels_last repeat 1/3: step 41.2 ms, elapsed 0:32, about 1:05 left"``."""
         what = f"{self.unit} {self.step_median_s * 1e3:.1f} ms" if self.step_median_s is not None else self.status
         return (
-            f"[{self.done}/{self.total}] {self.config} repeat {self.repeat + 1}/{self.repeats}: {what}, "
+            f"[{self.done}/{self.total}] {self.config} repeat {self.repeat + 1}"
+            + (f"/{self.repeats}" if self.repeats else "")  # --repeats auto: no count known in advance
+            + f": {what}, "
             f"elapsed {_clock(self.elapsed_s)}, about {_clock(self.remaining_s)} left"
         )
 

@@ -141,6 +141,8 @@ def unsettled_text(item: Unsettled, target: float = DEFAULT_TARGET) -> str:
     """``"unsettled after 3 repeats (+-12%): about 14 repeats (~2 min 10 s more) would settle it to +-5%"``."""
     width = "" if item.half_width is None else f" (+-{item.half_width:.0%})"
     text = f"unsettled after {item.repeats} repeat{'s' if item.repeats != 1 else ''}{width}"
+    if item.repeats_needed is None and item.half_width is not None:
+        return text + f": the spread is too wide for repeats to settle it to +-{target:.0%}; quiet the machine"
     if item.repeats_needed is None:
         return text + f": no interval to project from; more repeats would settle it to +-{target:.0%}"
     more = "" if item.seconds_needed is None else f" (~{_clock_text(item.seconds_needed)} more)"

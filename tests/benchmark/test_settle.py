@@ -144,3 +144,11 @@ def test_the_spec_and_the_command_line_default_to_the_rule_s_defaults() -> None:
     fields = BenchSpec.__dataclass_fields__
     assert (fields["target"].default, fields["time_budget_s"].default) == (DEFAULT_TARGET, DEFAULT_TIME_BUDGET_S)
     assert bench.DEFAULT_TIME_BUDGET_S == DEFAULT_TIME_BUDGET_S and bench.target_value(bench.DEFAULT_TARGET) == 0.05
+
+
+def test_a_spread_too_wide_to_settle_says_so() -> None:
+    from lightning_perf.benchmark.settle import Unsettled
+
+    text = unsettled_text(Unsettled("a", 2, 8.5, None, None))
+    assert text == "unsettled after 2 repeats (+-850%): the spread is too wide for repeats to settle it to +-5%; " \
+        "quiet the machine"  # fmt: skip
