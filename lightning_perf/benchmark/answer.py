@@ -101,6 +101,12 @@ def recommendation_record(
         settled_note=note,
         config_file=config_file,
     )
+    measured = [e for e in singles.values() if e is not None]
+    if not stack.names and measured and not any(e.has_interval for e in measured):
+        lines = [
+            "Recommendation: none yet: with one repeat no speed-up has an interval, so none can be called faster; "
+            "run with --repeats auto (the default) or --repeats 2 or more."
+        ]
     return {
         "stack": stack.name,
         "configs": list(stack.names),

@@ -44,3 +44,13 @@ def test_recommendation_record_of_a_measured_stack() -> None:
     single = recommendation_record(choose_stack(estimates_from(rows[:2])), rows[:2], config_file=True)
     assert single["lines"][0].startswith("Recommendation: channels_last: 1.60x [1.50-1.70]")
     assert single["lines"][1] == "Or in your LightningCLI --config file:"
+
+
+def test_one_repeat_recommends_nothing_and_says_why() -> None:
+    from lightning_perf.profiling.intervals import METHOD_SINGLE
+
+    one = summary("channels_last")
+    one.set_estimate("speedup", RatioEstimate(2.0, 2.0, 2.0, METHOD_SINGLE, "one repeat: no interval", 1))
+    rows = [summary("baseline"), one]
+    lines = recommendation_record(choose_stack(estimates_from(rows)), rows)["lines"]
+    assert lines[0].startswith("Recommendation: none yet: with one repeat no speed-up has an interval")
