@@ -171,8 +171,7 @@ SETTINGS: list[Setting] = [
         TensorRTExportCallback,
         {"backends": ["onnx"], "batch_range": [1, 2, 2], "latency_iterations": 0, "device": "cpu"},
         marks=(pytest.mark.slow,),
-        fsdp2="xfail: the fit-end export deep-copies the sharded model (FSDP does not support deepcopy) and falls "
-        "back with a warning, instead of exporting the gathered full model or refusing at setup",
+        fsdp2="refuses",  # warns at setup naming the strategy; export the consolidated checkpoint after training
     ),
     Setting(
         GradCheckpointCallback,
@@ -251,8 +250,7 @@ SETTINGS: list[Setting] = [
         workload="lm",
         name="QATCallback-dynamic",
         cuda_skip="dynamic int8 kernels run on the CPU only: on a CUDA model it predicts in float and warns, by design",
-        fsdp2="xfail: at fit end it deep-copies the sharded model (FSDP does not support deepcopy), falls back with a "
-        "warning, and a collective on one rank only breaks the process group",
+        fsdp2="refuses",  # quantizing needs the whole model in one process: warns at setup naming the strategy
     ),
     # Predict, test and validate in 8^3 windows (fit untouched: training is exact): the tiny unet3d's 32^3 predict
     # volumes and 16^3 validation/test patches go through MONAI's window; the trust tests' 8x8 images are one window.
@@ -274,7 +272,7 @@ SETTINGS: list[Setting] = [
         {"benchmark": False, "validation_batches": 1},
         numerics="lossy",
         numerics_reason="fake-quantized int8 weights and activations",
-        fsdp2="xfail: torch.export cannot capture the sharded model (DTensor parameters); should refuse at setup",
+        fsdp2="refuses",  # torch.export cannot capture DTensor parameters: warns at setup naming the strategy
     ),
     Setting(
         QATCallback,
@@ -283,7 +281,7 @@ SETTINGS: list[Setting] = [
         name="QATCallback-torchao",
         numerics="lossy",
         numerics_reason="fake-quantized int8 weights and activations",
-        fsdp2="xfail: the fake-quantized linear mixes torch.Tensor and DTensor (aten.addmm); should refuse at setup",
+        fsdp2="refuses",  # fake-quantized layers take plain tensors, not DTensors: warns at setup
     ),
 ]
 

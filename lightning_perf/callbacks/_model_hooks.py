@@ -3,6 +3,7 @@
 ``Callback.setup`` runs before ``LightningModule.configure_model``. A module that builds its layers in
 ``configure_model`` would be missed by surgery done in ``setup``, so when the module overrides that hook the work is
 queued and run right after it. Several callbacks may queue work; it runs in the order the callbacks were given.
+A callback that needs the whole model in one process asks :func:`refuse_sharded` first.
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ from collections.abc import Callable
 from typing import Any, Union
 
 import lightning.pytorch as pl
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_perf._warnings import NoEffectWarning, warn_once
+from lightning_perf.functional.sharding import is_sharded
 
 _QUEUE_ATTR = "_lightning_perf_after_configure_model"
 
@@ -51,6 +56,30 @@ def discard_pending_surgery(pl_module: pl.LightningModule) -> None:
     """Remove the shadowing wrapper (call from ``teardown`` in case ``configure_model`` never ran)."""
     pl_module.__dict__.pop(_QUEUE_ATTR, None)
     pl_module.__dict__.pop("configure_model", None)
+
+
+def sharded_strategy(trainer: pl.Trainer, pl_module: pl.LightningModule | None = None) -> str | None:
+    """The strategy's class name when the model trains sharded, else ``None``.
+
+    Sharded: the strategy is ``ModelParallelStrategy`` or ``FSDPStrategy`` (known in ``setup``), or the module holds
+    FSDP2-sharded modules or DTensor parameters (``fully_shard`` in ``configure_model``: known once it has run).
+    """
+    strategy = getattr(trainer, "strategy", None)
+    if isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)) or (pl_module is not None and is_sharded(pl_module)):
+        return type(strategy).__name__
+    return None
+
+
+def refuse_sharded(
+    owner: str, trainer: pl.Trainer, pl_module: pl.LightningModule | None, why: str, instead: str
+) -> bool:
+    """Whether ``owner`` must stand aside because the model trains sharded (:func:`sharded_strategy`); if so it warns
+    once (a :class:`~lightning_perf.NoEffectWarning` naming the strategy, the reason and what to do instead)."""
+    strategy = sharded_strategy(trainer, pl_module)
+    if strategy is None:
+        return False
+    warn_once(f"{owner} does nothing under {strategy}: {why}. Instead: {instead}.", NoEffectWarning)
+    return True
 
 
 BatchTransform = Callable[[Any], Any]

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_perf._io import load_checkpoint
 from lightning_perf._warnings import FallbackWarning
-from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
+from lightning_perf.callbacks._model_hooks import discard_pending_surgery, refuse_sharded, run_after_configure_model
 from lightning_perf.callbacks._qat_support import (
     RestoreBeforeWeights,
     check_pruning,
@@ -64,6 +64,9 @@ class QATCallback(Callback):
     with its JSON report as one atomic artifact set ``<dirpath>/<filename>/`` (``.pt2``; ``onnx=True`` adds ONNX) and
     timed against the float model on the CPU. A failure there, a full disk included, warns with a
     :class:`~lightning_perf.FallbackWarning` and leaves model and checkpoints untouched (``strict=True`` raises).
+    Under ``ModelParallelStrategy`` or ``FSDPStrategy``, or with modules sharded by ``fully_shard``, it warns once at
+    ``setup`` (a :class:`~lightning_perf.NoEffectWarning` naming the strategy) and leaves the run unchanged: quantizing
+    needs the whole model in one process (QAT: train with DDP or on one device).
     Every run ends with the plain float model (``teardown`` and ``on_exception``); the callback keeps the quantization
     state (:attr:`quantization_state`) for later runs, checkpoints (its own entry: the model's ``state_dict`` keeps
     its keys), :meth:`prepared` and :meth:`load_checkpoint`.
@@ -146,6 +149,7 @@ class QATCallback(Callback):
         """What the last end-of-training quantization produced (rank zero); ``None`` before one ran."""
         self.history: list[dict[str, Any]] = []
         """The periodic comparisons of a converted copy with the model (``eval_converted_every_n_epochs``)."""
+        self._refused = False  # this run trains sharded (FSDP2): the callback stands aside until it ends
 
     @property
     @override
@@ -210,18 +214,36 @@ class QATCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._refuse(trainer, None):
+            return
+        if stage == "fit" and self._quantizer.trains:
+            check_pruning(self, self.backend, trainer)
+        begin = self._quantizer.begin_run if stage != "fit" else lambda module: self._begin_fit(trainer, module)
+        run_after_configure_model(pl_module, lambda module: self._begin(trainer, module, begin))
+
+    def _refuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule | None) -> bool:
+        self._refused = refuse_sharded(
+            f"{type(self).__name__}(mode={self.mode!r})",
+            trainer,
+            pl_module,
+            "its parameters are sharded across processes (FSDP2 DTensors), and quantization needs the whole model in "
+            "one process (torch.export cannot capture DTensor parameters, the fake-quantized and int8 layers take "
+            "plain tensors)",
+            "train with DDP or on one device for QAT; for PTQ or dynamic int8, load the consolidated checkpoint into "
+            "the float model after training and quantize it (`lightning_perf.deploy.quantize`)",
+        )
+        return self._refused
+
+    def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, begin: Any) -> None:
+        if self._refuse(trainer, pl_module):  # a model that shards itself in configure_model
+            return
         restorer = pl_module.__dict__.get("on_load_checkpoint")
         if not isinstance(restorer, RestoreBeforeWeights):
             restorer = RestoreBeforeWeights(pl_module)
             object.__setattr__(pl_module, "on_load_checkpoint", restorer)
         if self not in restorer.callbacks:
             restorer.callbacks.append(self)
-        if stage != "fit":
-            run_after_configure_model(pl_module, self._quantizer.begin_run)
-            return
-        if self._quantizer.trains:
-            check_pruning(self, self.backend, trainer)
-        run_after_configure_model(pl_module, lambda module: self._begin_fit(trainer, module))
+        begin(pl_module)
 
     def _begin_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         line = self._quantizer.begin_fit(pl_module, self._data(trainer, pl_module))
@@ -229,6 +251,8 @@ class QATCallback(Callback):
             rank_zero_info(line)
 
     def _schedule(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._refused:
+            return
         progress = trainer.current_epoch if self.schedule_unit == "epoch" else trainer.global_step
         line = self._quantizer.schedule(pl_module, progress)
         if line:
@@ -248,7 +272,7 @@ class QATCallback(Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         every = self.eval_converted_every_n_epochs
-        if every is None or (trainer.current_epoch + 1) % every or not trainer.is_global_zero:
+        if every is None or (trainer.current_epoch + 1) % every or not trainer.is_global_zero or self._refused:
             return
         try:
             summary = self._quantizer.check_converted(pl_module, self._data(trainer, pl_module))
@@ -269,7 +293,7 @@ class QATCallback(Callback):
 
     def _run_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         stage = trainer.state.fn
-        if stage not in RUN_STAGES or trainer.sanity_checking:
+        if stage not in RUN_STAGES or trainer.sanity_checking or self._refused:
             return
         inputs = split_inputs(batch, self.input_key)
         owner = type(self).__name__
@@ -308,7 +332,7 @@ class QATCallback(Callback):
             self._finish(trainer, pl_module, "validate")  # PTQ of a model that is not trained here
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: str) -> None:
-        if run not in self._quantizer.finishes_after or not (trainer.is_global_zero and self.export):
+        if run not in self._quantizer.finishes_after or not (trainer.is_global_zero and self.export) or self._refused:
             return
         try:
             report = self._quantizer.finish(pl_module, self._data(trainer, pl_module))

@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_perf._io import load_checkpoint
 from lightning_perf._validation import check_bool
 from lightning_perf._warnings import FallbackWarning
+from lightning_perf.callbacks._model_hooks import discard_pending_surgery, refuse_sharded, run_after_configure_model
 from lightning_perf.deploy.backend import BACKENDS, validate_options
 from lightning_perf.deploy.export import ExportError, ExportReport, export_model
 from lightning_perf.deploy.inputs import (
@@ -50,7 +51,9 @@ class TensorRTExportCallback(Callback):
     A backend that cannot run (TensorRT not installed, no CUDA) or fails falls back to the next with a
     :class:`~lightning_perf.FallbackWarning`; the fit itself never fails because of the export unless
     ``strict=True``. Bad options fail at construction; a model with no obtainable example input fails in ``setup``,
-    before any training.
+    before any training. Under ``ModelParallelStrategy`` or ``FSDPStrategy`` (or with modules sharded by
+    ``fully_shard``) it warns once at ``setup`` (a :class:`~lightning_perf.NoEffectWarning` naming the strategy) and
+    exports nothing: export the consolidated checkpoint with ``lightning-perf export`` after training.
 
     Args:
         backends: tried in order: ``"tensorrt"`` (torch-tensorrt, CUDA only) and/or ``"onnx"`` (onnxruntime).
@@ -139,27 +142,40 @@ class TensorRTExportCallback(Callback):
         self.use_best_checkpoint = use_best_checkpoint
         self.report: ExportReport | None = None
         """The report of the last export (rank zero), ``None`` before one ran or when it could not start."""
+        self._refused = False  # this fit trains sharded (FSDP2): nothing is exported at its end
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        if self.input_shapes is not None:
+        if stage != "fit" or self._refuse(trainer, None):
             return
         example = pl_module.example_input_array
-        if example is not None:
+        if self.input_shapes is None and example is not None:
             as_input_tuple(example, f"{type(pl_module).__name__}.example_input_array")  # a dict input fails here
-            return
-        if not _has_val_data(trainer, pl_module):
+        elif self.input_shapes is None and not _has_val_data(trainer, pl_module):
             raise ValueError(
                 f"`TensorRTExportCallback` has no example input for {type(pl_module).__name__}: set "
                 "`example_input_array` on the module, give the trainer validation data, or pass "
                 "`TensorRTExportCallback(input_shapes=[...])`."
             )
+        # A model that shards itself in configure_model is sharded only once that has run.
+        run_after_configure_model(pl_module, lambda module: self._refuse(trainer, module))
+
+    def _refuse(self, trainer: pl.Trainer, pl_module: pl.LightningModule | None) -> bool:
+        self._refused = refuse_sharded(
+            type(self).__name__,
+            trainer,
+            pl_module,
+            "the model's parameters are sharded across processes (FSDP2 DTensors) and an export needs the whole model "
+            "in one process",
+            "save a full checkpoint (`ModelParallelStrategy(save_distributed_checkpoint=False)`) or consolidate the "
+            "sharded one (`python -m lightning.fabric.utilities.consolidate_checkpoint <folder>`), then export it "
+            "after training with `lightning-perf export <checkpoint> --module-class ...`",
+        )
+        return self._refused
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or self._refused:
             return
         try:
             self.report = self._export(trainer, pl_module)
@@ -176,6 +192,10 @@ class TensorRTExportCallback(Callback):
             )
             return
         _log_summary(self.report)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        discard_pending_surgery(pl_module)  # a fit that failed before `configure_model` ran
 
     def _export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ExportReport:
         checkpoint = _best_checkpoint(trainer) if self.use_best_checkpoint else None

@@ -15,13 +15,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 
-from lightning_perf import FallbackWarning
+from lightning_perf import FallbackWarning, NoEffectWarning
 from lightning_perf._imports import is_onnx_available, is_onnxruntime_available
 from lightning_perf.callbacks import TensorRTExportCallback
 from lightning_perf.callbacks import tensorrt_export as callback_module
 from lightning_perf.demos import ConvNetModule, make_workload
 from lightning_perf.deploy.export import ExportError
+from tests.callbacks._sharded import ShardsItself, one_process_group  # noqa: F401  (a fixture)
 from tests.deploy._sets import visible_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -338,3 +340,22 @@ def test_a_crafted_best_checkpoint_is_never_unpickled(tmp_path: Path, monkeypatc
     with pytest.warns(FallbackWarning, match="UnsafeCheckpointError.*add_safe_globals"):
         _trainer(tmp_path, [callback]).fit(model, datamodule=data)
     assert not marker.exists() and callback.report is None
+
+
+@pytest.mark.parametrize("strategy", ["SingleDeviceStrategy", "ModelParallelStrategy"])
+@pytest.mark.usefixtures("one_process_group")
+def test_refuses_a_sharded_model(strategy: str, tmp_path: Path) -> None:
+    """Under ModelParallelStrategy it refuses in ``setup``; a model sharded by its own ``configure_model`` once that has
+    run: one warning naming the strategy and the way out, then nothing exported at the end of the fit."""
+    callback = TensorRTExportCallback(backends=["onnx"], dirpath=tmp_path, **QUICK)
+    trainer: Any = _trainer(tmp_path, [])
+    if strategy == "ModelParallelStrategy":
+        trainer = SimpleNamespace(strategy=ModelParallelStrategy(), is_global_zero=True)
+    model = ShardsItself()
+    expected = rf"TensorRTExportCallback does nothing under {strategy}: .*lightning-perf export"
+    with pytest.warns(NoEffectWarning, match=expected):
+        callback.setup(trainer, model, "fit")
+        model.configure_model()
+    assert "configure_model" not in model.__dict__
+    callback.on_fit_end(trainer, model)
+    assert callback.report is None and not list(tmp_path.iterdir())
