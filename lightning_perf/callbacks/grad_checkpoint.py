@@ -277,7 +277,9 @@ class GradCheckpointCallback(Callback):
         chosen = self._select(pl_module)
         if not chosen:
             what = (
-                "found no repeated blocks or U-Net levels" if self.filter_fn is None and self.modules == "auto" else "matched nothing"
+                "found no repeated blocks or U-Net levels"
+                if self.filter_fn is None and self.modules == "auto"
+                else "matched nothing"
             )
             warn_once(
                 f"GradCheckpointCallback({self._describe()}) {what} in {type(pl_module).__name__}: training goes on "
