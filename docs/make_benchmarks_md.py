@@ -225,7 +225,7 @@ def bench_table(result: Result) -> tuple[list[str], str]:
         header = ["configuration", "p50 latency", "p50 speed-up [95% CI]", "verdict", "peak memory [95% CI]"]
     else:
         header = ["configuration", "step (median)", "speed-up [95% CI]", "verdict", "step memory [95% CI]"]
-        header.append("predict speed-up [95% CI]")
+        header += ["predict speed-up [95% CI]", "cold first step"]
     header += ["disturbed", "likely cause"]
     cells = []
     for row in rows:
@@ -239,7 +239,7 @@ def bench_table(result: Result) -> tuple[list[str], str]:
             figures += [_verdict(row, speed), _ratio(row, "peak_memory_ratio")]
         else:
             figures = [_seconds(row.get("step_median_s")), _ratio(row, "speedup"), _verdict(row, "speedup")]
-            figures += [_ratio(row, "memory_ratio"), _ratio(row, "predict_speedup")]
+            figures += [_ratio(row, "memory_ratio"), _ratio(row, "predict_speedup"), _seconds(row.get("first_step_s"))]
         disturbed = "yes" if row.get("disturbed") else "no"
         cells.append([name, *figures, disturbed, row.get("likely_cause") or ""])
     state = f"**disturbed** ({judged}): " + "; ".join(causes) if causes else f"nothing disturbed the run ({judged})"
