@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Union
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, ModelPruning
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -184,3 +185,70 @@ def remove_batch_transform(
         if not transforms:
             owner.__dict__.pop(attr, None)
             owner.__dict__.pop(hook, None)
+
+
+# ----------------------------------------------------------------------------- before a checkpoint's weights load
+
+
+class _BeforeWeightsLoad:
+    """Stands in for the module's ``on_load_checkpoint`` during a Trainer run: its own hook first, then each callback's
+    ``before_weights_load(module, checkpoint)``. Lightning calls this hook right before ``load_state_dict``, so a
+    callback whose surgery the checkpoint records (a prepared QAT submodule) can redo it and complete the weights. A
+    small class, not a closure, so that a module carrying it still pickles."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self.module = module
+        self.callbacks: list[Any] = []
+
+    @property
+    def __wrapped__(self) -> Any:
+        return type(self.module).on_load_checkpoint
+
+    def __call__(self, checkpoint: dict[str, Any]) -> None:
+        type(self.module).on_load_checkpoint(self.module, checkpoint)
+        for callback in self.callbacks:
+            callback.before_weights_load(self.module, checkpoint)
+
+
+def add_before_weights_load(pl_module: pl.LightningModule, callback: Any) -> None:
+    """Call ``callback.before_weights_load(pl_module, checkpoint)`` whenever Lightning is about to load a checkpoint's
+    weights into ``pl_module`` (after the module's own ``on_load_checkpoint``). Undo with
+    :func:`remove_before_weights_load` in ``teardown``; adding a callback twice is a no-op."""
+    stand_in = pl_module.__dict__.get("on_load_checkpoint")
+    if not isinstance(stand_in, _BeforeWeightsLoad):
+        stand_in = _BeforeWeightsLoad(pl_module)
+        object.__setattr__(pl_module, "on_load_checkpoint", stand_in)
+    if callback not in stand_in.callbacks:
+        stand_in.callbacks.append(callback)
+
+
+def remove_before_weights_load(pl_module: pl.LightningModule, callback: Any) -> None:
+    """Undo :func:`add_before_weights_load`; the class's own hook is back once no callback is left."""
+    stand_in = pl_module.__dict__.get("on_load_checkpoint")
+    if isinstance(stand_in, _BeforeWeightsLoad):
+        if callback in stand_in.callbacks:
+            stand_in.callbacks.remove(callback)
+        if not stand_in.callbacks:
+            del pl_module.__dict__["on_load_checkpoint"]
+
+
+def check_pruning_order(callback: Callback, owner: str, trainer: pl.Trainer, refusal: str | None = None) -> None:
+    """Refuse the combinations with Lightning's ``ModelPruning`` in which pruning would silently do nothing.
+
+    ``ModelPruning`` collects its modules in its own ``setup`` and masks their weights through forward hooks: a callback
+    that puts modules in place of others must come before it, so that the pruner finds the new ones; one whose model
+    runs no module hooks (``refusal`` says why and what to do instead) cannot train with it at all.
+
+    Raises:
+        ValueError: naming ``owner`` and the fix.
+    """
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    pruners = [cb for cb in callbacks if isinstance(cb, ModelPruning)]
+    if pruners and refusal is not None:
+        raise ValueError(f"`{owner}` cannot train with `ModelPruning`: {refusal}.")
+    if any(callbacks.index(p) < callbacks.index(callback) for p in pruners):
+        raise ValueError(
+            f"Put `{type(callback).__name__}` before `ModelPruning` in `Trainer(callbacks=[...])`: the pruner collects "
+            "its layers in its own `setup`, and must find the layers the callback puts in place, not the ones they "
+            "replace."
+        )

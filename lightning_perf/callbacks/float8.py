@@ -187,7 +187,7 @@ class Float8TrainingCallback(Callback):
 
     def _rows(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> int | dict[str, int]:
         """Each layer's rows in the first training batch (a shape-only forward), else ``self.rows``."""
-        from lightning_perf.callbacks._qat_support import first_batch
+        from lightning_perf.callbacks._trainer_data import first_batch
         from lightning_perf.functional.inputs import split_inputs
 
         try:

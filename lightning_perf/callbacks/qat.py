@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +22,15 @@ from typing_extensions import override
 
 from lightning_perf._io import load_checkpoint
 from lightning_perf._warnings import FallbackWarning
-from lightning_perf.callbacks._model_hooks import discard_pending_surgery, refuse_sharded, run_after_configure_model
-from lightning_perf.callbacks._qat_support import (
-    RestoreBeforeWeights,
-    check_pruning,
-    default_dirpath,
-    example_inputs,
-    submodule_batches,
+from lightning_perf.callbacks._model_hooks import (
+    add_before_weights_load,
+    check_pruning_order,
+    discard_pending_surgery,
+    refuse_sharded,
+    remove_before_weights_load,
+    run_after_configure_model,
 )
-from lightning_perf.callbacks.tensorrt_export import _val_dataloader
+from lightning_perf.callbacks._trainer_data import default_dirpath, loop_data
 from lightning_perf.deploy.inputs import split_inputs, submodule_inputs
 from lightning_perf.deploy.quantize.quantizer import SCHEDULE_UNITS, LoopData, check_options
 from lightning_perf.deploy.quantize.recipes import load_qat_checkpoint, quantizer_for, recipe_for
@@ -180,22 +180,8 @@ class QATCallback(Callback):
     # ------------------------------------------------------------------------------------------- what the loop has
 
     def _data(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LoopData:
-        owner = type(self).__name__
-
-        def validation(module: nn.Module) -> Iterator[Any] | None:
-            loader = _val_dataloader(trainer, pl_module)
-            return None if loader is None else submodule_batches(owner, pl_module, module, loader, self.input_key)
-
-        return LoopData(
-            example=lambda module, split: example_inputs(owner, trainer, pl_module, module, split, self.input_key),
-            validation=validation,
-            dirpath=self.dirpath or default_dirpath(trainer),
-            metadata={
-                "global_step": trainer.global_step,
-                "epoch": trainer.current_epoch,
-                "model_class": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
-            },
-        )
+        dirpath = self.dirpath or default_dirpath(trainer, "quantized")
+        return loop_data(type(self).__name__, trainer, pl_module, dirpath, self.input_key)
 
     def _fallback(self, exc: Exception, consequence: str) -> None:
         if self.strict:
@@ -217,7 +203,8 @@ class QATCallback(Callback):
         if self._refuse(trainer, None):
             return
         if stage == "fit" and self._quantizer.trains:
-            check_pruning(self, self.backend, trainer)
+            owner = f"{type(self).__name__}(backend={self.backend!r})"
+            check_pruning_order(self, owner, trainer, self._quantizer.recipe.pruning_refusal)
         begin = self._quantizer.begin_run if stage != "fit" else lambda module: self._begin_fit(trainer, module)
         run_after_configure_model(pl_module, lambda module: self._begin(trainer, module, begin))
 
@@ -226,23 +213,18 @@ class QATCallback(Callback):
             f"{type(self).__name__}(mode={self.mode!r})",
             trainer,
             pl_module,
-            "its parameters are sharded across processes (FSDP2 DTensors), and quantization needs the whole model in "
-            "one process (torch.export cannot capture DTensor parameters, the fake-quantized and int8 layers take "
-            "plain tensors)",
+            "the model's parameters are sharded across processes (FSDP2 DTensors), and quantization needs the whole "
+            "model in one process (torch.export cannot capture DTensor parameters, the fake-quantized and int8 layers "
+            "take plain tensors)",
             "train with DDP or on one device for QAT; for PTQ or dynamic int8, load the consolidated checkpoint into "
             "the float model after training and quantize it (`lightning_perf.deploy.quantize`)",
         )
         return self._refused
 
-    def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, begin: Any) -> None:
+    def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, begin: Callable[[nn.Module], Any]) -> None:
         if self._refuse(trainer, pl_module):  # a model that shards itself in configure_model
             return
-        restorer = pl_module.__dict__.get("on_load_checkpoint")
-        if not isinstance(restorer, RestoreBeforeWeights):
-            restorer = RestoreBeforeWeights(pl_module)
-            object.__setattr__(pl_module, "on_load_checkpoint", restorer)
-        if self not in restorer.callbacks:
-            restorer.callbacks.append(self)
+        add_before_weights_load(pl_module, self)  # a checkpoint's QAT state goes in before its weights
         begin(pl_module)
 
     def _begin_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -356,12 +338,7 @@ class QATCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._quantizer.end_run(pl_module)
         discard_pending_surgery(pl_module)
-        restorer = pl_module.__dict__.get("on_load_checkpoint")
-        if isinstance(restorer, RestoreBeforeWeights):
-            if self in restorer.callbacks:
-                restorer.callbacks.remove(self)
-            if not restorer.callbacks:
-                del pl_module.__dict__["on_load_checkpoint"]
+        remove_before_weights_load(pl_module, self)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 

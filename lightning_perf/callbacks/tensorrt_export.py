@@ -16,7 +16,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -24,6 +23,7 @@ from lightning_perf._io import load_checkpoint
 from lightning_perf._validation import check_bool
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, refuse_sharded, run_after_configure_model
+from lightning_perf.callbacks._trainer_data import default_dirpath, has_val_data, run_metadata, val_dataloader
 from lightning_perf.deploy.backend import BACKENDS, validate_options
 from lightning_perf.deploy.export import ExportError, ExportReport, export_model
 from lightning_perf.deploy.inputs import (
@@ -151,7 +151,7 @@ class TensorRTExportCallback(Callback):
         example = pl_module.example_input_array
         if self.input_shapes is None and example is not None:
             as_input_tuple(example, f"{type(pl_module).__name__}.example_input_array")  # a dict input fails here
-        elif self.input_shapes is None and not _has_val_data(trainer, pl_module):
+        elif self.input_shapes is None and not has_val_data(trainer, pl_module):
             raise ValueError(
                 f"`TensorRTExportCallback` has no example input for {type(pl_module).__name__}: set "
                 "`example_input_array` on the module, give the trainer validation data, or pass "
@@ -204,7 +204,7 @@ class TensorRTExportCallback(Callback):
             model.load_state_dict(_load_state_dict(checkpoint))
 
         datamodule = getattr(trainer, "datamodule", None)
-        val_loader = _val_dataloader(trainer, pl_module)
+        val_loader = val_dataloader(trainer, pl_module)
         batches = model_inputs(pl_module, val_loader, datamodule=datamodule) if val_loader is not None else None
         if self.input_shapes is not None:
             example = example_inputs_from_shapes(self.input_shapes, batch_size=self.export_kwargs["batch_range"][2])
@@ -228,15 +228,13 @@ class TensorRTExportCallback(Callback):
         metadata = {
             "source": "checkpoint" if checkpoint is not None else "final weights",
             "checkpoint": None if checkpoint is None else str(checkpoint),
-            "global_step": trainer.global_step,
-            "epoch": trainer.current_epoch,
-            "model_class": f"{type(pl_module).__module__}.{type(pl_module).__qualname__}",
+            **run_metadata(trainer, pl_module),
         }
         return export_model(
             model,
             example,
             **self.export_kwargs,
-            dirpath=self.dirpath or _default_dirpath(trainer),
+            dirpath=self.dirpath or default_dirpath(trainer, "export"),
             filename=self.filename,
             validation_data=batches,
             input_key=self.input_key,
@@ -302,40 +300,6 @@ def _best_checkpoint(trainer: pl.Trainer) -> Path | None:
 def _load_state_dict(path: Path) -> dict[str, Any]:
     # weights_only=True, no fallback: a file never runs code; more globals are the user's add_safe_globals.
     return load_checkpoint(path, map_location="cpu", what="TensorRTExportCallback: the best checkpoint")["state_dict"]
-
-
-def _default_dirpath(trainer: pl.Trainer) -> Path:
-    callback = trainer.checkpoint_callback
-    dirpath = getattr(callback, "dirpath", None) if callback is not None else None
-    return Path(dirpath) if dirpath else Path(trainer.default_root_dir) / "export"
-
-
-def _val_source(trainer: pl.Trainer) -> Any:
-    # Lightning's own `Trainer.enable_validation` reads this to know whether validation data was given in any form.
-    return getattr(getattr(getattr(trainer.fit_loop, "epoch_loop", None), "val_loop", None), "_data_source", None)
-
-
-def _has_val_data(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    source = _val_source(trainer)
-    if source is not None:
-        return bool(source.is_defined())
-    datamodule = getattr(trainer, "datamodule", None)  # set by the data connector, not declared on the class
-    return (datamodule is not None and is_overridden("val_dataloader", datamodule)) or is_overridden(
-        "val_dataloader", pl_module
-    )
-
-
-def _val_dataloader(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-    """The first validation loader the fit used, or the one the data source defines if validation never ran."""
-    loaders = trainer.val_dataloaders
-    if loaders is None and _has_val_data(trainer, pl_module):
-        source = _val_source(trainer)
-        loaders = source.dataloader() if source is not None else None
-    if isinstance(loaders, Mapping):
-        loaders = next(iter(loaders.values()), None)
-    if isinstance(loaders, (list, tuple)):
-        loaders = loaders[0] if loaders else None
-    return loaders
 
 
 def _log_summary(report: ExportReport) -> None:

@@ -52,6 +52,12 @@ class X86QATRecipe:
     mode: ClassVar[str] = "qat"
     backend: ClassVar[str] = "x86"
     base_config: None = None
+    pruning_refusal: ClassVar[str | None] = (
+        "the exported graph reads the weights directly and never runs the pruning hooks, so nothing would be pruned. "
+        "Use backend='torchao' (with QATCallback before ModelPruning in `callbacks`), or prune and make it permanent "
+        "before QAT"
+    )
+    """Why Lightning's ``ModelPruning`` cannot train with this recipe (``None``: it can, after the QAT adapter)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,7 @@ class TorchaoQATRecipe:
     mode: ClassVar[str] = "qat"
     backend: ClassVar[str] = "torchao"
     base_config: Mapping[str, Any] | None = None
+    pruning_refusal: ClassVar[str | None] = None
 
 
 @dataclass(frozen=True)
