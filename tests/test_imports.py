@@ -20,18 +20,66 @@ print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))
 """
 
 
-def _top_level_modules_after(target: str) -> set[str]:
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE.format(target=target)], capture_output=True, text=True, check=True, timeout=120
-    ).stdout
-    return set(json.loads(out.strip().splitlines()[-1]))
+class _Probes:
+    """Every probe of this file, each in its own fresh interpreter, started together on first use.
+
+    An interpreter's start-up (importing torch and Lightning) is single-threaded: run side by side, the probes take
+    about the time of the slowest one on a machine with several cores instead of the sum of them all.
+    """
+
+    def __init__(self) -> None:
+        self._started: dict[str, subprocess.Popen[str]] = {}
+        self._done: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def start(self, scripts: dict[str, str]) -> None:
+        for key, script in scripts.items():
+            if key not in self._started:
+                self._started[key] = subprocess.Popen(
+                    [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+
+    def result(self, key: str) -> subprocess.CompletedProcess[str]:
+        if key not in self._done:
+            process = self._started[key]
+            try:
+                stdout, stderr = process.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                raise
+            self._done[key] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        return self._done[key]
+
+    def close(self) -> None:
+        for process in self._started.values():
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
 
 
-@pytest.mark.parametrize("target", ["lightning_perf", "lightning_perf.callbacks, lightning_perf.strategies"])
-def test_import_pulls_no_optional_dependency(target: str) -> None:
+@pytest.fixture(scope="module")
+def probes():
+    started = _Probes()
+    started.start({f"modules: {t}": _PROBE.format(target=t) for t in ("lightning.pytorch", *_TARGETS)})
+    started.start({f"order: {order}": _order_probe(order) for order in _ORDERS})
+    started.start({"no lightning": _NO_LIGHTNING_PROBE})
+    yield started
+    started.close()
+
+
+def _top_level_modules_after(probes: _Probes, target: str) -> set[str]:
+    out = probes.result(f"modules: {target}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+_TARGETS = ("lightning_perf", "lightning_perf.callbacks, lightning_perf.strategies")
+
+
+@pytest.mark.parametrize("target", _TARGETS)
+def test_import_pulls_no_optional_dependency(probes: _Probes, target: str) -> None:
     # Lightning itself imports matplotlib when it is installed; we may not add anything on top of what it loads.
-    lightning_only = _top_level_modules_after("lightning.pytorch")
-    ours = _top_level_modules_after(target)
+    lightning_only = _top_level_modules_after(probes, "lightning.pytorch")
+    ours = _top_level_modules_after(probes, target)
     added = sorted(m for m in HEAVY if m in ours and m not in lightning_only)
     assert not added, f"`import {target}` imported optional dependencies: {added}"
     assert not {"torchao", "onnx", "onnxruntime", "tensorrt", "torch_tensorrt", "flash_attn"} & ours
@@ -78,11 +126,10 @@ _ORDERS = {
 }
 
 
-@pytest.mark.parametrize("order", sorted(_ORDERS))
-def test_strategy_name_registered_in_any_import_order(order: str) -> None:
+def _order_probe(order: str) -> str:
     # `import lightning_perf` loads no Lightning; the name is registered whenever Lightning's strategies load,
     # before or after, and the strategies module keeps its own loader.
-    probe = _ORDERS[order] + (
+    return _ORDERS[order] + (
         "import sys\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "assert 'ddp_powersgd' in StrategyRegistry\n"
@@ -92,12 +139,21 @@ def test_strategy_name_registered_in_any_import_order(order: str) -> None:
         "trainer = pl.Trainer(strategy='ddp_powersgd', accelerator='cpu', devices=1, logger=False)\n"
         "print(type(trainer.strategy).__name__)\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("order", sorted(_ORDERS))
+def test_strategy_name_registered_in_any_import_order(probes: _Probes, order: str) -> None:
+    out = probes.result(f"order: {order}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "PowerSGDDDPStrategy"
 
 
-def test_import_lightning_perf_loads_no_lightning() -> None:
-    probe = "import sys, lightning_perf\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+_NO_LIGHTNING_PROBE = (
+    "import sys, lightning_perf\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'lightning'))"
+)
+
+
+def test_import_lightning_perf_loads_no_lightning(probes: _Probes) -> None:
+    out = probes.result("no lightning")
+    assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
