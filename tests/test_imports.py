@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from collections.abc import Iterator
 
 import pytest
 
 from lightning_perf import _imports
+from tests._probes import Probes
 
 HEAVY = ("torchao", "onnx", "onnxscript", "onnxruntime", "tensorrt", "torch_tensorrt", "flash_attn", "matplotlib")
 
@@ -20,45 +20,9 @@ print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))
 """
 
 
-class _Probes:
-    """Every probe of this file, each in its own fresh interpreter, started together on first use.
-
-    An interpreter's start-up (importing torch and Lightning) is single-threaded: run side by side, the probes take
-    about the time of the slowest one on a machine with several cores instead of the sum of them all.
-    """
-
-    def __init__(self) -> None:
-        self._started: dict[str, subprocess.Popen[str]] = {}
-        self._done: dict[str, subprocess.CompletedProcess[str]] = {}
-
-    def start(self, scripts: dict[str, str]) -> None:
-        for key, script in scripts.items():
-            if key not in self._started:
-                self._started[key] = subprocess.Popen(
-                    [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-                )
-
-    def result(self, key: str) -> subprocess.CompletedProcess[str]:
-        if key not in self._done:
-            process = self._started[key]
-            try:
-                stdout, stderr = process.communicate(timeout=300)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                raise
-            self._done[key] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-        return self._done[key]
-
-    def close(self) -> None:
-        for process in self._started.values():
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
-
-
 @pytest.fixture(scope="module")
-def probes():
-    started = _Probes()
+def probes() -> Iterator[Probes]:
+    started = Probes()
     started.start({f"modules: {t}": _PROBE.format(target=t) for t in ("lightning.pytorch", *_TARGETS)})
     started.start({f"order: {order}": _order_probe(order) for order in _ORDERS})
     started.start({"no lightning": _NO_LIGHTNING_PROBE})
@@ -66,7 +30,7 @@ def probes():
     started.close()
 
 
-def _top_level_modules_after(probes: _Probes, target: str) -> set[str]:
+def _top_level_modules_after(probes: Probes, target: str) -> set[str]:
     out = probes.result(f"modules: {target}")
     assert out.returncode == 0, out.stderr[-3000:]
     return set(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -76,7 +40,7 @@ _TARGETS = ("lightning_perf", "lightning_perf.callbacks, lightning_perf.strategi
 
 
 @pytest.mark.parametrize("target", _TARGETS)
-def test_import_pulls_no_optional_dependency(probes: _Probes, target: str) -> None:
+def test_import_pulls_no_optional_dependency(probes: Probes, target: str) -> None:
     # Lightning itself imports matplotlib when it is installed; we may not add anything on top of what it loads.
     lightning_only = _top_level_modules_after(probes, "lightning.pytorch")
     ours = _top_level_modules_after(probes, target)
@@ -142,7 +106,7 @@ def _order_probe(order: str) -> str:
 
 
 @pytest.mark.parametrize("order", sorted(_ORDERS))
-def test_strategy_name_registered_in_any_import_order(probes: _Probes, order: str) -> None:
+def test_strategy_name_registered_in_any_import_order(probes: Probes, order: str) -> None:
     out = probes.result(f"order: {order}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "PowerSGDDDPStrategy"
@@ -153,7 +117,7 @@ _NO_LIGHTNING_PROBE = (
 )
 
 
-def test_import_lightning_perf_loads_no_lightning(probes: _Probes) -> None:
+def test_import_lightning_perf_loads_no_lightning(probes: Probes) -> None:
     out = probes.result("no lightning")
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -2,41 +2,52 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from collections.abc import Iterator
 
 import pytest
 
+from tests._probes import Probes
 
-def _loaded_after(statement: str) -> list[str]:
-    code = (
+LIGHTNING_FREE = [
+    "lightning_perf.deploy",
+    "lightning_perf.deploy.quantize",
+    "lightning_perf.profiling.latency",
+    "lightning_perf.cli.export",
+]
+_FUNCTIONAL = "import sys, lightning_perf.functional, lightning_perf.functional.qat; " + (
+    "print('lightning_perf.deploy' in sys.modules)"
+)
+
+
+def _loaded_after(statement: str) -> str:
+    return (
         f"import sys; {statement}; "
         "print(','.join(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return [m for m in out.strip().split(",") if m]
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "lightning_perf.deploy",
-        "lightning_perf.deploy.quantize",
-        "lightning_perf.profiling.latency",
-        "lightning_perf.cli.export",
-    ],
-)
-def test_importing_loads_no_lightning(module: str) -> None:
-    assert _loaded_after(f"import {module}") == []
+@pytest.fixture(scope="module")
+def probes() -> Iterator[Probes]:
+    started = Probes()
+    started.start({module: _loaded_after(f"import {module}") for module in LIGHTNING_FREE})
+    started.start({"functional": _FUNCTIONAL})
+    yield started
+    started.close()
 
 
-def test_functional_does_not_pull_the_deploy_layer() -> None:
-    code = (
-        "import sys, lightning_perf.functional, lightning_perf.functional.qat; "
-        "print('lightning_perf.deploy' in sys.modules)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
+def _stdout(probes: Probes, key: str) -> str:
+    out = probes.result(key)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("module", LIGHTNING_FREE)
+def test_importing_loads_no_lightning(probes: Probes, module: str) -> None:
+    assert [m for m in _stdout(probes, module).strip().split(",") if m] == []
+
+
+def test_functional_does_not_pull_the_deploy_layer(probes: Probes) -> None:
+    assert _stdout(probes, "functional").strip() == "False"
 
 
 @pytest.mark.parametrize(
