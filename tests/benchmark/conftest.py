@@ -3,12 +3,18 @@ the matmul measurement returns a fixed figure (its own tests are in tests/profil
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_perf.profiling import flops
+from lightning_perf.benchmark.results import BenchReport
+from lightning_perf.profiling import PeakFlops, flops
 
 FAKE_PEAK_FLOPS = 1e11
 
@@ -25,3 +31,51 @@ def _no_real_peak_measurement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(flops.CACHE_ENV, str(tmp_path / "lightning-perf-cache"))
     monkeypatch.setattr(flops, "measure_cpu_peak_flops", fake)
     return measured
+
+
+# Each loop ends itself after this many seconds even if the fixture's clean-up were never reached.
+BUSY_LIFETIME_S = 600
+# The lowest priority (nice 19): a loop runs only on a core nothing else wants.
+BUSY_LOOP = "import os, time\nos.nice(19)\n" + (
+    f"end = time.monotonic() + {BUSY_LIFETIME_S}\nwhile time.monotonic() < end:\n    pass\n"
+)
+GIVEN_PEAK = PeakFlops(1e11, "given (test)")
+
+
+@dataclass
+class BusyBench:
+    """One real tiny bench (baseline and channels_last, one repeat) run beside busy processes."""
+
+    report: BenchReport
+    free_cores: int  # cores the bench's threads leave free
+    peaks_asked: list[tuple[str, str, bool]]  # every (device, precision, fast float32 matmul) the peak was asked for
+
+
+@pytest.fixture(scope="session")
+def busy_tiny_bench() -> Iterator[BusyBench]:
+    """Worker processes are the dear part of a bench test (a fresh interpreter each): the disturbed-bench test and the
+    utilization test read this one run (its peak is given, never measured)."""
+    from lightning_perf.benchmark.runner import run_benchmark
+    from lightning_perf.benchmark.spec import BenchSpec
+
+    free = max(0, (os.cpu_count() or 1) - torch.get_num_threads())
+    # Enough loops to take every core the bench leaves free and then some (3 on a 2-core machine).
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(free + 3)]
+    asked: list[tuple[str, str, bool]] = []
+
+    def given_peak(device: str, precision: str, fast_fp32_matmul: bool) -> PeakFlops:
+        asked.append((device, precision, fast_fp32_matmul))
+        return GIVEN_PEAK
+
+    try:
+        options = BenchSpec(
+            workload="convnet", preset="tiny", configs=["baseline", "channels_last"], steps=2, warmup_steps=1,
+            repeats=1, predict_batches=0, timeout_s=300.0,
+        )  # fmt: skip
+        report = run_benchmark(options, peak=given_peak)
+    finally:
+        for process in busy:
+            process.kill()
+        for process in busy:
+            process.wait(timeout=30)
+    yield BusyBench(report, free, asked)
