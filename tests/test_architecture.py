@@ -9,8 +9,6 @@ from __future__ import annotations
 import ast
 import itertools
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import lightning_perf
+from tests._probes import Probes
 
 PACKAGE = "lightning_perf"
 ROOT = Path(lightning_perf.__file__).resolve().parent
@@ -153,11 +152,21 @@ print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {lightning!
 """
 
 
+@pytest.fixture(scope="module")
+def layer_probes() -> Iterator[Probes]:
+    """One fresh interpreter per layer, all started together (tests/_probes.py)."""
+    started = Probes()
+    started.start(
+        {layer: _PROBE.format(target=f"{PACKAGE}.{layer}", lightning=LIGHTNING) for layer in NO_LIGHTNING_LAYERS}
+    )
+    yield started
+    started.close()
+
+
 @pytest.mark.parametrize("layer", NO_LIGHTNING_LAYERS)
-def test_lightning_free_layer_loads_no_lightning(layer: str) -> None:
+def test_lightning_free_layer_loads_no_lightning(layer_probes: Probes, layer: str) -> None:
     assert (ROOT / layer).is_dir(), f"lightning_perf/{layer}/ is missing"
-    probe = _PROBE.format(target=f"{PACKAGE}.{layer}", lightning=LIGHTNING)
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    out = layer_probes.result(layer)
     assert out.returncode == 0, f"`import {PACKAGE}.{layer}` failed:\n{out.stderr[-3000:]}"
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert not loaded, f"`import {PACKAGE}.{layer}` loaded {len(loaded)} Lightning modules, e.g. {loaded[:8]}"
