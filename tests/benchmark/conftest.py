@@ -58,11 +58,11 @@ def busy_tiny_bench() -> Iterator[BusyBench]:
     from lightning_perf.benchmark.spec import BenchSpec
 
     free = max(0, (os.cpu_count() or 1) - torch.get_num_threads())
-    # Enough loops to take every core the bench leaves free and then some (3 on a 2-core machine). One competes with
-    # the bench as an equal (other processes' load even on a machine whose every core the bench uses); the others, at
-    # the lowest priority, take whatever the bench leaves idle (its worker's start-up is single-threaded) without
-    # slowing it down: the bench costs about what it costs on a quiet machine.
-    loops = [BUSY_LOOP] + [IDLE_LOOP] * (free + 2)
+    # Loops at the bench's own priority take every core it leaves free, and one more competes with it for its own
+    # (1 on a 2-core machine where torch runs 2 threads); 2 more at the lowest priority take whatever it leaves idle
+    # (its worker's start-up is single-threaded) without slowing it down. Loops that all competed as equals (3 on a
+    # 2-core machine) made the bench itself several times slower.
+    loops = [BUSY_LOOP] * (free + 1) + [IDLE_LOOP] * 2
     busy = [subprocess.Popen([sys.executable, "-c", loop]) for loop in loops]
     asked: list[tuple[str, str, bool]] = []
 

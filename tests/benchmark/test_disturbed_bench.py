@@ -1,8 +1,8 @@
 """A real, short bench while other processes burn CPU says it was disturbed, and by what.
 
 Not a timing assertion: the busy processes keep more cores busy than the bench leaves free, so the CPU time they take
-(measured by the system's counters, not by how slow the steps were) is above the threshold on any machine. All but one
-run at the lowest priority: they take every core the bench leaves idle without slowing the bench down. The bench is the
+(measured by the system's counters, not by how slow the steps were) is above the threshold on any machine. Two more
+run at the lowest priority: they take what the bench leaves idle without slowing it down. The bench is the
 one tests/benchmark/test_utilization.py reads too (the ``busy_tiny_bench`` fixture of tests/benchmark/conftest.py).
 """
 
