@@ -69,7 +69,11 @@ def settling_record(
         mark_settled(summaries)
         return {"mode": "fixed", "rounds": rounds}
     unsettled = mark_settled(summaries, settling.target, settling)
-    stopped = "; ".join(dict.fromkeys(d.reason for d in decisions if d is not None and d.reason))
+    # The first decision ended the single configurations' rounds, any later one the winners' stack's: say which.
+    first, *later = [d.reason if d is not None else "" for d in decisions] or [""]
+    stopped = "; ".join(
+        filter(None, [first, *(f"the winners' stack: {r}" for r in dict.fromkeys(later) if r and r != first)])
+    )
     return {
         "mode": "auto",
         "target": settling.target,

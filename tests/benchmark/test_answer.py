@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from lightning_perf.benchmark.answer import estimates_from, recommendation_record, settling_record
 from lightning_perf.benchmark.results import ConfigSummary
-from lightning_perf.benchmark.settle import STOP_BUDGET, Decision, Settling
+from lightning_perf.benchmark.settle import STOP_BUDGET, STOP_SETTLED, Decision, Settling
 from lightning_perf.benchmark.stack import choose_stack
 from lightning_perf.profiling.intervals import METHOD_T, RatioEstimate
 
@@ -31,6 +31,9 @@ def test_settling_record_marks_rows_and_says_what_would_settle_them() -> None:
     assert rows[2].settled is False and rows[2].unsettled.startswith("unsettled after 4 repeats (+-14%)")
     assert [u["config"] for u in record["unsettled"]] == ["b"]
     assert settling_record(None, [], 3, rows) == {"mode": "fixed", "rounds": 3}
+    # singles stopped at the budget, then the stack settled: the two are told apart, not run together
+    both = settling_record(settling, [Decision(True, STOP_BUDGET), Decision(True, STOP_SETTLED)], 5, rows)
+    assert both["stopped"] == f"{STOP_BUDGET}; the winners' stack: {STOP_SETTLED}"
 
 
 def test_recommendation_record_of_a_measured_stack() -> None:
