@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -89,6 +90,13 @@ class Transformer(nn.Module):
         return self.head(self.norm(x).flatten(0, 1))
 
 
+def shard(model: Transformer, mesh: DeviceMesh) -> None:
+    """FSDP2 the torchtitan way: ``fully_shard`` on each block, then on the root."""
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 class ShardedLM(pl.LightningModule):
     def __init__(self, vocab: int = 256, width: int = 64, heads: int = 4, depth: int = 4) -> None:
         super().__init__()
@@ -99,10 +107,7 @@ class ShardedLM(pl.LightningModule):
         if isinstance(self.model, FSDPModule):  # a second fit: already sharded
             return
         assert self.device_mesh is not None  # set by ModelParallelStrategy before configure_model
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+        shard(self.model, self.device_mesh["data_parallel"])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)

@@ -125,10 +125,10 @@ def test_the_time_box_ends_the_whole_process_group(gpu_check: ModuleType, tmp_pa
     marker = tmp_path / "grandchild.pid"
     code = textwrap.dedent(
         f"""
-        import subprocess, sys, time
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        import signal, subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])  # hangs until ended
         open({str(marker)!r}, "w").write(str(child.pid))
-        time.sleep(60)
+        signal.pause()
         """
     )
     with (tmp_path / "log").open("w") as log:
@@ -204,7 +204,7 @@ def test_bad_arguments_are_refused(gpu_check: ModuleType, capsys: pytest.Capture
 
 def test_pytest_stopped_by_its_box_still_reports_the_tests_that_ran(gpu_check: ModuleType, tmp_path: Path) -> None:
     (tmp_path / "test_box.py").write_text(
-        "import time\n\ndef test_quick():\n    pass\n\ndef test_slow():\n    time.sleep(120)\n"
+        "import signal\n\ndef test_quick():\n    pass\n\ndef test_hangs():\n    signal.pause()\n"
     )
     junit = tmp_path / "box.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull, f"--junitxml={junit}"]

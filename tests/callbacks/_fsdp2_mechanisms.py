@@ -25,13 +25,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, TensorDataset
 
 if __package__ in (None, ""):  # run as a script: make `tests` and `lightning_perf` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.fsdp2_lm import Transformer
+from examples.fsdp2_lm import Transformer, shard
 from lightning_perf import callbacks as cb
 from lightning_perf.functional.attention import SDPACalls, SwappedAttention
 from lightning_perf.functional.sharding import is_sharded_parameter
@@ -89,10 +89,7 @@ class ShardedModule(pl.LightningModule):
         if isinstance(self.model, FSDPModule):
             return
         assert self.device_mesh is not None  # set by ModelParallelStrategy before configure_model
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+        shard(self.model, self.device_mesh["data_parallel"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)

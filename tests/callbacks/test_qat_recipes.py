@@ -28,26 +28,14 @@ from lightning_perf.deploy.quantize.quantizer import (
     registered_quantizer,
 )
 from lightning_perf.functional import qat
+from tests.callbacks._quiet import quiet_trainer
 
 QUICK = {"benchmark": False, "validation_batches": 1}
 
 
 def _trainer(root: Path, callbacks: list[Any], **overrides: Any) -> pl.Trainer:
-    kwargs: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_steps": 3,
-        "limit_val_batches": 2,
-        "limit_predict_batches": 2,
-        "num_sanity_val_steps": 0,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": root,
-        **overrides,
-    }
-    return pl.Trainer(callbacks=callbacks, **kwargs)
+    settings: dict[str, Any] = {"max_steps": 3, "limit_val_batches": 2, "limit_predict_batches": 2, **overrides}
+    return quiet_trainer(root, callbacks, **settings)
 
 
 # ------------------------------------------------------------------------------------------------ the registry
