@@ -299,11 +299,8 @@ def default_cache_path() -> Path:
 def machine_key(device: torch.device | str | None = None, recipe: str = "tensorwise", compiled: bool = True) -> str:
     """The cache key of shape timings: GPU model and compute capability, torch and torchao versions, recipe, compile."""
     dev = as_device(device)
-    if dev.type == "cuda" and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(dev)
-        gpu = f"{torch.cuda.get_device_name(dev)} (sm {major}{minor})"
-    else:
-        gpu = dev.type
+    capability = cuda_capability(dev)
+    gpu = dev.type if capability is None else f"{torch.cuda.get_device_name(dev)} (sm {capability[0]}{capability[1]})"
     try:
         torchao_version = importlib.metadata.version("torchao")
     except importlib.metadata.PackageNotFoundError:
