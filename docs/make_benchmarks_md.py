@@ -63,7 +63,9 @@ def machine_kind(machine: dict[str, Any]) -> str:
 
 def describe_machine(machine: dict[str, Any]) -> str:
     """The machine in one line: CPU model, cores, the instruction-set flags that decide kernels, GPU, versions."""
-    parts = [f"{machine.get('cpu') or 'unknown CPU'}, {machine.get('cpu_count', '?')} logical CPUs"]
+    parts = [machine.get("cpu") or "unknown CPU"]
+    if machine.get("cpu_count"):
+        parts[0] += f", {machine['cpu_count']} logical CPUs"
     flags = machine.get("cpu_flags") or {}
     if flags:
         have = [f for f in _FLAGS_SHOWN if flags.get(f)]
@@ -99,7 +101,7 @@ class Result:
         self.data: dict[str, Any] = json.loads(path.read_text())
         declared = declared or {}
         run = self.data.get("run") or {}
-        machine = self.data.get("machine")
+        machine = self.data.get("machine") or _gpu_check_machine(self.data)
         if machine:
             self.kind, self.machine = machine_kind(machine), describe_machine(machine)
         elif "kind" in declared:
@@ -118,6 +120,8 @@ class Result:
             return "bench"
         if self.data.get("kind") == "lightning-perf-autotune":
             return "autotune"
+        if "sections" in self.data and "environment" in self.data:
+            return "gpu-check"
         if "results" in self.data and "arguments" in self.data:
             return "observers"
         if "recipe" in self.data and "latency" in self.data:
@@ -134,6 +138,17 @@ class Result:
         order = _WORKLOAD_ORDER.index(name) if name in _WORKLOAD_ORDER else len(_WORKLOAD_ORDER)
         stage = (self.data.get("options") or {}).get("stage") or "fit"
         return (self.format != "bench", order, name, stage != "fit", self.path.name)
+
+
+def _gpu_check_machine(data: dict[str, Any]) -> dict[str, Any] | None:
+    """``scripts/gpu_check.py``'s environment record in the bench's ``machine`` shape (GPU, driver, versions)."""
+    env = data.get("environment") if "sections" in data else None
+    if not isinstance(env, dict):
+        return None
+    gpu = env.get("gpu")
+    cpu = f"host CPU not recorded; CUDA {env.get('torch_cuda')}, compute capability {env.get('capability')}"
+    return {"cpu": cpu if gpu else "no CUDA device", "gpu": gpu, "gpu_count": 1, "gpu_driver": env.get("driver"),
+            "torch": env.get("torch"), "lightning": env.get("lightning")}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- older files: recompute summaries
@@ -299,6 +314,18 @@ def quantized_table(result: Result) -> list[str]:
     return _table(["", "fp32", f"int8 ({recipe.get('mode', '?')}, {recipe.get('backend', '?')})", "ratio"], cells)
 
 
+def gpu_check_line(result: Result) -> str:
+    """One call of the GPU check in one line: its file, command and date, then each section that ran and how."""
+    ran = []
+    for section in result.data["sections"]:
+        if section["status"] != "skipped":
+            detail = " ".join(str(section.get("detail", "")).split())[:200]
+            ran.append(f"`{section['name']}` **{section['status']}** ({section['seconds']:.0f} s of "
+                       f"{section['box_s']:.0f} s: {detail})")  # fmt: skip
+    head = f"- GPU check [{result.path.name}](bench/{result.path.name}) · `{result.command}` · {result.date}"
+    return f"{head}: {'; '.join(ran) or 'no section ran'}"
+
+
 def caption(result: Result, what: str, state: str = "") -> str:
     """One line above a table: what it is, the command, the date, the commit, the file and the reliability."""
     parts = [f"**{what}**", f"`{result.command}`" if result.command else "command not recorded", result.date]
@@ -323,7 +350,10 @@ def render_section(results: Sequence[Result]) -> list[str]:
         else:
             lines.append(f"- Every file: {machine} (from the files' `machine` record)")
     tuned = [r for r in results if r.format == "autotune"]
-    for r in sorted((r for r in results if r.format != "autotune"), key=Result.sort_key):
+    checks = [r for r in results if r.format == "gpu-check"]
+    if checks:
+        lines += [gpu_check_line(r) for r in sorted(checks, key=lambda r: r.path.name)]  # below the machine lines
+    for r in sorted((r for r in results if r.format not in ("autotune", "gpu-check")), key=Result.sort_key):
         if r.format == "bench":
             stage = (r.data.get("options") or {}).get("stage") or "fit"
             table, state = bench_table(r)

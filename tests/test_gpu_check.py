@@ -67,7 +67,7 @@ def test_dry_run_on_cpu_names_the_cuda_sections_it_skips_and_writes_nothing(
     assert gpu_check.main([str(tmp_path / "out"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert not (tmp_path / "out").exists()
-    skipped = "gpu-tests, cuda-matrix, bench-convnet-predict, bench-lm-compiled"
+    skipped = "gpu-tests, bench-lm-compiled, cuda-matrix, bench-convnet-predict, bench-lm-regional"
     assert f"CUDA sections skipped (no CUDA device): {skipped}" in out
     assert "--preset tiny --device cpu" in out  # the bench's command line, checked on the CPU
     assert out.rstrip().splitlines()[-1] == "RESULT: OK"
@@ -87,18 +87,23 @@ def test_the_cuda_plan_runs_the_matrix_on_cuda_and_the_gpu_presets_with_their_st
     assert f"--configs baseline,bf16-mixed,{stack} " in lines["bench-lm-fit"]
     assert "--stage predict" in lines["bench-convnet-predict"]
     assert "--configs baseline,bf16-true,bf16-true+channels_last " in lines["bench-convnet-predict"]
-    assert "SKIPPED" in lines["bench-lm-compiled"] and "neither compile_regional nor fp8" in lines["bench-lm-compiled"]
+    assert "SKIPPED" in lines["bench-lm-compiled"] and "neither compile nor fp8" in lines["bench-lm-compiled"]
+    assert "SKIPPED" in lines["bench-lm-regional"] and "no compile_regional" in lines["bench-lm-regional"]
 
 
 def test_compiled_configurations_run_apart_when_the_bench_has_them(
     gpu_check: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(gpu_check, "bench_config_names", lambda python, env: [*CONFIGS, "compile_regional", "fp8"])
-    assert gpu_check.main([str(tmp_path), "--dry-run", "--assume-cuda", "--sections", "bench-lm-compiled"]) == 0
+    known = [*CONFIGS, "compile", "compile_regional", "fp8"]
+    monkeypatch.setattr(gpu_check, "bench_config_names", lambda python, env: known)
+    sections = "bench-lm-compiled,bench-lm-regional"
+    assert gpu_check.main([str(tmp_path), "--dry-run", "--assume-cuda", "--sections", sections]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
     stack = "bf16-mixed+flash_attention+fused_optimizer+backend_flags"
-    assert f"--configs baseline,{stack}+compile_regional,fp8 " in lines["bench-lm-compiled"]
-    assert "compile_regional" not in lines["bench-lm-fit"]  # a timed-out compile never costs the plain figures
+    # fp8's goal is against bf16 + compile: both in one bench, so the ratio between them comes from one run.
+    assert "--configs baseline,bf16-mixed+compile,fp8 " in lines["bench-lm-compiled"]
+    assert f"--configs baseline,{stack}+compile_regional " in lines["bench-lm-regional"]
+    assert "compile" not in lines["bench-lm-fit"]  # a timed-out compile never costs the plain figures
 
 
 @pytest.mark.usefixtures("known_configs")

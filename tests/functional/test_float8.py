@@ -347,7 +347,7 @@ def _needs_sm89() -> None:
 
 
 @pytest.mark.gpu
-def test_auto_filter_on_the_gpu_keeps_4096_and_drops_64(tmp_path: Path) -> None:
+def test_auto_filter_on_the_gpu_decides_from_real_timings_and_drops_64(tmp_path: Path) -> None:
     _needs_sm89()
     model = nn.Sequential(nn.Linear(4096, 4096, bias=False), nn.Linear(64, 64, bias=False), nn.Linear(64, 16))
 
@@ -356,6 +356,13 @@ def test_auto_filter_on_the_gpu_keeps_4096_and_drops_64(tmp_path: Path) -> None:
 
     plan = plan_float8(model, timer=timer, rows=8192, cache_path=tmp_path / "c.json", cache_key=f8.machine_key("cuda"))
     print("\n".join(plan.shape_lines()))
-    assert plan.decisions["0"].convert, plan.shape_lines()
-    assert not plan.decisions["1"].convert, plan.shape_lines()
+    big, small = plan.decisions["0"], plan.decisions["1"]
+    assert big.estimate is not None and small.estimate is not None, plan.shape_lines()
+    # The mechanism on real CUDA timings: a lone 64x64 product is all casting overhead (0.65x on an H200) and stays
+    # in bf16; float8's gain grows with the product; each decision follows its own interval. Whether 4096^2 clears
+    # "faster" depends on the GPU and on what else runs on it (1.11x [0.89-1.37] beside three other test workers on
+    # an H200, 2026-11-27): a figure for the bench, not for this test.
+    assert not small.convert and small.estimate.high < 1.0, plan.shape_lines()
+    assert big.estimate.ratio > small.estimate.ratio, plan.shape_lines()
+    assert big.convert == (big.estimate.low > 1.0), plan.shape_lines()
     assert os.path.exists(tmp_path / "c.json")
