@@ -16,7 +16,8 @@ time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain nu
                  model_args, datamodule_args} or {kind: "config", configs: [paths], model, datamodule, ...}; workload
                  is then the model's class name), precision_from ("--config" when the file's precision is the run's),
                  ignored_trainer_settings (the file's trainer keys the bench decides itself))
-    notes        [str]: a configuration's own precision over the run's, a fit run that timed no inference
+    notes        [str]: a configuration's own precision over the run's, a callback that did not apply (its
+                 NoEffectWarning), a fit run that timed no inference
     machine      profiling.machine.describe_machine(): cpu, cpu_count, torch_threads, cpu_flags {avx2, avx512f,
                  avx512_vnni, avx512_bf16, amx_tile, amx_bf16, amx_int8}, cpu_bf16_instructions, gpu, gpu_count,
                  gpu_driver, cuda, and the versions lightning_perf, torch, lightning; and the bench's own: device
@@ -256,7 +257,7 @@ def run_benchmark(
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
-        notes=precision_notes(spec) + _predict_skipped_notes(results),
+        notes=precision_notes(spec) + _no_effect_notes(results) + _predict_skipped_notes(results),
     )
 
 
@@ -266,6 +267,15 @@ def _ratio(numerator: Any, denominator: Any, above_one: str = "faster", below_on
     if estimate.n == 1:
         return RatioEstimate(estimate.ratio, estimate.ratio, estimate.ratio, METHOD_SINGLE, ONE_REPEAT, 1)
     return estimate
+
+
+def _no_effect_notes(results: dict[str, list[RunResult]]) -> list[str]:
+    """One line per configuration and callback message that said it did not apply: that row measures without it."""
+    notes = []
+    for config, runs in results.items():
+        for text in dict.fromkeys(text for r in runs for text in r.no_effect):
+            notes.append(f"{config}: did not apply, so this row measures without it: {text}")
+    return notes
 
 
 def _predict_skipped_notes(results: dict[str, list[RunResult]]) -> list[str]:

@@ -18,12 +18,13 @@ every configuration of one workload counts the same FLOPs per step and nothing t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_perf._device import as_device, synchronize
+from lightning_perf._warnings import NoEffectWarning
 from lightning_perf.benchmark.spec import RunSpec
 from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer
 from lightning_perf.profiling.flops import FlopCount, count_flops
@@ -77,6 +79,7 @@ class RunResult:
     precision: str | None = None  # the precision the run used
     trainer_settings: list[str] = field(default_factory=list)  # the --config file's trainer keys applied
     predict_skipped: str | None = None  # why a fit run timed no inference (a user's data without a predict split)
+    no_effect: list[str] = field(default_factory=list)  # a callback's own "did not apply" (NoEffectWarning) texts
 
 
 class _StepClock(Callback):
@@ -286,12 +289,43 @@ def _count_flops(spec: RunSpec, build: Builder, device: torch.device, result: Ru
     result.flops_by_operator = dict(count.by_operator)
 
 
+@contextlib.contextmanager
+def recording_no_effect(into: list[str]) -> Iterator[None]:
+    """Keep the text of each :class:`~lightning_perf.NoEffectWarning` raised inside, still shown as usual.
+
+    A configuration whose callback did not apply (float8 that kept every layer in bf16, channels-last on a model with
+    no convolution) measures the model without it: the report must say so beside its row, not leave it to a warning
+    lost in a worker's stderr.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", NoEffectWarning)
+        shown = warnings.showwarning
+
+        def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+            text = " ".join(str(message).split())
+            if issubclass(category, NoEffectWarning) and text not in into:
+                into.append(text)
+            shown(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
+        yield
+
+
 def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
     """Train and measure one configuration in this process.
 
     ``build`` makes the model and data module (default: :func:`build_reference_workload`); the auto-tuner passes one
-    that loads the user's own and applies the spec's batch size and loader settings to them.
+    that loads the user's own and applies the spec's batch size and loader settings to them. A callback's
+    :class:`~lightning_perf.NoEffectWarning` is kept in ``no_effect``.
     """
+    no_effect: list[str] = []
+    with recording_no_effect(no_effect):
+        result = _run(spec, build)
+    result.no_effect = no_effect
+    return result
+
+
+def _run(spec: RunSpec, build: Builder | None) -> RunResult:
     from lightning_perf.benchmark.configs import get_config
 
     wall_start = time.perf_counter()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import importlib.metadata
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -566,6 +567,26 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:500] if text else ''}"
 
 
+def _unannotated_hint(graph_module: torch.fx.GraphModule) -> str:
+    """When the captured graph has convolutions or linear layers the quantizer left alone: the versions to suspect."""
+    targets = {"conv": 0, "linear": 0}
+    for node in graph_module.graph.nodes:
+        name = str(node.target) if node.op == "call_function" else ""
+        for kind in targets:
+            targets[kind] += name.startswith(f"aten.{kind}")
+    if not any(targets.values()):
+        return ""
+    try:
+        torchao_version = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        torchao_version = "unknown"
+    return (
+        f" Its captured graph has {targets['conv']} convolution(s) and {targets['linear']} linear layer(s), none "
+        f"annotated: suspect this torch ({torch.__version__}) and torchao ({torchao_version}) pair (torch 2.11 with "
+        "torchao 0.18 annotated nothing where torch 2.13 with the same torchao quantizes the same model)."
+    )
+
+
 def _count_quantizers(module: nn.Module) -> int:
     from torchao.quantization.pt2e import FakeQuantizeBase, ObserverBase
 
@@ -630,7 +651,7 @@ def prepare(
         if _count_quantizers(prepared) == 0:
             raise NothingToQuantizeError(
                 f"X86InductorQuantizer found nothing to quantize in {type(module).__name__} (it quantizes "
-                "convolutions, linear layers and the ops around them)."
+                f"convolutions, linear layers and the ops around them).{_unannotated_hint(captured)}"
             )
         prepared = _as_prepared_graph_module(prepared)  # type: ignore[arg-type]
         if source is not module:

@@ -89,3 +89,30 @@ def test_worker_records_losses_and_data_wait_for_a_custom_builder() -> None:
     assert len(result.losses) == 6 and all(loss > 0 for loss in result.losses)
     assert len(result.data_wait_s) == 4 and all(0 <= w < max(result.step_times_s) for w in result.data_wait_s)
     assert result.throughput == pytest.approx(6 / result.step_median_s)
+
+
+def test_a_callback_that_did_not_apply_is_kept_and_noted_beside_its_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """channels_last on a model without convolutions measures the plain model: the report says so, not stderr alone."""
+    from lightning_perf import _warnings
+    from lightning_perf.benchmark.runner import _no_effect_notes
+    from lightning_perf.benchmark.sources import apply_data_settings
+    from lightning_perf.benchmark.spec import RunSpec
+    from lightning_perf.benchmark.worker import run
+    from tests.tuning._user_models import PlainDataModule, SmallMLP
+
+    monkeypatch.setattr(_warnings, "_emitted", set())  # warn_once: an earlier test in this process may have said it
+
+    def build(spec: RunSpec) -> tuple[SmallMLP, PlainDataModule]:
+        model, data = SmallMLP(), PlainDataModule(batch_size=4)
+        apply_data_settings(model, data, spec.batch_size, spec.loader_overrides)
+        return model, data
+
+    spec = RunSpec(workload="mine", config="channels_last", steps=2, warmup_steps=1, predict_batches=0)
+    with pytest.warns(_warnings.NoEffectWarning, match="ChannelsLastCallback"):  # still shown, not swallowed
+        result = run(spec, build=build)
+    assert result.ok and len(result.no_effect) == 1 and "ChannelsLastCallback" in result.no_effect[0]
+    plain = run(RunSpec(workload="mine", config="baseline", steps=2, warmup_steps=1, predict_batches=0), build=build)
+    assert plain.no_effect == []
+    again = RunResult(spec={"config": "channels_last", "repeat": 1}, no_effect=list(result.no_effect))
+    notes = _no_effect_notes({"baseline": [plain], "channels_last": [result, again]})
+    assert len(notes) == 1 and notes[0].startswith("channels_last: did not apply, so this row measures without it: ")

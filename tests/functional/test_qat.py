@@ -294,8 +294,22 @@ def test_capture_failure_names_torch_export_and_its_reason() -> None:
 
 def test_nothing_to_quantize_is_an_error() -> None:
     model = nn.Sequential(nn.LayerNorm(4))
-    with pytest.raises(qat.QuantizationError, match="found nothing to quantize"):
+    with pytest.raises(qat.QuantizationError, match="found nothing to quantize") as caught:
         qat.prepare(model, qat.make_recipe("x86", "qat", example_inputs=torch.ones(1, 4)))
+    assert "suspect this torch" not in str(caught.value)  # nothing there to quantize: no version to blame
+
+
+def test_a_quantizer_that_annotates_nothing_it_should_names_the_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What torch 2.11 + torchao 0.18 did on an H200 machine: convolutions and a linear layer captured, none annotated.
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import X86InductorQuantizer
+
+    monkeypatch.setattr(X86InductorQuantizer, "annotate", lambda self, model: model)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    with pytest.raises(qat.QuantizationError, match="found nothing to quantize in Sequential") as caught:
+        qat.prepare(model, qat.make_recipe("x86", "qat", example_inputs=torch.ones(1, 3, 8, 8)))
+    message = str(caught.value)
+    assert "1 convolution(s) and 1 linear layer(s), none annotated" in message
+    assert f"this torch ({torch.__version__}) and torchao (" in message
 
 
 def test_torchao_internals_are_restored_after_prepare() -> None:
