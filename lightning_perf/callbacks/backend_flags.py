@@ -8,12 +8,12 @@ from typing import Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_perf._validation import check_choice, check_optional_bool
 from lightning_perf._warnings import NoEffectWarning, warn_once
+from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.backend_flags import (
     FLOAT32_MATMUL_PRECISIONS,
     BackendFlags,
@@ -32,7 +32,7 @@ from lightning_perf.functional.backend_flags import (
 _PRESETS = ("recommended", "fastest")
 
 
-class BackendFlagsCallback(Callback):
+class BackendFlagsCallback(UndoOnExit):
     """Set process-global backend flags for the duration of each ``fit``/``validate``/``test``/``predict``.
 
     The flags are applied in ``setup`` and restored exactly in ``teardown`` (and in ``on_exception``: Lightning does
@@ -150,19 +150,10 @@ class BackendFlagsCallback(Callback):
         which = f"the settings recommended for {_device_name(device)}: " if self.preset == "recommended" else ""
         rank_zero_info(f"{name}: set {which}{_describe(flags)} for this {stage} run; restored at teardown.")
 
-    def _restore(self) -> None:
+    def _undo(self, pl_module: pl.LightningModule | None = None) -> None:
         if self._previous is not None:
             restore(self._previous)
             self._previous = None
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._restore()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # Lightning calls `on_exception` and not `teardown` when a run fails.
-        self._restore()
 
 
 def _device_name(device: torch.device) -> str:

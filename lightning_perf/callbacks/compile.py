@@ -8,12 +8,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
 from lightning_perf._warnings import NoEffectWarning, warn_once
+from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.compile import (
     STAGES,
     CompiledModules,
@@ -63,7 +63,7 @@ def _evaluation_hooks(loop: str) -> tuple[Callable[..., None], Callable[..., Non
     return batch_start, batch_end
 
 
-class CompileCallback(Callback):
+class CompileCallback(UndoOnExit):
     """Compile the LightningModule's ``forward``, or its repeated blocks, with ``torch.compile``, in place.
 
     What is compiled (``regions``):
@@ -224,7 +224,7 @@ class CompileCallback(Callback):
             + (", ..." if len(modules) > 4 else "")
         )
 
-    def _undo(self) -> None:
+    def _undo(self, pl_module: pl.LightningModule | None = None) -> None:
         if self._compiled is not None:
             self._compiled.remove()
             self._compiled = None
@@ -263,15 +263,6 @@ class CompileCallback(Callback):
 
     # Every entry point starts the same way (in fit's own validation loop `_apply` finds the modules compiled already).
     on_validation_start = on_test_start = on_predict_start = on_fit_start
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._undo()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # Lightning calls `on_exception`, not `teardown`, when a run fails.
-        self._undo()
 
     # ---------------------------------------------------------------------------------------------- per batch
 

@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
@@ -15,6 +14,7 @@ from typing_extensions import override
 from lightning_perf._validation import check_bool
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
+from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.attention import (
     ACTIONS,
     ALREADY_FUSED,
@@ -27,7 +27,7 @@ from lightning_perf.functional.attention import (
 )
 
 
-class FlashAttentionCallback(Callback):
+class FlashAttentionCallback(UndoOnExit):
     """Runs the model's attention through flash-attn 2 where it applies, else PyTorch's fused SDPA kernels.
 
     In ``setup`` (after ``configure_model``, before the optimizer and DDP exist) every attention module an adapter
@@ -161,15 +161,6 @@ class FlashAttentionCallback(Callback):
                 "FlashAttentionCallback left every attention module unchanged: "
                 + "; ".join(f"{name}: {reason}" for name, (_, reason) in result.decisions.items())
             )
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._undo(pl_module)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # A failed or interrupted run never reaches teardown: put the originals back here the same way.
-        self._undo(pl_module)
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
         discard_pending_surgery(pl_module)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
@@ -18,6 +17,7 @@ from lightning_perf._imports import require
 from lightning_perf._validation import check_bool, check_int
 from lightning_perf._warnings import LightningPerfWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
+from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.float8 import (
     DEFAULT_ROWS,
     FILTERS,
@@ -40,7 +40,7 @@ __all__ = ["Float8TrainingCallback"]
 PRECISIONS = ("bf16-mixed", "bf16-true")
 
 
-class Float8TrainingCallback(Callback):
+class Float8TrainingCallback(UndoOnExit):
     """Trains eligible ``nn.Linear`` layers in float8 with torchao, only where float8 is measured faster.
 
     In ``setup`` of a ``fit`` (after ``configure_model``, before the optimizers and DDP exist) the chosen layers are
@@ -209,15 +209,6 @@ class Float8TrainingCallback(Callback):
             lines.append("Per shape (rows x in x out), bf16 time over float8 time:")
             lines += [f"  {line}" for line in plan.shape_lines(new)]
         rank_zero_info("\n".join(lines))
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._undo(pl_module)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # A failed or interrupted run never reaches teardown: the nn.Linear layers go back here the same way.
-        self._undo(pl_module)
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
         discard_pending_surgery(pl_module)

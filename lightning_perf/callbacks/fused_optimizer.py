@@ -6,7 +6,6 @@ from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
@@ -14,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_perf._warnings import NoEffectWarning, warn_once
+from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.fused_optimizer import (
     Implementation,
     set_implementation,
@@ -27,7 +27,7 @@ def _reapply(optimizer: Optimizer, implementation: Implementation) -> None:
     set_implementation(optimizer, implementation)
 
 
-class FusedOptimizerCallback(Callback):
+class FusedOptimizerCallback(UndoOnExit):
     """Make the optimizers of a run step with torch's fused (or foreach) kernels, without changing the module's code.
 
     The optimizers ``configure_optimizers`` built are switched in place: the same objects, with their state, param
@@ -83,7 +83,7 @@ class FusedOptimizerCallback(Callback):
             return
         rank_zero_info(f"{name}: " + "; ".join(changed + skipped) + ".")
 
-    def _undo(self) -> None:
+    def _undo(self, pl_module: pl.LightningModule | None = None) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -92,14 +92,6 @@ class FusedOptimizerCallback(Callback):
             for target, saved in zip((*optimizer.param_groups, optimizer.defaults), flags):
                 target.update(saved)
         self._switched.clear()
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._undo()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._undo()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -16,6 +15,7 @@ from typing_extensions import override
 from lightning_perf._validation import check_bool
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
+from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.checkpoint_budget import (
     ActivationProfile,
     ActivationRecorder,
@@ -37,7 +37,7 @@ from lightning_perf.functional.surgery import find_forward_patch, unpatch_forwar
 from lightning_perf.profiling.memory import MemoryProbe
 
 
-class GradCheckpointCallback(Callback):
+class GradCheckpointCallback(UndoOnExit):
     """Activation checkpointing (non-reentrant) of the model's blocks while it trains.
 
     Each chosen block drops its intermediate activations in forward and recomputes them in backward: peak activation
@@ -309,11 +309,6 @@ class GradCheckpointCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._undo(pl_module)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # A failed or interrupted fit never reaches teardown: undo the same way here.
         self._undo(pl_module)
 
     def _undo(self, pl_module: pl.LightningModule) -> None:

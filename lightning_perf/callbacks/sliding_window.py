@@ -7,10 +7,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.sliding_window import (
     SLIDING_WINDOW_STAGES,
     SwBatchSizeChoice,
@@ -24,7 +24,7 @@ from lightning_perf.functional.sliding_window import (
 _OWNER = "SlidingWindowInferenceCallback"
 
 
-class SlidingWindowInferenceCallback(Callback):
+class SlidingWindowInferenceCallback(UndoOnExit):
     """Run ``predict`` / ``test`` / ``validate`` through MONAI's ``sliding_window_inference``, step methods as written.
 
     A network trained on patches (``roi_size``) predicts whole volumes window by window: for the trainer entry points
@@ -171,16 +171,7 @@ class SlidingWindowInferenceCallback(Callback):
         if trainer.state.fn is not None and trainer.state.fn.value == "validate":
             self._undo()  # not fit's validation loop: fit never has the patch
 
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._undo()
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # A failed or interrupted run never reaches teardown: undo the same way here.
-        self._undo()
-
-    def _undo(self) -> None:
+    def _undo(self, pl_module: pl.LightningModule | None = None) -> None:
         if self._patched is not None:
             remove_sliding_window(self._patched)
             self._patched = None

@@ -466,21 +466,21 @@ def test_pickles_after_fit_with_run_time_device_state_left_behind(tmp_path: Path
     import pickle
 
     callback = scripted_fit(tmp_path)
-    assert callback._timer is not None and callback._handles == []
+    assert callback._phases is not None and callback._handles == []
     # What a CUDA fit leaves in the timers: events of the last (closed, unresolved) phases.
-    callback._timer._open["step"] = _Unpicklable()
+    callback._phases.timer._open["step"] = _Unpicklable()
     callback._val_timer._open["validation"] = _Unpicklable()  # type: ignore[union-attr]
     with pytest.raises(TypeError, match="cannot pickle"):
-        pickle.dumps(callback._timer)
+        pickle.dumps(callback._phases)
     clone = pickle.loads(pickle.dumps(callback))
     assert clone.report is not None and callback.report is not None
     assert clone.report.keys() == callback.report.keys()
     assert clone.report["per_step"]["records"] == callback.report["per_step"]["records"]
-    assert clone._timer is None and clone._val_timer is None and clone._recorder is None
+    assert clone._phases is None and clone._val_timer is None and clone._recorder is None
     assert (clone.warmup_steps, clone.filename, clone.thresholds) == (1, "bottleneck", callback.thresholds)
-    assert callback._timer is not None  # the original keeps its run
+    assert callback._phases is not None  # the original keeps its run
     deep = copy.deepcopy(callback)
-    assert deep._timer is None and deep.report is not None
+    assert deep._phases is None and deep.report is not None
     # The copy measures a fit of its own: its timers are built at fit start.
     clone._clock = ScriptedClock()
     quiet_trainer(tmp_path / "again", [clone], max_steps=3).fit(Scripted(clone._clock), DataLoader(torch.randn(8, 4)))
@@ -503,7 +503,7 @@ def test_a_copy_taken_mid_fit_starts_idle(tmp_path: Path) -> None:
     data = DataLoader(SlowData(clock, 0.5), batch_size=2)
     quiet_trainer(tmp_path, [callback, CopyMidFit()], max_steps=4).fit(Scripted(clock), data)
     (copy_,) = copies
-    assert copy_._timer is None and not copy_._step_open and copy_._current is None and copy_._handles == []
+    assert copy_._phases is None and copy_._handles == []
     assert callback.report is not None and callback.report["steps"]["total"] == 4
 
 
@@ -516,4 +516,4 @@ def test_pickles_after_a_cuda_fit(tmp_path: Path) -> None:
     callback = BottleneckCallback(warmup_steps=2, sync_check_steps=1, verbose=False)
     quiet_trainer(tmp_path, [callback], accelerator="cuda", max_steps=4).fit(model, datamodule=data)
     clone = pickle.loads(pickle.dumps(callback))
-    assert clone.report is not None and clone.report["device"].startswith("cuda") and clone._timer is None
+    assert clone.report is not None and clone.report["device"].startswith("cuda") and clone._phases is None
