@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lightning_perf.benchmark.stack import MIN_EVIDENCE_REPEATS
 from lightning_perf.optimizations import BASELINE
 from lightning_perf.profiling.intervals import METHOD_T, MIN_REPEATS_FOR_T, RatioEstimate, t_critical_95
 
@@ -61,9 +62,12 @@ def relative_half_width(estimate: RatioEstimate) -> float | None:
 
 
 def is_settled(estimate: RatioEstimate, target: float = DEFAULT_TARGET) -> bool:
-    """Whether the 95% interval of ``estimate`` lies within ``+-target`` of it."""
+    """Whether the 95% interval of ``estimate`` lies within ``+-target`` of it, and a speed-up that looks like a win
+    has the repeats a recommendation needs (:data:`~lightning_perf.benchmark.stack.MIN_EVIDENCE_REPEATS`)."""
     width = relative_half_width(estimate)
-    return width is not None and width <= target
+    if width is None or width > target:
+        return False
+    return not (estimate.low > 1.0 and estimate.n < MIN_EVIDENCE_REPEATS)
 
 
 def _width_factor(n: int, method: str) -> float:
@@ -81,8 +85,8 @@ def repeats_to_settle(estimate: RatioEstimate, target: float = DEFAULT_TARGET, l
     if width is None:
         return None
     n = max(estimate.n, 1)
-    if width <= target:
-        return n
+    if width <= target:  # settled, or a would-be winner short of the repeats a recommendation needs
+        return max(n, MIN_EVIDENCE_REPEATS) if estimate.low > 1.0 else n
     if width == math.inf:
         return None
     now = _width_factor(n, estimate.method)
@@ -146,6 +150,8 @@ def unsettled_text(item: Unsettled, target: float = DEFAULT_TARGET) -> str:
     if item.repeats_needed is None:
         return text + f": no interval to project from; more repeats would settle it to +-{target:.0%}"
     more = "" if item.seconds_needed is None else f" (~{_clock_text(item.seconds_needed)} more)"
+    if item.half_width is not None and item.half_width <= target:  # narrow enough, too few repeats to win
+        return text + f": a recommendation needs {item.repeats_needed} repeats{more}"
     return text + f": about {item.repeats_needed} repeats{more} would settle it to +-{target:.0%}"
 
 

@@ -22,22 +22,51 @@ from lightning_perf.optimizations import BASELINE, Optimization
 from lightning_perf.profiling.intervals import RatioEstimate
 
 __all__ = [
+    "MIN_EVIDENCE_REPEATS",
     "Stack",
     "callbacks_of",
     "choose_stack",
+    "evidence_line",
     "is_winner",
+    "looks_faster",
     "recommendation_lines",
     "trainer_python",
     "trainer_yaml",
+    "wanting_evidence",
 ]
 
 Lookup = Callable[[str], Optimization]
 CallbackSpec = tuple[str, Mapping[str, Any]]
 
 
-def is_winner(estimate: RatioEstimate | None) -> bool:
-    """Whether a speed-up won: its verdict is *faster*, the whole 95% interval above 1."""
+MIN_EVIDENCE_REPEATS = 3
+"""Repeats (fresh processes per side) a speed-up needs before it may change a user's Trainer: with two, a bootstrap
+interval is little more than the span of two numbers, and one lucky process pair decides."""
+
+
+def looks_faster(estimate: RatioEstimate | None) -> bool:
+    """Whether the whole 95% interval lies above 1 (the verdict *faster*), whatever the number of repeats."""
     return estimate is not None and estimate.has_interval and estimate.low > 1.0 and estimate.verdict == "faster"
+
+
+def is_winner(estimate: RatioEstimate | None) -> bool:
+    """Whether a speed-up won: *faster* (the whole 95% interval above 1) over at least :data:`MIN_EVIDENCE_REPEATS`
+    repeats."""
+    return looks_faster(estimate) and estimate.n >= MIN_EVIDENCE_REPEATS  # type: ignore[union-attr]
+
+
+def wanting_evidence(estimates: Mapping[str, RatioEstimate | None]) -> list[str]:
+    """The single configurations that measured faster from too few repeats to win (best first)."""
+    names = [n for n, e in estimates.items() if "+" not in n and looks_faster(e) and not is_winner(e)]
+    return sorted(names, key=lambda n: -estimates[n].ratio)  # type: ignore[union-attr]
+
+
+def evidence_line(name: str, estimate: RatioEstimate) -> str:
+    """Why a configuration that measured faster is not recommended, and what would settle it."""
+    return (
+        f"Not enough evidence: {name} measured {estimate.format()} from {estimate.n} repeat(s); a recommendation "
+        f"needs {MIN_EVIDENCE_REPEATS}: run with --repeats {MIN_EVIDENCE_REPEATS} or a longer --time-budget."
+    )
 
 
 def callbacks_of(optimization: Optimization) -> list[CallbackSpec]:
@@ -209,8 +238,12 @@ def recommendation_lines(
         lookup: the optimization list.
         width: the longest line (prose is wrapped, code lines are broken where Python and YAML allow).
     """
-    if not stack.names:
+    short = [evidence_line(n, singles[n]) for n in wanting_evidence(singles)]  # type: ignore[arg-type]
+    if not stack.names and not short:
         return ["Recommendation: nothing measured faster than baseline here; keep your Trainer as it is."]
+    if not stack.names:
+        head = "Recommendation: none yet; keep your Trainer as it is until a run settles what follows."
+        return [part for line in [head, *short] for part in textwrap.wrap(line, width, subsequent_indent="  ")]
     best = max(stack.names, key=lambda n: e.ratio if (e := singles.get(n)) is not None else 0.0)
     names: Sequence[str] = stack.names
     figure = stack_estimate
@@ -231,7 +264,7 @@ def recommendation_lines(
         head = f"Recommendation: {what}: {figure.format()} speed-up"
         head += f" ({settled_note})." if settled_note else "."
     lines.insert(0, head)
-    lines += [f"Left out of the stack: {name} ({why})." for name, why in stack.dropped]
+    lines += [f"Left out of the stack: {name} ({why})." for name, why in stack.dropped] + short
     prose = [part for line in lines for part in textwrap.wrap(line, width, subsequent_indent="  ")]
     code = trainer_python(names, lookup, width=width - 4)
     python = ["Add to your Trainer:", *(f"    {line}".rstrip() for line in code)]

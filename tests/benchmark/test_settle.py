@@ -14,6 +14,7 @@ from lightning_perf.benchmark.settle import (
     repeats_to_settle,
     unsettled_text,
 )
+from lightning_perf.benchmark.stack import MIN_EVIDENCE_REPEATS
 from lightning_perf.profiling.intervals import METHOD_BOOTSTRAP, METHOD_SINGLE, METHOD_T, RatioEstimate, paired_ratio
 
 
@@ -72,11 +73,21 @@ def test_stops_when_every_ratio_settles() -> None:
     run_round(settling, clock, first.active)
     second = settling.decide({"a": estimate(1.5, 0.03, 2), "b": estimate(1.2, 0.2, 2, METHOD_BOOTSTRAP)}, repeats=2)
     assert not second.stop
-    assert second.active == ("baseline", "b")  # a settled: only baseline and b run again
-    assert [u.config for u in second.unsettled] == ["b"]
+    # a is narrow, but a speed-up needs MIN_EVIDENCE_REPEATS (3) repeats to be recommended: it runs once more.
+    assert second.active == ("baseline", "a", "b")
+    assert (second.unsettled[0].config, second.unsettled[0].repeats_needed) == ("a", MIN_EVIDENCE_REPEATS)
+    assert "a recommendation needs 3 repeats" in unsettled_text(second.unsettled[0])
     run_round(settling, clock, second.active)
-    third = settling.decide({"a": estimate(1.5, 0.03, 2), "b": estimate(1.2, 0.045, 3)}, repeats=3)
-    assert third.stop and third.reason == STOP_SETTLED and not third.unsettled
+    third = settling.decide({"a": estimate(1.5, 0.03, 3), "b": estimate(1.2, 0.2, 3, METHOD_BOOTSTRAP)}, repeats=3)
+    assert not third.stop and third.active == ("baseline", "b")  # a settled: only baseline and b run again
+    run_round(settling, clock, third.active)
+    fourth = settling.decide({"a": estimate(1.5, 0.03, 3), "b": estimate(1.2, 0.045, 4)}, repeats=4)
+    assert fourth.stop and fourth.reason == STOP_SETTLED and not fourth.unsettled
+
+
+def test_a_slower_or_unclear_ratio_settles_on_its_width_alone() -> None:
+    slower = RatioEstimate(0.8, 0.78, 0.82, METHOD_T, "slower", 2)
+    assert is_settled(slower) and not is_settled(estimate(1.5, 0.03, 2)) and is_settled(estimate(1.5, 0.03, 3))
 
 
 def test_stops_at_the_budget_and_reports_unsettled() -> None:

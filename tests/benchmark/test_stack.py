@@ -36,6 +36,13 @@ def test_winners_are_faster_with_the_whole_interval_above_one() -> None:
     assert not is_winner(est(1.1, 0.99, 1.2))
     assert not is_winner(RatioEstimate(1.5, 1.5, 1.5, METHOD_SINGLE, "one repeat: no interval", 1))
     assert not is_winner(None)
+    # The evidence rule: faster over 2 repeats is not enough to change a Trainer; the output says what would be.
+    two = RatioEstimate(2.01, 1.004, 4.36, METHOD_T, "faster", 2)
+    assert not is_winner(two) and is_winner(RatioEstimate(2.01, 1.004, 4.36, METHOD_T, "faster", 3))
+    lines = recommendation_lines(choose_stack({"fused_optimizer": two}), None, {"fused_optimizer": two})
+    assert lines[0].startswith("Recommendation: none yet") and all(len(line) <= 80 for line in lines)
+    assert "Not enough evidence: fused_optimizer measured 2.01x" in " ".join(lines)
+    assert "run with --repeats 3" in " ".join(lines)
 
 
 def test_the_stack_is_built_from_the_winners_best_first() -> None:
