@@ -19,7 +19,13 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from lightning_perf._warnings import FallbackWarning, LightningPerfWarning, MeasurementWarning, NoEffectWarning
+from lightning_perf._warnings import (
+    FallbackWarning,
+    LightningPerfWarning,
+    MeasurementWarning,
+    NoEffectWarning,
+    PartialEffectWarning,
+)
 
 __version__ = "0.1.0.dev0"
 
@@ -28,6 +34,7 @@ __all__ = [
     "LightningPerfWarning",
     "MeasurementWarning",
     "NoEffectWarning",
+    "PartialEffectWarning",
     "__version__",
 ]
 

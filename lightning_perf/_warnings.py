@@ -15,6 +15,10 @@ class NoEffectWarning(LightningPerfWarning):
     """An optimization did not apply to this model or device; training goes on unchanged."""
 
 
+class PartialEffectWarning(LightningPerfWarning):
+    """An optimization applied to part of what it acts on (FSDP2-sharded weights keep their layout, say)."""
+
+
 class FallbackWarning(LightningPerfWarning):
     """An optimization failed at run time and fell back to the unoptimized path (``strict=False``)."""
 

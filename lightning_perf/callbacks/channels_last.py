@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_perf._validation import check_choice
-from lightning_perf._warnings import NoEffectWarning, warn_once
+from lightning_perf._warnings import NoEffectWarning, PartialEffectWarning, warn_once
 from lightning_perf.callbacks._model_hooks import (
     BatchTransform,
     add_batch_transform,
@@ -48,7 +48,7 @@ class ChannelsLastCallback(Callback):
     Under FSDP2 (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``) the sharded weights keep their
     layout: FSDP2 gathers them contiguous before every forward, so converting a shard would change nothing. The inputs
     are converted as always, and the convolution kernels run in channels-last, reordering the gathered weights per call
-    (said once on rank zero).
+    (one :class:`~lightning_perf.PartialEffectWarning` says so).
 
     Args:
         dims: ``"auto"`` (default) converts the 2D convolutions and 4D inputs and the 3D convolutions and 5D inputs
@@ -85,11 +85,19 @@ class ChannelsLastCallback(Callback):
                 NoEffectWarning,
             )
             return
-        if (
-            report.changed or report.sharded
-        ) and not self._reported:  # each stage converts again (teardown restores): say it once
+        if (report.changed or report.sharded) and not self._reported:  # each stage converts again: say it once
             rank_zero_info(f"{type(self).__name__}: {report.summary()}.")
             self._reported = True
+        if report.sharded:
+            trainer = getattr(pl_module, "_trainer", None)  # `pl_module.trainer` raises outside a Trainer
+            strategy = type(trainer.strategy).__name__ if trainer is not None else "fully_shard"
+            warn_once(
+                f"{type(self).__name__} under {strategy}: the weights of {len(report.sharded)} convolution(s) are "
+                "FSDP2 shards and keep FSDP2's layout (it gathers them contiguous before every forward, so a "
+                "converted shard would not reach the kernel); inputs are converted and the kernels reorder the "
+                "gathered weights per call. Channels-last weights need DDP or a single device.",
+                PartialEffectWarning,
+            )
         self._transform = partial(batch_to_channels_last, dims=report.dims)
         add_batch_transform(pl_module, self._transform)
 

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_perf import NoEffectWarning
+from lightning_perf import NoEffectWarning, PartialEffectWarning
 from lightning_perf.callbacks import ChannelsLastCallback
 from lightning_perf.demos import ConvNetModule, UNet3DModule, make_workload
+from tests.callbacks._sharded import one_process_group  # noqa: F401  (a fixture)
 
 CL, CL3 = torch.channels_last, torch.channels_last_3d
 
@@ -346,3 +347,22 @@ def test_resume_from_a_plain_checkpoint_and_load_both_ways(tmp_path: Path, fused
     for (name, a), b in zip(resumed.state_dict().items(), plain.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
         assert b.is_contiguous(), name
+
+
+@pytest.mark.usefixtures("one_process_group")
+def test_fsdp2_sharded_weights_keep_their_layout_and_a_warning_says_so() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    class ShardedConv(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+    module = ShardedConv()
+    fully_shard(module.conv, mesh=init_device_mesh("cpu", (1,)))
+    callback = ChannelsLastCallback()
+    with pytest.warns(PartialEffectWarning, match=r"1 convolution\(s\) are FSDP2 shards and keep FSDP2's layout"):
+        callback._convert(module)
+    assert callback._transform is not None  # the inputs are still converted
+    assert not module.conv.weight.to_local().is_contiguous(memory_format=torch.channels_last)
