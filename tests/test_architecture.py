@@ -1,7 +1,8 @@
-"""The layout holds: the Lightning-free layers load no Lightning, no import cycles, short files, layers import downward.
+"""The layout holds: the Lightning-free layers load no Lightning, no import cycles, short files, layers import downward,
+benchmark/ never imports the CLI.
 
 The static checks read the package's source with :mod:`ast` (docstrings and comments do not count; imports inside
-functions do) so they see every import, not only those a test happens to execute.
+functions and under ``TYPE_CHECKING`` do) so they see every import, not only those a test happens to execute.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ class Import:
 
     target: str
     line: int
-    type_checking: bool  # inside `if TYPE_CHECKING:` (never runs)
 
 
 def _module_name(path: Path) -> str:
@@ -61,12 +61,6 @@ MODULES = _source_files()
 TREES = {module: ast.parse(path.read_text(), filename=str(path)) for module, path in MODULES.items()}
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports_of(module: str, path: Path, tree: ast.AST | None = None) -> list[Import]:
     """Every import in the file, at module level or inside functions and classes, with relative ones resolved.
 
@@ -79,15 +73,9 @@ def _imports_of(module: str, path: Path, tree: ast.AST | None = None) -> list[Im
     package_parts = module.split(".") if is_package else module.split(".")[:-1]
     found: list[Import] = []
 
-    def visit(node: ast.AST, guarded: bool) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.body:
-                visit(child, True)
-            for child in node.orelse:
-                visit(child, guarded)
-            return
+    for node in ast.walk(tree):  # under `if TYPE_CHECKING:` too: a circle through type hints is still a circle
         if isinstance(node, ast.Import):
-            found.extend(Import(alias.name, node.lineno, guarded) for alias in node.names)
+            found.extend(Import(alias.name, node.lineno) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package_parts[: len(package_parts) - (node.level - 1)]
@@ -96,7 +84,7 @@ def _imports_of(module: str, path: Path, tree: ast.AST | None = None) -> list[Im
                 source = node.module or ""
             for alias in node.names:
                 submodule = f"{source}.{alias.name}"
-                found.append(Import(submodule if submodule in MODULES else source, node.lineno, guarded))
+                found.append(Import(submodule if submodule in MODULES else source, node.lineno))
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, (ast.Attribute, ast.Name))
@@ -105,11 +93,7 @@ def _imports_of(module: str, path: Path, tree: ast.AST | None = None) -> list[Im
             and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str)
         ):
-            found.append(Import(node.args[0].value, node.lineno, guarded))
-        for child in ast.iter_child_nodes(node):
-            visit(child, guarded)
-
-    visit(tree, False)
+            found.append(Import(node.args[0].value, node.lineno))
     return found
 
 
@@ -175,13 +159,11 @@ def test_lightning_free_layer_loads_no_lightning(layer_probes: Probes, layer: st
 # --------------------------------------------------------------------------------------------------- import graph
 
 
-def _graph(include_type_checking: bool = False) -> dict[str, dict[str, int]]:
+def _graph() -> dict[str, dict[str, int]]:
     """module -> {imported module of this package: first line}."""
     graph: dict[str, dict[str, int]] = {m: {} for m in MODULES}
     for module, imports in IMPORTS.items():
         for imp in imports:
-            if imp.type_checking and not include_type_checking:
-                continue
             target = _resolve(imp.target)
             if target is not None and target != module:
                 graph[module].setdefault(target, imp.line)
@@ -328,6 +310,18 @@ def _layer_violations() -> list[str]:
 def test_layers_import_only_downward() -> None:
     problems = _layer_violations()
     assert not problems, f"{len(problems)} import(s) against the layer rule:\n  " + "\n  ".join(problems)
+
+
+def test_benchmark_never_imports_the_cli() -> None:
+    # The CLI parses its options into a spec and hands it to benchmark/ (bench and --tasks alike); nothing climbs back.
+    climbs = [
+        f"{_where(module, imp.line)} imports {imp.target}"
+        for module, imports in IMPORTS.items()
+        if module.startswith(f"{PACKAGE}.benchmark")
+        for imp in imports
+        if (_resolve(imp.target) or "").startswith(f"{PACKAGE}.cli")
+    ]
+    assert not climbs, "benchmark/ imports the CLI:\n  " + "\n  ".join(climbs)
 
 
 # ---------------------------------------------------------------------------------------------- unsafe loading

@@ -46,11 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_perf.benchmark.compare_text import METHOD, format_table, format_value, markdown_report
 from lightning_perf.profiling.significance import (
     FASTER,
     NO_CLEAR_DIFFERENCE,
+    SIGNIFICANCE_LEVEL,
     SLOWER,
+    SampleComparison,
     compare_samples,
     mann_whitney_p_value,
     verdict,
@@ -59,6 +60,7 @@ from lightning_perf.profiling.stats import median_of_repeats
 
 __all__ = [
     "BENCH_KIND",
+    "DEFAULT_THRESHOLD",
     "METHOD",
     "METRICS",
     "PYTEST_BENCHMARK_KIND",
@@ -71,16 +73,20 @@ __all__ = [
     "check_compatible",
     "compare_files",
     "compare_results",
-    "format_table",
-    "format_value",
     "load_results",
-    "markdown_report",
 ]
 
 BENCH_KIND = "lightning-perf-bench"
 SWEEP_KIND = "lightning-perf-bench-sweep"  # `bench --batch-sizes`: one bench report per batch size
 PYTEST_BENCHMARK_KIND = "pytest-benchmark"
 MAX_FILE_BYTES = 512 * 2**20  # a results file is a few MB at most; refuse to read something else whole
+DEFAULT_THRESHOLD = 0.05
+"""The smallest change worth a verdict (5%), as a fraction."""
+METHOD = (
+    f"change: new/old of the medians; 95% interval: percentile bootstrap of that ratio (2000 resamples, seed 0); "
+    f"verdict: beyond the threshold and significant (Mann-Whitney U p < {SIGNIFICANCE_LEVEL}, normal approximation "
+    f"with tie correction, with an interval that excludes no change; or the whole interval beyond the threshold)"
+)
 
 
 class ResultsFileError(ValueError):
@@ -549,7 +555,7 @@ def check_compatible(old: ResultFile, new: ResultFile) -> None:
         raise IncompatibleResultsError("cannot compare: " + "; ".join(differences))
 
 
-def compare_results(old: ResultFile, new: ResultFile, threshold: float = 0.05) -> FileComparison:
+def compare_results(old: ResultFile, new: ResultFile, threshold: float = DEFAULT_THRESHOLD) -> FileComparison:
     """Compare two loaded files (checked with :func:`check_compatible` first).
 
     Args:
@@ -557,9 +563,12 @@ def compare_results(old: ResultFile, new: ResultFile, threshold: float = 0.05) -
         new: the candidate.
         threshold: the smallest change worth a verdict, a fraction >= 0 (0.05 is 5%).
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
-        raise ValueError(f"`compare_results(threshold={threshold!r})` is not valid. Expected a finite number >= 0.")
-    if threshold < 0:
+    if (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, (int, float))
+        or not math.isfinite(threshold)
+        or threshold < 0
+    ):
         raise ValueError(f"`compare_results(threshold={threshold!r})` is not valid. Expected a finite number >= 0.")
     check_compatible(old, new)
     result = FileComparison(old=old, new=new, threshold=float(threshold))
@@ -587,7 +596,7 @@ def compare_results(old: ResultFile, new: ResultFile, threshold: float = 0.05) -
     return result
 
 
-def compare_files(old_path: str | Path, new_path: str | Path, threshold: float = 0.05) -> FileComparison:
+def compare_files(old_path: str | Path, new_path: str | Path, threshold: float = DEFAULT_THRESHOLD) -> FileComparison:
     """Load two results files and compare them (:func:`load_results`, :func:`compare_results`).
 
     Raises:
@@ -611,31 +620,40 @@ def _stats_of(entry: Entry, key: str) -> dict[str, float] | None:
 
 
 def _compare_metric(name: str, metric: Metric, old: Entry, new: Entry, threshold: float) -> MetricRow | None:
+    sa, sb = _stats_of(old, metric.key), _stats_of(new, metric.key)
+    if sa is None or sb is None:
+        return None
     a, b = old.samples.get(metric.key), new.samples.get(metric.key)
     if a and b:
         if metric.key in old.groups and metric.key in new.groups:  # repeats resampled first, then their steps
             a, b = old.groups[metric.key], new.groups[metric.key]  # type: ignore[assignment]
         found = compare_samples(a, b, threshold, higher_is_better=metric.higher_is_better)
-        row = MetricRow(
-            config=name,
-            metric=metric.label,
-            unit=metric.unit,
-            old_median=_stats_of(old, metric.key)["median"],  # type: ignore[index]
-            new_median=_stats_of(new, metric.key)["median"],  # type: ignore[index]
-            n_old=found.n_old,
-            n_new=found.n_new,
-            ratio=found.ratio,
-            ratio_ci95=found.ratio_ci95,
-            p_value=found.p_value,
-            verdict=found.verdict,
-        )
-        if found.ratio_ci95 is None:
-            row.note = "one value a side: no interval, no verdict"
-        return _finish(row, metric)
-    sa, sb = _stats_of(old, metric.key), _stats_of(new, metric.key)
-    if sa is None or sb is None:
-        return None
-    # Statistics only: the ratio of the medians; significance only when the ranges do not overlap.
+        note = None if found.ratio_ci95 is not None else "one value a side: no interval, no verdict"
+    else:
+        found = _statistics_only(sa, sb, threshold, metric)
+        note = "statistics only (no raw samples; pytest --benchmark-save-data keeps them): no interval"
+    row = MetricRow(
+        name,
+        metric.label,
+        metric.unit,
+        sa["median"],
+        sb["median"],
+        found.n_old,
+        found.n_new,
+        found.ratio,
+        found.ratio_ci95,
+        found.p_value,
+        found.verdict,
+        note=note,
+    )
+    row.regression = metric.speed and row.verdict == SLOWER
+    if not metric.speed:
+        row.verdict = _MEMORY_WORDS[row.verdict]
+    return row
+
+
+def _statistics_only(sa: dict[str, float], sb: dict[str, float], threshold: float, metric: Metric) -> SampleComparison:
+    """The ratio of the medians; significance only when the ranges do not overlap (the rank test needs no data)."""
     n_old, n_new = int(sa["rounds"]), int(sb["rounds"])
     ratio = sb["median"] / sa["median"]
     p_value = None
@@ -644,17 +662,4 @@ def _compare_metric(name: str, metric: Metric, old: Entry, new: Entry, threshold
     elif sb["max"] < sa["min"]:
         p_value = mann_whitney_p_value(float(n_old * n_new), n_old, n_new)[1]
     call = verdict(ratio, None, p_value, threshold, higher_is_better=metric.higher_is_better)
-    row = MetricRow(name, metric.label, metric.unit, sa["median"], sb["median"], n_old, n_new, ratio, None, p_value)
-    row.verdict = call
-    row.note = "statistics only (no raw samples; pytest --benchmark-save-data keeps them): no interval"
-    return _finish(row, metric)
-
-
-def _finish(row: MetricRow, metric: Metric) -> MetricRow:
-    row.regression = metric.speed and row.verdict == SLOWER
-    if not metric.speed:
-        row.verdict = _MEMORY_WORDS[row.verdict]
-    return row
-
-
-# ------------------------------------------------------------------------------------------------------ printing
+    return SampleComparison(ratio, None, p_value, call, call == SLOWER, n_old, n_new)

@@ -1,23 +1,15 @@
-"""The text of a comparison of two result files: the 80-column table and the Markdown report.
-
-Split from :mod:`lightning_perf.benchmark.compare` (which loads and compares; its names for these stay importable).
-"""
+"""The text of a comparison of two result files (:mod:`lightning_perf.benchmark.compare`): the 80-column table and
+the Markdown report."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
+from lightning_perf.benchmark.compare import METHOD, FileComparison, MetricRow
 from lightning_perf.profiling.significance import SIGNIFICANCE_LEVEL
 
-if TYPE_CHECKING:
-    from lightning_perf.benchmark.compare import FileComparison, MetricRow
-
-METHOD = (
-    f"change: new/old of the medians; 95% interval: percentile bootstrap of that ratio (2000 resamples, seed 0); "
-    f"verdict: beyond the threshold and significant (Mann-Whitney U p < {SIGNIFICANCE_LEVEL}, normal approximation "
-    f"with tie correction, with an interval that excludes no change; or the whole interval beyond the threshold)"
-)
+__all__ = ["format_table", "format_value", "markdown_report"]
 
 
 def format_value(value: float | None, unit: str) -> str:
@@ -53,11 +45,6 @@ def _signed(percent: float) -> str:
     return f"{percent:+.0f}" if abs(percent) >= 10 else f"{percent:+.1f}"
 
 
-def _clip(text: str, width: int) -> str:
-    """``text`` whole: every line is wrapped to ``width`` at the end (:func:`_wrap`), never cut."""
-    return text
-
-
 TABLE_HEADER = ("", "old", "new", "change", "95% interval", "verdict")
 _WIDTHS = (14, 9, 9, 7, 14)
 
@@ -74,8 +61,8 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
     per figure, then what is missing, the notes and the regressions."""
     pct = f"{comparison.threshold * 100:g}%"
     lines = [
-        _clip(f"old: {comparison.old.path} ({comparison.old.description})", width),
-        _clip(f"new: {comparison.new.path} ({comparison.new.description})", width),
+        f"old: {comparison.old.path} ({comparison.old.description})",
+        f"new: {comparison.new.path} ({comparison.new.description})",
         *(f"warning: {w}" for w in (*comparison.old.warnings, *comparison.new.warnings)),
         "",
         _line(("configuration", *TABLE_HEADER[1:])),
@@ -84,7 +71,7 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
     for row in comparison.rows:
         if row.config != current:
             current = row.config
-            lines.append(_clip(row.config, width))
+            lines.append(row.config)
         marker = "*" if row.note else ""
         lines.append(
             _line(
@@ -102,18 +89,10 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
         lines.append("(no configuration measured in both files)")
     lines.append("")
     notes = sorted({row.note for row in comparison.rows if row.note})
-    lines += [_clip(f"* {note}", width) for note in notes]
-    if comparison.only_in_old:
-        lines.append(_clip(f"only in old: {', '.join(comparison.only_in_old)}", width))
-    if comparison.only_in_new:
-        lines.append(_clip(f"only in new: {', '.join(comparison.only_in_new)}", width))
-    lines += [_clip(note, width) for note in comparison.notes]
+    lines += [f"* {note}" for note in notes] + _unmatched(comparison)
     lines.append(
-        _clip(
-            f"change: new/old of the medians, 95% bootstrap interval; a verdict needs a change beyond {pct} "
-            f"and p < {SIGNIFICANCE_LEVEL} (Mann-Whitney, interval excluding 0%) or the interval beyond {pct}.",
-            10**6,
-        )
+        f"change: new/old of the medians, 95% bootstrap interval; a verdict needs a change beyond {pct} "
+        f"and p < {SIGNIFICANCE_LEVEL} (Mann-Whitney, interval excluding 0%) or the interval beyond {pct}."
     )
     regressions = comparison.regressions
     if regressions:
@@ -124,11 +103,15 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
     return "\n".join(_wrap(line, width) for line in lines)
 
 
+def _unmatched(comparison: FileComparison) -> list[str]:
+    """What was not compared: the configurations of one file only, and the comparison's notes."""
+    sides = (("old", comparison.only_in_old), ("new", comparison.only_in_new))
+    return [f"only in {side}: {', '.join(names)}" for side, names in sides if names] + comparison.notes
+
+
 def _wrap(line: str, width: int) -> str:
     if len(line) <= width:
         return line
-    import textwrap
-
     return "\n".join(textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False))
 
 
@@ -156,11 +139,7 @@ def markdown_report(comparison: FileComparison) -> str:
         )
     out.append("")
     extra = [*comparison.old.warnings, *comparison.new.warnings, *sorted({r.note for r in comparison.rows if r.note})]
-    if comparison.only_in_old:
-        extra.append(f"only in old: {', '.join(comparison.only_in_old)}")
-    if comparison.only_in_new:
-        extra.append(f"only in new: {', '.join(comparison.only_in_new)}")
-    extra += comparison.notes
+    extra += _unmatched(comparison)
     out += [f"- {line}" for line in extra]
     regressions = comparison.regressions
     out += [

@@ -19,12 +19,13 @@ import argparse
 import csv
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_perf.benchmark.spec import SpecError, check_config_names, check_preset, check_workload
+from lightning_perf.benchmark.spec import SpecError, check_config_names, check_workload
+from lightning_perf.optimizations import STAGES
 
 __all__ = [
     "COLUMN_OPTIONS",
@@ -35,7 +36,9 @@ __all__ = [
     "WORKING_TREE",
     "Task",
     "TaskFileError",
+    "one_line",
     "read_tasks",
+    "task_from_options",
 ]
 
 REQUIRED_COLUMNS: tuple[str, ...] = ("name", "config", "configs", "steps", "batch_size")
@@ -69,7 +72,6 @@ COLUMN_OPTIONS: dict[str, str] = {
 """The bench option each column becomes (``name`` and ``ref`` are the task runner's, not the bench's)."""
 SOURCE_COLUMNS: tuple[str, ...] = ("config", "workload", "model", "datamodule", "model_args", "datamodule_args")
 """The columns that say which model a task measures."""
-STAGES: tuple[str, ...] = ("fit", "predict", "validate", "test")
 WORKING_TREE = "."
 """The ``ref`` that means the working tree as it is (git refuses ``.`` as a ref name, so it cannot clash)."""
 
@@ -136,12 +138,8 @@ class Task:
         return argv
 
 
-def _where(path: Path, line: int, column: str | None = None) -> str:
-    return f"{path}, line {line}" + (f", column {column!r}" if column else "")
-
-
 def _error(path: Path, line: int, column: str | None, message: str) -> TaskFileError:
-    return TaskFileError(f"{_where(path, line, column)}: {message}")
+    return TaskFileError(f"{path}, line {line}" + (f", column {column!r}" if column else "") + f": {message}")
 
 
 def _invalid(value: str, expected: str) -> str:
@@ -217,13 +215,9 @@ def _parse_cell(
         if not refs or any(r.startswith("-") or any(c.isspace() for c in r) for r in refs):
             return None, _invalid(text, "git refs separated by ';' (a branch, tag or commit; '.' is the working tree)")
         return refs, None
-    if parser is not None and column in ("workload", "preset"):
-        return text, _spec_check(check_workload if column == "workload" else _check_preset, text)
+    if parser is not None and column == "workload":
+        return text, _spec_check(check_workload, text)
     return text, _check_option(parser, COLUMN_OPTIONS[column], text) if column in COLUMN_OPTIONS else None
-
-
-def _check_preset(text: str) -> str:
-    return check_preset(text, "cpu")
 
 
 def _spec_check(check: Callable[[str], Any], text: str) -> str | None:
@@ -340,11 +334,22 @@ def read_tasks(path: str | Path, parser: argparse.ArgumentParser | None = None) 
     return tasks
 
 
-def task_from_options(name: str, options: Mapping[str, Any], refs: Sequence[str] = ()) -> Task:
-    """The one task of a command line (``--ref`` without ``--tasks``): ``options`` maps column names to values."""
-    values = {k: v for k, v in options.items() if v not in (None, (), [])}
+def task_from_options(options: Mapping[str, Any]) -> Task:
+    """The one task of a command line (``--ref`` without ``--tasks``): ``options`` maps column names to values; the
+    task is named after the model class, the first config file or the workload."""
+    values: dict[str, Any] = {k: options[k] for k in SOURCE_COLUMNS if options.get(k) not in (None, (), [])}
     if "config" in values:
         values["config"] = tuple(Path(p).absolute() for p in values["config"])
-    if "configs" in values:
-        values["configs"] = tuple(values["configs"])
-    return Task(name=name, refs=tuple(refs), **values)
+    for column in ("model_args", "datamodule_args"):
+        if isinstance(values.get(column), dict):
+            values[column] = json.dumps(values[column])
+    if values.get("model") is not None:
+        name = values["model"].rpartition(":")[2]
+    else:
+        name = Path(values["config"][0]).stem if values.get("config") else values.get("workload") or "convnet"
+    return Task(name=re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "bench", **values)
+
+
+def one_line(text: object) -> str:
+    """``text`` with every run of whitespace (newlines included) folded into one space."""
+    return " ".join(str(text).split())

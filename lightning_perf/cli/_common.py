@@ -1,6 +1,7 @@
 """Pieces every ``lightning-perf`` command shares: the parser class and the argument validators.
 
-Stdlib only, so that building every parser (and answering ``--help``) imports neither torch nor Lightning.
+Stdlib only (and :mod:`lightning_perf.benchmark.tasks`' ``one_line``), so that building every parser (and answering
+``--help``) imports neither torch nor Lightning.
 
 A validator is an argparse ``type=`` callable: it returns the parsed value or raises ``argparse.ArgumentTypeError``
 whose message names the value and what is expected; argparse prefixes the option, and :class:`CliParser` prints the
@@ -20,34 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = [
-    "PRESET_NAMES",
-    "STAGE_NAMES",
-    "TRAINER_PRECISIONS",
-    "WORKLOAD_NAMES",
-    "CliParser",
-    "UsageError",
-    "add_source_arguments",
-    "check_output",
-    "check_source_options",
-    "choice_list",
-    "comma_names",
-    "device",
-    "existing_file",
-    "fail",
-    "finite_float",
-    "int_at_least",
-    "json_object",
-    "load_user_source",
-    "module_class_spec",
-    "non_negative_float",
-    "non_negative_int",
-    "one_line",
-    "positive_float",
-    "positive_int",
-    "positive_int_list",
-    "spec_error",
-]
+from lightning_perf.benchmark.tasks import one_line  # the one definition, shared with the task session
 
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
 _MODULE_CLASS = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
@@ -56,11 +30,6 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 
 class UsageError(ValueError):
     """A bad command-line value found after parsing (e.g. a class that does not import); the CLI exits 2 with it."""
-
-
-def one_line(text: object) -> str:
-    """``text`` with every run of whitespace (newlines included) folded into one space."""
-    return " ".join(str(text).split())
 
 
 def _invalid(text: str, expected: str) -> argparse.ArgumentTypeError:
@@ -84,6 +53,21 @@ class CliParser(argparse.ArgumentParser):
         if message:
             sys.stderr.write(message)
         raise SystemExit(status)
+
+
+def add_command(
+    subparsers: Any,
+    name: str,
+    run: Callable[[argparse.Namespace, argparse.ArgumentParser], int],
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """The parser of the sub-command ``name`` (never abbreviating), whose ``args.run(args, parser)`` is ``run``."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=help, description=description, allow_abbrev=False
+    )
+    parser.set_defaults(run=run, subparser=parser)
+    return parser
 
 
 def fail(parser: argparse.ArgumentParser, option: str, value: Any, expected: str) -> NoReturn:
@@ -206,11 +190,6 @@ def positive_int_list(text: str) -> list[int]:
     return values
 
 
-def finite_float(text: str) -> float:
-    """A finite number."""
-    return _float(text, None, False, "a finite number")
-
-
 def positive_float(text: str) -> float:
     """A finite number > 0."""
     return _float(text, 0.0, True, "a finite number > 0")
@@ -221,14 +200,14 @@ def non_negative_float(text: str) -> float:
     return _float(text, 0.0, False, "a finite number >= 0")
 
 
-def _float(text: str, minimum: float | None, exclusive: bool, expected: str) -> float:
+def _float(text: str, minimum: float, exclusive: bool, expected: str) -> float:
     try:
         value = float(text)
     except (TypeError, ValueError):
         raise _invalid(text, expected) from None
     if not math.isfinite(value):
         raise _invalid(text, expected)
-    if minimum is not None and (value <= minimum if exclusive else value < minimum):
+    if (value <= minimum) if exclusive else (value < minimum):
         raise _invalid(text, expected)
     return value
 
@@ -337,7 +316,7 @@ def add_source_arguments(parser: argparse.ArgumentParser, what_runs: str, worklo
     files, repeatable, merged in order; their trainer settings apply to every ``what_runs``)."""
     what = parser.add_mutually_exclusive_group()
     what.add_argument(
-        "--workload", default=None, metavar="{" + ",".join(WORKLOAD_NAMES) + "}", help=workload_help
+        "--workload", metavar="{" + ",".join(WORKLOAD_NAMES) + "}", help=workload_help
     )  # checked with the other names of the run (a misspelling gets a suggestion)
     what.add_argument(
         "--model",
@@ -345,20 +324,36 @@ def add_source_arguments(parser: argparse.ArgumentParser, what_runs: str, worklo
         metavar="MODULE:CLASS",
         help="your LightningModule class, e.g. my_pkg.models:Net (with --datamodule)",
     )
-    parser.add_argument(
-        "--model-args", type=json_object, default=None, help="JSON object of the model's keyword arguments"
-    )
+    parser.add_argument("--model-args", type=json_object, help="JSON object of the model's keyword arguments")
     parser.add_argument(
         "--datamodule", type=module_class_spec, metavar="MODULE:CLASS", help="your LightningDataModule class"
     )
-    parser.add_argument("--datamodule-args", type=json_object, default=None, help="JSON object of its arguments")
+    parser.add_argument("--datamodule-args", type=json_object, help="JSON object of its arguments")
     parser.add_argument(
         "--config",
         type=existing_file,
         action="append",
-        default=None,
         metavar="YAML",
         help="a LightningCLI config (model:, data:, trainer:), repeatable, merged in order as LightningCLI does; its "
         f"trainer settings apply to every {what_runs} (the YAML autotune writes is accepted, with "
         "--model/--datamodule)",
+    )
+
+
+def add_preset_argument(parser: argparse.ArgumentParser) -> None:
+    """``--preset``: the reference workload's size (``bench`` and ``autotune``)."""
+    parser.add_argument(
+        "--preset",
+        metavar="PRESET",
+        help=f"workload size, one of {', '.join(PRESET_NAMES)}"
+        " (default: gpu on a CUDA device where the workload has it, else default)",
+    )
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """``--device`` (``bench`` and ``autotune``); whether the device exists is checked by the run."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto, cpu, cuda or cuda:N (default: auto: CUDA when a CUDA device is visible; the output says which)",
     )

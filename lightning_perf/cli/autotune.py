@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf.cli._common import (
-    PRESET_NAMES,
     STAGE_NAMES,
     UsageError,
+    add_command,
+    add_device_argument,
+    add_preset_argument,
     add_source_arguments,
     check_output,
     check_source_options,
@@ -55,27 +57,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from lightning_perf.optimizations import tuner_search_list
 
     default_search = tuner_search_list("optimization")
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "autotune",
-        help="measure a model and recommend its fastest safe configuration",
-        description="Try precision, channels-last, compile, backend flags, fused optimizer, DataLoader workers and "
-        "batch size on a model, each trial in a fresh process, and keep only what measurably helps without "
-        "changing the losses. Writes the recommendation as a LightningCLI YAML and as JSON.",
-        allow_abbrev=False,
+        run,
+        "measure a model and recommend its fastest safe configuration",
+        "Try precision, channels-last, compile, backend flags, fused optimizer, DataLoader workers and batch size on a "
+        "model, each trial in a fresh process, and keep only what measurably helps without changing the losses. "
+        "Writes the recommendation as a LightningCLI YAML and as JSON.",
     )
     add_source_arguments(parser, "trial", "a reference workload")
-    parser.add_argument(
-        "--preset",
-        default=None,
-        metavar="PRESET",
-        help=f"workload size, one of {', '.join(PRESET_NAMES)} (default: gpu on a CUDA device where the workload has "
-        "it, else default)",
-    )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        help="auto, cpu, cuda or cuda:N (default: auto: CUDA when a CUDA device is visible; the output says which)",
-    )
+    add_preset_argument(parser)
+    add_device_argument(parser)
     parser.add_argument(
         "--stage",
         choices=STAGE_NAMES,
@@ -91,20 +84,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--precisions",
         type=choice_list(precisions, what="precision", allow_empty=True),
-        default=None,
         help=f"precisions to try, from {', '.join(precisions)}; '' for none (default: those the device supports "
         "for the stage: the mixed ones for fit, the -true ones first for inference)",
     )
     parser.add_argument(
         "--optimizations",
         type=choice_list(stackable, what="optimization", allow_empty=True),
-        default=None,
         help=f"configurations to try stacking, in order, '' for none (default: {','.join(default_search)})",
     )
-    parser.add_argument("--max-batch-size", type=positive_int, default=None, help="default: 4x the model's own")
+    parser.add_argument("--max-batch-size", type=positive_int, help="default: 4x the model's own")
     parser.add_argument("--no-batch-size", action="store_true", help="keep the model's batch size")
     parser.add_argument("--no-data-loading", action="store_true", help="keep the DataLoader settings")
-    parser.add_argument("--max-num-workers", type=non_negative_int, default=None, help="default: the CPU count")
+    parser.add_argument("--max-num-workers", type=non_negative_int, help="default: the CPU count")
     parser.add_argument(
         "--min-gain", type=non_negative_float, default=0.03, help="smallest speed-up kept (default 0.03)"
     )
@@ -112,7 +103,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--output",
         type=Path,
-        default=None,
         help="YAML path; the JSON goes beside it (default: autotune-results/NAME.yaml)",
     )
     parser.add_argument(
@@ -121,7 +111,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="overwrite the output files if they exist (default: the new ones get a run number, NAME-2.yaml)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    parser.set_defaults(run=run, subparser=parser)
     return parser
 
 

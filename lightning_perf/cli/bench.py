@@ -6,8 +6,8 @@ The user's model comes from ``--model pkg.mod:Class --datamodule pkg.mod:Class``
 measures inference per batch (latency percentiles, throughput, cold first batch, warm-up, memory) instead of training
 steps; ``--batch-sizes 1,8,32`` repeats the bench per batch size and adds a batch-scaling table.
 
-The parser imports nothing heavy: the configuration names come from :mod:`lightning_perf.optimizations` (plain data)
-and the workload names from :mod:`lightning_perf.cli._common`; torch, Lightning and rich load in :func:`run`.
+The parser imports nothing heavy (the workload names are :mod:`lightning_perf.cli._common`'s); torch, Lightning and
+rich load in :func:`run`; ``--tasks``/``--ref`` hand a spec to :mod:`lightning_perf.benchmark.task_session`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf.cli._common import (
-    PRESET_NAMES,
     STAGE_NAMES,
     TRAINER_PRECISIONS,
+    add_command,
+    add_device_argument,
+    add_preset_argument,
     add_source_arguments,
     check_output,
     check_source_options,
@@ -30,7 +32,6 @@ from lightning_perf.cli._common import (
     positive_int_list,
     spec_error,
 )
-from lightning_perf.optimizations import BASELINE
 
 # The no-argument bench: sized to finish in about three minutes on a 2-core CPU (3 configurations x 3 repeats, each a
 # fresh process), with enough steps per repeat for the bootstrap interval to be informative.
@@ -71,24 +72,27 @@ def seconds_value(text: str) -> float:
     return value
 
 
-def config_names() -> list[str]:
-    """``baseline`` and every registered optimization (a light import: the list is plain data)."""
-    from lightning_perf.optimizations import names
-
-    return [BASELINE, *names()]
-
-
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``bench`` on the ``lightning-perf`` sub-parsers."""
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "bench",
-        help="measure configurations side by side on a reference workload or your own model",
-        description="Train a reference workload or your own model (--model/--datamodule, --config) under each "
-        "configuration (fresh process per run, repeats interleaved) and print step time, throughput, warm-up, memory "
-        "and inference speed against baseline; --stage predict measures per-batch inference latency instead.",
-        allow_abbrev=False,
+        run,
+        "measure configurations side by side on a reference workload or your own model",
+        "Train a reference workload or your own model (--model/--datamodule, --config) under each configuration "
+        "(fresh process per run, repeats interleaved) and print step time, throughput, warm-up, memory and inference "
+        "speed against baseline; --stage predict measures per-batch inference latency instead.",
     )
     add_source_arguments(parser, "configuration", "a reference workload (default: convnet)")
+    _add_what_arguments(parser)
+    _add_repeat_arguments(parser)
+    _add_run_arguments(parser)
+    _add_output_arguments(parser)
+    return parser
+
+
+def _add_what_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is measured: the stage, the configurations, the workload's size."""
     parser.add_argument(
         "--stage",
         default="fit",
@@ -97,19 +101,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--configs",
-        default=None,
         help="comma-separated configuration names; join names with '+' to stack them "
         "(e.g. baseline,channels_last+compile). 'all' runs every registered one. --list shows them. "
         "default: baseline and the configurations this device can accelerate (the output says what it left out)",
     )
     parser.add_argument("--list", action="store_true", help="list the configurations and exit")
-    parser.add_argument(
-        "--preset",
-        default=None,
-        metavar="PRESET",
-        help=f"workload size, one of {', '.join(PRESET_NAMES)} (default: gpu on a CUDA device where the workload has "
-        "it, else default)",
-    )
+    add_preset_argument(parser)
+
+
+def _add_repeat_arguments(parser: argparse.ArgumentParser) -> None:
+    """How long each run is and how many repeats settle a speed-up."""
     parser.add_argument(
         "--steps", type=positive_int, default=DEFAULT_STEPS, help="steady-state steps per run (default %(default)s)"
     )
@@ -131,8 +132,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--target",
         type=target_value,
         default=DEFAULT_TARGET,
-        help="with --repeats auto: a speed-up is settled when its 95%% interval is within +-TARGET "
-        "(default %(default)s)",
+        help="with --repeats auto: a speed-up "
+        "is settled when its 95%% interval is within +-TARGET (default %(default)s)",
     )
     parser.add_argument(
         "--time-budget",
@@ -142,25 +143,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="with --repeats auto: seconds of measuring, single configurations and the winners' stack together "
         "(default %(default)g: the default bench ends within about 3 minutes on a 2-core CPU)",
     )
-    parser.add_argument("--batch-size", type=positive_int, default=None, help="default: the preset's (the model's)")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Trainer and data settings every configuration runs with."""
+    parser.add_argument("--batch-size", type=positive_int, help="default: the preset's (the model's)")
     parser.add_argument(
         "--batch-sizes",
         type=positive_int_list,
-        default=None,
         metavar="N,N,...",
         help="sweep the batch size: one section per size and a batch-scaling table (e.g. 1,8,32)",
     )
     parser.add_argument(
         "--precision",
-        default=None,
         choices=TRAINER_PRECISIONS,
         help="precision of every configuration that does not set its own (default: the --config file's, else 32-true)",
     )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        help="auto, cpu, cuda or cuda:N (default: auto: CUDA when a CUDA device is visible; the output says which)",
-    )
+    add_device_argument(parser)
     parser.add_argument(
         "--predict-batches",
         type=non_negative_int,
@@ -169,10 +168,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-workers", type=non_negative_int, default=0, help="DataLoader workers (default 0)")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the report goes, and the task file and git refs that run many benches."""
     parser.add_argument(
         "--output",
         type=Path,
-        default=None,
         help="JSON report path; Markdown and PNG are written beside it (default: bench-results/WORKLOAD.json). "
         "An existing report is never overwritten: the new one gets a run number (WORKLOAD-2.json) unless --force",
     )
@@ -181,20 +183,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--tasks",
         type=Path,
-        default=None,
         metavar="CSV",
         help="a task file: one bench per row (name,config,configs,steps,batch_size,...), each written under --output",
     )
     parser.add_argument(
         "--ref",
         action="append",
-        default=None,
         metavar="REF",
         help="a git ref of your project to benchmark in a temporary worktree, repeatable (the first is the reference)",
     )
     parser.add_argument("--fail-fast", action="store_true", help="with --tasks: stop at the first failing task")
-    parser.set_defaults(run=run, subparser=parser)
-    return parser
 
 
 def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -213,42 +211,25 @@ def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Parse the arguments into one :class:`~lightning_perf.benchmark.spec.BenchSpec` and run it (or ``--list``);
-    exit status 0, 1 when a configuration failed, 2 for bad arguments (before any measurement)."""
+    """Parse the arguments into one :class:`~lightning_perf.benchmark.spec.BenchSpec` and run it (or ``--list``, or
+    the task session of ``--tasks``/``--ref``); exit status 0, 1 when a configuration failed, 2 for bad arguments
+    (before any measurement)."""
     if args.tasks is not None or args.ref:
-        from lightning_perf.cli._tasks import run_tasks
-
-        return run_tasks(args, parser)
+        return _run_tasks(args, parser)
     check_output(parser, "--output", args.output, "the JSON report")
     _check_combinations(args, parser)
     if args.list:
         from lightning_perf.benchmark.session import list_configs
 
         return list_configs()
-    own = args.model is not None or bool(args.config)
-    source_dict, label, precision, precision_from, ignored = None, args.workload or "convnet", args.precision, None, {}
-    if own:
-        source, model, datamodule = load_user_source(args)
-        source_dict, label = source.to_dict(), type(model).__name__
-        file_precision = source.trainer_settings().get("precision")
-        if precision is None and file_precision is not None:
-            precision, precision_from = str(file_precision), "--config"
-        if hasattr(source, "ignored_trainer_settings"):
-            ignored = {k: repr(v) for k, v in source.ignored_trainer_settings().items()}
-        if args.batch_size is not None or args.batch_sizes is not None:
-            from lightning_perf.benchmark.sources import batch_size_holder
-
-            if batch_size_holder(model, datamodule) is None:
-                option = "--batch-size" if args.batch_size is not None else "--batch-sizes"
-                value = args.batch_size if args.batch_size is not None else ",".join(map(str, args.batch_sizes))
-                fail(parser, option, value, "a model or data module with an integer `batch_size` (attribute or "
-                     "hparams) to set; this one has none")  # fmt: skip
+    settings: dict[str, Any] = {"workload": args.workload or "convnet", "precision": args.precision or "32-true"}
+    if args.model is not None or args.config:
+        settings.update(_own_model_settings(args, parser))
     from lightning_perf.benchmark.session import run_bench
     from lightning_perf.benchmark.spec import BenchSpec, SpecError
 
     try:
         spec = BenchSpec(
-            workload=label,
             configs=args.configs,
             preset=args.preset,
             steps=args.steps,
@@ -258,17 +239,88 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             time_budget_s=args.time_budget,
             batch_size=args.batch_size,
             batch_sizes=tuple(args.batch_sizes or ()),
-            precision=precision or "32-true",
             device=args.device,
             seed=args.seed,
             predict_batches=args.predict_batches,
             num_workers=args.num_workers,
-            source=source_dict,
             stage=args.stage,
-            precision_from=precision_from,
-            ignored_trainer_settings=ignored,
+            **settings,
         )
     except SpecError as exc:
         spec_error(parser, exc)
     argv = ["lightning-perf", *getattr(args, "argv", ["bench"])]
     return run_bench(spec, output=args.output, force=args.force, quiet=args.quiet, argv=argv)
+
+
+def _own_model_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The spec's settings from the user's model, built here once so that one that cannot be built exits 2 now."""
+    from lightning_perf.benchmark.sources import batch_size_holder
+
+    source, model, datamodule = load_user_source(args)
+    settings: dict[str, Any] = {"workload": type(model).__name__, "source": source.to_dict()}
+    file_precision = source.trainer_settings().get("precision")
+    if args.precision is None and file_precision is not None:
+        settings.update(precision=str(file_precision), precision_from="--config")
+    if hasattr(source, "ignored_trainer_settings"):
+        settings["ignored_trainer_settings"] = {k: repr(v) for k, v in source.ignored_trainer_settings().items()}
+    sizes = args.batch_size if args.batch_size is not None else args.batch_sizes
+    if sizes is not None and batch_size_holder(model, datamodule) is None:
+        option = "--batch-size" if args.batch_size is not None else "--batch-sizes"
+        value = sizes if args.batch_size is not None else ",".join(map(str, sizes))
+        expected = (
+            "a model or data module with an integer `batch_size` (attribute or hparams) to set; this one has none"
+        )
+        fail(parser, option, value, expected)
+    return settings
+
+
+_TASK_RUNNER_DESTS = frozenset({"tasks", "ref", "fail_fast", "output", "force", "quiet"})
+
+
+def _run_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--tasks``/``--ref``: the tasks and the other options as one :class:`~lightning_perf.benchmark.task_session.
+    TaskSpec` for :func:`~lightning_perf.benchmark.task_session.run_tasks` (a bad task file or ref: exit 2)."""
+    from lightning_perf.benchmark.task_session import TaskSetupError, TaskSpec, run_tasks
+    from lightning_perf.benchmark.tasks import SOURCE_COLUMNS, TaskFileError, read_tasks, task_from_options
+
+    if args.output is not None and args.output.exists() and not args.output.is_dir():
+        fail(parser, "--output", str(args.output), "a directory for the task results (with --tasks or --ref)")
+    command = list(getattr(args, "argv", None) or ["bench"])
+    items = _option_items(parser, command[1:])
+    given = [tokens[0] for dest, tokens in items if dest in SOURCE_COLUMNS]
+    if args.tasks is not None and given:
+        expected = "the model in each task's columns (config, model and datamodule, or workload)"
+        parser.error(f"argument {given[0].partition('=')[0]}: not valid with --tasks. Expected {expected}")
+    passed_on = [
+        (dest, tuple(tokens)) for dest, tokens in items if dest not in _TASK_RUNNER_DESTS | set(SOURCE_COLUMNS)
+    ]
+    try:
+        tasks = read_tasks(args.tasks, parser) if args.tasks is not None else [task_from_options(vars(args))]
+        spec = TaskSpec(
+            tuple(tasks),
+            tuple(args.ref or ()),
+            tuple(passed_on),
+            args.output,
+            args.tasks,
+            args.force,
+            args.quiet,
+            args.fail_fast,
+            ("lightning-perf", *command),
+        )
+        return run_tasks(spec)
+    except (TaskFileError, TaskSetupError) as exc:
+        parser.error(str(exc))
+
+
+def _option_items(parser: argparse.ArgumentParser, tokens: list[str]) -> list[tuple[str | None, list[str]]]:
+    """The command line cut into (dest, tokens) items, each option with its value (``dest`` None: not an option)."""
+    by_string = {s: a for a in parser._actions for s in a.option_strings}
+    items: list[tuple[str | None, list[str]]] = []
+    i = 0
+    while i < len(tokens):
+        name, eq, _ = tokens[i].partition("=")
+        action = by_string.get(name) if tokens[i].startswith("-") else None
+        width = 1 if action is None or action.nargs == 0 or eq else 2
+        items.append((action.dest if action else None, tokens[i : i + width]))
+        i += width
+    return items

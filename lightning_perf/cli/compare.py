@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from lightning_perf.cli._common import UsageError, existing_file, fail, one_line
+from lightning_perf.cli._common import UsageError, add_command, existing_file, fail
 
 DEFAULT_THRESHOLD = "5%"
 OUTPUT_SUFFIXES = (".json", ".md")
@@ -48,17 +48,17 @@ def output_path(text: str) -> Path:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``compare`` on the ``lightning-perf`` sub-parsers."""
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "compare",
-        help="compare two results files and fail on a regression",
-        description="Compare two results files of `lightning-perf bench --output` (or of pytest "
-        "--benchmark-json) configuration by configuration: old and new medians of step time, throughput, step "
-        "memory and predict time, the change with its 95%% interval (bootstrap) and a verdict (faster, slower, no "
-        "clear difference). A change is called only when it is beyond the threshold and significant (Mann-Whitney U "
-        "p < 0.01 with an interval that excludes no change, or the whole interval beyond the threshold). Exit "
-        "status: 1 when something is slower, 0 otherwise, 2 for bad arguments or files that cannot be read or "
-        "compared.",
-        allow_abbrev=False,
+        run,
+        "compare two results files and fail on a regression",
+        "Compare two results files of `lightning-perf bench --output` (or of pytest --benchmark-json) configuration "
+        "by configuration: old and new medians of step time, throughput, step memory and predict time, the change with "
+        "its 95%% interval (bootstrap) and a verdict (faster, slower, no clear difference). A change is called only "
+        "when it is beyond the threshold and significant (Mann-Whitney U p < 0.01 with an interval that excludes no "
+        "change, or the whole interval beyond the threshold). Exit status: 1 when something is slower, 0 otherwise, 2 "
+        "for bad arguments or files that cannot be read or compared.",
     )
     parser.add_argument("old", type=existing_file, metavar="OLD.json", help="the reference results file")
     parser.add_argument("new", type=existing_file, metavar="NEW.json", help="the results file to check")
@@ -71,11 +71,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--output",
         type=output_path,
-        default=None,
         help="also write the comparison to this file: .json (every figure, interval and p-value) or .md",
     )
     parser.add_argument("--force", action="store_true", help="overwrite --output when it exists")
-    parser.set_defaults(run=run, subparser=parser)
     return parser
 
 
@@ -85,18 +83,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         fail(parser, "--output", str(args.output), "a file that does not exist yet, or --force to overwrite it")
     if args.output is not None and not args.output.parent.is_dir():
         fail(parser, "--output", str(args.output), "a path in an existing directory")
-    from lightning_perf.benchmark.compare import (
-        IncompatibleResultsError,
-        ResultsFileError,
-        compare_files,
-        format_table,
-        markdown_report,
-    )
+    from lightning_perf.benchmark.compare import IncompatibleResultsError, ResultsFileError, compare_files
+    from lightning_perf.benchmark.compare_text import format_table, markdown_report
 
     try:
         comparison = compare_files(args.old, args.new, args.threshold)
     except (ResultsFileError, IncompatibleResultsError) as exc:
-        parser.error(one_line(str(exc)))
+        parser.error(str(exc))
     print(format_table(comparison))
     if args.output is not None:
         import json

@@ -14,10 +14,9 @@ from lightning_perf.benchmark.compare import (
     ResultsFileError,
     compare_files,
     compare_results,
-    format_table,
     load_results,
-    markdown_report,
 )
+from lightning_perf.benchmark.compare_text import format_table, markdown_report
 from tests.benchmark._compare_files import bench_results, pytest_benchmark_results, scaled, write
 
 DOCS_BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench" / "convnet-cpu.json"

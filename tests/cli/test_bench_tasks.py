@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_perf.cli import _tasks, main
-from lightning_perf.cli._tasks import BenchCall, BenchOutcome
+from lightning_perf.benchmark import task_session as _tasks
+from lightning_perf.benchmark.task_session import BenchCall, BenchOutcome
+from lightning_perf.cli import main
 from tests.benchmark.test_refs import make_project, worktrees
 
 HEADER = "name,config,configs,steps,batch_size,workload"

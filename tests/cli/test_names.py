@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_perf.benchmark.configs import available_configs
-from lightning_perf.cli import _common, bench
+from lightning_perf.cli import _common
 from lightning_perf.demos import PRESETS, workload_names
 
 
@@ -12,10 +11,6 @@ def test_workload_and_preset_names_match_the_demos() -> None:
     # --help names every preset; the check itself reads PRESETS at run time. "gpu" is named ahead of the demos that
     # add it (the GPU-sized preset, the default on CUDA).
     assert set(PRESETS) <= set(_common.PRESET_NAMES) and set(_common.PRESET_NAMES) - set(PRESETS) <= {"gpu"}
-
-
-def test_bench_configuration_names_match_the_bench_registry() -> None:
-    assert sorted(bench.config_names()) == sorted(available_configs())
 
 
 def test_stage_names_match_the_optimization_stages() -> None:
