@@ -41,11 +41,22 @@ class Rounds:
         results: configuration -> its results, in the order they ran.
         rounds: the rounds run.
         decision: the settling rule's last decision (None for a fixed number of repeats).
+        set_aside: ``(configuration, repeat, why)`` of each disturbed run measured again and kept out of the results.
     """
 
     results: dict[str, list[Any]] = field(default_factory=dict)
     rounds: int = 0
     decision: Decision | None = None
+    set_aside: list[tuple[str, int, str]] = field(default_factory=list)
+
+    @property
+    def rerun_note(self) -> str:
+        """``"3 repeats re-run: other processes' load"`` (empty when nothing was disturbed)."""
+        if not self.set_aside:
+            return ""
+        causes = sorted({why for _, _, why in self.set_aside})
+        count = len(self.set_aside)
+        return f"{count} repeat{'s' if count != 1 else ''} re-run: {'; '.join(causes)}"
 
 
 def run_rounds(
@@ -58,6 +69,7 @@ def run_rounds(
     first_repeat: int = 0,
     reserve_s: Callable[[], float] | None = None,
     results: dict[str, list[Any]] | None = None,
+    disturbed: Callable[[Any], str | None] | None = None,
 ) -> Rounds:
     """Run ``names`` in interleaved rounds: ``repeats`` rounds, or until ``settling`` stops.
 
@@ -71,6 +83,10 @@ def run_rounds(
             only with baseline's runs of the same phase).
         reserve_s: seconds the rule keeps for later phases (asked after each round).
         results: results to add to (a later phase's configurations join the earlier ones').
+        disturbed: result -> why its run was disturbed (None: it was not). A disturbed run is set aside and its
+            repeat measured once more at the end of the round (a transient load may have passed), the settling
+            budget stretching by the time lost up to its cap; the second run is kept, disturbed or not (its row says
+            so), so every repeat keeps its pair.
     """
     if (repeats is None) == (settling is None):
         raise ValueError("`run_rounds` needs either `repeats` or `settling`, not both.")
@@ -80,13 +96,27 @@ def run_rounds(
     for name in names:
         out.results.setdefault(name, [])
     active = list(names)
+
+    def measure(name: str, repeat: int, again: bool) -> str | None:
+        start = settling.clock() if settling is not None else 0.0
+        result = run_one(name, repeat)
+        seconds = settling.clock() - start if settling is not None else 0.0
+        if settling is not None:
+            settling.record_run(name, seconds)
+        why = disturbed(result) if disturbed is not None else None
+        if why is not None and not again and (settling is None or settling.can_stretch):
+            out.set_aside.append((name, repeat, why))  # type: ignore[arg-type]
+            if settling is not None:
+                settling.lose(seconds)
+            return why
+        out.results[name].append(result)
+        return None
+
     while True:
         repeat = first_repeat + out.rounds
-        for name in rotated(active, out.rounds):
-            start = settling.clock() if settling is not None else 0.0
-            out.results[name].append(run_one(name, repeat))
-            if settling is not None:
-                settling.record_run(name, settling.clock() - start)
+        again = [name for name in rotated(active, out.rounds) if measure(name, repeat, False) is not None]
+        for name in again:  # at the round's end: a transient load may have passed
+            measure(name, repeat, True)
         out.rounds += 1
         if settling is None:
             if out.rounds >= repeats:  # type: ignore[operator]

@@ -164,6 +164,7 @@ class Settling:
         time_budget_s: seconds of measuring from the first call of :meth:`start` (or construction).
         min_repeats: repeats every configuration gets before the rule may stop.
         max_repeats: repeats after which it stops anyway.
+        max_stretch: the budget grows by the time lost to disturbed runs measured again, up to this multiple.
         clock: seconds (any origin), e.g. ``time.perf_counter``; a test passes a scripted one.
 
     Example::
@@ -184,7 +185,9 @@ class Settling:
     min_repeats: int = DEFAULT_MIN_REPEATS
     max_repeats: int = DEFAULT_MAX_REPEATS
     clock: Callable[[], float] = time.perf_counter
+    max_stretch: float = 2.0
     _start: float | None = field(default=None, init=False, repr=False)
+    _lost_s: float = field(default=0.0, init=False, repr=False)
     _durations: dict[str, list[float]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -214,9 +217,23 @@ class Settling:
         return self.clock() - (self._start if self._start is not None else self.clock())
 
     @property
+    def budget_s(self) -> float:
+        """The time budget stretched by the seconds lost to disturbed runs, at most ``max_stretch`` times it."""
+        return self.time_budget_s + min(self._lost_s, (self.max_stretch - 1.0) * self.time_budget_s)
+
+    @property
+    def can_stretch(self) -> bool:
+        """Whether the budget may still grow for a run measured again."""
+        return self._lost_s < (self.max_stretch - 1.0) * self.time_budget_s
+
+    def lose(self, seconds: float) -> None:
+        """A disturbed run took ``seconds`` that measured nothing usable: the budget grows by them (up to the cap)."""
+        self._lost_s += max(0.0, float(seconds))
+
+    @property
     def remaining_s(self) -> float:
         """Seconds of the budget left (negative once overspent)."""
-        return self.time_budget_s - self.elapsed_s
+        return self.budget_s - self.elapsed_s
 
     def record_run(self, config: str, seconds: float) -> None:
         """One run of ``config`` took ``seconds`` (wall, start-up included): the projections use the mean."""
@@ -267,6 +284,6 @@ class Settling:
             return Decision(True, STOP_SETTLED, (), ())
         if repeats >= self.max_repeats:
             return Decision(True, STOP_MAX, (), unsettled)
-        if self.elapsed_s + self.round_s(active) + reserve_s > self.time_budget_s:
+        if self.elapsed_s + self.round_s(active) + reserve_s > self.budget_s:
             return Decision(True, STOP_BUDGET, (), unsettled)
         return Decision(False, "", active, unsettled)

@@ -74,3 +74,34 @@ def test_needs_one_way_to_stop() -> None:
         run_rounds(["baseline"], lambda n, r: None)
     with pytest.raises(ValueError, match="estimates_of"):
         run_rounds(["baseline"], lambda n, r: None, settling=Settling())
+
+
+def test_a_disturbed_run_is_measured_again_at_the_round_end_and_the_budget_stretches() -> None:
+    clock = Clock()
+    ran: list[tuple[str, int]] = []
+    busy = {("a", 0)}  # a load that has passed by the round's end
+
+    def run_one(name: str, repeat: int):
+        clock.now += 10
+        ran.append((name, repeat))
+        return (name, repeat, len(ran))
+
+    def disturbed(result) -> str | None:
+        name, repeat, attempt = result
+        return "other processes' load" if (name, repeat) in busy and attempt <= 2 else None
+
+    out = run_rounds(["baseline", "a"], run_one, repeats=2, disturbed=disturbed)
+    assert ran == [("baseline", 0), ("a", 0), ("a", 0), ("a", 1), ("baseline", 1)]
+    assert [r[:2] for r in out.results["a"]] == [("a", 0), ("a", 1)]  # the disturbed first try kept out
+    assert (
+        out.set_aside == [("a", 0, "other processes' load")]
+        and out.rerun_note == "1 repeat re-run: other processes' load"
+    )
+    # Under --repeats auto the time lost stretches the budget, up to max_stretch times it; a second try is kept.
+    settling = Settling(time_budget_s=100, min_repeats=1, max_stretch=2.0, clock=clock)
+    settling.lose(30)
+    assert settling.budget_s == 130 and settling.can_stretch
+    settling.lose(500)
+    assert settling.budget_s == 200 and not settling.can_stretch
+    always = run_rounds(["baseline", "a"], run_one, repeats=1, disturbed=lambda result: "steal")
+    assert len(always.results["a"]) == 1 and len(always.set_aside) == 2  # each run tried twice, the second kept
