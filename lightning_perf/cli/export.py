@@ -19,6 +19,7 @@ from typing import Any
 
 from lightning_perf.cli._common import (
     UsageError,
+    add_command,
     choice_list,
     comma_names,
     device,
@@ -98,14 +99,15 @@ def _stem(text: str) -> str:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``export`` on the ``lightning-perf`` sub-parsers."""
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "export",
-        help="export a checkpoint for deployment (TensorRT or ONNX), validated against the model and timed",
-        description="Load a checkpoint into the LightningModule class named, export it (TensorRT, else ONNX), validate "
-        "the export against the model on held-out batches at several batch sizes, time it against eager PyTorch, and "
-        "write the artifact and a JSON report next to the checkpoint. Exit status 0 when an export passed validation, "
-        "1 when none did.",
-        allow_abbrev=False,
+        run,
+        "export a checkpoint for deployment (TensorRT or ONNX), validated against the model and timed",
+        "Load a checkpoint into the LightningModule class named, export it (TensorRT, else ONNX), validate the export "
+        "against the model on held-out batches at several batch sizes, time it against eager PyTorch, and write the "
+        "artifact and a JSON report next to the checkpoint. Exit status 0 when an export passed validation, 1 when "
+        "none did.",
     )
     parser.add_argument("checkpoint", type=existing_file, help="a checkpoint written by Lightning")
     parser.add_argument(
@@ -117,7 +119,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--datamodule-class",
-        default=None,
         type=module_class_spec,
         metavar="MODULE:CLASS",
         help="LightningDataModule whose val_dataloader gives held-out batches for validation (and the example input "
@@ -143,28 +144,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--input-shape",
         type=_shape,
         action="append",
-        default=None,
         metavar="D1xD2...",
         help="sample shape of a float input without the batch dimension (repeat per input), e.g. 3x224x224; "
         "needed when neither example_input_array nor a datamodule gives an example",
     )
-    parser.add_argument("--input-key", default=None, help="the model input's key when batches are dicts")
+    parser.add_argument("--input-key", help="the model input's key when batches are dicts")
     parser.add_argument(
         "--validation-batch-sizes",
         type=_sizes,
-        default=None,
         metavar="B1,B2...",
         help="batch sizes to validate and time at, within --batch-range (default: its min, opt and max)",
     )
     parser.add_argument("--latency-iterations", type=non_negative_int, default=20, help="0 skips timing (default 20)")
     parser.add_argument("--latency-warmup", type=non_negative_int, default=3, help="default: 3")
-    parser.add_argument("--device", type=device, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    parser.add_argument("--onnx-providers", type=comma_names, default=None, help="comma-separated ORT providers")
-    parser.add_argument("--opset", type=int_at_least(18), default=None, help="ONNX opset >= 18 (default: exporter's)")
-    parser.add_argument("--dirpath", type=Path, default=None, help="output directory (default: the checkpoint's)")
-    parser.add_argument("--filename", type=_stem, default=None, help="artifact stem (default: the checkpoint's stem)")
+    parser.add_argument("--device", type=device, help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--onnx-providers", type=comma_names, help="comma-separated ORT providers")
+    parser.add_argument("--opset", type=int_at_least(18), help="ONNX opset >= 18 (default: exporter's)")
+    parser.add_argument("--dirpath", type=Path, help="output directory (default: the checkpoint's)")
+    parser.add_argument("--filename", type=_stem, help="artifact stem (default: the checkpoint's stem)")
     parser.add_argument("--strict", action="store_true", help="stop at the first backend that fails, no fallback")
-    parser.set_defaults(run=run, subparser=parser)
     return parser
 
 
@@ -193,39 +191,13 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Export the checkpoint; exit status 0 when an export passed validation, 1 when none did, 2 for bad arguments."""
     _check(args, parser)
-    import lightning.pytorch as pl
     import torch
     from rich.console import Console
 
-    from lightning_perf._io import NotACheckpointError, UnsafeCheckpointError, load_checkpoint
-    from lightning_perf.benchmark.sources import ImportClassError, import_class
     from lightning_perf.deploy.export import ExportError, export_model, validate_options
-    from lightning_perf.deploy.inputs import (
-        as_input_tuple,
-        example_inputs_from_shapes,
-        model_inputs,
-        split_inputs,
-        through_batch_hooks,
-    )
+    from lightning_perf.deploy.inputs import example_inputs_from_shapes, model_inputs
 
-    dynamic_dims: list[dict[int, tuple[int, ...]]] = []
-    for input_index, dim, rng in args.dynamic_dim:
-        while len(dynamic_dims) <= input_index:
-            dynamic_dims.append({})
-        dynamic_dims[input_index][dim] = rng
-    options: dict[str, Any] = {
-        "backends": list(args.backends),
-        "precision": args.precision,
-        "batch_range": args.batch_range,
-        "dynamic_dims": dynamic_dims or None,
-        "validation_batch_sizes": args.validation_batch_sizes,
-        "latency_iterations": args.latency_iterations,
-        "latency_warmup": args.latency_warmup,
-        "device": args.device,
-        "onnx_providers": args.onnx_providers,
-        "opset": args.opset,
-        "strict": args.strict,
-    }
+    options = _export_options(args)
     try:
         validate_options(**options, owner="lightning-perf export")
     except (TypeError, ValueError) as exc:
@@ -235,62 +207,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         example = example_inputs_from_shapes(args.input_shape, batch_size=args.batch_range[2])
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
         fail(parser, "--device", args.device, "cpu: no CUDA device is visible")
-    try:
-        module_cls: Any = import_class(args.module_class, pl.LightningModule, "--module-class")
-        datamodule_cls: Any = (
-            None
-            if args.datamodule_class is None
-            else import_class(args.datamodule_class, pl.LightningDataModule, "--datamodule-class")
-        )
-    except ImportClassError as exc:
-        raise UsageError(str(exc)) from None
-    try:
-        loaded = load_checkpoint(args.checkpoint, "cpu", what="file")  # weights_only=True: fails before code runs
-    except (UnsafeCheckpointError, NotACheckpointError) as exc:
-        raise UsageError(f"argument checkpoint: {one_line(exc)}") from None
-    if not isinstance(loaded, dict) or "state_dict" not in loaded:
-        held = (
-            f"a dict with the keys {sorted(map(str, loaded))[:5]}"
-            if isinstance(loaded, dict)
-            else type(loaded).__name__
-        )
-        raise UsageError(
-            f"argument checkpoint: {str(args.checkpoint)!r} is a PyTorch file but not a Lightning checkpoint: it holds "
-            f"{held}. Expected what Trainer.save_checkpoint writes (a dict with a 'state_dict')"
-        )
-    del loaded
-    try:
-        model = module_cls.load_from_checkpoint(args.checkpoint, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise UsageError(
-            f"cannot load {str(args.checkpoint)!r} into {module_cls.__name__}: {type(exc).__name__}: {one_line(exc)}"
-        ) from None
-    loader, datamodule = None, None
-    if datamodule_cls is not None:
-        try:
-            datamodule = datamodule_cls.load_from_checkpoint(args.checkpoint, weights_only=True)
-            datamodule.setup("validate")
-            loader = datamodule.val_dataloader()
-        except Exception as exc:
-            raise UsageError(
-                f"cannot build {datamodule_cls.__name__}'s validation data: {type(exc).__name__}: {one_line(exc)}"
-            ) from None
-    try:
-        if example is None and model.example_input_array is not None:
-            example = as_input_tuple(through_batch_hooks(model, model.example_input_array, datamodule=datamodule))
-        if example is None and loader is not None:
-            first = next(model_inputs(model, loader, datamodule=datamodule), None)
-            if first is None:
-                raise UsageError(f"{type(datamodule).__name__}'s validation data is empty")
-            example = split_inputs(first, args.input_key)
-    except ValueError as exc:
-        raise UsageError(f"no usable example input: {exc}") from None
-    if example is None:
-        raise UsageError(
-            f"{module_cls.__name__} has no example_input_array: give --datamodule-class for validation batches or "
-            "--input-shape for each input"
-        )
-
+    module_cls, datamodule_cls = _classes(args)
+    model = _load_model(args.checkpoint, module_cls)
+    loader, datamodule = _validation_loader(args.checkpoint, datamodule_cls)
+    example = example if example is not None else _example(model, module_cls, loader, datamodule, args.input_key)
     console = Console()
     try:
         report = export_model(
@@ -310,6 +230,103 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise UsageError(str(exc)) from None
     _print_report(report, console)
     return 0 if report.ok else 1
+
+
+def _export_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options of :func:`~lightning_perf.deploy.export.export_model` given on the command line."""
+    dynamic_dims: list[dict[int, tuple[int, ...]]] = []
+    for input_index, dim, rng in args.dynamic_dim:
+        dynamic_dims.extend({} for _ in range(input_index + 1 - len(dynamic_dims)))
+        dynamic_dims[input_index][dim] = rng
+    return {
+        "backends": list(args.backends),
+        "precision": args.precision,
+        "batch_range": args.batch_range,
+        "dynamic_dims": dynamic_dims or None,
+        "validation_batch_sizes": args.validation_batch_sizes,
+        "latency_iterations": args.latency_iterations,
+        "latency_warmup": args.latency_warmup,
+        "device": args.device,
+        "onnx_providers": args.onnx_providers,
+        "opset": args.opset,
+        "strict": args.strict,
+    }
+
+
+def _classes(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The LightningModule class and the LightningDataModule class (or ``None``) named on the command line."""
+    import lightning.pytorch as pl
+
+    from lightning_perf.benchmark.sources import ImportClassError, import_class
+
+    try:
+        module_cls = import_class(args.module_class, pl.LightningModule, "--module-class")
+        if args.datamodule_class is None:
+            return module_cls, None
+        return module_cls, import_class(args.datamodule_class, pl.LightningDataModule, "--datamodule-class")
+    except ImportClassError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _load_model(checkpoint: Path, module_cls: Any) -> Any:
+    """The module of a Lightning checkpoint, read with ``weights_only=True`` only (it fails before code runs)."""
+    from lightning_perf._io import NotACheckpointError, UnsafeCheckpointError, load_checkpoint
+
+    try:
+        loaded = load_checkpoint(checkpoint, "cpu", what="file")
+    except (UnsafeCheckpointError, NotACheckpointError) as exc:
+        raise UsageError(f"argument checkpoint: {one_line(exc)}") from None
+    if not isinstance(loaded, dict) or "state_dict" not in loaded:
+        held = (
+            f"a dict with the keys {sorted(map(str, loaded))[:5]}"
+            if isinstance(loaded, dict)
+            else type(loaded).__name__
+        )
+        raise UsageError(
+            f"argument checkpoint: {str(checkpoint)!r} is a PyTorch file but not a Lightning checkpoint: it holds "
+            f"{held}. Expected what Trainer.save_checkpoint writes (a dict with a 'state_dict')"
+        )
+    del loaded
+    try:
+        return module_cls.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise UsageError(
+            f"cannot load {str(checkpoint)!r} into {module_cls.__name__}: {type(exc).__name__}: {one_line(exc)}"
+        ) from None
+
+
+def _validation_loader(checkpoint: Path, datamodule_cls: Any) -> tuple[Any, Any]:
+    """The validation loader and the datamodule built from the checkpoint's datamodule hyperparameters, if named."""
+    if datamodule_cls is None:
+        return None, None
+    try:
+        datamodule = datamodule_cls.load_from_checkpoint(checkpoint, weights_only=True)
+        datamodule.setup("validate")
+        return datamodule.val_dataloader(), datamodule
+    except Exception as exc:
+        raise UsageError(
+            f"cannot build {datamodule_cls.__name__}'s validation data: {type(exc).__name__}: {one_line(exc)}"
+        ) from None
+
+
+def _example(model: Any, module_cls: Any, loader: Any, datamodule: Any, input_key: str | None) -> Any:
+    """The example input: the module's ``example_input_array``, else the first validation batch's inputs."""
+    from lightning_perf.deploy.inputs import as_input_tuple, model_inputs, split_inputs, through_batch_hooks
+
+    try:
+        if model.example_input_array is not None:
+            return as_input_tuple(through_batch_hooks(model, model.example_input_array, datamodule=datamodule))
+        if loader is not None:
+            first = next(model_inputs(model, loader, datamodule=datamodule), None)
+            if first is None:
+                raise UsageError(f"{type(datamodule).__name__}'s validation data is empty")
+            return split_inputs(first, input_key)
+    except ValueError as exc:
+        raise UsageError(f"no usable example input: {exc}") from None
+    raise UsageError(
+        f"{module_cls.__name__} has no example_input_array: give --datamodule-class for validation batches or "
+        "--input-shape for each input"
+    )
 
 
 def _print_report(report: Any, console: Any) -> None:
@@ -341,15 +358,8 @@ def _print_report(report: Any, console: Any) -> None:
             ]
             for r in attempt.latency
         ]
-        columns = [
-            "batch",
-            "eager median",
-            "eager p90",
-            "export median",
-            "export p90",
-            "speed-up [95% CI], verdict",
-            "export samples/s",
-        ]
+        columns = ["batch", "eager median", "eager p90", "export median", "export p90"]
+        columns += ["speed-up [95% CI], verdict", "export samples/s"]
         print_table(columns, rows, title=f"Latency on {report.device}", console=console)
     if report.ok:
         console.print(f"wrote {report.artifact}")

@@ -33,7 +33,7 @@ import errno
 import os
 import secrets
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -112,6 +112,13 @@ class StagedSet:
     Use as a context manager: files are written under :attr:`path` (by name, flat), :meth:`commit` makes them visible
     as one set; leaving the block without a commit (or with an exception) removes the staging directory. An
     ``OSError`` for a full disk or read-only target raised inside the block becomes :class:`ArtifactWriteError`.
+
+    Example::
+
+        with stage_set("deploy") as staged:
+            torch.save(state, staged.file("model.pt"))
+            staged.write_json("model.json", {"ok": True})
+            staged.commit("model")  # deploy/model/model.pt and deploy/model/model.json, together
     """
 
     def __init__(self, dirpath: str | os.PathLike[str]) -> None:
@@ -222,19 +229,8 @@ def _clean(dirpath: Path, name: str, keep: set[str]) -> None:
                     shutil.rmtree(entry, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def stage_set(dirpath: str | os.PathLike[str]) -> Iterator[StagedSet]:
-    """A :class:`StagedSet` in ``dirpath``, removed unless committed.
-
-    Example::
-
-        with stage_set("deploy") as staged:
-            torch.save(state, staged.file("model.pt"))
-            staged.write_json("model.json", {"ok": True})
-            staged.commit("model")  # deploy/model/model.pt and deploy/model/model.json, together
-    """
-    with StagedSet(dirpath) as staged:
-        yield staged
+stage_set = StagedSet
+"""A :class:`StagedSet` in ``dirpath``, removed unless committed (the name the writers use)."""
 
 
 def write_set(dirpath: str | os.PathLike[str], name: str, files: Mapping[str, bytes | str]) -> Path:

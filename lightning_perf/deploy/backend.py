@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from lightning_perf._device import as_device
 from lightning_perf._imports import is_available
 from lightning_perf._validation import check_bool, check_int
-from lightning_perf.deploy.inputs import DimRange, InputSpec
+from lightning_perf.deploy.inputs import DimRange, Inputs, InputSpec
 from lightning_perf.deploy.validate import DEFAULT_TOLERANCES, Tolerance
 
 __all__ = [
@@ -69,8 +69,7 @@ _ONNX_PROVIDERS = (
 
 
 def known_onnx_providers() -> tuple[str, ...]:
-    """Every execution provider name onnxruntime knows (built into this install or not): the installed onnxruntime's
-    own list, else a static one."""
+    """Every execution provider name onnxruntime knows: the installed onnxruntime's own list, else a static one."""
     if is_available("onnxruntime"):
         import onnxruntime
 
@@ -109,13 +108,7 @@ class ExportBackend:
     def check(self, options: ExportOptions) -> None:
         """Raise :class:`BackendUnavailable` with the reason if the backend cannot run here."""
 
-    def build(
-        self,
-        model: nn.Module,
-        example: tuple[Tensor, ...],
-        specs: list[InputSpec],
-        options: ExportOptions,
-    ) -> Any:
+    def build(self, model: nn.Module, example: Inputs, specs: list[InputSpec], options: ExportOptions) -> Any:
         raise NotImplementedError
 
     def save(self, built: Any, path: Path, specs: list[InputSpec], options: ExportOptions) -> list[Path]:
@@ -140,9 +133,6 @@ def dynamic_shapes(specs: Sequence[InputSpec]) -> tuple[dict[int, Any] | None, .
         }
         shapes.append(dims or None)
     return tuple(shapes)
-
-
-# -- ONNX
 
 
 @dataclass
@@ -183,56 +173,17 @@ def validate_options(
 
     The callback and the CLI call this at construction, so a bad option fails before any training time is spent.
     """
-    names = [backends] if isinstance(backends, str) else list(backends)
-    unknown = [b for b in names if b not in BACKENDS]
-    if not names or unknown or len(set(names)) != len(names):
-        raise ValueError(
-            f"`{owner}(backends={backends!r})` is not valid. Expected a non-empty sequence of distinct names from "
-            f"{', '.join(BACKENDS)} (tried in that order)."
-        )
+    names = _backend_names(owner, backends)
     if precision not in PRECISIONS:
         raise ValueError(f"`{owner}(precision={precision!r})` is not valid. Expected one of: {', '.join(PRECISIONS)}.")
     rng = DimRange.parse(batch_range, f"`{owner}(batch_range)`")
-    if dynamic_dims is None:
-        dims: list[dict[int, DimRange]] = []
-    else:
-        per_input = [dynamic_dims] if isinstance(dynamic_dims, Mapping) else dynamic_dims
-        if not isinstance(per_input, Sequence) or not all(isinstance(m, Mapping) for m in per_input):
-            raise ValueError(
-                f"`{owner}(dynamic_dims={dynamic_dims!r})` is not valid. Expected {{dim: (min, opt, max)}} for the "
-                "first input, or a list of such dicts, one per input."
-            )
-        dims = []
-        for i, mapping in enumerate(per_input):
-            parsed = {}
-            for dim, value in mapping.items():
-                if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-                    raise ValueError(
-                        f"`{owner}(dynamic_dims)`: dimension {dim!r} of input {i} is not valid. Expected an int >= 1 "
-                        "(dimension 0 is the batch, set by batch_range)."
-                    )
-                parsed[dim] = DimRange.parse(value, f"`{owner}(dynamic_dims)[{i}][{dim}]`")
-            dims.append(parsed)
-    sizes = None
-    if validation_batch_sizes is not None:
-        sizes = sorted(set(validation_batch_sizes)) if isinstance(validation_batch_sizes, Sequence) else []
-        if not sizes or any(
-            isinstance(s, bool) or not isinstance(s, int) or not rng.min <= s <= rng.max for s in sizes
-        ):
-            raise ValueError(
-                f"`{owner}(validation_batch_sizes={validation_batch_sizes!r})` is not valid. Expected batch sizes "
-                f"within the batch range {rng.min}..{rng.max}."
-            )
+    dims = _dynamic_dims(owner, dynamic_dims)
+    sizes = None if validation_batch_sizes is None else _batch_sizes(owner, validation_batch_sizes, rng)
     tol = _tolerance(owner, tolerance, precision)
     check_bool(owner, "strict", strict)
     check_int(owner, "latency_iterations", latency_iterations, 0)
     check_int(owner, "latency_warmup", latency_warmup, 0)
-    try:
-        dev = as_device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"`{owner}(device={device!r})` is not valid: {exc}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"`{owner}(device={device!r})` is not valid. Expected 'cpu', 'cuda' or 'cuda:N'.")
+    dev = _device(owner, device)
     if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset < 18):
         raise ValueError(f"`{owner}(opset={opset!r})` is not valid. Expected None (the exporter's default) or >= 18.")
     if onnx_providers is not None:
@@ -253,6 +204,59 @@ def validate_options(
         opset=opset,
         strict=bool(strict),
     )
+
+
+def _backend_names(owner: str, backends: Sequence[str] | str) -> list[str]:
+    names = [backends] if isinstance(backends, str) else list(backends)
+    if not names or any(b not in BACKENDS for b in names) or len(set(names)) != len(names):
+        raise ValueError(
+            f"`{owner}(backends={backends!r})` is not valid. Expected a non-empty sequence of distinct names from "
+            f"{', '.join(BACKENDS)} (tried in that order)."
+        )
+    return names
+
+
+def _dynamic_dims(owner: str, dynamic_dims: Any) -> list[dict[int, DimRange]]:
+    """One ``{dim: DimRange}`` per input, from ``{dim: (min, opt, max)}`` for the first input or a list of them."""
+    per_input = [] if dynamic_dims is None else [dynamic_dims] if isinstance(dynamic_dims, Mapping) else dynamic_dims
+    if not isinstance(per_input, Sequence) or not all(isinstance(m, Mapping) for m in per_input):
+        raise ValueError(
+            f"`{owner}(dynamic_dims={dynamic_dims!r})` is not valid. Expected {{dim: (min, opt, max)}} for the "
+            "first input, or a list of such dicts, one per input."
+        )
+    return [
+        {_dim(owner, i, dim): DimRange.parse(value, f"`{owner}(dynamic_dims)[{i}][{dim}]`") for dim, value in m.items()}
+        for i, m in enumerate(per_input)
+    ]
+
+
+def _dim(owner: str, i: int, dim: Any) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise ValueError(
+            f"`{owner}(dynamic_dims)`: dimension {dim!r} of input {i} is not valid. Expected an int >= 1 "
+            "(dimension 0 is the batch, set by batch_range)."
+        )
+    return dim
+
+
+def _batch_sizes(owner: str, validation_batch_sizes: Any, rng: DimRange) -> list[int]:
+    sizes = sorted(set(validation_batch_sizes)) if isinstance(validation_batch_sizes, Sequence) else []
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or not rng.min <= s <= rng.max for s in sizes):
+        raise ValueError(
+            f"`{owner}(validation_batch_sizes={validation_batch_sizes!r})` is not valid. Expected batch sizes "
+            f"within the batch range {rng.min}..{rng.max}."
+        )
+    return sizes
+
+
+def _device(owner: str, device: torch.device | str | None) -> torch.device:
+    try:
+        dev = as_device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"`{owner}(device={device!r})` is not valid: {exc}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"`{owner}(device={device!r})` is not valid. Expected 'cpu', 'cuda' or 'cuda:N'.")
+    return dev
 
 
 def _tolerance(owner: str, tolerance: Any, precision: str) -> Tolerance:

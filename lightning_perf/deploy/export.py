@@ -11,14 +11,9 @@ dynamo=True)`` run with onnxruntime), and keeps the first artifact that
 
 A backend that is missing, fails, or produces an artifact that disagrees with the model is reported with its reason
 and the next one is tried, with a :class:`~lightning_perf.FallbackWarning` (``strict=True`` raises instead). The
-latency of the artifact against eager PyTorch at the same batch sizes is measured with
-:func:`lightning_perf.profiling.latency.measure_latency`.
-
-Files are written as artifact sets (:mod:`lightning_perf.deploy.artifacts`): the validated artifact and the JSON
-report are committed together as the set ``<dirpath>/<filename>/``; artifacts that failed validation (and the report
-of an export where none passed) as the set ``<dirpath>/<filename>.failed/``, so a failed export never replaces a good
-one. Heavy dependencies (onnx, onnxscript, onnxruntime, torch-tensorrt) are imported only inside the backend that
-needs them.
+artifact is timed against eager PyTorch (:func:`lightning_perf.profiling.latency.measure_latency`). Files are written
+as artifact sets (:mod:`lightning_perf.deploy.artifacts`), so a failed export never replaces a good one. Heavy
+dependencies (onnx, onnxscript, onnxruntime, torch-tensorrt) are imported only inside the backend that needs them.
 """
 
 from __future__ import annotations
@@ -27,6 +22,7 @@ import copy
 import dataclasses
 import functools
 import importlib.metadata
+import inspect
 import os
 import time
 import warnings
@@ -180,11 +176,9 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
-_STATUS_TEXT = {
-    "unavailable": "is unavailable",
-    "error": "failed",
-    "failed_validation": "produced an export that failed validation",
-}
+_STATUS_TEXT = dict(
+    unavailable="is unavailable", error="failed", failed_validation="produced an export that failed validation"
+)
 
 
 @torch.no_grad()
@@ -212,47 +206,30 @@ def export_model(
 ) -> ExportReport:
     """Export ``model`` for deployment, prove that the export computes what the model computes, and time it.
 
-    The model is not modified: a deep copy is put in eval mode, moved to ``device`` and, for ``fp16``/``bf16``, cast
-    to that dtype before export (TensorRT 11 and torch-tensorrt >= 2.13 take the precision from the dtypes). The
-    reference is the fp32 copy, without TF32.
-
-    Artifacts, as artifact sets in ``dirpath`` (:mod:`lightning_perf.deploy.artifacts`): ``<filename>/`` holds
-    ``<filename>.trt.pt2`` (TensorRT, an ExportedProgram: load with ``torch_tensorrt.load(path).module()``) or
-    ``<filename>.onnx`` with its weights in ``<filename>.onnx.data``, and ``<filename>.export.json``, the report;
-    ``<filename>.failed/`` holds artifacts that failed validation (``<filename>.failed.<ext>``) and, when no backend
-    passed, the report.
+    The model is not modified: a deep copy in eval mode on ``device`` is the fp32 reference (without TF32), cast to
+    ``precision`` for export. The set ``<dirpath>/<filename>/`` holds ``<filename>.trt.pt2`` (TensorRT: load with
+    ``torch_tensorrt.load(path).module()``) or ``<filename>.onnx`` (+ ``.onnx.data``) and the report
+    ``<filename>.export.json``; ``<filename>.failed/`` the artifacts that failed and, if none passed, the report.
 
     Args:
         model: the module to export; its ``forward`` takes positional tensors.
-        example_inputs: a tensor or tuple of tensors with a batch dimension: sets every input's dtype and non-batch
-            sizes and traces the export.
+        example_inputs: tensor(s) with a batch dimension: every input's dtype and other sizes; traces the export.
         backends: tried in this order until one passes; ``"tensorrt"`` and/or ``"onnx"``.
-        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"``. ONNX in fp16 needs a GPU execution provider (onnxruntime's
-            CPU provider lacks half-precision kernels for many operators); ONNX has no bf16 here (numpy has no
-            bfloat16 to feed onnxruntime): the backend is reported unavailable with that reason.
-        batch_range: ``(min, opt, max)`` of the dynamic batch dimension.
-        dynamic_dims: other dynamic dimensions: ``{dim: (min, opt, max)}`` for the first input, or a list of such dicts,
-            one per input.
-        dirpath: where artifacts and the report go.
-        filename: stem of the artifact names.
-        validation_data: batches of held-out data (e.g. a validation ``DataLoader``); the inputs of each batch are
-            found with :func:`split_inputs`. ``None`` validates on ``example_inputs`` (said so in the report).
+        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"``. ONNX in fp16 needs a GPU execution provider; ONNX has no
+            bf16 here (numpy has no bfloat16 to feed onnxruntime).
+        batch_range, dynamic_dims: ``(min, opt, max)`` of the dynamic batch dimension; other dynamic dimensions as
+            ``{dim: (min, opt, max)}`` for the first input, or a list of such dicts, one per input.
+        dirpath, filename: where artifacts and the report go; the stem of their names.
+        validation_data: batches of held-out data (e.g. a validation ``DataLoader``; the model input of a dict batch
+            under ``input_key``). ``None`` validates on ``example_inputs`` (said so in the report).
         validation_batch_sizes: batch sizes to validate and time at; default the batch range's min, opt and max.
-            Samples are reused cyclically when the data has fewer than a batch size needs.
-        input_key: the key of the model input when ``validation_data`` yields dicts.
-        tolerance: override of :data:`DEFAULT_TOLERANCES` for ``precision`` (a :class:`Tolerance` or some of its
-            fields as a dict).
-        latency_iterations: timed calls per batch size, each for eager and export; 0 skips timing.
-        latency_warmup: untimed calls before them.
+        tolerance: override of :data:`DEFAULT_TOLERANCES` for ``precision`` (a :class:`Tolerance` or a dict of fields).
+        latency_iterations, latency_warmup: timed calls per batch size (0 skips timing); untimed calls before them.
         device: where the export runs and is timed; default CUDA when available, else CPU.
-        onnx_providers: onnxruntime execution providers, in order of preference; default CUDA (on a CUDA device)
-            then CPU. ``TensorrtExecutionProvider`` may be named here.
-        opset: ONNX opset; default the exporter's.
+        onnx_providers, opset: onnxruntime execution providers, in order of preference (default CUDA on a CUDA
+            device, then CPU); ONNX opset (default the exporter's).
         strict: raise :class:`ExportError` at the first backend that fails instead of falling back.
         metadata: extra facts stored in the report (e.g. the checkpoint the weights came from).
-
-    Returns:
-        The :class:`ExportReport`. ``report.ok`` is false when no backend produced a validated artifact.
 
     Raises:
         ValueError: for an invalid option, example or validation data (before anything is exported).
@@ -260,77 +237,22 @@ def export_model(
 
     Example::
 
-        report = export_model(model, torch.randn(1, 3, 224, 224), backends=["onnx"], dirpath="deploy",
-                              validation_data=val_loader)
-        print(report.backend, report.artifact, report.attempt.latency)
+        report = export_model(model, torch.randn(1, 3, 224, 224), backends=["onnx"], validation_data=val_loader)
+        print(report.ok, report.backend, report.artifact, report.attempt.latency)
     """
-    opts = validate_options(
-        backends=backends,
-        precision=precision,
-        batch_range=batch_range,
-        dynamic_dims=dynamic_dims,
-        validation_batch_sizes=validation_batch_sizes,
-        tolerance=tolerance,
-        latency_iterations=latency_iterations,
-        latency_warmup=latency_warmup,
-        device=device,
-        onnx_providers=onnx_providers,
-        opset=opset,
-        strict=strict,
-    )
-    if not isinstance(filename, str) or not filename or os.sep in filename or filename.startswith("."):
-        raise ValueError(f"`export_model(filename={filename!r})` is not valid. Expected a plain, non-hidden file stem.")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"`export_model(model=...)` expects an nn.Module, got {type(model).__name__}.")
+    # The options are validate_options' parameters, each forwarded under its own name.
+    opts = validate_options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES})
+    _check_target(model, filename)
     example = as_input_tuple(example_inputs)
     if len(opts.dynamic_dims) > len(example):
         raise ValueError(f"dynamic_dims names {len(opts.dynamic_dims)} inputs but the example has {len(example)}.")
     specs = build_input_specs(example, opts.batch_range, opts.dynamic_dims)
-    sizes = opts.validation_batch_sizes or opts.batch_range.sizes()
-    dirpath = Path(dirpath)
-    dev = opts.device
-
-    # Real inputs for validation and timing: gathered before anything is exported, so bad data fails early.
-    pool = collect_inputs(validation_data, max(sizes), input_key) if validation_data is not None else None
-    source = "validation_data" if pool is not None else "example_inputs"
-    pool = pool if pool is not None else example
-    if len(pool) != len(specs):
-        raise ValueError(f"The validation data has {len(pool)} model input(s); the example has {len(specs)}.")
-    for spec, tensor in zip(specs, pool):
-        probe = (1, *tensor.shape[1:])
-        if tensor.dtype != spec.dtype or not spec.accepts(probe):
-            raise ValueError(
-                f"Validation input {spec.name!r} has samples of shape {tuple(tensor.shape[1:])} and dtype "
-                f"{str(tensor.dtype).removeprefix('torch.')}, which do not fit the export's input (shapes "
-                f"{list(spec.min_shape)} to {list(spec.max_shape)}, dtype {str(spec.dtype).removeprefix('torch.')}). "
-                "Mark differing dimensions in dynamic_dims or give a matching example."
-            )
-    batches = {b: take_batch(tuple(t.to(dev) for t in pool), b) for b in sizes}
-
-    reference = copy.deepcopy(model).eval().to(device=dev, dtype=torch.float32)
-    disable_cache(reference)  # a Hugging Face model exports and validates without its key/value cache
-    with full_fp32(dev):
-        ref_outputs = {b: flat_outputs(reference(*cast_inputs(batches[b], torch.float32, dev))) for b in sizes}
-    output_names = ref_outputs[sizes[0]][1]
-    opts.output_names = output_names
-    exportable = reference.to(opts.dtype)  # in place: the reference outputs are all the fp32 copy was needed for
-    # Trace at the optimized batch size: an example batch of 1 would make torch.export specialize the batch dim.
-    trace_batch = opts.batch_range.opt if opts.batch_range.opt > 1 else min(2, opts.batch_range.max)
-    trace_example = cast_inputs(take_batch(tuple(t.to(dev) for t in example), trace_batch), opts.dtype, dev)
-
-    report = ExportReport(
-        precision=opts.precision,
-        device=str(dev),
-        inputs=specs,
-        output_names=output_names,
-        validation_source=source,
-        tolerance=opts.tolerance,
-        versions=_versions(),
-        metadata=dict(metadata or {}),
-    )
-    sets = _Sets(dirpath, filename)
+    source, batches = _real_batches(validation_data, input_key, example, specs, opts)
+    exportable, ref_outputs = _reference(model, batches, opts)
+    report = _new_report(opts, specs, source, metadata)
+    sets = _Sets(Path(dirpath), filename)
     try:
-        failure = _attempts(report, exportable, trace_example, specs, batches, ref_outputs, opts, sets)
+        failure = _attempts(report, exportable, _trace_example(example, opts), specs, batches, ref_outputs, opts, sets)
         report.report_path = sets.commit(report)
     finally:
         sets.discard()
@@ -340,6 +262,75 @@ def export_model(
             f"Export backend {last.backend!r} {_STATUS_TEXT[last.status]}: {last.reason}. Report: {report.report_path}"
         ) from failure
     return report
+
+
+_OPTION_NAMES = frozenset(inspect.signature(validate_options).parameters) - {"owner"}
+
+
+def _check_target(model: Any, filename: Any) -> None:
+    if not isinstance(filename, str) or not filename or os.sep in filename or filename.startswith("."):
+        raise ValueError(f"`export_model(filename={filename!r})` is not valid. Expected a plain, non-hidden file stem.")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`export_model(model=...)` expects an nn.Module, got {type(model).__name__}.")
+
+
+def _real_batches(
+    validation_data: Iterable[Any] | None,
+    input_key: str | None,
+    example: tuple[Tensor, ...],
+    specs: list[InputSpec],
+    opts: ExportOptions,
+) -> tuple[str, dict[int, tuple[Tensor, ...]]]:
+    """Real inputs for validation and timing, per batch size, and where they come from: gathered before anything is
+    exported, so that bad data fails early."""
+    sizes = opts.validation_batch_sizes or opts.batch_range.sizes()
+    pool = collect_inputs(validation_data, max(sizes), input_key) if validation_data is not None else None
+    source = "validation_data" if pool is not None else "example_inputs"
+    pool = pool if pool is not None else example
+    if len(pool) != len(specs):
+        raise ValueError(f"The validation data has {len(pool)} model input(s); the example has {len(specs)}.")
+    for spec, tensor in zip(specs, pool):
+        if tensor.dtype != spec.dtype or not spec.accepts((1, *tensor.shape[1:])):
+            raise ValueError(
+                f"Validation input {spec.name!r} has samples of shape {tuple(tensor.shape[1:])} and dtype "
+                f"{str(tensor.dtype).removeprefix('torch.')}, which do not fit the export's input (shapes "
+                f"{list(spec.min_shape)} to {list(spec.max_shape)}, dtype {str(spec.dtype).removeprefix('torch.')}). "
+                "Mark differing dimensions in dynamic_dims or give a matching example."
+            )
+    return source, {b: take_batch(tuple(t.to(opts.device) for t in pool), b) for b in sizes}
+
+
+def _reference(
+    model: nn.Module, batches: Mapping[int, tuple[Tensor, ...]], opts: ExportOptions
+) -> tuple[nn.Module, dict[int, tuple[list[Tensor], list[str]]]]:
+    """The copy to export (in the export's dtype) and the fp32 outputs it must reproduce; sets ``opts.output_names``."""
+    reference = copy.deepcopy(model).eval().to(device=opts.device, dtype=torch.float32)
+    disable_cache(reference)  # a Hugging Face model exports and validates without its key/value cache
+    with full_fp32(opts.device):
+        outputs = {b: flat_outputs(reference(*cast_inputs(x, torch.float32, opts.device))) for b, x in batches.items()}
+    opts.output_names = next(iter(outputs.values()))[1]
+    return reference.to(opts.dtype), outputs  # in place: the fp32 outputs are all the fp32 copy was needed for
+
+
+def _trace_example(example: tuple[Tensor, ...], opts: ExportOptions) -> tuple[Tensor, ...]:
+    # Trace at the optimized batch size: an example batch of 1 would make torch.export specialize the batch dim.
+    trace_batch = opts.batch_range.opt if opts.batch_range.opt > 1 else min(2, opts.batch_range.max)
+    return cast_inputs(take_batch(tuple(t.to(opts.device) for t in example), trace_batch), opts.dtype, opts.device)
+
+
+def _new_report(
+    opts: ExportOptions, specs: list[InputSpec], source: str, metadata: Mapping[str, Any] | None
+) -> ExportReport:
+    return ExportReport(
+        precision=opts.precision,
+        device=str(opts.device),
+        inputs=specs,
+        output_names=opts.output_names,
+        validation_source=source,
+        tolerance=opts.tolerance,
+        versions=_versions(),
+        metadata=dict(metadata or {}),
+    )
 
 
 export = export_model

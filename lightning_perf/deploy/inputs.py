@@ -26,6 +26,7 @@ __all__ = [
     "INPUT_KEYS",
     "DimRange",
     "InputSpec",
+    "Inputs",
     "as_input_tuple",
     "build_input_specs",
     "cast_inputs",
@@ -38,6 +39,8 @@ __all__ = [
     "take_batch",
     "through_batch_hooks",
 ]
+
+Inputs = tuple[Tensor, ...]  # a model's positional input tensors
 
 
 @dataclass(frozen=True)

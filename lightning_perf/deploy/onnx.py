@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_perf._imports import require
 from lightning_perf.deploy.backend import BackendUnavailable, ExportBackend, ExportOptions, Runner, dynamic_shapes
-from lightning_perf.deploy.inputs import InputSpec
+from lightning_perf.deploy.inputs import Inputs, InputSpec
 
 __all__ = ["OnnxBackend", "OnnxRunner", "onnx_providers", "save_program_onnx"]
 
@@ -28,6 +28,9 @@ ORT_TYPES = {
     "tensor(int32)": torch.int32,
     "tensor(bool)": torch.bool,
 }
+
+
+_GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
 
 def onnx_providers(ort: Any, device: torch.device, requested: Sequence[str] | None) -> list[str]:
@@ -50,10 +53,7 @@ class OnnxRunner(Runner):
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.input_dtypes = [ORT_TYPES.get(i.type) for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
-        self.on_cuda = device.type == "cuda" and self.providers[0] in (
-            "CUDAExecutionProvider",
-            "TensorrtExecutionProvider",
-        )
+        self.on_cuda = device.type == "cuda" and self.providers[0] in _GPU_PROVIDERS
         self.device = device
 
     def _prepare(self, inputs: tuple[Tensor, ...]) -> list[Tensor]:
@@ -111,40 +111,21 @@ class OnnxBackend(ExportBackend):
                 "provider lacks half-precision kernels for many operators."
             )
 
-    def build(
-        self,
-        model: nn.Module,
-        example: tuple[Tensor, ...],
-        specs: list[InputSpec],
-        options: ExportOptions,
-    ) -> Any:
-        with warnings.catch_warnings():
-            # torch.export's own deprecation chatter (pytree LeafSpec...) says nothing about the user's model.
-            warnings.simplefilter("ignore", FutureWarning)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return torch.onnx.export(
-                model,
-                example,
-                None,
-                dynamo=True,
-                dynamic_shapes=dynamic_shapes(specs),
-                input_names=[s.name for s in specs],
-                output_names=options.output_names,
-                opset_version=options.opset,
-                verbose=False,
-            )
+    def build(self, model: nn.Module, example: Inputs, specs: list[InputSpec], options: ExportOptions) -> Any:
+        return _onnx_export(
+            model,
+            example,
+            dynamic_shapes=dynamic_shapes(specs),
+            input_names=[s.name for s in specs],
+            output_names=options.output_names,
+            opset_version=options.opset,
+        )
 
     def save(self, built: Any, path: Path, specs: list[InputSpec], options: ExportOptions) -> list[Path]:
-        # The weights go to `<name>.data` beside the graph, referenced by that name: both move together.
-        built.save(str(path), external_data=True)
-        data = path.with_name(path.name + ".data")
-        return [data, path] if data.exists() else [path]
+        return _save_external(built, path)
 
     def load(self, path: Path, options: ExportOptions) -> Runner:
         return OnnxRunner(path, options.device, options.onnx_providers)
-
-
-# -- TensorRT
 
 
 def save_program_onnx(
@@ -154,12 +135,22 @@ def save_program_onnx(
     the files written, the graph last."""
     for module in ("onnx", "onnxscript"):
         require(module, f"{owner}(onnx=True)")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        onnx_program = torch.onnx.export(program, (), None, dynamo=True, verbose=False)
+    onnx_program = _onnx_export(program, ())
     if onnx_program is None:
         raise RuntimeError("torch.onnx.export returned no program")
+    return _save_external(onnx_program, path)
+
+
+def _onnx_export(model: Any, args: tuple[Any, ...], **kwargs: Any) -> Any:
+    with warnings.catch_warnings():
+        # torch.export's own deprecation chatter (pytree LeafSpec...) says nothing about the user's model.
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.onnx.export(model, args, None, dynamo=True, verbose=False, **kwargs)
+
+
+def _save_external(onnx_program: Any, path: Path) -> list[Path]:
+    """Save with the weights in ``<name>.data`` beside the graph, referenced by that name: both move together."""
     onnx_program.save(str(path), external_data=True)
     data = path.with_name(path.name + ".data")
     return [data, path] if data.exists() else [path]

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from lightning_perf._imports import require
 from lightning_perf.deploy.backend import BackendUnavailable, ExportBackend, ExportOptions, Runner, dynamic_shapes
-from lightning_perf.deploy.inputs import InputSpec, cast_inputs
+from lightning_perf.deploy.inputs import Inputs, InputSpec, cast_inputs
 from lightning_perf.deploy.validate import flat_outputs
 
 __all__ = ["TensorRTBackend", "TensorRTBuild", "TensorRTRunner"]
@@ -72,13 +72,7 @@ class TensorRTBackend(ExportBackend):
             for spec in specs
         ]
 
-    def build(
-        self,
-        model: nn.Module,
-        example: tuple[Tensor, ...],
-        specs: list[InputSpec],
-        options: ExportOptions,
-    ) -> Any:
+    def build(self, model: nn.Module, example: Inputs, specs: list[InputSpec], options: ExportOptions) -> Any:
         import torch_tensorrt
 
         # Traced here with one Dim shared by every input's batch dimension: torch-tensorrt's own tracer makes one per

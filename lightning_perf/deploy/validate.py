@@ -31,6 +31,7 @@ __all__ = [
     "ValidationSummary",
     "compare_models",
     "compare_outputs",
+    "eval_mode",
     "flat_outputs",
     "full_fp32",
     "validate_runner",
@@ -153,6 +154,19 @@ def compare_outputs(
 
 
 @contextlib.contextmanager
+def eval_mode(*modules: nn.Module) -> Iterator[None]:
+    """The modules in eval mode inside the block, their train/eval modes restored after."""
+    modes = [(m, m.training) for m in modules]
+    for module in modules:
+        module.eval()
+    try:
+        yield
+    finally:
+        for module, mode in modes:
+            module.train(mode)
+
+
+@contextlib.contextmanager
 def full_fp32(device: torch.device) -> Iterator[None]:
     """Compute the fp32 reference without TF32 (a TF32 callback may still be active at fit end), then restore."""
     if device.type != "cuda":
@@ -215,6 +229,13 @@ class ValidationSummary:
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "accuracy_gap_pp": self.accuracy_gap}
 
+    def failure(self, min_agreement: float | None = None) -> str | None:
+        """Why the model fails: :attr:`problem`, or a top-1 agreement below ``min_agreement``; ``None`` if it passes."""
+        agreement = self.top1_agreement
+        if self.passed and min_agreement is not None and agreement is not None and agreement < min_agreement:
+            return f"top-1 agreement {agreement:.3f} below {min_agreement}"
+        return None if self.passed else self.problem
+
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """The figures a logger records (those known), named ``<prefix>int8_cosine`` and so on."""
         figures = {
@@ -265,16 +286,11 @@ def compare_models(
     Raises:
         ValueError: if there is no batch.
     """
-    modes = [(m, m.training) for m in (reference, quantized)]
-    reference.eval()
-    quantized.eval()
-    dot = ref_sq = out_sq = 0.0
-    max_abs = 0.0
-    non_finite = samples = count = agree = positions = 0
+    dot = ref_sq = out_sq = max_abs = 0.0
+    non_finite = samples = count = agree = positions = labelled = 0
     correct = {"reference": 0, "quantized": 0}
-    labelled = 0
     problem: str | None = None
-    try:
+    with eval_mode(reference, quantized):
         for batch in batches:
             if max_batches is not None and count >= max_batches:
                 break
@@ -306,9 +322,6 @@ def compare_models(
                     correct["reference"] += int((ref_top == labels).sum())
                     correct["quantized"] += int((q_top == labels).sum())
                     labelled += labels.numel()
-    finally:
-        for module, mode in modes:
-            module.train(mode)
     if count == 0:
         raise ValueError("compare_models() got no batch to compare on.")
     norms = math.sqrt(ref_sq * out_sq)

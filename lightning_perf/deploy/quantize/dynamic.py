@@ -18,11 +18,8 @@ is). Three back-ends, one chosen at run time by measuring on the actual module (
   VNNI or AMX int8 instructions: its ``torch._int_mm`` is about 100x slower than an fp32 matmul on AVX2, and the
   model ran 18.5x *slower* than fp32 there (torchao issue #4365 reports the same).
 
-``backend="auto"`` builds every candidate the CPU offers, drops those whose outputs disagree with the float module
-(cosine below ``min_cosine`` or top-1 agreement below ``min_agreement`` on the example batch), times the rest
-against the float module (paired and interleaved: :func:`lightning_perf.profiling.latency.paired_blocks`) and keeps
-the fastest; none when no candidate is faster than fp32. The choice is cached per (CPU flags, threads, module
-structure, input shapes) for the process.
+``backend="auto"`` keeps the fastest candidate that agrees with the float module, none when no candidate is faster
+than fp32 (:func:`quantize_dynamic`); the choice is cached per (CPU flags, threads, module structure, input shapes).
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ import functools
 import logging
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +40,9 @@ from torch import Tensor, nn
 
 from lightning_perf._imports import is_available, require
 from lightning_perf.deploy.backend import failure_reason
-from lightning_perf.deploy.inputs import as_input_tuple
-from lightning_perf.deploy.validate import ValidationSummary, compare_models
-from lightning_perf.functional.qat import QuantizationError
+from lightning_perf.deploy.inputs import Inputs, as_input_tuple
+from lightning_perf.deploy.validate import ValidationSummary, compare_models, eval_mode
+from lightning_perf.functional.qat import QuantizationError, with_batch
 from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
 from lightning_perf.profiling.machine import cpu_flags
@@ -58,6 +55,7 @@ __all__ = [
     "check_dynamic_backend",
     "clear_cache",
     "dynamic_candidates",
+    "eager_latency",
     "has_int8_dot_product",
     "int8_size_bytes",
     "quantize_dynamic",
@@ -402,15 +400,11 @@ def quantize_dynamic(
     flags = cpu_flags()
     reference = copy.deepcopy(module).cpu().eval()
     disable_cache(reference)  # a Hugging Face model's int8 copy is built, checked and timed without its cache
-    if backend == "auto":
-        names, skipped = dynamic_candidates(flags)
-    else:
-        names, skipped = [backend], {}
+    names, skipped = dynamic_candidates(flags) if backend == "auto" else ([backend], {})
     key = _cache_key(reference, example, flags)
     cached = backend == "auto" and use_cache and key in _CHOICES
     if cached:
-        choice = _CHOICES[key]
-        names = [choice] if choice is not None else []
+        names = [name for name in [_CHOICES[key]] if name is not None]
     result = DynamicQuantization(None, None, backend, skipped=skipped, cached=cached, cpu_flags=flags)
     built: dict[str, nn.Module] = {}
     for name in names:
@@ -422,38 +416,57 @@ def quantize_dynamic(
         except Exception as exc:
             candidate.problem = f"failed: {failure_reason(exc)}"
             continue
-        agreement = candidate.validation.top1_agreement
-        if not candidate.validation.passed:
-            candidate.problem = f"disagrees with fp32: {candidate.validation.problem}"
-        elif agreement is not None and agreement < min_agreement:
-            candidate.problem = f"disagrees with fp32: top-1 agreement {agreement:.3f} below {min_agreement}"
-        else:
+        problem = candidate.validation.failure(min_agreement)
+        if problem is None:
             built[name] = quantized
-    if backend != "auto":
-        if not built:
-            raise QuantizationError(f"dynamic int8 with backend {backend!r}: {result.candidates[0].problem}")
-        result.backend, result.module = backend, built[backend]
+        else:
+            candidate.problem = f"disagrees with fp32: {problem}"
+    if backend != "auto" and not built:
+        raise QuantizationError(f"dynamic int8 with backend {backend!r}: {result.candidates[0].problem}")
+    if backend != "auto" or cached:  # one candidate: nothing to choose from
+        result.backend, result.module = next(iter(built.items()), (None, None))
         return result
-    if cached:
-        if built:
-            result.backend, result.module = names[0], built[names[0]]
-        return result
-    for name, quantized in built.items():
-        candidate = next(c for c in result.candidates if c.backend == name)
-        base, cand = paired_blocks(
-            functools.partial(reference, *example),
-            functools.partial(quantized, *example),
-            iterations=iterations,
-            warmup=warmup,
-        )
-        candidate.latency = LatencyRow.from_blocks(int(example[0].shape[0]), base, cand, names=("float", name))
-    timed = [c for c in result.candidates if c.latency is not None and c.latency.speedup_verdict == "faster"]
-    if timed:
-        best = max(timed, key=lambda c: c.latency.speedup)  # type: ignore[union-attr]
+    for candidate in result.candidates:
+        if candidate.backend in built:
+            one_batch = [int(example[0].shape[0])]
+            timed = eager_latency(
+                reference,
+                built[candidate.backend],
+                example,
+                one_batch,
+                iterations=iterations,
+                warmup=warmup,
+                name=candidate.backend,
+            )
+            candidate.latency = timed[0]
+    faster = [c for c in result.candidates if c.latency is not None and c.latency.speedup_verdict == "faster"]
+    if faster:
+        best = max(faster, key=lambda c: c.latency.speedup)  # type: ignore[union-attr]
         result.backend, result.module = best.backend, built[best.backend]
     if use_cache:
         _CHOICES[key] = result.backend
     return result
+
+
+def eager_latency(
+    reference: nn.Module,
+    quantized: nn.Module,
+    example: Inputs,
+    batch_sizes: Sequence[int],
+    *,
+    iterations: int,
+    warmup: int,
+    name: str = "int8",
+) -> list[LatencyRow]:
+    """Both modules eager, in eval mode, timed paired and interleaved at each batch size (samples reused cyclically)."""
+    rows = []
+    with eval_mode(reference, quantized):
+        for size in batch_sizes:
+            batch = with_batch(example, size)
+            run = (functools.partial(reference, *batch), functools.partial(quantized, *batch))
+            base, cand = paired_blocks(*run, iterations=iterations, warmup=warmup)
+            rows.append(LatencyRow.from_blocks(size, base, cand, names=("float", name)))
+    return rows
 
 
 def clear_cache() -> None:

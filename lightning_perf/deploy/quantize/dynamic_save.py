@@ -1,12 +1,8 @@
 """The end of a dynamic int8 quantization: validate against fp32, time, save as one artifact set with its report.
 
 :func:`export_dynamic` takes the float module and what :func:`~lightning_perf.deploy.quantize.dynamic.quantize_dynamic`
-chose, compares the int8 module with the float one on real batches (cosine, top-1 agreement, and the accuracy gap when
-the batches carry labels: :func:`~lightning_perf.deploy.validate.compare_models`), times both eager at each batch size
-(paired, interleaved: :func:`~lightning_perf.profiling.latency.paired_blocks`; each speed-up with its 95% interval and
-verdict), and writes the int8 model and ``<filename>.json`` as one artifact set
-(:mod:`lightning_perf.deploy.artifacts`): ``<dirpath>/<filename>/`` when it passed, ``<dirpath>/<filename>.failed/``
-otherwise.
+chose, and saves the int8 model and ``<filename>.json`` as :func:`~lightning_perf.deploy.quantize.save.export_quantized`
+does (:class:`~lightning_perf.deploy.quantize.save.ArtifactRun`); it is timed eager against fp32, paired.
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ import functools
 import io
 import itertools
 import os
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,16 +19,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_perf._warnings import FallbackWarning
 from lightning_perf.deploy.artifacts import StagedSet
-from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.inputs import as_input_tuple
-from lightning_perf.deploy.quantize.dynamic import DynamicQuantization, OnnxRuntimeModule, int8_size_bytes
-from lightning_perf.deploy.quantize.save import write_program
-from lightning_perf.deploy.validate import ValidationSummary, compare_models
-from lightning_perf.functional.qat import QuantizationError, with_batch
+from lightning_perf.deploy.quantize.dynamic import (
+    DynamicQuantization,
+    OnnxRuntimeModule,
+    eager_latency,
+    int8_size_bytes,
+)
+from lightning_perf.deploy.quantize.save import ArtifactRun, write_program
+from lightning_perf.deploy.validate import ValidationSummary
 from lightning_perf.functional.qat_device import cache_off
-from lightning_perf.profiling.latency import LatencyRow, paired_blocks
+from lightning_perf.profiling.latency import LatencyRow
 
 __all__ = ["DynamicReport", "export_dynamic", "float_size_bytes"]
 
@@ -53,16 +50,8 @@ def float_size_bytes(module: nn.Module) -> int:
 
 @dataclass
 class DynamicReport:
-    """What :func:`export_dynamic` did: the artifact, its size, its parity with fp32 and its latency against fp32.
-
-    Attributes:
-        ok: whether the int8 model passed validation and was saved.
-        backend: the back-end that built it.
-        artifact: the saved int8 model in the committed set, or ``None``.
-        validation: the int8 model against the float one on the validation batches.
-        latency: fp32 eager vs int8 per batch size (empty when not timed or when timing failed).
-        problems: what failed, in order.
-    """
+    """What :func:`export_dynamic` did (``backend`` built the int8 model); the fields as in
+    :class:`~lightning_perf.deploy.quantize.save.QuantizationReport`, with the sizes and the fp32 reference."""
 
     ok: bool
     backend: str | None
@@ -154,65 +143,25 @@ def export_dynamic(
     """
     if not isinstance(filename, str) or not filename or os.sep in filename or filename.startswith("."):
         raise ValueError(f"`export_dynamic(filename={filename!r})` is not valid. Expected a plain file stem.")
-    dirpath = Path(dirpath)
     example = tuple(t.detach().cpu() for t in as_input_tuple(example_inputs, "export_dynamic(example_inputs)"))
-    reference = float_module
     report = DynamicReport(ok=False, backend=choice.backend, choice=choice.to_dict(), metadata=dict(metadata or {}))
-    report.float_bytes = float_size_bytes(reference)
+    report.float_bytes = float_size_bytes(float_module)
     batches = list(itertools.islice(validation_data, validation_batches)) if validation_data is not None else []
-    quantized = choice.module
+    quantized, backend = choice.module, choice.backend
     with cache_off(float_module), StagedSet(dirpath) as staged:
-        passed = False
-        if quantized is None or choice.backend is None:
+        run = ArtifactRun(report, staged, filename)
+        if quantized is None or backend is None:
             report.problems.append("no back-end built a correct int8 model faster than fp32 (see `choice`)")
         else:
             report.int8_bytes = int8_size_bytes(quantized)
-            try:
-                report.validation = compare_models(reference, quantized, batches or [example], min_cosine=min_cosine)
-                agreement = report.validation.top1_agreement
-                passed = report.validation.passed and (agreement is None or agreement >= min_agreement)
-                if not report.validation.passed:
-                    report.problems.append(f"validation: {report.validation.problem}")
-                elif not passed:
-                    report.problems.append(f"validation: top-1 agreement {agreement:.3f} below {min_agreement}")
-            except Exception as exc:
-                report.problems.append(f"validation: {failure_reason(exc)}")
-        set_name = filename if passed else f"{filename}.failed"
-        if quantized is not None and choice.backend is not None:
-            name = f"{set_name}{SUFFIXES[choice.backend]}"
-            try:
-                _write_model(choice.backend, quantized, example, staged.file(name))
-                report.artifact = dirpath / set_name / name
-            except Exception as exc:
-                report.problems.append(f"saving: {failure_reason(exc)}")
-        report.ok = passed and report.artifact is not None and not report.problems
+            passed = run.validate(
+                float_module, quantized, batches or [example], min_cosine, min_agreement=min_agreement
+            )
+            run.save_model(passed, SUFFIXES[backend], functools.partial(_write_model, backend, quantized, example))
         if report.ok and benchmark and batch_sizes and quantized is not None:
-            int8 = quantized
-            modes = [(m, m.training) for m in (reference, int8)]
-            reference.eval()
-            int8.eval()
-            try:
-                for size in batch_sizes:
-                    batch = with_batch(example, size)
-                    base, cand = paired_blocks(
-                        functools.partial(reference, *batch),
-                        functools.partial(int8, *batch),
-                        iterations=latency_iterations,
-                        warmup=latency_warmup,
-                    )
-                    report.latency.append(LatencyRow.from_blocks(size, base, cand, names=("float", "int8")))
-            except Exception as exc:
-                report.problems.append(f"timing: {failure_reason(exc)}")
-                warnings.warn(f"Timing the int8 model failed: {failure_reason(exc)}", FallbackWarning, stacklevel=2)
-            finally:
-                for module, mode in modes:
-                    module.train(mode)
-        report.report_path = dirpath / set_name / f"{filename}.json"
-        staged.write_json(report.report_path.name, report.to_dict())
-        staged.commit(set_name)
-    if not report.ok:
-        message = f"The dynamic int8 model was not exported: {'; '.join(report.problems)}. Report: {report.report_path}"
-        if strict:
-            raise QuantizationError(message)
-        warnings.warn(message, FallbackWarning, stacklevel=2)
+            steps = functools.partial(eager_latency, iterations=latency_iterations, warmup=latency_warmup)
+            timing = functools.partial(steps, float_module, quantized, example, batch_sizes)
+            report.latency = run.optional("timing", "Timing the int8 model", timing) or []
+        run.commit()
+    run.finish(strict, "dynamic int8 model")
     return report

@@ -1,12 +1,9 @@
 """The end of a quantization: convert, validate, save as an artifact set with its report, and time it.
 
-:func:`export_quantized` converts a copy of a trained (QAT) or calibrated (PTQ) model, validates it against the
-fake-quantized (or calibrated) model on real batches (:func:`~lightning_perf.deploy.validate.compare_models`), saves it
-with ``torch.export.save`` (and optionally ONNX), times it against the float model (both compiled, batch 1 and 32 by
-default, with :func:`lightning_perf.profiling.latency.paired_blocks`; each speed-up with its 95% interval and
-verdict) and writes a JSON report. The files are one artifact set (:mod:`lightning_perf.deploy.artifacts`):
-``<dirpath>/<filename>/`` for a model that passed,
-``<dirpath>/<filename>.failed/`` otherwise, so a failed run never replaces a good set.
+:func:`export_quantized` does it for a trained (QAT) or calibrated (PTQ) model; :class:`ArtifactRun` holds what it and
+:func:`~lightning_perf.deploy.quantize.dynamic_save.export_dynamic` share: the steps' failures, the model file and the
+report, committed as one artifact set (:mod:`lightning_perf.deploy.artifacts`): ``<dirpath>/<filename>/`` for a model
+that passed, ``<dirpath>/<filename>.failed/`` otherwise, so a failed run never replaces a good set.
 """
 
 from __future__ import annotations
@@ -17,10 +14,10 @@ import itertools
 import os
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +42,16 @@ from lightning_perf.functional.qat import (
 from lightning_perf.functional.qat_device import cache_off
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
 
-__all__ = ["QuantizationReport", "compiled_latency", "export_quantized", "save_quantized", "write_program"]
+__all__ = [
+    "ArtifactRun",
+    "QuantizationReport",
+    "compiled_latency",
+    "export_quantized",
+    "save_quantized",
+    "write_program",
+]
+
+_T = TypeVar("_T")
 
 
 def _lowered(model: nn.Module, example: tuple[Tensor, ...], device: torch.device) -> nn.Module:
@@ -70,11 +76,9 @@ def compiled_latency(
     """Time the float and the quantized model, both lowered by inductor with weight freezing, at each batch size.
 
     Each model is captured and ``torch.compile``-d (``dynamic=False``) inside ``torch._inductor.config.patch(
-    freezing=True)`` on the device of the quantized model, so the global inductor config is left as it was. The
-    first call of each (compilation included) is reported apart as ``float_compile_s`` / ``quantized_compile_s``;
-    the steady state is timed paired and interleaved by :func:`~lightning_perf.profiling.latency.paired_blocks`;
-    each row's ``speedup`` (float time over quantized time) has its 95% interval and verdict.
-    Samples are reused cyclically to fill a batch.
+    freezing=True)`` on the quantized model's device (the global config is left as it was). The first call of each
+    (compilation included) is reported apart (``float_compile_s``, ``quantized_compile_s``); the steady state is timed
+    paired and interleaved (:func:`~lightning_perf.profiling.latency.paired_blocks`). Samples are reused cyclically.
     """
     example = as_input_tuple(inputs, "compiled_latency(inputs)")
     device = module_device(quantized)
@@ -210,6 +214,78 @@ class QuantizationReport:
         return "\n".join(lines)
 
 
+class ArtifactRun:
+    """One model's artifact set being staged: each step records its failure in ``report.problems``; the set is
+    ``<filename>`` once a model that passed is saved, else ``<filename>.failed``."""
+
+    def __init__(self, report: Any, staged: StagedSet, filename: str) -> None:
+        self.report, self.staged, self.filename = report, staged, filename
+        self.set_name = f"{filename}.failed"
+        self.failure: BaseException | None = None
+
+    def final(self, name: str) -> Path:
+        """Where the staged file ``name`` will be once the set is committed."""
+        return self.staged.dirpath / self.set_name / name
+
+    def fail(self, step: str, exc: BaseException) -> None:
+        self.failure = exc
+        self.report.problems.append(f"{step}: {exc if isinstance(exc, QuantizationError) else failure_reason(exc)}")
+
+    def validate(
+        self, reference: nn.Module, quantized: nn.Module, batches: list[Any], min_cosine: float, **kw: Any
+    ) -> bool:
+        """Whether ``quantized`` matches ``reference`` on ``batches`` (``input_key``, ``min_agreement`` in ``kw``)."""
+        try:
+            self.report.validation = compare_models(
+                reference, quantized, batches, input_key=kw.get("input_key"), min_cosine=min_cosine
+            )
+        except Exception as exc:
+            self.fail("validation", exc)
+            return False
+        problem = self.report.validation.failure(kw.get("min_agreement"))
+        if problem is not None:
+            self.report.problems.append(f"validation: {problem}")
+        return problem is None
+
+    def save_model(self, passed: bool, suffix: str, write: Callable[[Path], object]) -> None:
+        """Write the model with ``write(path)``; the report is ``ok`` when it passed, was saved and nothing failed."""
+        name = f"{self.filename if passed else self.set_name}{suffix}"
+        try:
+            write(self.staged.file(name))
+        except Exception as exc:
+            self.fail("saving", exc)
+            self.staged.file(name).unlink(missing_ok=True)  # a partial file; the set is a failed one
+            return
+        self.set_name = self.filename if passed else self.set_name
+        self.report.artifact = self.final(name)
+        self.report.ok = passed and not self.report.problems
+
+    def optional(self, step: str, what: str, action: Callable[[], _T]) -> _T | None:
+        """Run an optional step (ONNX, timing): a failure is recorded and warned about; the saved model stands."""
+        try:
+            return action()
+        except Exception as exc:
+            self.report.problems.append(f"{step}: {failure_reason(exc)}")
+            warnings.warn(f"{what} failed: {failure_reason(exc)}", FallbackWarning, stacklevel=3)
+            return None
+
+    def commit(self) -> None:
+        """The JSON report into the set, then the set committed: everything in it becomes visible at once."""
+        self.report.report_path = self.final(f"{self.filename}.json")
+        self.staged.write_json(self.report.report_path.name, self.report.to_dict())
+        self.staged.commit(self.set_name)
+
+    def finish(self, strict: bool, what: str, note: str = "") -> None:
+        """Without a model: warn with a :class:`~lightning_perf.FallbackWarning`, or with ``strict`` raise."""
+        if self.report.ok:
+            return
+        problems = "; ".join(self.report.problems)
+        message = f"The {what} was not exported: {problems}.{note} Report: {self.report.report_path}"
+        if strict:
+            raise QuantizationError(message) from self.failure
+        warnings.warn(message, FallbackWarning, stacklevel=3)
+
+
 def export_quantized(
     prepared: nn.Module,
     *,
@@ -234,15 +310,11 @@ def export_quantized(
     ``prepared`` is left as it is. The converted model is compared with ``prepared`` itself in eval mode (the
     fake-quantized model for QAT, the float model with observers for PTQ) on up to ``validation_batches`` batches
     of ``validation_data`` (else on the example inputs): cosine similarity (at least ``min_cosine`` to pass), max abs
-    difference, top-1 agreement and, for ``(inputs, labels)`` batches, both accuracies. A model that passes is saved
-    as ``<dirpath>/<filename>/<filename>.pt2``; one that fails as ``<dirpath>/<filename>.failed/<filename>.failed.pt2``.
-    With ``benchmark``, it is then timed against ``float_model`` (or the ``torchao`` model's float copy), both
-    compiled with freezing, at each of ``batch_sizes``. The report ``<filename>.json`` is committed in the same
-    artifact set, in one atomic step.
-
-    A failure (conversion, validation, saving) warns with a :class:`~lightning_perf.FallbackWarning` and is recorded
-    in the report; ``strict=True`` raises :class:`QuantizationError` instead. A failure of the optional steps (ONNX,
-    timing) only warns.
+    difference, top-1 agreement and, for ``(inputs, labels)`` batches, both accuracies. It is saved as
+    ``<filename>.pt2`` (``<filename>.failed.pt2`` in the failed set) and, with ``benchmark``, timed against
+    ``float_model`` (or the ``torchao`` model's float copy), both compiled with freezing, at each of ``batch_sizes``;
+    the report ``<filename>.json`` is committed in the same set. A failure (conversion, validation, saving) warns with
+    a :class:`~lightning_perf.FallbackWarning` (``strict=True`` raises); one of ONNX or timing only warns.
 
     Raises:
         ValueError: for an invalid option or a module that was not prepared.
@@ -253,94 +325,56 @@ def export_quantized(
         raise ValueError("export_quantized() needs a module returned by prepare().")
     if not isinstance(filename, str) or not filename or os.sep in filename or filename.startswith("."):
         raise ValueError(f"`export_quantized(filename={filename!r})` is not valid. Expected a plain file stem.")
-    dirpath = Path(dirpath)
     report = QuantizationReport(ok=False, recipe=recipe, metadata=dict(metadata or {}))
-    example = as_input_tuple(example_inputs) if example_inputs is not None else None
     batches = list(itertools.islice(validation_data, validation_batches)) if validation_data is not None else []
+    example = as_input_tuple(example_inputs) if example_inputs is not None else None
     if example is None:
         example = split_inputs(batches[0], input_key) if batches else recipe.example_inputs()
-    failure: BaseException | None = None
-
-    def fail(step: str, exc: BaseException) -> None:
-        nonlocal failure
-        failure = exc
-        report.problems.append(f"{step}: {failure_reason(exc) if not isinstance(exc, QuantizationError) else exc}")
-
     # A Hugging Face model validates, exports and is timed without its key/value cache (the copies inherit that).
     with cache_off(prepared, float_model), StagedSet(dirpath) as staged:
-        quantized: nn.Module | None = None
-        started = time.perf_counter()
-        try:
-            quantized = convert(prepared, recipe)
-            report.convert_s = time.perf_counter() - started
-        except Exception as exc:
-            fail("conversion", exc)
-        passed = False
+        run = ArtifactRun(report, staged, filename)
+        quantized = _convert(prepared, recipe, run)
         if quantized is not None:
-            try:
-                # The trained model itself in eval mode: no state moves (observers pause, batch norm uses its stats).
-                report.validation = compare_models(
-                    prepared,
-                    quantized,
-                    batches or [example],
-                    input_key=input_key if batches else None,
-                    min_cosine=min_cosine,
-                )
-            except Exception as exc:
-                fail("validation", exc)
-            passed = report.validation is not None and report.validation.passed
-            if report.validation is not None and not passed:
-                report.problems.append(f"validation: {report.validation.problem}")
-        set_name = filename if passed else f"{filename}.failed"
-        if quantized is not None:
-            name = f"{set_name}.pt2"
-            try:
-                write_program(quantized, example, staged.file(name))
-                report.artifact = dirpath / set_name / name
-            except Exception as exc:
-                fail("saving", exc)
-                staged.file(name).unlink(missing_ok=True)  # a partial file; the set is a failed one
-                set_name = f"{filename}.failed"
-            report.ok = passed and report.artifact is not None and not report.problems
-        if report.ok and onnx:
-            try:
-                program = capture_program(quiet_deepcopy(quantized), example)
-                onnx_files = save_program_onnx(program, staged.file(f"{filename}.onnx"), "export_quantized")
-                report.onnx = dirpath / set_name / onnx_files[-1].name
-            except Exception as exc:
-                for leftover in staged.path.glob(f"{filename}.onnx*"):
-                    leftover.unlink()
-                report.problems.append(f"onnx: {failure_reason(exc)}")
-                warnings.warn(
-                    f"The ONNX export of the quantized model failed: {failure_reason(exc)}",
-                    FallbackWarning,
-                    stacklevel=2,
-                )
-        if report.ok and benchmark and batch_sizes:
-            try:
-                reference_float = float_model if float_model is not None else float_copy(prepared)
-                report.latency = compiled_latency(
-                    reference_float,
-                    quantized,  # type: ignore[arg-type]
-                    example,
-                    batch_sizes,
-                    iterations=latency_iterations,
-                    warmup=latency_warmup,
-                )
-            except Exception as exc:
-                report.problems.append(f"timing: {failure_reason(exc)}")
-                warnings.warn(
-                    f"Timing the quantized model failed: {failure_reason(exc)}", FallbackWarning, stacklevel=2
-                )
-        report.report_path = dirpath / set_name / f"{filename}.json"
-        staged.write_json(report.report_path.name, report.to_dict())
-        staged.commit(set_name)
-    if not report.ok:
-        message = (
-            f"The quantized model was not exported: {'; '.join(report.problems)}. The trained model is unchanged. "
-            f"Report: {report.report_path}"
-        )
-        if strict:
-            raise QuantizationError(message) from failure
-        warnings.warn(message, FallbackWarning, stacklevel=2)
+            # The trained model itself in eval mode: no state moves (observers pause, batch norm uses its stats).
+            key = input_key if batches else None
+            passed = run.validate(prepared, quantized, batches or [example], min_cosine, input_key=key)
+            run.save_model(passed, ".pt2", functools.partial(write_program, quantized, example))
+            if report.ok and onnx:
+                onnx_export = functools.partial(_save_onnx, run, quantized, example)
+                report.onnx = run.optional("onnx", "The ONNX export of the quantized model", onnx_export)
+            if report.ok and benchmark and batch_sizes:
+                kw = {"iterations": latency_iterations, "warmup": latency_warmup}
+                timing = functools.partial(_timed, prepared, float_model, quantized, example, batch_sizes, **kw)
+                report.latency = run.optional("timing", "Timing the quantized model", timing) or []
+        run.commit()
+    run.finish(strict, "quantized model", " The trained model is unchanged.")
     return report
+
+
+def _convert(prepared: nn.Module, recipe: QuantizationRecipe, run: ArtifactRun) -> nn.Module | None:
+    """The converted copy of ``prepared``, timed; ``None`` (recorded) when conversion fails."""
+    started = time.perf_counter()
+    try:
+        quantized = convert(prepared, recipe)
+    except Exception as exc:
+        run.fail("conversion", exc)
+        return None
+    run.report.convert_s = time.perf_counter() - started
+    return quantized
+
+
+def _timed(prepared: nn.Module, float_model: nn.Module | None, quantized: nn.Module, *args: Any, **kw: Any) -> Any:
+    """:func:`compiled_latency` against ``float_model``, else against the float copy of ``prepared``."""
+    return compiled_latency(float_model if float_model is not None else float_copy(prepared), quantized, *args, **kw)
+
+
+def _save_onnx(run: ArtifactRun, quantized: Any, example: tuple[Tensor, ...]) -> Path:
+    """The quantized model's ONNX export in the set (its partial files removed when it fails)."""
+    try:
+        program = capture_program(quiet_deepcopy(quantized), example)
+        files = save_program_onnx(program, run.staged.file(f"{run.filename}.onnx"), "export_quantized")
+    except Exception:
+        for leftover in run.staged.path.glob(f"{run.filename}.onnx*"):
+            leftover.unlink()
+        raise
+    return run.final(files[-1].name)
