@@ -3,7 +3,7 @@
 Plain data (standard library only, class paths as strings), so that every layer can read it: the bench
 configurations (:mod:`lightning_perf.benchmark.configs`), the auto-tuner's search list (:mod:`lightning_perf.tuning`)
 and the advice of :mod:`lightning_perf.profiling.advice` are all derived from it. Adding an optimization is one
-:func:`register` call (one entry in :func:`_builtin_optimizations` for the ones shipped here).
+:func:`register` call (one entry in ``_BUILTIN_OPTIMIZATIONS`` for the ones shipped here).
 
 Example::
 
@@ -339,14 +339,13 @@ class Optimization:
         return None if self.callback is None else self.callback.rsplit(".", 1)[-1]
 
 
-_REGISTRY: dict[str, Optimization] = {}
+_REGISTRY: dict[str, Optimization] = {}  # the built-ins first: filled from _BUILTIN_OPTIMIZATIONS at the end
 
 
 def register(optimization: Optimization, *, replace: bool = False) -> Optimization:
     """Add ``optimization`` to the list; a second registration of a name is an error unless ``replace``."""
     if not isinstance(optimization, Optimization):
         raise TypeError(f"`register({optimization!r})` is not valid. Expected an Optimization.")
-    _ensure_builtins()
     if optimization.name in _REGISTRY and not replace:
         raise ValueError(f"An optimization named {optimization.name!r} is already registered.")
     _REGISTRY[optimization.name] = optimization
@@ -355,7 +354,6 @@ def register(optimization: Optimization, *, replace: bool = False) -> Optimizati
 
 def unregister(name: str) -> None:
     """Remove the optimization called ``name`` (a no-op when there is none)."""
-    _ensure_builtins()
     _REGISTRY.pop(name, None)
 
 
@@ -365,19 +363,16 @@ def get(name: str) -> Optimization:
     Raises:
         KeyError: for an unknown name.
     """
-    _ensure_builtins()
     return _REGISTRY[name]
 
 
 def find(name: str) -> Optimization | None:
     """The optimization called ``name``, or ``None`` (``baseline``, a stack, a bench-only configuration)."""
-    _ensure_builtins()
     return _REGISTRY.get(name)
 
 
 def optimizations() -> list[Optimization]:
     """Every registered optimization, in registration order."""
-    _ensure_builtins()
     return list(_REGISTRY.values())
 
 
@@ -402,305 +397,277 @@ def advice_for(symptom: str) -> list[tuple[Optimization, AdviceRule]]:
     return [(o, rule) for o in optimizations() for rule in o.advice if rule.symptom == symptom]
 
 
-_builtins_loaded = False
-
-
-def _ensure_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        for optimization in _builtin_optimizations():
-            _REGISTRY.setdefault(optimization.name, optimization)
-
-
 def _callback(name: str) -> str:
     return f"lightning_perf.callbacks.{name}"
 
 
+def _precision(precision: str, description: str, **kwargs: Any) -> Optimization:
+    """One of Lightning's own precisions: a Trainer argument only, which changes the numerics."""
+    trainer_kwargs = {"precision": precision}
+    return Optimization(precision, description, trainer_kwargs=trainer_kwargs, changes_numerics=True, **kwargs)
+
+
+def _compile(name: str, description: str, **kwargs: Any) -> Optimization:
+    """A CompileCallback variant: it changes the numerics and warms up long."""
+    callback = _callback("CompileCallback")
+    return Optimization(name, description, callback=callback, changes_numerics=True, long_warmup=True, **kwargs)
+
+
+_NO_BF16 = "this CPU has no bf16 instructions (avx512_bf16, AMX)"
+_BF16_EMULATED = (SlowdownCause("bf16_emulated", f"{_NO_BF16}: bf16 is emulated"),)
+_COMPILE_SLOWDOWN = (
+    SlowdownCause("warmup_not_amortized", "compile warm-up not amortized over this run's steps"),
+    SlowdownCause("always", "inductor's kernels gain little on this model and device"),
+)
 _COLD_COMPILE = (
     "a cold compile takes ~30 s per process on a CPU (each bench run is a fresh process), more than the default "
     "run's steps can win back; a long training run amortizes it"
 )
-_NO_BF16 = "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 would be emulated, several times slower"
 _FLASH = "it acts on attention modules only, and gains most on a GPU in fp16/bf16: include it for a transformer"
 _QAT = "fake quantization adds work to every step: it measures the cost of QAT, not a speed-up"
 _TIME_FOR_MEMORY = "it trades step time for activation memory: slower by design, worth it when memory limits the batch"
 
-
-def _builtin_optimizations() -> list[Optimization]:
-    """The optimizations shipped with lightning_perf. Each one adds its entry here."""
-    return [
-        Optimization(
-            "bf16-mixed",
-            "Lightning's own bf16 autocast (Trainer(precision='bf16-mixed'))",
-            trainer_kwargs={"precision": "bf16-mixed"},
-            changes_numerics=True,
-            tuner_stage="precision",
-            tuner_order=10,
-            requires=("bf16",),
-            advice=(
-                AdviceRule(
-                    "compute_bound",
-                    "train in mixed precision: Trainer(precision='bf16-mixed')",
-                    {"full_precision": True, "fast_bf16": True},
-                ),
-            ),
-            bench_default_on=("fast_bf16",),
-            left_out_because=_NO_BF16,
-            slowdown_causes=(
-                SlowdownCause(
-                    "bf16_emulated", "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 is emulated"
-                ),
+_BUILTIN_OPTIMIZATIONS: tuple[Optimization, ...] = (
+    _precision(
+        "bf16-mixed",
+        "Lightning's own bf16 autocast (Trainer(precision='bf16-mixed'))",
+        tuner_stage="precision",
+        tuner_order=10,
+        requires=("bf16",),
+        advice=(
+            AdviceRule(
+                "compute_bound",
+                "train in mixed precision: Trainer(precision='bf16-mixed')",
+                {"full_precision": True, "fast_bf16": True},
             ),
         ),
-        Optimization(
-            "16-mixed",
-            "Lightning's own fp16 autocast with gradient scaling (Trainer(precision='16-mixed'))",
-            trainer_kwargs={"precision": "16-mixed"},
-            changes_numerics=True,
-            tuner_stage="precision",
-            tuner_order=20,
-            requires=("cuda",),
-            bench_default_on=("cuda",),
-            left_out_because="fp16 autocast is for GPUs; CPUs without avx512_fp16 emulate it",
+        bench_default_on=("fast_bf16",),
+        left_out_because=f"{_NO_BF16}: bf16 would be emulated, several times slower",
+        slowdown_causes=_BF16_EMULATED,
+    ),
+    _precision(
+        "16-mixed",
+        "Lightning's own fp16 autocast with gradient scaling (Trainer(precision='16-mixed'))",
+        tuner_stage="precision",
+        tuner_order=20,
+        requires=("cuda",),
+        bench_default_on=("cuda",),
+        left_out_because="fp16 autocast is for GPUs; CPUs without avx512_fp16 emulate it",
+    ),
+    _precision(
+        "bf16-true",
+        "Lightning's pure bf16 (Trainer(precision='bf16-true')): weights and activations in bf16, inference only",
+        requires=("bf16",),
+        bench_default_on=("fast_bf16",),
+        left_out_because=f"{_NO_BF16}: bf16 would be emulated",
+        slowdown_causes=_BF16_EMULATED,
+        stages=INFERENCE_STAGES,
+    ),
+    _precision(
+        "16-true",
+        "Lightning's pure fp16 (Trainer(precision='16-true')): weights and activations in fp16, inference only",
+        requires=("fp16",),
+        bench_default_on=("cuda",),
+        left_out_because="pure fp16 is for GPUs; CPUs without avx512_fp16 emulate it",
+        stages=INFERENCE_STAGES,
+    ),
+    Optimization(
+        "channels_last",
+        "ChannelsLastCallback: conv weights and 4D/5D inputs in channels-last memory format",
+        callback=_callback("ChannelsLastCallback"),
+        tuner_stage="optimization",
+        tuner_order=10,
+        advice=(AdviceRule("compute_bound", "store convolution inputs and weights channels-last"),),
+        model_needs=("convolutions",),
+        bench_default_on=("cpu", "cuda"),
+        slowdown_causes=(
+            SlowdownCause("always", "layout conversion at the model's edges costs more than its few convolutions gain"),
         ),
-        Optimization(
-            "bf16-true",
-            "Lightning's pure bf16 (Trainer(precision='bf16-true')): weights and activations in bf16, inference only",
-            trainer_kwargs={"precision": "bf16-true"},
-            changes_numerics=True,
-            requires=("bf16",),
-            bench_default_on=("fast_bf16",),
-            left_out_because="this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 would be emulated",
-            slowdown_causes=(
-                SlowdownCause(
-                    "bf16_emulated", "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 is emulated"
-                ),
+    ),
+    _compile(
+        "compile",
+        "CompileCallback(): torch.compile of the LightningModule's forward, in place (inductor, default mode)",
+        tuner_stage="optimization",
+        tuner_order=50,
+        advice=(
+            AdviceRule(
+                "device_idle",
+                "compile the model: fewer, larger kernels (mode='reduce-overhead' also captures CUDA graphs)",
             ),
-            stages=INFERENCE_STAGES,
+            AdviceRule("compute_bound", "compile the model (fused kernels)"),
         ),
-        Optimization(
-            "16-true",
-            "Lightning's pure fp16 (Trainer(precision='16-true')): weights and activations in fp16, inference only",
-            trainer_kwargs={"precision": "16-true"},
-            changes_numerics=True,
-            requires=("fp16",),
-            bench_default_on=("cuda",),
-            left_out_because="pure fp16 is for GPUs; CPUs without avx512_fp16 emulate it",
-            stages=INFERENCE_STAGES,
+        bench_default_on=("cuda",),
+        left_out_because=_COLD_COMPILE,
+        slowdown_causes=_COMPILE_SLOWDOWN,
+    ),
+    _compile(
+        "compile_regional",
+        "CompileCallback(regions='auto'): each repeated block compiled once and reused by its copies (regional "
+        "compilation: a shorter cold compile than the whole model's)",
+        callback_kwargs={"regions": "auto"},
+        tuner_order=55,  # not searched by the tuner (one compile trial is enough there); ordered for a stack
+        replaces="compile",
+        slowdown_causes=_COMPILE_SLOWDOWN,
+        left_out_because=_COLD_COMPILE,
+    ),
+    _compile(
+        "compile_reduce_overhead",
+        "CompileCallback(mode='reduce-overhead'): torch.compile with CUDA graphs (replays whole steps' kernels)",
+        callback_kwargs={"mode": "reduce-overhead"},
+        tuner_stage="optimization",
+        tuner_order=60,
+        replaces="compile",
+        left_out_because="CUDA graphs need a CUDA device; on a GPU it is the compile variant to try after compile",
+        requires=("cuda",),
+        slowdown_causes=(
+            SlowdownCause("warmup_not_amortized", "compile warm-up (and CUDA graph capture) not amortized"),
         ),
-        Optimization(
-            "channels_last",
-            "ChannelsLastCallback: conv weights and 4D/5D inputs in channels-last memory format",
-            callback=_callback("ChannelsLastCallback"),
-            tuner_stage="optimization",
-            tuner_order=10,
-            advice=(AdviceRule("compute_bound", "store convolution inputs and weights channels-last"),),
-            model_needs=("convolutions",),
-            bench_default_on=("cpu", "cuda"),
-            slowdown_causes=(
-                SlowdownCause(
-                    "always", "layout conversion at the model's edges costs more than its few convolutions gain"
-                ),
+    ),
+    Optimization(
+        "backend_flags",
+        "BackendFlagsCallback(preset='fastest'): CUDA: cudnn.benchmark + TF32; CPU: bf16 float32 matmuls (oneDNN)",
+        callback=_callback("BackendFlagsCallback"),
+        callback_kwargs={"preset": "fastest"},
+        changes_numerics=True,
+        tuner_stage="optimization",
+        tuner_order=30,
+        requires=("fast_fp32_matmul",),
+        advice=(
+            AdviceRule(
+                "compute_bound",
+                "let float32 matmuls and convolutions use TF32 tensor cores",
+                {"full_precision": True, "tf32_off": True},
             ),
         ),
-        Optimization(
-            "compile",
-            "CompileCallback(): torch.compile of the LightningModule's forward, in place (inductor, default mode)",
-            callback=_callback("CompileCallback"),
-            changes_numerics=True,
-            tuner_stage="optimization",
-            tuner_order=50,
-            advice=(
-                AdviceRule(
-                    "device_idle",
-                    "compile the model: fewer, larger kernels (mode='reduce-overhead' also captures CUDA graphs)",
-                ),
-                AdviceRule("compute_bound", "compile the model (fused kernels)"),
+        fast_fp32_matmul=True,
+        bench_default_on=("cuda", "fast_bf16"),
+        left_out_because="no backend flag speeds up float32 here (no TF32 cores, no bf16 instructions)",
+    ),
+    Optimization(
+        "fused_optimizer",
+        "FusedOptimizerCallback: the optimizers step with torch's fused (else foreach) kernels",
+        callback=_callback("FusedOptimizerCallback"),
+        tuner_stage="optimization",
+        tuner_order=20,
+        advice=(
+            AdviceRule(
+                "optimizer_step",
+                "step the optimizer with torch's fused or foreach kernels",
+                {"optimizers_fused": False},
             ),
-            bench_default_on=("cuda",),
-            left_out_because=_COLD_COMPILE,
-            slowdown_causes=(
-                SlowdownCause("warmup_not_amortized", "compile warm-up not amortized over this run's steps"),
-                SlowdownCause("always", "inductor's kernels gain little on this model and device"),
-            ),
-            long_warmup=True,
         ),
-        Optimization(
-            "compile_regional",
-            "CompileCallback(regions='auto'): each repeated block compiled once and reused by its copies (regional "
-            "compilation: a shorter cold compile than the whole model's)",
-            callback=_callback("CompileCallback"),
-            callback_kwargs={"regions": "auto"},
-            changes_numerics=True,
-            tuner_order=55,  # not searched by the tuner (one compile trial is enough there); ordered for a stack
-            replaces="compile",
-            slowdown_causes=(
-                SlowdownCause("warmup_not_amortized", "compile warm-up not amortized over this run's steps"),
-                SlowdownCause("always", "inductor's kernels gain little on this model and device"),
+        bench_default_on=("cpu", "cuda"),
+        stages=("fit",),
+    ),
+    Optimization(
+        "grad_checkpoint",
+        "GradCheckpointCallback(): activation checkpointing of every repeated block (less memory, more compute)",
+        callback=_callback("GradCheckpointCallback"),
+        advice=(
+            AdviceRule(
+                "compute_bound",
+                "if memory limits the batch size, recompute activations to fit a larger batch",
+                "cuda",
             ),
-            long_warmup=True,
-            left_out_because=_COLD_COMPILE,
         ),
+        slowdown_causes=(SlowdownCause("always", "recomputes activations in the backward pass: time for memory"),),
+        stages=("fit",),
+        left_out_because=_TIME_FOR_MEMORY,
+    ),
+    *(
         Optimization(
-            "compile_reduce_overhead",
-            "CompileCallback(mode='reduce-overhead'): torch.compile with CUDA graphs (replays whole steps' kernels)",
-            callback=_callback("CompileCallback"),
-            callback_kwargs={"mode": "reduce-overhead"},
-            changes_numerics=True,
-            tuner_stage="optimization",
-            tuner_order=60,
-            replaces="compile",
-            left_out_because="CUDA graphs need a CUDA device; on a GPU it is the compile variant to try after compile",
-            requires=("cuda",),
-            slowdown_causes=(
-                SlowdownCause("warmup_not_amortized", "compile warm-up (and CUDA graph capture) not amortized"),
-            ),
-            long_warmup=True,
-        ),
-        Optimization(
-            "backend_flags",
-            "BackendFlagsCallback(preset='fastest'): CUDA: cudnn.benchmark + TF32; CPU: bf16 float32 matmuls (oneDNN)",
-            callback=_callback("BackendFlagsCallback"),
-            callback_kwargs={"preset": "fastest"},
-            changes_numerics=True,
-            tuner_stage="optimization",
-            tuner_order=30,
-            requires=("fast_fp32_matmul",),
-            advice=(
-                AdviceRule(
-                    "compute_bound",
-                    "let float32 matmuls and convolutions use TF32 tensor cores",
-                    {"full_precision": True, "tf32_off": True},
-                ),
-            ),
-            fast_fp32_matmul=True,
-            bench_default_on=("cuda", "fast_bf16"),
-            left_out_because="no backend flag speeds up float32 here (no TF32 cores, no bf16 instructions)",
-        ),
-        Optimization(
-            "fused_optimizer",
-            "FusedOptimizerCallback: the optimizers step with torch's fused (else foreach) kernels",
-            callback=_callback("FusedOptimizerCallback"),
-            tuner_stage="optimization",
-            tuner_order=20,
-            advice=(
-                AdviceRule(
-                    "optimizer_step",
-                    "step the optimizer with torch's fused or foreach kernels",
-                    {"optimizers_fused": False},
-                ),
-            ),
-            bench_default_on=("cpu", "cuda"),
-            stages=("fit",),
-        ),
-        Optimization(
-            "grad_checkpoint",
-            "GradCheckpointCallback(): activation checkpointing of every repeated block (less memory, more compute)",
+            f"grad_checkpoint_budget{round(budget * 100)}",
+            f"GradCheckpointCallback(memory_budget={budget}): keeps about {budget:.0%} of the activation memory, "
+            "checkpointing blocks fully or selectively at the least recompute",
             callback=_callback("GradCheckpointCallback"),
-            advice=(
-                AdviceRule(
-                    "compute_bound",
-                    "if memory limits the batch size, recompute activations to fit a larger batch",
-                    "cuda",
-                ),
+            callback_kwargs={"memory_budget": budget},
+            slowdown_causes=(
+                SlowdownCause("always", "recomputes part of the activations in the backward pass: time for memory"),
             ),
-            slowdown_causes=(SlowdownCause("always", "recomputes activations in the backward pass: time for memory"),),
             stages=("fit",),
             left_out_because=_TIME_FOR_MEMORY,
-        ),
-        *(
-            Optimization(
-                f"grad_checkpoint_budget{round(budget * 100)}",
-                f"GradCheckpointCallback(memory_budget={budget}): keeps about {budget:.0%} of the activation memory, "
-                "checkpointing blocks fully or selectively at the least recompute",
-                callback=_callback("GradCheckpointCallback"),
-                callback_kwargs={"memory_budget": budget},
-                slowdown_causes=(
-                    SlowdownCause("always", "recomputes part of the activations in the backward pass: time for memory"),
-                ),
-                stages=("fit",),
-                left_out_because=_TIME_FOR_MEMORY,
-            )
-            for budget in (0.75, 0.5, 0.25)
-        ),
-        Optimization(
-            "flash_attention",
-            "FlashAttentionCallback(): attention through flash-attn 2 (CUDA, fp16/bf16) or fused SDPA kernels",
-            callback=_callback("FlashAttentionCallback"),
-            changes_numerics=True,
-            tuner_stage="optimization",
-            tuner_order=40,
-            model_needs=("attention",),
-            left_out_because=_FLASH,
-        ),
-        Optimization(
-            "dynamic_int8",
-            "QATCallback(mode='dynamic'): predict/test/validate through a dynamic int8 copy (CPU; the fastest correct "
-            "back-end, measured)",
-            callback=_callback("QATCallback"),
-            callback_kwargs={"mode": "dynamic", "export": False},
-            changes_numerics=True,
-            tuner_stage="optimization",
-            tuner_order=45,
-            stages=INFERENCE_STAGES,
-            left_out_because="it changes inference only: measure it with --stage predict",
-            slowdown_causes=(
-                SlowdownCause(
-                    "always",
-                    "small Linear layers: quantizing activations per batch costs more than int8 matmuls save (or no "
-                    "back-end beat fp32 and the float model ran)",
-                ),
+        )
+        for budget in (0.75, 0.5, 0.25)
+    ),
+    Optimization(
+        "flash_attention",
+        "FlashAttentionCallback(): attention through flash-attn 2 (CUDA, fp16/bf16) or fused SDPA kernels",
+        callback=_callback("FlashAttentionCallback"),
+        changes_numerics=True,
+        tuner_stage="optimization",
+        tuner_order=40,
+        model_needs=("attention",),
+        left_out_because=_FLASH,
+    ),
+    Optimization(
+        "dynamic_int8",
+        "QATCallback(mode='dynamic'): predict/test/validate through a dynamic int8 copy (CPU; the fastest correct "
+        "back-end, measured)",
+        callback=_callback("QATCallback"),
+        callback_kwargs={"mode": "dynamic", "export": False},
+        changes_numerics=True,
+        tuner_stage="optimization",
+        tuner_order=45,
+        stages=INFERENCE_STAGES,
+        left_out_because="it changes inference only: measure it with --stage predict",
+        slowdown_causes=(
+            SlowdownCause(
+                "always",
+                "small Linear layers: quantizing activations per batch costs more than int8 matmuls save (or no "
+                "back-end beat fp32 and the float model ran)",
             ),
         ),
+    ),
+    Optimization(
+        "sliding_window",
+        "SlidingWindowInferenceCallback(roi_size='model', sw_batch_size='auto'): whole volumes predicted in the "
+        "model's patch windows (MONAI, Gaussian blending), the window batch size measured",
+        callback=_callback("SlidingWindowInferenceCallback"),
+        callback_kwargs={"roi_size": "model", "sw_batch_size": "auto"},
+        stages=INFERENCE_STAGES,
+        left_out_because="it changes whole-volume inference only: measure it with --stage predict on a 3D model",
+    ),
+    *(
         Optimization(
-            "sliding_window",
-            "SlidingWindowInferenceCallback(roi_size='model', sw_batch_size='auto'): whole volumes predicted in the "
-            "model's patch windows (MONAI, Gaussian blending), the window batch size measured",
+            f"sliding_window_sw{n}",
+            f"SlidingWindowInferenceCallback(roi_size='model', sw_batch_size={n}): whole volumes in patch windows",
             callback=_callback("SlidingWindowInferenceCallback"),
-            callback_kwargs={"roi_size": "model", "sw_batch_size": "auto"},
+            callback_kwargs={"roi_size": "model", "sw_batch_size": n},
             stages=INFERENCE_STAGES,
-            left_out_because="it changes whole-volume inference only: measure it with --stage predict on a 3D model",
+            left_out_because="a fixed window batch size, to compare with sliding_window's measured one",
+        )
+        for n in (1, 2, 4, 8)
+    ),
+    Optimization(
+        "fp8",
+        "bf16-mixed + Float8TrainingCallback() + CompileCallback(): Linear layers measured faster in float8 train "
+        "in float8 (torchao), compiled",
+        callback=_callback("Float8TrainingCallback"),
+        trainer_kwargs={"precision": "bf16-mixed"},
+        with_callbacks=((_callback("CompileCallback"), {}),),
+        changes_numerics=True,
+        requires=("fp8",),
+        packages=("torchao",),
+        bench_default_on=("fp8",),
+        stages=("fit",),
+        long_warmup=True,
+        mfu_note="against the bf16 peak: a float8 MFU is not defined when layers mix dtypes",
+        left_out_because="float8 matmuls need a CUDA device of compute capability 8.9 or later",
+    ),
+    Optimization(
+        "qat",
+        "QATCallback(export=False): x86 PT2E fake quantization during training (the step overhead of QAT)",
+        # Training only: the int8 model's own speed is what QATCallback's end-of-fit report measures.
+        callback=_callback("QATCallback"),
+        callback_kwargs={"export": False},
+        changes_numerics=True,
+        packages=("torchao",),
+        slowdown_causes=(
+            SlowdownCause("always", "fake quantization adds work to every training step (the cost of QAT)"),
         ),
-        *(
-            Optimization(
-                f"sliding_window_sw{n}",
-                f"SlidingWindowInferenceCallback(roi_size='model', sw_batch_size={n}): whole volumes in patch windows",
-                callback=_callback("SlidingWindowInferenceCallback"),
-                callback_kwargs={"roi_size": "model", "sw_batch_size": n},
-                stages=INFERENCE_STAGES,
-                left_out_because="a fixed window batch size, to compare with sliding_window's measured one",
-            )
-            for n in (1, 2, 4, 8)
-        ),
-        Optimization(
-            "fp8",
-            "bf16-mixed + Float8TrainingCallback() + CompileCallback(): Linear layers measured faster in float8 train "
-            "in float8 (torchao), compiled",
-            callback=_callback("Float8TrainingCallback"),
-            trainer_kwargs={"precision": "bf16-mixed"},
-            with_callbacks=((_callback("CompileCallback"), {}),),
-            changes_numerics=True,
-            requires=("fp8",),
-            packages=("torchao",),
-            bench_default_on=("fp8",),
-            stages=("fit",),
-            long_warmup=True,
-            mfu_note="against the bf16 peak: a float8 MFU is not defined when layers mix dtypes",
-            left_out_because="float8 matmuls need a CUDA device of compute capability 8.9 or later",
-        ),
-        Optimization(
-            "qat",
-            "QATCallback(export=False): x86 PT2E fake quantization during training (the step overhead of QAT)",
-            # Training only: the int8 model's own speed is what QATCallback's end-of-fit report measures.
-            callback=_callback("QATCallback"),
-            callback_kwargs={"export": False},
-            changes_numerics=True,
-            packages=("torchao",),
-            slowdown_causes=(
-                SlowdownCause("always", "fake quantization adds work to every training step (the cost of QAT)"),
-            ),
-            stages=("fit",),
-            left_out_because=_QAT,
-        ),
-    ]
+        stages=("fit",),
+        left_out_because=_QAT,
+    ),
+)
+
+_REGISTRY.update((optimization.name, optimization) for optimization in _BUILTIN_OPTIMIZATIONS)

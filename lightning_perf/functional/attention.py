@@ -197,10 +197,8 @@ def swap_attention(
     """Swap every attention module of ``model`` that an adapter knows for a fused-kernel version, in place.
 
     Call it before building the optimizer (the swapped modules reuse the original parameters, so an existing optimizer
-    also stays valid). Modules swapped already are reported and left as they are; so are modules that already call
-    SDPA (:meth:`AttentionAdapter.already_fused`). Models that choose their attention from a configuration (Hugging
-    Face ``transformers``) are switched from ``"eager"`` to ``"sdpa"`` instead
-    (:mod:`~lightning_perf.functional.attention_config`), and nothing inside them is swapped.
+    also stays valid). Modules swapped already or already fused are left alone, configured (Hugging Face) models are
+    switched to SDPA instead (nothing inside them is swapped): each is reported, as the module docstring says.
 
     Args:
         model: the model.
@@ -217,31 +215,14 @@ def swap_attention(
         RuntimeError: with ``strict=True``, when a swapped module does not match its original.
     """
     target = as_device(device) if device is not None else module_device(model)
-    all_adapters = attention_adapters(adapters)
+    checks = _Checks(target, compute_dtype, parity_check, strict)
     result = SwapResult()
-    configured: list[str] = []
-    for name, hf_model in configurable_attention_models(model):
-        if filter_fn is not None and not filter_fn(hf_model, name):
-            continue
-        configured.append(name)
-        decisions, previous, problem = switch_attention_implementation(
-            name, hf_model, device=target, compute_dtype=compute_dtype, parity_check=parity_check
-        )
-        if problem is not None:
-            message = f"The attention implementation of `{name or type(model).__name__}` stays 'eager': {problem}."
-            if strict:
-                raise RuntimeError(message)
-            warn_once(message, FallbackWarning)
-            decisions = {name: AttentionDecision(UNCHANGED, f"config not switched: {problem}")}
-        result.decisions.update(decisions)
-        if previous is not None:
-            result.switched[name] = (hf_model, previous)
-
-    def inside_configured(name: str) -> bool:
-        return any(outer == "" or name == outer or name.startswith(f"{outer}.") for outer in configured)
+    configured = _switch_configured(model, result, filter_fn, checks)
+    all_adapters = attention_adapters(adapters)
 
     def adapter_for(module: nn.Module, name: str) -> AttentionAdapter | None:
-        if inside_configured(name) or (filter_fn is not None and not filter_fn(module, name)):
+        inside_configured = any(outer == "" or name == outer or name.startswith(f"{outer}.") for outer in configured)
+        if inside_configured or (filter_fn is not None and not filter_fn(module, name)):
             return None
         return next((a for a in all_adapters if a.matches(module, name)), None)
 
@@ -255,64 +236,102 @@ def swap_attention(
             continue
         adapter = adapter_for(module, name)
         assert adapter is not None
-        try:
-            if any(is_fsdp_module(m) for m in module.modules()):
-                # Probing it would run FSDP2's hooks (all-gathers, lazy initialisation) outside a step, on one rank.
-                raise AttentionNotSwappable(
-                    "fully_shard was applied to the attention module itself or to a layer inside it; swapping it "
-                    "would drop FSDP2's hooks (shard the block around it instead)"
-                )
-            sharded = _sharded_refusal(module)
-            notes: list[str] = []
-            # Sharded (FSDP2) parameters are DTensors outside a training step: probe and check on plain stand-ins of
-            # their full shapes (the same on every rank, no collective call), then give the swap the real ones back.
-            with plain_parameters(module) as stand_ins:
-                calls = adapter.sample_inputs(module, torch.Generator().manual_seed(0))
-                if adapter.already_fused(module, calls):
-                    reason = f"already fused: {type(module).__name__} calls scaled_dot_product_attention itself"
-                    result.decisions[name] = AttentionDecision(UNCHANGED, reason, ALREADY_FUSED)
-                    continue
-                if sharded is not None:
-                    raise AttentionNotSwappable(sharded)
-                swapped = adapter.swap(module, SDPA)
-                calls += swapped.__dict__.pop("parity_calls", [])
-                decision = choose_kernel(int(getattr(swapped, "head_dim", 0)), target, compute_dtype)
-                setattr(swapped, "kernel", decision.kernel)  # noqa: B010 (any nn.Module an adapter returns)
-                problem = None
-                if parity_check:
-                    problem = check_parity(
-                        module, swapped, calls, device=target, compute_dtype=compute_dtype, notes=notes
-                    )
-                rebind_parameters(swapped, stand_ins)
-            if stand_ins:
-                notes.append("parameters sharded by FSDP2: checked on stand-in weights of their full shapes")
-            honoured = _honoured_arguments(swapped)
-            if honoured:
-                notes.append(honoured)
-            if notes:
-                decision = AttentionDecision(decision.kernel, f"{decision.reason}; {'; '.join(notes)}")
-        except AttentionNotSwappable as reason:
-            result.decisions[name] = AttentionDecision(UNCHANGED, f"{type(module).__name__}: {reason}")
-            continue
-        except Exception as error:  # an adapter's or a kernel's failure: keep the original, like a mismatch
-            if strict:
-                raise
-            problem = f"{type(error).__name__}: {error}"
-        if problem is not None:
-            message = (
-                f"The fused-kernel version of `{name}` ({type(module).__name__}) does not compute what the original "
-                f"does ({problem}); the original is kept."
-            )
-            if strict:
-                raise RuntimeError(message)
-            warn_once(message, FallbackWarning)
-            result.decisions[name] = AttentionDecision(UNCHANGED, f"parity check failed: {problem}")
-            continue
-        swaps[name] = swapped
-        result.decisions[name] = decision
+        result.decisions[name], swapped = _swap_one(name, module, adapter, checks)
+        if swapped is not None:
+            swaps[name] = swapped
     if swaps:
         result.replaced = replace_modules(model, list(swaps), lambda m, n: swaps[n])
     return result
+
+
+@dataclass(frozen=True)
+class _Checks:
+    """Where the swapped modules run and how each swap is checked (the arguments of :func:`swap_attention`)."""
+
+    target: torch.device
+    compute_dtype: torch.dtype | None
+    parity_check: bool
+    strict: bool
+
+    def fall_back(self, message: str) -> None:
+        """Raise ``message`` under ``strict``; else warn (once) that the original is kept."""
+        if self.strict:
+            raise RuntimeError(message)
+        warn_once(message, FallbackWarning)
+
+
+def _switch_configured(model: nn.Module, result: SwapResult, filter_fn: FilterFn | None, checks: _Checks) -> list[str]:
+    """Switch the configured (Hugging Face) models inside ``model`` to SDPA, into ``result``; their names."""
+    configured: list[str] = []
+    for name, hf_model in configurable_attention_models(model):
+        if filter_fn is not None and not filter_fn(hf_model, name):
+            continue
+        configured.append(name)
+        decisions, previous, problem = switch_attention_implementation(
+            name, hf_model, device=checks.target, compute_dtype=checks.compute_dtype, parity_check=checks.parity_check
+        )
+        if problem is not None:
+            checks.fall_back(
+                f"The attention implementation of `{name or type(model).__name__}` stays 'eager': {problem}."
+            )
+            decisions = {name: AttentionDecision(UNCHANGED, f"config not switched: {problem}")}
+        result.decisions.update(decisions)
+        if previous is not None:
+            result.switched[name] = (hf_model, previous)
+    return configured
+
+
+def _swap_one(
+    name: str, module: nn.Module, adapter: AttentionAdapter, checks: _Checks
+) -> tuple[AttentionDecision, nn.Module | None]:
+    """What becomes of one attention module: the decision, and its fused version (``None``: the original stays)."""
+    problem = None
+    try:
+        if any(is_fsdp_module(m) for m in module.modules()):
+            # Probing it would run FSDP2's hooks (all-gathers, lazy initialisation) outside a step, on one rank.
+            raise AttentionNotSwappable(
+                "fully_shard was applied to the attention module itself or to a layer inside it; swapping it "
+                "would drop FSDP2's hooks (shard the block around it instead)"
+            )
+        sharded = _sharded_refusal(module)
+        notes: list[str] = []
+        # Sharded (FSDP2) parameters are DTensors outside a training step: probe and check on plain stand-ins of
+        # their full shapes (the same on every rank, no collective call), then give the swap the real ones back.
+        with plain_parameters(module) as stand_ins:
+            calls = adapter.sample_inputs(module, torch.Generator().manual_seed(0))
+            if adapter.already_fused(module, calls):
+                reason = f"already fused: {type(module).__name__} calls scaled_dot_product_attention itself"
+                return AttentionDecision(UNCHANGED, reason, ALREADY_FUSED), None
+            if sharded is not None:
+                raise AttentionNotSwappable(sharded)
+            swapped = adapter.swap(module, SDPA)
+            calls += swapped.__dict__.pop("parity_calls", [])
+            decision = choose_kernel(int(getattr(swapped, "head_dim", 0)), checks.target, checks.compute_dtype)
+            setattr(swapped, "kernel", decision.kernel)  # noqa: B010 (any nn.Module an adapter returns)
+            if checks.parity_check:
+                dtype = checks.compute_dtype
+                problem = check_parity(module, swapped, calls, device=checks.target, compute_dtype=dtype, notes=notes)
+            rebind_parameters(swapped, stand_ins)
+        if stand_ins:
+            notes.append("parameters sharded by FSDP2: checked on stand-in weights of their full shapes")
+        honoured = _honoured_arguments(swapped)
+        if honoured:
+            notes.append(honoured)
+        if notes:
+            decision = AttentionDecision(decision.kernel, f"{decision.reason}; {'; '.join(notes)}")
+    except AttentionNotSwappable as reason:
+        return AttentionDecision(UNCHANGED, f"{type(module).__name__}: {reason}"), None
+    except Exception as error:  # an adapter's or a kernel's failure: keep the original, like a mismatch
+        if checks.strict:
+            raise
+        problem = f"{type(error).__name__}: {error}"
+    if problem is not None:
+        checks.fall_back(
+            f"The fused-kernel version of `{name}` ({type(module).__name__}) does not compute what the original "
+            f"does ({problem}); the original is kept."
+        )
+        return AttentionDecision(UNCHANGED, f"parity check failed: {problem}"), None
+    return decision, swapped
 
 
 def _sharded_refusal(module: nn.Module) -> str | None:

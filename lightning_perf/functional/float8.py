@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
+import importlib
 import json
 import logging
 import os
@@ -45,6 +45,7 @@ from lightning_perf._warnings import MeasurementWarning
 from lightning_perf.functional.surgery import restore_modules
 from lightning_perf.profiling.intervals import RatioEstimate
 from lightning_perf.profiling.latency import Blocks, paired_blocks, speedup_estimate
+from lightning_perf.profiling.machine import installed_version
 
 __all__ = [
     "CACHE_FILE",
@@ -301,12 +302,8 @@ def machine_key(device: torch.device | str | None = None, recipe: str = "tensorw
     dev = as_device(device)
     capability = cuda_capability(dev)
     gpu = dev.type if capability is None else f"{torch.cuda.get_device_name(dev)} (sm {capability[0]}{capability[1]})"
-    try:
-        torchao_version = importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        torchao_version = "none"
     return (
-        f"gpu={gpu}; torch={torch.__version__}; torchao={torchao_version}; recipe={recipe}; "
+        f"gpu={gpu}; torch={torch.__version__}; torchao={installed_version('torchao') or 'none'}; recipe={recipe}; "
         f"compiled={'yes' if compiled else 'no'}"
     )
 

@@ -67,6 +67,16 @@ HookVariant = Literal["powersgd", "batched"]
 #: ``powerSGD_hook``). ``"batched"``: each bucket's flat gradient viewed as one square matrix
 #: (``batched_powerSGD_hook``): less compute, usually much lower accuracy unless the rank is 1.
 HOOK_VARIANTS: tuple[str, ...] = ("powersgd", "batched")
+POWERSGD_OPTIONS: tuple[str, ...] = (
+    "matrix_approximation_rank",
+    "start_powerSGD_iter",
+    "min_compression_rate",
+    "use_error_feedback",
+    "warm_start",
+    "orthogonalization_epsilon",
+    "random_seed",
+)
+"""The arguments of :func:`register_powersgd_hook` passed on to torch's ``PowerSGDState``."""
 
 STATE_FORMAT = 1
 # A group is what one piece of saved state belongs to: one parameter ("powersgd") or one bucket's parameters
@@ -579,33 +589,15 @@ def register_powersgd_hook(
         torch.save(gather_state_dict(powersgd), "powersgd.pt")  # on every rank; rank 0 gets all residuals
     """
     owner = "register_powersgd_hook"
-    validate_powersgd_options(
-        owner,
-        hook=hook,
-        matrix_approximation_rank=matrix_approximation_rank,
-        start_powerSGD_iter=start_powerSGD_iter,
-        min_compression_rate=min_compression_rate,
-        use_error_feedback=use_error_feedback,
-        warm_start=warm_start,
-        orthogonalization_epsilon=orthogonalization_epsilon,
-        random_seed=random_seed,
-    )
+    options = {name: value for name, value in locals().items() if name in POWERSGD_OPTIONS}
+    validate_powersgd_options(owner, hook=hook, **options)
     check_optional_bool(owner, "synchronous", synchronous)
     check_instance(owner, "model", model, DistributedDataParallel, "a DistributedDataParallel model")
     group = process_group if process_group is not None else dist.group.WORLD
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if synchronous is None:
         synchronous = waits_each_bucket(str(dist.get_backend(group)), device.type)
-    state = _torch_powersgd.PowerSGDState(
-        process_group=process_group,
-        matrix_approximation_rank=matrix_approximation_rank,
-        start_powerSGD_iter=start_powerSGD_iter,
-        min_compression_rate=min_compression_rate,
-        use_error_feedback=use_error_feedback,
-        warm_start=warm_start,
-        orthogonalization_epsilon=orthogonalization_epsilon,
-        random_seed=random_seed,
-    )
+    state = _torch_powersgd.PowerSGDState(process_group=process_group, **options)
     powersgd = PowerSGDHook(
         state,
         variant=hook,

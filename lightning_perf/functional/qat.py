@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import importlib.metadata
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from lightning_perf._imports import require
 from lightning_perf.functional.inputs import as_input_tuple
 from lightning_perf.functional.qat_config import SUPPORTED_BASE_CONFIGS, base_config_spec, resolve_base_config
 from lightning_perf.functional.qat_device import cache_off, cpu_copy, parameter_device, take_tensors_of
+from lightning_perf.profiling.machine import installed_version
 
 __all__ = [
     "BACKENDS",
@@ -576,10 +576,7 @@ def _unannotated_hint(graph_module: torch.fx.GraphModule) -> str:
             targets[kind] += name.startswith(f"aten.{kind}")
     if not any(targets.values()):
         return ""
-    try:
-        torchao_version = importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        torchao_version = "unknown"
+    torchao_version = installed_version("torchao") or "unknown"
     return (
         f" Its captured graph has {targets['conv']} convolution(s) and {targets['linear']} linear layer(s), none "
         f"annotated: suspect this torch ({torch.__version__}) and torchao ({torchao_version}) pair (torch 2.11 with "
@@ -625,40 +622,53 @@ def prepare(
     torchao = require("torchao", f"{owner}(backend={recipe.backend!r})")
     float_keys = list(module.state_dict())
     example = as_input_tuple(example_inputs) if example_inputs is not None else recipe.example_inputs()
-    prepared: nn.Module
     if recipe.backend == "x86":
-        from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
-        from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-            X86InductorQuantizer,
-            get_default_x86_inductor_quantization_config,
-        )
+        return _prepare_x86(module, recipe, example, float_keys)
+    return _prepare_torchao(torchao, module, recipe, float_keys, owner)
 
-        qat = recipe.mode == "qat"
-        # X86InductorQuantizer annotates the graph of a CPU model: capture a CPU copy when the parameters live
-        # elsewhere (CUDA, meta), and give the prepared graph the module's own tensors afterwards.
-        device = parameter_device(module)
-        source = module if device.type == "cpu" else cpu_copy(module)
-        with cache_off(source):
-            captured = capture_module(source, tuple(t.cpu() for t in example), training=qat)
-        quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config(is_qat=qat))
-        try:
-            with fast_pattern_matching():
-                prepared = (prepare_qat_pt2e if qat else prepare_pt2e)(captured, quantizer)
-        except Exception as exc:
-            raise QuantizationError(
-                f"torchao's X86InductorQuantizer could not prepare {type(module).__name__}: {_reason(exc)}"
-            ) from exc
-        if _count_quantizers(prepared) == 0:
-            raise NothingToQuantizeError(
-                f"X86InductorQuantizer found nothing to quantize in {type(module).__name__} (it quantizes "
-                f"convolutions, linear layers and the ops around them).{_unannotated_hint(captured)}"
-            )
-        prepared = _as_prepared_graph_module(prepared)  # type: ignore[arg-type]
-        if source is not module:
-            take_tensors_of(prepared, module, device)
-        set_quantization_info(prepared, recipe=recipe, float_keys=float_keys, bn_frozen=False)
-        prepared.train(qat)
-        return prepared
+
+def _prepare_x86(
+    module: nn.Module, recipe: QuantizationRecipe, example: tuple[Tensor, ...], float_keys: list[str]
+) -> nn.Module:
+    """A new :class:`PreparedGraphModule` captured from ``module`` (PT2E, X86InductorQuantizer), sharing its tensors."""
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+        X86InductorQuantizer,
+        get_default_x86_inductor_quantization_config,
+    )
+
+    qat = recipe.mode == "qat"
+    # X86InductorQuantizer annotates the graph of a CPU model: capture a CPU copy when the parameters live
+    # elsewhere (CUDA, meta), and give the prepared graph the module's own tensors afterwards.
+    device = parameter_device(module)
+    source = module if device.type == "cpu" else cpu_copy(module)
+    with cache_off(source):
+        captured = capture_module(source, tuple(t.cpu() for t in example), training=qat)
+    quantizer = X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config(is_qat=qat))
+    try:
+        with fast_pattern_matching():
+            prepared = (prepare_qat_pt2e if qat else prepare_pt2e)(captured, quantizer)
+    except Exception as exc:
+        raise QuantizationError(
+            f"torchao's X86InductorQuantizer could not prepare {type(module).__name__}: {_reason(exc)}"
+        ) from exc
+    if _count_quantizers(prepared) == 0:
+        raise NothingToQuantizeError(
+            f"X86InductorQuantizer found nothing to quantize in {type(module).__name__} (it quantizes "
+            f"convolutions, linear layers and the ops around them).{_unannotated_hint(captured)}"
+        )
+    graph = _as_prepared_graph_module(prepared)
+    if source is not module:
+        take_tensors_of(graph, module, device)
+    set_quantization_info(graph, recipe=recipe, float_keys=float_keys, bn_frozen=False)
+    graph.train(qat)
+    return graph
+
+
+def _prepare_torchao(
+    torchao: Any, module: nn.Module, recipe: QuantizationRecipe, float_keys: list[str], owner: str
+) -> nn.Module:
+    """QAT: ``module`` with its ``nn.Linear`` layers fake-quantized in place; PTQ: a float copy in eval mode."""
     base = resolve_base_config(recipe.base_config, owner)
     if recipe.mode == "ptq":
         prepared = quiet_deepcopy(module).eval()

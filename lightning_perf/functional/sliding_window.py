@@ -30,8 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import importlib.metadata
-import importlib.util
 import inspect
 import math
 from collections.abc import Callable
@@ -45,6 +43,7 @@ from torch import Tensor, nn
 from lightning_perf._imports import require
 from lightning_perf.functional.surgery import ForwardPatch, find_forward_patch, patch_forward, unpatch_forward
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
+from lightning_perf.profiling.machine import installed_version
 from lightning_perf.profiling.memory import MemoryProbe
 
 __all__ = [
@@ -124,6 +123,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _is_count(value: Any) -> bool:
+    return _is_int(value) and value >= 1
+
+
+def _one_of(options: tuple[str, ...]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, str) and value in options
+
+
 def _per_dim(owner: str, name: str, value: Any, check: Callable[[Any], bool], expected: str) -> Any:
     """``value`` as a number or a tuple of numbers, each passing ``check``; else ``ValueError``."""
     if isinstance(value, (list, tuple)):
@@ -172,89 +179,55 @@ def validate_sliding_window(owner: str = "sliding_window_inference", **kwargs: A
         TypeError: for a non-bool ``progress``, a ``roi_weight_map`` that is not a tensor, a ``process_fn`` that is
             not callable, a ``buffer_dim`` that is not an int, a device of the wrong type.
     """
-    defaults = SlidingWindowSettings(roi_size=1)
     unknown = set(kwargs) - set(SlidingWindowSettings.__dataclass_fields__)
     if unknown:
         raise TypeError(f"`{owner}` got unknown arguments {sorted(unknown)}.")
     if "roi_size" not in kwargs:
         raise TypeError(f"`{owner}` needs `roi_size`.")
-    roi = kwargs["roi_size"]
-    if not (isinstance(roi, str) and roi == ROI_FROM_MODEL):
-        roi = _per_dim(
-            owner, "roi_size", roi, lambda v: _is_int(v) and v > 0, f"a positive integer or {ROI_FROM_MODEL!r}"
-        )
-    sw = kwargs.get("sw_batch_size", defaults.sw_batch_size)
-    if not ((isinstance(sw, str) and sw == "auto") or (_is_int(sw) and sw >= 1)):
-        raise ValueError(f"`{owner}(sw_batch_size={sw!r})` is not valid. Expected an integer >= 1 or 'auto'.")
-    overlap = _per_dim(
-        owner,
-        "overlap",
-        kwargs.get("overlap", defaults.overlap),
-        lambda v: _is_number(v) and 0 <= v < 1,
-        "a number in [0, 1)",
-    )
-    mode = kwargs.get("mode", defaults.mode)
-    if mode not in BLEND_MODES or not isinstance(mode, str):
-        raise ValueError(f"`{owner}(mode={mode!r})` is not valid. Expected one of {', '.join(map(repr, BLEND_MODES))}.")
-    sigma = _per_dim(
-        owner,
-        "sigma_scale",
-        kwargs.get("sigma_scale", defaults.sigma_scale),
-        lambda v: _is_number(v) and v > 0,
-        "a number > 0",
-    )
-    padding = kwargs.get("padding_mode", defaults.padding_mode)
-    if padding not in PADDING_MODES or not isinstance(padding, str):
-        raise ValueError(
-            f"`{owner}(padding_mode={padding!r})` is not valid. Expected one of {', '.join(map(repr, PADDING_MODES))}."
-        )
-    cval = kwargs.get("cval", defaults.cval)
-    if not _is_number(cval):
-        raise ValueError(f"`{owner}(cval={cval!r})` is not valid. Expected a finite number.")
-    progress = kwargs.get("progress", defaults.progress)
-    if not isinstance(progress, bool):
-        raise TypeError(f"`{owner}(progress={progress!r})` is not valid. Expected True or False.")
-    weight_map = kwargs.get("roi_weight_map")
-    if weight_map is not None and not isinstance(weight_map, Tensor):
-        raise TypeError(
-            f"`{owner}(roi_weight_map={weight_map!r})` is not valid. Expected None or a non-negative tensor of the "
-            "window's spatial shape."
-        )
+    args = {**vars(SlidingWindowSettings(roi_size=ROI_FROM_MODEL)), **kwargs}
+    if not (isinstance(args["roi_size"], str) and args["roi_size"] == ROI_FROM_MODEL):
+        expected = f"a positive integer or {ROI_FROM_MODEL!r}"
+        args["roi_size"] = _per_dim(owner, "roi_size", args["roi_size"], lambda v: _is_int(v) and v > 0, expected)
+    for name, check, error, expected in _ARGUMENT_CHECKS:
+        if name in _PER_DIM_ARGUMENTS:
+            args[name] = _per_dim(owner, name, args[name], check, expected)
+        elif not check(args[name]):
+            raise error(f"`{owner}({name}={args[name]!r})` is not valid. Expected {expected}.")
+    weight_map = args["roi_weight_map"]
     if weight_map is not None and (weight_map.numel() == 0 or bool((weight_map < 0).any())):
         raise ValueError(
             f"`{owner}(roi_weight_map=<tensor {tuple(weight_map.shape)}>)` is not valid. Expected a non-empty, "
             "non-negative tensor."
         )
-    process_fn = kwargs.get("process_fn")
-    if process_fn is not None and not callable(process_fn):
-        raise TypeError(
-            f"`{owner}(process_fn={process_fn!r})` is not valid. Expected None or a function "
-            "`process_fn(outputs, window, importance_map) -> (outputs, importance_map)`."
-        )
-    buffer_steps = kwargs.get("buffer_steps")
-    if buffer_steps is not None and not (_is_int(buffer_steps) and buffer_steps >= 1):
-        raise ValueError(f"`{owner}(buffer_steps={buffer_steps!r})` is not valid. Expected None or an integer >= 1.")
-    buffer_dim = kwargs.get("buffer_dim", defaults.buffer_dim)
-    if not _is_int(buffer_dim):
-        raise TypeError(
-            f"`{owner}(buffer_dim={buffer_dim!r})` is not valid. Expected an integer (a spatial dimension)."
-        )
-    return SlidingWindowSettings(
-        roi_size=roi,
-        sw_batch_size=sw,
-        overlap=overlap,
-        mode=mode,
-        sigma_scale=sigma,
-        padding_mode=padding,
-        cval=float(cval),
-        sw_device=_check_device(owner, "sw_device", kwargs.get("sw_device")),
-        device=_check_device(owner, "device", kwargs.get("device")),
-        progress=progress,
-        roi_weight_map=weight_map,
-        process_fn=process_fn,
-        buffer_steps=buffer_steps,
-        buffer_dim=buffer_dim,
-    )
+    devices = {name: _check_device(owner, name, args[name]) for name in ("sw_device", "device")}
+    return SlidingWindowSettings(**{**args, **devices, "cval": float(args["cval"])})
+
+
+_PER_DIM_ARGUMENTS = ("overlap", "sigma_scale")
+_ARGUMENT_CHECKS: tuple[tuple[str, Callable[[Any], bool], type[Exception], str], ...] = (
+    ("sw_batch_size", lambda v: v == "auto" or _is_count(v), ValueError, "an integer >= 1 or 'auto'"),
+    ("overlap", lambda v: _is_number(v) and 0 <= v < 1, ValueError, "a number in [0, 1)"),
+    ("mode", _one_of(BLEND_MODES), ValueError, f"one of {', '.join(map(repr, BLEND_MODES))}"),
+    ("sigma_scale", lambda v: _is_number(v) and v > 0, ValueError, "a number > 0"),
+    ("padding_mode", _one_of(PADDING_MODES), ValueError, f"one of {', '.join(map(repr, PADDING_MODES))}"),
+    ("cval", _is_number, ValueError, "a finite number"),
+    ("progress", lambda v: isinstance(v, bool), TypeError, "True or False"),
+    (
+        "roi_weight_map",
+        lambda v: v is None or isinstance(v, Tensor),
+        TypeError,
+        "None or a non-negative tensor of the window's spatial shape",
+    ),
+    (
+        "process_fn",
+        lambda v: v is None or callable(v),
+        TypeError,
+        "None or a function `process_fn(outputs, window, importance_map) -> (outputs, importance_map)`",
+    ),
+    ("buffer_steps", lambda v: v is None or _is_count(v), ValueError, "None or an integer >= 1"),
+    ("buffer_dim", _is_int, TypeError, "an integer (a spatial dimension)"),
+)
+"""Each argument after ``roi_size``: its name, the check it must pass, the error otherwise, and what is expected."""
 
 
 def resolve_roi_size(model: nn.Module, owner: str = "sliding_window_inference") -> tuple[int, ...] | int:
@@ -318,16 +291,10 @@ def _monai_kwargs(settings: SlidingWindowSettings, sliding_window_inference: Cal
         elif value != default:
             raise ValueError(
                 f"`{name}={value!r}` needs a MONAI whose `sliding_window_inference` has `{name}` (1.3 or later); the "
-                f"installed one ({_monai_version()}) has not. Upgrade MONAI or leave `{name}` at its default."
+                f"installed one ({installed_version('monai') or 'unknown'}) has not. Upgrade MONAI or leave `{name}` "
+                "at its default."
             )
     return kwargs
-
-
-def _monai_version() -> str:
-    try:
-        return importlib.metadata.version("monai")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - checked by require_monai
-        return "unknown"
 
 
 def sliding_window_predict(

@@ -26,6 +26,7 @@ __all__ = [
     "finish_run",
     "git_state",
     "has_cpu_bf16_instructions",
+    "installed_version",
     "run_metadata",
 ]
 
@@ -86,7 +87,8 @@ def _cpu_model(cpuinfo: str | None) -> str | None:
     return platform.processor() or None
 
 
-def _version(*distributions: str) -> str | None:
+def installed_version(*distributions: str) -> str | None:
+    """The version of the first of ``distributions`` that is installed, or ``None``."""
     from importlib.metadata import PackageNotFoundError, version
 
     for name in distributions:
@@ -154,7 +156,7 @@ def describe_machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "lightning_perf": __version__,
         "torch": torch.__version__,
-        "lightning": _version("lightning", "pytorch-lightning"),
+        "lightning": installed_version("lightning", "pytorch-lightning"),
     }
 
 

@@ -262,50 +262,62 @@ def assess(
     Returns:
         The verdict with its causes; each cause names what disturbed the run and its size.
     """
+    figures: dict[str, Any] = {"cores_used": cores_used, "cpu_count": cpu_count, "runs_watched": len(runs)}
+    causes, disturbed = _machine_causes(runs, cores_used, cpu_count, figures) if runs else ([], [])
+    scattered = _dispersion_causes(step_samples, causes, figures)
+    return Reliability(not causes, causes, figures, disturbed_runs=disturbed, disturbed_configs=scattered)
+
+
+def _machine_causes(
+    runs: Sequence[RunConditions], cores_used: int, cpu_count: int, figures: dict[str, Any]
+) -> tuple[list[str], list[str]]:
+    """What disturbed the runs from outside, and which runs it disturbed; the conditions' figures go to ``figures``."""
     free = max(0, cpu_count - cores_used)
     causes: list[str] = []
     disturbed: list[str] = []
-    figures: dict[str, Any] = {"cores_used": cores_used, "cpu_count": cpu_count, "runs_watched": len(runs)}
-    if runs:
-        total_wall = sum(r.wall_s for r in runs)
-        figures["other_cores_mean"] = sum(r.other_cores * r.wall_s for r in runs) / total_wall
-        figures["other_cores_max"] = max(r.other_cores for r in runs)
-        figures["steal_share_max"] = max(r.steal_share for r in runs)
-        loads = [r.load_average for r in runs if r.load_average is not None]
-        freqs = [r.frequency_share for r in runs if r.frequency_share is not None]
-        figures["load_average_max"] = max(loads) if loads else None
-        figures["frequency_share_min"] = min(freqs) if freqs else None
+    total_wall = sum(r.wall_s for r in runs)
+    figures["other_cores_mean"] = sum(r.other_cores * r.wall_s for r in runs) / total_wall
+    figures["other_cores_max"] = max(r.other_cores for r in runs)
+    figures["steal_share_max"] = max(r.steal_share for r in runs)
+    loads = [r.load_average for r in runs if r.load_average is not None]
+    freqs = [r.frequency_share for r in runs if r.frequency_share is not None]
+    figures["load_average_max"] = max(loads) if loads else None
+    figures["frequency_share_min"] = min(freqs) if freqs else None
 
-        busy = [r for r in runs if r.other_cores > free + OTHER_CORES_MAX]
-        if busy:
-            worst = max(busy, key=lambda r: r.other_cores)
-            causes.append(
-                f"other processes' load: they kept {worst.other_cores:.2f} cores busy on average during "
-                f"{worst.label} ({len(busy)} of {len(runs)} runs above {free + OTHER_CORES_MAX:.2f}; "
-                f"the bench uses {cores_used} of {cpu_count} cores)"
-            )
-        stolen = [r for r in runs if r.steal_share > STEAL_SHARE_MAX]
-        if stolen:
-            worst = max(stolen, key=lambda r: r.steal_share)
-            causes.append(
-                f"steal time: the hypervisor took {100 * worst.steal_share:.1f}% of the CPU time during {worst.label}"
-            )
-        loaded = [r for r in runs if r.load_average is not None and r.load_average > LOAD_PER_CORE_MAX * cpu_count]
-        if loaded:
-            worst = max(loaded, key=lambda r: r.load_average or 0.0)
-            causes.append(
-                f"load average {worst.load_average:.1f} on {cpu_count} cores during {worst.label} "
-                f"(above {LOAD_PER_CORE_MAX:g} per core)"
-            )
-        slow = [r for r in runs if r.frequency_share is not None and r.frequency_share < FREQUENCY_MIN_SHARE]
-        if slow:
-            worst = min(slow, key=lambda r: r.frequency_share or 1.0)
-            causes.append(
-                f"CPU frequency at {100 * (worst.frequency_share or 0):.0f}% of its maximum during {worst.label}"
-            )
-        for group in (busy, stolen, loaded, slow):
-            disturbed.extend(r.label for r in group if r.label not in disturbed)
+    busy = [r for r in runs if r.other_cores > free + OTHER_CORES_MAX]
+    if busy:
+        worst = max(busy, key=lambda r: r.other_cores)
+        causes.append(
+            f"other processes' load: they kept {worst.other_cores:.2f} cores busy on average during "
+            f"{worst.label} ({len(busy)} of {len(runs)} runs above {free + OTHER_CORES_MAX:.2f}; "
+            f"the bench uses {cores_used} of {cpu_count} cores)"
+        )
+    stolen = [r for r in runs if r.steal_share > STEAL_SHARE_MAX]
+    if stolen:
+        worst = max(stolen, key=lambda r: r.steal_share)
+        causes.append(
+            f"steal time: the hypervisor took {100 * worst.steal_share:.1f}% of the CPU time during {worst.label}"
+        )
+    loaded = [r for r in runs if r.load_average is not None and r.load_average > LOAD_PER_CORE_MAX * cpu_count]
+    if loaded:
+        worst = max(loaded, key=lambda r: r.load_average or 0.0)
+        causes.append(
+            f"load average {worst.load_average:.1f} on {cpu_count} cores during {worst.label} "
+            f"(above {LOAD_PER_CORE_MAX:g} per core)"
+        )
+    slow = [r for r in runs if r.frequency_share is not None and r.frequency_share < FREQUENCY_MIN_SHARE]
+    if slow:
+        worst = min(slow, key=lambda r: r.frequency_share or 1.0)
+        causes.append(f"CPU frequency at {100 * (worst.frequency_share or 0):.0f}% of its maximum during {worst.label}")
+    for group in (busy, stolen, loaded, slow):
+        disturbed.extend(r.label for r in group if r.label not in disturbed)
+    return causes, disturbed
 
+
+def _dispersion_causes(
+    step_samples: Mapping[str, Sequence[Sequence[float]]], causes: list[str], figures: dict[str, Any]
+) -> list[str]:
+    """The configurations whose step times scattered (the causes to ``causes``, every one's figures to ``figures``)."""
     scattered: list[str] = []
     dispersion: dict[str, Any] = {}
     for config, samples in step_samples.items():
@@ -320,10 +332,4 @@ def assess(
             scattered.append(config)
             causes.append(f"dispersion of {config}: " + " and ".join(reasons))
     figures["dispersion"] = dispersion
-    return Reliability(
-        reliable=not causes,
-        causes=causes,
-        figures=figures,
-        disturbed_runs=disturbed,
-        disturbed_configs=scattered,
-    )
+    return scattered

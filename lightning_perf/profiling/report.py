@@ -11,7 +11,6 @@ import dataclasses
 import datetime
 import enum
 import importlib
-import importlib.metadata
 import json
 import math
 import numbers
@@ -26,6 +25,7 @@ import torch
 
 from lightning_perf._imports import require
 from lightning_perf._io import atomic_path, atomic_write_text
+from lightning_perf.profiling.machine import installed_version
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -59,15 +59,6 @@ PathLike = str | os.PathLike[str]
 # ------------------------------------------------------------------------------------------------------ environment
 
 
-def _distribution_version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def _cpu_model() -> str | None:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -99,7 +90,7 @@ def environment_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "lightning_perf": __version__,
         "torch": torch.__version__,
-        "lightning": _distribution_version("lightning", "pytorch-lightning"),
+        "lightning": installed_version("lightning", "pytorch-lightning"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "machine": platform.machine(),

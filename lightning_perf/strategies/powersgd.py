@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_perf._validation import check_bool, check_choice, check_number
 from lightning_perf._warnings import FallbackWarning, warn_once
 from lightning_perf.functional.powersgd import (
+    POWERSGD_OPTIONS,
     CommunicationStats,
     PowerSGDHook,
     gather_state_dict,
@@ -54,6 +55,32 @@ def _check_ddp_kwargs(owner: str, kwargs: dict[str, Any]) -> None:
             f"torch's DistributedDataParallel.{hint} Expected one of the DistributedDataParallel arguments: "
             f"{', '.join(sorted(accepted))}."
         )
+
+
+def _check_arguments(owner: str, arguments: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Refuse at construction what would fail at fit; drop from ``kwargs`` the communication-hook arguments that
+    LightningCLI passes (as ``None``) for every DDPStrategy."""
+    given = [name for name in _COMM_HOOK_ARGUMENTS if kwargs.get(name) is not None]
+    if given:
+        raise ValueError(
+            f"`{owner}({given[0]}=...)` is not supported: this strategy registers its own PowerSGD communication "
+            "hook. Use `lightning.pytorch.strategies.DDPStrategy` for another hook."
+        )
+    validate_powersgd_options(owner, hook=arguments["hook"], **{name: arguments[name] for name in POWERSGD_OPTIONS})
+    for name in ("log_stats", "gradient_as_bucket_view", "static_graph", "find_unused_parameters"):
+        check_bool(owner, name, arguments[name])
+    for name in _COMM_HOOK_ARGUMENTS:
+        kwargs.pop(name, None)
+    _check_ddp_kwargs(owner, kwargs)
+    timeout = arguments["timeout"]
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"`{owner}(timeout={timeout!r})` is not valid. Expected a datetime.timedelta (e.g. "
+            "`timedelta(minutes=30)`, the time a collective may wait) or None."
+        )
+    check_choice(owner, "start_method", arguments["start_method"], _START_METHODS)
+    if arguments["bucket_cap_mb"] is not None:
+        check_number(owner, "bucket_cap_mb", arguments["bucket_cap_mb"], exclusive=True)
 
 
 def default_start_iter(optimizer_steps: float) -> int:
@@ -168,41 +195,8 @@ class PowerSGDDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
-        given = [name for name in _COMM_HOOK_ARGUMENTS if kwargs.get(name) is not None]
-        if given:
-            raise ValueError(
-                f"`{owner}({given[0]}=...)` is not supported: this strategy registers its own PowerSGD communication "
-                "hook. Use `lightning.pytorch.strategies.DDPStrategy` for another hook."
-            )
-        validate_powersgd_options(
-            owner,
-            hook=hook,
-            matrix_approximation_rank=matrix_approximation_rank,
-            start_powerSGD_iter=start_powerSGD_iter,
-            min_compression_rate=min_compression_rate,
-            use_error_feedback=use_error_feedback,
-            warm_start=warm_start,
-            orthogonalization_epsilon=orthogonalization_epsilon,
-            random_seed=random_seed,
-        )
-        for name, flag in (
-            ("log_stats", log_stats),
-            ("gradient_as_bucket_view", gradient_as_bucket_view),
-            ("static_graph", static_graph),
-            ("find_unused_parameters", find_unused_parameters),
-        ):
-            check_bool(owner, name, flag)
-        for name in _COMM_HOOK_ARGUMENTS:  # LightningCLI passes every DDPStrategy argument, as None
-            kwargs.pop(name, None)
-        _check_ddp_kwargs(owner, kwargs)
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise TypeError(
-                f"`{owner}(timeout={timeout!r})` is not valid. Expected a datetime.timedelta (e.g. "
-                "`timedelta(minutes=30)`, the time a collective may wait) or None."
-            )
-        check_choice(owner, "start_method", start_method, _START_METHODS)
+        _check_arguments(owner, {name: value for name, value in locals().items() if name in _OWN_ARGUMENTS}, kwargs)
         if bucket_cap_mb is not None:
-            check_number(owner, "bucket_cap_mb", bucket_cap_mb, exclusive=True)
             kwargs["bucket_cap_mb"] = bucket_cap_mb
         super().__init__(
             accelerator=accelerator,
@@ -273,17 +267,9 @@ class PowerSGDDDPStrategy(DDPStrategy):
         if start is None:
             saved = (self._loaded_state or {}).get("start_powerSGD_iter")
             start = int(saved) if saved is not None else default_start_iter(trainer.estimated_stepping_batches)
-        self._powersgd = register_powersgd_hook(
-            self.model,
-            hook=self.hook,  # type: ignore[arg-type]
-            matrix_approximation_rank=self.matrix_approximation_rank,
-            start_powerSGD_iter=start,
-            min_compression_rate=self.min_compression_rate,
-            use_error_feedback=self.use_error_feedback,
-            warm_start=self.warm_start,
-            orthogonalization_epsilon=self.orthogonalization_epsilon,
-            random_seed=self.random_seed,
-        )
+        options = {name: getattr(self, name) for name in POWERSGD_OPTIONS}
+        options["start_powerSGD_iter"] = start
+        self._powersgd = register_powersgd_hook(self.model, hook=self.hook, **options)
         if self._loaded_state is not None:
             reasons = self._powersgd.load_state_dict(
                 self._loaded_state, rank=self.global_rank, world_size=self.world_size

@@ -52,7 +52,7 @@ from lightning_perf.benchmark.sources import (
     init_parameters,
 )
 from lightning_perf.benchmark.spec import RunSpec, check_preset, check_workload, resolve_device
-from lightning_perf.optimizations import tuner_alternatives, tuner_search_list
+from lightning_perf.optimizations import tuner_alternatives
 from lightning_perf.tuning.capabilities import ModelCapabilities, model_capabilities
 from lightning_perf.tuning.conditions import TrialWatch, baseline_spread_cause
 from lightning_perf.tuning.inference import NO_DATA_STAGE, check_stage, search_plan, too_few_batches, trial_skip_reason
@@ -67,10 +67,6 @@ from lightning_perf.tuning.verdicts import (
     speedup_estimate,
 )
 
-# The search lists, derived from the one list of optimizations (lightning_perf.optimizations) when a search starts;
-# these module constants are the lists as shipped, for reading.
-PRECISIONS = tuner_search_list("precision")
-OPTIMIZATIONS = tuner_search_list("optimization")
 ISOLATION = ("auto", "process", "in-process")
 # Data wait below this share of the step leaves nothing for more loader workers to win.
 DATA_WAIT_THRESHOLD = 0.05
@@ -104,6 +100,59 @@ class Candidate:
 
     def with_(self, label: str, stage: str, **changes: Any) -> Candidate:
         return replace(self, label=label, stage=stage, **changes)
+
+
+def _model_source(
+    model: Any, datamodule: Any, workload: str | None, source: Any, preset: str | None, device: str, seed: int
+) -> tuple[ModelSource, str | None]:
+    """What the tuner measures, from exactly one of: ``model`` and ``datamodule``, a workload, a source; and the
+    workload's preset (``preset`` for the others)."""
+    import lightning.pytorch as pl
+
+    given = [model is not None or datamodule is not None, workload is not None, source is not None]
+    if sum(given) != 1:
+        raise ValueError(
+            "AutoTuner needs exactly one of: `model` and `datamodule`, `workload=`, or `source=` "
+            f"(got model={type(model).__name__ if model is not None else None}, workload={workload!r}, "
+            f"source={source!r})."
+        )
+    if given[0]:
+        if not isinstance(model, pl.LightningModule):
+            raise ValueError(f"model={type(model).__name__} is not valid. Expected a LightningModule.")
+        if not isinstance(datamodule, pl.LightningDataModule):
+            raise ValueError(
+                f"datamodule={type(datamodule).__name__} is not valid. Expected a LightningDataModule "
+                "(wrap plain DataLoaders with `LightningDataModule.from_datasets`)."
+            )
+        return ObjectSource.from_objects(model, datamodule), preset
+    if workload is not None:
+        size = check_preset(preset, device.split(":")[0], "AutoTuner")
+        return WorkloadSource(check_workload(workload, "AutoTuner"), size, seed), size
+    if not isinstance(source, ModelSource):
+        raise ValueError(f"source={source!r} is not valid. Expected a lightning_perf.tuning.ModelSource.")
+    return source, preset
+
+
+def _check_settings(settings: dict[str, Any]) -> None:
+    """Refuse a bad search setting of :class:`AutoTuner` (``settings``: its arguments by name) before anything runs."""
+    check_number("AutoTuner", "time_budget_s", settings["time_budget_s"], 0.0, exclusive=True)
+    check_int("AutoTuner", "steps", settings["steps"], 3)
+    check_int("AutoTuner", "warmup_steps", settings["warmup_steps"], 1)
+    check_number("AutoTuner", "min_gain", settings["min_gain"], 0.0)
+    check_number("AutoTuner", "confidence", settings["confidence"], 0.5, 1.0)
+    check_number("AutoTuner", "loss_rtol", settings["loss_rtol"], 0.0, exclusive=True)
+    check_number("AutoTuner", "confirm_below", settings["confirm_below"], 1.0)
+    for name, minimum in (("max_batch_size", 1), ("max_num_workers", 0)):
+        if settings[name] is not None:
+            check_int("AutoTuner", name, settings[name], minimum)
+    if settings["isolation"] not in ISOLATION:
+        raise ValueError(
+            f"`AutoTuner(isolation={settings['isolation']!r})` is not valid. Expected one of: {', '.join(ISOLATION)}."
+        )
+    for flag in ("tune_batch_size", "tune_data_loading", "noise_check", "progress"):
+        check_bool("AutoTuner", flag, settings[flag])
+    if isinstance(settings["seed"], bool) or not isinstance(settings["seed"], int):
+        raise TypeError(f"`AutoTuner(seed={settings['seed']!r})` is not valid. Expected an integer.")
 
 
 class AutoTuner:
@@ -176,57 +225,11 @@ class AutoTuner:
         seed: int = 0,
         progress: bool = True,
     ) -> None:
-        import lightning.pytorch as pl
-
-        given = [model is not None or datamodule is not None, workload is not None, source is not None]
-        if sum(given) != 1:
-            raise ValueError(
-                "AutoTuner needs exactly one of: `model` and `datamodule`, `workload=`, or `source=` "
-                f"(got model={type(model).__name__ if model is not None else None}, workload={workload!r}, "
-                f"source={source!r})."
-            )
-        if given[0]:
-            if not isinstance(model, pl.LightningModule):
-                raise ValueError(f"model={type(model).__name__} is not valid. Expected a LightningModule.")
-            if not isinstance(datamodule, pl.LightningDataModule):
-                raise ValueError(
-                    f"datamodule={type(datamodule).__name__} is not valid. Expected a LightningDataModule "
-                    "(wrap plain DataLoaders with `LightningDataModule.from_datasets`)."
-                )
-            source = ObjectSource.from_objects(model, datamodule)
         device, self.device_reason = resolve_device(device, "AutoTuner", "the tuner")
-        self.preset = preset
-        if workload is not None:
-            self.preset = size = check_preset(preset, device.split(":")[0], "AutoTuner")
-            source = WorkloadSource(check_workload(workload, "AutoTuner"), size, seed)
-        elif not isinstance(source, ModelSource):
-            raise ValueError(f"source={source!r} is not valid. Expected a lightning_perf.tuning.ModelSource.")
-        check_number("AutoTuner", "time_budget_s", time_budget_s, 0.0, exclusive=True)
-        check_int("AutoTuner", "steps", steps, 3)
-        check_int("AutoTuner", "warmup_steps", warmup_steps, 1)
-        check_number("AutoTuner", "min_gain", min_gain, 0.0)
-        check_number("AutoTuner", "confidence", confidence, 0.5, 1.0)
-        check_number("AutoTuner", "loss_rtol", loss_rtol, 0.0, exclusive=True)
-        if max_batch_size is not None:
-            check_int("AutoTuner", "max_batch_size", max_batch_size, 1)
-        if max_num_workers is not None:
-            check_int("AutoTuner", "max_num_workers", max_num_workers, 0)
-        if isolation not in ISOLATION:
-            raise ValueError(
-                f"`AutoTuner(isolation={isolation!r})` is not valid. Expected one of: {', '.join(ISOLATION)}."
-            )
-        for flag, value in (
-            ("tune_batch_size", tune_batch_size),
-            ("tune_data_loading", tune_data_loading),
-            ("noise_check", noise_check),
-            ("progress", progress),
-        ):
-            check_bool("AutoTuner", flag, value)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"`AutoTuner(seed={seed!r})` is not valid. Expected an integer.")
+        self.source, self.preset = _model_source(model, datamodule, workload, source, preset, device, seed)
+        _check_settings(locals())
         self.stage = check_stage(stage)
         optimizations = check_search_lists(precisions, optimizations, self.stage)
-        self.source = source
         self.device = str(device)
         self.time_budget_s = float(time_budget_s)
         self.steps, self.warmup_steps = steps, warmup_steps
@@ -235,12 +238,8 @@ class AutoTuner:
         self.tune_batch_size, self.max_batch_size = tune_batch_size, max_batch_size
         self.tune_data_loading, self.max_num_workers = tune_data_loading, max_num_workers
         self.min_gain, self.confidence, self.loss_rtol = float(min_gain), float(confidence), float(loss_rtol)
-        check_number("AutoTuner", "confirm_below", confirm_below, 1.0)
-        self.noise_check = noise_check
-        self.confirm_below = float(confirm_below)
-        self.isolation = isolation
-        self.seed = seed
-        self.progress = progress
+        self.noise_check, self.confirm_below = noise_check, float(confirm_below)
+        self.isolation, self.seed, self.progress = isolation, seed, progress
         # Filled by run()
         self._trials: list[Trial] = []
         self._deadline = 0.0

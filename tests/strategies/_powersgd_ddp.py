@@ -37,6 +37,7 @@ from lightning_perf.demos import make_workload
 from lightning_perf.strategies import PowerSGDDDPStrategy
 from tests._trivial import CountingCallback
 from tests.callback_settings import SETTINGS
+from tests.callbacks._quiet import quiet_trainer
 
 STEPS_PER_EPOCH = 8
 # Compiling a DDP model splits its graph at every bucket (dynamo's DDPOptimizer): minutes per run on a 2-core machine.
@@ -44,21 +45,8 @@ _TOO_SLOW_FOR_TWO_PROCESSES = {"CompileCallback"}
 
 
 def _trainer(root: Path, strategy: Any, **overrides: Any) -> pl.Trainer:
-    kwargs: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 2,
-        "strategy": strategy,
-        "max_epochs": -1,
-        "limit_val_batches": 0,
-        "num_sanity_val_steps": 0,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": root,
-    }
-    kwargs.update(overrides)
-    return pl.Trainer(**kwargs)
+    options = {"devices": 2, "strategy": strategy, "max_epochs": -1, **overrides}
+    return quiet_trainer(root, options.pop("callbacks", []), **options)
 
 
 def _gather(value: Any) -> list[Any]:

@@ -18,6 +18,7 @@ from lightning_perf import FallbackWarning
 from lightning_perf.demos import make_workload
 from lightning_perf.strategies import PowerSGDDDPStrategy
 from lightning_perf.strategies.powersgd import CHECKPOINT_KEY, default_start_iter
+from tests.callbacks._quiet import quiet_trainer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,21 +115,7 @@ def test_register_strategies_leaves_ddp_names_alone() -> None:
 
 def _fit(root: Path, strategy: PowerSGDDDPStrategy, ckpt_path: Path | None = None, **kwargs: Any) -> pl.Trainer:
     model, data = make_workload("convnet", "tiny", seed=0)
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "strategy": strategy,
-        "max_steps": 3,
-        "limit_val_batches": 0,
-        "num_sanity_val_steps": 0,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": root,
-        **kwargs,
-    }
-    trainer = pl.Trainer(**options)
+    trainer = quiet_trainer(root, [], strategy=strategy, **{"max_steps": 3, **kwargs})
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return trainer
 

@@ -28,6 +28,13 @@ from lightning_perf.tuning import (
 from tests.tuning._scripted import quiet_machine, script_trials, scripted_result
 from tests.tuning._user_models import PlainDataModule, SmallConvNet
 
+
+def _tune(*optimizations: str, **kwargs: Any) -> AutoTuner:
+    """A tuner of the small conv net that tries ``optimizations`` only (no precision, data or batch-size stage)."""
+    options = {"precisions": [], "tune_data_loading": False, "tune_batch_size": False, "progress": False, **kwargs}
+    return AutoTuner(SmallConvNet(), PlainDataModule(), optimizations=list(optimizations), **options)
+
+
 # --------------------------------------------------------------------------- statistics
 
 
@@ -53,39 +60,7 @@ def test_loss_deviation() -> None:
     assert loss_deviation([], [1.0]) == math.inf
 
 
-# --------------------------------------------------------------------------- construction errors
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"time_budget_s": 0}, r"time_budget_s=0\)` is not valid\. Expected a finite number > 0"),
-        ({"time_budget_s": "5m"}, r"time_budget_s='5m'\)` is not valid"),
-        ({"steps": 2}, r"AutoTuner\(steps=2\)` is not valid\. Expected an integer >= 3"),
-        ({"confidence": 0.2}, r"confidence=0.2\)` is not valid"),
-        ({"device": "tpu"}, r"device='tpu'\)` is not valid"),
-        ({"isolation": "thread"}, r"isolation='thread'\)` is not valid"),
-        ({"precisions": ["fp8"]}, r"'fp8' is unknown"),
-        ({"optimizations": ["turbo"]}, r"Unknown benchmark configuration 'turbo'"),
-        ({"optimizations": ["bf16-mixed"]}, r"'bf16-mixed' sets the precision\. Expected it in `precisions`"),
-        ({"max_batch_size": 0}, r"max_batch_size=0\)` is not valid"),
-        ({"preset": "huge"}, r"AutoTuner\(preset='huge'\)` is not valid\. Expected one of tiny, default"),
-    ],
-)
-def test_bad_arguments_are_named(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        AutoTuner(workload="convnet", **{"preset": "tiny", **kwargs})
-
-
-def test_needs_exactly_one_source() -> None:
-    with pytest.raises(ValueError, match="exactly one of"):
-        AutoTuner()
-    with pytest.raises(ValueError, match="exactly one of"):
-        AutoTuner(SmallConvNet(), PlainDataModule(), workload="convnet")
-    with pytest.raises(ValueError, match=r"datamodule=NoneType is not valid"):
-        AutoTuner(SmallConvNet())
-    with pytest.raises(ValueError, match=r"model=Linear is not valid\. Expected a LightningModule"):
-        AutoTuner(torch.nn.Linear(2, 2), PlainDataModule())
+# ------------------------------------------------------ construction errors (the others: test_autotuner_inputs.py)
 
 
 def test_objects_that_cannot_be_copied_are_refused_with_the_reason() -> None:
@@ -227,15 +202,7 @@ def test_precision_alternatives_compete(monkeypatch: pytest.MonkeyPatch) -> None
             "+16-mixed": scripted_result(0.050, 8),
         },
     )
-    tuner = AutoTuner(
-        SmallConvNet(),
-        PlainDataModule(),
-        device="cuda",
-        optimizations=[],
-        tune_data_loading=False,
-        tune_batch_size=False,
-        progress=False,
-    )
+    tuner = _tune(precisions=None, device="cuda")
     result = tuner.run()
     verdicts = {t.label: t.verdict for t in result.trials}
     assert verdicts == {
@@ -257,15 +224,7 @@ def test_data_loading_tried_when_the_step_waits_for_data(monkeypatch: pytest.Mon
             "num_workers=2": scripted_result(0.069, 8, data_wait=0.05),  # within noise of 1 worker: not kept
         },
     )
-    result = AutoTuner(
-        SmallConvNet(),
-        PlainDataModule(),
-        precisions=[],
-        optimizations=[],
-        tune_batch_size=False,
-        confirm_below=1.0,
-        progress=False,
-    ).run()
+    result = _tune(tune_data_loading=True, confirm_below=1.0).run()
     assert ran == ["baseline", "baseline (repeat)", "num_workers=1", "num_workers=2"]
     assert result.trials[0].data_wait_share == pytest.approx(0.4, rel=0.05)
     assert result.recommendation.loader == {"num_workers": 1, "persistent_workers": True}
@@ -470,17 +429,7 @@ def test_cuda_graphs_replace_plain_compile_instead_of_stacking(monkeypatch: pyte
             "compile_reduce_overhead instead of compile": scripted_result(0.050, 8),
         },
     )
-    result = AutoTuner(
-        SmallConvNet(),
-        PlainDataModule(),
-        device="cuda",
-        precisions=[],
-        optimizations=["compile", "compile_reduce_overhead"],
-        tune_data_loading=False,
-        tune_batch_size=False,
-        confirm_below=1.0,  # single-pair wins: confirmation has its own test
-        progress=False,
-    ).run()
+    result = _tune("compile", "compile_reduce_overhead", device="cuda", confirm_below=1.0).run()
     assert ran == ["baseline", "baseline (repeat)", "+compile", "compile_reduce_overhead instead of compile"]
     rec = result.recommendation
     assert rec.configs == ("compile_reduce_overhead",)
@@ -488,15 +437,7 @@ def test_cuda_graphs_replace_plain_compile_instead_of_stacking(monkeypatch: pyte
     # On a CPU the CUDA-graphs variant is skipped and says why.
     monkeypatch.undo()
     script_trials(monkeypatch, {"baseline": scripted_result(0.100, 8), "+compile": scripted_result(0.070, 8)})
-    result = AutoTuner(
-        SmallConvNet(),
-        PlainDataModule(),
-        precisions=[],
-        optimizations=["compile", "compile_reduce_overhead"],
-        tune_data_loading=False,
-        tune_batch_size=False,
-        progress=False,
-    ).run()
+    result = _tune("compile", "compile_reduce_overhead").run()
     skipped = result.trials[-1]
     assert skipped.verdict == "skipped" and skipped.reason == "needs a CUDA device"
 
@@ -514,15 +455,7 @@ def test_the_noise_between_two_baseline_runs_raises_the_bar(monkeypatch: pytest.
             "+fused_optimizer": scripted_result(0.070, 8),
         },
     )
-    result = AutoTuner(
-        SmallConvNet(),
-        PlainDataModule(),
-        precisions=[],
-        optimizations=["channels_last", "fused_optimizer"],
-        tune_data_loading=False,
-        tune_batch_size=False,
-        progress=False,
-    ).run()
+    result = _tune("channels_last", "fused_optimizer").run()
     assert ran[:2] == ["baseline", "baseline (repeat)"]
     verdicts = {t.label: (t.verdict, t.reason) for t in result.trials}
     assert (
@@ -543,17 +476,7 @@ def test_the_noise_between_two_baseline_runs_raises_the_bar(monkeypatch: pytest.
         monkeypatch,
         {"baseline": scripted_result(0.100, 8), "+channels_last": scripted_result(0.092, 8)},
     )
-    result = AutoTuner(
-        SmallConvNet(),
-        PlainDataModule(),
-        precisions=[],
-        optimizations=["channels_last"],
-        tune_data_loading=False,
-        tune_batch_size=False,
-        noise_check=False,
-        confirm_below=1.0,
-        progress=False,
-    ).run()
+    result = _tune("channels_last", noise_check=False, confirm_below=1.0).run()
     assert ran == ["baseline", "+channels_last"] and result.trials[-1].verdict == "kept"
 
 
@@ -582,15 +505,7 @@ def test_a_small_win_measured_again_and_confirmed_is_kept(monkeypatch: pytest.Mo
             "+compile (again)": scripted_result(0.090, 8),  # wins again: 1.22x
         },
     )
-    result = AutoTuner(
-        SmallConvNet(),
-        PlainDataModule(),
-        precisions=[],
-        optimizations=["compile"],
-        tune_data_loading=False,
-        tune_batch_size=False,
-        progress=False,
-    ).run()
+    result = _tune("compile").run()
     assert ran == ["baseline", "baseline (repeat)", "+compile", "baseline (again)", "+compile (again)"]
     kept = next(t for t in result.trials if t.label == "+compile")
     assert kept.verdict == "kept" and "confirmed by a second pair of runs" in kept.reason
@@ -610,15 +525,7 @@ def test_a_confirmed_win_inside_the_noise_bar_is_not_kept(monkeypatch: pytest.Mo
             "+compile (again)": scripted_result(0.090, 8),  # wins again, by 1.22x: still inside the bar
         },
     )
-    result = AutoTuner(
-        SmallConvNet(),
-        PlainDataModule(),
-        precisions=[],
-        optimizations=["compile"],
-        tune_data_loading=False,
-        tune_batch_size=False,
-        progress=False,
-    ).run()
+    result = _tune("compile").run()
     trial = next(t for t in result.trials if t.label == "+compile")
     assert trial.verdict == "rejected" and "not confirmed" in trial.reason and "needs >= 1.31x" in trial.reason
     assert result.recommendation.configs == () and result.recommendation.speedup is None
@@ -636,16 +543,7 @@ def test_no_budget_to_confirm_a_small_win_rejects_it(monkeypatch: pytest.MonkeyP
     )
     # 100 s: 60 for the two baselines, 20 for compile; confirming needs another baseline run (30 s) and more.
     monkeypatch.setattr(AutoTuner, "_estimate", lambda self, candidate, against: 10.0)
-    result = AutoTuner(
-        SmallConvNet(),
-        PlainDataModule(),
-        time_budget_s=100,
-        precisions=[],
-        optimizations=["compile"],
-        tune_data_loading=False,
-        tune_batch_size=False,
-        progress=False,
-    ).run()
+    result = _tune("compile", time_budget_s=100).run()
     compile_trial = next(t for t in result.trials if t.label == "+compile")
     assert compile_trial.verdict == "rejected" and "no budget left to measure it again" in compile_trial.reason
 
@@ -661,15 +559,7 @@ def test_a_win_below_confirm_below_needs_a_second_pair_of_runs(monkeypatch: pyte
             "+compile": scripted_result(0.060, 8),  # 1.67x: no second pair needed
         },
     )
-    result = AutoTuner(
-        SmallConvNet(),
-        PlainDataModule(),
-        precisions=[],
-        optimizations=["fused_optimizer", "compile"],
-        tune_data_loading=False,
-        tune_batch_size=False,
-        progress=False,
-    ).run()
+    result = _tune("fused_optimizer", "compile").run()
     assert ran == [
         "baseline",
         "baseline (repeat)",

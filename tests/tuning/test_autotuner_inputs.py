@@ -11,7 +11,7 @@ from tests.tuning._user_models import PlainDataModule, SmallConvNet
 
 BAD = [
     ({"workload": "mnist"}, "workload='mnist'", "Expected one of"),
-    ({"workload": "convnet", "preset": "huge"}, "preset='huge'", "Expected one of"),
+    ({"workload": "convnet", "preset": "huge"}, "AutoTuner(preset='huge')", "Expected one of tiny, default"),
     ({"device": "tpu"}, "device='tpu'", "Expected auto, cpu, cuda or cuda:N"),
     ({"device": 0}, "device=0", "Expected auto, cpu"),
     ({"time_budget_s": 0}, "time_budget_s=0", "Expected a finite number > 0"),
@@ -44,7 +44,8 @@ BAD = [
 def test_bad_argument_is_named(kwargs: dict, names: str, expected: str) -> None:
     if "workload" not in kwargs:
         kwargs = {"workload": "convnet", "preset": "tiny", **kwargs}
-    with pytest.raises((TypeError, ValueError)) as info:
+    type_error = expected in ("Expected a list", "Expected True or False", "Expected an integer")
+    with pytest.raises(TypeError if type_error else ValueError) as info:
         AutoTuner(**kwargs)
     message = str(info.value)
     assert names in message and expected in message, message
@@ -55,12 +56,12 @@ def test_bad_argument_is_named(kwargs: dict, names: str, expected: str) -> None:
     [
         ({}, "exactly one of"),
         ({"model": SmallConvNet()}, "datamodule=NoneType"),
-        ({"model": object(), "datamodule": PlainDataModule()}, "model=object"),
+        ({"model": object(), "datamodule": PlainDataModule()}, "model=object is not valid. Expected a LightningModule"),
         ({"source": "tests:X"}, "source='tests:X'"),
         ({"workload": "convnet", "model": SmallConvNet(), "datamodule": PlainDataModule()}, "exactly one of"),
     ],
 )
 def test_what_to_tune_is_checked(kwargs: dict, names: str) -> None:
-    with pytest.raises((TypeError, ValueError)) as info:
+    with pytest.raises(ValueError) as info:
         AutoTuner(**kwargs)
     assert names in str(info.value)
