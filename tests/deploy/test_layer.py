@@ -63,10 +63,6 @@ def test_functional_does_not_pull_the_deploy_layer(probes: Probes) -> None:
         ("lightning_perf.functional.qat", "convert", "lightning_perf.deploy.quantize.convert"),
         ("lightning_perf.functional.qat", "export_quantized", "lightning_perf.deploy.quantize.save"),
         ("lightning_perf.functional.qat", "compare_models", "lightning_perf.deploy.validate"),
-        ("lightning_perf.export_cli", "add_export_parser", "lightning_perf.cli.export"),
-        ("lightning_perf.tuning.cli", "add_autotune_parser", "lightning_perf.cli.autotune"),
-        ("lightning_perf.tuning.sources", "ImportSource", "lightning_perf.benchmark.sources"),
-        ("lightning_perf.tuning.sources", "batch_size_holder", "lightning_perf.benchmark.sources"),
     ],
 )
 def test_moved_names_warn_and_resolve_to_the_new_object(old: str, name: str, new: str) -> None:
