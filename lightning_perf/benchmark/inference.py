@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_perf._device import synchronize
 from lightning_perf.profiling import MemoryProbe, PhaseTimer
 from lightning_perf.profiling.stats import median, percentile
+from lightning_perf.profiling.step_phases import batch_size_of
 
 __all__ = ["INFERENCE_STAGES", "LATENCY_PERCENTILES", "measure_inference"]
 
@@ -29,18 +30,6 @@ LATENCY_PERCENTILES = (50.0, 95.0, 99.0)
 # What each stage calls the hooks and the Trainer argument that limits its batches.
 _LIMIT = {"predict": "limit_predict_batches", "validate": "limit_val_batches", "test": "limit_test_batches"}
 _LOADER = {"predict": "predict_dataloader", "validate": "val_dataloader", "test": "test_dataloader"}
-
-
-def batch_samples(batch: Any) -> int | None:
-    """The number of samples in ``batch``: the leading size of its first tensor (in a tuple, list or dict)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else None
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    for item in items:
-        found = batch_samples(item)
-        if found is not None:
-            return found
-    return None
 
 
 class _InferenceClock(Callback):
@@ -66,7 +55,7 @@ class _InferenceClock(Callback):
         self._start_ns = time.perf_counter_ns()
 
     def _batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
-        size = batch_samples(batch)
+        size = batch_size_of(batch)
         if size is not None and self._done >= self.warmup:
             self.samples.append(size)
         self.timer.start("batch")

@@ -23,35 +23,13 @@ if TYPE_CHECKING:
 
 __all__ = ["BENCH_OWNED_TRAINER_KEYS", "LightningConfig", "load_lightning_config"]
 
-BENCH_OWNED_TRAINER_KEYS: frozenset[str] = frozenset(
-    {
-        "accelerator",
-        "strategy",
-        "devices",
-        "num_nodes",
-        "logger",
-        "max_epochs",
-        "min_epochs",
-        "max_steps",
-        "min_steps",
-        "max_time",
-        "limit_train_batches",
-        "limit_val_batches",
-        "limit_test_batches",
-        "limit_predict_batches",
-        "overfit_batches",
-        "val_check_interval",
-        "check_val_every_n_epoch",
-        "num_sanity_val_steps",
-        "log_every_n_steps",
-        "enable_checkpointing",
-        "enable_progress_bar",
-        "enable_model_summary",
-        "fast_dev_run",
-        "default_root_dir",
-        "profiler",
-    }
-)
+BENCH_OWNED_TRAINER_KEYS: frozenset[str] = frozenset({
+    "accelerator", "strategy", "devices", "num_nodes", "logger", "max_epochs", "min_epochs", "max_steps",
+    "min_steps", "max_time", "limit_train_batches", "limit_val_batches", "limit_test_batches",
+    "limit_predict_batches", "overfit_batches", "val_check_interval", "check_val_every_n_epoch",
+    "num_sanity_val_steps", "log_every_n_steps", "enable_checkpointing", "enable_progress_bar",
+    "enable_model_summary", "fast_dev_run", "default_root_dir", "profiler",
+})  # fmt: skip
 """``trainer:`` keys the bench decides itself (one device, its own step counts, no logging or checkpoints)."""
 
 
@@ -133,43 +111,46 @@ def load_lightning_config(
             args.append(f"--{key}=" + json.dumps({"class_path": _dotted(spec), "init_args": dict(init_args or {})}))
     for path in paths:
         args += ["--config", str(path)]
+    cli = _parse(_Capture, args, paths, seed)
+    if cli.model is None:
+        raise ValueError(f"{list(paths)} builds no model: expected a `model:` section with a class_path, or --model.")
+    trainer, ignored = _trainer_settings(captured.get("trainer", {}), captured.get("extra_callbacks", []))
+    return LightningConfig(cli.model, cli.datamodule, trainer, ignored)
+
+
+def _parse(cli_class: Any, args: list[str], paths: Sequence[str], seed: int | bool) -> Any:
+    """``cli_class(run=False, args=args)``, a refusal of the files turned into one ``ValueError``."""
     # jsonargparse parses a file from inside the file's directory: an import path found through the working directory
     # ('' on sys.path, as `python -m` and `python -c` put it) must stay found from there.
     saved_path, saved_argv = list(sys.path), sys.argv
     sys.argv = sys.argv[:1]  # LightningCLI warns when it sees both `args` and a command line of its own
     sys.path[:] = [os.path.abspath(entry) if entry in ("", ".") else entry for entry in sys.path]
     try:
-        cli = _Capture(
-            run=False,
-            args=args,
-            save_config_callback=None,
-            seed_everything_default=seed,
-            parser_kwargs={"exit_on_error": False},
-        )
+        return cli_class(run=False, args=args, save_config_callback=None, seed_everything_default=seed,
+                         parser_kwargs={"exit_on_error": False})  # fmt: skip
     except SystemExit as exc:  # jsonargparse reports to stderr and exits: keep the message for the caller
         raise ValueError(f"LightningCLI refused {list(paths)}: exit status {exc.code}") from None
     except Exception as exc:
         raise ValueError(f"LightningCLI refused {list(paths)}: {' '.join(str(exc).split())}") from exc
     finally:
         sys.path[:], sys.argv = saved_path, saved_argv
-    if cli.model is None:
-        raise ValueError(f"{list(paths)} builds no model: expected a `model:` section with a class_path, or --model.")
+
+
+def _trainer_settings(settings: dict[str, Any], extra_callbacks: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``trainer:`` settings that differ from Trainer's defaults, split into those the bench applies (callbacks
+    with LightningCLI's extra callback keys appended) and those it owns (:data:`BENCH_OWNED_TRAINER_KEYS`)."""
     defaults = _trainer_defaults()
     trainer: dict[str, Any] = {}
     ignored: dict[str, Any] = {}
-    for key, value in captured.get("trainer", {}).items():
-        if key == "callbacks":
-            continue
-        if key in defaults and _same(value, defaults[key]):
+    for key, value in settings.items():
+        if key == "callbacks" or (key in defaults and _same(value, defaults[key])):
             continue
         (ignored if key in BENCH_OWNED_TRAINER_KEYS else trainer)[key] = value
-    callbacks = captured.get("trainer", {}).get("callbacks") or []
-    if not isinstance(callbacks, list):
-        callbacks = [callbacks]
-    callbacks = [*callbacks, *(c for c in captured.get("extra_callbacks", []) if c is not None)]
+    callbacks = settings.get("callbacks") or []
+    callbacks = [*(callbacks if isinstance(callbacks, list) else [callbacks]), *filter(None, extra_callbacks)]
     if callbacks:
         trainer["callbacks"] = callbacks
-    return LightningConfig(cli.model, cli.datamodule, trainer, ignored)
+    return trainer, ignored
 
 
 def _same(value: Any, default: Any) -> bool:

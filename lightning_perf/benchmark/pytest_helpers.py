@@ -127,81 +127,81 @@ def benchmark_training_steps(
         ValueError: for ``steps`` below 2, non-positive ``rounds``, negative ``warmup_steps``, a malformed
             ``compare_with``, or not exactly one of ``datamodule`` and ``train_dataloaders``.
     """
-    global _process_warmed_up
-    from lightning_perf.profiling.intervals import paired_ratio
-    from lightning_perf.profiling.stats import summarize
+    from lightning_perf.benchmark.worker import QUIET_FIT_KWARGS
 
     name = name or "+".join(type(cb).__name__ for cb in callbacks) or "baseline"
     _check(steps, warmup_steps, rounds, compare_with, name)
     if (datamodule is None) == (train_dataloaders is None):
         raise ValueError("`benchmark_training_steps` needs exactly one of `datamodule` or `train_dataloaders`.")
-    kwargs: dict[str, Any] = {
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "limit_val_batches": 0,
-        "num_sanity_val_steps": 0,
-        "max_epochs": -1,
-        **(trainer_kwargs or {}),
-    }
     configs = {name: list(callbacks), **{k: list(v) for k, v in (compare_with or {}).items()}}
-    models = {k: copy.deepcopy(model) for k in configs}
-    clocks = {k: _StepTimes() for k in configs}
-    order: list[str] = []
-
-    def fit(config: str, n: int, timed: bool, module: pl.LightningModule | None = None) -> None:
-        extra = [clocks[config]] if timed else []
-        trainer = pl.Trainer(max_steps=n, callbacks=[*configs.get(config, []), *extra], **kwargs)
-        trainer.fit(module or models[config], datamodule=datamodule, train_dataloaders=train_dataloaders)
-        if timed:
-            order.append(config)
-
-    if not _process_warmed_up:
-        fit("process warm-up", max(warmup_steps, 1), timed=False, module=copy.deepcopy(model))
-        _process_warmed_up = True
-    if warmup_steps:
-        for config in configs:  # the same warm-up for every configuration, the measured one included
-            fit(config, warmup_steps, timed=False)
+    data = {"datamodule": datamodule, "train_dataloaders": train_dataloaders}
+    fits = _Fits(model, configs, data, {**QUIET_FIT_KWARGS, **(trainer_kwargs or {})})
+    fits.warm_up(warmup_steps)
     others = [k for k in configs if k != name]
 
     def other_rounds() -> None:
         for config in others:
-            fit(config, steps, timed=True)
+            fits.run(config, steps, timed=True)
 
-    result = benchmark.pedantic(lambda: fit(name, steps, True), setup=other_rounds, rounds=rounds, iterations=1)
-    mine = clocks[name].fits
-    flat = [t for f in mine for t in f]
-    stats = summarize(flat) if flat else None
+    result = benchmark.pedantic(lambda: fits.run(name, steps, True), setup=other_rounds, rounds=rounds, iterations=1)
+    info: dict[str, Any] = {"steps": steps, "warmup_steps": warmup_steps, "rounds": rounds}
+    info["callbacks"] = [type(cb).__name__ for cb in callbacks]
+    benchmark.extra_info.update(info | _timings(fits, name, others, compared=compare_with is not None))
+    return result
+
+
+class _Fits:
+    """Fresh ``Trainer.fit`` runs of each configuration on its own copy of the model; a timed one is clocked by the
+    configuration's :class:`_StepTimes` and appended to :attr:`order`."""
+
+    def __init__(self, model: pl.LightningModule, configs: dict[str, list[Callback]], data: dict[str, Any],
+                 trainer_kwargs: dict[str, Any]) -> None:  # fmt: skip
+        self.model, self.configs, self.data, self.trainer_kwargs = model, configs, data, trainer_kwargs
+        self.models = {k: copy.deepcopy(model) for k in configs}
+        self.clocks = {k: _StepTimes() for k in configs}
+        self.order: list[str] = []
+
+    def run(self, config: str, n: int, timed: bool, module: pl.LightningModule | None = None) -> None:
+        extra = [self.clocks[config]] if timed else []
+        trainer = pl.Trainer(max_steps=n, callbacks=[*self.configs.get(config, []), *extra], **self.trainer_kwargs)
+        trainer.fit(module or self.models[config], **self.data)
+        if timed:
+            self.order.append(config)
+
+    def warm_up(self, steps: int) -> None:
+        """The process's first fit, thrown away (see :data:`_process_warmed_up`), then ``steps`` untimed steps of
+        every configuration, the measured one included."""
+        global _process_warmed_up
+        if not _process_warmed_up:
+            self.run("process warm-up", max(steps, 1), timed=False, module=copy.deepcopy(self.model))
+            _process_warmed_up = True
+        for config in self.configs if steps else ():
+            self.run(config, steps, timed=False)
+
+
+def _timings(fits: _Fits, name: str, others: list[str], compared: bool) -> dict[str, Any]:
+    """The ``extra_info`` of ``name``'s step times and, with ``compared``, of its ratios against the ``others``."""
+    from lightning_perf.profiling.intervals import paired_ratio
+    from lightning_perf.profiling.stats import summarize
+
+    mine = fits.clocks[name].fits
+    stats = summarize(flat) if (flat := [t for f in mine for t in f]) else None
     info: dict[str, Any] = {
-        "steps": steps,
-        "warmup_steps": warmup_steps,
-        "rounds": rounds,
-        "callbacks": [type(cb).__name__ for cb in callbacks],
         "step_median_s": stats.median if stats is not None else None,
         "step_p90_s": stats.p90 if stats is not None else None,
         "step_times_s": mine,
-        "order": order,
+        "order": fits.order,
     }
     comparisons = {}
     for other in others:
-        theirs = clocks[other].fits
-        if not (mine and theirs and all(mine) and all(theirs)):
-            continue
-        estimate = paired_ratio(theirs, mine)
-        comparisons[other] = estimate.to_dict("speedup") | {
-            "step_median_s": summarize([t for f in theirs for t in f]).median
-        }
-    if compare_with is not None:
+        theirs = fits.clocks[other].fits
+        if mine and theirs and all(mine) and all(theirs):
+            median = summarize([t for f in theirs for t in f]).median
+            comparisons[other] = paired_ratio(theirs, mine).to_dict("speedup") | {"step_median_s": median}
+    if compared:
         info["comparisons"] = comparisons
     if len(comparisons) == 1:
         (other, found), *_ = comparisons.items()
-        info.update(
-            compared_with=other,
-            speedup=found["speedup"],
-            speedup_ci95=found["speedup_ci95"],
-            verdict=found["speedup_verdict"],
-            speedup_method=found["speedup_method"],
-        )
-    benchmark.extra_info.update(info)
-    return result
+        info.update(compared_with=other, speedup=found["speedup"], speedup_ci95=found["speedup_ci95"],
+                    verdict=found["speedup_verdict"], speedup_method=found["speedup_method"])  # fmt: skip
+    return info

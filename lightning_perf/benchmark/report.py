@@ -17,6 +17,8 @@ from lightning_perf.profiling import format_bytes, markdown_table, plot_bars, wr
 from lightning_perf.profiling.intervals import NO_CLEAR_DIFFERENCE
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from lightning_perf.benchmark.results import BenchReport, ConfigSummary
 
 DISTURBED = "(disturbed)"
@@ -91,58 +93,56 @@ def _compact_ratio(s: ConfigSummary, name: str) -> str:
 
 def table_rows(report: BenchReport) -> list[list[str]]:
     """The summary as text cells, one row per configuration, with every detail (Markdown and tests)."""
+
+    def cells(s: ConfigSummary) -> list[str]:
+        return [
+            f"{s.step_median_s * 1e3:.1f} ({s.step_min_s * 1e3:.1f}-{s.step_max_s * 1e3:.1f})",  # type: ignore[operator]
+            _estimate_cell(s, "speedup") if s.config != BASELINE else "1.00x",
+            _verdict_cell(s),
+            s.speedup_method or "",
+            _num(s.throughput, ".1f"),
+            _num(s.warmup_s, ".2f"),
+            _num(s.first_step_s, ".2f"),
+            format_bytes(s.step_memory_bytes) if s.step_memory_bytes is not None else "n/a",
+            _with_verdict(s, "memory_ratio"),
+            _num(s.predict_throughput, ".1f"),
+            _with_verdict(s, "predict_speedup"),
+            _num(s.final_train_loss, ".4f"),
+            s.likely_cause or "",
+        ]
+
+    return _rows(report, len(TABLE_COLUMNS), cells, " (some runs failed)")
+
+
+def _rows(report: BenchReport, width: int, cells: Callable[[ConfigSummary], list[str]], failed: str,
+          note_at: int = 1) -> list[list[str]]:  # fmt: skip
+    """One row per configuration: its name (``failed`` added when some runs failed) and ``cells(s)``; for one that
+    measured nothing, why, in column ``note_at`` of an otherwise empty row."""
     rows = []
-    width = len(TABLE_COLUMNS)
     for s in report.summaries:
         if s.step_median_s is None:
-            rows.append([s.config, f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}"] + [""] * (width - 2))
-            continue
-        rows.append(
-            [
-                s.config + (" (some runs failed)" if s.error else ""),
-                f"{s.step_median_s * 1e3:.1f} ({s.step_min_s * 1e3:.1f}-{s.step_max_s * 1e3:.1f})",  # type: ignore[operator]
-                _estimate_cell(s, "speedup") if s.config != BASELINE else "1.00x",
-                _verdict_cell(s),
-                s.speedup_method or "",
-                _num(s.throughput, ".1f"),
-                _num(s.warmup_s, ".2f"),
-                _num(s.first_step_s, ".2f"),
-                format_bytes(s.step_memory_bytes) if s.step_memory_bytes is not None else "n/a",
-                (_estimate_cell(s, "memory_ratio") + f" {s.memory_ratio_verdict}") if s.memory_ratio_verdict else "n/a",
-                _num(s.predict_throughput, ".1f"),
-                (_estimate_cell(s, "predict_speedup") + f" {s.predict_speedup_verdict}")
-                if s.predict_speedup_verdict
-                else "n/a",
-                _num(s.final_train_loss, ".4f"),
-                s.likely_cause or "",
-            ]
-        )
+            rows.append([s.config] + [""] * (width - 1))
+            rows[-1][note_at] = f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}"
+        else:
+            rows.append([s.config + (failed if s.error else ""), *cells(s)])
     return rows
 
 
 def console_rows(report: BenchReport) -> list[list[str]]:
     """The summary for an 80-column terminal: ratio, interval and verdict; the rest is in the Markdown file."""
-    rows = []
-    for s in report.summaries:
-        if s.step_median_s is None:
-            rows.append([s.config, "", "", f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}", "", "", ""])
-            continue
-        speedup = "1.00x" if s.config == BASELINE else _estimate_cell(s, "speedup", multiline=True)
-        verdict = _verdict_cell(s, multiline=True)
-        if s.likely_cause:
-            verdict += f"\n{s.likely_cause}"
-        rows.append(
-            [
-                s.config + ("\n(runs failed)" if s.error else ""),
-                f"{s.step_median_s * 1e3:.1f}",
-                speedup,
-                verdict,
-                "1.00x" if s.config == BASELINE else _compact_ratio(s, "memory_ratio"),
-                "1.00x" if s.config == BASELINE else _compact_ratio(s, "predict_speedup"),
-                mfu_cell(s),
-            ]
-        )
-    return rows
+
+    def cells(s: ConfigSummary) -> list[str]:
+        base = s.config == BASELINE
+        return [
+            f"{s.step_median_s * 1e3:.1f}",  # type: ignore[operator]
+            "1.00x" if base else _estimate_cell(s, "speedup", multiline=True),
+            _verdict_cell(s, multiline=True) + (f"\n{s.likely_cause}" if s.likely_cause else ""),
+            "1.00x" if base else _compact_ratio(s, "memory_ratio"),
+            "1.00x" if base else _compact_ratio(s, "predict_speedup"),
+            mfu_cell(s),
+        ]
+
+    return _rows(report, len(CONSOLE_COLUMNS), cells, "\n(runs failed)", note_at=3)
 
 
 INFERENCE_TABLE_COLUMNS = (
@@ -190,50 +190,39 @@ def _with_verdict(s: ConfigSummary, name: str) -> str:
 
 def inference_table_rows(report: BenchReport) -> list[list[str]]:
     """An inference stage's summary, one row per configuration, every figure (Markdown)."""
-    rows = []
-    width = len(INFERENCE_TABLE_COLUMNS)
-    for s in report.summaries:
-        if s.step_median_s is None:
-            rows.append([s.config, f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}"] + [""] * (width - 2))
-            continue
+
+    def cells(s: ConfigSummary) -> list[str]:
         base = s.config == BASELINE
-        rows.append(
-            [
-                s.config + (" (some runs failed)" if s.error else ""),
-                *(_ms(s.get(f"latency_p{q}_s")) for q in ("50", "95", "99")),
-                *("1.00x" if base else _with_verdict(s, f"latency_p{q}_speedup") for q in ("50", "95", "99")),
-                _num(s.predict_throughput, ".1f"),
-                "1.00x" if base else _with_verdict(s, "predict_throughput_ratio"),
-                _num(s.first_batch_s, ".3f"),
-                "1.00x" if base else _with_verdict(s, "first_batch_speedup"),
-                _num(s.warmup_s, ".3f"),
-                "1.00x" if base else _with_verdict(s, "warmup_speedup"),
-                format_bytes(s.peak_memory_bytes) if s.peak_memory_bytes is not None else "n/a",
-                "1.00x" if base else _with_verdict(s, "peak_memory_ratio"),
-            ]
-        )
-    return rows
+        return [
+            *(_ms(s.get(f"latency_p{q}_s")) for q in ("50", "95", "99")),
+            *("1.00x" if base else _with_verdict(s, f"latency_p{q}_speedup") for q in ("50", "95", "99")),
+            _num(s.predict_throughput, ".1f"),
+            "1.00x" if base else _with_verdict(s, "predict_throughput_ratio"),
+            _num(s.first_batch_s, ".3f"),
+            "1.00x" if base else _with_verdict(s, "first_batch_speedup"),
+            _num(s.warmup_s, ".3f"),
+            "1.00x" if base else _with_verdict(s, "warmup_speedup"),
+            format_bytes(s.peak_memory_bytes) if s.peak_memory_bytes is not None else "n/a",
+            "1.00x" if base else _with_verdict(s, "peak_memory_ratio"),
+        ]
+
+    return _rows(report, len(INFERENCE_TABLE_COLUMNS), cells, " (some runs failed)")
 
 
 def inference_console_rows(report: BenchReport) -> list[list[str]]:
     """An inference stage's summary for an 80-column terminal."""
-    rows = []
-    for s in report.summaries:
-        if s.step_median_s is None:
-            rows.append([s.config, "", "", f"skipped: {s.skipped}" if s.skipped else f"failed: {s.error}", "", ""])
-            continue
+
+    def cells(s: ConfigSummary) -> list[str]:
         base = s.config == BASELINE
-        rows.append(
-            [
-                s.config + ("\n(runs failed)" if s.error else ""),
-                _ms(s.get("latency_p50_s")),
-                "1.00x" if base else _estimate_cell(s, "latency_p50_speedup", multiline=True),
-                _verdict_cell(s, multiline=True, name="latency_p50_speedup"),
-                "1.00x" if base else "\n".join(_compact_ratio(s, f"latency_p{q}_speedup") for q in ("95", "99")),
-                "1.00x" if base else _compact_ratio(s, "peak_memory_ratio"),
-            ]
-        )
-    return rows
+        return [
+            _ms(s.get("latency_p50_s")),
+            "1.00x" if base else _estimate_cell(s, "latency_p50_speedup", multiline=True),
+            _verdict_cell(s, multiline=True, name="latency_p50_speedup"),
+            "1.00x" if base else "\n".join(_compact_ratio(s, f"latency_p{q}_speedup") for q in ("95", "99")),
+            "1.00x" if base else _compact_ratio(s, "peak_memory_ratio"),
+        ]
+
+    return _rows(report, len(INFERENCE_CONSOLE_COLUMNS), cells, "\n(runs failed)", note_at=3)
 
 
 def scaling_markdown(reports: list[tuple[int, BenchReport]]) -> list[str]:

@@ -161,104 +161,130 @@ def run_benchmark(
     ``+-spec.target`` or ``spec.time_budget_s`` is spent (:class:`~lightning_perf.benchmark.settle.Settling`); the
     winners' stack is measured after the single configurations, interleaved with baseline, within the same budget.
     """
-    import torch
-
     from lightning_perf.profiling.machine import describe_machine, finish_run, run_metadata
 
-    run = run or _run_in_subprocess
     command = command or _command_for(spec)
     run_info = run_metadata(list(argv) if argv is not None else shlex.split(command))
     machine = describe_machine()
+    settling = None if spec.repeats is not None else Settling(spec.target, spec.time_budget_s, clock=clock)
     monitor = monitor if monitor is not None else ConditionMonitor()
     order = list(spec.names)
-    settling = None if spec.repeats is not None else Settling(spec.target, spec.time_budget_s, clock=clock)
-    # A fixed count, or the projection of an auto run: the minimum repeats, then what the budget allows.
-    planned = spec.repeats or (settling.min_repeats if settling else 1)  # type: ignore[union-attr]
-    total = planned * len(order)
-    results: dict[str, list[RunResult]] = {name: [] for name in order}
-    start = clock()
-    done = 0
-    watched = []
     with tempfile.TemporaryDirectory(prefix="lightning-perf-bench-") as tmp:
-
-        def run_one(name: str, repeat: int) -> RunResult:
-            nonlocal done, total
-            total = max(total, done + 1)
-            shown = f"{repeat + 1}/{spec.repeats}" if spec.repeats else f"{repeat + 1}"
-            if progress is not None:
-                progress(done, total, f"repeat {shown}: {name}")
-            token = monitor.start()
-            result = run(spec.run_spec(name, repeat), Path(tmp), spec.timeout_s)
-            conditions = monitor.stop(token, f"{name}, repeat {repeat + 1}", config=name, repeat=repeat)
-            if result.ok:  # a skipped or failed run measured nothing the conditions could have disturbed
-                watched.append(conditions)
-            done += 1
-            if on_run is not None:
-                elapsed = clock() - start
-                status = "ok" if result.ok else f"skipped: {result.skipped}" if result.skipped else "failed"
-                if result.error and not result.ok:
-                    status = f"failed: {' '.join(result.error.split())[:160]}"
-                left = elapsed / done * (total - done) if spec.repeats else (settling.remaining_s if settling else 0.0)
-                on_run(
-                    RunEvent(
-                        name, repeat, spec.repeats or 0, done, total, result.step_median_s if result.ok else None,
-                        elapsed, max(left, 0.0), status, "step" if spec.stage == "fit" else "batch",
-                    )
-                )  # fmt: skip
-            return result
-
-        def estimates_of(so_far: Any) -> dict[str, RatioEstimate | None]:
-            return estimates_from(summarize_runs(so_far))
-
-        def stack_reserve() -> float:  # two rounds of baseline and the stack, kept for the recommendation
-            return 2 * settling.round_s([BASELINE, BASELINE]) if settling is not None else 0.0
-
-        singles = run_rounds(order, run_one, repeats=spec.repeats, settling=settling, estimates_of=estimates_of,
-                             reserve_s=stack_reserve, results=results)  # fmt: skip
-        stack = choose_stack(estimates_of(results)) if stack_phase else Stack(())
-        decisions = [singles.decision]
-        rounds = singles.rounds
-        if len(stack.names) > 1 and stack.name not in order:
-            total = done + (spec.repeats or 2) * 2
-            measured = run_rounds([BASELINE, stack.name], run_one, repeats=spec.repeats, settling=settling,
-                                  estimates_of=estimates_of, first_repeat=singles.rounds, results=results)  # fmt: skip
-            decisions.append(measured.decision)
-            rounds += measured.rounds
-            order.append(stack.name)
-    if progress is not None:
-        progress(done, total, "done")
-    summaries = summarize_runs(results)
-    cores = 1 if spec.device.startswith("cuda") else torch.get_num_threads()
-    reliability = assess(
-        watched,
-        {s.config: s.step_times_s for s in summaries if s.step_times_s},
-        cores_used=cores,
-        cpu_count=int(machine.get("cpu_count_usable") or machine.get("cpu_count") or 1),
-    )
-    mark_disturbed(summaries, reliability, watched)
-    add_likely_causes(summaries, machine, spec)
-    if progress is not None and any(s.flops_per_step for s in summaries):
-        progress(done, total, "peak FLOP/s")
+        runs = _Runs(spec, run or _run_in_subprocess, Path(tmp), monitor, settling, progress, on_run, clock)
+        stack, decisions, rounds = _measure(runs, order, stack_phase)
+    runs.report_progress("done")
+    summaries, reliability = _judged_summaries(runs, machine)
+    if any(s.flops_per_step for s in summaries):
+        runs.report_progress("peak FLOP/s")
     peaks: dict[tuple[str, bool], Any] = {}
     add_utilization(summaries, _peak_lookup(spec, machine, peak, peaks))
     machine = {**machine, "device": spec.device, "device_reason": spec.device_reason, "mfu_peaks": _peak_rows(peaks)}
-    settled = settling_record(settling, decisions, rounds, summaries)
     source = spec.source or {}
     answer = recommendation_record(stack, summaries, config_file=source.get("kind") == "config") if stack_phase else {}
     return BenchReport(
         options=spec.to_dict(),
         command=command,
         summaries=summaries,
-        runs=[asdict(r) for name in order for r in results[name]],
-        wall_s=clock() - start,
-        settling=settled,
+        runs=[asdict(r) for name in order for r in runs.results[name]],
+        wall_s=clock() - runs.start,
+        settling=settling_record(settling, decisions, rounds, summaries),
         recommendation=answer,
         machine=machine,
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
-        notes=precision_notes(spec) + _no_effect_notes(results) + _predict_skipped_notes(results),
+        notes=precision_notes(spec) + _no_effect_notes(runs.results) + _predict_skipped_notes(runs.results),
     )
+
+
+class _Runs:
+    """The bench's runs, one worker at a time: a progress call before each, the machine watched around it (what an
+    ok run measured under goes to :attr:`watched`), a :class:`RunEvent` after it."""
+
+    def __init__(self, spec: BenchSpec, run: Callable[[RunSpec, Path, float], RunResult], tmp: Path,
+                 monitor: ConditionMonitor, settling: Settling | None, progress: ProgressFn | None,
+                 on_run: Callable[[RunEvent], None] | None, clock: Callable[[], float]) -> None:  # fmt: skip
+        self.spec, self.run, self.tmp, self.monitor, self.settling = spec, run, tmp, monitor, settling
+        self.progress, self.on_run, self.clock = progress, on_run, clock
+        # A fixed count, or the projection of an auto run: the minimum repeats, then what the budget allows.
+        self.total = (spec.repeats or (settling.min_repeats if settling else 1)) * len(spec.names)
+        self.results: dict[str, list[RunResult]] = {name: [] for name in spec.names}
+        self.watched: list[Any] = []
+        self.done = 0
+        self.start = clock()
+
+    def report_progress(self, what: str) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.total, what)
+
+    def __call__(self, name: str, repeat: int) -> RunResult:
+        self.total = max(self.total, self.done + 1)
+        self.report_progress(
+            f"repeat {repeat + 1}/{self.spec.repeats}" if self.spec.repeats else f"repeat {repeat + 1}"
+        )
+        token = self.monitor.start()
+        result = self.run(self.spec.run_spec(name, repeat), self.tmp, self.spec.timeout_s)
+        conditions = self.monitor.stop(token, f"{name}, repeat {repeat + 1}", config=name, repeat=repeat)
+        if result.ok:  # a skipped or failed run measured nothing the conditions could have disturbed
+            self.watched.append(conditions)
+        self.done += 1
+        if self.on_run is not None:
+            self.on_run(self._event(name, repeat, result))
+        return result
+
+    def _event(self, name: str, repeat: int, result: RunResult) -> RunEvent:
+        elapsed = self.clock() - self.start
+        status = "ok" if result.ok else f"skipped: {result.skipped}" if result.skipped else "failed"
+        if result.error and not result.ok:
+            status = f"failed: {' '.join(result.error.split())[:160]}"
+        if self.spec.repeats:
+            left = elapsed / self.done * (self.total - self.done)
+        else:
+            left = self.settling.remaining_s if self.settling else 0.0
+        return RunEvent(name, repeat, self.spec.repeats or 0, self.done, self.total,
+                        result.step_median_s if result.ok else None, elapsed, max(left, 0.0), status,
+                        "step" if self.spec.stage == "fit" else "batch")  # fmt: skip
+
+
+def _measure(runs: _Runs, order: list[str], stack_phase: bool) -> tuple[Stack, list[Any], int]:
+    """The single configurations in interleaved rounds, then the winners' stack against baseline (appended to
+    ``order``); returns the stack, the rounds' decisions and the number of rounds."""
+    spec, settling = runs.spec, runs.settling
+
+    def estimates_of(so_far: Any) -> dict[str, RatioEstimate | None]:
+        return estimates_from(summarize_runs(so_far))
+
+    def stack_reserve() -> float:  # two rounds of baseline and the stack, kept for the recommendation
+        return 2 * settling.round_s([BASELINE, BASELINE]) if settling is not None else 0.0
+
+    singles = run_rounds(order, runs, repeats=spec.repeats, settling=settling, estimates_of=estimates_of,
+                         reserve_s=stack_reserve, results=runs.results)  # fmt: skip
+    stack = choose_stack(estimates_of(runs.results)) if stack_phase else Stack(())
+    decisions, rounds = [singles.decision], singles.rounds
+    if len(stack.names) > 1 and stack.name not in order:
+        runs.total = runs.done + (spec.repeats or 2) * 2
+        measured = run_rounds([BASELINE, stack.name], runs, repeats=spec.repeats, settling=settling,
+                              estimates_of=estimates_of, first_repeat=singles.rounds, results=runs.results)  # fmt: skip
+        decisions.append(measured.decision)
+        rounds += measured.rounds
+        order.append(stack.name)
+    return stack, decisions, rounds
+
+
+def _judged_summaries(runs: _Runs, machine: dict[str, Any]) -> tuple[list[ConfigSummary], Reliability]:
+    """The runs summarized, with the machine's conditions judged and every slower row's likely cause named."""
+    import torch
+
+    summaries = summarize_runs(runs.results)
+    reliability = assess(
+        runs.watched,
+        {s.config: s.step_times_s for s in summaries if s.step_times_s},
+        cores_used=1 if runs.spec.device.startswith("cuda") else torch.get_num_threads(),
+        cpu_count=int(machine.get("cpu_count_usable") or machine.get("cpu_count") or 1),
+    )
+    mark_disturbed(summaries, reliability, runs.watched)
+    add_likely_causes(summaries, machine, runs.spec)
+    return summaries, reliability
 
 
 def _ratio(numerator: Any, denominator: Any, above_one: str = "faster", below_one: str = "slower") -> RatioEstimate:
@@ -339,6 +365,12 @@ def _step_samples(result: RunResult) -> list[float]:
     return list(result.step_times_s) or ([result.step_median_s] if result.step_median_s else [])
 
 
+_MEDIAN_FIGURES = ("throughput", "warmup_s", "model_init_s", "first_batch_s", "first_forward_s", "first_step_s",
+                   "peak_memory_bytes", "step_memory_bytes", "predict_step_median_s", "predict_throughput",
+                   "final_train_loss")  # fmt: skip
+"""The one-per-run figures a summary takes the median of over its repeats."""
+
+
 def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
     """Aggregate per-repeat results into one summary per configuration, with ratios paired against baseline."""
     baseline_by_repeat = {r.spec["repeat"]: r for r in results.get(BASELINE, []) if r.ok}
@@ -365,17 +397,8 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
         pooled = [t for r in ok for t in r.step_times_s]
         if pooled:
             summary.step_p10_s, summary.step_p90_s = percentile(pooled, 10.0), percentile(pooled, 90.0)
-        summary.throughput = _median([r.throughput for r in ok])
-        summary.warmup_s = _median([r.warmup_s for r in ok])
-        summary.model_init_s = _median([r.model_init_s for r in ok])
-        summary.first_batch_s = _median([r.first_batch_s for r in ok])
-        summary.first_forward_s = _median([r.first_forward_s for r in ok])
-        summary.first_step_s = _median([getattr(r, "first_step_s", None) for r in ok])
-        summary.peak_memory_bytes = _median([r.peak_memory_bytes for r in ok])
-        summary.step_memory_bytes = _median([r.step_memory_bytes for r in ok])
-        summary.predict_step_median_s = _median([r.predict_step_median_s for r in ok])
-        summary.predict_throughput = _median([r.predict_throughput for r in ok])
-        summary.final_train_loss = _median([r.final_train_loss for r in ok])
+        for figure in _MEDIAN_FIGURES:
+            setattr(summary, figure, _median([getattr(r, figure, None) for r in ok]))
         summary.flops_per_step = next((r.flops_per_step for r in ok if r.flops_per_step), None)
         if summary.flops_per_step is None:
             summary.flops_error = next((r.flops_error for r in ok if r.flops_error), None)
@@ -438,12 +461,7 @@ def _paired_ratios(summary: ConfigSummary, paired: list[tuple[RunResult, RunResu
         (r.step_memory_bytes, b.step_memory_bytes) for b, r in paired if b.step_memory_bytes and r.step_memory_bytes
     ]
     if memory:
-        estimate = _ratio(
-            [float(m) for m, _ in memory],
-            [float(m) for _, m in memory],
-            above_one="more memory",
-            below_one="less memory",
-        )
+        estimate = _ratio([float(m) for m, _ in memory], [float(m) for _, m in memory], "more memory", "less memory")
         summary.set_estimate("memory_ratio", estimate)
     predict = [
         (b.predict_step_times_s or [b.predict_step_median_s], r.predict_step_times_s or [r.predict_step_median_s])

@@ -7,9 +7,8 @@ that inference stage per batch instead (:mod:`lightning_perf.benchmark.inference
 
 :func:`lightning_perf.benchmark.isolation.run_isolated` runs :func:`run` in a fresh process once per configuration
 and repeat (for the bench and the tuner alike), so no compiled graph, allocator cache or global flag leaks from one
-configuration into the next. CPU memory is
-measured as peak resident memory with ``MALLOC_MMAP_THRESHOLD_`` set by the runner (see
-:mod:`lightning_perf.profiling.memory` for why plain RSS would overstate it).
+configuration into the next. CPU memory is measured as peak resident memory with ``MALLOC_MMAP_THRESHOLD_`` set by
+the runner (see :mod:`lightning_perf.profiling.memory` for why plain RSS would overstate it).
 
 With ``RunSpec.count_flops`` (the bench sets it on repeat 0) the worker also counts the FLOPs of one training step
 (:func:`count_training_step_flops`) after everything is measured, on a fresh, untransformed copy of the workload, so
@@ -336,16 +335,7 @@ def _run(spec: RunSpec, build: Builder | None) -> RunResult:
     if reason is not None:
         result.ok, result.skipped = False, reason
         return result
-
-    source: Any = None
-    if build is None and spec.source is not None:
-        from lightning_perf.benchmark.sources import source_from_dict
-
-        source = source_from_dict(spec.source)
-        build = source.build
-    elif build is not None:
-        source = getattr(build, "__self__", None)  # a ModelSource's bound build: its trainer settings apply too
-    build = build or build_reference_workload
+    build, source = _builder(spec, build)
     pl.seed_everything(spec.seed, workers=True, verbose=False)
     t0 = time.perf_counter()
     model, datamodule = build(spec)
@@ -355,51 +345,75 @@ def _run(spec: RunSpec, build: Builder | None) -> RunResult:
     file_callbacks = list(settings.pop("callbacks", []) or [])
     settings.pop("precision", None)  # the runner resolved it into spec.precision (a file's precision included)
     result.trainer_settings = sorted(settings) + (["callbacks"] if file_callbacks else [])
-
-    clock = _StepClock(device, spec.warmup_steps)
-    trainer_kwargs: dict[str, Any] = {
-        "accelerator": device.type,
-        "devices": 1,
-        "precision": spec.precision,
-        "max_steps": spec.warmup_steps + spec.steps,
-        "max_epochs": -1,
-        "limit_val_batches": 0,
-        "num_sanity_val_steps": 0,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-    }
-    trainer_kwargs.update(settings)
-    trainer_kwargs.update(config.trainer_kwargs)  # a configuration's own precision overrides the file's
+    # The bench's own settings, then the file's, then the configuration's own (its precision over the file's).
+    trainer_kwargs = {"accelerator": device.type, "devices": 1, "precision": spec.precision, **QUIET_FIT_KWARGS}
+    trainer_kwargs |= {"max_steps": spec.warmup_steps + spec.steps, **settings, **config.trainer_kwargs}
     result.precision = str(trainer_kwargs["precision"])
     if config.strategy is not None:
         trainer_kwargs["strategy"] = config.strategy()
     callbacks = [*file_callbacks, *config.callbacks()]
     if spec.stage != "fit":
-        from lightning_perf.benchmark.inference import measure_inference
-
-        figures = measure_inference(
-            spec.stage, model, datamodule, trainer_kwargs, callbacks, device, spec.warmup_steps, spec.steps,
-            result.batch_size,
-        )  # fmt: skip
-        for key, value in figures.items():
-            setattr(result, key, value)
-        # The per-batch latency is this run's "step": the summary, the reliability checks and compare read it there.
-        result.step_times_s, result.step_median_s = list(result.predict_step_times_s), result.predict_step_median_s
+        _time_inference_stage(spec, model, datamodule, trainer_kwargs, callbacks, result)
         result.wall_s = time.perf_counter() - wall_start
         return result
-    trainer = pl.Trainer(callbacks=[clock, *callbacks], **trainer_kwargs)
-    trainer.fit(model, datamodule=datamodule)
+    clock = _StepClock(device, spec.warmup_steps)
+    pl.Trainer(callbacks=[clock, *callbacks], **trainer_kwargs).fit(model, datamodule=datamodule)
+    _record_steps(clock, spec.steps, result)
+    if spec.predict_batches > 0 and not _has_predict_data(model, datamodule):
+        result.predict_skipped = "neither the data module nor the model defines predict_dataloader"
+    elif spec.predict_batches > 0:
+        _time_predict(spec, model, datamodule, trainer_kwargs, callbacks, result)
+    result.wall_s = time.perf_counter() - wall_start
+    if spec.count_flops:  # after every timed and memory-measured part, on a fresh copy of the untransformed workload
+        _count_flops(spec, build, device, result)
+    return result
 
+
+def _builder(spec: RunSpec, build: Builder | None) -> tuple[Builder, Any]:
+    """What builds the model and data (the given ``build``, the spec's source, or a reference workload) and the source
+    whose ``trainer_settings`` apply (``None`` for a reference workload)."""
+    if build is None and spec.source is not None:
+        from lightning_perf.benchmark.sources import source_from_dict
+
+        source: Any = source_from_dict(spec.source)
+        return source.build, source
+    if build is not None:  # a ModelSource's bound build: its trainer settings apply too
+        return build, getattr(build, "__self__", None)
+    return build_reference_workload, None
+
+
+QUIET_FIT_KWARGS: dict[str, Any] = {
+    "max_epochs": -1,
+    "limit_val_batches": 0,
+    "num_sanity_val_steps": 0,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+"""Trainer arguments of a timed fit: steps bounded by ``max_steps`` alone, and nothing that costs time beside them."""
+
+
+def _time_inference_stage(spec: RunSpec, model: Any, datamodule: Any, trainer_kwargs: dict[str, Any],
+                          callbacks: list[Callback], result: RunResult) -> None:  # fmt: skip
+    from lightning_perf.benchmark.inference import measure_inference
+
+    figures = measure_inference(spec.stage, model, datamodule, trainer_kwargs, callbacks, as_device(spec.device),
+                                spec.warmup_steps, spec.steps, result.batch_size)  # fmt: skip
+    for key, value in figures.items():
+        setattr(result, key, value)
+    # The per-batch latency is this run's "step": the summary, the reliability checks and compare read it there.
+    result.step_times_s, result.step_median_s = list(result.predict_step_times_s), result.predict_step_median_s
+
+
+def _record_steps(clock: _StepClock, steps: int, result: RunResult) -> None:
+    """The fit's figures: steady step times, the cold first batch, forward and step, memory, losses."""
     steady = clock.timer.summary()
     if "step" not in steady or steady["step"].count == 0:
-        raise RuntimeError(f"No steady-state step was measured: raise --steps (got {spec.steps}).")
+        raise RuntimeError(f"No steady-state step was measured: raise --steps (got {steps}).")
     step_stats = steady["step"]
-    result.first_batch_s = clock.first_batch_s
-    result.first_forward_s = clock.first_forward_s
-    result.first_step_s = clock.first_step_s
-    result.warmup_s = clock.warmup_s
+    for figure in ("first_batch_s", "first_forward_s", "first_step_s", "warmup_s", "losses", "data_wait_s"):
+        setattr(result, figure, getattr(clock, figure))
     result.step_median_s = step_stats.median
     result.step_times_s = [record["step"] for record in clock.timer.steps]
     result.throughput = result.batch_size / step_stats.median if result.batch_size else None
@@ -409,36 +423,27 @@ def _run(spec: RunSpec, build: Builder | None) -> RunResult:
         result.step_memory_bytes = max(0, int(sample.peak) - int(clock.memory_before_steps))
     result.memory_source = sample.source
     result.final_train_loss = clock.last_loss
-    result.losses = clock.losses
-    result.data_wait_s = clock.data_wait_s
 
-    if spec.predict_batches > 0 and not _has_predict_data(model, datamodule):
-        result.predict_skipped = "neither the data module nor the model defines predict_dataloader"
-    elif spec.predict_batches > 0:
-        datamodule.setup("predict")
-        available = len(datamodule.predict_dataloader())
-        if available < 2:
-            raise RuntimeError(f"The predict split has {available} batch(es); inference timing needs at least 2.")
-        predict_batches = min(spec.predict_batches, available)
-        warmup_batches = min(2, predict_batches - 1)  # at least one steady batch remains
-        predict_clock = _PredictClock(device, warmup_batches)
-        predictor = pl.Trainer(
-            callbacks=[predict_clock, *callbacks],
-            **{
-                **{k: v for k, v in trainer_kwargs.items() if k not in ("max_steps", "max_epochs", "strategy")},
-                "limit_predict_batches": predict_batches,
-            },
-        )
-        predictor.predict(model, datamodule=datamodule, return_predictions=False)
-        predict_stats = predict_clock.timer.summary().get("predict")
-        if predict_stats is not None and predict_stats.count:
-            result.predict_step_median_s = predict_stats.median
-            result.predict_step_times_s = [record["predict"] for record in predict_clock.timer.steps]
-            result.predict_throughput = result.batch_size / predict_stats.median if result.batch_size else None
-    result.wall_s = time.perf_counter() - wall_start
-    if spec.count_flops:  # after every timed and memory-measured part, on a fresh copy of the untransformed workload
-        _count_flops(spec, build, device, result)
-    return result
+
+def _time_predict(spec: RunSpec, model: Any, datamodule: Any, trainer_kwargs: dict[str, Any],
+                  callbacks: list[Callback], result: RunResult) -> None:  # fmt: skip
+    """Time ``spec.predict_batches`` predict batches after the fit (two of them warm-up), under the same callbacks."""
+    datamodule.setup("predict")
+    available = len(datamodule.predict_dataloader())
+    if available < 2:
+        raise RuntimeError(f"The predict split has {available} batch(es); inference timing needs at least 2.")
+    predict_batches = min(spec.predict_batches, available)
+    warmup_batches = min(2, predict_batches - 1)  # at least one steady batch remains
+    predict_clock = _PredictClock(as_device(spec.device), warmup_batches)
+    kwargs = {k: v for k, v in trainer_kwargs.items() if k not in ("max_steps", "max_epochs", "strategy")}
+    kwargs["limit_predict_batches"] = predict_batches
+    predictor = pl.Trainer(callbacks=[predict_clock, *callbacks], **kwargs)
+    predictor.predict(model, datamodule=datamodule, return_predictions=False)
+    predict_stats = predict_clock.timer.summary().get("predict")
+    if predict_stats is not None and predict_stats.count:
+        result.predict_step_median_s = predict_stats.median
+        result.predict_step_times_s = [record["predict"] for record in predict_clock.timer.steps]
+        result.predict_throughput = result.batch_size / predict_stats.median if result.batch_size else None
 
 
 def main(argv: list[str] | None = None) -> int:

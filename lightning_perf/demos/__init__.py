@@ -153,7 +153,7 @@ def make_workload(
         )
     workload = WORKLOADS[name]
     shape = {key: model_overrides[key] for key in workload.datamodule_cls.SHAPE_KEYS if key in model_overrides}
-    datamodule = workload.datamodule_cls(
+    datamodule = workload.datamodule_cls(  # type: ignore[call-arg]  # the base reads its subclass's own arguments
         preset,
         batch_size=batch_size,
         num_workers=num_workers,

@@ -142,8 +142,11 @@ class EpochSeededRandomSampler(Sampler[int]):
 class SyntheticDataModule(pl.LightningDataModule):
     """Base of the workloads' data modules: synthetic splits sized by a preset, loaders with a seeded order.
 
-    A subclass sets :attr:`SIZES` (per preset: ``batch_size`` and the ``train``/``val``/``test``/``predict`` sample
-    counts) and implements :meth:`make_dataset`. Its constructor calls ``self.save_hyperparameters()``.
+    A subclass sets :attr:`SIZES` (per preset: ``batch_size``, the ``train``/``val``/``test``/``predict`` sample
+    counts and its shape settings), implements :meth:`make_dataset`, and spells out its constructor's arguments (those
+    below, then each shape setting as ``None`` = "the preset's"; LightningCLI reads them) and calls
+    ``super().__init__()`` from it: this constructor saves them as hyperparameters, checks them and resolves the
+    shape settings into attributes of the same names.
 
     The data seed is saved in checkpoints (:meth:`state_dict`) so that a resumed run continues on the data it
     started with, whatever seed the fresh data module was built with.
@@ -164,17 +167,13 @@ class SyntheticDataModule(pl.LightningDataModule):
     SHAPE_KEYS: ClassVar[tuple[str, ...]] = ()
     """Constructor arguments the model must agree on (e.g. ``image_size``); ``make_workload`` passes them to both."""
 
-    def __init__(
-        self,
-        preset: str = "default",
-        batch_size: int | None = None,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        owner = type(self).__name__
+        caller = inspect.currentframe()
+        # The subclass's constructor holds the arguments to save (Lightning walks on up through further subclasses).
+        self.save_hyperparameters(frame=caller.f_back if caller is not None else None)
+        owner, preset, batch_size = type(self).__name__, self.hparams["preset"], self.hparams["batch_size"]
+        num_workers, seed = self.hparams["num_workers"], self.hparams["seed"]
         check_preset(preset, owner)
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
@@ -189,19 +188,13 @@ class SyntheticDataModule(pl.LightningDataModule):
         self.batch_size: int = batch_size if batch_size is not None else int(sizes["batch_size"])
         self.num_samples: dict[str, int] = {split: int(sizes[split]) for split in SPLITS}
         self.num_workers = num_workers
-        self.pin_memory = bool(pin_memory)
-        self.persistent_workers = bool(persistent_workers)
+        self.pin_memory = bool(self.hparams["pin_memory"])
+        self.persistent_workers = bool(self.hparams["persistent_workers"])
         self.seed = seed
         self.datasets: dict[str, Dataset] = {}
-
-    def resolve_shape(self, **values: int | None) -> None:
-        """Set each of ``values`` as an attribute: the given value, or the preset's (from :attr:`SIZES`) for None.
-
-        Raises:
-            ValueError: for a value that is not a positive integer.
-        """
-        shape = resolve_preset(self.SIZES, self.preset, values, type(self).__name__)
-        for key in values:
+        shape_keys = [key for key in sizes if key != "batch_size" and key not in SPLITS]
+        shape = resolve_preset(self.SIZES, preset, {key: self.hparams[key] for key in shape_keys}, owner)
+        for key in shape_keys:
             setattr(self, key, int(shape[key]))
 
     def make_dataset(self, split: str, num_samples: int) -> Dataset:
@@ -265,6 +258,18 @@ class SyntheticDataModule(pl.LightningDataModule):
             self.datasets = {}  # rebuilt from the restored seed on next use
 
 
+def model_presets(
+    models: Mapping[str, Mapping[str, Any]], data: type[SyntheticDataModule]
+) -> dict[str, dict[str, Any]]:
+    """Each preset of ``models`` over the optimizer's defaults (weight decay 0.01, :data:`SCHEDULE_EPOCHS`) and with
+    the shape settings it shares with ``data`` (:attr:`SyntheticDataModule.SHAPE_KEYS`) taken from ``data``'s."""
+    return {
+        name: {"weight_decay": 0.01, "schedule_epochs": SCHEDULE_EPOCHS, **settings}
+        | {key: data.SIZES[name][key] for key in data.SHAPE_KEYS}
+        for name, settings in models.items()
+    }
+
+
 class DemoModule(pl.LightningModule):
     """Base of the workloads' modules: one network in ``self.net``, metrics per stage, AdamW with a cosine schedule.
 
@@ -276,7 +281,8 @@ class DemoModule(pl.LightningModule):
     A subclass may override :meth:`split_batch` and :meth:`compute` when its batch or loss differ from
     ``(inputs, labels)`` classification.
 
-    The cosine schedule is stepped once per epoch and spans ``schedule_epochs`` epochs (see :data:`SCHEDULE_EPOCHS`).
+    Every preset sets ``lr`` and ``weight_decay`` (AdamW's) and ``schedule_epochs``: the cosine schedule, stepped once
+    per epoch, takes the learning rate from ``lr`` to 0 over that many epochs (see :data:`SCHEDULE_EPOCHS`).
     """
 
     metric_name: ClassVar[str] = "acc"

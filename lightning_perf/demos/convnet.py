@@ -19,11 +19,11 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lightning_perf.demos._base import (
-    SCHEDULE_EPOCHS,
     SPLITS,
     DemoModule,
     SyntheticDataModule,
     generator_for,
+    model_presets,
 )
 
 # The patterns are part of the task's definition, not of the data seed.
@@ -106,18 +106,15 @@ class TemplateImageDataModule(SyntheticDataModule):
     """Data module of the template-image classification task; :class:`ConvNetDataModule` and the ViT's share it.
 
     Args:
-        preset: one of ``tiny``, ``default`` and ``gpu``.
-        batch_size: samples per batch; ``None`` takes the preset's.
-        num_workers: ``DataLoader`` worker processes.
-        pin_memory: passed to every ``DataLoader``.
-        persistent_workers: keep workers alive between epochs (only used when ``num_workers > 0``).
-        seed: selects the samples and the training order.
+        preset, batch_size, num_workers, pin_memory, persistent_workers, seed: as for :class:`SyntheticDataModule`.
         image_size: side of the square images; ``None`` takes the preset's.
         num_classes: number of classes; ``None`` takes the preset's.
     """
 
     SIZES: ClassVar[Mapping[str, Mapping[str, int]]] = {}
     SHAPE_KEYS: ClassVar[tuple[str, ...]] = ("image_size", "num_classes")
+    image_size: int
+    num_classes: int
 
     def __init__(
         self,
@@ -130,11 +127,7 @@ class TemplateImageDataModule(SyntheticDataModule):
         image_size: int | None = None,
         num_classes: int | None = None,
     ) -> None:
-        super().__init__(preset, batch_size, num_workers, pin_memory, persistent_workers, seed)
-        self.image_size: int
-        self.num_classes: int
-        self.resolve_shape(image_size=image_size, num_classes=num_classes)
-        self.save_hyperparameters()
+        super().__init__()
 
     @override
     def make_dataset(self, split: str, num_samples: int) -> Dataset:
@@ -153,57 +146,23 @@ for _sizes in _DATA_SIZES.values():
     _sizes["num_classes"] = 10
 
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "width": 8,
-        "num_stages": 3,
-        "blocks_per_stage": 1,
-        "lr": 3e-3,
-        "weight_decay": 0.01,
-        "schedule_epochs": SCHEDULE_EPOCHS,
-    },
-    "default": {
-        "width": 32,
-        "num_stages": 3,
-        "blocks_per_stage": 2,
-        "lr": 1e-3,
-        "weight_decay": 0.01,
-        "schedule_epochs": SCHEDULE_EPOCHS,
-    },
+    "tiny": {"width": 8, "num_stages": 3, "blocks_per_stage": 1, "stem_stride": 1, "lr": 3e-3},
+    "default": {"width": 32, "num_stages": 3, "blocks_per_stage": 2, "stem_stride": 1, "lr": 1e-3},
     # ResNet-50's scale (23.7M parameters, 3.7 GMACs per 224x224 image forward; ResNet-50: 25.6M, 4.1) with its
     # ImageNet stem and four stages of 64 to 512 channels, in basic blocks.
-    "gpu": {
-        "width": 64,
-        "num_stages": 4,
-        "blocks_per_stage": 4,
-        "stem_stride": 4,
-        "lr": 1e-3,
-        "weight_decay": 0.01,
-        "schedule_epochs": SCHEDULE_EPOCHS,
-    },
+    "gpu": {"width": 64, "num_stages": 4, "blocks_per_stage": 4, "stem_stride": 4, "lr": 1e-3},
 }
-_MODEL_PRESETS["tiny"]["stem_stride"] = _MODEL_PRESETS["default"]["stem_stride"] = 1
 STEM_STRIDES = (1, 4)
 """``1``: a 3x3 convolution at full resolution (small images); ``4``: ImageNet's 7x7 stride-2 convolution and 3x3
 stride-2 max-pool, the first stage then keeping the stem's resolution (as in torchvision's ResNets)."""
-for _name, _settings in _MODEL_PRESETS.items():
-    _settings.update(image_size=_DATA_SIZES[_name]["image_size"], num_classes=_DATA_SIZES[_name]["num_classes"])
 
 
 class ConvNetDataModule(TemplateImageDataModule):
     """Template images for :class:`ConvNetModule`: 3x16x16 (``tiny``), 3x64x64 (``default``) or 3x224x224
     (``gpu``, batch 128), 10 classes.
 
-    Batches are ``(images, labels)``: float ``(B, 3, S, S)`` and long ``(B,)``.
-
-    Args:
-        preset: one of ``tiny``, ``default`` and ``gpu``.
-        batch_size: samples per batch; ``None`` takes the preset's (32).
-        num_workers: ``DataLoader`` worker processes.
-        pin_memory: passed to every ``DataLoader``.
-        persistent_workers: keep workers alive between epochs (only used when ``num_workers > 0``).
-        seed: selects the samples and the training order.
-        image_size: side of the square images; ``None`` takes the preset's.
-        num_classes: number of classes; ``None`` takes the preset's.
+    Batches are ``(images, labels)``: float ``(B, 3, S, S)`` and long ``(B,)``. Arguments: those of
+    :class:`TemplateImageDataModule`.
 
     Example::
 
@@ -313,9 +272,7 @@ class ConvNetModule(DemoModule):
         blocks_per_stage: basic blocks per stage.
         image_size: input side length (sets ``example_input_array``; the network itself takes any size).
         num_classes: number of classes.
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        schedule_epochs: epochs over which the cosine schedule takes the learning rate from ``lr`` to 0.
+        lr, weight_decay, schedule_epochs: AdamW's settings and its schedule's length (see :class:`DemoModule`).
         stem_stride: one of :data:`STEM_STRIDES` (1: small-image stem; 4: ImageNet stem).
 
     Raises:
@@ -327,7 +284,7 @@ class ConvNetModule(DemoModule):
         logits = model(model.example_input_array)  # (1, 10)
     """
 
-    MODEL_PRESETS = _MODEL_PRESETS
+    MODEL_PRESETS = model_presets(_MODEL_PRESETS, ConvNetDataModule)
 
     def __init__(
         self,

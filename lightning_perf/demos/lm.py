@@ -26,11 +26,11 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lightning_perf.demos._base import (
-    SCHEDULE_EPOCHS,
     SPLITS,
     DemoModule,
     SyntheticDataModule,
     generator_for,
+    model_presets,
 )
 
 # The chain is part of the task's definition, not of the data seed.
@@ -118,38 +118,12 @@ _DATA_SIZES: dict[str, dict[str, int]] = {
 }
 
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "dim": 32,
-        "depth": 2,
-        "num_heads": 2,
-        "mlp_ratio": 4,
-        "lr": 3e-3,
-        "weight_decay": 0.01,
-        "schedule_epochs": SCHEDULE_EPOCHS,
-    },
-    "default": {
-        "dim": 128,
-        "depth": 6,
-        "num_heads": 4,
-        "mlp_ratio": 4,
-        "lr": 1e-3,
-        "weight_decay": 0.01,
-        "schedule_epochs": SCHEDULE_EPOCHS,
-    },
+    "tiny": {"dim": 32, "depth": 2, "num_heads": 2, "mlp_ratio": 4, "lr": 3e-3},
+    "default": {"dim": 128, "depth": 6, "num_heads": 4, "mlp_ratio": 4, "lr": 1e-3},
     # GPT-2 small: 12 blocks of width 768 with 12 heads (85M parameters in the blocks, 98M with the embeddings and
     # the untied head at vocabulary 8192; 51.5 GMACs per 512-token sequence forward).
-    "gpu": {
-        "dim": 768,
-        "depth": 12,
-        "num_heads": 12,
-        "mlp_ratio": 4,
-        "lr": 3e-4,
-        "weight_decay": 0.1,
-        "schedule_epochs": SCHEDULE_EPOCHS,
-    },
+    "gpu": {"dim": 768, "depth": 12, "num_heads": 12, "mlp_ratio": 4, "lr": 3e-4, "weight_decay": 0.1},
 }
-for _name, _settings in _MODEL_PRESETS.items():
-    _settings.update(seq_len=_DATA_SIZES[_name]["seq_len"], vocab_size=_DATA_SIZES[_name]["vocab_size"])
 
 
 class LMDataModule(SyntheticDataModule):
@@ -160,12 +134,7 @@ class LMDataModule(SyntheticDataModule):
     ``{"input_ids": LongTensor[B, T], "labels": LongTensor[B, T]}`` with ``labels`` the next tokens.
 
     Args:
-        preset: one of ``tiny``, ``default`` and ``gpu``.
-        batch_size: sequences per batch; ``None`` takes the preset's.
-        num_workers: ``DataLoader`` worker processes.
-        pin_memory: passed to every ``DataLoader``.
-        persistent_workers: keep workers alive between epochs (only used when ``num_workers > 0``).
-        seed: selects the sequences and the training order.
+        preset, batch_size, num_workers, pin_memory, persistent_workers, seed: as for :class:`SyntheticDataModule`.
         seq_len: tokens per sequence; ``None`` takes the preset's.
         vocab_size: vocabulary size; ``None`` takes the preset's.
 
@@ -178,6 +147,8 @@ class LMDataModule(SyntheticDataModule):
 
     SIZES = _DATA_SIZES
     SHAPE_KEYS = ("seq_len", "vocab_size")
+    seq_len: int
+    vocab_size: int
 
     def __init__(
         self,
@@ -190,11 +161,7 @@ class LMDataModule(SyntheticDataModule):
         seq_len: int | None = None,
         vocab_size: int | None = None,
     ) -> None:
-        super().__init__(preset, batch_size, num_workers, pin_memory, persistent_workers, seed)
-        self.seq_len: int
-        self.vocab_size: int
-        self.resolve_shape(seq_len=seq_len, vocab_size=vocab_size)
-        self.save_hyperparameters()
+        super().__init__()
 
     @override
     def make_dataset(self, split: str, num_samples: int) -> Dataset:
@@ -313,9 +280,7 @@ class LMModule(DemoModule):
         depth: number of blocks.
         num_heads: attention heads (must divide ``dim``).
         mlp_ratio: MLP hidden width as a multiple of ``dim``.
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        schedule_epochs: epochs over which the cosine schedule takes the learning rate from ``lr`` to 0.
+        lr, weight_decay, schedule_epochs: AdamW's settings and its schedule's length (see :class:`DemoModule`).
 
     Raises:
         ValueError: if the preset is unknown, a value out of range or ``num_heads`` does not divide ``dim``.
@@ -326,7 +291,7 @@ class LMModule(DemoModule):
         logits = model(model.example_input_array)  # (1, 32, 64)
     """
 
-    MODEL_PRESETS = _MODEL_PRESETS
+    MODEL_PRESETS = model_presets(_MODEL_PRESETS, LMDataModule)
 
     def __init__(
         self,

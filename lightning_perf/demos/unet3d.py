@@ -24,11 +24,11 @@ from torchmetrics.classification import BinaryF1Score
 from typing_extensions import override
 
 from lightning_perf.demos._base import (
-    SCHEDULE_EPOCHS,
     SPLITS,
     DemoModule,
     SyntheticDataModule,
     generator_for,
+    model_presets,
 )
 
 NOISE_STD = 0.5
@@ -126,13 +126,11 @@ _DATA_SIZES: dict[str, dict[str, int]] = {
 }
 
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"width": 8, "levels": 3, "lr": 1e-2, "weight_decay": 0.01, "schedule_epochs": SCHEDULE_EPOCHS},
-    "default": {"width": 16, "levels": 3, "lr": 1e-3, "weight_decay": 0.01, "schedule_epochs": SCHEDULE_EPOCHS},
+    "tiny": {"width": 8, "levels": 3, "lr": 1e-2},
+    "default": {"width": 16, "levels": 3, "lr": 1e-3},
     # The 3D U-Net of medical segmentation (widths 32 to 512 over 5 levels, 22.6M parameters).
-    "gpu": {"width": 32, "levels": 5, "lr": 1e-3, "weight_decay": 0.01, "schedule_epochs": SCHEDULE_EPOCHS},
+    "gpu": {"width": 32, "levels": 5, "lr": 1e-3},
 }
-for _name, _settings in _MODEL_PRESETS.items():
-    _settings.update(volume_size=_DATA_SIZES[_name]["volume_size"])
 
 
 class UNet3DDataModule(SyntheticDataModule):
@@ -146,18 +144,15 @@ class UNet3DDataModule(SyntheticDataModule):
     training (their number grows with the volume's cross-section), for sliding-window inference.
 
     Args:
-        preset: one of ``tiny``, ``default`` and ``gpu``.
-        batch_size: volumes per batch; ``None`` takes the preset's.
-        num_workers: ``DataLoader`` worker processes.
-        pin_memory: passed to every ``DataLoader``.
-        persistent_workers: keep workers alive between epochs (only used when ``num_workers > 0``).
-        seed: selects the volumes and the training order.
+        preset, batch_size, num_workers, pin_memory, persistent_workers, seed: as for :class:`SyntheticDataModule`.
         volume_size: side of the cubic volumes of the train, validation and test splits; ``None`` takes the preset's.
         predict_volume_size: side of the predict split's whole volumes; ``None`` takes the preset's.
     """
 
     SIZES = _DATA_SIZES
     SHAPE_KEYS = ("volume_size",)
+    volume_size: int
+    predict_volume_size: int
 
     def __init__(
         self,
@@ -170,11 +165,7 @@ class UNet3DDataModule(SyntheticDataModule):
         volume_size: int | None = None,
         predict_volume_size: int | None = None,
     ) -> None:
-        super().__init__(preset, batch_size, num_workers, pin_memory, persistent_workers, seed)
-        self.volume_size: int
-        self.predict_volume_size: int
-        self.resolve_shape(volume_size=volume_size, predict_volume_size=predict_volume_size)
-        self.save_hyperparameters()
+        super().__init__()
 
     @override
     def make_dataset(self, split: str, num_samples: int) -> Dataset:
@@ -275,9 +266,7 @@ class UNet3DModule(DemoModule):
         width: channels at full resolution (doubled per level).
         levels: resolution levels.
         volume_size: input side length (sets ``example_input_array``).
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        schedule_epochs: epochs over which the cosine schedule takes the learning rate from ``lr`` to 0.
+        lr, weight_decay, schedule_epochs: AdamW's settings and its schedule's length (see :class:`DemoModule`).
 
     Raises:
         ValueError: if the preset is unknown, a value out of range or ``volume_size`` not divisible by
@@ -291,7 +280,7 @@ class UNet3DModule(DemoModule):
 
     metric_name = "dice"
 
-    MODEL_PRESETS = _MODEL_PRESETS
+    MODEL_PRESETS = model_presets(_MODEL_PRESETS, UNet3DDataModule)
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from lightning_perf.demos._base import SCHEDULE_EPOCHS, DemoModule
+from lightning_perf.demos._base import DemoModule, model_presets
 from lightning_perf.demos.convnet import TemplateImageDataModule
 
 _DATA_SIZES: dict[str, dict[str, int]] = {
@@ -27,26 +27,8 @@ for _sizes in _DATA_SIZES.values():
     _sizes["num_classes"] = 10
 
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "patch_size": 4,
-        "dim": 32,
-        "depth": 2,
-        "num_heads": 2,
-        "mlp_ratio": 4,
-        "lr": 3e-3,
-        "weight_decay": 0.01,
-        "schedule_epochs": SCHEDULE_EPOCHS,
-    },
-    "default": {
-        "patch_size": 4,
-        "dim": 128,
-        "depth": 8,
-        "num_heads": 4,
-        "mlp_ratio": 4,
-        "lr": 1e-3,
-        "weight_decay": 0.01,
-        "schedule_epochs": SCHEDULE_EPOCHS,
-    },
+    "tiny": {"patch_size": 4, "dim": 32, "depth": 2, "num_heads": 2, "mlp_ratio": 4, "lr": 3e-3},
+    "default": {"patch_size": 4, "dim": 128, "depth": 8, "num_heads": 4, "mlp_ratio": 4, "lr": 1e-3},
     # ViT-B/16: 224x224 images in 16x16 patches (196 tokens), 12 blocks of width 768 with 12 heads (about 86M).
     "gpu": {
         "patch_size": 16,
@@ -56,11 +38,8 @@ _MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "mlp_ratio": 4,
         "lr": 3e-4,
         "weight_decay": 0.05,
-        "schedule_epochs": SCHEDULE_EPOCHS,
     },
 }
-for _name, _settings in _MODEL_PRESETS.items():
-    _settings.update(image_size=_DATA_SIZES[_name]["image_size"], num_classes=_DATA_SIZES[_name]["num_classes"])
 
 
 class ViTDataModule(TemplateImageDataModule):
@@ -68,17 +47,8 @@ class ViTDataModule(TemplateImageDataModule):
     (``gpu``, batch 64), 10 classes.
 
     The same task and dataset as :class:`~lightning_perf.demos.convnet.ConvNetDataModule`, at the ViT's sizes.
-    Batches are ``(images, labels)``: float ``(B, 3, S, S)`` and long ``(B,)``.
-
-    Args:
-        preset: one of ``tiny``, ``default`` and ``gpu``.
-        batch_size: samples per batch; ``None`` takes the preset's (32).
-        num_workers: ``DataLoader`` worker processes.
-        pin_memory: passed to every ``DataLoader``.
-        persistent_workers: keep workers alive between epochs (only used when ``num_workers > 0``).
-        seed: selects the samples and the training order.
-        image_size: side of the square images; ``None`` takes the preset's.
-        num_classes: number of classes; ``None`` takes the preset's.
+    Batches are ``(images, labels)``: float ``(B, 3, S, S)`` and long ``(B,)``. Arguments: those of
+    :class:`~lightning_perf.demos.convnet.TemplateImageDataModule`.
     """
 
     SIZES = _DATA_SIZES
@@ -168,9 +138,7 @@ class ViTModule(DemoModule):
         num_heads: attention heads (must divide ``dim``).
         mlp_ratio: MLP hidden width as a multiple of ``dim``.
         num_classes: number of classes.
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        schedule_epochs: epochs over which the cosine schedule takes the learning rate from ``lr`` to 0.
+        lr, weight_decay, schedule_epochs: AdamW's settings and its schedule's length (see :class:`DemoModule`).
 
     Raises:
         ValueError: if the preset is unknown, a value out of range, ``patch_size`` does not divide ``image_size`` or
@@ -182,7 +150,7 @@ class ViTModule(DemoModule):
         logits = model(model.example_input_array)  # (1, 10)
     """
 
-    MODEL_PRESETS = _MODEL_PRESETS
+    MODEL_PRESETS = model_presets(_MODEL_PRESETS, ViTDataModule)
 
     def __init__(
         self,
