@@ -193,8 +193,19 @@ def run_benchmark(
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
-        notes=precision_notes(spec) + _no_effect_notes(runs.results) + _predict_skipped_notes(runs.results),
+        notes=precision_notes(spec)
+        + _rerun_notes(runs.set_aside)
+        + _no_effect_notes(runs.results)
+        + _predict_skipped_notes(runs.results),
     )
+
+
+def _rerun_notes(set_aside: list[tuple[str, int, str]]) -> list[str]:
+    """``"3 repeats re-run (measured while disturbed, kept out of the figures): other processes' load"``."""
+    if not set_aside:
+        return []
+    count, causes = len(set_aside), "; ".join(sorted({why for _, _, why in set_aside}))
+    return [f"{count} repeat{'s' if count != 1 else ''} re-run (disturbed, kept out of the figures): {causes}"]
 
 
 class _Runs:
@@ -210,6 +221,8 @@ class _Runs:
         self.total = (spec.repeats or (settling.min_repeats if settling else 1)) * len(spec.names)
         self.results: dict[str, list[RunResult]] = {name: [] for name in spec.names}
         self.watched: list[Any] = []
+        self.disturbed_now: dict[tuple[str, int], str | None] = {}  # each run's own verdict, as it ends
+        self.set_aside: list[tuple[str, int, str]] = []  # disturbed runs measured again, kept out of the figures
         self.done = 0
         self.start = clock()
 
@@ -227,10 +240,33 @@ class _Runs:
         conditions = self.monitor.stop(token, f"{name}, repeat {repeat + 1}", config=name, repeat=repeat)
         if result.ok:  # a skipped or failed run measured nothing the conditions could have disturbed
             self.watched.append(conditions)
+            self.disturbed_now[(name, repeat)] = self._judge(conditions)
         self.done += 1
         if self.on_run is not None:
             self.on_run(self._event(name, repeat, result))
         return result
+
+    def _judge(self, conditions: Any) -> str | None:
+        """Why other processes disturbed this one run (the cause's name), judged by itself as it ends; None if not."""
+        import torch
+
+        from lightning_perf.profiling.step_phases import usable_cpus
+
+        cores = 1 if self.spec.device.startswith("cuda") else torch.get_num_threads()
+        verdict = assess([conditions], {}, cores_used=cores, cpu_count=usable_cpus())
+        return verdict.causes[0].split(":")[0] if verdict.disturbed_runs else None
+
+    def why_disturbed(self, result: RunResult) -> str | None:
+        return self.disturbed_now.get((result.spec.get("config"), result.spec.get("repeat")))  # type: ignore[arg-type]
+
+    def forget(self, set_aside: list[tuple[str, int, str]]) -> None:
+        """Keep the set-aside runs' conditions out of the verdict: the run measured again in their place has its own."""
+        for name, repeat, _ in set_aside:
+            at = [i for i, c in enumerate(self.watched) if (getattr(c, "config", None), getattr(c, "repeat", None))
+                  == (name, repeat)]  # fmt: skip
+            if at:
+                del self.watched[at[0]]
+        self.set_aside += set_aside
 
     def _event(self, name: str, repeat: int, result: RunResult) -> RunEvent:
         elapsed = self.clock() - self.start
@@ -258,13 +294,16 @@ def _measure(runs: _Runs, order: list[str], stack_phase: bool) -> tuple[Stack, l
         return 2 * settling.round_s([BASELINE, BASELINE]) if settling is not None else 0.0
 
     singles = run_rounds(order, runs, repeats=spec.repeats, settling=settling, estimates_of=estimates_of,
-                         reserve_s=stack_reserve, results=runs.results)  # fmt: skip
+                         reserve_s=stack_reserve, results=runs.results, disturbed=runs.why_disturbed)  # fmt: skip
+    runs.forget(singles.set_aside)
     stack = choose_stack(estimates_of(runs.results)) if stack_phase else Stack(())
     decisions, rounds = [singles.decision], singles.rounds
     if len(stack.names) > 1 and stack.name not in order:
         runs.total = runs.done + (spec.repeats or 2) * 2
         measured = run_rounds([BASELINE, stack.name], runs, repeats=spec.repeats, settling=settling,
-                              estimates_of=estimates_of, first_repeat=singles.rounds, results=runs.results)  # fmt: skip
+                              estimates_of=estimates_of, first_repeat=singles.rounds, results=runs.results,
+                              disturbed=runs.why_disturbed)  # fmt: skip
+        runs.forget(measured.set_aside)
         decisions.append(measured.decision)
         rounds += measured.rounds
         order.append(stack.name)
