@@ -14,8 +14,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 
+from lightning_perf._device import has_fast_cpu_bf16, is_sm_at_least, supports_tf32
 from lightning_perf._imports import install_hint, is_matplotlib_available
+from lightning_perf.profiling.report import write_json
+from lightning_perf.profiling.step_phases import usable_cpus
 
 
 def check_dirpath(owner: str, dirpath: Any) -> str | None:
@@ -126,6 +130,47 @@ def draw_chart(draw: Callable[[Path], Path], path: Path, owner: str) -> tuple[st
     return str(draw(path)), None
 
 
+def write_reports(
+    owner: str,
+    report: dict[str, Any],
+    directory: Path,
+    stem: str,
+    draw: Callable[[Path], Path] | None,
+    show: Callable[[dict[str, Any]], None] | None,
+    more_files: Iterable[str | None] = (),
+) -> None:
+    """On rank zero at fit end: the chart ``<stem>.png`` (``draw``; None: none), the JSON report ``<stem>.json`` (both
+    paths and the chart's note kept in ``report``), ``show(report)`` (None: silent), then every file announced."""
+    report["plot"], report["plot_note"] = None, None
+    if draw is not None:
+        report["plot"], report["plot_note"] = draw_chart(draw, directory / f"{stem}.png", owner)
+    report["json"] = str(directory / f"{stem}.json")
+    write_json(report, directory / f"{stem}.json")
+    if show is not None:
+        show(report)
+    announce_files(owner, [report["json"], report["plot"], *more_files])
+
+
 def class_names(trainer: pl.Trainer) -> frozenset[str]:
     """Names of the classes of the Trainer's callbacks (to tell which of this library's are already in use)."""
     return frozenset(type(callback).__name__ for callback in trainer.callbacks)  # type: ignore[attr-defined]
+
+
+def run_facts(trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.device) -> dict[str, Any]:
+    """What the advice (:class:`~lightning_perf.profiling.StepBreakdown`) knows of a run besides its step times: the
+    device, the Trainer's settings, the model, its optimizers and the other callbacks."""
+    batches = trainer.num_training_batches
+    return {
+        "device_type": device.type,
+        "cpu_count": usable_cpus(),
+        "processes_per_node": max(1, int(trainer.num_devices)),
+        "steps_per_epoch": float(batches) if math.isfinite(batches) else None,
+        "precision": str(trainer.precision),
+        "has_convolutions": any(isinstance(m, (nn.Conv2d, nn.Conv3d)) for m in pl_module.modules()),
+        "optimizers_fused": bool(trainer.optimizers)
+        and all(group.get("fused") is True for opt in trainer.optimizers for group in opt.param_groups),
+        "fast_bf16": is_sm_at_least(8, 0, device) if device.type == "cuda" else has_fast_cpu_bf16(),
+        "tf32_capable": supports_tf32(device),
+        "tf32_enabled": torch.get_float32_matmul_precision() != "highest",
+        "active_callbacks": class_names(trainer),
+    }

@@ -3,7 +3,8 @@
 A loop (Lightning's hooks in :class:`~lightning_perf.callbacks.BottleneckCallback`, or a hand-written one) tells
 :class:`StepPhases` where each phase begins; it keeps the phases on a :class:`~lightning_perf.profiling.PhaseTimer`,
 the wait for data between steps (``data``), which steps an interruption (validation, an epoch boundary) split, and
-the loop's own cost of telling it. :func:`summarize_steps` turns that into the report's figures::
+the loop's own cost of telling it; validation runs between :meth:`~StepPhases.pause` and :meth:`~StepPhases.resume`
+are timed apart. :func:`summarize_steps` turns that into the report's figures::
 
     phases = StepPhases(PhaseTimer(torch.device("cpu"), warmup_steps=2))
     phases.open_gap()
@@ -26,23 +27,42 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_perf.profiling.advice import PHASES
-from lightning_perf.profiling.report import format_seconds
-from lightning_perf.profiling.stats import summarize
+from lightning_perf.profiling.advice import (
+    DEFAULT_THRESHOLDS,
+    PHASES,
+    LoaderSettings,
+    StepBreakdown,
+    recommend,
+    validate_thresholds,
+)
+from lightning_perf.profiling.report import format_seconds, plot_stacked_steps
+from lightning_perf.profiling.stats import Stats, summarize
 from lightning_perf.profiling.timer import PhaseTimer
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from lightning_perf.profiling.syncs import HostSyncRecorder
 
 __all__ = [
     "StepPhases",
+    "SyncCheck",
     "batch_size_of",
     "binned",
+    "check_settings",
     "first_dataloader",
-    "phase_rows",
+    "live_figures",
+    "phase_table",
+    "plot_phases",
+    "rank_values",
     "recent_figures",
     "report_lines",
+    "step_report",
     "summarize_steps",
     "usable_cpus",
 ]
@@ -50,6 +70,7 @@ __all__ = [
 MEASURED = PHASES[:-1]  # timed directly; "other" is the step minus these
 MAX_PLOTTED_BARS = 500
 MAX_REPORTED_STEPS = 20_000
+_BAR_KEYS = {"data": "data%", "forward": "fwd%", "backward": "bwd%", "optimizer": "opt%"}
 
 
 class StepPhases:
@@ -61,12 +82,21 @@ class StepPhases:
     the caller's own time since ``entry_ns`` to the current step's observer cost.
     """
 
-    def __init__(self, timer: PhaseTimer, clock: Callable[[], int] = time.perf_counter_ns) -> None:
+    def __init__(
+        self,
+        timer: PhaseTimer,
+        clock: Callable[[], int] = time.perf_counter_ns,
+        validation: PhaseTimer | None = None,
+        syncs: SyncCheck | None = None,
+    ) -> None:
         self.timer = timer
         self.clock = clock  # the observer's own cost is read from this one (the timer's clock may be a test's)
+        self.validation = validation if validation is not None else PhaseTimer(timer.device)
+        self.syncs = syncs if syncs is not None else SyncCheck(None, 0, 0)
+        self.paused = False  # in validation
+        self.epochs = 0
         self.current: str | None = None
         self.step_open = False
-        self.waiting = False  # in the gap before the next batch, "data" running
         self._interrupted = False
         self._epoch_first = False
         self.batch_sizes: list[int | None] = []
@@ -92,11 +122,29 @@ class StepPhases:
         self._epoch_first = self._epoch_first or new_epoch
         self._open_step()
         self.switch("data")
-        self.waiting = True
+
+    def begin_epoch(self) -> None:
+        """A training epoch begins: the wait for its first batch (marked an epoch's first from the second epoch on)."""
+        self.epochs += 1
+        self.open_gap(new_epoch=self.epochs > 1)
+
+    def pause(self) -> None:
+        """Validation begins: the open step is interrupted, and the time until :meth:`resume` is timed apart."""
+        self.interrupt()
+        self.paused = True
+        self.validation.start("validation")
+
+    def resume(self) -> None:
+        """Validation ends (nothing if not paused): the wait for the next batch begins."""
+        if not self.paused:
+            return
+        self.paused = False
+        self.validation.stop("validation")
+        self.validation.end_step()
+        self.open_gap()
 
     def begin_step(self, phase: str = "forward") -> None:
         self._open_step()
-        self.waiting = False
         self.switch(phase)
 
     def interrupt(self) -> None:
@@ -105,7 +153,7 @@ class StepPhases:
             return
         self.switch(None)
         self.timer.stop("step")
-        self.step_open = self.waiting = False
+        self.step_open = False
         self._interrupted = True
 
     def end_step(self, batch_size: int | None, entry_ns: int) -> int:
@@ -144,6 +192,19 @@ def phase_shares(records: list[dict[str, float]]) -> dict[str, float]:
     if not total > 0:
         return {name: math.nan for name in PHASES}
     return {name: math.fsum(r[name] for r in records) / total for name in PHASES}
+
+
+def live_figures(phases: StepPhases, window: int) -> tuple[dict[str, float], dict[str, float]]:
+    """The last ``window`` steps' shares, step seconds and samples/s (empty before any step is read back), and what a
+    progress bar shows of them: the finite ones, as rounded percentages and samples/s."""
+    figures = recent_figures(phases, window)
+    if figures is None:
+        return {}, {}
+    shares, step_s, samples_per_s = figures
+    bar = {key: round(100.0 * shares[name], 1) for name, key in _BAR_KEYS.items() if math.isfinite(shares[name])}
+    if math.isfinite(samples_per_s):
+        bar["samples/s"] = round(samples_per_s, 1)
+    return {**shares, "step_s": step_s, "samples_per_s": samples_per_s}, bar
 
 
 def recent_figures(phases: StepPhases, window: int) -> tuple[dict[str, float], float, float] | None:
@@ -210,16 +271,112 @@ def summarize_steps(phases: StepPhases) -> dict[str, Any]:
     }
 
 
-def phase_rows(report: Mapping[str, Any]) -> list[list[object]]:
-    """The report's table: a row per phase and one for the whole step (median, p90, share, steps)."""
+class SyncCheck:
+    """The host-device synchronizations made in the steps ``first <= step < last``, found by ``recorder`` (None: none
+    checked); :meth:`figures` for the report."""
+
+    def __init__(self, recorder: HostSyncRecorder | None, first: int, last: int) -> None:
+        self.recorder, self.first, self.last = recorder, first, last
+        self.steps = 0
+        self.note: str | None = None
+
+    def begin(self, step: int, module: nn.Module) -> None:
+        """Start recording if ``step`` is checked; on CPU not around a compiled ``module``."""
+        recorder = self.recorder
+        if recorder is not None and self.first <= step < self.last:
+            if recorder.device.type != "cuda" and is_compiled(module):
+                # A Python-level mode around compiled code would change what the compiler traces: skip the check.
+                self.note = "not checked: the model is compiled and the CPU check would interfere with it"
+                self.recorder = None
+            else:
+                recorder.start()
+
+    def end(self) -> None:
+        if self.recorder is not None and self.recorder.active:
+            self.recorder.stop()
+            self.steps += 1
+
+    def stop(self) -> None:
+        if self.recorder is not None:
+            self.recorder.stop()
+
+    def figures(self) -> dict[str, Any]:
+        recorder, steps = self.recorder, self.steps
+        return {
+            "method": recorder.method if recorder is not None else "",
+            "steps_checked": steps,
+            "note": self.note,
+            "per_step": (recorder.total / steps) if recorder is not None and steps else None,
+            "sites": recorder.sites() if recorder is not None else [],
+        }
+
+
+def step_report(
+    phases: StepPhases,
+    fit_s: float,
+    loader: LoaderSettings | None,
+    thresholds: Mapping[str, float],
+    **facts: Any,
+) -> dict[str, Any]:
+    """:func:`summarize_steps`'s figures, the validation runs' against the fit's ``fit_s`` seconds, the loader, the
+    host syncs and :func:`~lightning_perf.profiling.recommend`'s advice; ``facts``: the rest of
+    :class:`~lightning_perf.profiling.StepBreakdown`."""
+    figures, host_syncs = summarize_steps(phases), phases.syncs.figures()
+    validation: Stats | None = phases.validation.summary().get("validation")
+    steady = figures["steady_state"]
+    breakdown = StepBreakdown(
+        shares=steady["shares"],
+        medians={name: steady["phases"][name]["median"] for name in PHASES},
+        step_median_s=steady["step"]["median"],
+        steps=steady["step"]["count"],
+        loader=loader,
+        epoch_restart_s=figures.pop("epoch_restart_s"),
+        host_syncs=host_syncs["sites"],
+        sync_steps_checked=host_syncs["steps_checked"],
+        sync_method=host_syncs["method"],
+        thresholds=thresholds,
+        **facts,
+    )
+    return {
+        **figures,
+        "validation": {
+            "runs": validation.count if validation else 0,
+            "total_s": validation.total if validation else 0.0,
+            "median_s": validation.median if validation else math.nan,
+            "share_of_fit": (validation.total / fit_s) if validation and fit_s > 0 else 0.0,
+        },
+        "fit_seconds": fit_s,
+        "dataloader": loader,
+        "host_syncs": host_syncs,
+        "recommendations": recommend(breakdown),
+    }
+
+
+def rank_values(report: Mapping[str, Any]) -> dict[str, float]:
+    """The figures of :func:`step_report` compared across processes: step time, throughput, shares, own cost."""
     summary = report["steady_state"]
+    return {
+        "step_median_s": summary["step"]["median"],
+        "samples_per_s": report["throughput"]["samples_per_s"],
+        **{f"share_{name}": summary["shares"][name] for name in PHASES},
+        "overhead_share": report["overhead"]["share_of_step"],
+    }
+
+
+def phase_table(report: Mapping[str, Any], owner: str) -> tuple[list[str], list[list[object]], str]:
+    """The report's table: headers, a row per phase and one for the whole step (median, p90, share, steps), title."""
+    summary, steps = report["steady_state"], report["steps"]
+    title = (
+        f"{owner}: {steps['steady']} steady steps ({steps['warmup']} warm-up, {steps['interrupted']} interrupted left "
+        f"out) on {report['device']}"
+    )
     rows: list[list[object]] = []
     for name in [*PHASES, "step"]:
         stats = summary["step"] if name == "step" else summary["phases"][name]
         share = 1.0 if name == "step" else summary["shares"][name]
         share_text = f"{100 * share:.1f}%" if math.isfinite(share) else "n/a"
         rows.append([name, format_seconds(stats["median"]), format_seconds(stats["p90"]), share_text, stats["count"]])
-    return rows
+    return ["phase", "median", "p90", "share", "steps"], rows, title
 
 
 def report_lines(report: Mapping[str, Any]) -> list[str]:
@@ -247,6 +404,34 @@ def binned(records: list[dict[str, float]], bars: int = MAX_PLOTTED_BARS) -> lis
         return records
     groups = (records[b * n // bars : (b + 1) * n // bars] for b in range(bars))
     return [{name: math.fsum(r[name] for r in group) / len(group) for name in PHASES} for group in groups]
+
+
+def plot_phases(records: list[dict[str, float]], path: Path) -> Path:
+    """The phases' time per step, stacked (binned, see :func:`binned`), as a PNG (needs matplotlib)."""
+    return plot_stacked_steps(binned(records), path, title="Phase time per training step", phases=PHASES)
+
+
+def check_settings(
+    owner: str, warmup_steps: int, sync_check_steps: int, thresholds: Mapping[str, float] | None
+) -> dict[str, float]:
+    """The thresholds by phase (see :func:`~lightning_perf.profiling.advice.validate_thresholds`), once the settings
+    are checked: the host-sync check runs on the last warm-up steps, thresholds name phases that have one."""
+    if sync_check_steps > warmup_steps:
+        raise ValueError(
+            f"`{owner}(sync_check_steps={sync_check_steps!r}, warmup_steps={warmup_steps!r})`: the checked steps "
+            "are the last warm-up steps, so sync_check_steps must be at most warmup_steps."
+        )
+    unknown = sorted(set(thresholds) - set(DEFAULT_THRESHOLDS)) if isinstance(thresholds, Mapping) else []
+    if unknown:
+        raise ValueError(
+            f"`{owner}(thresholds={thresholds!r})` is not valid: {', '.join(map(repr, unknown))} not a phase with "
+            f"a threshold. Expected phases from: {', '.join(DEFAULT_THRESHOLDS)}."
+        )
+    return validate_thresholds(thresholds, owner)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
 
 
 def batch_size_of(batch: Any) -> int | None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_perf.profiling import PhaseTimer
-from lightning_perf.profiling.step_phases import StepPhases, binned, summarize_steps
+from lightning_perf.profiling.step_phases import StepPhases, binned, live_figures, summarize_steps
 
 
 class Clock:
@@ -54,3 +54,23 @@ def test_long_runs_are_binned_to_at_most_the_bars_asked_for() -> None:
                for i in range(10)]  # fmt: skip
     bars = binned(records, bars=4)
     assert len(bars) == 4 and bars[0]["data"] == pytest.approx(0.5) and bars[-1]["data"] == pytest.approx(8.0)
+
+
+def test_validation_is_timed_apart_and_live_figures_feed_a_progress_bar() -> None:
+    clock = Clock()
+    timer = PhaseTimer(torch.device("cpu"), clock=clock)
+    phases = StepPhases(timer, clock=clock, validation=PhaseTimer(torch.device("cpu"), clock=clock))
+    phases.begin_epoch()
+    for _ in range(2):
+        clock.wait(1)
+        phases.begin_step("forward")
+        clock.wait(3)
+        phases.end_step(4, clock())
+        phases.open_gap()
+        phases.pause()  # validation: the open wait for data is cut, the next step marked interrupted
+        clock.wait(20)
+        phases.resume()
+    assert phases.validation.summary()["validation"].total == pytest.approx(40e-3)
+    metrics, bar = live_figures(phases, window=2)
+    assert metrics["forward"] == pytest.approx(0.75) and metrics["step_s"] == pytest.approx(4e-3)
+    assert bar == {"data%": 25.0, "fwd%": 75.0, "bwd%": 0.0, "opt%": 0.0, "samples/s": 1000.0}

@@ -1,0 +1,410 @@
+"""Memory at named points of training steps, the leak verdict and the report: no Lightning needed.
+
+A loop (Lightning's hooks in :class:`~lightning_perf.callbacks.MemoryProfilerCallback`, or a hand-written one) tells
+:class:`MemorySteps` where each step is; it takes a full :class:`~lightning_perf.profiling.MemorySample` at each point
+of one step in ``every_n_steps``, reads the cheap ``allocated`` at each point of every step into a
+:class:`~lightning_perf.profiling.LeakSeries`, and renews the leak verdict (:func:`~lightning_perf.profiling.
+detect_leaks`) on a schedule whose cost is a bounded share of the run::
+
+    steps = MemorySteps(MemoryProbe("cpu"), every_n_steps=5, warmup_steps=10)
+    for epoch in range(epochs):
+        for batch in loader:
+            steps.begin_step(epoch)                # "after_data"; the peak is reset on a sampled step
+            loss = model(batch).sum()
+            steps.sample("after_forward")
+            loss.backward()
+            steps.sample("after_backward", overwrite=True)
+            optimizer.step(); optimizer.zero_grad()
+            steps.end_step(epoch, time.perf_counter_ns())  # "after_optimizer"
+            if steps.leak_check_due() and (leaking := steps.check_leaks(every_point=False)):
+                print(leak_message("my loop", leaking))
+    steps.check_leaks()
+    print(summary_lines(steps.summary()))
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_perf.profiling.leaks import NOISE_FLOOR_STEPS, SEGMENTS, LeakSeries, LeakTrend, detect_leaks
+from lightning_perf.profiling.memory import MemoryProbe, MemorySample
+from lightning_perf.profiling.report import format_bytes, format_seconds, plot_lines
+from lightning_perf.profiling.stats import summarize
+
+__all__ = [
+    "LEAK_CHECK_EVERY_N_STEPS",
+    "PHASES",
+    "POINTS",
+    "MemorySteps",
+    "check_leak_threshold",
+    "check_points",
+    "leak_message",
+    "rank_values",
+    "snapshot_table",
+    "summary_lines",
+]
+
+POINTS: tuple[str, ...] = ("after_data", "after_forward", "after_backward", "after_optimizer")
+"""Where in a training step memory can be sampled, in the order they happen."""
+
+PHASES: dict[str, str] = {
+    "after_data": "at the start of the step, once the batch is on the device",
+    "after_forward": "after the forward pass (the loss is computed)",
+    "after_backward": "after the backward pass",
+    "after_optimizer": "after the optimizer step (the end of the step)",
+}
+"""What each point of :data:`POINTS` means, as the leak warning says it."""
+
+LEAK_CHECK_EVERY_N_STEPS = 50
+"""While training, the leak verdict is renewed after this many steps, then every quarter of the steps seen so far (at
+least this many), so that the checks cost a bounded share of the run; and at the end of fit."""
+
+_MIB = 1024.0 * 1024.0
+_MAX_REPORTED_SAMPLES = 20_000
+
+
+def check_points(owner: str, points: Sequence[str] | None) -> tuple[str, ...]:
+    """``points`` in step order without duplicates (``None``: all of :data:`POINTS`), else raise."""
+    if points is None:
+        return POINTS
+    if isinstance(points, str) or not isinstance(points, Sequence):
+        raise TypeError(f"`{owner}(points={points!r})` is not valid. Expected a list of names from {POINTS}.")
+    unknown = [p for p in points if p not in POINTS]
+    if unknown or not points:
+        raise ValueError(
+            f"`{owner}(points={list(points)!r})` is not valid: "
+            + (f"unknown point(s) {unknown}. " if unknown else "no point given. ")
+            + f"Expected names from: {', '.join(POINTS)}."
+        )
+    return tuple(p for p in POINTS if p in points)
+
+
+def check_leak_threshold(owner: str, leak_threshold: Any) -> float | None:
+    """``leak_threshold`` as a float (None stays None) if it is a positive finite number, else raise ``ValueError``."""
+    if leak_threshold is None:
+        return None
+    if (
+        isinstance(leak_threshold, bool)
+        or not isinstance(leak_threshold, (int, float))
+        or not 0 < leak_threshold < math.inf
+    ):
+        raise ValueError(
+            f"`{owner}(leak_threshold={leak_threshold!r})` is not valid. Expected None (no absolute bound) or a "
+            "growth in bytes per step > 0, e.g. 16384."
+        )
+    return float(leak_threshold)
+
+
+class MemorySteps:
+    """Memory at the points of each step: full samples every ``every_n_steps`` steps, ``allocated`` every step.
+
+    Leak detection, by significance and with no absolute bound in bytes: memory in use (``allocated``) is read at
+    each point of *every* step (one cheap reading: a ``mallinfo2`` call on CPU, the caching allocator's counter on
+    CUDA; into storage allocated once, so the series does not measure itself), whatever ``every_n_steps``. Warm-up
+    is left out: the first epoch when it is shorter than ``warmup_steps`` steps, else the first ``warmup_steps`` steps
+    (lazily built optimizer state, allocator arenas, the first validation run's caches). On the rest, for each point,
+    :func:`~lightning_perf.profiling.detect_leaks` fits a Theil-Sen slope and Sen's distribution-free 95% interval,
+    and flags the point when, over at least ``leak_min_samples`` steps, the interval lies above zero (growth noise
+    would rarely produce), it does so in each third of the steps as well (steady: a cache that fills up and stops, or
+    a one-time jump, leaves a third flat), and the growth over two steps reaches the noise floor of the readings
+    (their robust scatter around the trend, measured over short blocks). That last rule is relative to the readings,
+    not a number of bytes: the allocator's own churn drifts up in occasional jumps that can be significant over a few
+    hundred steps, yet is small per step next to that scatter, while a leak adds its bytes at every step; the same
+    rule holds on a calm GPU allocator and a busy CPU heap, for any model size. While training, the verdict is renewed
+    on the last sampled point of the step every :data:`LEAK_CHECK_EVERY_N_STEPS` steps (then every quarter of the
+    steps so far, :meth:`leak_check_due`), on every point when that one grows, and on every point at the end
+    (:meth:`check_leaks`); once a leak is found the every-step readings stop (the full samples go on). Cost: four
+    ``mallinfo2`` calls per step, a few microseconds each on a healthy heap (glibc walks its free chunks, so more on a
+    fragmented one), and a verdict every 50 or more steps.
+
+    Args:
+        probe: what reads the memory (CPU or CUDA).
+        points: which points of :data:`POINTS` are sampled, in step order (see :func:`check_points`).
+        every_n_steps: one fully sampled step in this many.
+        warmup_steps: leading steps left out of the leak trend and the snapshot table, at most (a shorter first epoch
+            is left out of the trend instead).
+        leak_threshold: optional extra bound in bytes per step (see :func:`~lightning_perf.profiling.detect_leaks`).
+        leak_min_samples: steps after warm-up needed before a point can be reported as leaking.
+    """
+
+    def __init__(
+        self,
+        probe: MemoryProbe,
+        points: Sequence[str] = POINTS,
+        every_n_steps: int = 10,
+        warmup_steps: int = 50,
+        leak_threshold: float | None = None,
+        leak_min_samples: int = 30,
+    ) -> None:
+        self.probe = probe
+        self.points = check_points(type(self).__name__, points)
+        self.every_n_steps = every_n_steps
+        self.warmup_steps = warmup_steps
+        self.leak_threshold = leak_threshold
+        self.leak_min_samples = leak_min_samples
+        self.series = LeakSeries(self.points)
+        self.step_index = 0
+        self.sampling = False  # whether the running step is sampled
+        self._current: dict[str, MemorySample] = {}
+        self.steps: list[int] = []  # per sampled step: its index,
+        self.epochs: list[int] = []  # its epoch,
+        self.samples: list[dict[str, MemorySample]] = []  # and its samples by point ("end": the step's peak)
+        self.trends: dict[str, LeakTrend] = {}
+        self.leak_start: int | None = None
+        self.leak_found = False
+        self._next_check = LEAK_CHECK_EVERY_N_STEPS
+        self.hook_ns = 0  # the loop's own cost of telling this, see `charge`
+        self._first_end_ns: int | None = None
+        self._last_end_ns = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether the running step reads anything (a sampled step, or one in the leak series)."""
+        return self.sampling or self.series.recording
+
+    def begin_step(self, epoch: int) -> None:
+        """A step begins with its batch on the device: ``after_data``; a sampled step's peak is reset after it."""
+        self.series.start_step(self.step_index, epoch)
+        self.sampling = self.step_index % self.every_n_steps == 0
+        if self.sampling:
+            self._current = {"start": self.probe.sample()} if "after_data" not in self.points else {}
+        self.sample("after_data")
+        if self.sampling:
+            self.probe.reset_peak()
+
+    def sample(self, point: str, overwrite: bool = False) -> None:
+        """Read ``point``: the full sample on sampled steps, the cheap ``allocated`` for the leak series always.
+
+        Without ``overwrite`` only the point's first reading in the step is kept.
+        """
+        if point not in self.points:
+            return
+        probe, series = self.probe, self.series
+        if self.sampling and (overwrite or point not in self._current):
+            sample = probe.sample()
+            self._current[point] = sample
+            series.record(point, sample.allocated, overwrite)
+        elif series.recording:
+            series.record(point, probe.allocated(), overwrite)
+
+    def end_step(self, epoch: int, end_ns: int) -> dict[str, MemorySample] | None:
+        """The step ends at ``end_ns`` (after its optimizer step): ``after_optimizer``, and the peak of a sampled step.
+
+        Returns:
+            The sampled step's samples by point (``"end"``: the sample holding its peak), None for a step not sampled.
+        """
+        if self._first_end_ns is None:
+            self._first_end_ns = end_ns
+        self._last_end_ns = end_ns
+        self.sample("after_optimizer", overwrite=True)
+        step = None
+        if self.sampling:
+            self.sampling = False
+            step = self._current
+            # The peak of the step: read at its end whatever points are sampled.
+            step["end"] = self.probe.sample() if "after_optimizer" not in self.points else step["after_optimizer"]
+            self.steps.append(self.step_index)
+            self.epochs.append(epoch)
+            self.samples.append(step)
+        self.step_index += 1
+        return step
+
+    def charge(self, entry_ns: int) -> None:
+        """Add the caller's own time since ``entry_ns`` (``time.perf_counter_ns``) to the observer's cost."""
+        self.hook_ns += time.perf_counter_ns() - entry_ns
+
+    # -------------------------------------------------------------------------------------------------- leaks
+
+    def leak_check_due(self) -> bool:
+        """Whether the verdict is due after this step (then not again for a quarter of the steps so far, at least
+        :data:`LEAK_CHECK_EVERY_N_STEPS`); never once a leak is found."""
+        if self.leak_found or self.step_index < self._next_check:
+            return False
+        self._next_check = self.step_index + max(LEAK_CHECK_EVERY_N_STEPS, self.step_index // 4)
+        return True
+
+    def _leak_trends(self, points: Sequence[str]) -> dict[str, LeakTrend]:
+        # The first step of the leak window: after the first epoch when it is shorter than `warmup_steps`.
+        second_epoch = self.series.first_step_of_epoch_after(0)
+        self.leak_start = self.warmup_steps if second_epoch is None else min(self.warmup_steps, second_epoch)
+        series = self.series.series(self.leak_start)
+        return detect_leaks({p: series[p] for p in points}, self.leak_threshold, self.leak_min_samples)
+
+    def check_leaks(self, every_point: bool = True) -> list[LeakTrend]:
+        """Renew the verdict (``every_point=False``: the step's last point first, a leak shows at every point).
+
+        Returns:
+            The leaking points' trends, fastest first, the first time a leak is found (else an empty list). The
+            every-step readings stop then (on a heap that keeps growing, glibc's ``mallinfo2`` walks more and more free
+            chunks, so they get dearer); the full samples every ``every_n_steps`` go on.
+        """
+        if not every_point and not any(t.leaking for t in self._leak_trends(self.points[-1:]).values()):
+            return []
+        self.trends = self._leak_trends(self.points)
+        leaking = sorted((t for t in self.trends.values() if t.leaking), key=lambda t: t.slope_low, reverse=True)
+        if not leaking or self.leak_found:
+            return []
+        self.leak_found = True
+        self.series.stop(self.step_index)
+        return leaking
+
+    # ------------------------------------------------------------------------------------------------ results
+
+    def _snapshot(self, point: str) -> dict[str, Any]:
+        rows = [s for step, s in zip(self.steps, self.samples) if point in s and step >= self.warmup_steps]
+        if not rows:  # a short run: fall back to every sample rather than report nothing
+            rows = [s for s in self.samples if point in s]
+        start = "after_data" if "after_data" in self.points else "start"
+        return {
+            "time_s": summarize([(s[point].timestamp_ns - s[start].timestamp_ns) / 1e9 for s in rows]).to_dict(),
+            "allocated": summarize([s[point].allocated for s in rows]).to_dict(),
+            "reserved": summarize([s[point].reserved for s in rows]).to_dict(),
+            "peak_max": max((s[point].peak for s in rows), default=None),
+            "trend_bytes_per_step": self.trends[point].slope if point in self.trends else math.nan,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """The report: the snapshot table per point, the steps' peaks, the leak verdict, the observer's own cost and
+        the samples (the last 20,000)."""
+        starts = [s.get("after_data", s.get("start")) for s in self.samples]
+        above = [s["end"].peak_above(start) for s, start in zip(self.samples, starts) if start is not None]
+        ends = self.step_index
+        wall_s = (self._last_end_ns - (self._first_end_ns or self._last_end_ns)) / 1e9
+        per_step_s = wall_s / (ends - 1) if ends > 1 else math.nan
+        samples = [
+            {"step": step, "epoch": epoch, "point": point, **sample.to_dict()}
+            for step, epoch, by_point in zip(self.steps, self.epochs, self.samples)
+            for point, sample in by_point.items()
+            if point in self.points
+        ]
+        return {
+            "device": str(self.probe.device),
+            "source": self.probe.source,
+            "notes": self.samples[0]["end"].notes if self.samples else {},
+            "every_n_steps": self.every_n_steps,
+            "points": list(self.points),
+            "warmup_steps": self.warmup_steps,
+            "steps_seen": self.step_index,
+            "steps_sampled": len(self.samples),
+            "snapshots": {point: self._snapshot(point) for point in self.points},
+            "peak": summarize([s["end"].peak for s in self.samples]).to_dict(),
+            "peak_above_start": summarize(above).to_dict(),
+            "peak_since_reset": all(s["end"].peak_since_reset for s in self.samples),
+            "leaks": {
+                "method": "Theil-Sen slope with Sen's distribution-free 95% interval, per point, every step",
+                "rule": f"interval above zero overall and in each of {SEGMENTS} consecutive parts, and the growth over "
+                f"{NOISE_FLOOR_STEPS} steps at least the noise floor of the readings",
+                "first_step": self.leak_start,
+                "sampled_every_n_steps": self.series.stride,
+                "stopped_at_step": self.series.stopped_at,
+                "threshold_bytes_per_step": self.leak_threshold,
+                "min_samples": self.leak_min_samples,
+                "trends": self.trends,
+                "leaking": [t.point for t in self.trends.values() if t.leaking],
+            },
+            "overhead": {
+                "hooks_ns_total": self.hook_ns,
+                "hooks_ns_per_step": self.hook_ns / ends if ends else math.nan,
+                "step_s_mean": per_step_s,
+                "share_of_step": (self.hook_ns / ends / 1e9) / per_step_s if per_step_s > 0 else math.nan,
+            },
+            "samples": samples[-_MAX_REPORTED_SAMPLES:],
+            "samples_truncated": len(samples) > _MAX_REPORTED_SAMPLES,
+        }
+
+    def plot(self, path: Path) -> Path:
+        """Draw memory per point across the sampled steps, and each step's peak, as a PNG (needs matplotlib)."""
+        series = {
+            f"{p} allocated": [s[p].allocated / _MIB if p in s else None for s in self.samples] for p in self.points
+        }
+        series["step peak"] = [s["end"].peak / _MIB for s in self.samples]
+        return plot_lines(
+            series,
+            path,
+            title=f"Memory per sampled step ({self.probe.source})",
+            xlabel=f"sampled step (one in {self.every_n_steps})",
+            ylabel="MiB",
+        )
+
+
+def rank_values(report: Mapping[str, Any]) -> dict[str, float]:
+    """The figures of :meth:`MemorySteps.summary` compared across processes: the peaks and each point's growth."""
+    return {
+        "peak_max": report["peak"]["max"],
+        "peak_above_start_median": report["peak_above_start"]["median"],
+        **{f"slope_{p}": report["leaks"]["trends"][p].slope for p in report["points"]},
+    }
+
+
+def leak_message(owner: str, leaking: Sequence[LeakTrend]) -> str:
+    """The leak warning: the point that grows fastest, its rate with its 95% interval and the evidence; the others."""
+    worst = leaking[0]
+    others = ", ".join(f"{t.point} {_kib(t.slope)} KiB/step" for t in leaking[1:])
+    return (
+        f"{owner}: memory leak: memory in use {PHASES[worst.point]} ({worst.point}) grows by "
+        f"{_kib(worst.slope)} KiB/step (95% interval {_kib(worst.slope_low)} to {_kib(worst.slope_high)} KiB/step; "
+        f"Theil-Sen over {worst.samples} steps, {worst.first_step}-{worst.last_step}: "
+        f"{format_bytes(worst.first_bytes)} -> {format_bytes(worst.last_bytes)}; growing in each third, above the "
+        f"readings' noise floor of {format_bytes(worst.noise_floor)})"
+        + (f"; also {others}" if others else "")
+        + ". Something keeps tensors alive from one step to the next, e.g. a list of losses or outputs that "
+        "still hold their autograd graph: keep `loss.detach()` or `loss.item()` instead."
+    )
+
+
+def snapshot_table(report: Mapping[str, Any], owner: str) -> tuple[list[str], list[list[object]], str]:
+    """The report's table: headers ``snapshot | time | allocated | reserved | peak | trend``, a row per point, title."""
+    rows: list[list[object]] = []
+    for point, row in report["snapshots"].items():
+        slope = row["trend_bytes_per_step"]
+        rows.append(
+            [
+                point,
+                format_seconds(row["time_s"]["median"]),
+                format_bytes(row["allocated"]["median"]),
+                format_bytes(row["reserved"]["median"]),
+                format_bytes(row["peak_max"]),
+                "n/a" if slope is None or math.isnan(slope) else f"{format_bytes(slope)}/step",
+            ]
+        )
+    title = (
+        f"{owner}: {report['steps_sampled']} sampled steps of {report['steps_seen']} on {report['device']} "
+        f"({report['source']})"
+    )
+    return ["snapshot", "time", "allocated", "reserved", "peak", "trend"], rows, title
+
+
+def summary_lines(report: Mapping[str, Any]) -> list[str]:
+    """The step's peak above its start and the observer's cost, the leak verdict and the plot's note, a line each."""
+    overhead = report["overhead"]["share_of_step"]
+    peak = f"step peak above its start: median {format_bytes(report['peak_above_start']['median'])}"
+    lines = [f"{peak}; observer cost {100 * overhead:.2g}% of step time" if math.isfinite(overhead) else peak]
+    leaks = report["leaks"]
+    trends = [t for t in leaks["trends"].values() if t.samples]
+    if leaks["leaking"]:
+        lines.append(
+            "leak: memory in use grows at "
+            + ", ".join(
+                f"{t.point} {_kib(t.slope)} KiB/step [{_kib(t.slope_low)}, {_kib(t.slope_high)}]"
+                for t in trends
+                if t.leaking
+            )
+        )
+    elif trends:
+        lines.append(
+            f"no leak found over {max(t.samples for t in trends)} steps from step {leaks['first_step']} "
+            "(no steady, significant growth above the readings' noise floor)"
+        )
+    return lines + ([report["plot_note"]] if report.get("plot_note") else [])
+
+
+def _kib(n: float) -> str:
+    """Bytes as KiB (the unit of the leak warning, whatever the size): three significant digits, whole above 100."""
+    if not math.isfinite(n):
+        return str(n)
+    kib = n / 1024
+    return f"{kib:,.0f}" if abs(kib) >= 100 else f"{kib:.3g}"
