@@ -171,15 +171,21 @@ class RunEvent:
     status: str  # "ok", "skipped: ...", "failed: ..."
     unit: str = "step"  # "batch" for an inference stage (the median is then a batch's latency)
 
-    def line(self) -> str:
-        """``"[3/9] channels_last repeat 1/3: step 41.2 ms, elapsed 0:32, about 1:05 left"``."""
+    def line(self, width: int = 80) -> str:
+        """``"[3/9] channels_last repeat 1/3: step 41.2 ms, elapsed 0:32, about 1:05 left"``, at most ``width``
+        columns: a long configuration name (a stack) first drops the words around the clocks, then is shortened."""
         what = f"{self.unit} {self.step_median_s * 1e3:.1f} ms" if self.step_median_s is not None else self.status
-        return (
-            f"[{self.done}/{self.total}] {self.config} repeat {self.repeat + 1}"
-            + (f"/{self.repeats}" if self.repeats else "")  # --repeats auto: no count known in advance
-            + f": {what}, "
-            f"elapsed {_clock(self.elapsed_s)}, about {_clock(self.remaining_s)} left"
-        )
+        repeat = f"repeat {self.repeat + 1}" + (f"/{self.repeats}" if self.repeats else "")  # auto: no count known
+        head, name = f"[{self.done}/{self.total}] ", self.config
+        elapsed, left = _clock(self.elapsed_s), _clock(self.remaining_s)
+        line = f"{head}{name} {repeat}: {what}, elapsed {elapsed}, about {left} left"
+        if len(line) <= width:
+            return line
+        tail = f" {repeat}: {what}, {elapsed}, ~{left} left"
+        room = max(12, width - len(head) - len(tail))
+        if len(name) > room:
+            name = name[: room // 2] + "…" + name[len(name) - (room - room // 2 - 1) :]
+        return head + name + tail
 
 
 def _clock(seconds: float) -> str:
