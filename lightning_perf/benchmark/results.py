@@ -31,6 +31,7 @@ class ConfigSummary:
     disturbed: bool = False
     likely_cause: str | None = None
     step_median_s: float | None = None
+    paired_baseline_step_s: float | None = None  # baseline's step over the repeats this row's ratio pairs with
     step_min_s: float | None = None  # smallest and largest per-repeat median
     step_max_s: float | None = None
     step_p10_s: float | None = None  # over all steady-state steps of all repeats

@@ -195,6 +195,7 @@ def run_benchmark(
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
         notes=precision_notes(spec)
         + _rerun_notes(runs.set_aside)
+        + _paired_baseline_notes(summaries)
         + _no_effect_notes(runs.results)
         + _predict_skipped_notes(runs.results),
     )
@@ -451,10 +452,37 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
             (baseline_by_repeat[r.spec["repeat"]], r) for r in ok if r.spec["repeat"] in baseline_by_repeat
         ]:
             _paired_ratios(summary, paired)
+            summary.paired_baseline_step_s = median_of_repeats([_step_samples(b) for b, _ in paired])
             if inference:
                 _inference_ratios(summary, paired)
         summaries.append(summary)
+    _share_flops(summaries)
     return summaries
+
+
+def _share_flops(summaries: list[ConfigSummary]) -> None:
+    """The FLOPs are those of the untransformed workload, counted on repeat 0: a row without that repeat (the
+    winners' stack, measured in later rounds) takes baseline's count, so its MFU is known too."""
+    base = next((s for s in summaries if s.config == BASELINE), None)
+    for s in summaries:
+        if base is not None and s.flops_per_step is None and s.flops_error is None and s.runs:
+            s.flops_per_step = base.flops_per_step
+
+
+def _paired_baseline_notes(summaries: list[ConfigSummary]) -> list[str]:
+    """Where a row's ratio pairs with baseline runs whose step differs from the baseline row's (which spans every
+    baseline repeat, the stack's rounds included): the figure its ratio used."""
+    base = next((s for s in summaries if s.config == BASELINE and s.step_median_s), None)
+    notes = []
+    for s in summaries:
+        paired, shown = s.paired_baseline_step_s, base.step_median_s if base is not None else None
+        if base is None or s is base or not paired or not shown or abs(paired / shown - 1) <= 0.02:
+            continue
+        notes.append(
+            f"{s.config}: its speed-up pairs with baseline's runs of the same repeats, {paired * 1e3:.1f} ms a step "
+            f"(the baseline row, {shown * 1e3:.1f} ms, spans all {base.runs})"
+        )
+    return notes
 
 
 INFERENCE_RATIOS: dict[str, tuple[str, bool, tuple[str, str]]] = {

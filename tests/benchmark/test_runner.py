@@ -116,3 +116,21 @@ def test_a_callback_that_did_not_apply_is_kept_and_noted_beside_its_row(monkeypa
     again = RunResult(spec={"config": "channels_last", "repeat": 1}, no_effect=list(result.no_effect))
     notes = _no_effect_notes({"baseline": [plain], "channels_last": [result, again]})
     assert len(notes) == 1 and notes[0].startswith("channels_last: did not apply, so this row measures without it: ")
+
+
+def test_every_row_says_the_baseline_its_ratio_used_and_the_stack_row_gets_the_flops() -> None:
+    from lightning_perf.benchmark.runner import _paired_baseline_notes
+
+    base = [_result("baseline", r, step) for r, step in enumerate((0.2, 0.2, 0.3, 0.3))]  # the stack's rounds: slower
+    base[0].flops_per_step = 10**9
+    results = {"baseline": base, "a": [_result("a", 0, 0.1), _result("a", 1, 0.1)],
+               "a+b": [_result("a+b", 2, 0.1), _result("a+b", 3, 0.1)]}  # fmt: skip
+    rows = {s.config: s for s in summarize_runs(results)}
+    assert rows["a"].paired_baseline_step_s == pytest.approx(0.2) and rows[
+        "a+b"
+    ].paired_baseline_step_s == pytest.approx(0.3)
+    assert rows["a+b"].flops_per_step == 10**9  # counted on repeat 0, which the stack never runs
+    notes = _paired_baseline_notes(list(rows.values()))
+    assert len(notes) == 2 and notes[0].startswith(
+        "a: its speed-up pairs with baseline's runs of the same repeats, 200.0 ms"
+    )
