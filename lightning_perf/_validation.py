@@ -1,8 +1,17 @@
-"""Argument checks shared by the constructors: the error names the owner, the argument, the value and what is valid."""
+"""Argument checks shared by the constructors: the error names the owner, the argument, the value and what is valid.
+
+One helper per kind of argument, so that the same mistake gets the same message everywhere: a number
+(:func:`check_int`, :func:`check_number`), a flag, a choice, a list of ints (:func:`check_int_sequence`: a bare int
+is refused), a list of names (:func:`check_str_sequence`: unknown names get a did-you-mean), a mapping
+(:func:`check_mapping`: the first bad entry is named), a file stem (:func:`check_file_stem`).
+"""
 
 from __future__ import annotations
 
+import difflib
 import math
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -67,3 +76,66 @@ def _short_repr(value: Any) -> str:
     """``repr(value)``, or the class name for an object whose repr spans lines (a module, an optimizer)."""
     text = repr(value)
     return text if "\n" not in text and len(text) <= 200 else f"<{type(value).__name__}>"
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def check_int_sequence(owner: str, name: str, value: Any, minimum: int = 1) -> tuple[int, ...]:
+    """Return ``value`` as a tuple if it is a non-empty list or tuple of integers >= ``minimum``, else raise
+    ``ValueError``; a bare integer is refused with the list it probably meant (``[8]`` for ``8``)."""
+    is_list = isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+    if is_list and value and all(_is_int(v, minimum) for v in value):
+        return tuple(value)
+    hint = f" Did you mean {name}=[{value!r}]?" if _is_int(value, minimum) else ""
+    expected = f"a non-empty list of integers >= {minimum}"
+    raise ValueError(f"`{owner}({name}={_short_repr(value)})` is not valid. Expected {expected}.{hint}")
+
+
+def check_str_sequence(
+    owner: str, name: str, value: Any, choices: Sequence[str], *, single: bool = True
+) -> tuple[str, ...]:
+    """Return ``value`` as a tuple of distinct names from ``choices``, else raise ``ValueError`` (an unknown name with
+    the nearest valid one). With ``single``, one string stands for the list of that one name (``"onnx"`` is
+    ``["onnx"]``); without, a string is refused."""
+    items = [value] if single and isinstance(value, str) else value
+    expected = f"a non-empty list of distinct names from {', '.join(map(repr, choices))}"
+    expected += " (one name alone stands for a list of that name)" if single else ""
+    shown = f"`{owner}({name}={_short_repr(value)})` is not valid"
+    is_list = isinstance(items, Sequence) and not isinstance(items, (str, bytes))
+    if not is_list or not items or not all(isinstance(v, str) for v in items):
+        raise ValueError(f"{shown}. Expected {expected}.")
+    for item in items:
+        if item not in choices:
+            close = difflib.get_close_matches(item, list(choices), 1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{shown}: {item!r} is not one of them{hint}. Expected {expected}.")
+    if len(set(items)) != len(items):
+        raise ValueError(f"{shown}: a name repeats. Expected {expected}.")
+    return tuple(items)
+
+
+def check_mapping(
+    owner: str, name: str, value: Any, entry: Callable[[Any, Any], str | None], expected: str
+) -> Mapping[Any, Any]:
+    """Return ``value`` if it is a mapping in which ``entry(key, item)`` finds no problem (``None``) with any entry,
+    else raise ``TypeError`` (not a mapping) or ``ValueError`` saying the first problem and ``expected``."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"`{owner}({name}={_short_repr(value)})` is not valid. Expected {expected}.")
+    for key, item in value.items():
+        problem = entry(key, item)
+        if problem:
+            raise ValueError(f"`{owner}({name}={_short_repr(value)})` is not valid: {problem}. Expected {expected}.")
+    return value
+
+
+def check_file_stem(owner: str, name: str, value: Any) -> str:
+    """Return ``value`` if it is a plain, non-hidden file name (no directory separator, no leading dot), else raise
+    ``ValueError``."""
+    separators = {"/", os.sep, os.altsep or "/"}
+    if not isinstance(value, str) or not value or value.startswith(".") or any(c in value for c in separators):
+        raise ValueError(
+            f"`{owner}({name}={_short_repr(value)})` is not valid. Expected a plain, non-hidden file stem (no '/')."
+        )
+    return value

@@ -20,7 +20,9 @@ from lightning_perf.callbacks import (
     CompileCallback,
     FusedOptimizerCallback,
     MemoryProfilerCallback,
+    QATCallback,
     SlidingWindowInferenceCallback,
+    TensorRTExportCallback,
 )
 from lightning_perf.functional.backend_flags import BackendFlags
 from lightning_perf.functional.fused_optimizer import choose_implementation, set_implementation, switch_implementation
@@ -281,6 +283,53 @@ TABLES: dict[str, tuple[Callable[..., Any], list[Row]]] = {
             ("stages", {"stages": []}),
         ],
     ),
+    "QATCallback": (
+        QATCallback,
+        [
+            ("benchmark_batch_sizes", {"benchmark_batch_sizes": 8}),  # an int where a list is expected
+            ("benchmark_batch_sizes", {"benchmark_batch_sizes": "8"}),
+            ("benchmark_batch_sizes", {"benchmark_batch_sizes": []}),
+            ("benchmark_batch_sizes", {"benchmark_batch_sizes": [1, 0]}),
+            ("benchmark_batch_sizes", {"benchmark_batch_sizes": [1.0]}),
+            ("mode", {"mode": "int8"}),
+            ("freeze_bn_after", {"freeze_bn_after": -1}),
+            ("fake_quant_after", {"fake_quant_after": 1.5}),
+            ("eval_converted_every_n_epochs", {"eval_converted_every_n_epochs": 0}),
+            ("filename", {"filename": "../x"}),
+            ("min_cosine", {"min_cosine": 2}),
+            ("min_cosine", {"min_cosine": NAN}),
+            ("min_cosine", {"min_cosine": True}),
+            ("submodule", {"submodule": ""}),
+            ("submodule", {"submodule": 3}),
+            ("latency_iterations", {"latency_iterations": 0}),
+            ("calibration_batches", {"calibration_batches": 0}),
+            ("validation_batches", {"validation_batches": -1}),
+            ("disable_observers_after", {"disable_observers_after": "3"}),
+            ("input_key", {"input_key": ""}),
+            ("backend", {"mode": "dynamic", "backend": "x86"}),
+        ],
+    ),
+    "TensorRTExportCallback": (
+        TensorRTExportCallback,
+        [
+            ("backends", {"backends": "onx"}),  # one name alone is a list of it: an unknown one gets a did-you-mean
+            ("backends", {"backends": []}),
+            ("backends", {"backends": ["onnx", "onnx"]}),
+            ("backends", {"backends": [1]}),
+            ("dynamic_dims", {"dynamic_dims": {0: [1, 2]}}),  # dimension 0 is the batch
+            ("dynamic_dims", {"dynamic_dims": {1: [1, 2]}}),  # (min, opt, max) needs three ints
+            ("dynamic_dims", {"dynamic_dims": {1: (4, 2, 8)}}),
+            ("dynamic_dims", {"dynamic_dims": {"seq": (1, 2, 3)}}),
+            ("dynamic_dims", {"dynamic_dims": 5}),
+            ("batch_range", {"batch_range": 8}),
+            ("batch_range", {"batch_range": (8, 4, 32)}),
+            ("validation_batch_sizes", {"validation_batch_sizes": 8}),
+            ("validation_batch_sizes", {"validation_batch_sizes": [64]}),
+            ("filename", {"filename": "a/b"}),
+            ("precision", {"precision": "int8"}),
+            ("latency_iterations", {"latency_iterations": -1}),
+        ],
+    ),
     "ring_allreduce_seconds": (
         lambda **kw: ring_allreduce_seconds(**{"nbytes": 1e6, "workers": 2, "bandwidth_bytes_per_s": 1e9, **kw}),
         [
@@ -323,6 +372,26 @@ def test_bad_input_is_named(build: Callable[..., Any], argument: str, kwargs: di
     if isinstance(value, torch.nn.Module):
         shown = type(value).__name__  # a module's repr spans lines; its class names it
     assert shown in message, message
+
+
+def test_one_backend_name_alone_means_that_backend() -> None:
+    assert TensorRTExportCallback(backends="onnx").export_kwargs["backends"] == ["onnx"]
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: QATCallback(benchmark_batch_sizes=8), r"Did you mean benchmark_batch_sizes=\[8\]\?"),
+        (lambda: TensorRTExportCallback(validation_batch_sizes=8), r"Did you mean validation_batch_sizes=\[8\]\?"),
+        (lambda: TensorRTExportCallback(backends="onx"), r"'onx' is not one of them \(did you mean 'onnx'\?\)"),
+        (lambda: TensorRTExportCallback(dynamic_dims={0: [1, 2]}), r"dimension 0 is the batch, already dynamic"),
+        (lambda: TensorRTExportCallback(dynamic_dims={1: [1, 2]}), r"dimension 1 has \[1, 2\], not \(min, opt, max\)"),
+    ],
+)
+def test_same_kind_of_mistake_same_kind_of_message(build: Callable[[], Any], match: str) -> None:
+    """A list given as a scalar, an unknown name, a bad mapping entry: one `_validation` helper per kind says it."""
+    with pytest.raises(ValueError, match=match):
+        build()
 
 
 def test_config_without_jsonargparse_is_a_usage_error_naming_the_install(

@@ -280,11 +280,14 @@ class QATCallback(Callback):
         inputs = split_inputs(batch, self.input_key)
         owner = type(self).__name__
         try:
-            self._quantizer.run_batch(
+            line = self._quantizer.run_batch(
                 pl_module, lambda m: submodule_inputs(pl_module, m, inputs, "the first batch", owner=owner), str(stage)
             )
         except Exception as exc:
             self._fallback(exc, f"the {stage} run goes on in float")
+            return
+        if line:
+            rank_zero_info(line)
 
     @override
     def on_predict_batch_start(

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_perf._io import load_checkpoint
-from lightning_perf._validation import check_bool
+from lightning_perf._validation import check_bool, check_file_stem
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, refuse_sharded, run_after_configure_model
 from lightning_perf.callbacks._trainer_data import default_dirpath, has_val_data, run_metadata, val_dataloader
@@ -56,7 +56,8 @@ class TensorRTExportCallback(Callback):
     exports nothing: export the consolidated checkpoint with ``lightning-perf export`` after training.
 
     Args:
-        backends: tried in order: ``"tensorrt"`` (torch-tensorrt, CUDA only) and/or ``"onnx"`` (onnxruntime).
+        backends: tried in order: ``"tensorrt"`` (torch-tensorrt, CUDA only) and/or ``"onnx"`` (onnxruntime); one
+            name alone (``backends="onnx"``) means that back-end only, with no fallback.
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` of the export.
         batch_range: ``(min, opt, max)`` of the dynamic batch dimension.
         dynamic_dims: other dynamic dimensions, ``{dim: (min, opt, max)}`` for the first input or a list of such
@@ -88,7 +89,7 @@ class TensorRTExportCallback(Callback):
 
     def __init__(
         self,
-        backends: Sequence[str] = BACKENDS,
+        backends: Sequence[str] | str = BACKENDS,
         precision: str = "fp32",
         batch_range: Sequence[int] = (1, 8, 32),
         dynamic_dims: Mapping[int, Sequence[int]] | Sequence[Mapping[int, Sequence[int]]] | None = None,
@@ -107,7 +108,7 @@ class TensorRTExportCallback(Callback):
         strict: bool = False,
     ) -> None:
         self.export_kwargs: dict[str, Any] = {
-            "backends": [backends] if isinstance(backends, str) else list(backends),
+            "backends": backends,
             "precision": precision,
             "batch_range": batch_range,
             "dynamic_dims": dynamic_dims,
@@ -119,16 +120,15 @@ class TensorRTExportCallback(Callback):
             "opset": opset,
             "strict": strict,
         }
-        batch = validate_options(**self.export_kwargs, device=device, owner=type(self).__name__).batch_range
+        checked = validate_options(**self.export_kwargs, device=device, owner=type(self).__name__)
+        batch = checked.batch_range
+        self.export_kwargs["backends"] = list(checked.backends)
         self.export_kwargs["batch_range"] = (batch.min, batch.opt, batch.max)
         if input_shapes is not None:
             _check_input_shapes(type(self).__name__, input_shapes)
             example_inputs_from_shapes(input_shapes)  # raises on a bad shape, now rather than after training
-        if not isinstance(filename, str) or not filename or "/" in filename or filename.startswith("."):
-            raise ValueError(
-                f"`TensorRTExportCallback(filename={filename!r})` is not valid. Expected a plain, non-hidden file stem."
-            )
         owner = type(self).__name__
+        check_file_stem(owner, "filename", filename)
         check_bool(owner, "use_best_checkpoint", use_best_checkpoint)
         _check_optional(owner, "dirpath", dirpath, (str, os.PathLike), "None or a directory path")
         _check_optional(owner, "input_key", input_key, str, "None or the model input's key in dict batches")

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from lightning_perf._device import as_device
 from lightning_perf._imports import is_available
-from lightning_perf._validation import check_bool, check_int
+from lightning_perf._validation import check_bool, check_int, check_int_sequence, check_mapping, check_str_sequence
 from lightning_perf.deploy.inputs import DimRange, Inputs, InputSpec
 from lightning_perf.deploy.validate import DEFAULT_TOLERANCES, Tolerance
 
@@ -89,10 +89,12 @@ class BackendUnavailable(Exception):
 
 
 class Runner:
-    """Runs a saved artifact: ``run`` for timing (results stay where the runtime put them), ``__call__`` for values."""
+    """Runs a saved artifact: ``run`` for timing (results stay where the runtime put them), ``__call__`` for values.
+    ``threads``: the runtime's CPU threads where it sets its own (onnxruntime's intra-op threads), else ``None``."""
 
     output_names: list[str]
     runtime: str
+    threads: int | None = None
 
     def run(self, inputs: tuple[Tensor, ...]) -> Any:
         raise NotImplementedError
@@ -173,10 +175,10 @@ def validate_options(
 
     The callback and the CLI call this at construction, so a bad option fails before any training time is spent.
     """
-    names = _backend_names(owner, backends)
+    names = check_str_sequence(owner, "backends", backends, BACKENDS)
     if precision not in PRECISIONS:
         raise ValueError(f"`{owner}(precision={precision!r})` is not valid. Expected one of: {', '.join(PRECISIONS)}.")
-    rng = DimRange.parse(batch_range, f"`{owner}(batch_range)`")
+    rng = DimRange.parse(batch_range, owner, "batch_range")
     dims = _dynamic_dims(owner, dynamic_dims)
     sizes = None if validation_batch_sizes is None else _batch_sizes(owner, validation_batch_sizes, rng)
     tol = _tolerance(owner, tolerance, precision)
@@ -206,42 +208,41 @@ def validate_options(
     )
 
 
-def _backend_names(owner: str, backends: Sequence[str] | str) -> list[str]:
-    names = [backends] if isinstance(backends, str) else list(backends)
-    if not names or any(b not in BACKENDS for b in names) or len(set(names)) != len(names):
-        raise ValueError(
-            f"`{owner}(backends={backends!r})` is not valid. Expected a non-empty sequence of distinct names from "
-            f"{', '.join(BACKENDS)} (tried in that order)."
-        )
-    return names
-
-
 def _dynamic_dims(owner: str, dynamic_dims: Any) -> list[dict[int, DimRange]]:
     """One ``{dim: DimRange}`` per input, from ``{dim: (min, opt, max)}`` for the first input or a list of them."""
-    per_input = [] if dynamic_dims is None else [dynamic_dims] if isinstance(dynamic_dims, Mapping) else dynamic_dims
-    if not isinstance(per_input, Sequence) or not all(isinstance(m, Mapping) for m in per_input):
-        raise ValueError(
-            f"`{owner}(dynamic_dims={dynamic_dims!r})` is not valid. Expected {{dim: (min, opt, max)}} for the "
-            "first input, or a list of such dicts, one per input."
-        )
-    return [
-        {_dim(owner, i, dim): DimRange.parse(value, f"`{owner}(dynamic_dims)[{i}][{dim}]`") for dim, value in m.items()}
-        for i, m in enumerate(per_input)
-    ]
+    if dynamic_dims is None:
+        return []
+    expected = (
+        "{dim: (min, opt, max)} for the first input (dim >= 1, integers 1 <= min <= opt <= max), or a list of such "
+        "dicts, one per input"
+    )
+    single = isinstance(dynamic_dims, Mapping)
+    per_input = [dynamic_dims] if single else dynamic_dims
+    if not isinstance(per_input, Sequence) or isinstance(per_input, str):
+        check_mapping(owner, "dynamic_dims", dynamic_dims, lambda k, v: None, expected)  # raises: not a mapping
+    for i, dims in enumerate(per_input):
+        check_mapping(owner, "dynamic_dims" if single else f"dynamic_dims[{i}]", dims, _dim_problem, expected)
+    return [{dim: DimRange.parse(value, owner, "dynamic_dims") for dim, value in dims.items()} for dims in per_input]
 
 
-def _dim(owner: str, i: int, dim: Any) -> int:
+def _dim_problem(dim: Any, value: Any) -> str | None:
+    if dim == 0 and not isinstance(dim, bool):
+        return "dimension 0 is the batch, already dynamic: its range is batch_range"
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-        raise ValueError(
-            f"`{owner}(dynamic_dims)`: dimension {dim!r} of input {i} is not valid. Expected an int >= 1 "
-            "(dimension 0 is the batch, set by batch_range)."
-        )
-    return dim
+        return f"dimension {dim!r} is not an int >= 1"
+    if isinstance(value, DimRange):
+        return None
+    parts = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else []
+    if len(parts) != 3 or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in parts):
+        return f"dimension {dim} has {value!r}, not (min, opt, max): three integers"
+    if not parts[0] <= parts[1] <= parts[2]:
+        return f"dimension {dim} has {value!r}, where min <= opt <= max does not hold"
+    return None
 
 
 def _batch_sizes(owner: str, validation_batch_sizes: Any, rng: DimRange) -> list[int]:
-    sizes = sorted(set(validation_batch_sizes)) if isinstance(validation_batch_sizes, Sequence) else []
-    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or not rng.min <= s <= rng.max for s in sizes):
+    sizes = sorted(set(check_int_sequence(owner, "validation_batch_sizes", validation_batch_sizes)))
+    if any(not rng.min <= s <= rng.max for s in sizes):
         raise ValueError(
             f"`{owner}(validation_batch_sizes={validation_batch_sizes!r})` is not valid. Expected batch sizes "
             f"within the batch range {rng.min}..{rng.max}."

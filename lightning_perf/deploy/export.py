@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_perf._validation import check_file_stem
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.deploy.artifacts import StagedSet
 from lightning_perf.deploy.backend import (
@@ -90,6 +91,7 @@ class BackendAttempt:
     files: list[str] = field(default_factory=list)
     export_s: float | None = None
     runtime: str | None = None
+    threads: int | None = None
     validation: list[ValidationResult] = field(default_factory=list)
     latency: list[LatencyRow] = field(default_factory=list)
 
@@ -111,7 +113,9 @@ class ExportReport:
     Paths are the committed sets' (``<dirpath>/<filename>/...``).
 
     Attributes:
-        attempts: one entry per backend tried, in order, with its status, reason, validation and latency.
+        attempts: one entry per backend tried, in order, with its status, reason, validation and latency; an
+            onnxruntime session runs with ``threads`` intra-op threads, as many as ``torch_threads`` (the eager side
+            of the latency table), one inter-op thread and no spin-waiting, so the table compares equal threads.
         validation_source: ``"validation_data"`` or ``"example_inputs"``: what the export was checked on.
         metadata: the caller's facts (e.g. the checkpoint the weights came from).
         report_path: where the JSON report was written.
@@ -127,6 +131,7 @@ class ExportReport:
     attempts: list[BackendAttempt] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     report_path: Path | None = None
+    torch_threads: int = field(default_factory=torch.get_num_threads)
 
     @property
     def attempt(self) -> BackendAttempt | None:
@@ -161,6 +166,7 @@ class ExportReport:
             "tolerance": asdict(self.tolerance),
             "attempts": [a.to_dict() for a in self.attempts],
             "versions": dict(self.versions),
+            "torch_threads": self.torch_threads,
             "metadata": dict(self.metadata),
         }
 
@@ -214,7 +220,7 @@ def export_model(
     Args:
         model: the module to export; its ``forward`` takes positional tensors.
         example_inputs: tensor(s) with a batch dimension: every input's dtype and other sizes; traces the export.
-        backends: tried in this order until one passes; ``"tensorrt"`` and/or ``"onnx"``.
+        backends: tried in this order until one passes; ``"tensorrt"`` and/or ``"onnx"`` (one name alone: that one).
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"``. ONNX in fp16 needs a GPU execution provider; ONNX has no
             bf16 here (numpy has no bfloat16 to feed onnxruntime).
         batch_range, dynamic_dims: ``(min, opt, max)`` of the dynamic batch dimension; other dynamic dimensions as
@@ -224,7 +230,10 @@ def export_model(
             under ``input_key``). ``None`` validates on ``example_inputs`` (said so in the report).
         validation_batch_sizes: batch sizes to validate and time at; default the batch range's min, opt and max.
         tolerance: override of :data:`DEFAULT_TOLERANCES` for ``precision`` (a :class:`Tolerance` or a dict of fields).
-        latency_iterations, latency_warmup: timed calls per batch size (0 skips timing); untimed calls before them.
+        latency_iterations, latency_warmup: timed calls per batch size, eager and export interleaved at equal
+            threads; untimed calls before them. The call spends its time on the export itself, the validation at
+            each batch size, and this timing: ``2 x (latency_warmup + latency_iterations)`` calls per batch size,
+            which can take as long as the export; ``latency_iterations=0`` skips it.
         device: where the export runs and is timed; default CUDA when available, else CPU.
         onnx_providers, opset: onnxruntime execution providers, in order of preference (default CUDA on a CUDA
             device, then CPU); ONNX opset (default the exporter's).
@@ -268,8 +277,7 @@ _OPTION_NAMES = frozenset(inspect.signature(validate_options).parameters) - {"ow
 
 
 def _check_target(model: Any, filename: Any) -> None:
-    if not isinstance(filename, str) or not filename or os.sep in filename or filename.startswith("."):
-        raise ValueError(f"`export_model(filename={filename!r})` is not valid. Expected a plain, non-hidden file stem.")
+    check_file_stem("export_model", "filename", filename)
     if not isinstance(model, nn.Module):
         raise TypeError(f"`export_model(model=...)` expects an nn.Module, got {type(model).__name__}.")
 
@@ -403,7 +411,7 @@ def _attempts(
             try:
                 files = backend.save(built, staged.file(sets.filename + backend.suffix), specs, opts)
                 runner = backend.load(files[-1], opts)  # the saved file, not the object in memory
-                attempt.runtime = runner.runtime
+                attempt.runtime, attempt.threads = runner.runtime, runner.threads
                 attempt.validation = validate_runner(
                     runner, batches, ref_outputs, opts.dtype, opts.device, opts.tolerance
                 )

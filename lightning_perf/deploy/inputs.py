@@ -52,8 +52,8 @@ class DimRange:
     max: int
 
     @classmethod
-    def parse(cls, value: Any, what: str) -> DimRange:
-        """A ``DimRange`` from a ``DimRange`` or a ``(min, opt, max)`` sequence; ``what`` names it in errors.
+    def parse(cls, value: Any, owner: str, name: str) -> DimRange:
+        """A ``DimRange`` from a ``DimRange`` or a ``(min, opt, max)`` sequence; ``owner(name=...)`` in errors.
 
         Raises:
             ValueError: unless ``1 <= min <= opt <= max`` are integers.
@@ -65,12 +65,14 @@ class DimRange:
         else:
             parts = ()
         if len(parts) != 3 or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in parts):
-            raise ValueError(f"{what}={value!r} is not valid. Expected (min, opt, max): three positive integers.")
+            raise ValueError(
+                f"`{owner}({name}={value!r})` is not valid. Expected (min, opt, max): three positive integers."
+            )
         low, opt, high = parts
         if not low <= opt <= high:
             raise ValueError(
-                f"{what}={value!r} is not a consistent range. Expected min <= opt <= max, got min={low}, opt={opt}, "
-                f"max={high}."
+                f"`{owner}({name}={value!r})` is not a consistent range. Expected min <= opt <= max, got min={low}, "
+                f"opt={opt}, max={high}."
             )
         return cls(low, opt, high)
 

@@ -204,6 +204,33 @@ def test_dynamic_quantizes_a_module_whose_layers_sit_in_several_children(tmp_pat
     assert SEEN == ["torch.nn.modules.linear"]
 
 
+def test_dynamic_choice_is_logged_once_and_remembered_by_the_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _fresh_choices: None
+) -> None:
+    """The first predict times the candidates and logs the choice with its figures and rule; a new callback (as in a
+    new process: the choice lives in the cache file) builds the chosen back-end only and times nothing."""
+    import lightning_perf.callbacks.qat as qat_callback
+    from tests.deploy.test_quantize_dynamic import _row
+
+    timed: list[str] = []
+    rows = {"eager": _row(1.5, 1.4, 1.6), "onnxruntime": _row(1.55, 1.45, 1.65)}  # within noise: eager is kept
+    monkeypatch.setattr(dynamic, "dynamic_candidates", lambda flags=None: (["eager", "onnxruntime"], {}))
+    monkeypatch.setattr(dynamic, "_build", lambda name, module, example: dynamic.quantize_dynamic_eager(module))
+    monkeypatch.setattr(dynamic, "eager_latency", lambda *a, name, **k: timed.append(name) or [rows[name]])
+    lines: list[str] = []
+    monkeypatch.setattr(qat_callback, "rank_zero_info", lines.append)
+    model = TokenMixer()
+    for _ in range(2):
+        trainer = _trainer(tmp_path, [QATCallback(mode="dynamic", dirpath=tmp_path / "out", **QUICK)])
+        SEEN.clear()
+        trainer.predict(model)
+        assert any(".quantized.dynamic." in kind for kind in SEEN)  # the int8 copy ran
+    assert timed == ["eager", "onnxruntime"]  # the first run only
+    first, second = lines
+    assert "chose 'eager'" in first and "1.55x [1.45-1.65]" in first and "within noise" in first
+    assert "from the cache" in second and "chose 'eager'" in second and "1.50x [1.40-1.60]" in second
+
+
 def test_nothing_at_the_end_of_a_fit_fails_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _fresh_choices: None
 ) -> None:

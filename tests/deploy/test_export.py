@@ -134,6 +134,8 @@ def test_convnet_falls_back_from_tensorrt_to_a_validated_onnx_export(tmp_path: P
     saved_row = saved["attempts"][1]["latency"][0]
     assert saved_row["speedup_ci95"] == onnx_attempt.latency[0].speedup_ci95 and saved_row["speedup_verdict"]
     assert saved["versions"]["onnxruntime"] and "torch" in saved["environment"]
+    # Timed at equal threads: the onnxruntime session runs as many intra-op threads as torch, said in the report.
+    assert saved["attempts"][1]["threads"] == saved["torch_threads"] == torch.get_num_threads()
 
 
 @needs_onnx
@@ -444,7 +446,7 @@ def test_validation_data_that_does_not_fit_the_example_fails_before_exporting(tm
     ("kwargs", "message"),
     [
         ({"backends": ["tensorrt", "openvino"]}, "backends=\\['tensorrt', 'openvino'\\]"),
-        ({"backends": []}, "non-empty sequence"),
+        ({"backends": []}, "non-empty list"),
         ({"backends": ["onnx", "onnx"]}, "distinct"),
         ({"precision": "int8"}, "precision='int8'.*fp32, fp16, bf16"),
         ({"batch_range": (8, 4, 32)}, "min <= opt <= max, got min=8, opt=4, max=32"),

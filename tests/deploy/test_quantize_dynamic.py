@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_perf import FallbackWarning
+from lightning_perf import FallbackWarning, MeasurementWarning
+from lightning_perf.deploy.onnx import equal_thread_options
 from lightning_perf.deploy.quantize import dynamic
 from lightning_perf.deploy.quantize.dynamic import (
     OnnxRuntimeModule,
@@ -26,6 +27,7 @@ from lightning_perf.deploy.quantize.dynamic import (
 )
 from lightning_perf.deploy.quantize.dynamic_save import export_dynamic
 from lightning_perf.functional.qat import QuantizationError
+from lightning_perf.profiling.latency import LatencyRow
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -177,3 +179,84 @@ def test_a_failed_export_keeps_the_good_set(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "model_int8.failed" / "model_int8.json").read_text())["ok"] is False
     with pytest.raises(QuantizationError, match="not exported"):
         export_dynamic(model, no_choice, example_inputs=x, dirpath=tmp_path, benchmark=False, strict=True)
+
+
+def _row(speedup: float, low: float, high: float, verdict: str = "faster") -> LatencyRow:
+    return LatencyRow(32, "float", "int8", 1e-3, 1e-3, 1e-3 / speedup, 1e-3 / speedup, speedup, 1.0, 1.0, 2,
+                      speedup_ci95=[low, high], speedup_verdict=verdict)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("eager", "onnxruntime", "kept"),
+    [
+        ((1.45, 1.35, 1.55), (1.50, 1.40, 1.60), "eager"),  # overlapping intervals: within noise, the simplest
+        ((1.20, 1.10, 1.30), (1.50, 1.40, 1.60), "onnxruntime"),  # apart: the fastest
+        ((1.00, 0.90, 1.10, "no clear difference"), (0.50, 0.45, 0.55, "slower"), None),  # none faster: float
+    ],
+)
+def test_choice_follows_the_stated_tie_rule(eager: tuple, onnxruntime: tuple, kept: str | None) -> None:
+    candidates = [dynamic.DynamicCandidate("onnxruntime", latency=_row(*onnxruntime))]
+    candidates.append(dynamic.DynamicCandidate("eager", latency=_row(*eager)))
+    best = dynamic.choose(candidates)
+    assert (best and best.backend) == kept
+    assert "within noise, the simplest is kept" in dynamic.TIE_RULE
+
+
+class _Scripted:
+    """Stands in for the timing and the builds: which back-ends were timed and built, and scripted figures."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.timed: list[str] = []
+        self.built: list[str] = []
+        rows = {"eager": _row(1.2, 1.1, 1.3), "onnxruntime": _row(2.0, 1.9, 2.1)}
+        monkeypatch.setattr(dynamic, "dynamic_candidates", lambda flags=None: (["eager", "onnxruntime"], {}))
+        monkeypatch.setattr(dynamic, "_build", lambda name, module, example: self.built.append(name) or module)
+        monkeypatch.setattr(dynamic, "eager_latency", lambda *a, name, **k: self.timed.append(name) or [rows[name]])
+
+
+def test_the_choice_is_cached_on_disk_per_model_and_input_shape(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    script, cache = _Scripted(monkeypatch), tmp_path / "choices.json"
+    first = quantize_dynamic(_mlp(), _input(), cache_path=cache)
+    assert first.backend == "onnxruntime" and not first.cached and script.timed == ["eager", "onnxruntime"]
+    data = json.loads(cache.read_text())
+    assert data["schema"] == 1
+    (entries,) = data["entries"].values()
+    (entry,) = entries.values()
+    assert entry["backend"] == "onnxruntime" and [f["speedup_ci95"] for f in entry["measured"]] == [
+        [1.1, 1.3],
+        [1.9, 2.1],
+    ]
+    # A new process reads only the file: the cached back-end is built, nothing is timed.
+    script.timed.clear(), script.built.clear()
+    second = quantize_dynamic(_mlp(seed=3), _input(), cache_path=cache)  # other weights, same structure
+    assert second.cached and second.backend == "onnxruntime" and script.timed == [] and script.built == ["onnxruntime"]
+    text = second.describe()
+    assert "from the cache" in text and "2.00x [1.90-2.10]" in text and "1.20x [1.10-1.30]" in text
+    assert "rule: " in text and f"{torch.get_num_threads()} threads" in text
+    assert second.to_dict()["measured"] == entry["measured"]
+    # Another input shape, another model, or refresh=True measure again.
+    for model, x, refresh in ((_mlp(), _input(8), False), (nn.Sequential(nn.Linear(16, 4)), _input(), False),
+                              (_mlp(), _input(), True)):  # fmt: skip
+        script.timed.clear()
+        again = quantize_dynamic(model, x, cache_path=cache, refresh=refresh)
+        assert not again.cached and script.timed == ["eager", "onnxruntime"]
+
+
+def test_an_invalid_cache_file_warns_and_measures_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script, cache = _Scripted(monkeypatch), tmp_path / "choices.json"
+    for text in ("{not json", json.dumps({"schema": 0, "entries": {}})):
+        cache.write_text(text)
+        with pytest.warns(MeasurementWarning, match="dynamic int8 cache"):
+            result = quantize_dynamic(_mlp(), _input(), cache_path=cache)
+        assert not result.cached and json.loads(cache.read_text())["schema"] == 1
+    assert script.timed == ["eager", "onnxruntime"] * 2
+
+
+def test_onnxruntime_sessions_run_at_torch_s_thread_count() -> None:
+    ort = pytest.importorskip("onnxruntime")
+    options = equal_thread_options(ort)
+    assert options.intra_op_num_threads == torch.get_num_threads() and options.inter_op_num_threads == 1
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert equal_thread_options(ort, 3).intra_op_num_threads == 3

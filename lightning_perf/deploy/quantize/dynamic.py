@@ -19,14 +19,20 @@ is). Three back-ends, one chosen at run time by measuring on the actual module (
   model ran 18.5x *slower* than fp32 there (torchao issue #4365 reports the same).
 
 ``backend="auto"`` keeps the fastest candidate that agrees with the float module, none when no candidate is faster
-than fp32 (:func:`quantize_dynamic`); the choice is cached per (CPU flags, threads, module structure, input shapes).
+than fp32, and a simpler one when its interval overlaps the fastest's (:data:`TIE_RULE`; :func:`quantize_dynamic`).
+The choice and every candidate's figures are cached per machine (CPU model and flags, threads, torch, torchao and
+onnxruntime versions), module structure and input shape in ``$LIGHTNING_PERF_CACHE/dynamic_int8.json`` (else
+``~/.cache/lightning_perf``), JSON written atomically: a later run, in any process, builds the chosen back-end only.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import json
 import logging
+import os
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
@@ -39,25 +45,37 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._imports import is_available, require
+from lightning_perf._io import atomic_write_text
+from lightning_perf._validation import check_bool
+from lightning_perf._warnings import MeasurementWarning
 from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.inputs import Inputs, as_input_tuple
+from lightning_perf.deploy.onnx import equal_thread_options
 from lightning_perf.deploy.validate import ValidationSummary, compare_models, eval_mode
 from lightning_perf.functional.qat import QuantizationError, with_batch
 from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
-from lightning_perf.profiling.machine import cpu_flags
+from lightning_perf.profiling.machine import cpu_flags, describe_machine, installed_version
 
 __all__ = [
+    "CACHE_FILE",
     "DYNAMIC_BACKENDS",
+    "SIMPLICITY",
+    "TIE_RULE",
     "DynamicCandidate",
     "DynamicQuantization",
     "OnnxRuntimeModule",
     "check_dynamic_backend",
+    "choose",
     "clear_cache",
+    "default_cache_path",
     "dynamic_candidates",
     "eager_latency",
+    "figure_line",
     "has_int8_dot_product",
     "int8_size_bytes",
+    "machine_key",
+    "model_key",
     "quantize_dynamic",
     "quantize_dynamic_eager",
     "quantize_dynamic_onnxruntime",
@@ -66,8 +84,17 @@ __all__ = [
 
 DYNAMIC_BACKENDS: tuple[str, ...] = ("auto", "eager", "onnxruntime", "torchao")
 
+SIMPLICITY: tuple[str, ...] = ("eager", "torchao", "onnxruntime")
+"""The back-ends from the simplest up: torch alone and a ``state_dict``; torch with torchao and ``torch.export``; a
+second runtime and an ONNX export."""
+TIE_RULE = (
+    "the fastest back-end whose speed-up interval lies above 1, unless a simpler one (eager < torchao < onnxruntime) "
+    "is faster too and its interval overlaps the fastest's: within noise, the simplest is kept"
+)
+CACHE_FILE = "dynamic_int8.json"
+_CACHE_SCHEMA = 1
+_CACHE_ENV = "LIGHTNING_PERF_CACHE"
 _EAGER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.LSTM, nn.GRU, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
-_CHOICES: dict[tuple[Any, ...], str | None] = {}  # the auto choice per (CPU, threads, module structure, shapes)
 
 
 def check_dynamic_backend(owner: str, backend: Any) -> str:
@@ -175,13 +202,9 @@ class OnnxRuntimeModule(nn.Module):
     def _get_session(self) -> Any:
         if self._session is None:
             ort = require("onnxruntime", "quantize_dynamic(backend='onnxruntime')")
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            # As many threads as torch uses, so that the comparison with the float module is fair.
-            options.intra_op_num_threads = self.threads or torch.get_num_threads()
-            # No spinning worker threads between calls: they would take the cores from the rest of the process (the
-            # user's own torch code, and the float module it is timed against).
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            # As many threads as torch uses, so that the comparison with the float module is fair, and no spinning
+            # workers taking the cores from the rest of the process between calls.
+            options = equal_thread_options(ort, self.threads)
             self._session = ort.InferenceSession(self.onnx_bytes, options, providers=["CPUExecutionProvider"])
         return self._session
 
@@ -311,19 +334,44 @@ class DynamicCandidate:
             "problem": self.problem,
         }
 
-    def describe(self) -> str:
-        if self.problem is not None:
-            return f"{self.backend}: {self.problem}"
-        text = f"{self.backend}: {self.validation.describe() if self.validation else 'not validated'}"
-        if self.latency is not None:
-            text += f"; speed-up {self.latency.format_speedup()} (95% interval)"
-        return text
+    def figures(self) -> dict[str, Any]:
+        """What the choice rests on, as cached and reported: times, speed-up, its 95% interval, verdict, problem."""
+        row = self.latency
+        timed = (
+            {}
+            if row is None
+            else {
+                "batch_size": row.batch_size,
+                "float_median_s": row.baseline_median_s,
+                "int8_median_s": row.candidate_median_s,
+                "speedup": row.speedup,
+                "speedup_ci95": row.speedup_ci95,
+                "speedup_verdict": row.speedup_verdict,
+            }
+        )
+        return {"backend": self.backend, **timed, "problem": self.problem}
+
+
+def figure_line(figures: dict[str, Any]) -> str:
+    """One candidate's figures (:meth:`DynamicCandidate.figures`) in a line for the log."""
+    name = figures.get("backend")
+    if figures.get("problem"):
+        return f"{name}: {figures['problem']}"
+    if figures.get("speedup") is None:
+        return f"{name}: not timed"
+    ci = figures.get("speedup_ci95")
+    interval = f" [{ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""
+    return (
+        f"{name}: {1e3 * figures['int8_median_s']:.3f} ms vs {1e3 * figures['float_median_s']:.3f} ms fp32 at batch "
+        f"{figures['batch_size']}, {figures['speedup']:.2f}x{interval} (95% interval), {figures['speedup_verdict']}"
+    )
 
 
 @dataclass
 class DynamicQuantization:
-    """What :func:`quantize_dynamic` chose: the int8 module (``None`` when no back-end was correct and faster) and
-    every candidate's figures."""
+    """What :func:`quantize_dynamic` chose: the int8 module (``None`` when no back-end was correct and faster), the
+    candidates built in this call (``candidates``: one, the chosen, when the choice came from the cache) and the
+    figures the choice rests on (``measured``: this call's, or the cached ones)."""
 
     backend: str | None
     module: nn.Module | None
@@ -332,13 +380,18 @@ class DynamicQuantization:
     skipped: dict[str, str] = field(default_factory=dict)
     cached: bool = False
     cpu_flags: dict[str, bool] | None = None
+    measured: list[dict[str, Any]] = field(default_factory=list)
+    threads: int = field(default_factory=torch.get_num_threads)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "backend": self.backend,
             "requested": self.requested,
             "cached": self.cached,
+            "rule": TIE_RULE if self.requested == "auto" else None,
+            "threads": self.threads,
             "cpu_flags": self.cpu_flags,
+            "measured": [dict(f) for f in self.measured],
             "candidates": [c.to_dict() for c in self.candidates],
             "skipped": dict(self.skipped),
         }
@@ -346,22 +399,112 @@ class DynamicQuantization:
     def describe(self) -> str:
         """What was chosen and why, in a few lines."""
         chosen = f"chose {self.backend!r}" if self.backend else "kept the float module (no back-end correct and faster)"
-        lines = [f"dynamic int8 ({self.requested}{', cached choice' if self.cached else ''}): {chosen}"]
-        lines += [f"  {c.describe()}" for c in self.candidates]
+        source = ", from the cache (refresh=True measures again)" if self.cached else ""
+        lines = [f"dynamic int8 ({self.requested}, {self.threads} threads each side){source}: {chosen}"]
+        figures = self.measured or [c.figures() for c in self.candidates]
+        lines += [f"  {figure_line(f)}" for f in figures]
         lines += [f"  {name}: not tried ({why})" for name, why in self.skipped.items()]
+        if self.requested == "auto":
+            lines.append(f"  rule: {TIE_RULE}")
         return "\n".join(lines)
 
 
-def _cache_key(module: nn.Module, example: tuple[Tensor, ...], flags: dict[str, bool] | None) -> tuple[Any, ...]:
-    structure = tuple((name, type(m).__name__) for name, m in module.named_modules())
-    shapes = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters())
+def choose(candidates: Sequence[DynamicCandidate]) -> DynamicCandidate | None:
+    """The candidate :data:`TIE_RULE` keeps among the timed ones, ``None`` when none is faster than fp32."""
+
+    def bounds(c: DynamicCandidate) -> tuple[float, float]:
+        assert c.latency is not None
+        ci = c.latency.speedup_ci95
+        return (ci[0], ci[1]) if ci else (c.latency.speedup, c.latency.speedup)
+
+    faster = [c for c in candidates if c.latency is not None and c.latency.speedup_verdict == "faster"]
+    if not faster:
+        return None
+    best = max(faster, key=lambda c: c.latency.speedup)  # type: ignore[union-attr]
+    tied = [c for c in faster if bounds(c)[1] >= bounds(best)[0]]
+    rank = {name: i for i, name in enumerate(SIMPLICITY)}
+    return min(tied, key=lambda c: rank.get(c.backend, len(rank)))
+
+
+# ---------------------------------------------------------------------------------------------------- the cache
+
+
+def default_cache_path() -> Path:
+    """``$LIGHTNING_PERF_CACHE/dynamic_int8.json``, else ``~/.cache/lightning_perf/dynamic_int8.json``."""
+    folder = os.environ.get(_CACHE_ENV)
+    base = Path(folder).expanduser() if folder else Path.home() / ".cache" / "lightning_perf"
+    return base / CACHE_FILE
+
+
+def machine_key(flags: dict[str, bool] | None = None) -> str:
+    """The machine a choice holds for: CPU model and flags, torch's threads, torch, torchao and onnxruntime versions."""
+    flags = cpu_flags() if flags is None else flags
+    present = ",".join(sorted(name for name, on in flags.items() if on)) if flags is not None else "unknown"
     return (
-        tuple(sorted((flags or {}).items())),
-        torch.get_num_threads(),
-        structure,
-        shapes,
-        tuple((tuple(t.shape), str(t.dtype)) for t in example),
+        f"cpu={describe_machine()['cpu'] or 'unknown'}; flags={present or 'none'}; threads={torch.get_num_threads()}; "
+        f"torch={torch.__version__}; torchao={installed_version('torchao') or 'none'}; "
+        f"onnxruntime={installed_version('onnxruntime') or 'none'}"
     )
+
+
+def model_key(module: nn.Module, example: Sequence[Tensor]) -> str:
+    """A hash of the module tree (names and class names), its parameters' shapes and dtypes, and the input shapes."""
+    parts = [f"{name}:{type(m).__qualname__}" for name, m in module.named_modules()]
+    parts += [f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in module.named_parameters()]
+    parts += [f"input:{tuple(t.shape)}:{t.dtype}" for t in example]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        warnings.warn(
+            f"The dynamic int8 cache {str(path)!r} cannot be read ({exc}); measuring again.",
+            MeasurementWarning,
+            stacklevel=3,
+        )
+        return {}
+    entries = data.get("entries") if isinstance(data, dict) and data.get("schema") == _CACHE_SCHEMA else None
+    if not isinstance(entries, dict):
+        warnings.warn(
+            f"The dynamic int8 cache {str(path)!r} is not valid; measuring again.", MeasurementWarning, stacklevel=3
+        )
+        return {}
+    return entries
+
+
+def _cached_entry(path: Path, machine: str, model: str) -> dict[str, Any] | None:
+    entry = (_read_cache(path).get(machine) or {}).get(model)
+    valid = (
+        isinstance(entry, dict)
+        and (entry.get("backend") is None or entry.get("backend") in SIMPLICITY)
+        and isinstance(entry.get("measured"), list)
+        and isinstance(entry.get("skipped"), dict)
+    )
+    return entry if valid else None
+
+
+def _store_entry(path: Path, machine: str, model: str, result: DynamicQuantization) -> None:
+    entries = _read_cache(path)  # read again: keep what another process cached meanwhile
+    known = entries.get(machine)
+    known = known if isinstance(known, dict) else {}
+    entry = {"backend": result.backend, "measured": result.measured, "skipped": result.skipped}
+    entries[machine] = {**known, model: entry}
+    try:
+        atomic_write_text(path, json.dumps({"schema": _CACHE_SCHEMA, "entries": entries}, indent=2) + "\n")
+    except OSError as exc:
+        warnings.warn(f"Could not write the dynamic int8 cache {str(path)!r}: {exc}.", MeasurementWarning, stacklevel=3)
+
+
+def clear_cache(cache_path: str | os.PathLike[str] | None = None) -> None:
+    """Forget the back-ends chosen so far (the next ``"auto"`` measures again): removes the cache file."""
+    Path(cache_path or default_cache_path()).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------------- the entry
 
 
 def _check(name: str, value: Any, low: float, high: float) -> float:
@@ -370,42 +513,15 @@ def _check(name: str, value: Any, low: float, high: float) -> float:
     return float(value)
 
 
-@torch.no_grad()
-def quantize_dynamic(
-    module: nn.Module,
-    example_inputs: Any,
-    backend: str = "auto",
-    *,
-    min_cosine: float = 0.99,
-    min_agreement: float = 0.95,
-    iterations: int = 10,
-    warmup: int = 2,
-    use_cache: bool = True,
-) -> DynamicQuantization:
-    """An int8 copy of ``module`` (dynamic quantization, CPU), by ``backend`` or the fastest correct one (``"auto"``).
-
-    Each candidate is checked against ``module`` on ``example_inputs`` (cosine at least ``min_cosine``, top-1 agreement
-    over the last output dimension at least ``min_agreement`` when the output has one); with ``"auto"`` the correct
-    ones are timed against ``module`` (``iterations`` calls each, paired and interleaved) and the fastest whose
-    speed-up interval lies above 1 is kept. ``module`` is left as it is (its copies are on the CPU, in eval mode).
-
-    Raises:
-        ValueError: for an unknown backend or an invalid threshold.
-        QuantizationError: if an explicit ``backend`` fails or disagrees with the float module.
-    """
-    check_dynamic_backend("quantize_dynamic", backend)
-    min_cosine = _check("min_cosine", min_cosine, 0.0, 1.0)
-    min_agreement = _check("min_agreement", min_agreement, 0.0, 1.0)
-    example = tuple(t.detach().cpu() for t in as_input_tuple(example_inputs, "quantize_dynamic(example_inputs)"))
-    flags = cpu_flags()
-    reference = copy.deepcopy(module).cpu().eval()
-    disable_cache(reference)  # a Hugging Face model's int8 copy is built, checked and timed without its cache
-    names, skipped = dynamic_candidates(flags) if backend == "auto" else ([backend], {})
-    key = _cache_key(reference, example, flags)
-    cached = backend == "auto" and use_cache and key in _CHOICES
-    if cached:
-        names = [name for name in [_CHOICES[key]] if name is not None]
-    result = DynamicQuantization(None, None, backend, skipped=skipped, cached=cached, cpu_flags=flags)
+def _try(
+    result: DynamicQuantization,
+    names: Sequence[str],
+    reference: nn.Module,
+    example: tuple[Tensor, ...],
+    min_cosine: float,
+    min_agreement: float,
+) -> dict[str, nn.Module]:
+    """Build each back-end and check it against ``reference``; the ones that agree, by name."""
     built: dict[str, nn.Module] = {}
     for name in names:
         candidate = DynamicCandidate(name)
@@ -421,30 +537,83 @@ def quantize_dynamic(
             built[name] = quantized
         else:
             candidate.problem = f"disagrees with fp32: {problem}"
-    if backend != "auto" and not built:
-        raise QuantizationError(f"dynamic int8 with backend {backend!r}: {result.candidates[0].problem}")
-    if backend != "auto" or cached:  # one candidate: nothing to choose from
-        result.backend, result.module = next(iter(built.items()), (None, None))
+    return built
+
+
+@torch.no_grad()
+def quantize_dynamic(
+    module: nn.Module,
+    example_inputs: Any,
+    backend: str = "auto",
+    *,
+    min_cosine: float = 0.99,
+    min_agreement: float = 0.95,
+    iterations: int = 10,
+    warmup: int = 2,
+    refresh: bool = False,
+    cache_path: str | os.PathLike[str] | None = None,
+) -> DynamicQuantization:
+    """An int8 copy of ``module`` (dynamic quantization, CPU), by ``backend`` or the fastest correct one (``"auto"``).
+
+    Each candidate is checked against ``module`` on ``example_inputs`` (cosine at least ``min_cosine``, top-1 agreement
+    over the last output dimension at least ``min_agreement`` when the output has one); with ``"auto"`` the correct
+    ones are timed against ``module`` (``iterations`` calls each, paired and interleaved, at equal threads) and one is
+    kept by :data:`TIE_RULE`. The choice and the figures are cached (``cache_path``, default
+    :func:`default_cache_path`) per :func:`machine_key` and :func:`model_key`: with a cached choice only that back-end
+    is built and checked, nothing is timed (``refresh=True`` measures again; a cached back-end that no longer passes
+    the checks is measured again too). ``module`` is left as it is (its copies are on the CPU, in eval mode).
+
+    Raises:
+        ValueError: for an unknown backend or an invalid threshold.
+        QuantizationError: if an explicit ``backend`` fails or disagrees with the float module.
+    """
+    check_dynamic_backend("quantize_dynamic", backend)
+    min_cosine = _check("min_cosine", min_cosine, 0.0, 1.0)
+    min_agreement = _check("min_agreement", min_agreement, 0.0, 1.0)
+    check_bool("quantize_dynamic", "refresh", refresh)
+    example = tuple(t.detach().cpu() for t in as_input_tuple(example_inputs, "quantize_dynamic(example_inputs)"))
+    flags = cpu_flags()
+    reference = copy.deepcopy(module).cpu().eval()
+    disable_cache(reference)  # a Hugging Face model's int8 copy is built, checked and timed without its cache
+    checks = (reference, example, min_cosine, min_agreement)
+    if backend != "auto":
+        result = DynamicQuantization(None, None, backend, cpu_flags=flags)
+        built = _try(result, [backend], *checks)
+        if not built:
+            raise QuantizationError(f"dynamic int8 with backend {backend!r}: {result.candidates[0].problem}")
+        result.backend, result.module = next(iter(built.items()))
         return result
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    keys = (machine_key(flags), model_key(reference, example))
+    entry = None if refresh else _cached_entry(path, *keys)
+    if entry is not None:
+        result = DynamicQuantization(None, None, "auto", skipped=entry["skipped"], cached=True, cpu_flags=flags)
+        result.measured = entry["measured"]
+        built = _try(result, [entry["backend"]], *checks) if entry["backend"] else {}
+        if built or entry["backend"] is None:
+            result.backend, result.module = next(iter(built.items()), (None, None))
+            return result
+    names, skipped = dynamic_candidates(flags)
+    result = DynamicQuantization(None, None, "auto", skipped=skipped, cpu_flags=flags)
+    built = _try(result, names, *checks)
     for candidate in result.candidates:
         if candidate.backend in built:
-            one_batch = [int(example[0].shape[0])]
-            timed = eager_latency(
+            size = [int(example[0].shape[0])]
+            rows = eager_latency(
                 reference,
                 built[candidate.backend],
                 example,
-                one_batch,
+                size,
                 iterations=iterations,
                 warmup=warmup,
                 name=candidate.backend,
             )
-            candidate.latency = timed[0]
-    faster = [c for c in result.candidates if c.latency is not None and c.latency.speedup_verdict == "faster"]
-    if faster:
-        best = max(faster, key=lambda c: c.latency.speedup)  # type: ignore[union-attr]
+            candidate.latency = rows[0]
+    best = choose(result.candidates)
+    if best is not None:
         result.backend, result.module = best.backend, built[best.backend]
-    if use_cache:
-        _CHOICES[key] = result.backend
+    result.measured = [c.figures() for c in result.candidates]
+    _store_entry(path, *keys, result)
     return result
 
 
@@ -467,11 +636,6 @@ def eager_latency(
             base, cand = paired_blocks(*run, iterations=iterations, warmup=warmup)
             rows.append(LatencyRow.from_blocks(size, base, cand, names=("float", name)))
     return rows
-
-
-def clear_cache() -> None:
-    """Forget the back-ends chosen so far (the next ``"auto"`` measures again)."""
-    _CHOICES.clear()
 
 
 def int8_size_bytes(module: nn.Module) -> int:

@@ -19,12 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_perf._validation import check_file_stem
 from lightning_perf.deploy.artifacts import StagedSet
 from lightning_perf.deploy.inputs import as_input_tuple
 from lightning_perf.deploy.quantize.dynamic import (
     DynamicQuantization,
     OnnxRuntimeModule,
     eager_latency,
+    figure_line,
     int8_size_bytes,
 )
 from lightning_perf.deploy.quantize.save import ArtifactRun, write_program
@@ -87,6 +89,10 @@ class DynamicReport:
         if not self.ok:
             return f"{owner}: no dynamic int8 model saved ({'; '.join(self.problems)}). Report: {self.report_path}"
         lines = [f"{owner}: saved {self.artifact} (dynamic int8, {self.backend})"]
+        if self.choice.get("measured"):
+            cached = ", cached" if self.choice.get("cached") else ""
+            lines.append(f"  chosen by: {self.choice.get('rule')} ({self.choice.get('threads')} threads{cached})")
+            lines += [f"    {figure_line(f)}" for f in self.choice["measured"]]
         if self.float_bytes and self.int8_bytes:
             lines.append(f"  size {self.int8_bytes / 1e6:.2f} MB int8 vs {self.float_bytes / 1e6:.2f} MB fp32")
         if self.validation is not None:
@@ -141,8 +147,7 @@ def export_dynamic(
         ValueError: for an invalid file name.
         QuantizationError: with ``strict=True``, when there is no int8 model, or validation or saving fails.
     """
-    if not isinstance(filename, str) or not filename or os.sep in filename or filename.startswith("."):
-        raise ValueError(f"`export_dynamic(filename={filename!r})` is not valid. Expected a plain file stem.")
+    check_file_stem("export_dynamic", "filename", filename)
     example = tuple(t.detach().cpu() for t in as_input_tuple(example_inputs, "export_dynamic(example_inputs)"))
     report = DynamicReport(ok=False, backend=choice.backend, choice=choice.to_dict(), metadata=dict(metadata or {}))
     report.float_bytes = float_size_bytes(float_module)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lightning_perf._validation import check_bool
+from lightning_perf._validation import check_bool, check_file_stem, check_int, check_int_sequence, check_number
 
 __all__ = [
     "SCHEDULE_UNITS",
@@ -217,8 +217,9 @@ class Quantizer:
     def begin_run(self, root: nn.Module) -> None:
         """Put the model this recipe evaluates in place (the prepared one after QAT)."""
 
-    def run_batch(self, root: nn.Module, inputs: Any, stage: str) -> None:
-        """On each batch of a run of its own (``inputs``: the batch's model inputs)."""
+    def run_batch(self, root: nn.Module, inputs: Any, stage: str) -> str | None:
+        """On each batch of a run of its own (``inputs``: the batch's model inputs); returns a line for the log."""
+        return None
 
     # end ---------------------------------------------------------------------------------------------------------
     def finish(self, root: nn.Module, data: LoopData) -> Any:
@@ -271,14 +272,6 @@ def resolve_submodule(owner: str, root: nn.Module, name: str | None) -> tuple[st
     return holders[0]
 
 
-def _check_int(owner: str, name: str, value: Any, minimum: int, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        expected = f"None or an int >= {minimum}" if allow_none else f"an int >= {minimum}"
-        raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected {expected}.")
-
-
 def check_options(owner: str, mode: str, options: Mapping[str, Any]) -> QuantizeOptions:
     """Check the constructor arguments of a quantizing adapter (``options``: by name) and return them as one object.
 
@@ -291,17 +284,17 @@ def check_options(owner: str, mode: str, options: Mapping[str, Any]) -> Quantize
     if submodule is not None and (not isinstance(submodule, str) or not submodule):
         raise ValueError(f"`{owner}(submodule={submodule!r})` is not valid. Expected a dotted module name.")
     for name in ("disable_observers_after", "freeze_bn_after"):
-        _check_int(owner, name, o[name], 0, True)
-    _check_int(owner, "eval_converted_every_n_epochs", o["eval_converted_every_n_epochs"], 1, True)
-    _check_int(owner, "validation_batches", o["validation_batches"], 0, True)
+        check_int(owner, name, o[name], 0, True)
+    check_int(owner, "eval_converted_every_n_epochs", o["eval_converted_every_n_epochs"], 1, True)
+    check_int(owner, "validation_batches", o["validation_batches"], 0, True)
     if o["validation_batches"] == 0:
         raise ValueError(
             f"`{owner}(validation_batches=0)` is not valid: the quantized model would be saved without being "
             "compared with the model. Expected None (all validation batches) or an int >= 1."
         )
     for name, minimum in (("fake_quant_after", 0), ("calibration_batches", 1), ("latency_iterations", 1)):
-        _check_int(owner, name, o[name], minimum, False)
-    _check_int(owner, "latency_warmup", o["latency_warmup"], 0, False)
+        check_int(owner, name, o[name], minimum, False)
+    check_int(owner, "latency_warmup", o["latency_warmup"], 0, False)
     if o["schedule_unit"] not in SCHEDULE_UNITS:
         raise ValueError(
             f"`{owner}(schedule_unit={o['schedule_unit']!r})` is not valid. Expected one of: "
@@ -321,9 +314,7 @@ def check_options(owner: str, mode: str, options: Mapping[str, Any]) -> Quantize
             f"`{owner}(mode={mode!r}, ...)`: the observer, batch-norm and fake-quant schedules apply to QAT only."
         )
     for name in ("min_cosine", "min_agreement"):
-        value = o[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected a number in [0, 1].")
+        check_number(owner, name, o[name], 0.0, 1.0)
     if mode == "dynamic":
         for name, default, why in (
             ("base_config", None, "the torchao back-end of mode 'dynamic' uses Int8DynamicActivationInt8WeightConfig"),
@@ -334,15 +325,8 @@ def check_options(owner: str, mode: str, options: Mapping[str, Any]) -> Quantize
                 raise ValueError(
                     f"`{owner}(mode='dynamic', {name}={o[name]!r})` is not valid: {why}. Leave it at {default!r}."
                 )
-    sizes = o["benchmark_batch_sizes"]
-    sizes = [sizes] if isinstance(sizes, int) else list(sizes)
-    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
-        raise ValueError(
-            f"`{owner}(benchmark_batch_sizes={o['benchmark_batch_sizes']!r})` is not valid. Expected positive ints."
-        )
-    filename = o["filename"]
-    if not isinstance(filename, str) or not filename or "/" in filename or filename.startswith("."):
-        raise ValueError(f"`{owner}(filename={filename!r})` is not valid. Expected a plain, non-hidden file stem.")
+    sizes = check_int_sequence(owner, "benchmark_batch_sizes", o["benchmark_batch_sizes"])
+    check_file_stem(owner, "filename", o["filename"])
     if o["dirpath"] is not None and not isinstance(o["dirpath"], (str, os.PathLike)):
         raise TypeError(f"`{owner}(dirpath={o['dirpath']!r})` is not valid. Expected None or a directory path.")
     if o["input_key"] is not None and (not isinstance(o["input_key"], str) or not o["input_key"]):
@@ -351,6 +335,6 @@ def check_options(owner: str, mode: str, options: Mapping[str, Any]) -> Quantize
     return QuantizeOptions(
         **{k: o[k] for k in names},
         min_cosine=float(o["min_cosine"]),
-        benchmark_batch_sizes=tuple(sizes),
+        benchmark_batch_sizes=sizes,
         owner=owner,
     )

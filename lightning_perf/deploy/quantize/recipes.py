@@ -153,10 +153,11 @@ class DynamicInt8Quantizer(Quantizer):
         holders = [(n, c) for n, c in root.named_children() if next(c.parameters(), None) is not None]
         return holders[0] if len(holders) == 1 else ("", root)
 
-    def _quantize(self, module: nn.Module, example: tuple[torch.Tensor, ...]) -> DynamicQuantization:
+    def _quantize(self, module: nn.Module, example: tuple[torch.Tensor, ...]) -> tuple[DynamicQuantization, bool]:
+        """The int8 copy of ``module`` and whether it was chosen now (``False``: this process's earlier copy)."""
         signature = _signature(module, example)
         if self._built is not None and self._built[0] == signature:
-            return self._built[1]
+            return self._built[1], False
         o = self.options
         choice = quantize_dynamic(
             module,
@@ -168,14 +169,14 @@ class DynamicInt8Quantizer(Quantizer):
             warmup=o.latency_warmup,
         )
         self.choice, self._built = choice, (signature, choice)
-        return choice
+        return choice, True
 
-    def run_batch(self, root: nn.Module, inputs: Any, stage: str) -> None:
+    def run_batch(self, root: nn.Module, inputs: Any, stage: str) -> str | None:
         if self._swapped is not None:
-            return
+            return None
         name, module = self.target(root)
         if self._declined is module:
-            return
+            return None
         self._declined = module
         device = next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
         if device.type != "cpu":
@@ -184,21 +185,22 @@ class DynamicInt8Quantizer(Quantizer):
                 "it runs in float, unchanged.",
                 NoEffectWarning,
             )
-            return
-        choice = self._quantize(module, inputs(module))  # a failure: the adapter's fallback, the run goes on
+            return None
+        choice, fresh = self._quantize(module, inputs(module))  # a failure: the adapter's fallback, the run goes on
         if choice.module is None:
             warn_once(
                 f"`{self.owner}(mode='dynamic')`: no int8 back-end was correct and faster than fp32 for "
                 f"{name or type(root).__name__!r} on this CPU; the {stage} run goes on in float.\n{choice.describe()}",
                 NoEffectWarning,
             )
-            return
+            return None
         int8 = choice.module
         if name:
             replace_modules(root, [name], lambda m, _: int8, check_state_dict=False)
         else:  # the whole module: the int8 copy stands in for its forward (steps calling `self(...)`)
             root.__dict__["forward"] = int8
         self._swapped = (name, module, int8)
+        return f"{self.owner}: {choice.describe()}" if fresh else None  # said once per choice
 
     def end_run(self, root: nn.Module, *, failed_fit: bool = False) -> None:
         self._declined = None
@@ -229,7 +231,7 @@ class DynamicInt8Quantizer(Quantizer):
         module.eval()
         try:
             example = batches[0][0] if batches else data.example(module, "train")
-            choice = self._quantize(module, example)
+            choice, _ = self._quantize(module, example)
             return export_dynamic(
                 module,
                 choice,

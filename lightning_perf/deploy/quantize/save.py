@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._device import module_device
+from lightning_perf._validation import check_file_stem
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.deploy.artifacts import StagedSet
 from lightning_perf.deploy.backend import failure_reason
@@ -323,8 +324,7 @@ def export_quantized(
     recipe = recipe_of(prepared)
     if recipe is None:
         raise ValueError("export_quantized() needs a module returned by prepare().")
-    if not isinstance(filename, str) or not filename or os.sep in filename or filename.startswith("."):
-        raise ValueError(f"`export_quantized(filename={filename!r})` is not valid. Expected a plain file stem.")
+    check_file_stem("export_quantized", "filename", filename)
     report = QuantizationReport(ok=False, recipe=recipe, metadata=dict(metadata or {}))
     batches = list(itertools.islice(validation_data, validation_batches)) if validation_data is not None else []
     example = as_input_tuple(example_inputs) if example_inputs is not None else None
