@@ -14,11 +14,13 @@ once the writer has finished without an exception.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import re
 import secrets
 import struct
+import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,3 +209,46 @@ def _reason(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     first = lines[0] if lines else ""
     return f"{type(exc).__name__}: {first[:160]}" if first else type(exc).__name__
+
+
+# ------------------------------------------------------------------------------------ caches of measured decisions
+
+CACHE_ENV = "LIGHTNING_PERF_CACHE"
+
+
+def cache_file(name: str) -> Path:
+    """``$LIGHTNING_PERF_CACHE/<name>``, else ``~/.cache/lightning_perf/<name>``: where measured decisions are kept."""
+    folder = os.environ.get(CACHE_ENV)
+    return (Path(folder).expanduser() if folder else Path.home() / ".cache" / "lightning_perf") / name
+
+
+def read_cache_entries(path: Path, schema: int, what: str, stacklevel: int = 3) -> dict[str, Any]:
+    """The entries of a cache file ``{"schema": schema, "entries": {...}}`` (read with ``json`` only): a missing file
+    is empty; an unreadable or invalid one warns (``MeasurementWarning``) and counts as empty, so the caller measures
+    again."""
+    from lightning_perf._warnings import MeasurementWarning
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"The {what} {str(path)!r} cannot be read ({exc}); measuring again.", MeasurementWarning,
+                      stacklevel=stacklevel)  # fmt: skip
+        return {}
+    entries = data.get("entries") if isinstance(data, dict) and data.get("schema") == schema else None
+    if not isinstance(entries, dict):
+        warnings.warn(f"The {what} {str(path)!r} is not valid; measuring again.", MeasurementWarning,
+                      stacklevel=stacklevel)  # fmt: skip
+        return {}
+    return entries
+
+
+def write_cache_entries(path: Path, schema: int, entries: dict[str, Any], what: str, stacklevel: int = 3) -> None:
+    """Write a cache file atomically; a failure to write warns (the decision stays valid for this run)."""
+    from lightning_perf._warnings import MeasurementWarning
+
+    try:
+        atomic_write_text(path, json.dumps({"schema": schema, "entries": entries}, indent=2) + "\n")
+    except OSError as exc:
+        warnings.warn(f"Could not write the {what} {str(path)!r}: {exc}.", MeasurementWarning, stacklevel=stacklevel)

@@ -26,10 +26,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import json
 import logging
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +38,7 @@ from torch import nn
 
 from lightning_perf._device import as_device, cuda_capability, is_sm_at_least
 from lightning_perf._imports import require
-from lightning_perf._io import atomic_write_text
-from lightning_perf._warnings import MeasurementWarning
+from lightning_perf._io import cache_file, read_cache_entries, write_cache_entries
 from lightning_perf.functional.surgery import restore_modules
 from lightning_perf.profiling.intervals import RatioEstimate
 from lightning_perf.profiling.latency import Blocks, paired_blocks, speedup_estimate
@@ -83,7 +80,6 @@ DEFAULT_ROWS = 8192
 """Rows of the timed input (tokens per micro-batch) when the model's own cannot be found: 16 sequences of 512."""
 CACHE_FILE = "float8_shapes.json"
 _CACHE_SCHEMA = 1
-_CACHE_ENV = "LIGHTNING_PERF_CACHE"
 
 # Decisions (LayerDecision.reason) that no measurement changes.
 ELIGIBLE = "eligible"
@@ -292,9 +288,7 @@ ShapeTimer = Callable[[LinearShape], tuple[Blocks, Blocks]]
 
 def default_cache_path() -> Path:
     """``$LIGHTNING_PERF_CACHE/float8_shapes.json``, else ``~/.cache/lightning_perf/float8_shapes.json``."""
-    folder = os.environ.get(_CACHE_ENV)
-    base = Path(folder).expanduser() if folder else Path.home() / ".cache" / "lightning_perf"
-    return base / CACHE_FILE
+    return cache_file(CACHE_FILE)
 
 
 def machine_key(device: torch.device | str | None = None, recipe: str = "tensorwise", compiled: bool = True) -> str:
@@ -309,24 +303,7 @@ def machine_key(device: torch.device | str | None = None, recipe: str = "tensorw
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        warnings.warn(
-            f"The float8 shape cache {str(path)!r} cannot be read ({exc}); measuring again.",
-            MeasurementWarning,
-            stacklevel=2,
-        )
-        return {}
-    entries = data.get("entries") if isinstance(data, dict) and data.get("schema") == _CACHE_SCHEMA else None
-    if not isinstance(entries, dict):
-        warnings.warn(
-            f"The float8 shape cache {str(path)!r} is not valid; measuring again.", MeasurementWarning, stacklevel=2
-        )
-        return {}
-    return entries
+    return read_cache_entries(path, _CACHE_SCHEMA, "float8 shape cache", stacklevel=4)
 
 
 def _estimate_from(entry: Any) -> RatioEstimate | None:
@@ -369,12 +346,7 @@ def _measure(plan: Float8Plan, timer: ShapeTimer, path: Path, cache_key: str | N
             decision.reason = FASTER if decision.convert else NOT_FASTER
     if fresh:
         entries = {**_read_cache(path), key: known}  # re-read: keep what another process cached meanwhile
-        try:
-            atomic_write_text(path, json.dumps({"schema": _CACHE_SCHEMA, "entries": entries}, indent=2) + "\n")
-        except OSError as exc:
-            warnings.warn(
-                f"Could not write the float8 shape cache {str(path)!r}: {exc}.", MeasurementWarning, stacklevel=2
-            )
+        write_cache_entries(path, _CACHE_SCHEMA, entries, "float8 shape cache")
 
 
 def float8_config(recipe: str = "tensorwise", *, emulate: bool = False, fsdp_float8_all_gather: bool = False) -> Any:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lightning_perf._io import atomic_write_text
+from lightning_perf._io import CACHE_ENV, cache_file, write_cache_entries
 from lightning_perf._validation import check_instance, check_int, check_number
 from lightning_perf._warnings import MeasurementWarning
 from lightning_perf.profiling.stats import median as median_of
@@ -60,7 +60,6 @@ __all__ = [
 
 aten = torch.ops.aten
 
-CACHE_ENV = "LIGHTNING_PERF_CACHE"
 """Environment variable naming the folder of lightning_perf's caches (default ``~/.cache/lightning_perf``)."""
 
 _CACHE_FILE = "peak_flops.json"
@@ -272,9 +271,7 @@ def dtype_of_precision(precision: str) -> torch.dtype:
 
 def default_cache_path() -> Path:
     """``$LIGHTNING_PERF_CACHE/peak_flops.json``, else ``~/.cache/lightning_perf/peak_flops.json``."""
-    folder = os.environ.get(CACHE_ENV)
-    base = Path(folder).expanduser() if folder else Path.home() / ".cache" / "lightning_perf"
-    return base / _CACHE_FILE
+    return cache_file(_CACHE_FILE)
 
 
 def machine_key(dtype: torch.dtype, threads: int, size: int) -> str:
@@ -436,12 +433,7 @@ def _cpu_peak(
             "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         },
     }
-    try:
-        atomic_write_text(cache_path, json.dumps({"schema": _CACHE_SCHEMA, "entries": entries}, indent=2) + "\n")
-    except OSError as exc:
-        warnings.warn(
-            f"Could not write the peak FLOP/s cache {str(cache_path)!r}: {exc}.", MeasurementWarning, stacklevel=3
-        )
+    write_cache_entries(cache_path, _CACHE_SCHEMA, entries, "peak FLOP/s cache", stacklevel=4)
     return peak
 
 

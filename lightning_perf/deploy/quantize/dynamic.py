@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
-import json
 import logging
 import os
 import tempfile
@@ -45,9 +44,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._imports import is_available, require
-from lightning_perf._io import atomic_write_text
+from lightning_perf._io import cache_file, read_cache_entries, write_cache_entries
 from lightning_perf._validation import check_bool
-from lightning_perf._warnings import MeasurementWarning
 from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.inputs import Inputs, as_input_tuple
 from lightning_perf.deploy.onnx import equal_thread_options
@@ -93,7 +91,6 @@ TIE_RULE = (
 )
 CACHE_FILE = "dynamic_int8.json"
 _CACHE_SCHEMA = 1
-_CACHE_ENV = "LIGHTNING_PERF_CACHE"
 _EAGER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.LSTM, nn.GRU, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 
 
@@ -431,9 +428,7 @@ def choose(candidates: Sequence[DynamicCandidate]) -> DynamicCandidate | None:
 
 def default_cache_path() -> Path:
     """``$LIGHTNING_PERF_CACHE/dynamic_int8.json``, else ``~/.cache/lightning_perf/dynamic_int8.json``."""
-    folder = os.environ.get(_CACHE_ENV)
-    base = Path(folder).expanduser() if folder else Path.home() / ".cache" / "lightning_perf"
-    return base / CACHE_FILE
+    return cache_file(CACHE_FILE)
 
 
 def machine_key(flags: dict[str, bool] | None = None) -> str:
@@ -456,24 +451,7 @@ def model_key(module: nn.Module, example: Sequence[Tensor]) -> str:
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        warnings.warn(
-            f"The dynamic int8 cache {str(path)!r} cannot be read ({exc}); measuring again.",
-            MeasurementWarning,
-            stacklevel=3,
-        )
-        return {}
-    entries = data.get("entries") if isinstance(data, dict) and data.get("schema") == _CACHE_SCHEMA else None
-    if not isinstance(entries, dict):
-        warnings.warn(
-            f"The dynamic int8 cache {str(path)!r} is not valid; measuring again.", MeasurementWarning, stacklevel=3
-        )
-        return {}
-    return entries
+    return read_cache_entries(path, _CACHE_SCHEMA, "dynamic int8 cache", stacklevel=4)
 
 
 def _cached_entry(path: Path, machine: str, model: str) -> dict[str, Any] | None:
@@ -493,10 +471,7 @@ def _store_entry(path: Path, machine: str, model: str, result: DynamicQuantizati
     known = known if isinstance(known, dict) else {}
     entry = {"backend": result.backend, "measured": result.measured, "skipped": result.skipped}
     entries[machine] = {**known, model: entry}
-    try:
-        atomic_write_text(path, json.dumps({"schema": _CACHE_SCHEMA, "entries": entries}, indent=2) + "\n")
-    except OSError as exc:
-        warnings.warn(f"Could not write the dynamic int8 cache {str(path)!r}: {exc}.", MeasurementWarning, stacklevel=3)
+    write_cache_entries(path, _CACHE_SCHEMA, entries, "dynamic int8 cache", stacklevel=4)
 
 
 def clear_cache(cache_path: str | os.PathLike[str] | None = None) -> None:
