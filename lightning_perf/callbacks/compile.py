@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from lightning_perf.functional.compile import (
     top_level_blocks,
     validate_regions,
 )
+from lightning_perf.functional.compile_cache import compile_cache_key, load_compile_cache, save_compile_cache
 from lightning_perf.profiling import PhaseTimer, format_seconds
 
 # The loop whose first batch shows whether the step method calls the compiled forward, per trainer entry point.
@@ -106,6 +108,15 @@ class CompileCallback(UndoOnExit):
     a new CUDA graph step); on another device it warns once (:class:`~lightning_perf.NoEffectWarning`) and compiles
     without them.
 
+    Warm starts (``cache``): at the end of a ``fit`` that finished (not one that raised or was interrupted), global
+    rank zero writes the compiled code of the run to ``cache``, atomically, with a key (torch, Python, device, the
+    compiled modules' classes and parameter shapes, the compile options); at the start of the next run, on every rank
+    and before the first compiled step, the file is loaded into torch's compile caches if its key matches, so the first
+    steps skip most of the compiling (see :mod:`lightning_perf.functional.compile_cache` for the format and what it
+    trusts: the file is code, so load only caches your own runs wrote). A missing, truncated, altered or foreign file
+    is refused with one :class:`~lightning_perf.NoEffectWarning` naming what differed, and the run compiles from
+    cold. Every rank must see the file (a shared file system, or copy it to each node before the job).
+
     At the end of ``fit``, on rank zero, it reports the compile time (spent in torch's compiler, and the first
     ``warmup_steps`` training steps in all) apart from the steady-state step time, with the graphs, graph breaks and
     recompilations seen during the fit (process-wide counters). The figures are kept in :attr:`report` and logged to
@@ -123,6 +134,8 @@ class CompileCallback(UndoOnExit):
             ``"predict"`` (default: all); the others run eager.
         strict: raise compiler failures instead of falling back to eager.
         warmup_steps: leading training steps reported as warm-up (they include compilation).
+        cache: a file, or a folder to hold ``torch_compile_cache.bin``, to load the compiled code from at the start
+            of each run and save it to at the end of each ``fit`` (e.g. beside the checkpoints); ``None``: neither.
 
     Raises:
         ValueError: for an unknown mode, backend name, stage or region class path, ``mode`` with ``options``, empty
@@ -133,7 +146,8 @@ class CompileCallback(UndoOnExit):
         report: the figures of the last ``fit`` (empty before): ``compiled`` (module names, ``""`` the LightningModule),
             ``compile_time_s``, ``compilations``, ``recompiles``, ``unique_graphs``, ``graph_breaks``,
             ``graph_break_reasons``, ``cudagraph_recordings``, ``warmup_steps``, ``warmup_time_s``, ``steady_steps``,
-            ``steady_step_time_s`` (median), ``fallbacks`` (module class -> cause).
+            ``steady_step_time_s`` (median), ``fallbacks`` (module class -> cause), ``cache_loaded`` (whether this
+            run started from a ``cache`` file).
 
     Example::
 
@@ -154,6 +168,7 @@ class CompileCallback(UndoOnExit):
         stages: str | Iterable[str] = STAGES,
         strict: bool = False,
         warmup_steps: int = 2,
+        cache: str | os.PathLike[str] | None = None,
     ) -> None:
         owner = type(self).__name__
         self._compile_kwargs = compile_options(
@@ -172,6 +187,12 @@ class CompileCallback(UndoOnExit):
                 "steps, which include compilation)."
             )
         self.warmup_steps = warmup_steps
+        if cache is not None and (not isinstance(cache, (str, os.PathLike)) or not os.fspath(cache)):
+            raise TypeError(
+                f"`{owner}(cache={cache!r})` is not valid. Expected None or a file or folder path (str or "
+                "os.PathLike) to keep the compiled code in between runs."
+            )
+        self.cache = cache
         self.report: dict[str, Any] = {}
         self._compiled: CompiledModules | None = None
         self._entry_check: str | None = None  # the loop whose first batch must have called the compiled forward
@@ -179,6 +200,11 @@ class CompileCallback(UndoOnExit):
         self._timer: PhaseTimer | None = None
         self._cudagraph_steps = False
         self._said_inside_wrappers = False
+        self._cache_key: dict[str, Any] | None = (
+            None  # set while compiled with a cache: what the saved file is keyed on
+        )
+        self._cache_tried = False  # the cache file is loaded once per process
+        self._cache_loaded = False
 
     # ------------------------------------------------------------------------------------------ applying, undoing
 
@@ -207,10 +233,30 @@ class CompileCallback(UndoOnExit):
                     NoEffectWarning,
                 )
         self._compiled = CompiledModules(modules, self._compile_kwargs, strict=self.strict)
+        if self.cache is not None:
+            self._load_cache(modules, pl_module.device)
         self._entry_check = _MAIN_LOOP[stage] if self.regions is None and modules == selected else None
         self._monitor.start()
         if stage == "fit":
             self._timer = PhaseTimer(pl_module.device, warmup_steps=self.warmup_steps)
+
+    def _load_cache(self, modules: list[tuple[str, nn.Module]], device: torch.device) -> None:
+        assert self.cache is not None
+        self._cache_key = compile_cache_key(modules, self._compile_kwargs, device)
+        if not self._cache_tried:  # every rank, before the first compiled call
+            self._cache_tried = True
+            self._cache_loaded = load_compile_cache(self.cache, self._cache_key)
+            if self._cache_loaded:
+                rank_zero_info(f"{type(self).__name__}: loaded the compiled code of an earlier run from {self.cache}.")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Lightning calls teardown only for a run that finished: a failed or interrupted fit saves nothing.
+        if stage == "fit" and self.cache is not None and self._cache_key is not None and trainer.is_global_zero:
+            written = save_compile_cache(self.cache, self._cache_key)
+            if written is not None:
+                rank_zero_info(f"{type(self).__name__}: saved the compiled code of this fit to {written}.")
+        super().teardown(trainer, pl_module, stage)
 
     def _note_inside_wrappers(self, trainer: pl.Trainer, modules: list[tuple[str, nn.Module]]) -> None:
         if self._said_inside_wrappers:
@@ -232,6 +278,7 @@ class CompileCallback(UndoOnExit):
         self._timer = None
         self._entry_check = None
         self._cudagraph_steps = False
+        self._cache_key = None
 
     def _check_forward_ran(self, pl_module: pl.LightningModule, loop: str) -> None:
         """After the first batch of the main loop: if the compiled forward never ran, compile the sub-modules."""
@@ -308,6 +355,7 @@ class CompileCallback(UndoOnExit):
         report["steady_steps"] = steady.count if steady is not None else 0
         report["steady_step_time_s"] = steady.median if steady is not None else float("nan")
         report["fallbacks"] = dict(self._compiled.failures)
+        report["cache_loaded"] = self._cache_loaded
         self.report = report
         rank_zero_info(self._describe(report))
         metrics = {
@@ -341,6 +389,7 @@ class CompileCallback(UndoOnExit):
         # Live compile state (modules, CUDA events, registered compiler callbacks) stays with this process.
         state = self.__dict__.copy()
         state.update(_compiled=None, _timer=None, _entry_check=None, _cudagraph_steps=False, _monitor=CompileMonitor())
+        state.update(_cache_key=None, _cache_tried=False, _cache_loaded=False)
         return state
 
 

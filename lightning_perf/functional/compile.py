@@ -160,7 +160,7 @@ def _check_inductor_options(options: Mapping[str, Any], owner: str) -> None:
         if key not in known:
             nearest = difflib.get_close_matches(key, known, n=3, cutoff=0.0)
             raise ValueError(
-                f"`{owner}(options={{{key!r}: ...}})`: {key!r} is not an inductor option. Nearest valid ones: "
+                f"`{owner}(options={dict(options)!r})`: {key!r} is not an inductor option. Nearest valid ones: "
                 f"{', '.join(repr(n) for n in nearest)} (all of them: torch._inductor.list_options())."
             )
 
@@ -169,37 +169,49 @@ def validate_regions(regions: Any, owner: str = "compile_regions") -> str | tupl
     """Check and normalize ``regions``: ``None``, ``"auto"``, or a non-empty list of module classes or class names.
 
     A dotted string (``"torch.nn.TransformerEncoderLayer"``, ``"my_pkg.model.Block"``) is imported here, so a typo
-    fails at once; a bare name (``"Block"``) matches modules whose class has that name.
+    fails at once; a bare name (``"Block"``) matches modules whose class has that name, and must look like one (a
+    Python identifier starting with an upper-case letter), so ``"all"`` or ``"layers"`` is refused rather than
+    silently matching nothing.
 
     Raises:
         TypeError: if ``regions`` or one of its items has the wrong type.
-        ValueError: if the list is empty, or a dotted path does not import to an ``nn.Module`` subclass.
+        ValueError: if the list is empty, a string is neither ``"auto"``, a class path nor a class name, or a dotted
+            path does not import to an ``nn.Module`` subclass.
     """
     if regions is None or regions == "auto":
         return regions  # type: ignore[no-any-return]
+    expected = (
+        "Expected None (the whole model), 'auto' (its largest group of repeated blocks) or a list of module classes, "
+        "class paths ('torch.nn.TransformerEncoderLayer') or class names ('Block')."
+    )
+    if isinstance(regions, str) and not _is_class_reference(regions):
+        raise ValueError(f"`{owner}(regions={regions!r})` is not valid: {regions!r} is not a class name. {expected}")
     if isinstance(regions, (str, type)):
         regions = [regions]  # one class, or one class name: as a one-item list
     if not isinstance(regions, (list, tuple)):
-        raise TypeError(
-            f"`{owner}(regions={regions!r})` is not valid. Expected None (the whole model), 'auto' (its largest group "
-            "of repeated blocks) or a list of module classes or class paths."
-        )
+        raise TypeError(f"`{owner}(regions={regions!r})` is not valid. {expected}")
     if not regions:
-        raise ValueError(
-            f"`{owner}(regions=[])` selects nothing. Expected None, 'auto' or a non-empty list of module classes."
-        )
+        raise ValueError(f"`{owner}(regions=[])` selects nothing. {expected}")
     resolved: list[type[nn.Module] | str] = []
     for item in regions:
         if isinstance(item, type) and issubclass(item, nn.Module):
             resolved.append(item)
-        elif isinstance(item, str) and item.strip():
+        elif isinstance(item, str) and _is_class_reference(item.strip()):
             resolved.append(_module_class(item.strip(), owner) if "." in item else item.strip())
         else:
-            raise TypeError(
-                f"`{owner}(regions=[..., {item!r}, ...])`: {item!r} is not valid. Expected an nn.Module subclass or "
-                "its class path as a string (e.g. 'torch.nn.TransformerEncoderLayer')."
+            raise (ValueError if isinstance(item, str) else TypeError)(
+                f"`{owner}(regions={list(regions)!r})`: item {item!r} is not an nn.Module class or class name. "
+                + expected
             )
     return tuple(resolved)
+
+
+def _is_class_reference(text: str) -> bool:
+    """A dotted path (``"pkg.module.Class"``) or a plausible class name (an identifier starting upper-case)."""
+    parts = text.split(".")
+    if len(parts) > 1:
+        return all(part.isidentifier() for part in parts)
+    return text.isidentifier() and text[0].isupper()
 
 
 # ------------------------------------------------------------------------------------------------ choosing regions

@@ -126,7 +126,7 @@ def _trainer(root: Path, *callbacks: pl.Callback, **overrides: Any) -> pl.Traine
         (
             {"options": {"no_such_inductor_option": 1}},
             ValueError,
-            r"CompileCallback\(options=\{'no_such_inductor_option': ...\}\).*not an inductor option. Nearest valid",
+            r"CompileCallback\(options=\{'no_such_inductor_option': 1\}\).*not an inductor option. Nearest valid",
         ),
         (
             {"options": {"epilogue_fusin": False}},
@@ -135,6 +135,8 @@ def _trainer(root: Path, *callbacks: pl.Callback, **overrides: Any) -> pl.Traine
         ),
         ({"regions": []}, ValueError, r"CompileCallback\(regions=\[\]\)"),
         ({"regions": 4}, TypeError, r"CompileCallback\(regions=4\)"),
+        ({"regions": "all"}, ValueError, r"CompileCallback\(regions='all'\)` is not valid: 'all' is not a class name"),
+        ({"regions": [3]}, TypeError, r"CompileCallback\(regions=\[3\]\)`: item 3 is not an nn.Module class or class"),
         ({"regions": ["torch.nn.NotALayer"]}, ValueError, r"Cannot import the module class 'torch.nn.NotALayer'"),
         ({"stages": ["fit", "train"]}, ValueError, r"unknown stage 'train'.*fit, validate, test, predict"),
         ({"stages": []}, ValueError, r"no stage"),
@@ -142,6 +144,7 @@ def _trainer(root: Path, *callbacks: pl.Callback, **overrides: Any) -> pl.Traine
         ({"strict": "yes"}, TypeError, r"CompileCallback\(strict='yes'\)"),
         ({"warmup_steps": 0}, ValueError, r"CompileCallback\(warmup_steps=0\).*>= 1"),
         ({"warmup_steps": True}, ValueError, r"warmup_steps=True"),
+        ({"cache": 3}, TypeError, r"CompileCallback\(cache=3\)` is not valid. Expected None or a file or folder"),
     ],
 )
 def test_invalid_arguments_are_rejected(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
@@ -404,6 +407,39 @@ def test_stacks_with_channels_last_in_either_order(tmp_path: Path, compile_first
         isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_contiguous(memory_format=torch.channels_last)
         for v in placeholders
     )
+
+
+# ------------------------------------------------------------------------------------------------------ warm starts
+
+
+def test_cache_is_saved_after_a_fit_and_loaded_before_the_next_first_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, loaded = CountingBackend(), []
+
+    def load(data: bytes) -> str:  # records the bytes and how many graphs were compiled when they came
+        loaded.append((data, len(backend.graphs)))
+        return "info"
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (f"graphs {len(backend.graphs)}".encode(), 0))
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", load)
+    _trainer(tmp_path, CompileCallback(backend=backend, cache=tmp_path)).fit(TinyModule())  # a first run: no warning
+    assert (tmp_path / "torch_compile_cache.bin").is_file() and backend.graphs and loaded == []
+
+    failed = pytest.raises(ValueError, match="a real bug")
+    with failed:  # a failed fit saves nothing
+        _trainer(tmp_path, CompileCallback(backend=backend, cache=tmp_path / "failed.bin")).fit(
+            TinyModule(bug_at_step=1)
+        )
+    assert not (tmp_path / "failed.bin").exists()
+
+    torch._dynamo.reset()
+    callback, before = CompileCallback(backend=backend, cache=tmp_path), len(backend.graphs)
+    _trainer(tmp_path, callback).fit(TinyModule())
+    assert loaded == [(b"graphs 1", before)] and len(backend.graphs) > before  # loaded before the first compile
+    assert callback.report["cache_loaded"]
+    with pytest.warns(NoEffectWarning, match=r"another setup: modules \(file: '1 x TinyModule .*now: '1 x Tower"):
+        _trainer(tmp_path, CompileCallback(backend=backend, cache=tmp_path, regions=["Tower"])).fit(TinyModule())
 
 
 # ------------------------------------------------------------------------------------------------ real compilers

@@ -83,11 +83,13 @@ def test_compile_options_pass_everything_to_torch_compile() -> None:
     [
         ([], ValueError, r"regions=\[\]"),
         (3, TypeError, r"regions=3"),
-        ([nn.Linear, 3], TypeError, r"3 is not valid"),
-        ([dict], TypeError, r"is not valid"),
+        ([nn.Linear, 3], TypeError, r"item 3 is not an nn.Module class or class name"),
+        ([dict], TypeError, r"item <class 'dict'> is not an nn.Module class"),
+        ("all", ValueError, r"regions='all'\)` is not valid: 'all' is not a class name. Expected None .*'auto'"),
+        (["layers"], ValueError, r"item 'layers' is not an nn.Module class or class name"),
         (["torch.nn.NoSuchLayer"], ValueError, r"regions=\['torch.nn.NoSuchLayer'\]\).*Cannot import"),
         (["torch.nn.functional.relu"], ValueError, r"not a subclass of torch.nn.Module"),
-        ([""], TypeError, r"'' is not valid"),
+        ([""], ValueError, r"item '' is not"),
     ],
 )
 def test_validate_regions_rejects(regions, error, match) -> None:

@@ -1,0 +1,278 @@
+"""Warm starts for ``torch.compile``: carry a run's compiled code to the next process, keyed, in one file.
+
+:func:`save_compile_cache` writes, atomically (a temporary file in the same folder, then ``os.replace``), one file:
+
+- a first line naming the format, then one line of JSON: the key (:func:`compile_cache_key`: torch and Python
+  versions, device type and name, a hash of the compiled modules' structure, the compile options) and the name,
+  size and SHA-256 of each section that follows;
+- the bytes of ``torch.compiler.save_cache_artifacts()`` ("Mega-Cache": the FX-graph, AOTAutograd, autotuning and
+  dynamo-PGO cache entries this process made or used);
+- on the CPU, the C++ kernel libraries inductor compiled or loaded for them (``*.so`` in its cache folder, by their
+  path relative to it). torch bundles GPU (Triton) kernels into its FX-graph entries but not these, and building them
+  with the C++ compiler is most of a cold start on the CPU; without them a warm start there saves only a little.
+
+:func:`load_compile_cache` checks the format, each section's size and hash (a truncated or altered file is refused)
+and the key (a file of another torch, device, model or set of options is refused, naming what differed), then puts
+the kernel libraries back into inductor's cache folder (never over an existing file) and hands the artifact bytes to
+``torch.compiler.load_cache_artifacts()``. Any refusal is one :class:`~lightning_perf.NoEffectWarning` and the run
+compiles from cold.
+
+What is trusted: this module reads the header with ``json`` only and unpickles nothing. But the file is code, as a
+checkpoint loaded with ``weights_only=False`` is: ``load_cache_artifacts`` parses torch's own length-prefixed
+format into cache entries and writes them into torch's on-disk caches, from which torch later unpickles compiled
+graphs and imports generated Python code, and it loads the kernel libraries as native code. The hashes catch
+corruption, not an attacker (who can rewrite them): load only a cache file written by your own runs, kept where only
+they can write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_perf._warnings import NoEffectWarning, warn_once
+
+__all__ = [
+    "CACHE_FILE_NAME",
+    "compile_cache_key",
+    "compile_cache_path",
+    "compile_cache_supported",
+    "load_compile_cache",
+    "save_compile_cache",
+]
+
+#: The file name used when the cache path given is a folder.
+CACHE_FILE_NAME = "torch_compile_cache.bin"
+
+_MAGIC = b"lightning_perf torch.compile cache v1\n"
+_MAX_HEADER = 16 * 2**20
+
+log = logging.getLogger(__name__)
+
+
+def compile_cache_supported() -> bool:
+    """Whether this torch has ``torch.compiler.save_cache_artifacts`` and ``load_cache_artifacts``."""
+    return all(hasattr(torch.compiler, name) for name in ("save_cache_artifacts", "load_cache_artifacts"))
+
+
+def compile_cache_path(cache: str | os.PathLike[str]) -> Path:
+    """The cache file for ``cache``: itself, or :data:`CACHE_FILE_NAME` inside it if it is a folder (or ends in /)."""
+    path = Path(cache)
+    return path / CACHE_FILE_NAME if path.is_dir() or str(cache).endswith(("/", os.sep)) else path
+
+
+def compile_cache_key(
+    modules: Iterable[tuple[str, nn.Module]], compile_kwargs: Mapping[str, Any], device: torch.device
+) -> dict[str, Any]:
+    """What must match for a cache file to be used: torch, Python, the device, the compiled modules, the options.
+
+    The modules are described by their names, class names and parameter and buffer shapes and dtypes (hashed, with a
+    short readable summary); the options by ``repr`` (a callable backend by its qualified name).
+    """
+    structure, classes = [], []
+    for name, module in modules:
+        classes.append(type(module).__name__)
+        tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in (*module.named_parameters(), *module.named_buffers())]
+        structure.append([name, f"{type(module).__module__}.{type(module).__qualname__}", tensors])
+    digest = hashlib.sha256(json.dumps(structure).encode()).hexdigest()[:16]
+    counts = {cls: classes.count(cls) for cls in dict.fromkeys(classes)}
+    options = {
+        key: (getattr(value, "__qualname__", type(value).__qualname__) if callable(value) else value)
+        for key, value in compile_kwargs.items()
+    }
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": _device_name(device),
+        "modules": f"{', '.join(f'{n} x {cls}' for cls, n in counts.items())} ({digest})",
+        "options": repr(sorted(options.items())),
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(device)}"
+    if device.type == "cpu":
+        return f"cpu {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+    return device.type
+
+
+# ------------------------------------------------------------------------------------------------------------ saving
+
+
+def save_compile_cache(path: str | os.PathLike[str], key: Mapping[str, Any]) -> Path | None:
+    """Write this process's compile artifacts under ``key`` to ``path`` (see :func:`compile_cache_path`), atomically.
+
+    Returns the file written, or ``None`` (with a warning) when torch lacks the API or has nothing to save (no
+    inductor compilation ran, or its caches are disabled).
+    """
+    if not compile_cache_supported():
+        warn_once(_unsupported(), NoEffectWarning)
+        return None
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        warn_once(
+            f"torch.compile cache: nothing to save to {os.fspath(path)!r}: torch recorded no compile artifacts in "
+            "this process (no inductor compilation ran, or its FX-graph cache is disabled).",
+            NoEffectWarning,
+        )
+        return None
+    sections: list[tuple[dict[str, Any], bytes]] = [({"name": "torch"}, saved[0])]
+    sections += [({"name": "kernel", "path": rel}, data) for rel, data in _loaded_kernels()]
+    for meta, data in sections:
+        meta.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    header = json.dumps({"key": dict(key), "sections": [meta for meta, _ in sections]}).encode() + b"\n"
+    target = compile_cache_path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(target, [_MAGIC, header, *(data for _, data in sections)])
+    return target
+
+
+def _write_atomically(target: Path, chunks: Iterable[bytes]) -> None:
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            for chunk in chunks:
+                file.write(chunk)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _inductor_cache_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()).resolve()
+
+
+def _loaded_kernels() -> list[tuple[str, bytes]]:
+    """The C++ kernel libraries inductor loaded in this process, as (path relative to its cache folder, bytes)."""
+    try:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        names = list(CppPythonBindingsCodeCache._loaded_module_names)
+        root = _inductor_cache_dir()
+    except (ImportError, AttributeError):  # pragma: no cover - private names moved in another torch
+        return []
+    kernels = []
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file is None or not file.endswith(".so"):
+            continue
+        path = Path(file).resolve()
+        if path.is_file() and path.is_relative_to(root):
+            kernels.append((path.relative_to(root).as_posix(), path.read_bytes()))
+    return kernels
+
+
+# ----------------------------------------------------------------------------------------------------------- loading
+
+
+def load_compile_cache(path: str | os.PathLike[str], key: Mapping[str, Any]) -> bool:
+    """Load the cache file at ``path`` into torch's compile caches if it is intact and its key equals ``key``.
+
+    Returns whether it was loaded. A missing file (a first run) is said in the log; a truncated, altered or foreign
+    file is refused with one :class:`~lightning_perf.NoEffectWarning` saying why. Either way compilation starts from
+    cold.
+    """
+    target = compile_cache_path(path)
+    if not compile_cache_supported():
+        warn_once(_unsupported(), NoEffectWarning)
+        return False
+    if not target.exists():  # a first run: nothing saved yet, nothing wrong
+        log.info("torch.compile cache %s not found: this run compiles from cold and saves it.", os.fspath(target))
+        return False
+    try:
+        sections, saved_key = _read(target)
+    except (OSError, ValueError) as error:
+        _refuse(target, str(error))
+        return False
+    differences = [
+        f"{field} (file: {saved_key.get(field)!r}, now: {value!r})"
+        for field, value in key.items()
+        if saved_key.get(field) != value
+    ]
+    if differences:
+        _refuse(target, "it was written for another setup: " + "; ".join(differences))
+        return False
+    _restore_kernels([(meta["path"], data) for meta, data in sections if meta["name"] == "kernel"])
+    artifacts = [data for meta, data in sections if meta["name"] == "torch"]
+    if len(artifacts) != 1 or torch.compiler.load_cache_artifacts(artifacts[0]) is None:
+        _refuse(target, "torch could not read its artifacts (see torch's log)")
+        return False
+    return True
+
+
+def _read(target: Path) -> tuple[list[tuple[dict[str, Any], bytes]], dict[str, Any]]:
+    """The sections and key of a cache file; ``ValueError`` saying what is wrong with it."""
+    if not target.is_file():
+        raise ValueError("there is no such file")
+    with target.open("rb") as file:
+        if file.readline(len(_MAGIC)) != _MAGIC:
+            raise ValueError("it is not a lightning_perf torch.compile cache file")
+        line = file.readline(_MAX_HEADER)
+        body = file.read()
+    try:
+        header = json.loads(line)
+        metas = [dict(meta) for meta in header["sections"]]
+        sizes = [int(meta["size"]) for meta in metas]
+        key = dict(header["key"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"its header is damaged ({type(error).__name__}: {error})") from None
+    if sum(sizes) != len(body):
+        raise ValueError(f"it is truncated or padded ({len(body)} bytes of data, the header says {sum(sizes)})")
+    sections, offset = [], 0
+    for meta, size in zip(metas, sizes, strict=True):
+        data = body[offset : offset + size]
+        offset += size
+        if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+            raise ValueError(f"its {meta.get('name')!r} section does not match its SHA-256 (altered or corrupt)")
+        if meta.get("name") == "kernel" and not _plain_kernel_path(meta.get("path")):
+            raise ValueError(f"kernel path {meta.get('path')!r} is not a plain relative path to a .so file")
+        sections.append((meta, data))
+    return sections, key
+
+
+def _plain_kernel_path(relative: Any) -> bool:
+    """A relative ``a/b.so`` path of plain names: nothing absolute, no ``..``, nothing outside the cache folder."""
+    if not isinstance(relative, str) or not relative.endswith(".so"):
+        return False
+    return all(part.replace("_", "").replace(".", "").isalnum() and part != ".." for part in relative.split("/"))
+
+
+def _restore_kernels(kernels: list[tuple[str, bytes]]) -> None:
+    """Put kernel libraries back into inductor's cache folder, never over an existing file."""
+    root = _inductor_cache_dir() if kernels else None
+    for relative, data in kernels:
+        target = root.joinpath(*relative.split("/"))  # type: ignore[union-attr]
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomically(target, [data])
+
+
+def _refuse(target: Path, why: str) -> None:
+    warn_once(
+        f"torch.compile cache {os.fspath(target)!r} not used: {why}. Compilation starts from cold.",
+        NoEffectWarning,
+    )
+
+
+def _unsupported() -> str:
+    return (
+        f"torch {torch.__version__} has no torch.compiler.save_cache_artifacts / load_cache_artifacts: the compile "
+        "cache is neither saved nor loaded (every run compiles from cold)."
+    )
