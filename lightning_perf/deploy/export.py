@@ -252,10 +252,7 @@ def export_model(
     # The options are validate_options' parameters, each forwarded under its own name.
     opts = validate_options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES})
     _check_target(model, filename)
-    example = as_input_tuple(example_inputs)
-    if len(opts.dynamic_dims) > len(example):
-        raise ValueError(f"dynamic_dims names {len(opts.dynamic_dims)} inputs but the example has {len(example)}.")
-    specs = build_input_specs(example, opts.batch_range, opts.dynamic_dims)
+    example, specs = _input_specs(example_inputs, opts)
     source, batches = _real_batches(validation_data, input_key, example, specs, opts)
     exportable, ref_outputs = _reference(model, batches, opts)
     report = _new_report(opts, specs, source, metadata)
@@ -274,6 +271,14 @@ def export_model(
 
 
 _OPTION_NAMES = frozenset(inspect.signature(validate_options).parameters) - {"owner"}
+
+
+def _input_specs(example_inputs: Any, opts: Any) -> tuple[tuple[Tensor, ...], list[Any]]:
+    """The example as a tuple of tensors, and each input's spec (dtype, static sizes, dynamic ranges)."""
+    example = as_input_tuple(example_inputs)
+    if len(opts.dynamic_dims) > len(example):
+        raise ValueError(f"dynamic_dims names {len(opts.dynamic_dims)} inputs but the example has {len(example)}.")
+    return example, build_input_specs(example, opts.batch_range, opts.dynamic_dims)
 
 
 def _check_target(model: Any, filename: Any) -> None:
