@@ -6,23 +6,18 @@
   versions, device type and name, a hash of the compiled modules' structure, the compile options) and the name,
   size and SHA-256 of each section that follows;
 - the bytes of ``torch.compiler.save_cache_artifacts()`` ("Mega-Cache": the FX-graph, AOTAutograd, autotuning and
-  dynamo-PGO cache entries this process made or used);
-- on the CPU, the C++ kernel libraries inductor compiled or loaded for them (``*.so`` in its cache folder, by their
-  path relative to it). torch bundles GPU (Triton) kernels into its FX-graph entries but not these, and building them
-  with the C++ compiler is most of a cold start on the CPU; without them a warm start there saves only a little.
+  dynamo-PGO cache entries this process made or used).
 
 :func:`load_compile_cache` checks the format, each section's size and hash (a truncated or altered file is refused)
-and the key (a file of another torch, device, model or set of options is refused, naming what differed), then puts
-the kernel libraries back into inductor's cache folder (never over an existing file) and hands the artifact bytes to
-``torch.compiler.load_cache_artifacts()``. Any refusal is one :class:`~lightning_perf.NoEffectWarning` and the run
-compiles from cold.
+and the key (a file of another torch, device, model or set of options is refused, naming what differed), then hands
+the artifact bytes to ``torch.compiler.load_cache_artifacts()``. Any refusal is one
+:class:`~lightning_perf.NoEffectWarning` and the run compiles from cold.
 
-What is trusted: this module reads the header with ``json`` only and unpickles nothing. But the file is code, as a
-checkpoint loaded with ``weights_only=False`` is: ``load_cache_artifacts`` parses torch's own length-prefixed
-format into cache entries and writes them into torch's on-disk caches, from which torch later unpickles compiled
-graphs and imports generated Python code, and it loads the kernel libraries as native code. The hashes catch
-corruption, not an attacker (who can rewrite them): load only a cache file written by your own runs, kept where only
-they can write.
+What is trusted: this module reads the header with ``json`` only, unpickles nothing and writes nothing executable
+itself; it hands torch only torch's own artifacts, which torch reads the way it reads its on-disk compile caches (it
+unpickles compiled graphs from them). The hashes catch corruption, not an attacker (who can rewrite them): load only
+a cache file written by your own runs, kept where only they can write. On the CPU, inductor's C++ kernels are not in
+torch's artifacts and are built again in the warm run (most of a CPU cold start); on CUDA, Triton kernels are.
 """
 
 from __future__ import annotations
@@ -32,8 +27,6 @@ import json
 import logging
 import os
 import platform
-import sys
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_perf._io import atomic_write_bytes
 from lightning_perf._warnings import NoEffectWarning, warn_once
 
 __all__ = [
@@ -129,54 +123,13 @@ def save_compile_cache(path: str | os.PathLike[str], key: Mapping[str, Any]) -> 
         )
         return None
     sections: list[tuple[dict[str, Any], bytes]] = [({"name": "torch"}, saved[0])]
-    sections += [({"name": "kernel", "path": rel}, data) for rel, data in _loaded_kernels()]
     for meta, data in sections:
         meta.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
     header = json.dumps({"key": dict(key), "sections": [meta for meta, _ in sections]}).encode() + b"\n"
     target = compile_cache_path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(target, [_MAGIC, header, *(data for _, data in sections)])
+    atomic_write_bytes(target, b"".join([_MAGIC, header, *(data for _, data in sections)]))
     return target
-
-
-def _write_atomically(target: Path, chunks: Iterable[bytes]) -> None:
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            for chunk in chunks:
-                file.write(chunk)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def _inductor_cache_dir() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir()).resolve()
-
-
-def _loaded_kernels() -> list[tuple[str, bytes]]:
-    """The C++ kernel libraries inductor loaded in this process, as (path relative to its cache folder, bytes)."""
-    try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        names = list(CppPythonBindingsCodeCache._loaded_module_names)
-        root = _inductor_cache_dir()
-    except (ImportError, AttributeError):  # pragma: no cover - private names moved in another torch
-        return []
-    kernels = []
-    for name in names:
-        file = getattr(sys.modules.get(name), "__file__", None)
-        if file is None or not file.endswith(".so"):
-            continue
-        path = Path(file).resolve()
-        if path.is_file() and path.is_relative_to(root):
-            kernels.append((path.relative_to(root).as_posix(), path.read_bytes()))
-    return kernels
 
 
 # ----------------------------------------------------------------------------------------------------------- loading
@@ -209,7 +162,6 @@ def load_compile_cache(path: str | os.PathLike[str], key: Mapping[str, Any]) -> 
     if differences:
         _refuse(target, "it was written for another setup: " + "; ".join(differences))
         return False
-    _restore_kernels([(meta["path"], data) for meta, data in sections if meta["name"] == "kernel"])
     artifacts = [data for meta, data in sections if meta["name"] == "torch"]
     if len(artifacts) != 1 or torch.compiler.load_cache_artifacts(artifacts[0]) is None:
         _refuse(target, "torch could not read its artifacts (see torch's log)")
@@ -241,27 +193,10 @@ def _read(target: Path) -> tuple[list[tuple[dict[str, Any], bytes]], dict[str, A
         offset += size
         if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
             raise ValueError(f"its {meta.get('name')!r} section does not match its SHA-256 (altered or corrupt)")
-        if meta.get("name") == "kernel" and not _plain_kernel_path(meta.get("path")):
-            raise ValueError(f"kernel path {meta.get('path')!r} is not a plain relative path to a .so file")
+        if meta.get("name") != "torch":
+            raise ValueError(f"it holds a {meta.get('name')!r} section: only torch's own artifacts are loaded")
         sections.append((meta, data))
     return sections, key
-
-
-def _plain_kernel_path(relative: Any) -> bool:
-    """A relative ``a/b.so`` path of plain names: nothing absolute, no ``..``, nothing outside the cache folder."""
-    if not isinstance(relative, str) or not relative.endswith(".so"):
-        return False
-    return all(part.replace("_", "").replace(".", "").isalnum() and part != ".." for part in relative.split("/"))
-
-
-def _restore_kernels(kernels: list[tuple[str, bytes]]) -> None:
-    """Put kernel libraries back into inductor's cache folder, never over an existing file."""
-    root = _inductor_cache_dir() if kernels else None
-    for relative, data in kernels:
-        target = root.joinpath(*relative.split("/"))  # type: ignore[union-attr]
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomically(target, [data])
 
 
 def _refuse(target: Path, why: str) -> None:
