@@ -420,9 +420,11 @@ _COMPILE_SLOWDOWN = (
     SlowdownCause("always", "inductor's kernels gain little on this model and device"),
 )
 _COLD_COMPILE = (
-    "a cold compile takes ~30 s per process on a CPU (each bench run is a fresh process), more than the default "
-    "run's steps can win back; a long training run amortizes it"
+    "a cold compile takes ~30 s per process on a CPU, and without the model's structure (it could not be built "
+    "here) the bench cannot tell whether repeated blocks or convolutions would win it back"
 )
+"""Why compile is left out of a CPU's default set when the model's structure is unknown (with it, the structure
+decides: :func:`lightning_perf.benchmark.configs.structural_verdict`)."""
 _FLASH = "it acts on attention modules only, and gains most on a GPU in fp16/bf16: include it for a transformer"
 _QAT = "fake quantization adds work to every step: it measures the cost of QAT, not a speed-up"
 _TIME_FOR_MEMORY = "it trades step time for activation memory: slower by design, worth it when memory limits the batch"

@@ -14,12 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import lightning_perf.optimizations as optimizations
 from lightning_perf.optimizations import BASELINE, DEVICE_CAPABILITIES, Optimization
+
+if TYPE_CHECKING:
+    from lightning_perf.benchmark.structure import ModelStructure
 
 CallbackFactory = Callable[[], list[Any]]
 # A callback as LightningCLI writes it: its import path and its keyword arguments.
@@ -303,32 +306,110 @@ def device_offers(device: torch.device, capability: str) -> bool:
     return bool(has_fast_cpu_bf16() if native is None else native)
 
 
-def _why_left_out(optimization: Optimization, device: torch.device, capabilities: Mapping[str, bool]) -> str | None:
-    """Why the no-argument bench leaves ``optimization`` out on ``device``, in the entry's own words and with how to
-    include it; ``None`` when it is in."""
+def _why_left_out(
+    optimization: Optimization,
+    device: torch.device,
+    capabilities: Mapping[str, bool],
+    structure: ModelStructure | None = None,
+) -> str | None:
+    """Why the no-argument bench leaves ``optimization`` out on ``device`` for this model, in words naming what in the
+    model or the device decided it, with how to include it; ``None`` when it is in."""
+    where = "CUDA" if device.type == "cuda" else "CPU"
+    verdict = structural_verdict(optimization, device, structure) if structure is not None else None
+    if verdict is not None:
+        wanted, because = verdict
+        if wanted:
+            return get_config(optimization.name).why_not(device)
+        return f"left out because {because}; `--configs ...,{optimization.name}` to include it"
     if any(capabilities.get(c, False) for c in optimization.bench_default_on):
         return get_config(optimization.name).why_not(device)
     because = optimization.left_out_because
     if not because:
         on = " or ".join(DEVICE_CAPABILITIES[c] for c in optimization.bench_default_on)
         because = f"it is in the default set only on {on}" if on else "it is not in the default set"
-    where = "CUDA" if device.type == "cuda" else "CPU"
     return f"left out on {where} because {because}; `--configs ...,{optimization.name}` to include it"
 
 
+COMPILE_VARIANTS = ("compile", "compile_regional")
+"""The compile configurations the default set picks one of by the model's structure: ``compile_regional`` where the
+model has repeated blocks, else ``compile``."""
+
+
+def structural_verdict(
+    optimization: Optimization, device: torch.device, structure: ModelStructure
+) -> tuple[bool, str] | None:
+    """``(in the default set, why)`` for an optimization that acts on part of a model (convolutions, attention,
+    compiled regions), decided by ``structure``; ``None`` for one the model's structure does not decide."""
+    from lightning_perf.benchmark.structure import CONV_SHARE_MIN
+
+    model = structure.model
+    share = structure.conv_flop_share
+    if "convolutions" in optimization.model_needs:
+        if not structure.convolutions:
+            return False, f"{model} has no 2D or 3D convolution"
+        if share is not None and share < CONV_SHARE_MIN:
+            count = len(structure.convolutions)
+            return False, (
+                f"{model}'s {count} convolution{'s' if count > 1 else ''} carry {share:.1%} of a training step's "
+                f"FLOPs, under the {CONV_SHARE_MIN:.0%} where channels-last can pay"
+            )
+        return True, ""
+    if "attention" in optimization.model_needs:
+        if not structure.attention:
+            return False, f"{model} has no attention module the swap knows (nn.MultiheadAttention or an adapter's)"
+        if not structure.unfused_attention:
+            return (
+                False,
+                f"{model}'s attention already runs on scaled_dot_product_attention ({_few(structure.attention)})",
+            )
+        return True, ""
+    if optimization.name not in COMPILE_VARIANTS:
+        return None
+    blocks = structure.repeated_blocks
+    regional = optimization.name == "compile_regional"
+    if not (device.type == "cuda" or blocks or structure.conv_heavy):
+        return False, (
+            f"{model} has neither repeated blocks nor convolutions carrying {CONV_SHARE_MIN:.0%} of the FLOPs: a "
+            "cold compile (~30 s per process on a CPU) has little to win back"
+        )
+    if regional and not blocks:
+        return False, f"{model} has no repeated blocks to compile once (compile covers the whole model)"
+    if not regional and blocks:
+        return False, (
+            f"{model} has {len(blocks)} repeated {structure.block_class} blocks: compile_regional compiles one and "
+            "reuses it (a shorter cold compile)"
+        )
+    return True, ""
+
+
+def _few(names: tuple[str, ...], at_most: int = 2) -> str:
+    more = len(names) - at_most
+    return ", ".join(names[:at_most]) + (f" and {more} more" if more > 0 else "")
+
+
 def default_configs(
-    device: torch.device, capabilities: Mapping[str, bool] | None = None, stage: str = "fit"
+    device: torch.device,
+    capabilities: Mapping[str, bool] | None = None,
+    stage: str = "fit",
+    structure: ModelStructure | None = None,
 ) -> tuple[list[str], list[tuple[str, str]]]:
-    """The configurations of the no-argument ``lightning-perf bench`` on ``device``, chosen by capability.
+    """The configurations of the no-argument ``lightning-perf bench`` (and the tuner's default search) on ``device``,
+    chosen by the model's ``structure`` and the device's capabilities.
+
+    Where the model's structure decides (:func:`structural_verdict`): channels-last only where convolutions carry a
+    real share of the FLOPs, the attention swap where attention is not already on a fused kernel, a compile variant
+    (``compile_regional`` where there are repeated blocks, else ``compile``) on a GPU, and on a CPU when the model has
+    repeated blocks or convolutions. Elsewhere, and for every entry when ``structure`` is ``None``, the entry's
+    ``bench_default_on`` capabilities decide.
 
     Returns:
-        ``(names, left_out)``: ``baseline`` and every optimization whose ``bench_default_on`` capabilities the device
-        offers, which can run there and applies to ``stage``; and ``(name, why)`` for each optimization left out.
+        ``(names, left_out)``: ``baseline`` and every optimization chosen that can run there and applies to
+        ``stage``; and ``(name, why)`` for each optimization left out, naming what in the model or device decided it.
     """
     caps = device_capabilities(device) if capabilities is None else capabilities
     chosen, left_out = [BASELINE], []
     for optimization in optimizations.optimizations():
-        why = get_config(optimization.name).why_not_stage(stage) or _why_left_out(optimization, device, caps)
+        why = get_config(optimization.name).why_not_stage(stage) or _why_left_out(optimization, device, caps, structure)
         if why is None:
             chosen.append(optimization.name)
         else:

@@ -88,20 +88,19 @@ def settling_lines(report: BenchReport) -> list[str]:
 
 
 def cold_start_lines(report: BenchReport) -> list[str]:
-    """One line with each configuration's cold first step when one took over twice baseline's (a compile with an
-    empty cache: what the first run of a fresh process pays before the steady state)."""
-    first = {s.config: s.get("first_step_s") for s in report.summaries if s.get("first_step_s")}
-    base = first.get(BASELINE)
-    if base is None or not any(value > 2 * base for value in first.values()):
-        return []
-    cells = ", ".join(f"{name} {value:.1f} s" for name, value in first.items())
-    return [f"cold first step (compiling with an empty cache included): {cells}"]
+    """One line per compiled configuration: its cold first step (its first process compiles; the later ones start
+    from the configuration's cache) apart from the warm ones, and after how many training steps it pays for itself
+    (:func:`~lightning_perf.benchmark.payback.compile_costs`)."""
+    from lightning_perf.benchmark.payback import compile_costs
+
+    return [cost.text() for cost in compile_costs(report.summaries, report.runs)]
 
 
 def console_lines(report: BenchReport, width: int = CONSOLE_WIDTH) -> list[str]:
     """The bench's closing output as lines of at most ``width`` characters (the table, its legend, notes, warnings,
     the settling of the repeats and the recommendation)."""
     from lightning_perf.benchmark import report as tables
+    from lightning_perf.benchmark.threads import threads_line
     from lightning_perf.benchmark.utilization import unknown_mfu_lines
 
     opts = report.options
@@ -116,7 +115,8 @@ def console_lines(report: BenchReport, width: int = CONSOLE_WIDTH) -> list[str]:
         heading += " batches"
     rows = [[_break_stack(str(row[0])), *row[1:]] for row in rows]
     columns, rows = _drop_empty_columns(columns, rows)
-    lines = text_table(columns, rows, title=heading, width=width).splitlines()
+    lines = [text for text in (threads_line(report.machine),) if text]  # "threads: 1 (2 cores, load 1.4)"
+    lines += text_table(columns, rows, title=heading, width=width).splitlines()
     lines += wrap_lines(legend, width)
     prose: list[str] = [f"note: {note}" for note in report.notes]
     prose += tables.reliability_lines(report) + mark_lines(report)

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lightning_perf.benchmark.payback import compile_costs
 from lightning_perf.benchmark.results import ONE_REPEAT
 from lightning_perf.benchmark.utilization import MFU_LEGEND, mfu_cell, utilization_lines, utilization_markdown
 from lightning_perf.optimizations import BASELINE
@@ -46,8 +47,9 @@ TABLE_LEGEND = (
     "step ms: steady-state median (min-max of the per-repeat medians); speed-up: baseline step time / step time, "
     "paired within a repeat (geometric mean of the paired ratios) with its 95% interval and verdict: faster or "
     "slower when the interval excludes 1, else no clear difference; warm-up s: first warm-up steps, compilation "
-    "included; first step s: the first training step, cold (compiling with an empty cache "
-    "included); step memory: steady-state peak above the memory in use after warm-up, and its ratio to baseline's; "
+    "included; first step s: the first training step of the configuration's first process, cold (compiling with "
+    "an empty cache included; its later processes share that cache); step memory: steady-state peak above the "
+    "memory in use after warm-up, and its ratio to baseline's; "
     "predict: inference throughput and baseline predict time / predict time. '?' and (disturbed): the machine was "
     "busy with other work or the samples scattered (see the reliability warnings): do not trust that figure."
 )
@@ -317,6 +319,10 @@ def markdown_report(report: BenchReport) -> str:
         ]
     if report.notes:
         lines += ["Notes:", ""] + [f"- {note}" for note in report.notes] + [""]
+    costs = compile_costs(report.summaries, report.runs)
+    if costs:
+        lines += ["Compiled configurations (the first process compiles cold, later ones start from its cache):", ""]
+        lines += [f"- `{c.config}`{c.text()[len(c.config) :]}" for c in costs] + [""]
     unsettled = [s for s in report.summaries if s.unsettled]
     if unsettled:
         lines += ["Not settled:", ""] + [f"- `{s.config}`: {s.unsettled}" for s in unsettled] + [""]

@@ -15,7 +15,10 @@ time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain nu
                  "test"), source (the user's model, null for a workload: {kind: "import", model, datamodule,
                  model_args, datamodule_args} or {kind: "config", configs: [paths], model, datamodule, ...}; workload
                  is then the model's class name), precision_from ("--config" when the file's precision is the run's),
-                 ignored_trainer_settings (the file's trainer keys the bench decides itself))
+                 ignored_trainer_settings (the file's trainer keys the bench decides itself), structure (the model's
+                 facts that chose the default set, benchmark.structure.ModelStructure.to_dict(): model, convolutions,
+                 conv_flop_share, linear_flop_share, attention, fused_attention, repeated_blocks, block_class,
+                 unknown; null when --configs was given))
     notes        [str]: a configuration's own precision over the run's, a callback that did not apply (its
                  NoEffectWarning), a fit run that timed no inference
     machine      profiling.machine.describe_machine(): cpu, cpu_count, torch_threads, cpu_flags {avx2, avx512f,
@@ -29,7 +32,11 @@ time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain nu
     reliability  {reliable: bool, causes: [str], disturbed_runs: ["<config>, repeat <n>"], disturbed_configs: [...],
                   cores_used, cpu_count, runs_watched, other_cores_mean, other_cores_max, steal_share_max,
                   load_average_max, frequency_share_min, dispersion: {config: {repeat_spread, outlier_step_share}}}
-    left_out     [{config, reason}]: configurations the no-argument bench did not run on this device, and why
+    left_out     [{config, reason}]: configurations the no-argument bench did not run for this model on this device,
+                 and what in the model or the device decided it
+    recommendation  {stack, configs, dropped, speedup, lines} (benchmark.answer.recommendation_record); where the
+                 recommended configuration compiles, also cold_first_step_s and break_even_steps (training steps after
+                 which the cold compile is repaid; null unless its speed-up's interval lies above 1)
     summary      one row per configuration (ConfigSummary below):
         config, runs, skipped, error, disturbed (bool), likely_cause (str | null, for a slower configuration)
         step_median_s, step_min_s, step_max_s (smallest and largest per-repeat median), step_p10_s, step_p90_s
@@ -40,7 +47,9 @@ time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain nu
             "t interval over paired repeats" | "bootstrap over paired steps"
             | "one paired repeat: no interval", speedup_n (paired repeats), speedup_min / speedup_max (per-repeat)
             (baseline's own row: speedup 1.0, the rest null)
-        throughput (samples/s at the median step), warmup_s, model_init_s, first_batch_s, first_forward_s
+        throughput (samples/s at the median step), warmup_s, model_init_s, first_batch_s, first_forward_s,
+            first_step_s (the first step of the configuration's first process: cold, where its processes share one
+            compile cache; the warm ones and the break-even: benchmark.payback.compile_costs(summary, runs))
         peak_memory_bytes, step_memory_bytes; memory_ratio: step memory / baseline's, with memory_ratio_ci95,
             memory_ratio_verdict ("less memory" | "more memory" | "no clear difference"), _method, _n
         predict_step_median_s, predict_step_times_s (per repeat), predict_throughput; predict_speedup: baseline
@@ -69,9 +78,10 @@ from __future__ import annotations
 import math
 import shlex
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +93,7 @@ from lightning_perf.benchmark.rounds import run_rounds
 from lightning_perf.benchmark.settle import Settling
 from lightning_perf.benchmark.spec import BenchSpec, RunSpec
 from lightning_perf.benchmark.stack import Stack, choose_stack
+from lightning_perf.benchmark.threads import decide_for_run
 from lightning_perf.benchmark.utilization import PeakFn, add_utilization, machine_peak, matmul_setting
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.optimizations import BASELINE, INFERENCE_STAGES
@@ -93,6 +104,7 @@ from lightning_perf.profiling.stats import median, median_of_repeats, percentile
 __all__ = [
     "INFERENCE_RATIOS",
     "add_likely_causes",
+    "add_payback",
     "mark_disturbed",
     "precision_notes",
     "run_benchmark",
@@ -166,6 +178,8 @@ def run_benchmark(
     command = command or _command_for(spec)
     run_info = run_metadata(list(argv) if argv is not None else shlex.split(command))
     machine = describe_machine()
+    threads = decide_for_run(spec.threads, machine)  # one count for every configuration (benchmark.threads)
+    spec = replace(spec, threads=threads.threads)
     settling = None if spec.repeats is not None else Settling(spec.target, spec.time_budget_s, clock=clock)
     monitor = monitor if monitor is not None else ConditionMonitor()
     order = list(spec.names)
@@ -179,13 +193,17 @@ def run_benchmark(
     peaks: dict[tuple[str, bool], Any] = {}
     add_utilization(summaries, _peak_lookup(spec, machine, peak, peaks))
     machine = {**machine, "device": spec.device, "device_reason": spec.device_reason, "mfu_peaks": _peak_rows(peaks)}
+    machine["threads"] = threads.to_dict()
     source = spec.source or {}
     answer = recommendation_record(stack, summaries, config_file=source.get("kind") == "config") if stack_phase else {}
+    runs_done = [asdict(r) for name in order for r in runs.results[name]]
+    if answer:
+        add_payback(answer, stack, summaries, runs_done)
     return BenchReport(
         options=spec.to_dict(),
         command=command,
         summaries=summaries,
-        runs=[asdict(r) for name in order for r in runs.results[name]],
+        runs=runs_done,
         wall_s=clock() - runs.start,
         settling=settling_record(settling, decisions, rounds, summaries),
         recommendation=answer,
@@ -199,6 +217,34 @@ def run_benchmark(
         + _no_effect_notes(runs.results)
         + _predict_skipped_notes(runs.results),
     )
+
+
+def add_payback(
+    answer: dict[str, Any], stack: Stack, summaries: Sequence[ConfigSummary], runs: Sequence[dict[str, Any]]
+) -> None:
+    """Where the recommended configuration compiles: its cold first step and break-even into the recommendation
+    (``cold_first_step_s``, ``break_even_steps``) and a line before the code to add."""
+    from lightning_perf.benchmark.answer import RATIO, estimates_from
+    from lightning_perf.benchmark.payback import compile_costs, compiles, payback_phrase
+    from lightning_perf.benchmark.stack import recommended_names
+
+    row = next((s for s in summaries if s.config == stack.name), None)
+    names = recommended_names(stack, row.estimate(RATIO) if row is not None else None, estimates_from(summaries))
+    what = "+".join(names)
+    cost = next((c for c in compile_costs(summaries, runs) if c.config == what), None)
+    if not compiles(what) or cost is None:
+        return
+    answer["cold_first_step_s"], answer["break_even_steps"] = cost.cold_first_step_s, cost.break_even_steps
+    text = f"It compiles: its first step took {cost.cold_first_step_s:.1f} s cold"
+    if cost.break_even_steps is not None:
+        text += f"; it {payback_phrase(cost.break_even_steps)}."
+    else:
+        text += f"; {cost.why}."
+    lines = answer.setdefault("lines", [])
+    at = next(
+        (i for i, line in enumerate(lines) if line.startswith(("Add to your Trainer:", "Or in your"))), len(lines)
+    )
+    lines[at:at] = textwrap.wrap(text, 80, subsequent_indent="  ")
 
 
 def _rerun_notes(set_aside: list[tuple[str, int, str]]) -> list[str]:
@@ -253,7 +299,7 @@ class _Runs:
 
         from lightning_perf.profiling.step_phases import usable_cpus
 
-        cores = 1 if self.spec.device.startswith("cuda") else torch.get_num_threads()
+        cores = 1 if self.spec.device.startswith("cuda") else self.spec.threads or torch.get_num_threads()
         verdict = assess([conditions], {}, cores_used=cores, cpu_count=usable_cpus())
         return verdict.causes[0].split(":")[0] if verdict.disturbed_runs else None
 
@@ -319,7 +365,7 @@ def _judged_summaries(runs: _Runs, machine: dict[str, Any]) -> tuple[list[Config
     reliability = assess(
         runs.watched,
         {s.config: s.step_times_s for s in summaries if s.step_times_s},
-        cores_used=1 if runs.spec.device.startswith("cuda") else torch.get_num_threads(),
+        cores_used=1 if runs.spec.device.startswith("cuda") else runs.spec.threads or torch.get_num_threads(),
         cpu_count=int(machine.get("cpu_count_usable") or machine.get("cpu_count") or 1),
     )
     mark_disturbed(summaries, reliability, runs.watched)
@@ -405,10 +451,11 @@ def _step_samples(result: RunResult) -> list[float]:
     return list(result.step_times_s) or ([result.step_median_s] if result.step_median_s else [])
 
 
-_MEDIAN_FIGURES = ("throughput", "warmup_s", "model_init_s", "first_batch_s", "first_forward_s", "first_step_s",
+_MEDIAN_FIGURES = ("throughput", "warmup_s", "model_init_s", "first_batch_s", "first_forward_s",
                    "peak_memory_bytes", "step_memory_bytes", "predict_step_median_s", "predict_throughput",
                    "final_train_loss")  # fmt: skip
-"""The one-per-run figures a summary takes the median of over its repeats."""
+"""The one-per-run figures a summary takes the median of over its repeats (``first_step_s`` is the first process's:
+the cold one, where the configuration's processes share a compile cache)."""
 
 
 def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
@@ -439,6 +486,7 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
             summary.step_p10_s, summary.step_p90_s = percentile(pooled, 10.0), percentile(pooled, 90.0)
         for figure in _MEDIAN_FIGURES:
             setattr(summary, figure, _median([getattr(r, figure, None) for r in ok]))
+        summary.first_step_s = next((r.first_step_s for r in runs if r.ok and r.first_step_s), None)  # in run order
         summary.flops_per_step = next((r.flops_per_step for r in ok if r.flops_per_step), None)
         if summary.flops_per_step is None:
             summary.flops_error = next((r.flops_error for r in ok if r.flops_error), None)

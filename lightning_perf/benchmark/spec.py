@@ -136,6 +136,7 @@ class RunSettings:
         num_workers: DataLoader workers.
         source: the user's model (``ModelSource.to_dict()``); ``None``: the reference workload.
         stage: ``fit``, or an inference stage measured per batch (``predict``, ``validate``, ``test``).
+        threads: every worker's intra-op threads; ``None``: decided at the run's start (benchmark.threads).
     """
 
     workload: str = "convnet"
@@ -150,6 +151,7 @@ class RunSettings:
     num_workers: int = 0
     source: dict[str, Any] | None = None
     stage: str = "fit"
+    threads: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,7 +178,8 @@ class BenchSpec(RunSettings):
 
     Args (beyond :class:`RunSettings`, whose ``device`` also takes ``auto`` and whose ``preset`` takes ``None``, the
     device's default size):
-        configs: the configurations: ``None`` (the device's default set), ``"all"``, a comma-separated string or a
+        configs: the configurations: ``None`` (the default set for this model's structure and this device, see
+            :func:`~lightning_perf.benchmark.configs.default_configs`), ``"all"``, a comma-separated string or a
             sequence of names, each a registered name or a ``+``-joined stack. Resolved to a tuple, ``baseline``
             first, without duplicates and without the ones that do not apply to ``stage`` (those go to ``left_out``).
         repeats: runs per configuration, interleaved; ``None`` (``--repeats auto``): until every speed-up's 95%
@@ -189,6 +192,10 @@ class BenchSpec(RunSettings):
         ignored_trainer_settings: the ``--config`` file's trainer keys the bench decides itself.
         left_out: ``(configuration, why)`` for each one not run; filled on construction.
         device_reason: why this device (``"auto: no CUDA device is visible"``); filled on construction.
+        structure: the model's structure that chose the default set
+            (:meth:`~lightning_perf.benchmark.structure.ModelStructure.to_dict`); with ``configs`` None and no
+            structure given, probed on construction by building the model once in this process
+            (:func:`~lightning_perf.benchmark.structure.structure_of_source`).
 
     Raises:
         SpecError: (a ``ValueError``) naming the setting, the value as given and what is expected.
@@ -206,6 +213,7 @@ class BenchSpec(RunSettings):
     ignored_trainer_settings: Mapping[str, Any] = field(default_factory=dict)
     left_out: tuple[tuple[str, str], ...] = ()
     device_reason: str = ""
+    structure: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -220,6 +228,8 @@ class BenchSpec(RunSettings):
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
             raise SpecError("time_budget_s", budget, "a number of seconds > 0")
         _positive(self, "num_workers", 0)
+        if self.threads is not None:
+            _positive(self, "threads", 1)
         if self.batch_size is not None:
             _positive(self, "batch_size", 1)
         sizes = tuple(self.batch_sizes)
@@ -233,8 +243,12 @@ class BenchSpec(RunSettings):
         if self.source is None:
             check_workload(self.workload)
         preset = check_preset(self.preset, device.split(":")[0])
-        configs, left_out = _resolve_configs(self.configs, device, self.stage, self.left_out)
+        structure = self.structure
+        if self.configs is None and structure is None:
+            structure = _probe(self, preset)
+        configs, left_out = _resolve_configs(self.configs, device, self.stage, self.left_out, structure)
         set_ = object.__setattr__
+        set_(self, "structure", None if structure is None else dict(structure))
         set_(self, "device", device)
         set_(self, "device_reason", self.device_reason if self.device == device and self.device_reason else why)
         set_(self, "preset", preset)
@@ -297,16 +311,37 @@ def check_config_names(configs: str | Sequence[str], owner: str = "BenchSpec") -
     return tuple(resolved)
 
 
+def _probe(spec: BenchSpec, preset: str) -> dict[str, Any] | None:
+    """The structure of the model ``spec`` benches, built once here (``None`` when it cannot be built here)."""
+    from lightning_perf.benchmark.structure import structure_of_source
+
+    found = structure_of_source(
+        spec.source, workload=spec.workload, preset=preset, seed=spec.seed, batch_size=spec.batch_size
+    )
+    return None if found is None else found.to_dict()
+
+
 def _resolve_configs(
-    configs: str | Sequence[str] | None, device: str, stage: str, left_out: Sequence[tuple[str, str]]
+    configs: str | Sequence[str] | None,
+    device: str,
+    stage: str,
+    left_out: Sequence[tuple[str, str]],
+    structure: Mapping[str, Any] | None = None,
 ) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     """The names to run (``baseline`` first) and the ones left out with why; every name is looked up here, once."""
     import torch
 
     from lightning_perf.benchmark import configs as registry
+    from lightning_perf.benchmark.structure import ModelStructure
 
     if configs is None:
-        names, out = registry.default_configs(torch.device(device), stage=stage)
+        facts = None
+        if structure is not None:
+            try:
+                facts = ModelStructure.from_dict(structure)
+            except (TypeError, ValueError) as exc:
+                raise SpecError("structure", structure, f"ModelStructure.to_dict() fields ({exc})") from None
+        names, out = registry.default_configs(torch.device(device), stage=stage, structure=facts)
         return tuple(names), tuple(out)
     if isinstance(configs, str) and configs.strip() == "all":
         names, out = registry.split_by_stage(registry.available_configs(), stage)

@@ -30,6 +30,7 @@ __all__ = [
     "is_winner",
     "looks_faster",
     "recommendation_lines",
+    "recommended_names",
     "trainer_python",
     "trainer_yaml",
     "wanting_evidence",
@@ -216,6 +217,20 @@ def trainer_yaml(names: Sequence[str], lookup: Lookup = optimizations.get) -> li
     return lines
 
 
+def recommended_names(
+    stack: Stack, stack_estimate: RatioEstimate | None, singles: Mapping[str, RatioEstimate | None]
+) -> tuple[str, ...]:
+    """What the recommendation puts in the Trainer: the stack, or its best single part where the stack measured
+    below that part alone; ``()`` when nothing won."""
+    if len(stack.names) <= 1:
+        return stack.names
+    best = max(stack.names, key=lambda n: e.ratio if (e := singles.get(n)) is not None else 0.0)
+    best_single = singles.get(best)
+    if stack_estimate is not None and best_single is not None and stack_estimate.ratio < best_single.ratio:
+        return (best,)
+    return stack.names
+
+
 def recommendation_lines(
     stack: Stack,
     stack_estimate: RatioEstimate | None,
@@ -244,19 +259,13 @@ def recommendation_lines(
     if not stack.names:
         head = "Recommendation: none yet; keep your Trainer as it is until a run settles what follows."
         return [part for line in [head, *short] for part in textwrap.wrap(line, width, subsequent_indent="  ")]
-    best = max(stack.names, key=lambda n: e.ratio if (e := singles.get(n)) is not None else 0.0)
-    names: Sequence[str] = stack.names
-    figure = stack_estimate
+    names = recommended_names(stack, stack_estimate, singles)
+    figure = stack_estimate if len(names) > 1 else singles.get(names[0])
     lines = []
-    if len(stack.names) == 1:
-        figure = singles.get(best)
-    elif (
-        stack_estimate is not None
-        and (best_single := singles.get(best)) is not None
-        and stack_estimate.ratio < best_single.ratio
-    ):
-        lines.append(f"The stack {stack.name} measured {stack_estimate.format()}, below {best} alone: use {best}.")
-        names, figure = (best,), best_single
+    if len(names) < len(stack.names):
+        lines.append(
+            f"The stack {stack.name} measured {stack_estimate.format()}, below {names[0]} alone: use {names[0]}."  # type: ignore[union-attr]
+        )
     what = "+".join(names)
     if figure is None:
         head = f"Recommendation: {what} (the stack could not be measured: see the table)."

@@ -258,6 +258,10 @@ def _own_model_settings(args: argparse.Namespace, parser: argparse.ArgumentParse
 
     source, model, datamodule = load_user_source(args)
     settings: dict[str, Any] = {"workload": type(model).__name__, "source": source.to_dict()}
+    if args.configs is None:  # the default set follows the model's structure: probed on the model built here
+        from lightning_perf.benchmark.structure import structure_of
+
+        settings["structure"] = structure_of(model, datamodule).to_dict()
     file_precision = source.trainer_settings().get("precision")
     if args.precision is None and file_precision is not None:
         settings.update(precision=str(file_precision), precision_from="--config")

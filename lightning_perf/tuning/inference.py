@@ -25,10 +25,13 @@ speed only: the recommendation says so and asks for an accuracy check.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_perf.optimizations import INFERENCE_STAGES, STAGES, optimizations, tuner_search_list
 from lightning_perf.tuning.capabilities import ModelCapabilities, skip_reason
+
+if TYPE_CHECKING:
+    from lightning_perf.benchmark.structure import ModelStructure
 
 __all__ = [
     "MIN_TIMED_BATCHES",
@@ -94,7 +97,12 @@ class SearchPlan:
 
 
 def search_plan(
-    stage: str, precisions: Any = None, optimization_names: Any = None, *, device: Any = None
+    stage: str,
+    precisions: Any = None,
+    optimization_names: Any = None,
+    *,
+    device: Any = None,
+    structure: ModelStructure | None = None,
 ) -> SearchPlan:
     """The precisions and optimizations to try for ``stage``; the ones that do not apply to it are left out with the
     reason (e.g. ``fused_optimizer``: "applies to training only, not to predict").
@@ -103,8 +111,16 @@ def search_plan(
         stage: the Trainer stage tuned for.
         precisions: the user's list (None: :func:`precision_names`; on a CPU ``device`` the fp16 autocast of
             ``16-mixed``, whose entry requires CUDA, is left out, as the fit search does).
-        optimization_names: the user's list (None: the registry's optimization stage).
+        optimization_names: the user's list (None: the registry's optimization stage, decided by ``structure`` as the
+            bench's default set is: see below).
         device: the device (``"cpu"``, ``"cuda:0"``, a ``torch.device``), to choose the default precisions.
+        structure: the model's structure (:func:`~lightning_perf.benchmark.structure.structure_of`). With the
+            default optimizations, what the structure rules out is left out with the model's fact
+            (:func:`~lightning_perf.benchmark.configs.structural_verdict`: channels-last without convolutions carrying
+            5% of the FLOPs, the attention swap where attention is already fused, compile on a CPU for a model with
+            neither repeated blocks nor convolutions), and off CUDA ``compile`` is searched as ``compile_regional``
+            where the model has repeated blocks (on CUDA, ``compile_reduce_overhead`` is tried in place of
+            ``compile``, so the whole-model compile stays).
     """
     from lightning_perf.benchmark.configs import get_config
 
@@ -112,14 +128,38 @@ def search_plan(
         cuda = str(device).startswith("cuda")
         # Left out by default where the entry needs CUDA and the device is not one (fp16 autocast with a scaler).
         precisions = tuple(p for p in precision_names(stage) if cuda or "cuda" not in _requires(p))
+    left_out: dict[str, str] = {}
     if optimization_names is None:
         optimization_names = tuner_search_list("optimization")
-    left_out: dict[str, str] = {}
+        if structure is not None:
+            optimization_names, left_out = _by_structure(optimization_names, device, structure)
     for name in (*precisions, *optimization_names):
         why = get_config(name).why_not_stage(stage)
         if why is not None:
             left_out[name] = why
     return SearchPlan(stage, tuple(precisions), tuple(optimization_names), left_out)
+
+
+def _by_structure(names: tuple[str, ...], device: Any, structure: ModelStructure) -> tuple[tuple[str, ...], dict]:
+    """The default search list for this model: ``compile`` as ``compile_regional`` off CUDA where the model has
+    repeated blocks, and ``{name: why}`` for what its structure rules out."""
+    import torch
+
+    from lightning_perf.benchmark.configs import COMPILE_VARIANTS, structural_verdict
+    from lightning_perf.optimizations import get
+
+    where = torch.device(device if device is not None else "cpu")
+    cuda = where.type == "cuda"
+    if not cuda and structure.repeated_blocks:
+        names = tuple("compile_regional" if n == "compile" else n for n in names)
+    left_out = {}
+    for name in names:
+        if cuda and name in COMPILE_VARIANTS:
+            continue
+        verdict = structural_verdict(get(name), where, structure)
+        if verdict is not None and not verdict[0]:
+            left_out[name] = verdict[1]
+    return names, left_out
 
 
 def _requires(name: str) -> tuple[str, ...]:

@@ -68,23 +68,25 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return seen
 
 
-def test_no_arguments_choose_by_capability_and_say_what_was_left_out(
+def test_no_arguments_choose_by_capability_and_structure_and_say_what_was_left_out(
     fake_bench: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["bench"]) == 0
     options = fake_bench["options"]
-    assert list(options.configs) == ["baseline", "channels_last", "fused_optimizer"]
+    # the convnet's convolutions and repeated blocks: channels_last and compile_regional; the device: no bf16
+    assert list(options.configs) == ["baseline", "channels_last", "compile_regional", "fused_optimizer"]
     assert (options.steps, options.warmup_steps, options.repeats, options.preset) == (15, 3, None, "default")
     assert (options.target, options.time_budget_s) == (0.05, 150.0)  # --repeats auto by default
     printed = capsys.readouterr().out
     assert "bf16-mixed: left out on CPU because this CPU has no bf16 instructions" in printed
-    assert "compile: left out on CPU because a cold compile takes ~30 s per process" in " ".join(printed.split())
+    assert "compile: left out because ConvNetModule has 6 repeated BasicBlock blocks" in " ".join(printed.split())
+    assert "flash_attention: left out because ConvNetModule has no attention module" in " ".join(printed.split())
     assert all(len(line) <= 80 for line in printed.splitlines() if not line.startswith(("[", "wrote ")))
     assert "bf16 would be emulated" in printed
     # piped: one plain line per finished run, no progress bar
     lines = [line for line in printed.splitlines() if line.startswith("[")]
-    assert len(lines) == 9 and lines[0].startswith("[1/9] baseline repeat 1/3: step 100.0 ms, elapsed")
+    assert len(lines) == 12 and lines[0].startswith("[1/12] baseline repeat 1/3: step 100.0 ms, elapsed")
     assert "about" in lines[0] and "left" in lines[0]
     written = [line.removeprefix("wrote ") for line in printed.splitlines() if line.startswith("wrote ")]
     assert written[:2] == [str(Path("bench-results/convnet.json")), str(Path("bench-results/convnet.md"))]
