@@ -5,7 +5,8 @@ A run is a :class:`~lightning_perf.benchmark.worker.RunSpec` plus, optionally, a
 worker builds the reference workload the spec names (the bench's). The child is started with ``spawn``, so no compiled
 graph, allocator cache or backend flag leaks from one run into the next; it ends itself when its parent is gone; its
 output goes to a log file whose tail becomes the error when it dies without a result. CPU memory is measured with
-``MALLOC_MMAP_THRESHOLD_`` set (see :mod:`lightning_perf.profiling.memory`).
+``MALLOC_MMAP_THRESHOLD_`` set (see :mod:`lightning_perf.profiling.memory`); ``RunSpec.threads`` is in the child's
+environment before torch starts (:func:`~lightning_perf.benchmark.threads.thread_env`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf.benchmark.spec import RunSpec
+from lightning_perf.benchmark.threads import thread_env
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.profiling import TRUTHFUL_CPU_MEMORY_ENV
 
@@ -94,10 +96,12 @@ def run_isolated(
     result_path, log_path = workdir / f"{stem}.json", workdir / f"{stem}.log"
     context = multiprocessing.get_context("spawn")
     process = context.Process(target=_child, args=(asdict(spec), source, str(result_path), str(log_path)), name=name)
-    # A fresh compile cache per run: a compiled configuration's first step is a cold compile, as on a new machine
-    # (a cache shared between runs would make every run after the first a warm one).
-    cache = workdir / f"{stem}-compile-cache"
+    # One compile cache per configuration within the workdir (one bench, one tuning): its first process pays the
+    # cold compile, as on a new machine, and its later repeats start warm, as a user's second run does; the report
+    # keeps that cold first step apart (benchmark.payback). Nothing is shared between configurations or benches.
+    cache = workdir / f"{name}-{spec.config.replace('+', '_')}-compile-cache"
     env = {
+        **thread_env(spec.threads),
         **TRUTHFUL_CPU_MEMORY_ENV,
         "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),

@@ -79,6 +79,7 @@ class RunResult:
     trainer_settings: list[str] = field(default_factory=list)  # the --config file's trainer keys applied
     predict_skipped: str | None = None  # why a fit run timed no inference (a user's data without a predict split)
     no_effect: list[str] = field(default_factory=list)  # a callback's own "did not apply" (NoEffectWarning) texts
+    threads: int | None = None  # the intra-op threads the run used (RunSpec.threads, else torch's default)
 
 
 class _StepClock(Callback):
@@ -315,11 +316,19 @@ def run(spec: RunSpec, build: Builder | None = None) -> RunResult:
 
     ``build`` makes the model and data module (default: :func:`build_reference_workload`); the auto-tuner passes one
     that loads the user's own and applies the spec's batch size and loader settings to them. A callback's
-    :class:`~lightning_perf.NoEffectWarning` is kept in ``no_effect``.
+    :class:`~lightning_perf.NoEffectWarning` is kept in ``no_effect``. ``spec.threads`` sets torch's intra-op threads
+    for the run (put back afterwards, for a run in the caller's process); the count used is kept in ``threads``.
     """
     no_effect: list[str] = []
-    with recording_no_effect(no_effect):
-        result = _run(spec, build)
+    before = torch.get_num_threads()
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    try:
+        with recording_no_effect(no_effect):
+            result = _run(spec, build)
+        result.threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
     result.no_effect = no_effect
     return result
 

@@ -101,6 +101,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--threads",
+        type=positive_int,
+        help="intra-op threads of every trial (default: the usable cores less the load seen at the start, at least 1)",
+    )
+    parser.add_argument(
         "--output",
         type=Path,
         help="YAML path; the JSON goes beside it (default: autotune-results/NAME.yaml)",
@@ -164,6 +169,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             min_gain=args.min_gain,
             seed=args.seed,
             progress=not args.quiet,
+            threads=args.threads,
         )
     except SpecError as exc:
         spec_error(parser, exc)
@@ -189,6 +195,28 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if output != requested:
         print(f"{requested} or its .json exists: this run is numbered ({output.name}; --force overwrites)")
     output.parent.mkdir(parents=True, exist_ok=True)
+    if result.undecided:
+        result.retry_command = retry_command(getattr(args, "argv", ["autotune"]), args.time_budget, result.undecided)
     for path in result.write(output, output.with_suffix(".json"), force=args.force):
         print(f"wrote {path}")
+    if result.undecided:
+        print(result.next_step())
     return 0
+
+
+def retry_command(argv: list[str], time_budget_s: float, undecided: list[str]) -> str:
+    """The user's own command, to run when the machine is quiet; with twice the ``--time-budget`` when the budget was
+    one of the reasons it could not decide."""
+    import shlex
+
+    args = list(argv)
+    if any("lack of budget" in why for why in undecided):
+        budget = f"{2 * time_budget_s:g}"
+        at = [i for i, a in enumerate(args) if a == "--time-budget" or a.startswith("--time-budget=")]
+        if not at:
+            args += ["--time-budget", budget]
+        elif "=" in args[at[-1]]:
+            args[at[-1]] = f"--time-budget={budget}"
+        elif at[-1] + 1 < len(args):
+            args[at[-1] + 1] = budget
+    return shlex.join(["lightning-perf", *args])

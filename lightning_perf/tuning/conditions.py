@@ -33,6 +33,7 @@ class TrialWatch:
 
     device: str = "cpu"
     probes: Probes | None = None
+    threads: int | None = None  # the trials' intra-op threads (None: this process's torch threads)
     monitor: ConditionMonitor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -46,7 +47,7 @@ class TrialWatch:
         import torch
 
         conditions = self.monitor.stop(token, label, config=label)
-        cores = 1 if self.device.startswith("cuda") else torch.get_num_threads()
+        cores = 1 if self.device.startswith("cuda") else self.threads or torch.get_num_threads()
         cpu_count = self.monitor.probes.cpu_count() or os.cpu_count() or 1
         verdict = assess([conditions], {label: [list(step_times_s)]}, cores_used=cores, cpu_count=cpu_count)
         return list(verdict.causes)

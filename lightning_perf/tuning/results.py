@@ -147,6 +147,32 @@ class TuningResult:
     bench_command: str | None = None
     reliability: dict[str, Any] = field(default_factory=lambda: {"reliable": True, "causes": []})
     stage: str = "fit"  # the Trainer stage tuned for (fit: training steps; predict/validate/test: per-batch latency)
+    threads: dict[str, Any] | None = None  # benchmark.threads.ThreadChoice: every trial's intra-op threads, and why
+    retry_command: str | None = None  # what to run when the machine is quiet (the CLI's own arguments), if undecided
+
+    @property
+    def undecided(self) -> list[str]:
+        """Why this run could not decide all it set out to (empty: it decided): a disturbed reference, trials disturbed
+        every time they ran, trials the budget did not reach or could not confirm."""
+        why = (
+            []
+            if self.recommendation.reliable
+            else [f"the reference was disturbed ({'; '.join(self.recommendation.causes)})"]
+        )
+        disturbed = [t.label for t in self.trials if t.verdict == "unreliable"]
+        late = [t.label for t in self.trials if "out of budget" in t.reason or "no budget left" in t.reason]
+        if disturbed:
+            why.append(f"disturbed every time they ran: {', '.join(disturbed)}")
+        if late:
+            why.append(f"not measured or not confirmed for lack of budget: {', '.join(late)}")
+        return why
+
+    def next_step(self) -> str | None:
+        """What to run later when this run left something undecided (``None`` when it decided)."""
+        if not self.undecided:
+            return None
+        command = self.retry_command or "the tuner again (a larger time_budget_s leaves room to re-measure)"
+        return f"run this when the machine is quiet: {command}"
 
     def ranked(self) -> list[Trial]:
         """Measured trials, fastest per sample first, then the ones without a measurement."""
@@ -203,6 +229,9 @@ class TuningResult:
             "recommendation": rec,
             "lightning_cli": self.lightning_cli_config(),
             "bench_command": self.bench_command,
+            "threads": self.threads,
+            "undecided": self.undecided,
+            "retry_command": self.retry_command,
             "trials": [asdict(t) for t in self.trials],
         }
 
@@ -241,7 +270,22 @@ class TuningResult:
             f"{sum(t.measured for t in self.trials)} trials)",
         ]
         header += [f"# note: {note}" for note in rec.notes]
+        header += self._empty_lines()
         return "\n".join(header) + "\n" + yaml.safe_dump(self.lightning_cli_config(), sort_keys=False)
+
+    def _empty_lines(self) -> list[str]:
+        """The header's word on an empty ``trainer: {}``: why it is empty, and what to run when it is undecided."""
+        lines = []
+        if self.threads:
+            lines.append(f"# measured with {self.threads.get('threads')} intra-op thread(s) per trial")
+        if self.lightning_cli_config() != {"trainer": {}}:
+            return lines
+        if self.undecided:
+            lines.append("# trainer: {} below: nothing decided, so nothing changes: " + "; ".join(self.undecided))
+            lines.append(f"# {self.next_step()}")
+        else:
+            lines.append("# trainer: {} below: no candidate was measurably faster; keep the Trainer as it is")
+        return lines
 
     def write(
         self,
@@ -293,6 +337,7 @@ class TuningResult:
         if not self.reliability.get("reliable", True):
             lines += [f"warning: unreliable measurement: {cause}" for cause in self.reliability.get("causes", [])]
         lines.append(rec.headline)
+        lines += [f"undecided: {why}" for why in self.undecided]
         if not rec.reliable:
             print("\n".join(lines), flush=True)
             return

@@ -12,9 +12,11 @@ and it is faster in at least ``confidence`` of all step pairs. A gain inside the
 measured again with its incumbent in two more processes, and both pairs together must clear the bar. Candidates that
 change numerics must also reproduce the baseline's per-step losses within ``loss_rtol``. Trials that cannot apply are
 skipped with the reason (no attention module, no convolution, bf16 emulated on this CPU, CUDA only). Each trial is
-watched like a bench run (:mod:`lightning_perf.tuning.conditions`); a disturbed one is measured once more, one
-disturbed twice decides nothing, and a disturbed reference (or two baseline runs more than 1.5x apart) ends the
-search with "unreliable: <causes>" and no recommendation.
+watched like a bench run (:mod:`lightning_perf.tuning.conditions`); a disturbed one is set aside and measured again
+while the budget lasts (it stretches by the time lost, up to twice it), at most three runs; one disturbed every time
+decides nothing, and a disturbed reference (or two baseline runs more than 1.5x apart) ends the search with
+"unreliable: <causes>" and no recommendation, and the result says what to run when the machine is quiet. Every trial
+runs with the same intra-op threads (:mod:`lightning_perf.benchmark.threads`).
 
 The search, in order, within ``time_budget_s``:
 
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf._validation import check_bool, check_int, check_number
+from lightning_perf.benchmark.settle import Settling
 from lightning_perf.benchmark.sources import (
     LOADER_SETTINGS,
     ModelSource,
@@ -52,11 +55,14 @@ from lightning_perf.benchmark.sources import (
     init_parameters,
 )
 from lightning_perf.benchmark.spec import RunSpec, check_preset, check_workload, resolve_device
+from lightning_perf.benchmark.threads import ThreadChoice, decide_for_run
 from lightning_perf.optimizations import tuner_alternatives
+from lightning_perf.profiling.machine import describe_machine
 from lightning_perf.tuning.capabilities import ModelCapabilities, model_capabilities
-from lightning_perf.tuning.conditions import TrialWatch, baseline_spread_cause
+from lightning_perf.tuning.conditions import TrialWatch
 from lightning_perf.tuning.inference import NO_DATA_STAGE, check_stage, search_plan, too_few_batches, trial_skip_reason
 from lightning_perf.tuning.recommend import bench_command, long_warmup, recommend
+from lightning_perf.tuning.remeasure import Remeasuring
 from lightning_perf.tuning.results import Trial, TuningResult
 from lightning_perf.tuning.trials import check_search_lists, memory_problem, resolve_isolation, run_in_process
 from lightning_perf.tuning.verdicts import (
@@ -142,7 +148,7 @@ def _check_settings(settings: dict[str, Any]) -> None:
     check_number("AutoTuner", "confidence", settings["confidence"], 0.5, 1.0)
     check_number("AutoTuner", "loss_rtol", settings["loss_rtol"], 0.0, exclusive=True)
     check_number("AutoTuner", "confirm_below", settings["confirm_below"], 1.0)
-    for name, minimum in (("max_batch_size", 1), ("max_num_workers", 0)):
+    for name, minimum in (("max_batch_size", 1), ("max_num_workers", 0), ("threads", 1)):
         if settings[name] is not None:
             check_int("AutoTuner", name, settings[name], minimum)
     if settings["isolation"] not in ISOLATION:
@@ -155,7 +161,7 @@ def _check_settings(settings: dict[str, Any]) -> None:
         raise TypeError(f"`AutoTuner(seed={settings['seed']!r})` is not valid. Expected an integer.")
 
 
-class AutoTuner:
+class AutoTuner(Remeasuring):
     """Measure the user's own model and recommend the fastest configuration that keeps its losses.
 
     Example::
@@ -195,6 +201,8 @@ class AutoTuner:
         isolation: ``"process"`` (a fresh spawned process per trial), ``"in-process"`` (copies of the objects,
             global torch state restored after each trial), or ``"auto"`` (process unless the objects cannot travel).
         progress: print a line per trial as it runs.
+        threads: every trial's intra-op threads; ``None``: decided at the start from the usable cores and the load
+            (:func:`~lightning_perf.benchmark.threads.decide_threads`), the same for every trial.
     """
 
     def __init__(
@@ -224,6 +232,7 @@ class AutoTuner:
         isolation: str = "auto",
         seed: int = 0,
         progress: bool = True,
+        threads: int | None = None,
     ) -> None:
         device, self.device_reason = resolve_device(device, "AutoTuner", "the tuner")
         self.source, self.preset = _model_source(model, datamodule, workload, source, preset, device, seed)
@@ -239,10 +248,13 @@ class AutoTuner:
         self.tune_data_loading, self.max_num_workers = tune_data_loading, max_num_workers
         self.min_gain, self.confidence, self.loss_rtol = float(min_gain), float(confidence), float(loss_rtol)
         self.noise_check, self.confirm_below = noise_check, float(confirm_below)
-        self.isolation, self.seed, self.progress = isolation, seed, progress
+        self.isolation, self.seed, self.progress, self.threads = isolation, seed, progress, threads
         # Filled by run()
         self._trials: list[Trial] = []
         self._deadline = 0.0
+        self._stretch: Settling | None = None  # the budget's stretch for disturbed runs measured again
+        self._tries = 0  # runs of the last trial (more than one: disturbed ones were set aside)
+        self._threads = ThreadChoice(1, 1, None, None, "not decided yet")
         self._tmp: Path | None = None
         self._count = 0
         self._required_gain = 1 + self.min_gain
@@ -260,6 +272,7 @@ class AutoTuner:
         the model fails under its own settings, and :class:`TuningError` when the budget cannot fit two trials."""
         start = time.monotonic()
         self._deadline = start + self.time_budget_s
+        self._stretch = Settling(time_budget_s=self.time_budget_s, clock=time.monotonic)
         self._trials, self._count = [], 0
         self._required_gain, self._base_runs, self._unreliable = 1 + self.min_gain, [], []
         model, datamodule = self.source.load()  # a private copy, for introspection only
@@ -270,10 +283,11 @@ class AutoTuner:
         self._plan = search_plan(self.stage, self.precisions, self.optimizations, device=self.device)
         del model, datamodule
         isolation = resolve_isolation(self.isolation, self.source)
-        self._watch = TrialWatch(self.device, self._probes)
+        self._threads = decide_for_run(self.threads, describe_machine())
+        self._watch = TrialWatch(self.device, self._probes, threads=self._threads.threads)
         self._say(
             f"autotune ({self.stage}): {self.source.describe()} on {self.device}, budget {self.time_budget_s:.0f} s, "
-            f"{self.warmup_steps}+{self.steps} steps per trial, {isolation}"
+            f"{self.warmup_steps}+{self.steps} steps per trial, {isolation}; {self._threads.line}"
         )
 
         with tempfile.TemporaryDirectory(prefix="lightning-perf-autotune-") as tmp:
@@ -314,6 +328,7 @@ class AutoTuner:
                 "disturbed_trials": [t.label for t in self._trials if t.disturbed],
                 "remeasured_trials": [t.label for t in self._trials if t.remeasured_because],
             },
+            threads=self._threads.to_dict(),
         )
         if self.progress:
             result.print()
@@ -342,7 +357,7 @@ class AutoTuner:
         self._base_label = candidate.label
         if causes:
             self._unreliable = [f"baseline: {c}" for c in causes]
-            trial.reason = f"unreliable: {'; '.join(causes)} (measured twice, disturbed both times)"
+            trial.reason = f"unreliable: {'; '.join(causes)} ({self._every_time()})"
             return trial, result
         elapsed = result.wall_s or 0.0  # one trial, process start included
         if elapsed * 2 > self.time_budget_s:
@@ -368,11 +383,12 @@ class AutoTuner:
             again.reason = "the repeat failed: the noise floor stays at min_gain"
             return first
         again.verdict = "baseline"
-        spread = baseline_spread_cause(median(per_sample_times(first)), median(per_sample_times(second)))
-        if causes or spread:
-            self._unreliable = [f"baseline (repeat): {c}" for c in causes] + ([spread] if spread else [])
-            again.reason = f"unreliable: {'; '.join(causes + ([spread] if spread else []))}"
+        pair = self._agreeing_baselines(candidate, first, second) if not causes else None
+        if not isinstance(pair, tuple):
+            self._unreliable = [f"baseline (repeat): {c}" for c in causes] + ([pair] if pair else [])
+            again.reason = f"unreliable: {'; '.join(causes + ([pair] if pair else []))}"
             return first
+        first, second = pair
         noise = abs(math.log(median(per_sample_times(second)) / median(per_sample_times(first))))
         self._required_gain = max(1 + self.min_gain, math.exp(NOISE_FACTOR * noise))
         pooled = replace(first, step_times_s=[*first.step_times_s, *second.step_times_s])
@@ -514,7 +530,7 @@ class AutoTuner:
             return best
         if causes:
             trial.verdict = "unreliable"
-            trial.reason = f"unreliable: {'; '.join(causes)} (measured twice, disturbed both times): not compared"
+            trial.reason = f"unreliable: {'; '.join(causes)} ({self._every_time()}): not compared"
             return best
         if base is not None and self.stage == "fit" and candidate.batch_size == against[0].batch_size:
             trial.loss_deviation = loss_deviation(result.losses, base.losses)
@@ -658,6 +674,7 @@ class AutoTuner:
         self._count += 1
         return RunSpec(
             workload=self.source.describe(),
+            threads=self._threads.threads,
             config=candidate.config_name,
             steps=self.steps,
             warmup_steps=self.warmup_steps,
@@ -669,30 +686,6 @@ class AutoTuner:
             loader_overrides=dict(candidate.loader),
             stage=self.stage,
         )
-
-    def _trial(self, candidate: Candidate, timeout: float) -> tuple[Any, list[str], list[str]]:
-        """Measure ``candidate`` with the machine watched: ``(result, first causes, causes)``.
-
-        A run that the watcher finds disturbed (other processes' load, steal, load average, a throttled CPU, its own
-        interrupted steps) is measured once more when the budget allows; ``causes`` are those of the result
-        returned (empty: clean), ``first causes`` those of the run measured again (empty: it was not)."""
-        token = self._watch.start()
-        result = self._usable(self._measure(candidate, timeout))
-        if result is None or not result.ok:
-            return result, [], []
-        causes = self._watch.causes(token, candidate.label, result.step_times_s)
-        if not causes:
-            return result, [], []
-        remaining = self._deadline - time.monotonic()
-        if (result.wall_s or 0.0) > remaining:
-            self._say(f" disturbed ({'; '.join(causes)}); no budget to measure it again")
-            return result, [], causes
-        self._say(f" disturbed ({'; '.join(causes)}); measuring it again")
-        token = self._watch.start()
-        again = self._usable(self._measure(candidate, remaining))
-        if again is None or not again.ok:
-            return result, [], causes
-        return again, causes, self._watch.causes(token, candidate.label, again.step_times_s)
 
     def _usable(self, result: Any) -> Any:
         """``result``, marked failed (and skipped: not the model's error) when it timed too few batches to compare."""

@@ -73,7 +73,7 @@ def busy_tiny_bench() -> Iterator[BusyBench]:
     try:
         options = BenchSpec(
             workload="convnet", preset="tiny", configs=["baseline", "channels_last"], steps=2, warmup_steps=1,
-            repeats=1, predict_batches=0, timeout_s=300.0,
+            repeats=1, predict_batches=0, timeout_s=300.0, threads=torch.get_num_threads(),
         )  # fmt: skip
         report = run_benchmark(options, peak=given_peak)
     finally:

@@ -43,7 +43,12 @@ def test_a_second_run_is_numbered_and_force_overwrites(
 def test_a_disturbed_reference_says_unreliable_and_prints_no_figure(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    script_trials(monkeypatch, {"baseline": scripted_result(0.100, 8), "baseline (repeat)": scripted_result(0.278, 8)})
+    script = {
+        "baseline": scripted_result(0.100, 8),
+        "baseline (repeat)": scripted_result(0.278, 8),
+        "baseline (again)": scripted_result(0.600, 8),
+    }  # a third run agrees with neither
+    script_trials(monkeypatch, script)  # fmt: skip
     monkeypatch.setattr(TrialWatch, "causes", lambda self, token, label, steps: [])
     output = tmp_path / "tuned.yaml"
     assert main([*ARGS, "--output", str(output)]) == 0

@@ -60,6 +60,9 @@ def script_trials(monkeypatch: pytest.MonkeyPatch, script: dict[str, Any]) -> li
 
     monkeypatch.setattr(AutoTuner, "_measure", measure)
     quiet_machine(monkeypatch)  # unless a test scripts a disturbance: the decisions are tested, not this machine
+    # Nor this machine's cores and load (nor its GPU, which a test may fake with torch.cuda.is_available alone).
+    monkeypatch.setattr("lightning_perf.tuning.tuner.describe_machine", lambda: {"cpu_count": 2, "cpu_count_usable": 2})
+    monkeypatch.setattr("lightning_perf.benchmark.threads.load_average", lambda: 0.0)
     return ran
 
 

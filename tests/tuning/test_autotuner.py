@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-import lightning_perf.tuning.tuner as tuner_module
+import lightning_perf.tuning.remeasure as remeasure
 from lightning_perf.benchmark.sources import apply_data_settings, batch_size_holder, rebuild_loader
 from lightning_perf.demos import make_workload
 from lightning_perf.tuning import (
@@ -300,7 +300,7 @@ def test_real_trials_in_process_leave_the_users_objects_alone(monkeypatch: pytes
     quiet_machine(monkeypatch)  # real trials; the watcher's verdict on this machine's load is tested on its own
     # Two real 3-step baselines of a tiny model can land 1.5x apart on a busy machine, which ends the search by design
     # (tests/tuning/test_honest_tuner.py tests that rule); here the CLI's path through every trial is what is checked.
-    monkeypatch.setattr(tuner_module, "baseline_spread_cause", lambda first_s, second_s: None)
+    monkeypatch.setattr(remeasure, "baseline_spread_cause", lambda first_s, second_s: None)
     model, data = SmallConvNet(), PlainDataModule(batch_size=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tuner = AutoTuner(
@@ -346,7 +346,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str], monk
     quiet_machine(monkeypatch)  # real trials; the watcher's verdict on this machine's load is tested on its own
     # Two real 3-step baselines of a tiny model can land 1.5x apart on a busy machine, which ends the search by design
     # (tests/tuning/test_honest_tuner.py tests that rule); here the CLI's path through every trial is what is checked.
-    monkeypatch.setattr(tuner_module, "baseline_spread_cause", lambda first_s, second_s: None)
+    monkeypatch.setattr(remeasure, "baseline_spread_cause", lambda first_s, second_s: None)
     output = tmp_path / "tuned.yaml"
     code = main(
         [

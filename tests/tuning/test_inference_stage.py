@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-import lightning_perf.tuning.tuner as tuner_module
+import lightning_perf.tuning.remeasure as remeasure
 from lightning_perf import optimizations
 from lightning_perf.benchmark.sources import ImportSource, WorkloadSource
 from lightning_perf.benchmark.worker import RunResult
@@ -191,7 +191,7 @@ def test_training_keeps_rejecting_a_run_without_losses(monkeypatch: pytest.Monke
 
 def test_a_tiny_model_tuned_for_predict_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     quiet_machine(monkeypatch)  # real trials; the watcher's verdict on this machine's load is tested on its own
-    monkeypatch.setattr(tuner_module, "baseline_spread_cause", lambda first_s, second_s: None)  # a busy machine
+    monkeypatch.setattr(remeasure, "baseline_spread_cause", lambda first_s, second_s: None)  # a busy machine
     model, data = SmallConvNet(), PredictDataModule(batch_size=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = AutoTuner(

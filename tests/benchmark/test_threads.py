@@ -1,0 +1,133 @@
+"""The workers' intra-op threads: decided once from scripted cores and load, the same for every run, put in the
+worker's environment and torch, and recorded in each result, the JSON report and the header line. No timing."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_perf.benchmark import threads as thread_rules
+from lightning_perf.benchmark.console import console_lines
+from lightning_perf.benchmark.isolation import run_isolated
+from lightning_perf.benchmark.runner import run_benchmark
+from lightning_perf.benchmark.spec import BenchSpec, RunSpec, SpecError
+from lightning_perf.benchmark.threads import decide_for_run, decide_threads, thread_env, threads_line
+from lightning_perf.benchmark.worker import RunResult, run
+from lightning_perf.profiling import PeakFlops
+from tests.benchmark.test_auto_bench import Quiet
+
+
+@pytest.mark.parametrize(
+    ("cores", "load", "threads"),
+    [
+        (2, 1.4, 1),  # one core's worth of other work: leave it that core
+        (2, 0.3, 2),  # quiet: every core
+        (2, 6.7, 1),  # never below one
+        (16, 3.2, 13),
+        (2, None, 2),  # no load average on this platform: as if quiet
+        (None, 0.0, 1),  # cores unknown: one
+    ],
+)
+def test_threads_follow_the_cores_and_the_load(cores: int | None, load: float | None, threads: int) -> None:
+    choice = decide_threads(cores, load, environ={})
+    assert (choice.threads, choice.reason) == (threads, "auto")
+    # Idle OpenMP threads sleep: spinning against another process made 2 threads 2.5-7.6x slower than 1 (guide).
+    assert choice.env() == {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_an_explicit_count_wins_then_the_environment() -> None:
+    assert decide_threads(2, 1.4, asked=2, environ={"OMP_NUM_THREADS": "1"}).threads == 2
+    from_env = decide_threads(2, 0.0, environ={"OMP_NUM_THREADS": "1"})
+    assert (from_env.threads, from_env.reason) == (1, "OMP_NUM_THREADS")
+    assert decide_threads(2, 0.0, environ={"OMP_NUM_THREADS": "many"}).reason == "auto"
+    assert decide_threads(2, 0.0, environ={"OMP_WAIT_POLICY": "ACTIVE"}).wait_policy == "ACTIVE"  # the user's own
+    with pytest.raises(ValueError, match=r"decide_threads\(asked=0\).*integer >= 1"):
+        decide_threads(2, 0.0, asked=0)
+    with pytest.raises(SpecError, match="threads"):
+        BenchSpec(threads=0)
+
+
+def test_the_header_line_reads_from_the_report_record() -> None:
+    choice = decide_threads(2, 1.4, environ={})
+    assert choice.line == "threads: 1 (2 cores, load 1.4)"
+    assert threads_line({"threads": choice.to_dict()}) == choice.line
+    assert decide_threads(2, None, asked=2).line == "threads: 2 (2 cores, load unknown, asked for)"
+    assert threads_line({}) is None  # a report from before threads were recorded
+    assert thread_env(None) == {}
+
+
+def test_the_worker_environment_carries_the_threads_before_torch_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: dict[str, str | None] = {}
+
+    class Process:  # records the environment a spawned child would inherit, and starts nothing
+        exitcode = 1
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def start(self) -> None:
+            seen.update({k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")})
+
+        def join(self, timeout: float | None = None) -> None:
+            pass
+
+        def is_alive(self) -> bool:
+            return False
+
+    context = type("Context", (), {"Process": Process})
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method: context())
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    result = run_isolated(RunSpec(config="baseline", threads=1), tmp_path, 10.0)
+    assert seen == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert "OMP_NUM_THREADS" not in os.environ  # only the child's environment had it
+    assert result is not None and not result.ok
+
+
+def test_a_run_uses_and_records_its_threads_and_puts_torch_back() -> None:
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2
+    spec = RunSpec(config="baseline", workload="convnet", preset="tiny", steps=2, warmup_steps=1, predict_batches=0,
+                   threads=wanted)  # fmt: skip
+    result = run(spec)
+    assert result.ok, result.error
+    assert result.threads == wanted and result.spec["threads"] == wanted
+    assert torch.get_num_threads() == before
+
+
+def test_every_run_of_a_bench_gets_the_same_threads_recorded_in_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(thread_rules, "load_average", lambda: 1.4)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    import lightning_perf.profiling.machine as machine
+
+    described = machine.describe_machine()
+    monkeypatch.setattr(machine, "describe_machine", lambda: {**described, "cpu_count_usable": 2})
+    asked: list[int | None] = []
+
+    def scripted(spec: RunSpec, tmp: Path, timeout_s: float) -> RunResult:
+        asked.append(spec.threads)
+        steps = [0.2 if spec.config == "baseline" else 0.1] * 6
+        return RunResult(spec={"config": spec.config, "repeat": spec.repeat, "threads": spec.threads}, batch_size=4,
+                         step_median_s=steps[0], step_times_s=steps, threads=spec.threads)  # fmt: skip
+
+    spec = BenchSpec(configs="channels_last", device="cpu", preset="tiny", repeats=2, predict_batches=0)
+    monitor: Any = Quiet()  # sees an idle machine
+    report = run_benchmark(spec, run=scripted, monitor=monitor, peak=lambda *a: PeakFlops(None, "unknown: test"))
+    assert asked and set(asked) == {1}
+    data = json.loads(json.dumps(report.to_dict(), default=str))
+    assert data["machine"]["threads"]["threads"] == 1 and data["options"]["threads"] == 1
+    assert {r["threads"] for r in data["runs"]} == {1}
+    assert console_lines(report)[0] == "threads: 1 (2 cores, load 1.4)"
+
+
+def test_decide_for_run_reads_the_usable_cores_of_the_machine_record() -> None:
+    choice = decide_for_run(None, {"cpu_count": 8, "cpu_count_usable": 2}, probe=lambda: 0.0)
+    assert (choice.cores, choice.threads) == (2, 2)
