@@ -295,6 +295,9 @@ TABLES: dict[str, tuple[Callable[..., Any], list[Row]]] = {
             ("benchmark_batch_sizes", {"benchmark_batch_sizes": []}),
             ("benchmark_batch_sizes", {"benchmark_batch_sizes": [1, 0]}),
             ("benchmark_batch_sizes", {"benchmark_batch_sizes": [1.0]}),
+            ("refresh", {"mode": "dynamic", "refresh": "yes"}),
+            ("refresh", {"mode": "dynamic", "refresh": 1}),
+            ("refresh", {"refresh": True}),  # only mode 'dynamic' caches a measured choice
             ("mode", {"mode": "int8"}),
             ("freeze_bn_after", {"freeze_bn_after": -1}),
             ("fake_quant_after", {"fake_quant_after": 1.5}),
@@ -386,6 +389,8 @@ def test_one_backend_name_alone_means_that_backend() -> None:
     ("build", "match"),
     [
         (lambda: QATCallback(benchmark_batch_sizes=8), r"Did you mean benchmark_batch_sizes=\[8\]\?"),
+        (lambda: CompileCallback(options={"max_autotun": True}), r"Nearest valid ones: 'max_autotune'"),
+        (lambda: CompileCallback(options={"no_such_inductor_option": 1}), r"is not an inductor option\. Nearest"),
         (lambda: TensorRTExportCallback(validation_batch_sizes=8), r"Did you mean validation_batch_sizes=\[8\]\?"),
         (lambda: TensorRTExportCallback(backends="onx"), r"'onx' is not one of them \(did you mean 'onnx'\?\)"),
         (lambda: TensorRTExportCallback(dynamic_dims={0: [1, 2]}), r"dimension 0 is the batch, already dynamic"),

@@ -21,6 +21,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_perf._io import load_checkpoint
+from lightning_perf._validation import check_bool
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.callbacks._model_hooks import (
     add_before_weights_load,
@@ -32,6 +33,7 @@ from lightning_perf.callbacks._model_hooks import (
 )
 from lightning_perf.callbacks._trainer_data import default_dirpath, loop_data
 from lightning_perf.deploy.inputs import split_inputs, submodule_inputs
+from lightning_perf.deploy.quantize.dynamic import refreshing
 from lightning_perf.deploy.quantize.quantizer import SCHEDULE_UNITS, LoopData, check_options
 from lightning_perf.deploy.quantize.recipes import load_qat_checkpoint, quantizer_for, recipe_for
 from lightning_perf.functional.qat import QuantizationError, QuantizationRecipe
@@ -58,7 +60,9 @@ class QATCallback(Callback):
     - ``"dynamic"`` (``backend`` ``"auto"``/``"eager"``/``"onnxruntime"``/``"torchao"``): training untouched; every
       eligible Linear of ``submodule`` (default: the only child holding parameters, else the whole LightningModule,
       whose ``forward`` the int8 copy stands in for) goes int8 with the fastest back-end that agrees with fp32;
-      ``predict``/``test``/``validate`` runs go through it (CPU).
+      ``predict``/``test``/``validate`` runs go through it (CPU). The choice, and the onnxruntime back-end's int8
+      model with a hash of the weights, are cached (``$LIGHTNING_PERF_CACHE``): a run in a new process with the same
+      weights loads them, timing and converting nothing (``refresh=True`` measures and converts again).
 
     At the end of ``fit`` (rank zero) the int8 model is validated on ``validation_batches`` validation batches, saved
     with its JSON report as one atomic artifact set ``<dirpath>/<filename>/`` (``.pt2``; ``onnx=True`` adds ONNX) and
@@ -88,6 +92,8 @@ class QATCallback(Callback):
         onnx: also export the int8 model to ONNX.
         input_key: the model input's key when batches are dicts.
         strict: raise instead of warning when the end-of-fit quantization fails.
+        refresh: ``mode="dynamic"``: measure the back-ends and convert again instead of using the cached choice and
+            int8 model (:func:`~lightning_perf.deploy.quantize.dynamic.quantize_dynamic`).
 
     Raises:
         ValueError: for an invalid option, naming it, its value and what is expected.
@@ -125,10 +131,17 @@ class QATCallback(Callback):
         onnx: bool = False,
         input_key: str | None = None,
         strict: bool = False,
+        refresh: bool = False,
     ) -> None:
         owner = type(self).__name__
         recipe = recipe_for(mode, backend, base_config, owner)
         options = check_options(owner, mode, dict(locals()))
+        if check_bool(owner, "refresh", refresh) and mode != "dynamic":
+            raise ValueError(
+                f"`{owner}(mode={mode!r}, refresh=True)` is not valid: only mode 'dynamic' caches a measured choice. "
+                "Leave refresh=False."
+            )
+        self.refresh = refresh
         self.backend, self.mode, self.base_config = recipe.backend, mode, recipe.base_config
         self.submodule, self.schedule_unit = submodule, schedule_unit
         self.eval_converted_every_n_epochs = eval_converted_every_n_epochs
@@ -280,9 +293,12 @@ class QATCallback(Callback):
         inputs = split_inputs(batch, self.input_key)
         owner = type(self).__name__
         try:
-            line = self._quantizer.run_batch(
-                pl_module, lambda m: submodule_inputs(pl_module, m, inputs, "the first batch", owner=owner), str(stage)
-            )
+            with refreshing(self.refresh):
+                line = self._quantizer.run_batch(
+                    pl_module,
+                    lambda m: submodule_inputs(pl_module, m, inputs, "the first batch", owner=owner),
+                    str(stage),
+                )
         except Exception as exc:
             self._fallback(exc, f"the {stage} run goes on in float")
             return
@@ -320,7 +336,8 @@ class QATCallback(Callback):
         if run not in self._quantizer.finishes_after or not (trainer.is_global_zero and self.export) or self._refused:
             return
         try:
-            report = self._quantizer.finish(pl_module, self._data(trainer, pl_module))
+            with refreshing(self.refresh):
+                report = self._quantizer.finish(pl_module, self._data(trainer, pl_module))
         except Exception as exc:
             self._fallback(exc, "the trained model and its checkpoints are unchanged")
             return

@@ -69,7 +69,8 @@ class TensorRTExportCallback(Callback):
         input_key: the model input's key when batches are dicts.
         validation_batch_sizes: batch sizes to validate and time; default min, opt and max of ``batch_range``.
         tolerance: override of the precision's default tolerance, e.g. ``{"atol": 1e-3}``.
-        latency_iterations: timed calls per batch size (0 skips timing).
+        latency_iterations: timed calls per batch size, eager and export interleaved at equal threads (the report
+            records both sides' count); about as long as the export itself on a small model. 0 skips timing.
         latency_warmup: untimed calls first.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; default the model's device if it is a GPU, else CUDA when
             available, else CPU.

@@ -155,7 +155,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="B1,B2...",
         help="batch sizes to validate and time at, within --batch-range (default: its min, opt and max)",
     )
-    parser.add_argument("--latency-iterations", type=non_negative_int, default=20, help="0 skips timing (default 20)")
+    parser.add_argument(
+        "--latency-iterations",
+        type=non_negative_int,
+        default=20,
+        help="timed calls per batch size, eager vs export at equal threads; 0 skips timing (default 20)",
+    )
     parser.add_argument("--latency-warmup", type=non_negative_int, default=3, help="default: 3")
     parser.add_argument("--device", type=device, help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--onnx-providers", type=comma_names, help="comma-separated ORT providers")

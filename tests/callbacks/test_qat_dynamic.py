@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_perf.callbacks import QATCallback
 from lightning_perf.deploy.quantize import dynamic
+from lightning_perf.profiling.latency import LatencyRow
 
 QUICK = {"backend": "eager", "benchmark": False, "validation_batches": 2}
 
@@ -107,6 +108,8 @@ def _fresh_cache() -> None:
         ({"onnx": True}, r"onnx=True"),
         ({"freeze_bn_after": 1}, r"apply to QAT only"),
         ({"strict": 1}, r"strict=1"),
+        ({"refresh": "yes"}, r"refresh='yes'.*Expected True or False"),
+        ({"refresh": True, "mode": "qat"}, r"mode='qat', refresh=True.*only mode 'dynamic'"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs: dict, match: str) -> None:
@@ -187,3 +190,27 @@ def test_checkpoints_keep_plain_keys_resume_and_fit_twice(tmp_path: Path) -> Non
     model.seen = {}
     _trainer(tmp_path, [callback]).predict(model, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     assert _int8(model.seen["predict"]) and type(model.net[0]) is nn.Linear
+
+
+def test_a_new_run_takes_the_cached_choice_and_refresh_measures_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second predict (a new callback, as in a new process: only the cache file is shared) times nothing;
+    `refresh=True` measures again."""
+    monkeypatch.setattr(dynamic, "dynamic_candidates", lambda flags=None: (["eager"], {}))
+    timed: list[str] = []
+    row = LatencyRow(64, "float", "eager", 1e-3, 1e-3, 5e-4, 5e-4, 2.0, 1.0, 1.0, 2, speedup_ci95=[1.9, 2.1],
+                     speedup_verdict="faster")  # fmt: skip
+
+    def scripted(*args: Any, name: str, **kwargs: Any) -> list[LatencyRow]:
+        timed.append(name)
+        return [row]
+
+    monkeypatch.setattr(dynamic, "eager_latency", scripted)
+    model, choices = Classifier(), []
+    for refresh in (False, False, True):
+        callback = QATCallback(mode="dynamic", export=False, refresh=refresh, latency_iterations=2, latency_warmup=0)
+        _trainer(tmp_path, [callback]).predict(model)
+        choice = getattr(callback._quantizer, "choice", None)  # mode 'dynamic' keeps its last choice
+        choices.append((choice is not None and choice.cached, len(timed)))
+    assert choices == [(False, 1), (True, 1), (False, 2)]

@@ -215,7 +215,7 @@ def test_dynamic_choice_is_logged_once_and_remembered_by_the_next_run(
     timed: list[str] = []
     rows = {"eager": _row(1.5, 1.4, 1.6), "onnxruntime": _row(1.55, 1.45, 1.65)}  # within noise: eager is kept
     monkeypatch.setattr(dynamic, "dynamic_candidates", lambda flags=None: (["eager", "onnxruntime"], {}))
-    monkeypatch.setattr(dynamic, "_build", lambda name, module, example: dynamic.quantize_dynamic_eager(module))
+    monkeypatch.setattr(dynamic, "_build", lambda name, module, *_: dynamic.quantize_dynamic_eager(module))
     monkeypatch.setattr(dynamic, "eager_latency", lambda *a, name, **k: timed.append(name) or [rows[name]])
     lines: list[str] = []
     monkeypatch.setattr(qat_callback, "rank_zero_info", lines.append)

@@ -9,6 +9,7 @@ import json
 import pickle
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from lightning_perf import FallbackWarning, MeasurementWarning
 from lightning_perf.deploy.onnx import equal_thread_options
-from lightning_perf.deploy.quantize import dynamic
+from lightning_perf.deploy.quantize import dynamic, dynamic_cache
 from lightning_perf.deploy.quantize.dynamic import (
     OnnxRuntimeModule,
     dynamic_candidates,
@@ -100,7 +101,7 @@ def test_auto_drops_wrong_candidates_and_caches_its_choice(monkeypatch: pytest.M
 
     builds: list[str] = []
 
-    def build(name: str, module: nn.Module, example: tuple) -> nn.Module:
+    def build(name: str, module: nn.Module, example: tuple, *_: object) -> nn.Module:
         builds.append(name)
         return Wrong() if name == "wrong" else quantize_dynamic_eager(module)
 
@@ -210,7 +211,7 @@ class _Scripted:
         self.built: list[str] = []
         rows = {"eager": _row(1.2, 1.1, 1.3), "onnxruntime": _row(2.0, 1.9, 2.1)}
         monkeypatch.setattr(dynamic, "dynamic_candidates", lambda flags=None: (["eager", "onnxruntime"], {}))
-        monkeypatch.setattr(dynamic, "_build", lambda name, module, example: self.built.append(name) or module)
+        monkeypatch.setattr(dynamic, "_build", lambda name, module, *_: self.built.append(name) or module)
         monkeypatch.setattr(dynamic, "eager_latency", lambda *a, name, **k: self.timed.append(name) or [rows[name]])
 
 
@@ -260,3 +261,84 @@ def test_onnxruntime_sessions_run_at_torch_s_thread_count() -> None:
     assert options.intra_op_num_threads == torch.get_num_threads() and options.inter_op_num_threads == 1
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert equal_thread_options(ort, 3).intra_op_num_threads == 3
+
+
+# ------------------------------------------------------------------------------------- the int8 ONNX model kept
+
+
+def _key(**changed: str) -> dict[str, str]:
+    return {"machine": "cpu=x", "model": "m", "options": "per_channel=True", "weights": "w1", **changed}
+
+
+def test_int8_onnx_file_round_trip_and_refusals(tmp_path: Path) -> None:
+    key, payload = _key(), b"\x08\x01onnx bytes"
+    file = dynamic_cache.int8_onnx_file(tmp_path, key)
+    assert dynamic_cache.read_int8_onnx(file, key) is None  # nothing kept yet: a miss, said nowhere
+    dynamic_cache.write_int8_onnx(file, key, payload)
+    assert dynamic_cache.read_int8_onnx(file, key) == payload
+    assert dynamic_cache.int8_onnx_file(tmp_path, _key(weights="w2")) == file  # new weights replace the old ones
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dynamic_cache.read_int8_onnx(file, _key(weights="w2")) is None  # other weights: a plain miss
+    data = file.read_bytes()
+    header_end = data.index(b"\n", len(dynamic_cache._ONNX_MAGIC))
+    foreign = data[:header_end].replace(b"cpu=x", b"cpu=y") + data[header_end:]
+    for content, problem in (
+        (data[:-3], "truncated or altered"),
+        (data[:-1] + b"X", "do not match the hash"),
+        (foreign, "written for another machine ('cpu=y')"),
+        (b"PK\x03\x04 something else", "not a file this cache writes"),
+        (dynamic_cache._ONNX_MAGIC + b"{not json\n" + payload, "not a file this cache writes"),
+    ):
+        file.write_bytes(content)
+        with pytest.warns(MeasurementWarning, match="dynamic int8 ONNX cache") as record:
+            assert dynamic_cache.read_int8_onnx(file, key) is None
+        assert len(record) == 1 and problem in str(record[0].message)
+
+
+def test_weights_key_follows_every_weight_and_buffer() -> None:
+    linear, norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+    model = nn.Sequential(linear, norm)
+    first = dynamic_cache.weights_key(model)
+    assert dynamic_cache.weights_key(copy.deepcopy(model)) == first
+    with torch.no_grad():
+        linear.weight[0, 0] += 1e-6
+    assert dynamic_cache.weights_key(model) != first
+    assert norm.running_mean is not None
+    norm.running_mean.add_(1)  # a buffer counts as a weight
+    assert len({first, dynamic_cache.weights_key(model), dynamic_cache.weights_key(model.to(torch.bfloat16))}) == 3
+
+
+def test_onnxruntime_int8_model_is_converted_once_per_weights(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A second call with the same weights (a new process reads the same files) loads the kept int8 model: no export,
+    no quantization; other weights or refresh=True convert again, an altered file is refused with one warning."""
+    pytest.importorskip("onnxruntime")
+    conversions: list[int] = []
+    convert = dynamic._int8_onnx_bytes
+
+    def counted(*args: Any) -> bytes:
+        conversions.append(1)
+        return convert(*args)
+
+    monkeypatch.setattr(dynamic, "_int8_onnx_bytes", counted)
+    cache, x = tmp_path / "choices.json", _input()
+    first = quantize_dynamic(_mlp(), x, "onnxruntime", cache_path=cache)
+    (kept,) = dynamic.onnx_cache_dir(cache).iterdir()
+    again = quantize_dynamic(_mlp(), x, "onnxruntime", cache_path=cache)  # equal weights, another module object
+    assert len(conversions) == 1 and again.backend == "onnxruntime"
+    assert isinstance(again.module, OnnxRuntimeModule) and isinstance(first.module, OnnxRuntimeModule)
+    assert again.module.onnx_bytes == first.module.onnx_bytes and torch.equal(again.module(x), first.module(x))
+    quantize_dynamic(_mlp(seed=3), x, "onnxruntime", cache_path=cache)
+    quantize_dynamic(_mlp(seed=3), x, "onnxruntime", cache_path=cache, refresh=True)
+    assert len(conversions) == 3
+    with dynamic.refreshing():  # how QATCallback(refresh=True) passes it through the quantizer
+        quantize_dynamic(_mlp(seed=3), x, "onnxruntime", cache_path=cache)
+    assert len(conversions) == 4
+    kept.write_bytes(kept.read_bytes()[:-1])
+    with pytest.warns(MeasurementWarning, match="truncated or altered"):
+        quantize_dynamic(_mlp(seed=3), x, "onnxruntime", cache_path=cache)
+    assert len(conversions) == 5 and [p.name for p in dynamic.onnx_cache_dir(cache).iterdir()] == [kept.name]
+    quantize_dynamic(_mlp(seed=3), x, "onnxruntime", cache_path=cache)  # the rebuilt file is good again
+    assert len(conversions) == 5
+    dynamic.clear_cache(cache)
+    assert not cache.exists() and not dynamic.onnx_cache_dir(cache).exists()

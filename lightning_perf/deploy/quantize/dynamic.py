@@ -23,6 +23,10 @@ than fp32, and a simpler one when its interval overlaps the fastest's (:data:`TI
 The choice and every candidate's figures are cached per machine (CPU model and flags, threads, torch, torchao and
 onnxruntime versions), module structure and input shape in ``$LIGHTNING_PERF_CACHE/dynamic_int8.json`` (else
 ``~/.cache/lightning_perf``), JSON written atomically: a later run, in any process, builds the chosen back-end only.
+The onnxruntime back-end's int8 model itself is kept in ``dynamic_int8_onnx/`` beside it, with the size and hash of
+its bytes and a hash of the float weights: a later run with the same weights loads it instead of exporting and
+quantizing again, the seconds a conversion takes (a file that is foreign, truncated or altered is refused with one
+warning and rebuilt).
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +55,7 @@ from lightning_perf._validation import check_bool
 from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.inputs import Inputs, as_input_tuple
 from lightning_perf.deploy.onnx import equal_thread_options
+from lightning_perf.deploy.quantize.dynamic_cache import int8_onnx_file, read_int8_onnx, weights_key, write_int8_onnx
 from lightning_perf.deploy.validate import ValidationSummary, compare_models, eval_mode
 from lightning_perf.functional.qat import QuantizationError, with_batch
 from lightning_perf.functional.qat_device import disable_cache
@@ -74,10 +81,12 @@ __all__ = [
     "int8_size_bytes",
     "machine_key",
     "model_key",
+    "onnx_cache_dir",
     "quantize_dynamic",
     "quantize_dynamic_eager",
     "quantize_dynamic_onnxruntime",
     "quantize_dynamic_torchao",
+    "refreshing",
 ]
 
 DYNAMIC_BACKENDS: tuple[str, ...] = ("auto", "eager", "onnxruntime", "torchao")
@@ -91,6 +100,7 @@ TIE_RULE = (
 )
 CACHE_FILE = "dynamic_int8.json"
 _CACHE_SCHEMA = 1
+_REFRESH: ContextVar[bool] = ContextVar("lightning_perf_dynamic_int8_refresh", default=False)
 _EAGER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.LSTM, nn.GRU, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 
 
@@ -242,30 +252,62 @@ def _output_spec(output: Any) -> tuple[str, tuple[Any, ...]]:
 
 @torch.no_grad()
 def quantize_dynamic_onnxruntime(
-    module: nn.Module, example_inputs: Any, *, reduce_range: bool | None = None, per_channel: bool = True
+    module: nn.Module,
+    example_inputs: Any,
+    *,
+    reduce_range: bool | None = None,
+    per_channel: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
 ) -> OnnxRuntimeModule:
     """An int8 ONNX Runtime copy of ``module``: ONNX export (dynamic batch) and ``onnxruntime``'s dynamic
     quantization. ``reduce_range=None`` means ``True`` on CPUs without VNNI/AMX int8 (see the module docstring).
+
+    With ``cache_dir``, the int8 model's bytes are kept there (:func:`read_int8_onnx`), one file per machine
+    (:func:`machine_key`), module structure and input shapes (:func:`model_key`) and options, recording a hash of the
+    weights (:func:`weights_key`): a later call with the same weights, in any process, loads them and neither exports
+    nor quantizes (the two take seconds; ``refresh=True`` converts again and replaces the file).
 
     Raises:
         ModuleNotFoundError: if onnx, onnxscript or onnxruntime is missing (the ``onnx`` extra).
         QuantizationError: if the export or the quantization fails.
     """
-    for name in ("onnx", "onnxscript", "onnxruntime"):
-        require(name, "quantize_dynamic(backend='onnxruntime')")
-    from onnxruntime.quantization import QuantType
-    from onnxruntime.quantization import quantize_dynamic as ort_quantize_dynamic
-    from torch.export import Dim
-
+    require("onnxruntime", "quantize_dynamic(backend='onnxruntime')")
     example = tuple(t.detach().cpu() for t in as_input_tuple(example_inputs, "quantize_dynamic(example_inputs)"))
     source = copy.deepcopy(module).cpu().eval()
     spec = _output_spec(source(*example))
     if reduce_range is None:
         reduce_range = not has_int8_dot_product(cpu_flags())
+    if cache_dir is None:
+        return OnnxRuntimeModule(_int8_onnx_bytes(source, example, reduce_range, per_channel), spec)
+    key = {
+        "machine": machine_key(),
+        "model": model_key(source, example),
+        "options": f"per_channel={per_channel}; reduce_range={reduce_range}; weights=qint8",
+        "weights": weights_key(source),
+    }
+    file = int8_onnx_file(cache_dir, key)
+    payload = None if refresh else read_int8_onnx(file, key)
+    if payload is None:
+        payload = _int8_onnx_bytes(source, example, reduce_range, per_channel)
+        write_int8_onnx(file, key, payload)
+    return OnnxRuntimeModule(payload, spec)
+
+
+def _int8_onnx_bytes(source: nn.Module, example: tuple[Tensor, ...], reduce_range: bool, per_channel: bool) -> bytes:
+    """Export ``source`` to ONNX (dynamic batch) and quantize it with onnxruntime: the int8 model's bytes."""
+    for name in ("onnx", "onnxscript"):
+        require(name, "quantize_dynamic(backend='onnxruntime')")
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization import quantize_dynamic as ort_quantize_dynamic
+    from torch.export import Dim
+
     with tempfile.TemporaryDirectory(prefix="lightning_perf_dynamic_") as tmp:
         float_path, int8_path = Path(tmp) / "float.onnx", Path(tmp) / "int8.onnx"
         try:
             with _quiet():
+                # The exporter's optimize=True is kept: optimize=False was not clearly faster on a 2-core machine, and
+                # on nn.TransformerEncoder it gives a graph that onnxruntime quantizes less (not the same int8 model).
                 program = torch.onnx.export(
                     source,
                     example,
@@ -286,7 +328,7 @@ def quantize_dynamic_onnxruntime(
                 )
         except Exception as exc:
             raise QuantizationError(f"ONNX export or quantization failed: {failure_reason(exc)}") from exc
-        return OnnxRuntimeModule(int8_path.read_bytes(), spec)
+        return int8_path.read_bytes()
 
 
 @torch.no_grad()
@@ -303,11 +345,13 @@ def quantize_dynamic_torchao(module: nn.Module) -> nn.Module:
     return quantized
 
 
-def _build(backend: str, module: nn.Module, example: tuple[Tensor, ...]) -> nn.Module:
+def _build(
+    backend: str, module: nn.Module, example: tuple[Tensor, ...], cache_dir: Path | None = None, refresh: bool = False
+) -> nn.Module:
     if backend == "eager":
         return quantize_dynamic_eager(module)
     if backend == "onnxruntime":
-        return quantize_dynamic_onnxruntime(module, example)
+        return quantize_dynamic_onnxruntime(module, example, cache_dir=cache_dir, refresh=refresh)
     return quantize_dynamic_torchao(module)
 
 
@@ -474,9 +518,28 @@ def _store_entry(path: Path, machine: str, model: str, result: DynamicQuantizati
     write_cache_entries(path, _CACHE_SCHEMA, entries, "dynamic int8 cache", stacklevel=4)
 
 
+def onnx_cache_dir(cache_path: str | os.PathLike[str] | None = None) -> Path:
+    """Where the int8 ONNX models are kept beside the cache file ``cache_path``: ``<its stem>_onnx/``."""
+    path = Path(cache_path or default_cache_path())
+    return path.with_name(f"{path.stem}_onnx")
+
+
 def clear_cache(cache_path: str | os.PathLike[str] | None = None) -> None:
-    """Forget the back-ends chosen so far (the next ``"auto"`` measures again): removes the cache file."""
+    """Forget the back-ends chosen so far and the int8 ONNX models kept (the next ``"auto"`` measures again): removes
+    the cache file and its ``_onnx`` folder."""
     Path(cache_path or default_cache_path()).unlink(missing_ok=True)
+    shutil.rmtree(onnx_cache_dir(cache_path), ignore_errors=True)
+
+
+@contextmanager
+def refreshing(on: bool = True) -> Iterator[None]:
+    """Within it, :func:`quantize_dynamic` measures and converts again as with ``refresh=True``: how an adapter that
+    calls it through another layer passes its ``refresh`` option."""
+    token = _REFRESH.set(on or _REFRESH.get())
+    try:
+        yield
+    finally:
+        _REFRESH.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------------- the entry
@@ -495,6 +558,8 @@ def _try(
     example: tuple[Tensor, ...],
     min_cosine: float,
     min_agreement: float,
+    cache_dir: Path | None = None,
+    refresh: bool = False,
 ) -> dict[str, nn.Module]:
     """Build each back-end and check it against ``reference``; the ones that agree, by name."""
     built: dict[str, nn.Module] = {}
@@ -502,7 +567,7 @@ def _try(
         candidate = DynamicCandidate(name)
         result.candidates.append(candidate)
         try:
-            quantized = _build(name, reference, example)
+            quantized = _build(name, reference, example, cache_dir, refresh)
             candidate.validation = compare_models(reference, quantized, [example], min_cosine=min_cosine)
         except Exception as exc:
             candidate.problem = f"failed: {failure_reason(exc)}"
@@ -536,7 +601,10 @@ def quantize_dynamic(
     kept by :data:`TIE_RULE`. The choice and the figures are cached (``cache_path``, default
     :func:`default_cache_path`) per :func:`machine_key` and :func:`model_key`: with a cached choice only that back-end
     is built and checked, nothing is timed (``refresh=True`` measures again; a cached back-end that no longer passes
-    the checks is measured again too). ``module`` is left as it is (its copies are on the CPU, in eval mode).
+    the checks is measured again too). The onnxruntime back-end's int8 model is kept beside the cache file
+    (:func:`onnx_cache_dir`) with a hash of the weights: with the same weights a later call, in any process, loads it
+    instead of exporting and quantizing again (:func:`quantize_dynamic_onnxruntime`; ``refresh=True`` converts again).
+    ``module`` is left as it is (its copies are on the CPU, in eval mode).
 
     Raises:
         ValueError: for an unknown backend or an invalid threshold.
@@ -545,20 +613,20 @@ def quantize_dynamic(
     check_dynamic_backend("quantize_dynamic", backend)
     min_cosine = _check("min_cosine", min_cosine, 0.0, 1.0)
     min_agreement = _check("min_agreement", min_agreement, 0.0, 1.0)
-    check_bool("quantize_dynamic", "refresh", refresh)
+    refresh = check_bool("quantize_dynamic", "refresh", refresh) or _REFRESH.get()
     example = tuple(t.detach().cpu() for t in as_input_tuple(example_inputs, "quantize_dynamic(example_inputs)"))
     flags = cpu_flags()
     reference = copy.deepcopy(module).cpu().eval()
     disable_cache(reference)  # a Hugging Face model's int8 copy is built, checked and timed without its cache
-    checks = (reference, example, min_cosine, min_agreement)
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    checks = (reference, example, min_cosine, min_agreement, onnx_cache_dir(path))
     if backend != "auto":
         result = DynamicQuantization(None, None, backend, cpu_flags=flags)
-        built = _try(result, [backend], *checks)
+        built = _try(result, [backend], *checks, refresh)
         if not built:
             raise QuantizationError(f"dynamic int8 with backend {backend!r}: {result.candidates[0].problem}")
         result.backend, result.module = next(iter(built.items()))
         return result
-    path = Path(cache_path) if cache_path is not None else default_cache_path()
     keys = (machine_key(flags), model_key(reference, example))
     entry = None if refresh else _cached_entry(path, *keys)
     if entry is not None:
@@ -570,7 +638,7 @@ def quantize_dynamic(
             return result
     names, skipped = dynamic_candidates(flags)
     result = DynamicQuantization(None, None, "auto", skipped=skipped, cpu_flags=flags)
-    built = _try(result, names, *checks)
+    built = _try(result, names, *checks, refresh)
     for candidate in result.candidates:
         if candidate.backend in built:
             size = [int(example[0].shape[0])]
