@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -16,16 +17,23 @@ from typing_extensions import override
 from lightning_perf._warnings import NoEffectWarning, warn_once
 from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.compile import (
+    AUTO_WITH_REST,
     STAGES,
     CompiledModules,
     CompileMonitor,
     compile_options,
     inside_wrappers,
+    nested_regions,
     select_regions,
     top_level_blocks,
     validate_regions,
 )
-from lightning_perf.functional.compile_cache import compile_cache_key, load_compile_cache, save_compile_cache
+from lightning_perf.functional.compile_cache import (
+    compile_cache_key,
+    load_compile_cache,
+    save_compile_cache,
+    use_inductor_cache_dir,
+)
 from lightning_perf.profiling import PhaseTimer, format_seconds
 
 # The loop whose first batch shows whether the step method calls the compiled forward, per trainer entry point.
@@ -77,7 +85,12 @@ class CompileCallback(UndoOnExit):
       which is said once on rank zero.
     - ``"auto"``: the largest group of repeated sibling blocks of one class (a transformer's layers, a ResNet's
       residual blocks), found by structure. Identical blocks share one compiled code object, so the model compiles
-      about as fast as one block: use it to cut cold-start time.
+      about as fast as one block: use it to cut cold-start time. The rest (embeddings, head) runs eager.
+    - ``"auto+rest"``: the LightningModule's ``forward`` compiled whole, with those blocks marked as nested regions
+      (``torch.compiler.nested_compile_region``), traced and compiled once and reused by every copy, so the rest is
+      compiled too without compiling each block again. Needs an AOT-autograd backend (``"inductor"``, ``"aot_*"``):
+      with another backend, or when a block's ``forward`` is replaced on the instance, the forward is compiled whole
+      without nested regions; under FSDP2 each sharded block is compiled in its wrapper, as with ``"auto"``.
     - a list of module classes, or class paths as strings for YAML (``"torch.nn.TransformerEncoderLayer"``), or bare
       class names: their outermost instances are compiled.
 
@@ -108,14 +121,18 @@ class CompileCallback(UndoOnExit):
     a new CUDA graph step); on another device it warns once (:class:`~lightning_perf.NoEffectWarning`) and compiles
     without them.
 
-    Warm starts (``cache``): at the end of a ``fit`` that finished (not one that raised or was interrupted), global
-    rank zero writes the compiled code of the run to ``cache``, atomically, with a key (torch, Python, device, the
+    Warm starts (``cache``): with each checkpoint Lightning saves during ``fit`` and at the end of a ``fit`` that
+    finished (each time only if something was compiled since the last write), global rank zero writes the compiled
+    code of the run to ``cache``, atomically, with a key (torch, Python, device, the
     compiled modules' classes and parameter shapes, the compile options); at the start of the next run, on every rank
     and before the first compiled step, the file is loaded into torch's compile caches if its key matches, so the first
     steps skip most of the compiling (see :mod:`lightning_perf.functional.compile_cache` for the format and what it
     trusts: the file is code, so load only caches your own runs wrote). A missing, truncated, altered or foreign file
     is refused with one :class:`~lightning_perf.NoEffectWarning` naming what differed, and the run compiles from
-    cold. Every rank must see the file (a shared file system, or copy it to each node before the job).
+    cold. Every rank must see the file (a shared file system, or copy it to each node before the job). On the CPU the
+    file does not hold the compiled C++ kernels (native code, which this library never loads from a file), so a warm
+    start still builds them; ``inductor_cache_dir`` keeps torch's own kernel cache in a private folder of the run, which
+    a resume on the same machine reuses through torch's own loading (the variable is restored at teardown).
 
     At the end of ``fit``, on rank zero, it reports the compile time (spent in torch's compiler, and the first
     ``warmup_steps`` training steps in all) apart from the steady-state step time, with the graphs, graph breaks and
@@ -136,6 +153,10 @@ class CompileCallback(UndoOnExit):
         warmup_steps: leading training steps reported as warm-up (they include compilation).
         cache: a file, or a folder to hold ``torch_compile_cache.bin``, to load the compiled code from at the start
             of each run and save it to at the end of each ``fit`` (e.g. beside the checkpoints); ``None``: neither.
+        inductor_cache_dir: a folder, private to you, for torch's own on-disk compile cache while compiled (instead
+            of ``/tmp/torchinductor_<user>``): a later run on the same machine loads the compiled C++ kernels from it,
+            which ``cache`` does not carry (see
+            :func:`~lightning_perf.functional.compile_cache.use_inductor_cache_dir`).
 
     Raises:
         ValueError: for an unknown mode, backend name, stage or region class path, ``mode`` with ``options``, empty
@@ -169,6 +190,7 @@ class CompileCallback(UndoOnExit):
         strict: bool = False,
         warmup_steps: int = 2,
         cache: str | os.PathLike[str] | None = None,
+        inductor_cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         owner = type(self).__name__
         self._compile_kwargs = compile_options(
@@ -193,6 +215,15 @@ class CompileCallback(UndoOnExit):
                 "os.PathLike) to keep the compiled code in between runs."
             )
         self.cache = cache
+        if inductor_cache_dir is not None and (
+            not isinstance(inductor_cache_dir, (str, os.PathLike)) or not os.fspath(inductor_cache_dir)
+        ):
+            raise TypeError(
+                f"`{owner}(inductor_cache_dir={inductor_cache_dir!r})` is not valid. Expected None or a folder path "
+                "(str or os.PathLike) for torch's own compile cache, private to you."
+            )
+        self.inductor_cache_dir = inductor_cache_dir
+        self._cache_dir_stack = contextlib.ExitStack()
         self.report: dict[str, Any] = {}
         self._compiled: CompiledModules | None = None
         self._entry_check: str | None = None  # the loop whose first batch must have called the compiled forward
@@ -205,6 +236,7 @@ class CompileCallback(UndoOnExit):
         )
         self._cache_tried = False  # the cache file is loaded once per process
         self._cache_loaded = False
+        self._cache_saved_at = -1  # compilations counted when the cache file was last written in this fit
 
     # ------------------------------------------------------------------------------------------ applying, undoing
 
@@ -232,10 +264,14 @@ class CompileCallback(UndoOnExit):
                     f"{pl_module.device.type} it compiles without them (as the default mode).",
                     NoEffectWarning,
                 )
-        self._compiled = CompiledModules(modules, self._compile_kwargs, strict=self.strict)
+        nested = nested_regions(pl_module, self.regions, modules, self.backend)
+        self._compiled = CompiledModules(modules, self._compile_kwargs, strict=self.strict, nested=nested)
+        if self.inductor_cache_dir is not None:  # before loading `cache`, which fills torch's on-disk caches
+            self._cache_dir_stack.enter_context(use_inductor_cache_dir(self.inductor_cache_dir))
         if self.cache is not None:
             self._load_cache(modules, pl_module.device)
-        self._entry_check = _MAIN_LOOP[stage] if self.regions is None and modules == selected else None
+        whole = self.regions in (None, AUTO_WITH_REST)
+        self._entry_check = _MAIN_LOOP[stage] if whole and modules == selected else None
         self._monitor.start()
         if stage == "fit":
             self._timer = PhaseTimer(pl_module.device, warmup_steps=self.warmup_steps)
@@ -251,12 +287,29 @@ class CompileCallback(UndoOnExit):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # Lightning calls teardown only for a run that finished: a failed or interrupted fit saves nothing.
-        if stage == "fit" and self.cache is not None and self._cache_key is not None and trainer.is_global_zero:
-            written = save_compile_cache(self.cache, self._cache_key)
-            if written is not None:
-                rank_zero_info(f"{type(self).__name__}: saved the compiled code of this fit to {written}.")
+        # Lightning calls teardown only for a run that finished: a failed or interrupted fit saves nothing more.
+        if stage == "fit":
+            self._save_cache(trainer, "this fit")
         super().teardown(trainer, pl_module, stage)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # With each checkpoint, so that a run killed later resumes warm; only when something new was compiled.
+        if trainer.state.fn is not None and trainer.state.fn.value == "fit":
+            self._save_cache(trainer, "this fit so far")
+
+    def _save_cache(self, trainer: pl.Trainer, what: str) -> None:
+        if self.cache is None or self._cache_key is None or not trainer.is_global_zero:
+            return
+        compilations = self._monitor.stats.compilations
+        if compilations == self._cache_saved_at:
+            return
+        written = save_compile_cache(self.cache, self._cache_key)
+        if written is not None:
+            self._cache_saved_at = compilations
+            rank_zero_info(f"{type(self).__name__}: saved the compiled code of {what} to {written}.")
 
     def _note_inside_wrappers(self, trainer: pl.Trainer, modules: list[tuple[str, nn.Module]]) -> None:
         if self._said_inside_wrappers:
@@ -279,6 +332,8 @@ class CompileCallback(UndoOnExit):
         self._entry_check = None
         self._cudagraph_steps = False
         self._cache_key = None
+        self._cache_saved_at = -1
+        self._cache_dir_stack.close()
 
     def _check_forward_ran(self, pl_module: pl.LightningModule, loop: str) -> None:
         """After the first batch of the main loop: if the compiled forward never ran, compile the sub-modules."""
@@ -389,7 +444,7 @@ class CompileCallback(UndoOnExit):
         # Live compile state (modules, CUDA events, registered compiler callbacks) stays with this process.
         state = self.__dict__.copy()
         state.update(_compiled=None, _timer=None, _entry_check=None, _cudagraph_steps=False, _monitor=CompileMonitor())
-        state.update(_cache_key=None, _cache_tried=False, _cache_loaded=False)
+        state.update(_cache_key=None, _cache_tried=False, _cache_loaded=False, _cache_dir_stack=contextlib.ExitStack())
         return state
 
 

@@ -18,16 +18,26 @@ itself; it hands torch only torch's own artifacts, which torch reads the way it 
 unpickles compiled graphs from them). The hashes catch corruption, not an attacker (who can rewrite them): load only
 a cache file written by your own runs, kept where only they can write. On the CPU, inductor's C++ kernels are not in
 torch's artifacts and are built again in the warm run (most of a CPU cold start); on CUDA, Triton kernels are.
+
+:func:`use_inductor_cache_dir` is the other kind of warm start: it points torch's own on-disk compile cache
+(``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``) at a folder of the run's, beside its
+checkpoints, so a later run *on the same machine, as the same user* finds the compiled C++ kernels there and loads
+them as it loads its default cache. That folder holds native code built by torch and loaded by torch: it is trusted
+exactly as torch's default cache folder is, so it must be writable by you alone. A folder that is not (owned by
+another user, or writable by group or others) is not used, with a warning. It is not portable: another machine
+or CPU finds no match in it and compiles again (torch's cache keys include the compiler, the CPU's instruction set
+and torch's version).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import platform
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +54,7 @@ __all__ = [
     "compile_cache_supported",
     "load_compile_cache",
     "save_compile_cache",
+    "use_inductor_cache_dir",
 ]
 
 #: The file name used when the cache path given is a folder.
@@ -211,3 +222,51 @@ def _unsupported() -> str:
         f"torch {torch.__version__} has no torch.compiler.save_cache_artifacts / load_cache_artifacts: the compile "
         "cache is neither saved nor loaded (every run compiles from cold)."
     )
+
+
+# ------------------------------------------------------------------------------------- torch's own on-disk cache
+
+
+def _not_private(folder: Path) -> str | None:
+    """Why ``folder`` is not fit to hold native code that torch will load, or ``None`` if it is."""
+    if not hasattr(os, "getuid"):  # pragma: no cover - Windows: no POSIX owner and mode bits to check
+        return None
+    info = folder.stat()
+    if info.st_uid != os.getuid():
+        return f"it is owned by user id {info.st_uid}, not by this process's user ({os.getuid()})"
+    if info.st_mode & 0o022:
+        return f"it is writable by group or others (mode {oct(info.st_mode & 0o777)})"
+    return None
+
+
+@contextlib.contextmanager
+def use_inductor_cache_dir(folder: str | os.PathLike[str]) -> Iterator[bool]:
+    """Point ``TORCHINDUCTOR_CACHE_DIR`` at ``folder`` (made, private to this user, if missing) while the block runs.
+
+    Yields whether the folder is used: ``False``, with a :class:`~lightning_perf.NoEffectWarning`, when it cannot be
+    made or is not private (see the module's docstring: it holds native code that torch loads). The previous setting
+    is restored on exit. Torch reads the variable at each cache access, so it applies to what is compiled from then on.
+    """
+    target = Path(folder)
+    try:
+        target.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = _not_private(target)
+    except OSError as error:
+        problem = f"it cannot be made ({error})"
+    if problem is not None:
+        warn_once(
+            f"Inductor cache folder {os.fspath(target)!r} not used: {problem}. It would hold compiled native code that "
+            "torch loads in later runs, so it must be writable by you alone. Torch's default cache folder is used.",
+            NoEffectWarning,
+        )
+        yield False
+        return
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(target)
+    try:
+        yield True
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,7 @@ def _trainer(root: Path, *callbacks: pl.Callback, **overrides: Any) -> pl.Traine
         ({"warmup_steps": 0}, ValueError, r"CompileCallback\(warmup_steps=0\).*>= 1"),
         ({"warmup_steps": True}, ValueError, r"warmup_steps=True"),
         ({"cache": 3}, TypeError, r"CompileCallback\(cache=3\)` is not valid. Expected None or a file or folder"),
+        ({"inductor_cache_dir": ""}, TypeError, r"CompileCallback\(inductor_cache_dir=''\)` is not valid.*folder"),
     ],
 )
 def test_invalid_arguments_are_rejected(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
@@ -440,6 +442,56 @@ def test_cache_is_saved_after_a_fit_and_loaded_before_the_next_first_step(
     assert callback.report["cache_loaded"]
     with pytest.warns(NoEffectWarning, match=r"another setup: modules \(file: '1 x TinyModule .*now: '1 x Tower"):
         _trainer(tmp_path, CompileCallback(backend=backend, cache=tmp_path, regions=["Tower"])).fit(TinyModule())
+
+
+def test_cache_is_saved_with_checkpoints_once_per_new_compilation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saves: list[int] = []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: saves.append(len(saves)) or (b"artifacts", 0))
+    callback = CompileCallback(backend=CountingBackend(), cache=tmp_path / "cache.bin")
+    every_step = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    _trainer(tmp_path, callback, every_step, enable_checkpointing=True).fit(TinyModule())
+    assert len(list((tmp_path / "ckpt").iterdir())) == 6  # six checkpoints...
+    assert saves == [0] and (tmp_path / "cache.bin").is_file()  # ...one write: nothing was compiled after the first
+
+
+class CacheDirSeen(TinyModule):
+    """Records torch's on-disk compile cache folder as each training step sees it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        return super().training_step(batch, batch_idx)
+
+
+def test_inductor_cache_dir_is_used_while_fitting_and_restored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "default"))
+    folder, model = tmp_path / "run" / "inductor", CacheDirSeen()
+    _trainer(tmp_path, CompileCallback(backend=CountingBackend(), inductor_cache_dir=folder)).fit(model)
+    assert model.seen == os.path.abspath(folder) and folder.stat().st_mode & 0o777 == 0o700  # made private
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "default")
+    with pytest.raises(ValueError, match="a real bug"):  # restored when the fit fails too
+        _trainer(tmp_path, CompileCallback(backend=CountingBackend(), inductor_cache_dir=folder)).fit(
+            CacheDirSeen(bug_at_step=1)
+        )
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "default")
+    folder.chmod(0o777)  # others could plant native code in it: not used
+    model = CacheDirSeen()
+    with pytest.warns(NoEffectWarning, match=r"not used: it is writable by group or others \(mode 0o777\)"):
+        _trainer(tmp_path, CompileCallback(backend=CountingBackend(), inductor_cache_dir=folder)).fit(model)
+    assert model.seen == str(tmp_path / "default")
+
+
+def test_auto_with_rest_compiles_the_forward_with_nested_blocks(tmp_path: Path) -> None:
+    from tests._compiling import Block
+
+    forward, model = Block.__dict__["forward"], TinyModule(depth=3)
+    callback = CompileCallback(backend="aot_eager", regions="auto+rest")
+    _trainer(tmp_path, callback, max_steps=2).fit(model)
+    assert callback.report["compiled"] == [""] and callback.report["recompiles"] == 0
+    assert Block.__dict__["forward"] is forward and compiled_modules(model) == []  # all undone at teardown
 
 
 # ------------------------------------------------------------------------------------------------ real compilers
