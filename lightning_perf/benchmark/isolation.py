@@ -93,6 +93,10 @@ def run_isolated(
         name: the process name (also the stem of its files).
     """
     stem = f"{name}-{spec.config.replace('+', '_')}-{spec.repeat}"
+    attempt = 1
+    while (workdir / f"{stem}.json").exists() or (workdir / f"{stem}.log").exists():  # a re-run keeps the first's files
+        attempt += 1
+        stem = f"{name}-{spec.config.replace('+', '_')}-{spec.repeat}-run{attempt}"
     result_path, log_path = workdir / f"{stem}.json", workdir / f"{stem}.log"
     context = multiprocessing.get_context("spawn")
     process = context.Process(target=_child, args=(asdict(spec), source, str(result_path), str(log_path)), name=name)

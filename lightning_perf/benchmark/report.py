@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning_perf.benchmark.payback import compile_costs
 from lightning_perf.benchmark.results import ONE_REPEAT
@@ -268,6 +268,12 @@ def _num(value: float | None, fmt: str) -> str:
     return "n/a" if value is None else format(value, fmt)
 
 
+def _worker_threads(machine: dict[str, Any]) -> Any:
+    """The workers' intra-op threads (``machine.threads``, decided at the run's start); older reports: the parent's."""
+    threads = machine.get("threads")
+    return threads.get("threads", "?") if isinstance(threads, dict) else machine.get("torch_threads", "?")
+
+
 def markdown_report(report: BenchReport) -> str:
     """The report as Markdown: the command, the machine, reliability, the table and how to read it."""
     opts, machine, run = report.options, report.machine, report.run
@@ -281,7 +287,7 @@ def markdown_report(report: BenchReport) -> str:
         "",
         *source_lines(report),
         f"Machine: {machine.get('cpu') or 'unknown CPU'} ({machine.get('cpu_count', '?')} CPUs, "
-        f"{machine.get('torch_threads', '?')} torch threads; flags: {flag_text}), {machine.get('gpu') or 'no GPU'}; "
+        f"{_worker_threads(machine)} torch threads per run; flags: {flag_text}), {machine.get('gpu') or 'no GPU'}; "
         f"lightning_perf {machine.get('lightning_perf')}, torch {machine.get('torch')}, "
         f"lightning {machine.get('lightning')}.",
         "",

@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +36,8 @@ from typing_extensions import override
 from lightning_perf._device import as_device, synchronize
 from lightning_perf._warnings import NoEffectWarning
 from lightning_perf.benchmark.spec import RunSpec
+from lightning_perf.benchmark.structure import training_step_flops
 from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer
-from lightning_perf.profiling.flops import FlopCount, count_flops
 
 
 @dataclass
@@ -231,46 +231,7 @@ def build_reference_workload(spec: RunSpec) -> tuple[pl.LightningModule, pl.Ligh
     )
 
 
-def count_training_step_flops(
-    model: pl.LightningModule, datamodule: pl.LightningDataModule, device: torch.device
-) -> FlopCount:
-    """FLOPs of one training step of ``model`` outside a Trainer: ``training_step`` and ``loss.backward()`` on the
-    first training batch, moved to ``device`` by the model's batch-transfer hooks.
-
-    The optimizer's update is not counted (MFU convention, see :func:`~lightning_perf.profiling.flops.count_flops`).
-    The model's parameters get gradients: pass a copy that is not trained afterwards. ``self.log`` warns outside a
-    Trainer; those warnings are silenced here, and here only.
-
-    Raises:
-        RuntimeError: for manual optimization (its ``training_step`` calls the Trainer's optimizers and
-            ``manual_backward``), or when ``training_step`` returns no loss with a gradient; whatever the model's own
-            code raises outside a Trainer passes through.
-    """
-    if not model.automatic_optimization:
-        raise RuntimeError(
-            "manual optimization: training_step runs its own backward and optimizer steps, which need a Trainer"
-        )
-    datamodule.setup("fit")
-    loader = datamodule.train_dataloader()
-    batches = iter(loader)
-    batch = next(batches)
-    del batches  # ends DataLoader workers, if any
-    model.to(device)
-    model.train()
-    batch = model.on_before_batch_transfer(batch, 0)
-    batch = model.transfer_batch_to_device(batch, device, 0)
-    batch = model.on_after_batch_transfer(batch, 0)
-
-    def step() -> None:
-        output = model.training_step(batch, 0)
-        loss = output.get("loss") if isinstance(output, Mapping) else output
-        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-            raise RuntimeError(f"training_step returned no loss with a gradient (got {type(output).__name__})")
-        loss.backward()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return count_flops(step)
+count_training_step_flops = training_step_flops  # one implementation, in benchmark/structure.py
 
 
 def _count_flops(spec: RunSpec, build: Builder, device: torch.device, result: RunResult) -> None:

@@ -168,6 +168,11 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-workers", type=non_negative_int, default=0, help="DataLoader workers (default 0)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        help="intra-op threads of every run (default: the usable cores less the load seen at the start, at least 1)",
+    )
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -241,6 +246,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             batch_sizes=tuple(args.batch_sizes or ()),
             device=args.device,
             seed=args.seed,
+            threads=args.threads,
             predict_batches=args.predict_batches,
             num_workers=args.num_workers,
             stage=args.stage,

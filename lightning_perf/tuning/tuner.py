@@ -55,6 +55,7 @@ from lightning_perf.benchmark.sources import (
     init_parameters,
 )
 from lightning_perf.benchmark.spec import RunSpec, check_preset, check_workload, resolve_device
+from lightning_perf.benchmark.structure import structure_of
 from lightning_perf.benchmark.threads import ThreadChoice, decide_for_run
 from lightning_perf.optimizations import tuner_alternatives
 from lightning_perf.profiling.machine import describe_machine
@@ -280,7 +281,10 @@ class AutoTuner(Remeasuring):
         dm_params, model_params = sorted(init_parameters(datamodule)), sorted(init_parameters(model))
         own_loader = {k: getattr(datamodule, k) for k in LOADER_SETTINGS if hasattr(datamodule, k)}
         self._capabilities = model_capabilities(model)  # counted once, here: no trial needed to know
-        self._plan = search_plan(self.stage, self.precisions, self.optimizations, device=self.device)
+        structure = structure_of(model, datamodule)  # the same facts decide the bench's default set
+        self._plan = search_plan(
+            self.stage, self.precisions, self.optimizations, device=self.device, structure=structure
+        )
         del model, datamodule
         isolation = resolve_isolation(self.isolation, self.source)
         self._threads = decide_for_run(self.threads, describe_machine())
