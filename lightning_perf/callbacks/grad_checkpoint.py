@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +20,9 @@ from lightning_perf.functional.checkpoint_budget import (
     ActivationProfile,
     ActivationRecorder,
     CheckpointPlan,
+    CompilerBudgetForward,
+    aot_compilations,
+    apply_compiler_budget,
     apply_plan,
     plan_checkpointing,
     set_compiler_memory_budget,
@@ -68,20 +71,30 @@ class GradCheckpointCallback(UndoOnExit):
             randomness and the last bit of speed matters).
         memory_budget: instead of ``every_n``/``fraction``, a number in ``(0, 1]``: keep at most about that fraction
             of the activation memory that training without checkpointing keeps, at the least recompute time. The
-            first training batch runs without checkpointing and is profiled (what each chosen block saves for
-            backward, which ops it runs and their times; it must fit in memory); then, per block: no checkpointing,
-            selective checkpointing (keep matmul/convolution/attention outputs, or attention outputs only, recompute
-            the cheap ops) or full checkpointing, chosen greedily by memory saved per second of recompute (see
-            :mod:`lightning_perf.functional.checkpoint_budget`). The plan is reported once, with the memory the
-            allocator measured in the first checkpointed step. ``1.0`` means no checkpointing. Under
-            ``torch.compile`` (a :class:`~lightning_perf.callbacks.CompileCallback` in the trainer, or a compiled
-            module) the compiler's own ``torch._functorch.config.activation_memory_budget`` is set for the fit
-            instead, and restored after it.
+            first training batch runs without checkpointing and is profiled (what each chosen block and its parts,
+            attention and MLP, save for backward, which ops they run and their times; it must fit in memory); then,
+            per block: no checkpointing, selective checkpointing (keep matmul/convolution/attention outputs, or
+            attention outputs only, recompute the cheap ops), checkpointing of some of its parts, or full
+            checkpointing, chosen as the least recompute time within the budget (a knapsack, see
+            :mod:`lightning_perf.functional.checkpoint_budget`), so that the kept memory lands just under the budget.
+            The plan is reported once, with the memory the allocator measured in the first checkpointed step.
+            ``1.0`` means no checkpointing. Under ``torch.compile`` (a
+            :class:`~lightning_perf.callbacks.CompileCallback` in the trainer, or a module compiled in place) the
+            compiler's own budget is used instead: ``torch._functorch.config.activation_memory_budget`` for the fit,
+            and the same budget inside the traced forward
+            (:class:`~lightning_perf.functional.checkpoint_budget.CompilerBudgetForward`), so that a graph compiled
+            earlier in the process under another budget is compiled again under this one. After the first step it
+            checks that a graph was compiled under the budget, and after the second it reports the activation memory;
+            it warns once when the budget did not take effect (a backend without AOTAutograd, a fallback to eager, the
+            same memory as another budget in an earlier fit). All restored after the fit.
 
     Attributes:
-        wrapped: names of the blocks this callback checkpointed in the last ``fit``.
+        wrapped: names of the modules this callback checkpointed in the last ``fit`` (blocks; with ``memory_budget``
+            also parts of blocks).
         plan: with ``memory_budget``, the :class:`~lightning_perf.functional.checkpoint_budget.CheckpointPlan` of the
             last ``fit`` (None before the first batch, under ``torch.compile`` and for ``memory_budget=1.0``).
+        compiled_kept_bytes: with ``memory_budget`` under ``torch.compile``, the activation memory measured in the
+            second step of the last ``fit`` (the allocator's growth over its forward), else None.
 
     Raises:
         ValueError: for a class path that does not import, both ``modules`` and ``filter_fn``, an ``every_n`` below 1,
@@ -148,6 +161,7 @@ class GradCheckpointCallback(UndoOnExit):
         self.wrapped: list[str] = []
         self._patched: list[nn.Module] = []  # the blocks to unpatch, held by object (a name may be rebound meanwhile)
         self._budget_state: _BudgetState | None = None
+        self.compiled_kept_bytes: int | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -162,6 +176,7 @@ class GradCheckpointCallback(UndoOnExit):
         self.wrapped = []
         self._patched = []
         self.plan = None
+        self.compiled_kept_bytes = None
         if self.memory_budget is None:
             run_after_configure_model(pl_module, self._apply)
         else:
@@ -175,15 +190,27 @@ class GradCheckpointCallback(UndoOnExit):
 
     def _prepare_budget(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         budget = float(self.memory_budget)  # type: ignore[arg-type]
-        chosen = self._select(pl_module)
-        if not chosen:
-            self._apply(pl_module)  # warns once that nothing matched
-            return
         if budget >= 1.0:
             rank_zero_info(
                 "GradCheckpointCallback(memory_budget=1.0): no activation checkpointing (1.0 keeps all the activation "
                 "memory of training without it)."
             )
+            return
+        if _runs_compiled(trainer, pl_module):
+            state = self._budget_state = _BudgetState(blocks=[], compile_check_next=True)
+            state.compiler_previous = set_compiler_memory_budget(budget)
+            state.compiler_patched = apply_compiler_budget(pl_module, budget)
+            rank_zero_info(
+                f"GradCheckpointCallback(memory_budget={budget:g}): the model runs under torch.compile, so the "
+                f"compiler's own activation memory budget is used for this fit "
+                f"(torch._functorch.config.activation_memory_budget={budget:g}, was {state.compiler_previous:g}, and "
+                "the same budget in the traced forward, so that a graph compiled earlier under another budget is "
+                "compiled again); no eager checkpointing. Checked after the first step."
+            )
+            return
+        chosen = self._select(pl_module)
+        if not chosen:
+            self._apply(pl_module)  # warns once that nothing matched
             return
         if is_sharded(pl_module):
             warn_once(
@@ -194,18 +221,7 @@ class GradCheckpointCallback(UndoOnExit):
             )
             self._apply(pl_module)
             return
-        state = _BudgetState(blocks=chosen)
-        self._budget_state = state
-        if _runs_compiled(trainer, pl_module):
-            state.compiler_previous = set_compiler_memory_budget(budget)
-            rank_zero_info(
-                f"GradCheckpointCallback(memory_budget={budget:g}): the model runs under torch.compile, so the "
-                f"compiler's own activation memory budget is set for this fit "
-                f"(torch._functorch.config.activation_memory_budget={budget:g}, was {state.compiler_previous:g}); "
-                "no eager checkpointing."
-            )
-            return
-        state.profile_next = True
+        self._budget_state = _BudgetState(blocks=chosen, profile_next=True)
 
     @override
     def on_train_batch_start(
@@ -218,6 +234,9 @@ class GradCheckpointCallback(UndoOnExit):
             state.profile_next = False
             state.recorder = ActivationRecorder(pl_module, state.blocks, pl_module.device)
             state.recorder.start()
+        elif state.compile_check_next:
+            state.compile_check_next = False
+            state.aot_before = aot_compilations()
         elif state.measure_next:
             state.measure_next = False
             state.probe = _probe(pl_module)
@@ -234,15 +253,18 @@ class GradCheckpointCallback(UndoOnExit):
         if state.recorder is not None and state.recorder.active:
             state.profile = state.recorder.stop()
             state.recorder = None
-        elif state.before is not None and state.probe is not None and self.plan is not None:
+        elif state.before is not None and state.probe is not None:
             allocated, grads = state.before
             # Lightning's zero_grad runs between training_step and backward: add back the gradients it freed.
             measured = state.probe.allocated() - allocated + grads - _grad_bytes(pl_module)
             state.before = None
             state.probe.close()
             state.probe = None
-            self.plan = self.plan.with_measurement(measured)
-            self._report()
+            if self.plan is not None:
+                self.plan = self.plan.with_measurement(measured)
+                self._report()
+            else:
+                self._check_compiled_memory(pl_module, measured)
 
     @override
     def on_train_batch_end(
@@ -252,6 +274,10 @@ class GradCheckpointCallback(UndoOnExit):
         if state is None:
             return
         self._finish_forward(pl_module)  # a step without backward (training_step returned None)
+        if state.aot_before is not None:
+            self._check_compiled(pl_module, aot_compilations() - state.aot_before)
+            state.aot_before = None
+            state.measure_next = True  # the first step's memory holds the compilation's own allocations
         if state.profile is None:
             return
         profile, state.profile = state.profile, None
@@ -265,6 +291,47 @@ class GradCheckpointCallback(UndoOnExit):
             state.measure_next = True
         else:
             self._report()
+
+    def _check_compiled(self, pl_module: pl.LightningModule, compiled: int) -> None:
+        """After the first compiled step: a graph was compiled under the budget now, or earlier in this process."""
+        key = (_model_key(pl_module), repr(float(self.memory_budget)))  # type: ignore[arg-type]
+        if compiled > 0:
+            _COMPILED_UNDER.add(key)
+            return
+        if key in _COMPILED_UNDER:
+            return  # compiled under this very budget in an earlier fit: the cached graph is the right one
+        why = (
+            "torch lacks `torch.autograd.graph.region_activation_memory_budget`, so a graph compiled earlier under "
+            "another budget is reused (`torch._dynamo.reset()` would drop every compiled graph of the process)"
+            if self._budget_state is not None and not self._budget_state.compiler_patched
+            else "the backend does not use AOTAutograd's partitioner (backend='eager', say), or compilation fell back "
+            "to eager"
+        )
+        warn_once(
+            f"GradCheckpointCallback(memory_budget={self.memory_budget:g}) on a compiled model: no graph was compiled "
+            f"under this budget in the first step ({compiled} AOTAutograd compilations): {why}. The budget has no "
+            "effect on this fit; without torch.compile the callback checkpoints eagerly to the budget."
+        )
+
+    def _check_compiled_memory(self, pl_module: pl.LightningModule, measured: int) -> None:
+        """Report the second compiled step's activation memory; warn when an earlier fit's other budget kept as much."""
+        self.compiled_kept_bytes = measured
+        budget = float(self.memory_budget)  # type: ignore[arg-type]
+        earlier = _COMPILED_MEMORY.setdefault(_model_key(pl_module), {})
+        same = [b for b, kept in earlier.items() if b != budget and abs(kept - measured) <= 0.01 * max(kept, 1)]
+        earlier[budget] = measured
+        rank_zero_info(
+            f"GradCheckpointCallback(memory_budget={budget:g}) under torch.compile: activation memory "
+            f"{measured / 2**20:.1f} MiB (allocator growth over the second step's forward)"
+            + "".join(f"; {b:g}: {kept / 2**20:.1f} MiB" for b, kept in sorted(earlier.items()) if b != budget)
+        )
+        if same:
+            warn_once(
+                f"GradCheckpointCallback(memory_budget={budget:g}) under torch.compile kept the same activation memory "
+                f"({measured / 2**20:.1f} MiB) as memory_budget={same[0]:g} did in an earlier fit in this process: the "
+                "budget did not change what the compiled graph saves (a graph compiled under the other budget was "
+                "reused, or the graph has nothing cheaper to recompute)."
+            )
 
     def _report(self) -> None:
         state = self._budget_state
@@ -321,6 +388,8 @@ class GradCheckpointCallback(UndoOnExit):
                 state.probe.close()
             if state.compiler_previous is not None:
                 set_compiler_memory_budget(state.compiler_previous)
+            for module in state.compiler_patched:
+                unpatch_forward(module, CompilerBudgetForward)
             if self.plan is not None and not state.reported:
                 state.reported = True
                 rank_zero_info(f"GradCheckpointCallback: {self.plan.describe()}")
@@ -347,6 +416,19 @@ class _BudgetState:
     before: tuple[int, int] | None = None
     reported: bool = False
     compiler_previous: float | None = None
+    compiler_patched: list[nn.Module] = field(default_factory=list)
+    compile_check_next: bool = False
+    aot_before: int | None = None
+
+
+# Process-wide, across fits: (model class, budget) compiled under by this callback, and the activation memory measured
+# per model class and budget under torch.compile.
+_COMPILED_UNDER: set[tuple[str, str]] = set()
+_COMPILED_MEMORY: dict[str, dict[float, int]] = {}
+
+
+def _model_key(pl_module: pl.LightningModule) -> str:
+    return f"{type(pl_module).__module__}.{type(pl_module).__qualname__}"
 
 
 def _probe(pl_module: pl.LightningModule) -> MemoryProbe | None:

@@ -10,10 +10,11 @@ least recompute time. Three steps, each usable alone in a plain training loop:
 2. :func:`plan_checkpointing` chooses, per block, one of: no checkpointing; *selective* checkpointing that keeps the
    outputs of expensive ops (matmuls, convolutions, attention kernels, the CPU one
    ``aten._scaled_dot_product_flash_attention_for_cpu`` included) and recomputes the cheap elementwise and
-   normalization ops (``torch.utils.checkpoint.create_selective_checkpoint_contexts``); selective checkpointing that
-   keeps attention outputs only; or full checkpointing (only the block's inputs are kept). The choice is greedy by
-   memory saved per second of recompute over each block's lower convex hull of (recompute time, kept memory), which
-   is the optimum of the fractional problem and near it for the 0-1 one when blocks are many and alike.
+   normalization ops (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, charged what its per-op
+   Python dispatch costs); selective checkpointing that keeps attention outputs only; checkpointing some of the
+   block's *parts* (its children of two layers or more: attention, MLP), each fully; or full checkpointing (only the
+   block's inputs are kept). The choice is a multiple-choice knapsack solved exactly: the least recompute time whose
+   kept memory is within the budget, so the plan lands just under the budget, not far below it.
 3. :func:`apply_plan` patches the chosen blocks with
    :class:`~lightning_perf.functional.grad_checkpoint.CheckpointedForward` (names, ``state_dict`` keys and gradients
    unchanged); :func:`~lightning_perf.functional.grad_checkpoint.remove_activation_checkpointing` undoes it.
@@ -25,7 +26,9 @@ recorder samples it around the forward, and :class:`CheckpointPlan` carries both
 
 Under ``torch.compile`` the compiler has its own budget (``torch._functorch.config.activation_memory_budget``, a
 knapsack over the compiled graph's saved tensors): :func:`set_compiler_memory_budget` sets it and returns the old
-value to restore.
+value to restore. That setting is read when a graph compiles, so a class compiled earlier in the process keeps
+its old graph: :func:`apply_compiler_budget` patches the modules so that the budget is part of what dynamo guards, and
+a new budget compiles them again.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from lightning_perf.functional.checkpoint_blocks import count_layers
 from lightning_perf.functional.grad_checkpoint import CheckpointedForward
-from lightning_perf.functional.surgery import patch_forward
+from lightning_perf.functional.surgery import ForwardPatch, patch_forward
 from lightning_perf.profiling.memory import MemoryProbe
 
 __all__ = [
@@ -55,6 +59,9 @@ __all__ = [
     "BlockChoice",
     "BlockProfile",
     "CheckpointPlan",
+    "CompilerBudgetForward",
+    "aot_compilations",
+    "apply_compiler_budget",
     "apply_plan",
     "plan_checkpointing",
     "profile_activations",
@@ -140,6 +147,8 @@ class BlockProfile:
         kept_bytes: per selective policy name, the bytes kept under it (inputs plus the kept ops' outputs).
         recompute_s: per selective policy name, the time of the ops it recomputes.
         op_counts: how many ops of each class in :data:`SAVE_OP_CLASSES` the block ran (``"other"`` for the rest).
+        parts: the block's children that can be checkpointed alone (attention, MLP: two layers or more), by qualified
+            name: ``(saved_bytes, kept_bytes, forward_s)``, what the part saves, keeps checkpointed, and its ops' time.
     """
 
     name: str
@@ -149,6 +158,7 @@ class BlockProfile:
     kept_bytes: dict[str, int] = field(default_factory=dict)
     recompute_s: dict[str, float] = field(default_factory=dict)
     op_counts: dict[str, int] = field(default_factory=dict)
+    parts: dict[str, tuple[int, int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -222,6 +232,9 @@ class _OpRecorder(TorchDispatchMode):
         ids = self.recorder._ids
         keys = [k for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) for k in [ids.key(t)] if k is not None]
         self.recorder._ops[block].append((_op_class(func) or "other", elapsed, keys))
+        part = self.recorder._part
+        if part is not None:
+            self.recorder._part_ns[part] += elapsed
         return out
 
 
@@ -249,6 +262,13 @@ class ActivationRecorder:
         self._inputs: dict[str, set[int]] = {}
         self._outputs: dict[str, set[int]] = {}
         self._saved: dict[int, str | None] = {}  # storage id -> block it was first saved in (None: outside)
+        # The parts of each block (children holding 2+ layers: attention, MLP), checkpointed alone as finer options.
+        self.parts = {name: _parts_of(name, block) for name, block in self.blocks}
+        self._part: str | None = None
+        self._saved_part: dict[int, str | None] = {}  # storage id -> part it was first saved in (None: no part)
+        self._part_ns: dict[str, int] = {}
+        self._wall_ns: dict[str, int] = {}  # block -> wall time of its forward, the recorder's own cost included
+        self._entered_ns = 0
         self._ids = _StorageIds()
         self._excluded: set[int] = set()
         self._handles: list[Any] = []
@@ -266,10 +286,13 @@ class ActivationRecorder:
         """Install the hooks; call right before the forward."""
         if self.active:
             return
+        regions = [name for name, _ in self.blocks] + [n for parts in self.parts.values() for n, _ in parts]
         self._ops = {name: [] for name, _ in self.blocks}
-        self._inputs = {name: set() for name, _ in self.blocks}
-        self._outputs = {name: set() for name, _ in self.blocks}
-        self._saved = {}
+        self._inputs = {name: set() for name in regions}
+        self._outputs = {name: set() for name in regions}
+        self._saved, self._saved_part, self._part = {}, {}, None
+        self._part_ns = {n: 0 for parts in self.parts.values() for n, _ in parts}
+        self._wall_ns = {name: 0 for name, _ in self.blocks}
         self._ids = _StorageIds()
         keys = (self._ids.key(t) for t in (*self.model.parameters(), *self.model.buffers()))
         self._excluded = {key for key in keys if key is not None}
@@ -277,6 +300,10 @@ class ActivationRecorder:
             enter = functools.partial(self._enter, name)
             self._handles.append(block.register_forward_pre_hook(enter, with_kwargs=True))
             self._handles.append(block.register_forward_hook(self._leave, always_call=True))
+            for part, module in self.parts[name]:
+                enter_part = functools.partial(self._enter_part, name, part)
+                self._handles.append(module.register_forward_pre_hook(enter_part, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(functools.partial(self._leave_part, part)))
         try:
             self._probe = MemoryProbe(self.device)
             self._before = self._probe.allocated()
@@ -308,7 +335,7 @@ class ActivationRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._current = None
+        self._current = self._part = None
         if self._probe is not None:
             self._probe.close()
 
@@ -323,24 +350,37 @@ class ActivationRecorder:
     def _enter(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.is_grad_enabled() and self._current is None:
             self._current = name
-            for t in tree_flatten((args, kwargs))[0]:
-                key = self._ids.key(t) if isinstance(t, torch.Tensor) else None
-                if key is not None and key not in self._excluded:
-                    self._inputs[name].add(key)
+            self._note(self._inputs[name], (args, kwargs))
+            self._entered_ns = time.perf_counter_ns()
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self._current
         if name is not None and self.blocks[[n for n, _ in self.blocks].index(name)][1] is module:
-            self._current = None
-            for t in tree_flatten(output)[0]:
-                key = self._ids.key(t) if isinstance(t, torch.Tensor) else None
-                if key is not None and key not in self._excluded:
-                    self._outputs[name].add(key)
+            self._wall_ns[name] += time.perf_counter_ns() - self._entered_ns
+            self._current = self._part = None
+            self._note(self._outputs[name], output)
+
+    def _enter_part(self, block: str, part: str, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._current == block and self._part is None:
+            self._part = part
+            self._note(self._inputs[part], (args, kwargs))
+
+    def _leave_part(self, part: str, module: nn.Module, args: Any, output: Any) -> None:
+        if self._part == part:
+            self._part = None
+            self._note(self._outputs[part], output)
+
+    def _note(self, keys: set[int], tensors: Any) -> None:
+        for t in tree_flatten(tensors)[0]:
+            key = self._ids.key(t) if isinstance(t, torch.Tensor) else None
+            if key is not None and key not in self._excluded:
+                keys.add(key)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = self._ids.key(t)
         if key is not None and key not in self._excluded and key not in self._saved:
             self._saved[key] = self._current
+            self._saved_part[key] = self._part
         return t
 
     # accounting
@@ -350,13 +390,12 @@ class ActivationRecorder:
         profiles = []
         for name, _ in self.blocks:
             saved = sum(size[k] for k, block in self._saved.items() if block == name)
-            # Checkpointed, a block still keeps its inputs (the checkpoint holds them: count those this block saved
-            # first or nobody saved) and those of its outputs it saved itself (a ReLU saves its result), which stay
-            # alive as the next block's input.
-            inputs = {k for k in self._inputs[name] if self._saved.get(k, name) == name}
-            inputs |= {k for k in self._outputs[name] if self._saved.get(k) == name}
+            inputs = self._kept_when_checkpointed(name, self._saved)
             ops = self._ops[name]
             forward_ns = sum(elapsed for _, elapsed, _ in ops)
+            # Selective checkpointing runs every op of the block through a Python dispatch mode twice (forward and
+            # recompute): charge it what the recorder's own mode cost per op, measured on this forward.
+            per_op_ns = max(0, self._wall_ns[name] - forward_ns) / max(len(ops), 1)
             kept, recompute = {}, {}
             for policy, classes in _POLICIES.items():
                 keys = set(inputs)
@@ -366,25 +405,41 @@ class ActivationRecorder:
                         keys.update(k for k in outs if k not in self._excluded)
                         kept_ns += elapsed
                 kept[policy] = sum(size[k] for k in keys)
-                recompute[policy] = (forward_ns - kept_ns) / 1e9
+                recompute[policy] = (forward_ns - kept_ns + 2 * len(ops) * per_op_ns) / 1e9
             counts: dict[str, int] = {}
             for cls, _, _ in ops:
                 counts[cls] = counts.get(cls, 0) + 1
+            parts = {
+                part: (
+                    sum(size[k] for k, p in self._saved_part.items() if p == part),
+                    sum(size[k] for k in self._kept_when_checkpointed(part, self._saved_part)),
+                    self._part_ns[part] / 1e9,
+                )
+                for part, _ in self.parts[name]
+            }
+            inputs_bytes = sum(size[k] for k in inputs)
+            useful = {p: v for p, v in parts.items() if v[0] > v[1]}  # a part that frees nothing is no option
             profiles.append(
                 BlockProfile(
-                    name,
-                    saved,
-                    sum(size[k] for k in inputs),
-                    forward_ns / 1e9,
-                    kept,
-                    recompute,
-                    dict(sorted(counts.items())),
+                    name, saved, inputs_bytes, forward_ns / 1e9, kept, recompute, dict(sorted(counts.items())), useful
                 )
             )
         inside = sum(p.saved_bytes for p in profiles)
         return ActivationProfile(
             total, total - inside, tuple(profiles), measured, self._probe.sample().source if self._probe else None
         )
+
+    def _kept_when_checkpointed(self, region: str, owner: dict[int, str | None]) -> set[int]:
+        """The storages a checkpointed region still keeps: its inputs (the checkpoint holds them; those it saved first
+        or nobody saved count here) and those of its outputs it saved itself (a ReLU saves its result), which stay
+        alive as the next region's input."""
+        inputs = {k for k in self._inputs[region] if owner.get(k, region) == region}
+        return inputs | {k for k in self._outputs[region] if owner.get(k) == region}
+
+
+def _parts_of(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of ``block`` holding two layers or more (attention, MLP), by qualified name."""
+    return [(f"{name}.{child}", module) for child, module in block.named_children() if count_layers(module) >= 2]
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -423,10 +478,11 @@ class BlockChoice:
 
     Attributes:
         name: the block's qualified name.
-        mode: ``"none"``, ``"selective"`` or ``"full"``.
+        mode: ``"none"``, ``"selective"``, ``"parts"`` (some of its children checkpointed, fully) or ``"full"``.
         kept_ops: for ``"selective"``, the op classes whose outputs are kept (``("matmul", "conv", "attention")``).
         expected_kept_bytes: activation bytes the block is expected to keep for backward.
         expected_recompute_s: expected recompute time per step.
+        parts: for ``"parts"``, the qualified names of the children checkpointed.
     """
 
     name: str
@@ -434,6 +490,12 @@ class BlockChoice:
     kept_ops: tuple[str, ...]
     expected_kept_bytes: int
     expected_recompute_s: float
+    parts: tuple[str, ...] = ()
+
+    @property
+    def regions(self) -> tuple[str, ...]:
+        """The modules checkpointed for this choice: the block, its chosen parts, or none."""
+        return () if self.mode == "none" else self.parts if self.mode == "parts" else (self.name,)
 
 
 @dataclass(frozen=True)
@@ -464,8 +526,13 @@ class CheckpointPlan:
 
     @property
     def checkpointed(self) -> list[BlockChoice]:
-        """The blocks the plan checkpoints (selective or full)."""
+        """The blocks the plan checkpoints (selective, parts of them, or full)."""
         return [c for c in self.choices if c.mode != "none"]
+
+    @property
+    def regions(self) -> list[str]:
+        """The qualified names of the modules the plan checkpoints (blocks, or their parts)."""
+        return [name for c in self.choices for name in c.regions]
 
     @property
     def expected_ratio(self) -> float:
@@ -491,13 +558,16 @@ class CheckpointPlan:
             if c.mode == "selective":
                 selective.setdefault(c.kept_ops, []).append(c.name)
         lines = [
-            f"memory_budget={self.budget:g}: checkpointing {len(self.checkpointed)} of {len(self.choices)} blocks "
-            f"(greedy by memory saved per second of recompute)"
+            f"memory_budget={self.budget:g}: checkpointing in {len(self.checkpointed)} of {len(self.choices)} blocks "
+            f"(least recompute within the budget)"
         ]
         if full:
             lines.append(f"  full ({len(full)}): {_abbreviate(full)}")
         for ops, names in selective.items():
             lines.append(f"  selective, keeping {'/'.join(ops)} outputs ({len(names)}): {_abbreviate(names)}")
+        parts = [p for c in self.choices if c.mode == "parts" for p in c.parts]
+        if parts:
+            lines.append(f"  parts of blocks ({len(parts)}): {_abbreviate(parts)}")
         if not self.checkpointed:
             lines.append("  none: the budget is met without checkpointing")
         recompute = (
@@ -533,76 +603,92 @@ def _abbreviate(names: list[str], keep: int = 6) -> str:
     return ", ".join(names[: keep - 2]) + f", ... ({len(names) - keep + 2} more), " + ", ".join(names[-2:])
 
 
-def _hull(options: list[tuple[float, int, str, tuple[str, ...]]]) -> list[tuple[float, int, str, tuple[str, ...]]]:
-    """The lower convex hull of (recompute time, kept bytes) from the no-checkpointing option, falling in memory."""
-    options = sorted(options, key=lambda o: (o[0], o[1]))
-    hull = [options[0]]
-    for option in options[1:]:
-        if option[1] >= hull[-1][1]:
-            continue  # costs more time and saves no more memory
-        while len(hull) >= 2:
-            (t0, m0, *_), (t1, m1, *_) = hull[-2], hull[-1]
-            # drop the middle point when it lies on or above the segment from hull[-2] to option
-            if (m1 - m0) * (option[0] - t0) >= (option[1] - m0) * (t1 - t0):
-                hull.pop()
-            else:
-                break
-        hull.append(option)
-    return hull
+_Option = tuple[float, int, str, tuple[str, ...]]  # (recompute s, kept bytes, mode, kept op classes or part names)
 
 
-def plan_checkpointing(profile: ActivationProfile, budget: float) -> CheckpointPlan:
-    """Choose per block none / selective / full checkpointing so that kept activations <= ``budget`` x the plain ones.
+def _part_options(block: BlockProfile) -> list[tuple[float, int, str, tuple[str, ...]]]:
+    """Checkpointing some of a block's parts (every subset of up to three parts; else each alone, and all)."""
+    names = list(block.parts)  # in the order of the block's children, as `named_modules` lists them
+    if len(names) <= 3:
+        subsets = [c for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)]
+    else:
+        subsets = [(n,) for n in names] + [tuple(names)]
+    options = []
+    for subset in subsets:
+        freed = sum(block.parts[p][0] - block.parts[p][1] for p in subset)
+        options.append((sum(block.parts[p][2] for p in subset), block.saved_bytes - freed, "parts", subset))
+    return options
 
-    Greedy by memory saved per second of recompute: each block's options (no checkpointing, each selective policy,
-    full) reduced to their lower convex hull; the steps along all hulls taken, most memory per second first, until
-    the expected memory is within the budget. Time-free steps (recomputing nothing measurable) come first.
+
+def _block_options(block: BlockProfile) -> list[_Option]:
+    """A block's options: none, each selective policy, some of its parts, full."""
+    options: list[_Option] = [(0.0, block.saved_bytes, "none", ())]
+    for policy, classes in _POLICIES.items():
+        present = tuple(c for c in classes if block.op_counts.get(c))
+        if present and policy in block.kept_bytes and block.kept_bytes[policy] < block.saved_bytes:
+            options.append((max(block.recompute_s[policy], 0.0), block.kept_bytes[policy], "selective", present))
+    options.extend(_part_options(block))
+    options.append((block.forward_s, min(block.input_bytes, block.saved_bytes), "full", ()))
+    return options
+
+
+def _knapsack(options: list[list[_Option]], unit: float, cap: int) -> list[_Option] | None:
+    """One option per block, the least total time with at most ``cap`` units of memory (None when nothing fits)."""
+    import numpy as np
+
+    best = np.zeros(cap + 1)  # least recompute time with at most j units kept, over the blocks so far
+    picks = []
+    for block_options in options:
+        new = np.full(cap + 1, np.inf)
+        pick = np.full(cap + 1, -1)
+        for index, (seconds, kept, _, _) in enumerate(block_options):
+            weight = math.ceil(kept / unit - 1e-9)
+            if weight > cap:
+                continue
+            candidate = best[: cap + 1 - weight] + seconds
+            better = candidate < new[weight:]
+            new[weight:][better] = candidate[better]
+            pick[weight:][better] = index
+        best = new
+        picks.append(pick)
+    if not math.isfinite(best[cap]):
+        return None
+    chosen, j = [], cap
+    for block_options, pick in zip(reversed(options), reversed(picks)):
+        option = block_options[int(pick[j])]
+        chosen.append(option)
+        j -= math.ceil(option[1] / unit - 1e-9)
+    return chosen[::-1]
+
+
+def plan_checkpointing(profile: ActivationProfile, budget: float, resolution: int = 2000) -> CheckpointPlan:
+    """Choose per block none / selective / parts / full checkpointing: the least recompute time that keeps at most
+    ``budget`` x the activations of no checkpointing.
+
+    A multiple-choice knapsack, solved exactly by dynamic programming over the memory left (in ``resolution`` steps,
+    each option's memory rounded up, so the plan never exceeds the budget): one option per block, the least total
+    recompute time within the budget. It keeps as much as the budget allows where keeping saves time, so the plan
+    lands just under the budget rather than far below it. When even full checkpointing of every block exceeds the
+    budget, every block is checkpointed fully and the plan says it is out of reach.
     """
     budget = validate_memory_budget("plan_checkpointing", budget)
     target = budget * profile.total_saved_bytes
-    steps: list[tuple[float, int, int, tuple[float, int, str, tuple[str, ...]]]] = []
-    current: list[tuple[float, int, str, tuple[str, ...]]] = []
-    hulls: list[list[tuple[float, int, str, tuple[str, ...]]]] = []
-    for index, block in enumerate(profile.blocks):
-        options: list[tuple[float, int, str, tuple[str, ...]]] = [(0.0, block.saved_bytes, "none", ())]
-        for policy, classes in _POLICIES.items():
-            present = tuple(c for c in classes if block.op_counts.get(c))
-            if present and policy in block.kept_bytes and block.kept_bytes[policy] < block.saved_bytes:
-                options.append((max(block.recompute_s[policy], 0.0), block.kept_bytes[policy], "selective", present))
-        options.append((block.forward_s, min(block.input_bytes, block.saved_bytes), "full", ()))
-        hull = _hull(options)
-        hulls.append(hull)
-        current.append(hull[0])
-        for order, (before, after) in enumerate(itertools.pairwise(hull)):
-            saved, cost = before[1] - after[1], after[0] - before[0]
-            efficiency = math.inf if cost <= 0 else saved / cost
-            steps.append((efficiency, index, order, after))
-    steps.sort(key=lambda s: (-s[0], s[1], s[2]))
-    total = profile.outside_bytes + sum(c[1] for c in current)
-    taken = [0] * len(current)
-    for _, index, order, after in steps:
-        if total <= target:
-            break
-        if order != taken[index]:
-            continue  # a block's steps are taken in hull order (the sort keeps them so, but ties could reorder)
-        total += after[1] - current[index][1]
-        current[index] = after
-        taken[index] += 1
-    # The last steps taken may overshoot: step back where the budget still holds, largest time saving first.
-    while total <= target:
-        undo = [
-            (current[i][0] - hulls[i][taken[i] - 1][0], i)
-            for i in range(len(current))
-            if taken[i] and total + hulls[i][taken[i] - 1][1] - current[i][1] <= target
-        ]
-        if not undo:
-            break
-        _, index = max(undo)
-        taken[index] -= 1
-        total += hulls[index][taken[index]][1] - current[index][1]
-        current[index] = hulls[index][taken[index]]
+    options = [_block_options(block) for block in profile.blocks]
+    room = target - profile.outside_bytes
+    least = sum(min(o[1] for o in block_options) for block_options in options)
+    current = [min(block_options, key=lambda o: (o[1], o[0])) for block_options in options]  # the least memory
+    if room >= least and options:
+        unit = max(room / resolution, 1.0)
+        # Each option's memory rounded up to whole units: with len(options) units of slack first (the exact plan,
+        # checked), then without (never over the budget).
+        for cap in (int(room // unit) + len(options), int(room // unit)):
+            chosen = _knapsack(options, unit, cap)
+            if chosen is not None and sum(o[1] for o in chosen) <= room:
+                current = chosen
+                break
+    total = profile.outside_bytes + sum(o[1] for o in current)
     choices = tuple(
-        BlockChoice(block.name, mode, ops, kept, recompute)
+        BlockChoice(block.name, mode, () if mode == "parts" else ops, kept, recompute, ops if mode == "parts" else ())
         for block, (recompute, kept, mode, ops) in zip(profile.blocks, current)
     )
     return CheckpointPlan(
@@ -657,11 +743,55 @@ def apply_plan(model: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool 
     """
     wrapped = []
     for choice in plan.checkpointed:
-        block = model.get_submodule(choice.name)
         context_fn = selective_context_fn(choice.kept_ops) if choice.mode == "selective" else None
-        if patch_forward(block, functools.partial(_checkpointed, preserve_rng_state, context_fn)) is not None:
-            wrapped.append(choice.name)
+        for name in choice.regions:
+            module = model.get_submodule(name)
+            if patch_forward(module, functools.partial(_checkpointed, preserve_rng_state, context_fn)) is not None:
+                wrapped.append(name)
     return wrapped
+
+
+class CompilerBudgetForward(ForwardPatch):
+    """A module's ``forward`` that, while ``torch.compile`` traces it, runs under the compiler's activation budget.
+
+    Inside a trace the forward runs under ``torch.autograd.graph.region_activation_memory_budget(budget)``, which the
+    partitioner reads off the graph, overriding the process-wide ``torch._functorch.config.activation_memory_budget``.
+    The budget is held as a string: dynamo guards it by equality, so a graph compiled earlier under another budget (an
+    earlier fit of the same class in the same process) fails its guard and the module is compiled again under this
+    one (a float that changes between compilations would turn symbolic, which the annotation refuses). Run eagerly,
+    it is the plain forward.
+    """
+
+    def __init__(self, module: nn.Module, budget: float) -> None:
+        super().__init__(module)
+        self.budget_key = repr(float(budget))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return self.call_original(*args, **kwargs)
+        with torch.autograd.graph.region_activation_memory_budget(float(self.budget_key)):
+            return self.call_original(*args, **kwargs)
+
+
+def apply_compiler_budget(model: nn.Module, budget: float) -> list[nn.Module]:
+    """Patch every module of ``model`` with :class:`CompilerBudgetForward`, before ``torch.compile`` traces it.
+
+    Every module, so that whichever modules are compiled (the model, or its blocks) traces its whole forward under the
+    budget, as the annotation requires. Returns the modules patched (none where torch lacks
+    ``region_activation_memory_budget``: then only :func:`set_compiler_memory_budget` acts, on graphs compiled later).
+    Undo with ``unpatch_forward(module, CompilerBudgetForward)``.
+    """
+    budget = validate_memory_budget("apply_compiler_budget", budget)
+    if not hasattr(torch.autograd.graph, "region_activation_memory_budget"):
+        return []
+    return [m for m in model.modules() if patch_forward(m, lambda m: CompilerBudgetForward(m, budget)) is not None]
+
+
+def aot_compilations() -> int:
+    """How many graphs AOTAutograd (whose partitioner applies the activation budget) has compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["aot_autograd"]["total"])
 
 
 def set_compiler_memory_budget(budget: float) -> float:

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_perf import NoEffectWarning
 from lightning_perf.callbacks import GradCheckpointCallback
+from lightning_perf.functional.checkpoint_budget import CompilerBudgetForward
 from lightning_perf.functional.grad_checkpoint import CheckpointedForward, checkpointed_modules
 from lightning_perf.functional.surgery import find_forward_patch
 from tests._models import SequenceModule, encoder, trainer
@@ -232,11 +233,11 @@ def test_memory_budget_plans_applies_measures_reports_once_and_unwraps(tmp_path:
     with caplog.at_level(logging.INFO):
         trainer(tmp_path, callbacks=[callback], max_steps=4).fit(model)
     plan = callback.plan
-    assert plan is not None and plan.checkpointed and callback.wrapped == [c.name for c in plan.checkpointed]
+    assert plan is not None and plan.checkpointed and callback.wrapped == plan.regions
     assert callback.seen == callback.wrapped  # checkpointed while training
     assert plan.expected_bytes <= 0.5 * plan.baseline_bytes
     assert plan.measured_ratio is not None and plan.measured_ratio <= 0.5 * 1.15  # allocator, first checkpointed step
-    assert caplog.text.count("GradCheckpointCallback: memory_budget=0.5: checkpointing") == 1
+    assert caplog.text.count("GradCheckpointCallback: memory_budget=0.5: checkpointing in") == 1
     assert "measured:" in caplog.text
     assert checkpointed_modules(model) == []
 
@@ -318,10 +319,52 @@ def test_memory_budget_under_compile_sets_the_compiler_budget_and_restores_it(tm
         def on_train_batch_start(self, *args: object) -> None:
             raise Stop("no need to compile: the setting is what is tested")
 
+    model = budget_model()
     with pytest.raises(Stop):
-        trainer(tmp_path, callbacks=[CompileCallback(), callback, FailAtStart()]).fit(budget_model())
+        trainer(tmp_path, callbacks=[CompileCallback(), callback, FailAtStart()]).fit(model)
     assert callback.budget_seen == 0.5 and callback.plan is None
     assert config.activation_memory_budget == before
+    assert all(find_forward_patch(m, CompilerBudgetForward) is None for m in model.modules())
+
+
+class CompiledMLP(SequenceModule):
+    """A tiny model whose compiled graph has pointwise work to recompute: a budget changes what it saves."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        block = [nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128), nn.LayerNorm(128)]
+        blocks = [nn.Sequential(*copy.deepcopy(block)) for _ in range(2)]
+        super().__init__(nn.Sequential(*blocks), dim=128, seq=16, samples=24)
+
+
+def compiled_fit(tmp_path: Path, budget: float, backend: str) -> GradCheckpointCallback:
+    from lightning_perf.callbacks import CompileCallback
+
+    callback = GradCheckpointCallback(memory_budget=budget)
+    compile_callback = CompileCallback(backend=backend)
+    trainer(tmp_path, callbacks=[compile_callback, callback], max_steps=3, limit_val_batches=0).fit(CompiledMLP())
+    return callback
+
+
+def test_a_second_compiled_fit_with_another_budget_compiles_again_and_keeps_less(tmp_path: Path) -> None:
+    """The issue: dynamo reused the graph compiled under the first fit's budget. Now the budget is in its guards."""
+    import warnings
+
+    backend = "aot_eager_decomp_partition"  # AOTAutograd's min-cut partitioner (the budget's knapsack), no inductor
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = compiled_fit(tmp_path, 0.99, backend)
+        second = compiled_fit(tmp_path, 0.05, backend)
+    assert not [str(w.message) for w in caught if "GradCheckpointCallback" in str(w.message)]
+    assert first.compiled_kept_bytes is not None and second.compiled_kept_bytes is not None
+    assert second.compiled_kept_bytes < 0.8 * first.compiled_kept_bytes
+
+
+def test_a_compiled_budget_without_effect_warns_once(tmp_path: Path) -> None:
+    # backend="eager": dynamo traces, AOTAutograd never runs, so no partitioner reads the budget.
+    with pytest.warns(NoEffectWarning, match=r"memory_budget=0.5\) on a compiled model: no graph was compiled") as seen:
+        compiled_fit(tmp_path, 0.5, "eager")
+    assert sum("no graph was compiled" in str(w.message) for w in seen) == 1
 
 
 @pytest.mark.parametrize(
