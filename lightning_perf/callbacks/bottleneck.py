@@ -20,6 +20,9 @@ from lightning_perf.callbacks._observer import (
     across_ranks,
     check_dirpath,
     check_filename,
+    fit_header,
+    hook_dispatch_ns,
+    live_interval,
     log_metrics,
     report_dir,
     report_stem,
@@ -27,8 +30,10 @@ from lightning_perf.callbacks._observer import (
     write_reports,
 )
 from lightning_perf.callbacks._undo import UndoOnExit
-from lightning_perf.profiling import HostSyncRecorder, LoaderSettings, PhaseTimer, print_table
+from lightning_perf.profiling import HostSyncRecorder, LoaderSettings, PhaseTimer
+from lightning_perf.profiling.report import text_table
 from lightning_perf.profiling.step_phases import (
+    MEASURED,
     StepPhases,
     SyncCheck,
     batch_size_of,
@@ -41,6 +46,7 @@ from lightning_perf.profiling.step_phases import (
     report_lines,
     step_report,
 )
+from lightning_perf.profiling.timer import HookCost, PhaseLedger
 
 __all__ = ["BottleneckCallback"]
 
@@ -50,21 +56,23 @@ class BottleneckCallback(UndoOnExit):
 
     Phases (:data:`~lightning_perf.profiling.advice.PHASES`, kept by :class:`~lightning_perf.profiling.step_phases.
     StepPhases`): ``data`` (from the end of a step until Lightning moves the next batch: the DataLoader, the user's
-    ``on_before_batch_transfer``, Lightning's bookkeeping after the last step), ``transfer`` (to the device, through
-    ``on_after_batch_transfer``), ``forward`` (``training_step``), ``backward`` (every backward of the step),
-    ``optimizer`` (``zero_grad`` and ``step()``, when the optimizer steps) and ``other`` (the rest). The phases follow
-    the hooks: forward and backward inside ``optimizer.step(closure)`` are not the optimizer's. Validation is timed
-    apart; a step whose wait spans validation or an epoch boundary is ``interrupted``, kept out of the shares. On CUDA
-    the phases are CUDA events read back lazily (never a device synchronization); ``data`` is the GPU's wait.
+    ``on_before_batch_transfer``, Lightning's bookkeeping), ``transfer`` (through ``on_after_batch_transfer``),
+    ``forward`` (``training_step``), ``backward``, ``optimizer`` (``zero_grad`` and ``step()``; forward and backward
+    inside ``optimizer.step(closure)`` are not the optimizer's) and ``other`` (the rest). Validation is timed apart; a
+    step whose wait spans validation or an epoch boundary is ``interrupted``, kept out of the shares. On CPU each phase
+    boundary is one clock read into preallocated storage; on CUDA, events read back lazily (never a synchronization).
 
     Every ``log_every_n_steps`` steps the recent shares and throughput go to the loggers (``bottleneck/<phase>``,
     ``bottleneck/step_s``, ``bottleneck/samples_per_s``) and, with ``progress_bar=True``, to the progress bar. A few
     warm-up steps are checked for host-device synchronizations (:class:`~lightning_perf.profiling.HostSyncRecorder`).
     At the end of fit, on rank zero: the phase table, throughput, the callback's own cost and :func:`~lightning_perf.
-    profiling.recommend`'s advice with its evidence; ``<filename>.json`` (also :attr:`report`) and, with matplotlib,
-    ``<filename>.png`` in ``dirpath``, each announced; an earlier run's files are kept (``<filename>-2.*``) unless
-    ``overwrite=True``. Under DDP the figures are summarized across ranks. A pickled copy keeps the settings and
-    :attr:`report`, not a run in progress.
+    profiling.recommend`'s advice with its evidence, in the log; ``<filename>.json`` (also :attr:`report`) and, with
+    ``plot=True`` and matplotlib, ``<filename>.png`` in ``dirpath``, each announced; an earlier run's files are kept
+    (``<filename>-2.*``) unless ``overwrite=True``. Under DDP the figures are summarized across ranks. A pickled copy
+    keeps the settings and :attr:`report`, not a run in progress.
+
+    Its own cost (``overhead``, "observer cost"): every hook call counted, one steady step in 17 timed end to end, plus
+    Lightning's dispatch per call timed once at fit start (:class:`~lightning_perf.profiling.timer.HookCost`).
 
     Args:
         warmup_steps: leading steps reported apart as warm-up (compilation, autotuning, allocator growth).
@@ -74,10 +82,9 @@ class BottleneckCallback(UndoOnExit):
             at most ``warmup_steps``, so the check never slows a measured step).
         thresholds: share of the step above which a phase is flagged, by phase (``data``, ``transfer``,
             ``optimizer``, ``other``); defaults in :data:`~lightning_perf.profiling.advice.DEFAULT_THRESHOLDS`.
-        dirpath: directory of the reports; ``None`` uses the Trainer's ``log_dir`` (``default_root_dir`` without a
-            logger).
+        dirpath: directory of the reports; ``None``: the Trainer's ``log_dir`` (else its ``default_root_dir``).
         filename: file name (without extension) of the reports.
-        plot: draw the PNG chart (needs matplotlib; without it a note says so and the run goes on).
+        plot: draw the PNG chart (opt-in: it costs more than the rest of the report; needs matplotlib, else a note).
         verbose: print the table and the recommendations at the end of fit.
         overwrite: write over an earlier run's reports of the same ``filename`` instead of numbering this run's.
 
@@ -106,7 +113,7 @@ class BottleneckCallback(UndoOnExit):
         thresholds: Mapping[str, float] | None = None,
         dirpath: str | None = None,
         filename: str = "bottleneck",
-        plot: bool = True,
+        plot: bool = False,
         verbose: bool = True,
         overwrite: bool = False,
     ) -> None:
@@ -128,16 +135,12 @@ class BottleneckCallback(UndoOnExit):
     def _reset(self) -> None:
         self._phases: StepPhases | None = None
         self._loader: LoaderSettings | None = None
-        self._manual, self._last_logged, self._fit_start_ns = False, 0, 0
+        self._manual, self._last_logged, self._fit_start_ns, self._every = False, 0, 0, 0
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (a spawn launcher's, a deepcopy of the Trainer's callbacks) holds the settings and the last report,
         # not the run: its timers hold CUDA events (unpicklable), its hooks this process's optimizers.
-        state = self.__dict__.copy()
-        idle = type(self).__new__(type(self))
-        idle._reset()
-        state.update(vars(idle), _handles=[])
-        return state
+        return {**self.__dict__, "_phases": None, "_loader": None, "_handles": []}
 
     # Chained onto the module's batch-transfer hooks (`setup`), which run in every stage: they act on training only.
     def _before_transfer(self, batch: Any) -> Any:
@@ -152,11 +155,15 @@ class BottleneckCallback(UndoOnExit):
         self._enter("forward" if self._manual else None, only_from="optimizer")
 
     def _enter(self, phase: str | None, only_from: str | None = None) -> None:
-        """A hook inside the step (``only_from``: only while that phase runs): switch to ``phase``, bill its time."""
-        entry, phases = time.perf_counter_ns(), self._phases
-        if phases is not None and phases.step_open and (only_from is None or phases.current == only_from):
+        """A hook inside the step (``only_from``: only while that phase runs): switch to ``phase`` (one clock read).
+        Every call is counted in ``phases.cost``, and timed end to end on its timed steps."""
+        phases = self._phases
+        if phases is None:
+            return
+        entry = phases.cost.begin()
+        if phases.step_open and (only_from is None or phases.current == only_from):
             phases.switch(phase)
-            phases.charge(entry)
+        phases.cost.end(entry)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -170,11 +177,14 @@ class BottleneckCallback(UndoOnExit):
         self.report = None
         device, clock = pl_module.device, self._clock
         recorder = HostSyncRecorder(device) if self.sync_check_steps else None
+        cpu = device.type == "cpu"
         self._phases = StepPhases(
-            PhaseTimer(device, warmup_steps=self.warmup_steps, clock=clock),
+            PhaseLedger(MEASURED, self.warmup_steps, clock) if cpu else PhaseTimer(device, self.warmup_steps, clock),
             validation=PhaseTimer(device, clock=clock),
             syncs=SyncCheck(recorder, self.warmup_steps - self.sync_check_steps, self.warmup_steps),
+            cost=HookCost(first=self.warmup_steps, dispatch_ns=hook_dispatch_ns(trainer)),
         )
+        self._every = live_interval(trainer, self.log_every_n_steps, self.progress_bar)
         self._manual = not pl_module.automatic_optimization
         self._handles.extend(opt.register_step_post_hook(self._after_optimizer_step) for opt in trainer.optimizers)
         self._fit_start_ns = time.perf_counter_ns()
@@ -194,20 +204,19 @@ class BottleneckCallback(UndoOnExit):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        entry, phases = time.perf_counter_ns(), self._phases
-        if phases is not None:
-            phases.begin_epoch()
-            phases.charge(entry)
+        if self._phases is not None:
+            self._phases.begin_epoch()
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        entry, phases = time.perf_counter_ns(), self._phases
-        if phases is not None:
-            phases.begin_step("forward")
-            phases.syncs.begin(phases.timer.num_steps, pl_module)
-            phases.charge(entry)
+        phases = self._phases
+        if phases is None:
+            return
+        entry = phases.cost.begin()
+        phases.begin_step("forward", pl_module)
+        phases.cost.end(entry)
 
     @override
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
@@ -232,24 +241,18 @@ class BottleneckCallback(UndoOnExit):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        entry, phases = time.perf_counter_ns(), self._phases
+        phases = self._phases
         if phases is None or not phases.step_open:
             return
-        phases.syncs.end()
-        entry = phases.end_step(batch_size_of(batch), entry)  # what follows is billed to the next step
-        every = self.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
-        if (trainer.loggers or self.progress_bar) and trainer.global_step - self._last_logged >= every:
+        entry = phases.cost.begin()
+        phases.end_step(batch_size_of(batch))  # and the wait for the next batch begins, on the same clock read
+        if self._every and trainer.global_step - self._last_logged >= self._every:  # 0: nothing to log to
             self._last_logged = trainer.global_step
-            self._log_live(trainer, pl_module, phases, every)
-        phases.open_gap()
-        phases.charge(entry)
-
-    def _log_live(self, trainer: pl.Trainer, pl_module: pl.LightningModule, phases: StepPhases, window: int) -> None:
-        metrics, bar = live_figures(phases, window)
-        log_metrics(trainer, {f"bottleneck/{name}": value for name, value in metrics.items()})
-        if self.progress_bar:
-            for key, value in bar.items():
+            metrics, bar = live_figures(phases, self._every)
+            log_metrics(trainer, {f"bottleneck/{name}": value for name, value in metrics.items()})
+            for key, value in bar.items() if self.progress_bar else ():
                 pl_module.log(key, value, prog_bar=True, logger=False)
+        phases.cost.end(entry)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -274,12 +277,7 @@ class BottleneckCallback(UndoOnExit):
         phases.interrupt()
         fit_s, device = (time.perf_counter_ns() - self._fit_start_ns) / 1e9, phases.timer.device
         report = {
-            "callback": type(self).__name__,
-            "device": str(device),
-            "world_size": trainer.world_size,
-            "precision": str(trainer.precision),
-            "automatic_optimization": not self._manual,
-            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            **fit_header(type(self).__name__, trainer, pl_module, device),
             **step_report(phases, fit_s, self._loader, self.thresholds, **run_facts(trainer, pl_module, device)),
         }
         ranks = across_ranks(trainer, pl_module, rank_values(report))
@@ -292,8 +290,9 @@ class BottleneckCallback(UndoOnExit):
             stem = report_stem(directory, self.filename, (".json", ".png"), self.overwrite)
             steady = report["per_step"]["records"]
             draw = partial(plot_phases, steady) if self.plot and steady else None
-            write_reports(type(self).__name__, report, directory, stem, draw, self._print if self.verbose else None)
+            show = self._print if self.verbose else None
+            write_reports(type(self).__name__, report, directory, stem, draw, show, plot=self.plot)
 
     def _print(self, report: dict[str, Any]) -> None:
-        print_table(*phase_table(report, type(self).__name__))
-        rank_zero_info("\n".join(report_lines(report)))
+        # A plain-text table in the log (rendering a rich one costs tens of milliseconds).
+        rank_zero_info("\n".join([text_table(*phase_table(report, type(self).__name__)), *report_lines(report)]))

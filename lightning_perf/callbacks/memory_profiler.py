@@ -9,7 +9,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -20,12 +19,15 @@ from lightning_perf.callbacks._observer import (
     across_ranks,
     check_dirpath,
     check_filename,
+    hook_dispatch_ns,
+    live_interval,
     log_metrics,
     report_dir,
     report_stem,
     write_reports,
 )
-from lightning_perf.profiling import LeakTrend, MemoryProbe, cuda_history, print_table
+from lightning_perf.callbacks._undo import UndoOnExit
+from lightning_perf.profiling import MemoryProbe, cuda_history
 from lightning_perf.profiling.leaks import MIN_LEAK_SAMPLES
 from lightning_perf.profiling.memory_steps import (
     POINTS,
@@ -37,72 +39,65 @@ from lightning_perf.profiling.memory_steps import (
     snapshot_table,
     summary_lines,
 )
+from lightning_perf.profiling.report import text_table
 
 __all__ = ["POINTS", "MemoryProfilerCallback"]
 
 _REPORT_PATTERNS = (".json", ".png", "_history_rank*.pickle", "_oom_rank*.pickle")
 
 
-class MemoryProfilerCallback(Callback):
+class MemoryProfilerCallback(UndoOnExit):
     """Sample memory at named points of the training step every ``every_n_steps`` steps, and catch leaks.
 
     Points (``points``, default all, see :data:`POINTS`):
 
-    - ``after_data``: the batch is on the device (``on_train_batch_start``). The peak is reset right after it, so
-      each step's ``peak`` covers its forward, backward and optimizer step;
+    - ``after_data``: the batch is on the device (``on_train_batch_start``); the peak is reset right after it;
     - ``after_forward``: the loss is computed (the first ``on_before_zero_grad`` or ``on_before_backward``);
     - ``after_backward``: gradients are computed (the last ``on_after_backward`` of the step);
-    - ``after_optimizer``: the end of the step (``on_train_batch_end``), after the optimizer step in steps where the
-      optimizer steps.
+    - ``after_optimizer``: the end of the step (``on_train_batch_end``).
 
-    Each sample is a :class:`~lightning_perf.profiling.MemorySample`: on CUDA the caching allocator's allocated,
-    reserved and peak allocated bytes; on CPU the C allocator's bytes in use (glibc ``mallinfo2``), the resident set
-    and its peak (see :mod:`lightning_perf.profiling.memory` for what each means and its limits).
+    Each sample is a :class:`~lightning_perf.profiling.MemorySample` (CUDA: the caching allocator's allocated, reserved
+    and peak bytes; CPU: glibc ``mallinfo2``'s bytes in use, the resident set and its peak).
 
     Leak detection, by significance and with no absolute bound in bytes (:class:`~lightning_perf.profiling.
-    memory_steps.MemorySteps` says how): memory in use is read at each point of *every* training step, whatever
-    ``every_n_steps``; the verdict is renewed while training and at the end of fit, and a
-    :class:`~lightning_perf.MeasurementWarning` containing "leak" names the phase that grows and its rate in KiB/step
-    with its 95% interval, once per fit. ``leak_threshold`` (bytes per step) is an optional extra bound, off by
-    default. The callback measures its own time and reports it (``overhead``, and the printed "observer cost").
+    memory_steps.MemorySteps` says how and how often memory in use is read for it, whatever ``every_n_steps``): the
+    verdict is renewed while training and at the end of fit, and a :class:`~lightning_perf.MeasurementWarning`
+    containing "leak" names the phase that grows and its rate in KiB/step with its 95% interval, once per fit.
+    ``leak_threshold`` (bytes per step) is an optional extra bound, off by default. Its own cost (``overhead``):
+    every hook call counted, one step in 17 timed, Lightning's dispatch per call timed at fit start (``HookCost``).
 
     On CUDA, with ``record_history=True``, every allocation is recorded with its stack from the start of fit, and the
     history is written at the end of fit as ``<filename>_history_rank<R>.pickle``; with ``oom_snapshot=True`` a
     snapshot ``<filename>_oom_rank<R>.pickle`` is written when the allocator runs out of memory, and the
-    ``OutOfMemoryError`` still propagates. Both load in PyTorch's memory visualizer (https://pytorch.org/memory_viz).
-    Recording stops at teardown.
+    ``OutOfMemoryError`` still propagates. Both open in https://pytorch.org/memory_viz. Recording stops at teardown.
 
-    At the end of fit, on rank zero: a table ``snapshot | time | allocated | reserved | peak | trend``, a JSON report
-    ``<filename>.json`` (also :attr:`report`) and, with matplotlib, ``<filename>.png`` (memory per point across the
-    sampled steps) in ``dirpath`` (default: the Trainer's ``log_dir``), each announced (``rank_zero_info``); an
-    earlier run's files are kept (``<filename>-2.*``, then ``-3``...) unless ``overwrite=True``. The step's peak goes
-    to the loggers (``memory/peak``, ``memory/allocated``, ``memory/reserved``) every ``log_every_n_steps``; under
-    DDP the peak and the growth rates are summarized across ranks (min/mean/max, one ``all_gather`` at fit end).
+    At the end of fit, on rank zero: a table ``snapshot | time | allocated | reserved | peak | trend`` in the log, a
+    JSON report ``<filename>.json`` (also :attr:`report`) and, with ``plot=True`` and matplotlib, ``<filename>.png``
+    in ``dirpath``, each announced; an earlier run's files are kept (``<filename>-2.*``...) unless ``overwrite=True``.
+    The step's peak goes to the loggers (``memory/peak``, ``memory/allocated``, ``memory/reserved``) every
+    ``log_every_n_steps``; under DDP the peaks and growth rates are summarized across ranks at fit end.
 
     Args:
         every_n_steps: take a full snapshot (allocated, reserved, peak and time at each point) of one training step in
-            this many (1: every step). The leak series reads ``allocated`` at every step regardless.
+            this many (1: every step). The leak series reads ``allocated`` on its own schedule regardless.
         points: which points to sample (names from :data:`POINTS`); ``None`` for all.
         warmup_steps: leading steps left out of the leak trend, at most (a shorter first epoch is left out instead).
         leak_threshold: optional extra bound: a point is reported as leaking only if it also grows by more than this
             many bytes per step. ``None`` (default): the verdict rests on significance and the noise floor alone.
-        leak_min_samples: steps after warm-up needed before a point can be reported as leaking (at least 18: three
-            thirds of six, the fewest with which Sen's interval can exclude zero).
+        leak_min_samples: readings after warm-up needed before a point can be reported as leaking (at least 18).
         log_every_n_steps: how often to send memory figures to the loggers; ``None`` takes the Trainer's.
         record_history: on CUDA, record allocation history and write it at the end of fit.
         history_max_entries: how many allocation events the history keeps (the latest).
         oom_snapshot: on CUDA, write an allocator snapshot when memory runs out.
-        dirpath: directory of the reports; ``None`` uses the Trainer's ``log_dir`` (``default_root_dir`` without a
-            logger).
+        dirpath: directory of the reports; ``None``: the Trainer's ``log_dir`` (else its ``default_root_dir``).
         filename: file name (without extension) of the reports.
-        plot: draw the PNG chart (needs matplotlib; without it a note says so and the run goes on).
+        plot: draw the PNG chart (opt-in: it costs more than the rest of the report; needs matplotlib, else a note).
         verbose: print the table at the end of fit.
         overwrite: write over an earlier run's reports of the same ``filename`` instead of numbering this run's.
 
     Raises:
         ValueError: for an interval below 1, a negative ``warmup_steps``, an unknown point name, a ``leak_threshold``
-            that is not a positive finite number, ``leak_min_samples`` below 18, or a file name with a directory in
-            it.
+            that is not a positive finite number, ``leak_min_samples`` below 18, or a file name with a directory.
         TypeError: if ``points`` is not a sequence of names, ``dirpath`` not a path, or a flag (``record_history``,
             ``oom_snapshot``, ``plot``, ``verbose``, ``overwrite``) not a bool.
 
@@ -125,7 +120,7 @@ class MemoryProfilerCallback(Callback):
         oom_snapshot: bool = True,
         dirpath: str | None = None,
         filename: str = "memory_profile",
-        plot: bool = True,
+        plot: bool = False,
         verbose: bool = True,
         overwrite: bool = False,
     ) -> None:
@@ -150,12 +145,13 @@ class MemoryProfilerCallback(Callback):
         self._oom_files: list[str] = []
         self._oom_handle: Any = None
         self._recording = False
-        self._last_logged, self._stem, self._rank = 0, self.filename, 0
+        self._last_logged, self._stem, self._rank, self._epoch, self._every = 0, self.filename, 0, 0, 0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.report = self._memory = self._directory = None
-        self._oom_files, self._last_logged = [], 0
+        self._oom_files, self._last_logged, self._epoch = [], 0, trainer.current_epoch
+        self._every = live_interval(trainer, self.log_every_n_steps)  # 0: no logger to send figures to
         device, name = pl_module.device, type(self).__name__
         if device.type not in ("cpu", "cuda"):
             warn_once(
@@ -167,6 +163,7 @@ class MemoryProfilerCallback(Callback):
         self._memory = MemorySteps(
             probe, self.points, self.every_n_steps, self.warmup_steps, self.leak_threshold, self.leak_min_samples
         )
+        self._memory.cost.dispatch_ns = hook_dispatch_ns(trainer)
         self._rank = trainer.global_rank
         self._directory = report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
         self._stem = report_stem(self._directory, self.filename, _REPORT_PATTERNS, self.overwrite)
@@ -193,7 +190,8 @@ class MemoryProfilerCallback(Callback):
         if str(path) not in self._oom_files:
             self._oom_files.append(str(path))
 
-    def _stop_recording(self) -> None:
+    def _undo(self, pl_module: pl.LightningModule) -> None:
+        """Stop the OOM listener and the history recording (teardown, and on an exception)."""
         if self._oom_handle is not None:
             self._oom_handle.remove()
             self._oom_handle = None
@@ -202,39 +200,40 @@ class MemoryProfilerCallback(Callback):
             self._recording = False
 
     @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stop_recording()
-
-    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._oom_files and isinstance(exception, torch.OutOfMemoryError):
             rank_zero_info(
                 f"{type(self).__name__}: out of memory; allocator snapshot written to {self._oom_files[-1]} "
                 "(open it in https://pytorch.org/memory_viz)."
             )
-        self._stop_recording()
+        super().on_exception(trainer, pl_module, exception)
 
     def __getstate__(self) -> dict[str, Any]:
         # The out-of-memory listener and the history recording belong to this process's allocator.
-        state = self.__dict__.copy()
-        state.update(_oom_handle=None, _recording=False)
-        return state
+        return {**self.__dict__, "_oom_handle": None, "_recording": False}
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch = trainer.current_epoch
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        entry, memory = time.perf_counter_ns(), self._memory
-        if memory is not None:
-            memory.begin_step(trainer.current_epoch)
-            memory.charge(entry)
-
-    def _sample(self, point: str, overwrite: bool = False) -> None:
         memory = self._memory
-        if memory is not None and memory.active:
-            entry = time.perf_counter_ns()
-            memory.sample(point, overwrite)
-            memory.charge(entry)
+        if memory is not None:
+            entry = memory.cost.begin()
+            memory.begin_step(self._epoch)  # decides whether this step's hooks are timed
+            memory.cost.end(entry)
+
+    def _sample(self, point: str | None, overwrite: bool = False) -> None:
+        """Every hook inside the step: read ``point`` (None: nothing) if the step reads memory; counted and timed."""
+        memory = self._memory
+        if memory is not None:
+            entry = memory.cost.begin()
+            if point is not None and memory.active:
+                memory.sample(point, overwrite)
+            memory.cost.end(entry)
 
     @override
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
@@ -249,39 +248,41 @@ class MemoryProfilerCallback(Callback):
         self._sample("after_backward", overwrite=True)
 
     @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        self._sample(None)  # nothing read here; Lightning calls it anyway, so its dispatch is counted
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        entry, memory = time.perf_counter_ns(), self._memory
+        memory = self._memory
         if memory is None:
             return
-        step = memory.end_step(trainer.current_epoch, entry)
-        every = self.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
-        if step is not None and trainer.loggers and trainer.global_step - self._last_logged >= every:
+        entry = memory.cost.begin()
+        step = memory.end_step(self._epoch, time.perf_counter_ns())
+        if step is not None and self._every and trainer.global_step - self._last_logged >= self._every:
             self._last_logged = trainer.global_step
             peak, last = step["end"].peak, step[self.points[-1]]
-            log_metrics(
-                trainer, {"memory/peak": peak, "memory/allocated": last.allocated, "memory/reserved": last.reserved}
-            )
-        if memory.leak_check_due():
-            self._warn_leaks(memory.check_leaks(every_point=False))
-        memory.charge(entry)
-
-    def _warn_leaks(self, leaking: Sequence[LeakTrend]) -> None:
-        if leaking:
+            figures = {"memory/peak": peak, "memory/allocated": last.allocated, "memory/reserved": last.reserved}
+            log_metrics(trainer, figures)
+        if memory.leak_check_due() and (leaking := memory.check_leaks(every_point=False)):
             warn_once(leak_message(type(self).__name__, leaking), MeasurementWarning)
+        memory.cost.end(entry)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         memory, directory = self._memory, self._directory
         if memory is None or directory is None:
             return
-        self._warn_leaks(memory.check_leaks())
+        if leaking := memory.check_leaks():
+            warn_once(leak_message(type(self).__name__, leaking), MeasurementWarning)
         history = None
         if self._recording:
             history = str(cuda_history.dump_snapshot(directory / f"{self._stem}_history_rank{self._rank}.pickle"))
-        report = {"callback": type(self).__name__, **memory.summary()}
-        report["files"] = {"history": history, "oom_snapshots": list(self._oom_files)}
+        files = {"history": history, "oom_snapshots": list(self._oom_files)}
+        report = {"callback": type(self).__name__, **memory.summary(), "files": files}
         ranks = across_ranks(trainer, pl_module, rank_values(report))
         if ranks is not None:
             report["ranks"] = ranks
@@ -289,8 +290,8 @@ class MemoryProfilerCallback(Callback):
         if trainer.is_global_zero:
             draw = memory.plot if self.plot and memory.samples else None
             show = self._print if self.verbose else None
-            write_reports(type(self).__name__, report, directory, self._stem, draw, show, [history, *self._oom_files])
+            more = [history, *self._oom_files]
+            write_reports(type(self).__name__, report, directory, self._stem, draw, show, more, plot=self.plot)
 
     def _print(self, report: dict[str, Any]) -> None:
-        print_table(*snapshot_table(report, "MemoryProfilerCallback"))
-        rank_zero_info("\n".join(summary_lines(report)))
+        rank_zero_info("\n".join([text_table(*snapshot_table(report, type(self).__name__)), *summary_lines(report)]))

@@ -390,15 +390,17 @@ class LeakSeries:
     """Memory in use at named points of every step, in fixed storage, for :func:`detect_leaks`.
 
     Storage is allocated once (``capacity`` rows of int64), so recording does not itself grow the heap it measures.
-    When it is full, every other row is dropped and from then on one step in two is recorded (then one in four, ...):
-    a run of any length keeps an evenly spread series of at most ``capacity`` steps.
+    One step in ``stride`` is recorded (:meth:`coarsen` makes it sparser). When the storage is full, every other row is
+    dropped and from then on the stride doubles: a run of any length keeps an evenly spread series of at most
+    ``capacity`` steps.
 
     Args:
         points: the names of the points, in step order.
         capacity: rows kept at most (>= 2 * :data:`MIN_LEAK_SAMPLES`).
+        stride: record one step in this many from the start (steps whose index is a multiple of it).
 
     Raises:
-        ValueError: for no point, or a capacity too small or not an int.
+        ValueError: for no point, a capacity too small or not an int, or a stride below 1.
 
     Example::
 
@@ -411,7 +413,7 @@ class LeakSeries:
 
     _MISSING = -1
 
-    def __init__(self, points: Sequence[str], capacity: int = 2048) -> None:
+    def __init__(self, points: Sequence[str], capacity: int = 2048, stride: int = 1) -> None:
         if not points:
             raise ValueError("`LeakSeries(points=[])` is not valid. Expected at least one point name.")
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2 * MIN_LEAK_SAMPLES:
@@ -423,8 +425,10 @@ class LeakSeries:
         self._values = np.full((capacity, len(self.points)), self._MISSING, dtype=np.int64)
         self._steps = np.zeros(capacity, dtype=np.int64)
         self._epochs = np.zeros(capacity, dtype=np.int64)
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"`LeakSeries(stride={stride!r})` is not valid. Expected an int >= 1.")
         self.rows = 0
-        self.stride = 1
+        self.stride = stride
         self.stopped_at: int | None = None
         self._row = -1
 
@@ -453,6 +457,19 @@ class LeakSeries:
         self._epochs[self._row] = epoch
         self.rows += 1
         return True
+
+    def coarsen(self, stride: int) -> None:
+        """From the next step on, record one step in ``stride``; of the rows kept so far, only those of such steps stay
+        (so the series stays evenly spread)."""
+        keep = np.nonzero(self._steps[: self.rows] % stride == 0)[0]
+        rows = keep.size
+        self._values[:rows], self._steps[:rows], self._epochs[:rows] = (
+            self._values[keep],
+            self._steps[keep],
+            self._epochs[keep],
+        )
+        self._values[rows:] = self._MISSING
+        self.rows, self.stride, self._row = rows, stride, -1
 
     @property
     def recording(self) -> bool:

@@ -2,9 +2,9 @@
 
 A loop (Lightning's hooks in :class:`~lightning_perf.callbacks.MemoryProfilerCallback`, or a hand-written one) tells
 :class:`MemorySteps` where each step is; it takes a full :class:`~lightning_perf.profiling.MemorySample` at each point
-of one step in ``every_n_steps``, reads the cheap ``allocated`` at each point of every step into a
-:class:`~lightning_perf.profiling.LeakSeries`, and renews the leak verdict (:func:`~lightning_perf.profiling.
-detect_leaks`) on a schedule whose cost is a bounded share of the run::
+of one step in ``every_n_steps``, reads the cheap ``allocated`` at each point of every step until the first verdict,
+then (on CPU) of one step in four, into a :class:`~lightning_perf.profiling.LeakSeries`, and renews the leak verdict
+(:func:`~lightning_perf.profiling.detect_leaks`) on a schedule whose cost is a bounded share of the run::
 
     steps = MemorySteps(MemoryProbe("cpu"), every_n_steps=5, warmup_steps=10)
     for epoch in range(epochs):
@@ -15,7 +15,7 @@ detect_leaks`) on a schedule whose cost is a bounded share of the run::
             loss.backward()
             steps.sample("after_backward", overwrite=True)
             optimizer.step(); optimizer.zero_grad()
-            steps.end_step(epoch, time.perf_counter_ns())  # "after_optimizer"
+            steps.end_step(epoch, time.perf_counter_ns())  # "after_optimizer"; steps.cost counts the loop's calls
             if steps.leak_check_due() and (leaking := steps.check_leaks(every_point=False)):
                 print(leak_message("my loop", leaking))
     steps.check_leaks()
@@ -25,7 +25,6 @@ detect_leaks`) on a schedule whose cost is a bounded share of the run::
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from lightning_perf.profiling.leaks import NOISE_FLOOR_STEPS, SEGMENTS, LeakSeri
 from lightning_perf.profiling.memory import MemoryProbe, MemorySample
 from lightning_perf.profiling.report import format_bytes, format_seconds, plot_lines
 from lightning_perf.profiling.stats import summarize
+from lightning_perf.profiling.timer import HookCost
 
 __all__ = [
     "LEAK_CHECK_EVERY_N_STEPS",
@@ -100,11 +100,14 @@ def check_leak_threshold(owner: str, leak_threshold: Any) -> float | None:
 
 
 class MemorySteps:
-    """Memory at the points of each step: full samples every ``every_n_steps`` steps, ``allocated`` every step.
+    """Memory at the points of each step: full samples every ``every_n_steps`` steps, ``allocated`` more often.
 
     Leak detection, by significance and with no absolute bound in bytes: memory in use (``allocated``) is read at
-    each point of *every* step (one cheap reading: a ``mallinfo2`` call on CPU, the caching allocator's counter on
-    CUDA; into storage allocated once, so the series does not measure itself), whatever ``every_n_steps``. Warm-up
+    each point of every step until the first verdict (:data:`LEAK_CHECK_EVERY_N_STEPS`), so that a large leak shows
+    at once; from then on, on CPU, of one step in as many as there are points (one glibc ``mallinfo2`` heap walk per
+    step on average; the earlier readings are thinned to the same spacing), on CUDA (the caching allocator's counter)
+    of every step; whatever ``every_n_steps``; into storage allocated once, so the series does not measure itself.
+    ``leak_min_samples`` counts these readings. Warm-up
     is left out: the first epoch when it is shorter than ``warmup_steps`` steps, else the first ``warmup_steps`` steps
     (lazily built optimizer state, allocator arenas, the first validation run's caches). On the rest, for each point,
     :func:`~lightning_perf.profiling.detect_leaks` fits a Theil-Sen slope and Sen's distribution-free 95% interval,
@@ -117,9 +120,13 @@ class MemorySteps:
     rule holds on a calm GPU allocator and a busy CPU heap, for any model size. While training, the verdict is renewed
     on the last sampled point of the step every :data:`LEAK_CHECK_EVERY_N_STEPS` steps (then every quarter of the
     steps so far, :meth:`leak_check_due`), on every point when that one grows, and on every point at the end
-    (:meth:`check_leaks`); once a leak is found the every-step readings stop (the full samples go on). Cost: four
-    ``mallinfo2`` calls per step, a few microseconds each on a healthy heap (glibc walks its free chunks, so more on a
-    fragmented one), and a verdict every 50 or more steps.
+    (:meth:`check_leaks`); once a leak is found these readings stop (the full samples go on). Cost on CPU: one
+    ``mallinfo2`` call per step on average, microseconds on a healthy heap but tens of them on a fragmented one
+    (glibc walks its free chunks: the reason the points are not all read at every step), and a verdict every 50 or
+    more steps. The loop's own calls are counted and timed on :attr:`cost` (:class:`~lightning_perf.profiling.timer.
+    HookCost`), and reported as ``overhead``; what timing its calls cannot see is left out: a heap walk evicts the
+    CPU's caches, so the training work right after it may run slower (on short CPU steps an outside measurement has
+    shown more than the self-report).
 
     Args:
         probe: what reads the memory (CPU or CUDA).
@@ -147,6 +154,8 @@ class MemorySteps:
         self.leak_threshold = leak_threshold
         self.leak_min_samples = leak_min_samples
         self.series = LeakSeries(self.points)
+        # After the first verdict, one step in `len(points)` on CPU: one glibc heap walk per step on average.
+        self._steady_stride = 1 if probe.device.type == "cuda" else len(self.points)
         self.step_index = 0
         self.sampling = False  # whether the running step is sampled
         self._current: dict[str, MemorySample] = {}
@@ -157,7 +166,7 @@ class MemorySteps:
         self.leak_start: int | None = None
         self.leak_found = False
         self._next_check = LEAK_CHECK_EVERY_N_STEPS
-        self.hook_ns = 0  # the loop's own cost of telling this, see `charge`
+        self.cost = HookCost()  # where the loop counts and times its own calls
         self._first_end_ns: int | None = None
         self._last_end_ns = 0
 
@@ -168,6 +177,9 @@ class MemorySteps:
 
     def begin_step(self, epoch: int) -> None:
         """A step begins with its batch on the device: ``after_data``; a sampled step's peak is reset after it."""
+        self.cost.step(self.step_index)
+        if self.step_index == LEAK_CHECK_EVERY_N_STEPS and self._steady_stride > 1 and not self.leak_found:
+            self.series.coarsen(self._steady_stride)
         self.series.start_step(self.step_index, epoch)
         self.sampling = self.step_index % self.every_n_steps == 0
         if self.sampling:
@@ -212,10 +224,6 @@ class MemorySteps:
             self.samples.append(step)
         self.step_index += 1
         return step
-
-    def charge(self, entry_ns: int) -> None:
-        """Add the caller's own time since ``entry_ns`` (``time.perf_counter_ns``) to the observer's cost."""
-        self.hook_ns += time.perf_counter_ns() - entry_ns
 
     # -------------------------------------------------------------------------------------------------- leaks
 
@@ -295,7 +303,7 @@ class MemorySteps:
             "peak_above_start": summarize(above).to_dict(),
             "peak_since_reset": all(s["end"].peak_since_reset for s in self.samples),
             "leaks": {
-                "method": "Theil-Sen slope with Sen's distribution-free 95% interval, per point, every step",
+                "method": "Theil-Sen slope with Sen's distribution-free 95% interval, per point",
                 "rule": f"interval above zero overall and in each of {SEGMENTS} consecutive parts, and the growth over "
                 f"{NOISE_FLOOR_STEPS} steps at least the noise floor of the readings",
                 "first_step": self.leak_start,
@@ -306,12 +314,7 @@ class MemorySteps:
                 "trends": self.trends,
                 "leaking": [t.point for t in self.trends.values() if t.leaking],
             },
-            "overhead": {
-                "hooks_ns_total": self.hook_ns,
-                "hooks_ns_per_step": self.hook_ns / ends if ends else math.nan,
-                "step_s_mean": per_step_s,
-                "share_of_step": (self.hook_ns / ends / 1e9) / per_step_s if per_step_s > 0 else math.nan,
-            },
+            "overhead": {**self.cost.figures(ends, per_step_s), "step_s_mean": per_step_s},
             "samples": samples[-_MAX_REPORTED_SAMPLES:],
             "samples_truncated": len(samples) > _MAX_REPORTED_SAMPLES,
         }

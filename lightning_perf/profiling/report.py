@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import functools
 import importlib
 import json
 import math
@@ -78,29 +79,19 @@ def environment_info() -> dict[str, Any]:
         (model name), ``cpu_count`` and ``cpu_count_usable`` (this process's affinity), ``torch_threads``, ``libc``,
         ``malloc_mmap_threshold`` (the environment variable that makes CPU peak memory truthful, or None),
         ``cuda`` (the CUDA version torch was built with, or None) and, when a GPU is visible, ``cuda_device``,
-        ``cuda_capability`` (e.g. ``"9.0"``) and ``cuda_device_count``.
+        ``cuda_capability`` (e.g. ``"9.0"``) and ``cuda_device_count``. What cannot change within a process
+        (versions, the platform, the CPU model, the libc) is read once per process: reading it costs tens of
+        milliseconds (package metadata, the libc's version from the interpreter's binary).
     """
-    from lightning_perf import __version__
-
     try:
         usable: int | None = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         usable = os.cpu_count()
-    libc = " ".join(part for part in platform.libc_ver() if part) or None
     info: dict[str, Any] = {
-        "lightning_perf": __version__,
-        "torch": torch.__version__,
-        "lightning": installed_version("lightning", "pytorch-lightning"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
+        **_fixed_environment(),
         "cpu_count_usable": usable,
         "torch_threads": torch.get_num_threads(),
-        "libc": libc,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-        "cuda": torch.version.cuda,
         "cuda_device": None,
         "cuda_capability": None,
         "cuda_device_count": 0,
@@ -114,6 +105,24 @@ def environment_info() -> dict[str, Any]:
             cuda_device_count=torch.cuda.device_count(),
         )
     return info
+
+
+@functools.cache
+def _fixed_environment() -> dict[str, Any]:
+    from lightning_perf import __version__
+
+    return {
+        "lightning_perf": __version__,
+        "torch": torch.__version__,
+        "lightning": installed_version("lightning", "pytorch-lightning"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "libc": " ".join(part for part in platform.libc_ver() if part) or None,
+        "cuda": torch.version.cuda,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------------- JSON
@@ -589,7 +598,7 @@ def plot_stacked_steps(
     title: str = "",
     phases: Sequence[str] | None = None,
 ) -> Path:
-    """Phase time per step as stacked bars (milliseconds), e.g. from :attr:`PhaseTimer.steps`, as PNG.
+    """Phase time per step stacked (milliseconds, one band per phase), e.g. from :attr:`PhaseTimer.steps`, as PNG.
 
     Args:
         step_records: one ``{phase: seconds}`` per step; a phase missing from a step counts 0 there.
@@ -611,13 +620,10 @@ def plot_stacked_steps(
         phases = list(dict.fromkeys(name for record in step_records for name in record))
     fig = _figure("plot_stacked_steps()", (8.0, 4.0))
     ax = fig.add_subplot()
-    x = list(range(len(step_records)))
-    bottom = [0.0] * len(step_records)
-    width = 1.0 if len(step_records) > 100 else 0.8
-    for name in phases:
-        heights = [record.get(name, 0.0) * 1e3 for record in step_records]
-        ax.bar(x, heights, bottom=bottom, width=width, label=str(name), linewidth=0)
-        bottom = [b + h for b, h in zip(bottom, heights)]
+    # One filled band per phase (stepped like bars): a few artists whatever the number of steps, so drawing stays cheap.
+    heights = [[record.get(name, 0.0) * 1e3 for record in step_records] for name in phases]
+    if heights:
+        ax.stackplot(range(len(step_records)), *heights, labels=[str(n) for n in phases], step="mid", linewidth=0)
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel("time (ms)")

@@ -1,12 +1,14 @@
 """The phases of training steps from the boundaries a loop reports, and their summary: no Lightning needed.
 
 A loop (Lightning's hooks in :class:`~lightning_perf.callbacks.BottleneckCallback`, or a hand-written one) tells
-:class:`StepPhases` where each phase begins; it keeps the phases on a :class:`~lightning_perf.profiling.PhaseTimer`,
-the wait for data between steps (``data``), which steps an interruption (validation, an epoch boundary) split, and
-the loop's own cost of telling it; validation runs between :meth:`~StepPhases.pause` and :meth:`~StepPhases.resume`
-are timed apart. :func:`summarize_steps` turns that into the report's figures::
+:class:`StepPhases` where each phase begins; it keeps the phases on a :class:`~lightning_perf.profiling.timer.
+PhaseLedger` (CPU: one clock read per boundary, per-step totals in typed arrays) or a :class:`~lightning_perf.
+profiling.PhaseTimer` (CUDA events, read back late), the wait for data between steps (``data``), and which steps an
+interruption (validation, an epoch boundary) split; validation runs between :meth:`~StepPhases.pause` and
+:meth:`~StepPhases.resume` are timed apart. The loop counts and times its own calls on ``phases.cost`` (a
+:class:`~lightning_perf.profiling.timer.HookCost`). :func:`summarize_steps` turns that into the report's figures::
 
-    phases = StepPhases(PhaseTimer(torch.device("cpu"), warmup_steps=2))
+    phases = StepPhases(PhaseLedger(MEASURED, warmup_steps=2))
     phases.open_gap()
     for batch in loader:                 # the wait for `batch` is billed to "data"
         phases.begin_step("forward")
@@ -15,9 +17,7 @@ are timed apart. :func:`summarize_steps` turns that into the report's figures::
         loss.backward()
         phases.switch("optimizer")
         optimizer.step(); optimizer.zero_grad()
-        entry = phases.end_step(len(batch), phases.clock())
-        phases.open_gap()                # the wait for the next batch
-        phases.charge(entry)             # this loop's own bookkeeping, billed as observer cost
+        phases.end_step(len(batch))      # and the wait for the next batch begins
     print(summarize_steps(phases)["steady_state"]["shares"])
 """
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 import os
-import time
-from collections.abc import Callable, Mapping
+from array import array
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,7 @@ from lightning_perf.profiling.advice import (
 )
 from lightning_perf.profiling.report import format_seconds, plot_stacked_steps
 from lightning_perf.profiling.stats import Stats, summarize
-from lightning_perf.profiling.timer import PhaseTimer
+from lightning_perf.profiling.timer import HookCost, PhaseLedger, PhaseTimer
 
 if TYPE_CHECKING:
     from torch import nn
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from lightning_perf.profiling.syncs import HostSyncRecorder
 
 __all__ = [
+    "MEASURED",
     "StepPhases",
     "SyncCheck",
     "batch_size_of",
@@ -73,55 +74,87 @@ MAX_REPORTED_STEPS = 20_000
 _BAR_KEYS = {"data": "data%", "forward": "fwd%", "backward": "bwd%", "optimizer": "opt%"}
 
 
+_INTERRUPTED, _EPOCH_FIRST = 1, 2  # bits of StepPhases.flags
+
+
+class _EventLedger:
+    """A :class:`PhaseTimer` (CUDA events) behind :class:`PhaseLedger`'s calls: the step is a phase of its own."""
+
+    def __init__(self, timer: PhaseTimer) -> None:
+        self.timer = timer
+        self._current: str | None = None
+
+    def switch(self, phase: str | None) -> None:
+        if self._current is not None:
+            self.timer.stop(self._current)
+        self._current = phase
+        if phase is not None:
+            self.timer.start(phase)
+
+    def open(self, phase: str | None) -> None:
+        self.timer.start("step")
+        self._current = None
+        self.switch(phase)
+
+    def close(self) -> None:
+        self.switch(None)
+        self.timer.stop("step")
+
+    def end_step(self, then: str | None = None) -> None:
+        self.close()
+        self.timer.end_step()
+        if then is not None:
+            self.open(then)
+
+
 class StepPhases:
-    """Which phase of the step runs now, on a :class:`PhaseTimer`; per step: batch size, interruption, epoch start.
+    """Which phase of the step runs now, on a :class:`PhaseLedger` (CPU: one clock read per boundary) or a
+    :class:`PhaseTimer` (CUDA events); per step: batch size, interruption, epoch start, in typed arrays.
 
     ``data`` runs from the end of one step (or an epoch's start) until the next begins; ``switch(None)`` leaves the
     step running with no sub-phase (its time becomes ``other``). ``interrupt`` stops the clock of an open step without
-    ending it: that step is marked interrupted and kept out of the steady-state shares. ``charge(entry_ns)`` adds
-    the caller's own time since ``entry_ns`` to the current step's observer cost.
+    ending it: that step is marked interrupted and kept out of the steady-state shares. ``cost`` (a
+    :class:`HookCost`) is where the caller counts and times its own calls; :meth:`begin_step` tells it which steps
+    are timed.
     """
 
     def __init__(
         self,
-        timer: PhaseTimer,
-        clock: Callable[[], int] = time.perf_counter_ns,
+        timer: PhaseLedger | PhaseTimer,
         validation: PhaseTimer | None = None,
         syncs: SyncCheck | None = None,
+        cost: HookCost | None = None,
     ) -> None:
         self.timer = timer
-        self.clock = clock  # the observer's own cost is read from this one (the timer's clock may be a test's)
+        self._ledger = timer if isinstance(timer, PhaseLedger) else _EventLedger(timer)
         self.validation = validation if validation is not None else PhaseTimer(timer.device)
         self.syncs = syncs if syncs is not None else SyncCheck(None, 0, 0)
+        self.cost = cost if cost is not None else HookCost()
         self.paused = False  # in validation
         self.epochs = 0
         self.current: str | None = None
         self.step_open = False
-        self._interrupted = False
-        self._epoch_first = False
-        self.batch_sizes: list[int | None] = []
-        self.interrupted: list[bool] = []
-        self.epoch_first: list[bool] = []
-        self.hook_ns: list[int] = []
-        self.hook_ns_open = 0
+        self._flags = 0
+        self.batch_sizes = array("q")  # per step; -1: unknown
+        self.flags = array("B")  # per step: interrupted (1), an epoch's first (2)
 
     def switch(self, phase: str | None) -> None:
-        if self.current is not None:
-            self.timer.stop(self.current)
+        self._ledger.switch(phase)
         self.current = phase
-        if phase is not None:
-            self.timer.start(phase)
 
-    def _open_step(self) -> None:
-        if not self.step_open:
-            self.timer.start("step")
+    def _enter_step(self, phase: str) -> None:
+        if self.step_open:
+            self._ledger.switch(phase)
+        else:
+            self._ledger.open(phase)
             self.step_open = True
+        self.current = phase
 
     def open_gap(self, new_epoch: bool = False) -> None:
         """Start the wait for the next batch (and the next step); ``new_epoch`` marks that step an epoch's first."""
-        self._epoch_first = self._epoch_first or new_epoch
-        self._open_step()
-        self.switch("data")
+        if new_epoch:
+            self._flags |= _EPOCH_FIRST
+        self._enter_step("data")
 
     def begin_epoch(self) -> None:
         """A training epoch begins: the wait for its first batch (marked an epoch's first from the second epoch on)."""
@@ -143,39 +176,33 @@ class StepPhases:
         self.validation.end_step()
         self.open_gap()
 
-    def begin_step(self, phase: str = "forward") -> None:
-        self._open_step()
-        self.switch(phase)
+    def begin_step(self, phase: str = "forward", module: nn.Module | None = None) -> None:
+        """The step's work begins (its wait for data ends) in ``phase``; the cost's timing is decided for it, and
+        ``module``'s host-device synchronizations recorded if the step is one :attr:`syncs` checks."""
+        step = self.timer.num_steps
+        self.cost.step(step)
+        self._enter_step(phase)
+        if module is not None and step < self.syncs.last:
+            self.syncs.begin(step, module)
 
     def interrupt(self) -> None:
         """Stop the clock of the open step without ending it (validation, an epoch's end, the fit's end)."""
         if not self.step_open:
             return
-        self.switch(None)
-        self.timer.stop("step")
+        self._ledger.close()
         self.step_open = False
-        self._interrupted = True
+        self.current = None
+        self._flags |= _INTERRUPTED
 
-    def end_step(self, batch_size: int | None, entry_ns: int) -> int:
-        """Close the step begun by :meth:`begin_step`; ``entry_ns``: when the caller's own work for it began.
-
-        Returns when the bookkeeping after the step began: charge it (after :meth:`open_gap`) to the next step.
-        """
-        self.switch(None)
-        self.timer.stop("step")
-        self.step_open = False
-        self.batch_sizes.append(batch_size)
-        self.interrupted.append(self._interrupted)
-        self.epoch_first.append(self._epoch_first)
-        self._interrupted = self._epoch_first = False
-        now = self.clock()
-        self.hook_ns.append(self.hook_ns_open + now - entry_ns)
-        self.hook_ns_open = 0
-        self.timer.end_step()
-        return now
-
-    def charge(self, entry_ns: int) -> None:
-        self.hook_ns_open += self.clock() - entry_ns
+    def end_step(self, batch_size: int | None, gap: bool = True) -> None:
+        """Close the step begun by :meth:`begin_step`; with ``gap`` the wait for the next batch starts at once (on the
+        same clock read)."""
+        self.syncs.end()
+        self._ledger.end_step("data" if gap else None)
+        self.step_open, self.current = gap, "data" if gap else None
+        self.batch_sizes.append(-1 if batch_size is None else batch_size)
+        self.flags.append(self._flags)
+        self._flags = 0
 
 
 def with_other(record: Mapping[str, float]) -> dict[str, float]:
@@ -213,7 +240,7 @@ def recent_figures(phases: StepPhases, window: int) -> tuple[dict[str, float], f
     if not records:
         return None
     step_s = math.fsum(r["step"] for r in records) / len(records)
-    sizes = [s for s in phases.batch_sizes[-window:] if s is not None]
+    sizes = [s for s in phases.batch_sizes[-window:] if s >= 0]
     samples_per_s = (sum(sizes) / len(sizes)) / step_s if sizes and step_s > 0 else math.nan
     return phase_shares(records), step_s, samples_per_s
 
@@ -229,17 +256,16 @@ def summarize_steps(phases: StepPhases) -> dict[str, Any]:
     raw = timer.steps
     steady = [with_other(r) for r in raw]
     first = len(timer.warmup_steps_records)
-    flags = phases.interrupted[first : first + len(steady)]
+    flags = [bool(f & _INTERRUPTED) for f in phases.flags[first : first + len(steady)]]
     clean = [r for r, interrupted in zip(steady, flags) if not interrupted]
     clean_raw = [r for r, interrupted in zip(raw, flags) if not interrupted]
-    sizes = [s for s, f in zip(phases.batch_sizes[first:], flags) if not f and s is not None]
+    sizes = [s for s, f in zip(phases.batch_sizes[first:], flags) if not f and s >= 0]
     stats = {name: summarize([r[name] for r in clean_raw if name in r]).to_dict() for name in MEASURED}
     stats["other"] = summarize([r["other"] for r in clean]).to_dict()
     step = summarize([r["step"] for r in clean])
     clean_time = math.fsum(r["step"] for r in clean)
     data_median = stats["data"]["median"]
-    restarts = [r["data"] - data_median for r, e in zip(steady, phases.epoch_first[first:]) if e]
-    hook = summarize(phases.hook_ns[first:])
+    restarts = [r["data"] - data_median for r, f in zip(steady, phases.flags[first:]) if f & _EPOCH_FIRST]
     reported = steady[-MAX_REPORTED_STEPS:]
     return {
         "steps": {
@@ -249,19 +275,14 @@ def summarize_steps(phases: StepPhases) -> dict[str, Any]:
             "interrupted": len(steady) - len(clean),
         },
         "steady_state": {"step": step.to_dict(), "phases": stats, "shares": phase_shares(clean)},
-        "warmup": timer.to_dict()["warmup_summary"],
+        "warmup": {name: stats.to_dict() for name, stats in timer.summary(warmup=True).items()},
         "throughput": {
             "samples_per_s": sum(sizes) / clean_time if sizes and clean_time > 0 else math.nan,
             "steps_per_s": 1.0 / step.median if step.median > 0 else math.nan,
             "batch_size_median": summarize(sizes).median if sizes else math.nan,
         },
         "epoch_restart_s": summarize(restarts).median if restarts and math.isfinite(data_median) else None,
-        "overhead": {
-            "hooks_ns_total": sum(phases.hook_ns) + phases.hook_ns_open,
-            "hooks_ns_per_step": hook.to_dict(),
-            "timer_ns_total": timer.overhead_ns,
-            "share_of_step": (hook.median / 1e9) / step.median if step.median > 0 else math.nan,
-        },
+        "overhead": phases.cost.figures(timer.num_steps, step.median),
         "per_step": {
             "phases": list(PHASES),
             "truncated": len(steady) > len(reported),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,7 +34,7 @@ import torch
 from lightning_perf._device import as_device
 from lightning_perf.profiling.stats import Stats, summarize
 
-__all__ = ["PhaseTimer"]
+__all__ = ["HookCost", "PhaseLedger", "PhaseTimer"]
 
 Clock = Callable[[], int]
 
@@ -382,3 +383,191 @@ class PhaseTimer:
             f"{type(self).__name__}(device={str(self.device)!r}, warmup_steps={self.warmup_steps}, "
             f"num_steps={self._num_steps})"
         )
+
+
+class PhaseLedger:
+    """Phases that follow one another within each step (never nested), on the host clock: one clock read per boundary.
+
+    The cheap CPU twin of :class:`PhaseTimer` for an observer on the hot path of every step: :meth:`switch` reads the
+    clock once and bills the time since the last boundary to the phase that was running; a step's totals are kept in
+    a preallocated list and appended to typed arrays at :meth:`end_step`, so a steady step makes no Python object that
+    outlives it. Time in the step outside every named phase (``switch(..., None)``) counts in ``"step"`` only; between
+    :meth:`close` and the next :meth:`open` nothing is counted. Records and statistics read like :class:`PhaseTimer`'s
+    (``{phase: seconds}`` per step, ``"step"`` included), built when asked for.
+
+    Args:
+        phases: the phase names, in any order.
+        warmup_steps: number of leading steps reported apart as warm-up.
+        clock: a monotonic clock in integer nanoseconds.
+
+    Example::
+
+        ledger = PhaseLedger(["data", "forward"])
+        ledger.open("data")
+        for batch in loader:
+            ledger.switch("forward")
+            model(batch)
+            ledger.end_step("data")  # the wait for the next batch starts at the same clock read
+    """
+
+    def __init__(self, phases: Sequence[str], warmup_steps: int = 0, clock: Clock = time.perf_counter_ns) -> None:
+        self.phases = tuple(phases)
+        self.device = torch.device("cpu")
+        self.warmup_steps = warmup_steps
+        self._clock = clock
+        n = len(self.phases)
+        self._index: dict[str | None, int] = {name: i for i, name in enumerate(self.phases)}
+        self._index[None] = n  # in the step, no named phase
+        self._stopped = n + 1  # not counted
+        self._acc = [0] * (n + 2)
+        self._zeros = [0] * (n + 2)
+        self._current = self._stopped
+        self._ran = 0
+        self._last = 0
+        self._ns = array("q")  # per step, the totals of _acc (the last slot, not counted, left out of every figure)
+        self._ran_masks = array("q")
+        self._num_steps = 0
+
+    def open(self, phase: str | None) -> int:
+        """Start (or restart after :meth:`close`) the step's clock in ``phase``; returns the clock read."""
+        now = self._last = self._clock()
+        self._current = index = self._index[phase]
+        self._ran |= 1 << index
+        return now
+
+    def switch(self, phase: str | None) -> int:
+        """Bill the time since the last boundary to the running phase and run ``phase``; returns the clock read."""
+        now = self._clock()
+        self._acc[self._current] += now - self._last
+        self._last = now
+        self._current = index = self._index[phase]
+        self._ran |= 1 << index
+        return now
+
+    def close(self) -> int:
+        """Stop the step's clock without ending the step (an interruption); returns the clock read."""
+        now = self.switch(None)
+        self._current = self._stopped
+        return now
+
+    def end_step(self, then: str | None = None) -> int:
+        """Close the step; with ``then``, the next step's clock starts in that phase at the same clock read."""
+        now = self.close()
+        acc = self._acc
+        self._ns.extend(acc)
+        acc[:] = self._zeros
+        self._ran_masks.append(self._ran)
+        self._ran = 0
+        self._num_steps += 1
+        if then is not None:
+            self._current = index = self._index[then]
+            self._ran = 1 << index
+            self._last = now
+        return now
+
+    # --------------------------------------------------------------------------------------------------- results
+
+    def _record(self, step: int) -> dict[str, float]:
+        width = len(self.phases) + 2
+        row = self._ns[step * width : (step + 1) * width - 1]
+        ran = self._ran_masks[step]
+        record = {name: row[i] / 1e9 for i, name in enumerate(self.phases) if ran >> i & 1}
+        record["step"] = sum(row) / 1e9
+        return record
+
+    @property
+    def num_steps(self) -> int:
+        """Steps closed so far, warm-up included."""
+        return self._num_steps
+
+    @property
+    def steps(self) -> list[dict[str, float]]:
+        """Steady-state step records, oldest first: ``{phase: seconds}``, ``"step"`` included."""
+        return [self._record(i) for i in range(min(self.warmup_steps, self._num_steps), self._num_steps)]
+
+    @property
+    def warmup_steps_records(self) -> list[dict[str, float]]:
+        """Warm-up step records, oldest first."""
+        return [self._record(i) for i in range(min(self.warmup_steps, self._num_steps))]
+
+    def recent_steps(self, count: int) -> list[dict[str, float]]:
+        """The last ``count`` step records, oldest first, warm-up included."""
+        return [self._record(i) for i in range(max(0, self._num_steps - max(count, 0)), self._num_steps)]
+
+    def summary(self, warmup: bool = False) -> dict[str, Stats]:
+        """Statistics per phase over the steady-state steps (or the warm-up steps) in which it ran."""
+        values: dict[str, list[float]] = {}
+        for record in self.warmup_steps_records if warmup else self.steps:
+            for name, seconds in record.items():
+                values.setdefault(name, []).append(seconds)
+        return {name: summarize(v) for name, v in values.items()}
+
+
+class HookCost:
+    """What an observer's own hooks cost, without timing every one: each call counted, one step in ``every`` timed end
+    to end, plus ``dispatch_ns``, what the caller's framework spends to call one hook (measured once by the caller, e.g.
+    Lightning's callback loop on an empty hook).
+
+    Hot path: ``entry = cost.begin()`` first thing in a hook and ``cost.end(entry)`` last: two clock reads on a timed
+    step (:attr:`timing`, set by :meth:`step`), none on the others. ``every`` is best prime, so that the timed steps
+    fall evenly on the steps of any sampling period of the observer (every 10th, every 4th...).
+
+    Example::
+
+        cost = HookCost(every=17)
+        for step, batch in enumerate(loader):
+            cost.step(step)
+            entry = cost.begin()
+            ...  # the observer's hook
+            cost.end(entry)
+        print(cost.figures(steps, step_s)["share_of_step"])
+    """
+
+    __slots__ = ("calls", "dispatch_ns", "every", "first", "timed_calls", "timed_ns", "timing")
+
+    def __init__(self, every: int = 17, first: int = 0, dispatch_ns: float = 0.0) -> None:
+        self.every, self.first, self.dispatch_ns = every, first, dispatch_ns
+        self.calls = self.timed_calls = self.timed_ns = 0
+        self.timing = False
+
+    def step(self, index: int) -> None:
+        """Step ``index`` begins: it is timed if it is one in :attr:`every` from :attr:`first` (after warm-up)."""
+        self.timing = index >= self.first and (index - self.first) % self.every == 0
+
+    def begin(self) -> int:
+        """A hook starts: the clock on a timed step, else 0."""
+        return time.perf_counter_ns() if self.timing else 0
+
+    def end(self, entry: int) -> None:
+        """The hook that began with ``entry`` (from :meth:`begin`) ends: counted, and timed if ``entry``."""
+        if entry:
+            self.add(entry)
+        else:
+            self.calls += 1
+
+    def add(self, entry_ns: int) -> None:
+        """Count a call of a timed step that began at ``entry_ns`` (``time.perf_counter_ns``) and ends now."""
+        self.timed_ns += time.perf_counter_ns() - entry_ns
+        self.timed_calls += 1
+        self.calls += 1
+
+    def total_ns(self) -> float:
+        """The estimated cost of every call: calls x (mean timed body + dispatch)."""
+        body = self.timed_ns / self.timed_calls if self.timed_calls else 0.0
+        return self.calls * (body + self.dispatch_ns)
+
+    def figures(self, steps: int, step_s: float) -> dict[str, Any]:
+        """The report's ``overhead``: the estimate per step and as a share of ``step_s``, with how it was made."""
+        total = self.total_ns()
+        per_step = total / steps if steps else math.nan
+        return {
+            "hook_calls": self.calls,
+            "timed_calls": self.timed_calls,
+            "hook_body_ns_mean": self.timed_ns / self.timed_calls if self.timed_calls else math.nan,
+            "dispatch_ns_per_call": self.dispatch_ns,
+            "hooks_ns_total": total,
+            "hooks_ns_per_step": per_step,
+            "share_of_step": (per_step / 1e9) / step_s if step_s > 0 else math.nan,
+            "method": f"every hook call counted; one step in {self.every} timed end to end; the framework's dispatch "
+            "of one call timed once at setup on an empty hook",
+        }

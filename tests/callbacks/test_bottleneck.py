@@ -123,7 +123,9 @@ def scripted_fit(
     **kwargs: Any,
 ) -> BottleneckCallback:
     clock = ScriptedClock()
-    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, verbose=False, **(callback_kwargs or {}))
+    callback = BottleneckCallback(
+        **{"warmup_steps": 1, "sync_check_steps": 0, "verbose": False, **(callback_kwargs or {})}
+    )
     callback._clock = clock
     model = model_cls(clock)
     data = DataLoader(SlowData(clock, data_ms), batch_size=2)
@@ -242,7 +244,7 @@ def test_slow_data_is_diagnosed_with_the_loader_settings_as_evidence(tmp_path: P
 
 
 def test_reports_are_written_to_the_default_root_dir(tmp_path: Path) -> None:
-    callback = scripted_fit(tmp_path)
+    callback = scripted_fit(tmp_path, callback_kwargs={"plot": True})
     saved = json.loads((tmp_path / "bottleneck.json").read_text())
     assert saved["callback"] == "BottleneckCallback"
     assert set(saved["steady_state"]["shares"]) == set(PHASES)
@@ -259,8 +261,8 @@ def test_report_files_are_announced_and_a_second_run_does_not_overwrite_the_firs
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO):
-        first = scripted_fit(tmp_path)
-        second = scripted_fit(tmp_path, max_steps=4)
+        first = scripted_fit(tmp_path, callback_kwargs={"plot": True})
+        second = scripted_fit(tmp_path, callback_kwargs={"plot": True}, max_steps=4)
     assert first.report["json"] == str(tmp_path / "bottleneck.json")
     assert first.report["plot"] == str(tmp_path / "bottleneck.png")
     assert (second.report["json"], second.report["plot"]) == (
@@ -288,10 +290,41 @@ def test_overwrite_true_writes_over_the_earlier_report(tmp_path: Path, caplog: p
 
 def test_without_matplotlib_a_note_replaces_the_chart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("lightning_perf.callbacks._observer.is_matplotlib_available", lambda: False)
-    callback = scripted_fit(tmp_path)
+    callback = scripted_fit(tmp_path, callback_kwargs={"plot": True})
     assert not (tmp_path / "bottleneck.png").exists()
     assert callback.report["plot"] is None
     assert "pip install 'lightning-perf[plot]'" in callback.report["plot_note"]
+
+
+def test_the_chart_is_opt_in_and_the_report_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        callback = scripted_fit(tmp_path, callback_kwargs={"verbose": True})
+    assert callback.report["plot"] is None and not (tmp_path / "bottleneck.png").exists()
+    assert "pass plot=True for bottleneck.png" in callback.report["plot_note"]
+    assert "pass plot=True" in caplog.text and "forward" in caplog.text  # the note and the table, in the log
+
+
+def test_the_self_report_counts_every_hook_call_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of the callback's per-step entry points is wrapped to count its calls; the report's count must match."""
+    calls = {"n": 0}
+    names = ["_before_transfer", "_after_transfer", "_after_optimizer_step", "on_train_batch_start",
+             "on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+             "on_train_batch_end"]  # fmt: skip
+    for name in names:
+        real = getattr(BottleneckCallback, name)
+
+        def counted(self: Any, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(BottleneckCallback, name, counted)
+    callback = scripted_fit(tmp_path, max_steps=40)
+    overhead = callback.report["overhead"]
+    assert overhead["hook_calls"] == calls["n"] > 9 * 39  # nine a step, the first step's transfer before fit start
+    assert overhead["timed_calls"] > 0 and overhead["dispatch_ns_per_call"] > 0
+    # The estimate is the count times (the mean timed body + the dispatch): nothing is left out of the total.
+    per_call = overhead["hook_body_ns_mean"] + overhead["dispatch_ns_per_call"]
+    assert overhead["hooks_ns_total"] == pytest.approx(overhead["hook_calls"] * per_call)
 
 
 def test_live_figures_reach_the_logger_and_the_progress_bar(tmp_path: Path) -> None:
@@ -468,7 +501,7 @@ def test_pickles_after_fit_with_run_time_device_state_left_behind(tmp_path: Path
     callback = scripted_fit(tmp_path)
     assert callback._phases is not None and callback._handles == []
     # What a CUDA fit leaves in the timers: events of the last (closed, unresolved) phases.
-    callback._phases.timer._open["step"] = _Unpicklable()
+    callback._phases.timer.events = _Unpicklable()  # type: ignore[attr-defined]
     callback._phases.validation._open["validation"] = _Unpicklable()
     with pytest.raises(TypeError, match="cannot pickle"):
         pickle.dumps(callback._phases)

@@ -107,7 +107,7 @@ def test_only_the_requested_points_are_sampled(tmp_path: Path) -> None:
 
 
 def test_reports_go_to_the_default_root_dir_and_peaks_to_the_logger(tmp_path: Path) -> None:
-    callback = MemoryProfilerCallback(every_n_steps=2, log_every_n_steps=2)
+    callback = MemoryProfilerCallback(every_n_steps=2, log_every_n_steps=2, plot=True)
     logger = CSVLogger(tmp_path, name="run", version=0)
     fit_convnet(tmp_path, callback, max_steps=6, logger=logger)
     out = tmp_path / "run" / "version_0"
@@ -123,7 +123,7 @@ def test_reports_go_to_the_default_root_dir_and_peaks_to_the_logger(tmp_path: Pa
 
 def test_without_matplotlib_a_note_replaces_the_chart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("lightning_perf.callbacks._observer.is_matplotlib_available", lambda: False)
-    callback = MemoryProfilerCallback(every_n_steps=1, verbose=False)
+    callback = MemoryProfilerCallback(every_n_steps=1, verbose=False, plot=True)
     fit_convnet(tmp_path, callback, max_steps=3)
     assert (tmp_path / "memory_profile.json").exists() and not (tmp_path / "memory_profile.png").exists()
     assert "matplotlib" in callback.report["plot_note"]
@@ -228,7 +228,8 @@ def test_models_that_do_not_leak_are_not_flagged(tmp_path: Path, model: type[Tin
     fit_mlp(tmp_path, callback, model(), steps=300, **kwargs)
     leaks = callback.report["leaks"]
     assert leaks["leaking"] == []
-    assert leaks["first_step"] == 50 and all(t.samples == 250 for t in leaks["trends"].values())
+    # Every step until the first verdict at step 50, then one step in four (the earlier rows thinned to match).
+    assert leaks["first_step"] == 50 and all(t.samples == len(range(52, 300, 4)) for t in leaks["trends"].values())
     assert leaks["stopped_at_step"] is None
 
 
@@ -240,16 +241,21 @@ def test_a_clean_model_is_not_flagged(tmp_path: Path) -> None:
     trends = callback.report["leaks"]["trends"]
     # The verdict, not the measured slope: allocator noise on a shared machine moves the figure, never the verdict.
     assert callback.report["leaks"]["leaking"] == []
-    assert set(trends) == set(POINTS) and all(t.samples == 64 for t in trends.values())
+    assert set(trends) == set(POINTS) and all(t.samples == len(range(16, 80, 4)) for t in trends.values())
 
 
-def test_the_leak_series_is_read_every_step_whatever_the_snapshot_interval(tmp_path: Path) -> None:
+def test_the_leak_series_is_read_every_step_until_the_first_verdict_then_one_in_four(tmp_path: Path) -> None:
     callback = MemoryProfilerCallback(every_n_steps=10, warmup_steps=0, verbose=False)
     fit_mlp(tmp_path, callback, TinyMLP(), steps=40)
     assert callback.report["steps_sampled"] == 4  # full snapshots: steps 0, 10, 20, 30
     trend = callback.report["leaks"]["trends"]["after_forward"]
     assert (trend.samples, trend.first_step, trend.last_step) == (40, 0, 39)
     assert callback.report["leaks"]["sampled_every_n_steps"] == 1
+    longer = MemoryProfilerCallback(every_n_steps=10, warmup_steps=0, verbose=False)
+    fit_mlp(tmp_path / "longer", longer, TinyMLP(), steps=120)
+    trend = longer.report["leaks"]["trends"]["after_forward"]
+    assert (trend.samples, trend.first_step, trend.last_step) == (30, 0, 116)  # one heap walk a step on average
+    assert longer.report["leaks"]["sampled_every_n_steps"] == 4
 
 
 def test_the_optional_threshold_can_only_silence(tmp_path: Path) -> None:
@@ -266,9 +272,9 @@ def test_report_files_are_announced_and_a_second_run_does_not_overwrite_the_firs
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO):
-        first = MemoryProfilerCallback(every_n_steps=1, verbose=False)
+        first = MemoryProfilerCallback(every_n_steps=1, verbose=False, plot=True)
         fit_mlp(tmp_path, first, TinyMLP(), steps=3)
-        second = MemoryProfilerCallback(every_n_steps=1, verbose=False)
+        second = MemoryProfilerCallback(every_n_steps=1, verbose=False, plot=True)
         fit_mlp(tmp_path, second, TinyMLP(), steps=3)
     assert first.report["json"] == str(tmp_path / "memory_profile.json")
     assert second.report["json"] == str(tmp_path / "memory_profile-2.json")
@@ -333,3 +339,25 @@ def test_history_is_written_at_fit_end_and_recording_stops(tmp_path: Path) -> No
     before = [len(trace) for trace in torch.cuda.memory._snapshot()["device_traces"]]
     torch.ones(1024, device="cuda")  # after teardown nothing is recorded any more
     assert [len(trace) for trace in torch.cuda.memory._snapshot()["device_traces"]] == before
+
+
+def test_the_self_report_counts_every_hook_call_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each per-step hook is wrapped to count its calls; the report's count must match, and its total follow it."""
+    calls = {"n": 0}
+    names = ["on_train_batch_start", "on_before_zero_grad", "on_before_backward", "on_after_backward",
+             "on_before_optimizer_step", "on_train_batch_end"]  # fmt: skip
+    for name in names:
+        real = getattr(MemoryProfilerCallback, name)
+
+        def counted(self: Any, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(MemoryProfilerCallback, name, counted)
+    callback = MemoryProfilerCallback(verbose=False)
+    fit_mlp(tmp_path, callback, TinyMLP(), steps=40)
+    overhead = callback.report["overhead"]
+    assert overhead["hook_calls"] == calls["n"] == 6 * 40  # Lightning calls all six in every step
+    assert overhead["timed_calls"] == 6 * len(range(0, 40, 17)) and overhead["dispatch_ns_per_call"] > 0
+    per_call = overhead["hook_body_ns_mean"] + overhead["dispatch_ns_per_call"]
+    assert overhead["hooks_ns_total"] == pytest.approx(overhead["hook_calls"] * per_call)

@@ -319,3 +319,18 @@ def test_leak_series_stops_and_keeps_what_it_has() -> None:
 def test_leak_series_refuses_bad_arguments(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LeakSeries(**{"points": ["p"], **kwargs})  # type: ignore[arg-type]
+
+
+def test_a_series_made_sparser_keeps_only_the_rows_of_its_new_stride() -> None:
+    series = LeakSeries(["end"])
+    for step in range(10):
+        if series.start_step(step, epoch=0):
+            series.record("end", 1000 + step)
+    series.coarsen(4)
+    for step in range(10, 20):
+        if series.start_step(step, epoch=0):
+            series.record("end", 1000 + step)
+    steps, values = series.series()["end"]
+    assert steps == [0, 4, 8, 12, 16] and values == [1000, 1004, 1008, 1012, 1016] and series.stride == 4
+    with pytest.raises(ValueError, match="stride=0"):
+        LeakSeries(["end"], stride=0)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lightning_perf.profiling import PhaseTimer
-from lightning_perf.profiling.step_phases import StepPhases, binned, live_figures, summarize_steps
+from lightning_perf.profiling.step_phases import MEASURED, StepPhases, binned, live_figures, summarize_steps
+from lightning_perf.profiling.timer import HookCost, PhaseLedger
 
 
 class Clock:
@@ -22,7 +23,7 @@ class Clock:
 
 def test_a_hand_written_loop_gets_phases_shares_and_interrupted_steps() -> None:
     clock = Clock()
-    phases = StepPhases(PhaseTimer(torch.device("cpu"), warmup_steps=1, clock=clock), clock=clock)
+    phases = StepPhases(PhaseLedger(MEASURED, warmup_steps=1, clock=clock))
     phases.open_gap()
     for step in range(5):
         clock.wait(1)  # the wait for the batch: "data"
@@ -32,9 +33,7 @@ def test_a_hand_written_loop_gets_phases_shares_and_interrupted_steps() -> None:
         clock.wait(4)
         phases.switch(None)
         clock.wait(1)  # no phase: "other"
-        entry = phases.end_step(8, clock())
-        phases.open_gap()
-        phases.charge(entry)
+        phases.end_step(8)  # the wait for the next batch begins
         if step == 2:  # validation after the third step: the fourth one's wait is cut, and it is left out
             phases.interrupt()
             clock.wait(50)
@@ -46,7 +45,7 @@ def test_a_hand_written_loop_gets_phases_shares_and_interrupted_steps() -> None:
     assert steady["shares"]["backward"] == pytest.approx(0.5) and steady["shares"]["other"] == pytest.approx(0.125)
     assert report["throughput"]["samples_per_s"] == pytest.approx(1000.0)
     assert report["per_step"]["interrupted"] == [False, False, True, False]
-    assert report["overhead"]["hooks_ns_total"] == 0  # the scripted clock never moves inside the bookkeeping
+    assert report["overhead"]["hook_calls"] == 0  # the loop counted none of its calls on phases.cost
 
 
 def test_long_runs_are_binned_to_at_most_the_bars_asked_for() -> None:
@@ -58,15 +57,14 @@ def test_long_runs_are_binned_to_at_most_the_bars_asked_for() -> None:
 
 def test_validation_is_timed_apart_and_live_figures_feed_a_progress_bar() -> None:
     clock = Clock()
-    timer = PhaseTimer(torch.device("cpu"), clock=clock)
-    phases = StepPhases(timer, clock=clock, validation=PhaseTimer(torch.device("cpu"), clock=clock))
+    timer = PhaseLedger(MEASURED, clock=clock)
+    phases = StepPhases(timer, validation=PhaseTimer(torch.device("cpu"), clock=clock))
     phases.begin_epoch()
     for _ in range(2):
         clock.wait(1)
         phases.begin_step("forward")
         clock.wait(3)
-        phases.end_step(4, clock())
-        phases.open_gap()
+        phases.end_step(4)
         phases.pause()  # validation: the open wait for data is cut, the next step marked interrupted
         clock.wait(20)
         phases.resume()
@@ -74,3 +72,74 @@ def test_validation_is_timed_apart_and_live_figures_feed_a_progress_bar() -> Non
     metrics, bar = live_figures(phases, window=2)
     assert metrics["forward"] == pytest.approx(0.75) and metrics["step_s"] == pytest.approx(4e-3)
     assert bar == {"data%": 25.0, "fwd%": 75.0, "bwd%": 0.0, "opt%": 0.0, "samples/s": 1000.0}
+
+
+def test_a_phase_timer_gives_the_same_records_as_the_ledger() -> None:
+    """The CUDA path (a PhaseTimer behind StepPhases) and the CPU ledger agree on the same scripted loop."""
+    records = []
+    for make in (lambda c: PhaseLedger(MEASURED, clock=c), lambda c: PhaseTimer(torch.device("cpu"), clock=c)):
+        clock = Clock()
+        phases = StepPhases(make(clock))
+        phases.open_gap()
+        for _ in range(3):
+            clock.wait(1)
+            phases.begin_step("forward")
+            clock.wait(2)
+            phases.switch(None)
+            clock.wait(0.5)
+            phases.end_step(4)
+        phases.interrupt()
+        records.append(summarize_steps(phases)["per_step"]["records"])
+    assert records[0] == records[1] and records[0][0]["other"] == pytest.approx(0.5e-3)
+
+
+class CountingClock(Clock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __call__(self) -> int:
+        self.reads += 1
+        return self.ns
+
+
+def test_one_clock_read_per_boundary_and_no_object_kept_per_step() -> None:
+    import sys
+
+    clock = CountingClock()
+    phases = StepPhases(PhaseLedger(MEASURED, clock=clock), cost=HookCost(every=10**9, first=10**9))
+
+    def step() -> None:
+        clock.wait(1)
+        phases.begin_step("transfer")
+        phases.switch("forward")
+        phases.switch("backward")
+        phases.switch(None)
+        phases.switch("optimizer")
+        phases.switch(None)
+        phases.end_step(32)
+
+    phases.open_gap()
+    for _ in range(2000):  # the typed arrays reach a size where their growth is rare
+        step()
+    before_reads, before_blocks = clock.reads, sys.getallocatedblocks()
+    for _ in range(100):
+        step()
+    assert clock.reads - before_reads == 7 * 100  # seven boundaries a step, the last one also opens "data"
+    assert sys.getallocatedblocks() - before_blocks <= 2  # an array's occasional regrowth at most, never per step
+    assert len(phases.timer.steps) == 2100 and phases.timer.steps[-1]["forward"] == 0.0
+
+
+def test_hook_cost_times_one_step_in_every_from_first_and_counts_every_call() -> None:
+    cost = HookCost(every=3, first=2, dispatch_ns=100.0)
+    timed = []
+    for step in range(9):
+        cost.step(step)
+        timed.append(cost.timing)
+        for _ in range(4):  # four hooks a step
+            cost.end(cost.begin())
+    assert timed == [False, False, True, False, False, True, False, False, True]
+    figures = cost.figures(steps=9, step_s=1e-3)
+    assert (figures["hook_calls"], figures["timed_calls"]) == (36, 12)
+    assert figures["hooks_ns_total"] == pytest.approx(36 * (figures["hook_body_ns_mean"] + 100.0))
+    assert figures["share_of_step"] == pytest.approx(figures["hooks_ns_per_step"] / 1e6)
