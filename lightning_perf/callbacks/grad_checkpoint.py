@@ -20,13 +20,15 @@ from lightning_perf.functional.checkpoint_budget import (
     ActivationProfile,
     ActivationRecorder,
     CheckpointPlan,
+    apply_plan,
+    plan_checkpointing,
+    validate_memory_budget,
+)
+from lightning_perf.functional.compiler_budget import (
     CompilerBudgetForward,
     aot_compilations,
     apply_compiler_budget,
-    apply_plan,
-    plan_checkpointing,
     set_compiler_memory_budget,
-    validate_memory_budget,
 )
 from lightning_perf.functional.grad_checkpoint import (
     CheckpointedForward,
@@ -82,7 +84,7 @@ class GradCheckpointCallback(UndoOnExit):
             :class:`~lightning_perf.callbacks.CompileCallback` in the trainer, or a module compiled in place) the
             compiler's own budget is used instead: ``torch._functorch.config.activation_memory_budget`` for the fit,
             and the same budget inside the traced forward
-            (:class:`~lightning_perf.functional.checkpoint_budget.CompilerBudgetForward`), so that a graph compiled
+            (:class:`~lightning_perf.functional.compiler_budget.CompilerBudgetForward`), so that a graph compiled
             earlier in the process under another budget is compiled again under this one. After the first step it
             checks that a graph was compiled under the budget, and after the second it reports the activation memory;
             it warns once when the budget did not take effect (a backend without AOTAutograd, a fallback to eager, the

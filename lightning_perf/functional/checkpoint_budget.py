@@ -49,7 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from lightning_perf.functional.checkpoint_blocks import count_layers
 from lightning_perf.functional.grad_checkpoint import CheckpointedForward
-from lightning_perf.functional.surgery import ForwardPatch, patch_forward
+from lightning_perf.functional.surgery import patch_forward
 from lightning_perf.profiling.memory import MemoryProbe
 
 __all__ = [
@@ -59,14 +59,10 @@ __all__ = [
     "BlockChoice",
     "BlockProfile",
     "CheckpointPlan",
-    "CompilerBudgetForward",
-    "aot_compilations",
-    "apply_compiler_budget",
     "apply_plan",
     "plan_checkpointing",
     "profile_activations",
     "selective_context_fn",
-    "set_compiler_memory_budget",
     "validate_memory_budget",
 ]
 
@@ -749,62 +745,6 @@ def apply_plan(model: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool 
             if patch_forward(module, functools.partial(_checkpointed, preserve_rng_state, context_fn)) is not None:
                 wrapped.append(name)
     return wrapped
-
-
-class CompilerBudgetForward(ForwardPatch):
-    """A module's ``forward`` that, while ``torch.compile`` traces it, runs under the compiler's activation budget.
-
-    Inside a trace the forward runs under ``torch.autograd.graph.region_activation_memory_budget(budget)``, which the
-    partitioner reads off the graph, overriding the process-wide ``torch._functorch.config.activation_memory_budget``.
-    The budget is held as a string: dynamo guards it by equality, so a graph compiled earlier under another budget (an
-    earlier fit of the same class in the same process) fails its guard and the module is compiled again under this
-    one (a float that changes between compilations would turn symbolic, which the annotation refuses). Run eagerly,
-    it is the plain forward.
-    """
-
-    def __init__(self, module: nn.Module, budget: float) -> None:
-        super().__init__(module)
-        self.budget_key = repr(float(budget))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling():
-            return self.call_original(*args, **kwargs)
-        with torch.autograd.graph.region_activation_memory_budget(float(self.budget_key)):
-            return self.call_original(*args, **kwargs)
-
-
-def apply_compiler_budget(model: nn.Module, budget: float) -> list[nn.Module]:
-    """Patch every module of ``model`` with :class:`CompilerBudgetForward`, before ``torch.compile`` traces it.
-
-    Every module, so that whichever modules are compiled (the model, or its blocks) traces its whole forward under the
-    budget, as the annotation requires. Returns the modules patched (none where torch lacks
-    ``region_activation_memory_budget``: then only :func:`set_compiler_memory_budget` acts, on graphs compiled later).
-    Undo with ``unpatch_forward(module, CompilerBudgetForward)``.
-    """
-    budget = validate_memory_budget("apply_compiler_budget", budget)
-    if not hasattr(torch.autograd.graph, "region_activation_memory_budget"):
-        return []
-    return [m for m in model.modules() if patch_forward(m, lambda m: CompilerBudgetForward(m, budget)) is not None]
-
-
-def aot_compilations() -> int:
-    """How many graphs AOTAutograd (whose partitioner applies the activation budget) has compiled in this process."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["aot_autograd"]["total"])
-
-
-def set_compiler_memory_budget(budget: float) -> float:
-    """Set ``torch._functorch.config.activation_memory_budget`` (read when a graph compiles); returns the old value.
-
-    It acts only on code compiled by ``torch.compile`` afterwards; restore the returned value when done, it is a
-    process-wide setting.
-    """
-    from torch._functorch import config as functorch_config
-
-    previous = float(functorch_config.activation_memory_budget)
-    functorch_config.activation_memory_budget = float(budget)
-    return previous
 
 
 def _checkpointed(

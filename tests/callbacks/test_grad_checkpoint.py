@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_perf import NoEffectWarning
 from lightning_perf.callbacks import GradCheckpointCallback
-from lightning_perf.functional.checkpoint_budget import CompilerBudgetForward
+from lightning_perf.functional.compiler_budget import CompilerBudgetForward
 from lightning_perf.functional.grad_checkpoint import CheckpointedForward, checkpointed_modules
 from lightning_perf.functional.surgery import find_forward_patch
 from tests._models import SequenceModule, encoder, trainer

@@ -20,9 +20,9 @@ from lightning_perf.functional.checkpoint_budget import (
     plan_checkpointing,
     profile_activations,
     selective_context_fn,
-    set_compiler_memory_budget,
     validate_memory_budget,
 )
+from lightning_perf.functional.compiler_budget import set_compiler_memory_budget
 from lightning_perf.functional.grad_checkpoint import remove_activation_checkpointing, select_blocks
 from lightning_perf.profiling.memory import MemoryProbe
 from tests._models import ResNet
