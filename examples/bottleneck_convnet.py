@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     model, data = make_workload(
         "convnet", args.preset, num_workers=args.num_workers, persistent_workers=args.num_workers > 0
     )
-    callback = BottleneckCallback(log_every_n_steps=10, progress_bar=True)
+    callback = BottleneckCallback(log_every_n_steps=10, progress_bar=True, plot=True)
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator=args.accelerator,

@@ -44,7 +44,7 @@ class LeakyConvNet(ConvNetModule):
 
 def run(name: str, model: pl.LightningModule, args: argparse.Namespace, output: Path) -> MemoryProfilerCallback:
     _, data = make_workload("convnet", args.preset, seed=0)
-    callback = MemoryProfilerCallback(every_n_steps=5, record_history=args.record_history)
+    callback = MemoryProfilerCallback(every_n_steps=5, record_history=args.record_history, plot=True)
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator=args.accelerator,
