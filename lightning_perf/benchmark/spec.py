@@ -247,6 +247,8 @@ class BenchSpec(RunSettings):
         if self.configs is None and structure is None:
             structure = _probe(self, preset)
         configs, left_out = _resolve_configs(self.configs, device, self.stage, self.left_out, structure)
+        if self.configs is None:
+            configs, left_out = _compile_within_budget(configs, left_out, device, self.repeats, self.time_budget_s)
         set_ = object.__setattr__
         set_(self, "structure", None if structure is None else dict(structure))
         set_(self, "device", device)
@@ -319,6 +321,32 @@ def _probe(spec: BenchSpec, preset: str) -> dict[str, Any] | None:
         spec.source, workload=spec.workload, preset=preset, seed=spec.seed, batch_size=spec.batch_size
     )
     return None if found is None else found.to_dict()
+
+
+CPU_COMPILE_MIN_BUDGET_S = 400.0
+"""The ``--time-budget`` from which the default set on a CPU includes a compile variant: a cold compile there takes
+minutes (the default convnet's regional compile: a cold first step of 97 s on a 2-core AVX2 CPU, while the whole
+default budget is 150 s), and measured inside a shorter budget it leaves every other configuration too few repeats
+for a recommendation."""
+
+
+def _compile_within_budget(
+    configs: tuple[str, ...], left_out: tuple[tuple[str, str], ...], device: str, repeats: int | None, budget: float
+) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The default set less its compile variants on a CPU when ``--repeats auto`` has under
+    :data:`CPU_COMPILE_MIN_BUDGET_S` seconds: they are left out with that reason and how to include them."""
+    from lightning_perf.benchmark.configs import COMPILE_VARIANTS
+
+    if not device.startswith("cpu") or repeats is not None or budget >= CPU_COMPILE_MIN_BUDGET_S:
+        return configs, left_out
+    dropped = [name for name in configs if name in COMPILE_VARIANTS]
+    why = (
+        f"left out on CPU within a {budget:.0f} s budget: a cold compile there takes minutes and would leave the other "
+        f"configurations too few repeats for an answer; `--time-budget {CPU_COMPILE_MIN_BUDGET_S:.0f}` or "
+        "`--configs ...,{name}` includes it"
+    )
+    kept = tuple(name for name in configs if name not in COMPILE_VARIANTS)
+    return kept, (*left_out, *((name, why.replace("{name}", name)) for name in dropped))
 
 
 def _resolve_configs(

@@ -118,8 +118,10 @@ def test_a_user_transformer_through_model_gets_attention_and_compile_not_channel
 
 def test_a_structure_given_decides_and_a_bad_one_is_refused() -> None:
     given = ModelStructure(model="Mine", convolutions=("c",), conv_flop_share=0.5).to_dict()
-    spec = BenchSpec(device="cpu", preset="tiny", structure=given)
+    spec = BenchSpec(device="cpu", preset="tiny", structure=given, time_budget_s=400)
     assert "channels_last" in spec.names and "compile" in spec.names  # convolutions, no repeated blocks
+    short = BenchSpec(device="cpu", preset="tiny", structure=given)  # a cold CPU compile does not fit 150 s
+    assert "compile" not in short.names and "within a 150 s budget" in dict(short.left_out)["compile"]
     with pytest.raises(SpecError, match=r"structure=.*ModelStructure.to_dict\(\) fields"):
         BenchSpec(device="cpu", preset="tiny", structure={"convs": 3})
     with pytest.raises(ValueError, match=r"conv_flop_share=1.5.*a fraction"):

@@ -74,19 +74,21 @@ def test_no_arguments_choose_by_capability_and_structure_and_say_what_was_left_o
     monkeypatch.chdir(tmp_path)
     assert main(["bench"]) == 0
     options = fake_bench["options"]
-    # the convnet's convolutions and repeated blocks: channels_last and compile_regional; the device: no bf16
-    assert list(options.configs) == ["baseline", "channels_last", "compile_regional", "fused_optimizer"]
+    # the convnet's convolutions: channels_last; the device: no bf16; compile_regional (its repeated blocks) only
+    # from a 400 s budget on a CPU
+    assert list(options.configs) == ["baseline", "channels_last", "fused_optimizer"]
     assert (options.steps, options.warmup_steps, options.repeats, options.preset) == (15, 3, None, "default")
     assert (options.target, options.time_budget_s) == (0.05, 150.0)  # --repeats auto by default
     printed = capsys.readouterr().out
     assert "bf16-mixed: left out on CPU because this CPU has no bf16 instructions" in printed
     assert "compile: left out because ConvNetModule has 6 repeated BasicBlock blocks" in " ".join(printed.split())
     assert "flash_attention: left out because ConvNetModule has no attention module" in " ".join(printed.split())
+    assert "compile_regional: left out on CPU within a 150 s budget" in " ".join(printed.split())
     assert all(len(line) <= 80 for line in printed.splitlines() if not line.startswith(("[", "wrote ")))
     assert "bf16 would be emulated" in printed
     # piped: one plain line per finished run, no progress bar
     lines = [line for line in printed.splitlines() if line.startswith("[")]
-    assert len(lines) == 12 and lines[0].startswith("[1/12] baseline repeat 1/3: step 100.0 ms, elapsed")
+    assert len(lines) == 9 and lines[0].startswith("[1/9] baseline repeat 1/3: step 100.0 ms, elapsed")
     assert "about" in lines[0] and "left" in lines[0]
     written = [line.removeprefix("wrote ") for line in printed.splitlines() if line.startswith("wrote ")]
     assert written[:2] == [str(Path("bench-results/convnet.json")), str(Path("bench-results/convnet.md"))]
@@ -94,6 +96,8 @@ def test_no_arguments_choose_by_capability_and_structure_and_say_what_was_left_o
     data = json.loads((tmp_path / "bench-results/convnet.json").read_text())
     assert data["left_out"][0]["config"] == "bf16-mixed"
     assert "MFU" in printed  # the console table's utilization column
+    assert main(["bench", "--time-budget", "400"]) == 0
+    assert list(fake_bench["options"].configs) == ["baseline", "channels_last", "compile_regional", "fused_optimizer"]
 
 
 def test_an_unknown_mfu_says_why(
