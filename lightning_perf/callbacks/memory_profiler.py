@@ -79,7 +79,8 @@ class MemoryProfilerCallback(UndoOnExit):
 
     Args:
         every_n_steps: take a full snapshot (allocated, reserved, peak and time at each point) of one training step in
-            this many (1: every step). The leak series reads ``allocated`` on its own schedule regardless.
+            this many (1: every step; default 50: a full snapshot costs about 3% of a 25 ms step when taken one step
+            in 10). The leak series reads ``allocated`` on its own schedule regardless.
         points: which points to sample (names from :data:`POINTS`); ``None`` for all.
         warmup_steps: leading steps left out of the leak trend, at most (a shorter first epoch is left out instead).
         leak_threshold: optional extra bound: a point is reported as leaking only if it also grows by more than this
@@ -109,7 +110,7 @@ class MemoryProfilerCallback(UndoOnExit):
 
     def __init__(
         self,
-        every_n_steps: int = 10,
+        every_n_steps: int = 50,
         points: Sequence[str] | None = None,
         warmup_steps: int = 50,
         leak_threshold: float | None = None,
