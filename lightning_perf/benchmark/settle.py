@@ -70,6 +70,11 @@ def is_settled(estimate: RatioEstimate, target: float = DEFAULT_TARGET) -> bool:
     return not (estimate.low > 1.0 and estimate.n < MIN_EVIDENCE_REPEATS)
 
 
+def _wants_evidence(estimate: RatioEstimate | None) -> bool:
+    """A speed-up whose interval lies above 1 from fewer repeats than a recommendation needs."""
+    return estimate is not None and estimate.low > 1.0 and estimate.n < MIN_EVIDENCE_REPEATS
+
+
 def _width_factor(n: int, method: str) -> float:
     """How the interval's width depends on the number of repeats ``n``, up to the spread: ``t(n-1)/sqrt(n)`` for a
     t interval, ``1/sqrt(n)`` otherwise (the bootstrap's percentiles)."""
@@ -164,7 +169,8 @@ class Settling:
         time_budget_s: seconds of measuring from the first call of :meth:`start` (or construction).
         min_repeats: repeats every configuration gets before the rule may stop.
         max_repeats: repeats after which it stops anyway.
-        max_stretch: the budget grows by the time lost to disturbed runs measured again, up to this multiple.
+        max_stretch: the budget grows by the time lost to disturbed runs measured again, up to this multiple; a
+            would-be winner short of the repeats a recommendation needs gets them within this multiple too.
         clock: seconds (any origin), e.g. ``time.perf_counter``; a test passes a scripted one.
 
     Example::
@@ -285,5 +291,11 @@ class Settling:
         if repeats >= self.max_repeats:
             return Decision(True, STOP_MAX, (), unsettled)
         if self.elapsed_s + self.round_s(active) + reserve_s > self.budget_s:
+            # A would-be winner short of the repeats a recommendation needs gets them past the budget (up to
+            # ``max_stretch`` times it, with baseline for its pairs): otherwise a slow machine never gets an answer.
+            wanting = tuple(u.config for u in unsettled if _wants_evidence(estimates[u.config]))
+            evidence = (BASELINE, *wanting)
+            if wanting and self.elapsed_s + self.round_s(evidence) + reserve_s <= self.max_stretch * self.time_budget_s:
+                return Decision(False, "", evidence, unsettled)
             return Decision(True, STOP_BUDGET, (), unsettled)
         return Decision(False, "", active, unsettled)

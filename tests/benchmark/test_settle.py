@@ -163,3 +163,21 @@ def test_a_spread_too_wide_to_settle_says_so() -> None:
     text = unsettled_text(Unsettled("a", 2, 8.5, None, None))
     assert text == "unsettled after 2 repeats (+-850%): the spread is too wide for repeats to settle it to +-5%; " \
         "quiet the machine"  # fmt: skip
+
+
+def test_a_would_be_winner_gets_its_third_repeat_past_the_budget_up_to_the_stretch_cap() -> None:
+    clock = ScriptedClock()
+    settling = Settling(target=0.05, time_budget_s=100, min_repeats=2, clock=clock)
+    for _ in (1, 2):
+        run_round(settling, clock, ["baseline", "win", "unclear"], seconds=20.0)  # 120 s: the budget is spent
+    estimates = {"win": estimate(1.5, 0.1, 2), "unclear": estimate(1.0, 0.2, 2)}
+    decision = settling.decide(estimates, repeats=2)
+    # only the would-be winner (and baseline, its pairs) runs again: 120 + 40 <= 2 x 100
+    assert not decision.stop and decision.active == ("baseline", "win")
+    run_round(settling, clock, ["baseline", "win"], seconds=20.0)
+    done = settling.decide({"win": estimate(1.5, 0.1, 3), "unclear": estimate(1.0, 0.2, 2)}, repeats=3)
+    assert done.stop and done.reason == STOP_BUDGET  # it has its evidence; nothing else is worth the overrun
+    capped = Settling(target=0.05, time_budget_s=100, min_repeats=2, clock=(late := ScriptedClock()))
+    for _ in (1, 2):
+        run_round(capped, late, ["baseline", "win"], seconds=45.0)  # 180 s: one more round would end at 270 s
+    assert capped.decide({"win": estimate(1.5, 0.1, 2)}, repeats=2).reason == STOP_BUDGET
