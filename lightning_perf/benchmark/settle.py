@@ -292,10 +292,11 @@ class Settling:
             return Decision(True, STOP_MAX, (), unsettled)
         if self.elapsed_s + self.round_s(active) + reserve_s > self.budget_s:
             # A would-be winner short of the repeats a recommendation needs gets them past the budget (up to
-            # ``max_stretch`` times it, with baseline for its pairs): otherwise a slow machine never gets an answer.
+            # ``max_stretch`` times it, with baseline for its pairs; the reserve for a stack is not kept for it, the
+            # stack then has what is left): otherwise a slow machine never gets an answer.
             wanting = tuple(u.config for u in unsettled if _wants_evidence(estimates[u.config]))
             evidence = (BASELINE, *wanting)
-            if wanting and self.elapsed_s + self.round_s(evidence) + reserve_s <= self.max_stretch * self.time_budget_s:
+            if wanting and self.elapsed_s + self.round_s(evidence) <= self.max_stretch * self.time_budget_s:
                 return Decision(False, "", evidence, unsettled)
             return Decision(True, STOP_BUDGET, (), unsettled)
         return Decision(False, "", active, unsettled)

@@ -181,3 +181,13 @@ def test_a_would_be_winner_gets_its_third_repeat_past_the_budget_up_to_the_stret
     for _ in (1, 2):
         run_round(capped, late, ["baseline", "win"], seconds=45.0)  # 180 s: one more round would end at 270 s
     assert capped.decide({"win": estimate(1.5, 0.1, 2)}, repeats=2).reason == STOP_BUDGET
+
+
+def test_the_evidence_round_does_not_wait_on_the_stack_reserve() -> None:
+    clock = ScriptedClock()
+    settling = Settling(target=0.05, time_budget_s=150, min_repeats=2, clock=clock)
+    for _ in (1, 2):
+        run_round(settling, clock, ["baseline", "fused", "attention"], seconds=31.0)  # 186 s, as the lm main job
+    estimates = {"fused": estimate(0.96, 0.08, 2), "attention": estimate(1.34, 0.08, 2)}
+    decision = settling.decide(estimates, repeats=2, reserve_s=132.0)
+    assert not decision.stop and decision.active == ("baseline", "attention")  # 186 + 62 <= 300
