@@ -43,9 +43,10 @@ _AVX512 = ("avx512f", "amx_tile", "amx_bf16", "amx_int8")
 _FLAGS_SHOWN = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
 _OBSERVERS = {  # examples/observer_overhead.py's configuration keys
     "bottleneck": "`BottleneckCallback`",
-    "memory": "`MemoryProfilerCallback` (default interval)",
+    "memory": "`MemoryProfilerCallback` (every 10 steps)",
     "memory-every-step": "`MemoryProfilerCallback` (every step)",
     "simple": "Lightning `SimpleProfiler`",
+    "advanced": "Lightning `AdvancedProfiler`",
     "pytorch": "Lightning `PyTorchProfiler`",
 }
 
@@ -282,19 +283,21 @@ def autotune_table(results: Sequence[Result]) -> list[str]:
 
 
 def observers_table(result: Result) -> list[str]:
+    """One row per step size and configuration: step time, ratio to no observer with its interval, self-report."""
     cells = []
-    for name, entry in result.data["results"].items():
-        steps = sorted(entry.get("step_median_s") or [])
-        ratios = entry.get("ratio_to_none") or []
-        own = sorted(entry.get("own_cost_share") or [])
-        cells.append([
-            _OBSERVERS.get(name, name),
-            _seconds(steps[len(steps) // 2]) if steps else "-",
-            f"{entry['ratio_median']:.3f}" if entry.get("ratio_median") is not None else "-",
-            f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios and name != "none" else "",
-            f"{own[len(own) // 2]:.2%} ({own[0]:.2%}-{own[-1]:.2%})" if own else "",
-        ])  # fmt: skip
-    header = ["configuration", "median step", "ratio to none (median)", "range over rounds", "own cost (median; range)"]
+    for size, configs in result.data["results"].items():
+        for name, e in configs.items():
+            low, high = e.get("ratio_to_none_ci95") or (None, None)
+            own = sorted(e.get("self_reported_share") or [])
+            end = sorted(e.get("end_of_fit_extra_s") or [])
+            cells.append([
+                f"{size}: {_OBSERVERS.get(name, name)}",
+                _seconds(e.get("step_median_s")),
+                "-" if name == "none" else f"{e['ratio_to_none']:.3f}x [{low:.2f}-{high:.2f}]",
+                f"{own[len(own) // 2]:.2%} ({own[0]:.2%}-{own[-1]:.2%})" if own else "",
+                _seconds(end[len(end) // 2]) if end and name != "none" else "",
+            ])  # fmt: skip
+    header = ["steps: configuration", "median step", "ratio to none [95%]", "self-report (median; range)", "end of fit"]
     return _table(header, cells)
 
 
