@@ -28,6 +28,7 @@ __all__ = [
     "has_cpu_bf16_instructions",
     "installed_version",
     "run_metadata",
+    "usable_cpu_count",
 ]
 
 CPU_FLAGS: tuple[str, ...] = (
@@ -125,6 +126,14 @@ def _gpu() -> dict[str, Any]:
     }
 
 
+def usable_cpu_count() -> int:
+    """The logical CPUs this process may run on (its affinity; the CPU count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def describe_machine() -> dict[str, Any]:
     """The hardware and software of this machine, for the ``machine`` key of a results file.
 
@@ -140,14 +149,10 @@ def describe_machine() -> dict[str, Any]:
 
     cpuinfo = _read_cpuinfo()
     flags = cpu_flags(cpuinfo) if cpuinfo else None
-    try:
-        usable: int | None = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        usable = os.cpu_count()
     return {
         "cpu": _cpu_model(cpuinfo),
         "cpu_count": os.cpu_count(),
-        "cpu_count_usable": usable,
+        "cpu_count_usable": usable_cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_flags": flags,
         "cpu_bf16_instructions": has_cpu_bf16_instructions(flags),

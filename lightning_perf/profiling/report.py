@@ -83,13 +83,11 @@ def environment_info() -> dict[str, Any]:
         (versions, the platform, the CPU model, the libc) is read once per process: reading it costs tens of
         milliseconds (package metadata, the libc's version from the interpreter's binary).
     """
-    try:
-        usable: int | None = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        usable = os.cpu_count()
+    from lightning_perf.profiling.machine import usable_cpu_count
+
     info: dict[str, Any] = {
         **_fixed_environment(),
-        "cpu_count_usable": usable,
+        "cpu_count_usable": usable_cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "cuda_device": None,

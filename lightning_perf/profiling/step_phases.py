@@ -24,7 +24,6 @@ interruption (validation, an epoch boundary) split; validation runs between :met
 from __future__ import annotations
 
 import math
-import os
 from array import array
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,6 +39,7 @@ from lightning_perf.profiling.advice import (
     recommend,
     validate_thresholds,
 )
+from lightning_perf.profiling.machine import usable_cpu_count
 from lightning_perf.profiling.report import format_seconds, plot_stacked_steps
 from lightning_perf.profiling.stats import Stats, summarize
 from lightning_perf.profiling.timer import HookCost, PhaseLedger, PhaseTimer
@@ -479,8 +479,4 @@ def first_dataloader(loaders: Any) -> Any:
     return None
 
 
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+usable_cpus = usable_cpu_count  # one definition, in profiling/machine.py
