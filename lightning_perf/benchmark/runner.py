@@ -30,8 +30,11 @@ time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain nu
     run          profiling.machine.run_metadata(): command, argv, cwd, git_commit, git_dirty, start_time, end_time
     environment  profiling.environment_info() (added by write_json)
     reliability  {reliable: bool, causes: [str], disturbed_runs: ["<config>, repeat <n>"], disturbed_configs: [...],
-                  cores_used, cpu_count, runs_watched, other_cores_mean, other_cores_max, steal_share_max,
-                  load_average_max, frequency_share_min, dispersion: {config: {repeat_spread, outlier_step_share}}}
+                  cores_used, cpu_count, runs_watched, other_cores_mean, other_cores_max, other_cores_peak_max
+                  (busiest 5 s of a run), other_cores_start (sampled before the first run), other_cores_limit (a
+                  run's average above it is disturbed; its busiest 5 s may exceed it by 0.5), start_load (a sentence
+                  on the starting load, also in notes; null when none), steal_share_max, load_average_max,
+                  frequency_share_min, dispersion: {config: {repeat_spread, outlier_step_share}}}
     left_out     [{config, reason}]: configurations the no-argument bench did not run for this model on this device,
                  and what in the model or the device decided it
     recommendation  {stack, configs, dropped, speedup, lines} (benchmark.answer.recommendation_record); where the
@@ -93,7 +96,7 @@ from lightning_perf.benchmark.rounds import run_rounds
 from lightning_perf.benchmark.settle import Settling
 from lightning_perf.benchmark.spec import BenchSpec, RunSpec
 from lightning_perf.benchmark.stack import Stack, choose_stack
-from lightning_perf.benchmark.threads import decide_for_run
+from lightning_perf.benchmark.threads import decide_for_run, sample_other_cores
 from lightning_perf.benchmark.utilization import PeakFn, add_utilization, machine_peak, matmul_setting
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.optimizations import BASELINE, INFERENCE_STAGES
@@ -178,13 +181,16 @@ def run_benchmark(
     command = command or _command_for(spec)
     run_info = run_metadata(list(argv) if argv is not None else shlex.split(command))
     machine = describe_machine()
-    threads = decide_for_run(spec.threads, machine)  # one count for every configuration (benchmark.threads)
+    monitor = monitor if monitor is not None else ConditionMonitor()
+    # One count for every configuration, from what other processes keep busy now (benchmark.threads); the runs are
+    # judged against that starting load (profiling.reliability.other_cores_limit).
+    threads = decide_for_run(spec.threads, machine, other_cores=sample_other_cores(monitor))
     spec = replace(spec, threads=threads.threads)
     settling = None if spec.repeats is not None else Settling(spec.target, spec.time_budget_s, clock=clock)
-    monitor = monitor if monitor is not None else ConditionMonitor()
     order = list(spec.names)
     with tempfile.TemporaryDirectory(prefix="lightning-perf-bench-") as tmp:
         runs = _Runs(spec, run or _run_in_subprocess, Path(tmp), monitor, settling, progress, on_run, clock)
+        runs.started = {"start_other_cores": threads.other_cores, "threads_set": threads.set_by_hand}
         stack, decisions, rounds = _measure(runs, order, stack_phase)
     runs.report_progress("done")
     summaries, reliability = _judged_summaries(runs, machine)
@@ -212,6 +218,7 @@ def run_benchmark(
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
         notes=precision_notes(spec)
+        + ([reliability.figures["start_load"]] if reliability.figures.get("start_load") else [])
         + _rerun_notes(runs.set_aside)
         + _paired_baseline_notes(summaries)
         + _no_effect_notes(runs.results)
@@ -270,6 +277,7 @@ class _Runs:
         self.watched: list[Any] = []
         self.disturbed_now: dict[tuple[str, int], str | None] = {}  # each run's own verdict, as it ends
         self.set_aside: list[tuple[str, int, str]] = []  # disturbed runs measured again, kept out of the figures
+        self.started: dict[str, Any] = {}  # the starting load the runs are judged against (assess's keywords)
         self.done = 0
         self.start = clock()
 
@@ -283,7 +291,11 @@ class _Runs:
             f"repeat {repeat + 1}/{self.spec.repeats}" if self.spec.repeats else f"repeat {repeat + 1}"
         )
         token = self.monitor.start()
-        result = self.run(self.spec.run_spec(name, repeat), self.tmp, self.spec.timeout_s)
+        try:
+            result = self.run(self.spec.run_spec(name, repeat), self.tmp, self.spec.timeout_s)
+        except BaseException:
+            getattr(self.monitor, "close", lambda: None)()  # its sampler thread ends with the run
+            raise
         conditions = self.monitor.stop(token, f"{name}, repeat {repeat + 1}", config=name, repeat=repeat)
         if result.ok:  # a skipped or failed run measured nothing the conditions could have disturbed
             self.watched.append(conditions)
@@ -300,7 +312,7 @@ class _Runs:
         from lightning_perf.profiling.step_phases import usable_cpus
 
         cores = 1 if self.spec.device.startswith("cuda") else self.spec.threads or torch.get_num_threads()
-        verdict = assess([conditions], {}, cores_used=cores, cpu_count=usable_cpus())
+        verdict = assess([conditions], {}, cores_used=cores, cpu_count=usable_cpus(), **self.started)
         return verdict.causes[0].split(":")[0] if verdict.disturbed_runs else None
 
     def why_disturbed(self, result: RunResult) -> str | None:
@@ -367,6 +379,7 @@ def _judged_summaries(runs: _Runs, machine: dict[str, Any]) -> tuple[list[Config
         {s.config: s.step_times_s for s in summaries if s.step_times_s},
         cores_used=1 if runs.spec.device.startswith("cuda") else runs.spec.threads or torch.get_num_threads(),
         cpu_count=int(machine.get("cpu_count_usable") or machine.get("cpu_count") or 1),
+        **runs.started,
     )
     mark_disturbed(summaries, reliability, runs.watched)
     add_likely_causes(summaries, machine, runs.spec)

@@ -4,8 +4,17 @@ On a small machine shared with other work, torch's default (one intra-op thread 
 step wait on each other while another process holds a core, and a step can run many times slower than with fewer
 threads; which configuration suffers most depends on how many parallel regions its step has, so the ratios change
 too. :func:`decide_threads` takes the usable cores (``cpu_count_usable`` of
-:func:`lightning_perf.profiling.machine.describe_machine`: the process's CPU affinity) and the 1-minute load average
-seen when the run starts, and leaves out one core per unit of load (rounded): ``cores - round(load)``, at least 1.
+:func:`lightning_perf.profiling.machine.describe_machine`: the process's CPU affinity) and what other processes keep
+busy when the run starts, and leaves out one core per busy core (rounded): ``cores - round(busy)``, at least 1.
+
+``busy`` is what the machine does now: other processes' busy cores sampled over about a second before the first run
+(:meth:`lightning_perf.profiling.reliability.ConditionMonitor.other_cores_now`: the system's busy CPU time minus this
+process's, while this process waits). Only where no sample could be taken is it the 1-minute load average, which lags
+both ways: a load that began seconds ago has not reached it yet (the bench would take every core and find each run
+disturbed), and one that ended seconds ago still inflates it for a minute (the bench would leave a core idle). The
+sample is recorded beside the load average (:attr:`ThreadChoice.other_cores`); the disturbance check judges the runs
+against it (:func:`lightning_perf.profiling.reliability.other_cores_limit`).
+
 An explicit count (``--threads``, ``BenchSpec(threads=...)``) or an ``OMP_NUM_THREADS`` already set in the
 environment wins. The choice reaches each worker twice: in its environment before torch starts
 (:meth:`ThreadChoice.env`: ``OMP_NUM_THREADS`` and ``OMP_WAIT_POLICY=PASSIVE``, so an idle OpenMP thread sleeps
@@ -13,7 +22,8 @@ instead of spinning against another process, also one that arrives after the run
 ``torch.set_num_threads`` in the worker. Figures behind the rule: docs/guide.md, "Worker threads on a shared
 machine".
 
-Pure logic over plain numbers; the probes (:func:`load_average`) are separate, so a test scripts cores and load.
+Pure logic over plain numbers; the probes (:func:`load_average`, the monitor's sample) are separate, so a test scripts
+cores, load and sample.
 """
 
 from __future__ import annotations
@@ -26,9 +36,20 @@ from typing import Any
 
 from lightning_perf._validation import check_int
 
-__all__ = ["ThreadChoice", "decide_for_run", "decide_threads", "load_average", "thread_env", "threads_line"]
+__all__ = [
+    "ThreadChoice",
+    "decide_for_run",
+    "decide_threads",
+    "load_average",
+    "sample_other_cores",
+    "thread_env",
+    "threads_line",
+]
 
 PASSIVE = "PASSIVE"
+SAMPLE_S = 1.0
+"""The starting sample of other processes' busy cores: a second holds a hundred scheduler ticks per core, enough to
+tell a busy core from an idle one, and adds one second to a bench's start."""
 
 
 def load_average() -> float | None:
@@ -50,6 +71,8 @@ class ThreadChoice:
         wait_policy: ``OMP_WAIT_POLICY`` given to the workers: ``PASSIVE`` unless the environment sets one (``None``:
             OpenMP's default).
         reason: where the count came from (``"auto"``, ``"asked for"``, ``"OMP_NUM_THREADS"``).
+        other_cores: other processes' busy cores sampled when the run started (``None``: not sampled; the load
+            average decided).
     """
 
     threads: int
@@ -57,17 +80,25 @@ class ThreadChoice:
     load: float | None
     wait_policy: str | None
     reason: str
+    other_cores: float | None = None
 
     def env(self) -> dict[str, str]:
         """The worker's environment entries, set before torch starts."""
         return thread_env(self.threads, self.wait_policy)
 
     @property
+    def set_by_hand(self) -> bool:
+        """The count was given (``--threads``, ``OMP_NUM_THREADS``), not chosen from the machine's load."""
+        return self.reason not in ("auto", "not decided yet")
+
+    @property
     def line(self) -> str:
-        """``"threads: 1 (2 cores, load 1.4)"``, with the reason when the count was not chosen automatically."""
+        """``"threads: 1 (2 cores, 1.0 busy with other work, load 0.4)"`` (the sampled busy cores where sampled),
+        with the reason when the count was not chosen automatically."""
         load = "load unknown" if self.load is None else f"load {self.load:.1f}"
+        busy = "" if self.other_cores is None else f"{self.other_cores:.1f} busy with other work, "
         source = "" if self.reason == "auto" else f", {self.reason}"
-        return f"threads: {self.threads} ({self.cores} cores, {load}{source})"
+        return f"threads: {self.threads} ({self.cores} cores, {busy}{load}{source})"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,14 +109,17 @@ def decide_threads(
     load: float | None,
     asked: int | None = None,
     environ: Mapping[str, str] | None = None,
+    other_cores: float | None = None,
 ) -> ThreadChoice:
     """The workers' intra-op threads for one run.
 
     Args:
         cores: the usable cores (``None``: unknown, taken as 1).
-        load: the 1-minute load average at the run's start (``None``: unknown, taken as 0).
+        load: the 1-minute load average at the run's start (``None``: unknown, taken as 0); it decides only where
+            ``other_cores`` is ``None``.
         asked: an explicit count (``--threads``); it wins over everything.
         environ: the environment to read ``OMP_NUM_THREADS`` and ``OMP_WAIT_POLICY`` from (default: ``os.environ``).
+        other_cores: other processes' busy cores sampled now; where given, it decides (the load average lags).
 
     Raises:
         ValueError: ``asked`` below 1, or ``cores`` below 1.
@@ -95,6 +129,10 @@ def decide_threads(
         >>> decide_threads(2, 1.4, environ={}).line
         'threads: 1 (2 cores, load 1.4)'
         >>> decide_threads(2, 0.2, environ={}).threads
+        2
+        >>> decide_threads(2, 0.2, environ={}, other_cores=1.0).threads  # a load that began: not in the average yet
+        1
+        >>> decide_threads(2, 1.4, environ={}, other_cores=0.0).threads  # a load that ended: still in the average
         2
     """
     check_int("decide_threads", "asked", asked, 1, allow_none=True)
@@ -106,9 +144,10 @@ def decide_threads(
     elif _positive_int(environ.get("OMP_NUM_THREADS")):
         threads, reason = int(environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
     else:
-        busy = math.floor(load + 0.5) if load is not None and math.isfinite(load) and load > 0 else 0
+        now = other_cores if other_cores is not None and math.isfinite(other_cores) else load
+        busy = math.floor(now + 0.5) if now is not None and math.isfinite(now) and now > 0 else 0
         threads, reason = max(1, usable - busy), "auto"
-    return ThreadChoice(threads, usable, load, environ.get("OMP_WAIT_POLICY") or PASSIVE, reason)
+    return ThreadChoice(threads, usable, load, environ.get("OMP_WAIT_POLICY") or PASSIVE, reason, other_cores)
 
 
 def thread_env(threads: int | None, wait_policy: str | None = None) -> dict[str, str]:
@@ -126,13 +165,31 @@ def _positive_int(text: str | None) -> bool:
 
 
 def decide_for_run(
-    asked: int | None, machine: Mapping[str, Any], probe: Callable[[], float | None] | None = None
+    asked: int | None,
+    machine: Mapping[str, Any],
+    probe: Callable[[], float | None] | None = None,
+    other_cores: float | None = None,
 ) -> ThreadChoice:
     """:func:`decide_threads` with the usable cores of ``machine`` (a
-    :func:`~lightning_perf.profiling.machine.describe_machine` dict) and the load now (``probe``, default
-    :func:`load_average`)."""
+    :func:`~lightning_perf.profiling.machine.describe_machine` dict), the load average now (``probe``, default
+    :func:`load_average`) and other processes' busy cores sampled now (``other_cores``, from
+    :func:`sample_other_cores`)."""
     cores = machine.get("cpu_count_usable") or machine.get("cpu_count")
-    return decide_threads(int(cores) if cores else None, (probe or load_average)(), asked)
+    return decide_threads(int(cores) if cores else None, (probe or load_average)(), asked, other_cores=other_cores)
+
+
+def sample_other_cores(monitor: Any, window_s: float = SAMPLE_S) -> float | None:
+    """Other processes' busy cores over the next ``window_s`` seconds, read by ``monitor`` (a
+    :class:`~lightning_perf.profiling.reliability.ConditionMonitor`: the same counters that judge the runs); ``None``
+    for a monitor that cannot sample (a test's stand-in) or a failed reading."""
+    sample = getattr(monitor, "other_cores_now", None)
+    if not callable(sample):
+        return None
+    try:
+        value = sample(window_s)
+    except Exception:  # no counters on this platform: the load average decides
+        return None
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def threads_line(machine: Mapping[str, Any]) -> str | None:
@@ -140,7 +197,7 @@ def threads_line(machine: Mapping[str, Any]) -> str | None:
     record = machine.get("threads")
     if not isinstance(record, Mapping) or "threads" not in record:
         return None
-    load, policy = record.get("load"), record.get("wait_policy")
+    load, policy, others = record.get("load"), record.get("wait_policy"), record.get("other_cores")
     return ThreadChoice(
-        int(record["threads"]), int(record.get("cores") or 1), load, policy, str(record.get("reason"))
+        int(record["threads"]), int(record.get("cores") or 1), load, policy, str(record.get("reason")), others
     ).line

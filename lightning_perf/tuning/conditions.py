@@ -3,6 +3,9 @@
 The tuner reads the machine's counters before and after every trial process and judges that one run with
 :func:`~lightning_perf.profiling.reliability.assess` (other processes' CPU time, steal, load average, frequency, and
 the trial's own outlier steps). A disturbed trial is measured once more; one that stays disturbed decides nothing.
+Other processes' load is judged against what they kept busy when the search started (sampled by the same monitor
+before the thread choice, :meth:`TrialWatch.other_cores_now`): a steady load the threads left cores for is not a
+disturbance, a rise above it is (:func:`~lightning_perf.profiling.reliability.other_cores_limit`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_perf.profiling.reliability import ConditionMonitor, Probes, assess
+from lightning_perf.profiling.reliability import ConditionMonitor, Probes, assess, other_cores_limit
 
 __all__ = ["BASELINE_SPREAD_MAX", "TrialWatch", "baseline_spread_cause"]
 
@@ -34,13 +37,32 @@ class TrialWatch:
     device: str = "cpu"
     probes: Probes | None = None
     threads: int | None = None  # the trials' intra-op threads (None: this process's torch threads)
+    start_other_cores: float | None = None  # other processes' busy cores when the search started (None: unknown)
+    threads_set: bool = False  # the threads were set by hand, not chosen from that starting load
     monitor: ConditionMonitor = field(init=False)
 
     def __post_init__(self) -> None:
         self.monitor = ConditionMonitor(self.probes)
 
+    def other_cores_now(self, window_s: float = 1.0) -> float | None:
+        """Other processes' busy cores over the next ``window_s`` seconds (the search's starting conditions)."""
+        return self.monitor.other_cores_now(window_s)
+
+    def judge_from(self, choice: Any) -> str | None:
+        """Judge trials with ``choice``'s threads (a :class:`~lightning_perf.benchmark.threads.ThreadChoice`) against
+        the starting load it was made from; returns the sentence on that load, if any."""
+        self.threads, self.start_other_cores = choice.threads, choice.other_cores
+        self.threads_set = bool(choice.set_by_hand)
+        cores = 1 if self.device.startswith("cuda") else self.threads
+        cpu_count = self.monitor.probes.cpu_count() or os.cpu_count() or 1
+        return other_cores_limit(cores, cpu_count, self.start_other_cores, self.threads_set)[1]
+
     def start(self) -> dict[str, Any]:
         return self.monitor.start()
+
+    def close(self) -> None:
+        """Stop the monitor's sampler of a trial that raised."""
+        self.monitor.close()
 
     def causes(self, token: dict[str, Any], label: str, step_times_s: Sequence[float]) -> list[str]:
         """What disturbed the trial that started at ``token`` (empty: nothing)."""
@@ -49,7 +71,8 @@ class TrialWatch:
         conditions = self.monitor.stop(token, label, config=label)
         cores = 1 if self.device.startswith("cuda") else self.threads or torch.get_num_threads()
         cpu_count = self.monitor.probes.cpu_count() or os.cpu_count() or 1
-        verdict = assess([conditions], {label: [list(step_times_s)]}, cores_used=cores, cpu_count=cpu_count)
+        verdict = assess([conditions], {label: [list(step_times_s)]}, cores_used=cores, cpu_count=cpu_count,
+                         start_other_cores=self.start_other_cores, threads_set=self.threads_set)  # fmt: skip
         return list(verdict.causes)
 
 

@@ -77,10 +77,13 @@ class Remeasuring:
     def _watched(self, candidate: Any, timeout: float) -> tuple[Any, list[str]]:
         """One run of ``candidate`` and what disturbed it (empty for a clean, failed or timed-out run)."""
         token = self._watch.start()
-        result = self._usable(self._measure(candidate, timeout))
-        if result is None or not result.ok:
-            return result, []
-        return result, self._watch.causes(token, candidate.label, result.step_times_s)
+        try:
+            result = self._usable(self._measure(candidate, timeout))
+            if result is None or not result.ok:
+                return result, []
+            return result, self._watch.causes(token, candidate.label, result.step_times_s)
+        finally:
+            self._watch.close()  # the monitor's sampler thread ends with the trial, whatever became of it
 
     def _set_aside(self, seconds: float) -> None:
         """A disturbed run measured nothing usable: the deadline moves by its time, up to the budget's cap."""

@@ -56,7 +56,7 @@ from lightning_perf.benchmark.sources import (
 )
 from lightning_perf.benchmark.spec import RunSpec, check_preset, check_workload, resolve_device
 from lightning_perf.benchmark.structure import structure_of
-from lightning_perf.benchmark.threads import ThreadChoice, decide_for_run
+from lightning_perf.benchmark.threads import ThreadChoice, decide_for_run, sample_other_cores
 from lightning_perf.optimizations import tuner_alternatives
 from lightning_perf.profiling.machine import describe_machine
 from lightning_perf.tuning.capabilities import ModelCapabilities, model_capabilities
@@ -287,11 +287,13 @@ class AutoTuner(Remeasuring):
         )
         del model, datamodule
         isolation = resolve_isolation(self.isolation, self.source)
-        self._threads = decide_for_run(self.threads, describe_machine())
-        self._watch = TrialWatch(self.device, self._probes, threads=self._threads.threads)
+        self._watch = TrialWatch(self.device, self._probes)  # samples the starting load the threads are chosen from
+        self._threads = decide_for_run(self.threads, describe_machine(), other_cores=sample_other_cores(self._watch))
+        start_load = self._watch.judge_from(self._threads)
         self._say(
             f"autotune ({self.stage}): {self.source.describe()} on {self.device}, budget {self.time_budget_s:.0f} s, "
             f"{self.warmup_steps}+{self.steps} steps per trial, {isolation}; {self._threads.line}"
+            + (f"; {start_load}" if start_load else "")
         )
 
         with tempfile.TemporaryDirectory(prefix="lightning-perf-autotune-") as tmp:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from lightning_perf.benchmark.spec import BenchSpec, RunSpec, SpecError
 from lightning_perf.benchmark.threads import decide_for_run, decide_threads, thread_env, threads_line
 from lightning_perf.benchmark.worker import RunResult, run
 from lightning_perf.profiling import PeakFlops
+from lightning_perf.profiling.reliability import ConditionMonitor
 from tests.benchmark.test_auto_bench import Quiet
 
 
@@ -131,3 +133,89 @@ def test_every_run_of_a_bench_gets_the_same_threads_recorded_in_the_report(monke
 def test_decide_for_run_reads_the_usable_cores_of_the_machine_record() -> None:
     choice = decide_for_run(None, {"cpu_count": 8, "cpu_count_usable": 2}, probe=lambda: 0.0)
     assert (choice.cores, choice.threads) == (2, 2)
+
+
+# ------------------------------------------------------------------ the machine now, not the lagging load average
+
+
+@pytest.mark.parametrize(
+    ("load", "sampled", "threads"),
+    [
+        (0.3, 1.0, 1),  # a busy loop that began seconds ago: not in the 1-minute average yet, in the sample
+        (1.4, 0.0, 2),  # a load that ended seconds ago: still in the average, not in the sample (the sample decides)
+        (1.4, None, 1),  # no sample (a monitor that cannot take one): the average decides
+        (0.0, 2.0, 1),  # never below one
+    ],
+)
+def test_the_sampled_busy_cores_decide_over_the_load_average(load: float, sampled: float | None, threads: int) -> None:
+    choice = decide_for_run(None, {"cpu_count_usable": 2}, probe=lambda: load, other_cores=sampled)
+    assert (choice.threads, choice.reason, choice.other_cores) == (threads, "auto", sampled)
+    assert choice.to_dict()["other_cores"] == sampled and choice.to_dict()["load"] == load
+
+
+def test_the_header_line_names_the_sampled_busy_cores() -> None:
+    choice = decide_threads(2, 0.3, environ={}, other_cores=1.0)
+    assert choice.line == "threads: 1 (2 cores, 1.0 busy with other work, load 0.3)"
+    assert threads_line({"threads": choice.to_dict()}) == choice.line
+    assert decide_threads(2, 0.3, asked=2, environ={}, other_cores=1.0).set_by_hand
+    assert not choice.set_by_hand
+
+
+def test_a_monitor_that_cannot_sample_leaves_the_load_average_to_decide() -> None:
+    assert thread_rules.sample_other_cores(Quiet()) is None
+
+    class Broken:
+        def other_cores_now(self, window_s: float) -> float:
+            raise OSError("no counters")
+
+    assert thread_rules.sample_other_cores(Broken()) is None
+
+
+def _bench_beside(monkeypatch: pytest.MonkeyPatch, others: Callable[[int], float]) -> Any:
+    """A scripted bench on a scripted two-core machine: ``others(run)`` cores busy with other work during run ``n``
+    (run 0: the starting sample); each run takes 10 s and keeps its threads' cores busy."""
+    import lightning_perf.profiling.machine as machine_module
+    import lightning_perf.profiling.step_phases as step_phases
+    from tests.profiling.test_reliability_start import Machine
+
+    monkeypatch.setattr(thread_rules, "load_average", lambda: 0.2)  # lagging: the load began seconds ago
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    described = machine_module.describe_machine()
+    monkeypatch.setattr(machine_module, "describe_machine", lambda: {**described, "cpu_count_usable": 2})
+    monkeypatch.setattr(step_phases, "usable_cpus", lambda: 2)
+    machine, count = Machine(cores=2), [0]
+    machine.others = others(0)
+
+    def scripted(spec: RunSpec, tmp: Path, timeout_s: float) -> RunResult:
+        count[0] += 1
+        machine.others = others(count[0])
+        machine.advance(10.0, {100 + count[0]: float(spec.threads or 2)})
+        machine.reap(100 + count[0])
+        steps = [0.2 if spec.config == "baseline" else 0.1] * 6
+        return RunResult(spec={"config": spec.config, "repeat": spec.repeat, "threads": spec.threads}, batch_size=4,
+                         step_median_s=steps[0], step_times_s=steps, threads=spec.threads)  # fmt: skip
+
+    spec = BenchSpec(configs="channels_last", device="cpu", preset="tiny", repeats=2, predict_batches=0)
+    monitor = ConditionMonitor(machine.probes(), sample_every_s=None)
+    return run_benchmark(spec, run=scripted, monitor=monitor, peak=lambda *a: PeakFlops(None, "unknown: test"))
+
+
+def test_a_steady_busy_loop_from_the_start_gets_its_core_and_disturbs_no_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    report = _bench_beside(monkeypatch, lambda run: 1.0)
+    data = json.loads(json.dumps(report.to_dict(), default=str))
+    assert data["machine"]["threads"]["threads"] == 1 and data["machine"]["threads"]["other_cores"] == 1.0
+    reliability = data["reliability"]
+    assert reliability["reliable"] is True and reliability["disturbed_runs"] == []
+    assert reliability["other_cores_start"] == 1.0
+    assert not any("re-run" in note for note in report.notes)
+    assert any(note.startswith("a steady load of 1.00 cores was present from the start") for note in report.notes)
+    assert console_lines(report)[0] == "threads: 1 (2 cores, 1.0 busy with other work, load 0.2)"
+
+
+def test_a_load_that_comes_after_the_start_disturbs_the_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    report = _bench_beside(monkeypatch, lambda run: 0.0 if run < 2 else 1.0)  # quiet start: two threads
+    data = report.to_dict()
+    assert data["machine"]["threads"]["threads"] == 2
+    assert data["reliability"]["reliable"] is False
+    assert data["reliability"]["causes"][0].startswith("other processes' load")
+    assert any("re-run" in note for note in report.notes)

@@ -195,6 +195,27 @@ def test_the_watch_names_other_processes_load(other_cores: float, disturbed: boo
         assert "other processes' load" in causes[0] and "+compile" in causes[0]
 
 
+def test_the_watch_judges_trials_against_the_load_when_the_search_started() -> None:
+    from lightning_perf.benchmark.threads import decide_threads
+    from tests.profiling.test_reliability_start import Machine
+
+    machine = Machine(cores=2)
+    machine.others = 1.0  # a busy loop, there before the search
+    watch = TrialWatch("cpu", machine.probes())
+    choice = decide_threads(2, 0.2, environ={}, other_cores=watch.other_cores_now())  # the average lags: 0.2
+    assert choice.threads == 1
+    assert watch.judge_from(choice).startswith("a steady load of 1.00 cores was present from the start")
+    token = watch.start()
+    machine.advance(10.0, {100: 1.0})
+    machine.reap(100)
+    assert watch.causes(token, "+compile", [0.1] * 10) == []
+    machine.others = 1.8  # and then more
+    token = watch.start()
+    machine.advance(10.0, {101: 1.0})
+    machine.reap(101)
+    assert "other processes' load" in watch.causes(token, "+compile", [0.1] * 10)[0]
+
+
 def test_a_disturbed_trial_is_measured_again_and_said_so(monkeypatch: pytest.MonkeyPatch) -> None:
     results = iter([scripted_result(0.020, 8), scripted_result(0.098, 8)])  # a fluke, then the truth
     ran = script_trials(
