@@ -87,20 +87,12 @@ def require(module: str, purpose: str | None = None) -> ModuleType:
     return importlib.import_module(module)
 
 
-def is_torchao_available() -> bool:
-    return is_available("torchao")
-
-
 def is_onnx_available() -> bool:
     return is_available("onnx") and is_available("onnxscript")
 
 
 def is_onnxruntime_available() -> bool:
     return is_available("onnxruntime")
-
-
-def is_tensorrt_available() -> bool:
-    return is_available("tensorrt") and is_available("torch_tensorrt")
 
 
 def is_flash_attn_available() -> bool:

@@ -22,7 +22,7 @@ import secrets
 import struct
 import warnings
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,15 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     return Path(path)
 
 
+def numbered_path(path: Path, files: Callable[[Path], Iterable[Path]], force: bool = False) -> Path:
+    """``path``, or with the first run number (``name-2.ext``, ``name-3.ext``...) none of whose ``files`` exists;
+    ``path`` as is with ``force`` (its files are overwritten)."""
+    candidate, number = path, 2
+    while not force and any(p.exists() for p in files(candidate)):
+        candidate, number = path.with_name(f"{path.stem}-{number}{path.suffix}"), number + 1
+    return candidate
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> Path:
     """Write ``text`` to ``path`` atomically, byte for byte (no newline translation), and return it as a Path."""
     return atomic_write_bytes(path, text.encode(encoding))
@@ -113,7 +122,6 @@ class NotACheckpointError(ValueError):
     """A file is not a PyTorch checkpoint (text, random bytes, a truncated or corrupt archive); nothing was loaded."""
 
 
-_ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_PROTO = 0x80  # the first opcode of a pickle of protocol 2 and later: torch.save's legacy format starts with it
 
 
@@ -222,26 +230,32 @@ def cache_file(name: str) -> Path:
     return (Path(folder).expanduser() if folder else Path.home() / ".cache" / "lightning_perf") / name
 
 
-def read_cache_entries(path: Path, schema: int, what: str, stacklevel: int = 3) -> dict[str, Any]:
+def read_cache_entries(
+    path: Path, schema: int, what: str, stacklevel: int = 3, *, quiet: bool = False
+) -> dict[str, Any]:
     """The entries of a cache file ``{"schema": schema, "entries": {...}}`` (read with ``json`` only): a missing file
-    is empty; an unreadable or invalid one warns (``MeasurementWarning``) and counts as empty, so the caller measures
-    again."""
+    is empty; an unreadable or invalid one warns (``MeasurementWarning``, unless ``quiet``) and counts as empty, so the
+    caller measures again (and rewrites it)."""
     from lightning_perf._warnings import MeasurementWarning
 
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
-        warnings.warn(f"The {what} {str(path)!r} cannot be read ({exc}); measuring again.", MeasurementWarning,
-                      stacklevel=stacklevel)  # fmt: skip
-        return {}
-    entries = data.get("entries") if isinstance(data, dict) and data.get("schema") == schema else None
-    if not isinstance(entries, dict):
-        warnings.warn(f"The {what} {str(path)!r} is not valid; measuring again.", MeasurementWarning,
-                      stacklevel=stacklevel)  # fmt: skip
-        return {}
-    return entries
+    except OSError as exc:
+        problem = f"Could not read the {what} {str(path)!r} ({exc}); measuring again."
+    else:
+        try:
+            data = json.loads(text)
+            entries = data.get("entries") if isinstance(data, dict) and data.get("schema") == schema else None
+            if isinstance(entries, dict):
+                return entries
+            raise ValueError(f"expected an object with 'schema': {schema} and 'entries'")
+        except ValueError as exc:
+            problem = f"The {what} {str(path)!r} is not valid ({exc}); ignoring it, measuring again and rewriting it."
+    if not quiet:
+        warnings.warn(problem, MeasurementWarning, stacklevel=stacklevel)
+    return {}
 
 
 def write_cache_entries(path: Path, schema: int, entries: dict[str, Any], what: str, stacklevel: int = 3) -> None:

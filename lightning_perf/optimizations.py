@@ -276,8 +276,11 @@ class Optimization:
             object.__setattr__(self, arg, MappingProxyType(dict(value)))
         if self.callback_kwargs and self.callback is None:
             raise ValueError(f"`{owner}`: callback_kwargs={dict(self.callback_kwargs)!r} given without a callback.")
-        if not isinstance(self.changes_numerics, bool):
-            raise TypeError(f"`{owner}`: changes_numerics={self.changes_numerics!r} is not valid. Expected a bool.")
+        for arg, kind in (("changes_numerics", bool), ("fast_fp32_matmul", bool), ("long_warmup", bool),
+                          ("left_out_because", str), ("mfu_note", str)):  # fmt: skip
+            if not isinstance(getattr(self, arg), kind):
+                expected = "a bool" if kind is bool else "a string"
+                raise TypeError(f"`{owner}`: {arg}={getattr(self, arg)!r} is not valid. Expected {expected}.")
         if self.tuner_stage is not None and self.tuner_stage not in TUNER_STAGES:
             raise ValueError(
                 f"`{owner}`: tuner_stage={self.tuner_stage!r} is not valid. Expected None or one of {TUNER_STAGES}."
@@ -285,41 +288,23 @@ class Optimization:
         order = self.tuner_order
         if isinstance(order, bool) or not isinstance(order, (int, float)) or not math.isfinite(order):
             raise ValueError(f"`{owner}`: tuner_order={order!r} is not valid. Expected a finite number.")
-        bad = [r for r in self.requires if r not in REQUIREMENTS]
-        if isinstance(self.requires, str) or bad:
-            raise ValueError(
-                f"`{owner}`: requires={self.requires!r} is not valid. Expected a tuple of names from {REQUIREMENTS}."
-            )
-        object.__setattr__(self, "requires", tuple(self.requires))
-        if isinstance(self.advice, AdviceRule) or any(not isinstance(a, AdviceRule) for a in self.advice):
-            raise TypeError(f"`{owner}`: advice={self.advice!r} is not valid. Expected a tuple of AdviceRule.")
-        object.__setattr__(self, "advice", tuple(self.advice))
-        bad = [c for c in self.bench_default_on if c not in BENCH_CAPABILITIES]
-        if isinstance(self.bench_default_on, str) or bad:
-            raise ValueError(
-                f"`{owner}`: bench_default_on={self.bench_default_on!r} is not valid. "
-                f"Expected a tuple of names from {BENCH_CAPABILITIES}."
-            )
-        object.__setattr__(self, "bench_default_on", tuple(self.bench_default_on))
-        causes = self.slowdown_causes
-        if isinstance(causes, SlowdownCause) or any(not isinstance(c, SlowdownCause) for c in causes):
-            raise TypeError(f"`{owner}`: slowdown_causes={causes!r} is not valid. Expected a tuple of SlowdownCause.")
-        object.__setattr__(self, "slowdown_causes", tuple(causes))
-        bad = [s for s in self.stages if s not in STAGES] if not isinstance(self.stages, str) else [self.stages]
-        if bad or not self.stages:
-            raise ValueError(
-                f"`{owner}`: stages={self.stages!r} is not valid. Expected a non-empty tuple of names from {STAGES}."
-            )
-        object.__setattr__(self, "stages", tuple(self.stages))
-        for arg, allowed in (("packages", None), ("model_needs", MODEL_FEATURES)):
+        for arg, allowed in (("requires", REQUIREMENTS), ("bench_default_on", BENCH_CAPABILITIES), ("stages", STAGES),
+                             ("model_needs", MODEL_FEATURES), ("packages", None)):  # fmt: skip
             value = getattr(self, arg)
-            if isinstance(value, str) or any(not isinstance(v, str) or (allowed and v not in allowed) for v in value):
+            if (
+                isinstance(value, str)
+                or any(not isinstance(v, str) or (allowed and v not in allowed) for v in value)
+                or (arg == "stages" and not value)
+            ):
                 expected = f"names from {tuple(allowed)}" if allowed else "importable module names, e.g. ('torchao',)"
-                raise ValueError(f"`{owner}`: {arg}={value!r} is not valid. Expected a tuple of {expected}.")
+                empty = "non-empty " if arg == "stages" else ""
+                raise ValueError(f"`{owner}`: {arg}={value!r} is not valid. Expected a {empty}tuple of {expected}.")
             object.__setattr__(self, arg, tuple(value))
-        for arg in ("fast_fp32_matmul", "long_warmup"):
-            if not isinstance(getattr(self, arg), bool):
-                raise TypeError(f"`{owner}`: {arg}={getattr(self, arg)!r} is not valid. Expected a bool.")
+        for arg, cls in (("advice", AdviceRule), ("slowdown_causes", SlowdownCause)):
+            value = getattr(self, arg)
+            if isinstance(value, cls) or any(not isinstance(v, cls) for v in value):
+                raise TypeError(f"`{owner}`: {arg}={value!r} is not valid. Expected a tuple of {cls.__name__}.")
+            object.__setattr__(self, arg, tuple(value))
         extra = self.with_callbacks
         if isinstance(extra, (str, Mapping)) or any(
             not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str) or "." not in item[0]
@@ -329,9 +314,6 @@ class Optimization:
                 f"`{owner}`: with_callbacks={extra!r} is not valid. Expected a tuple of ('package.module.Class', dict)."
             )
         object.__setattr__(self, "with_callbacks", tuple((p, MappingProxyType(dict(k))) for p, k in extra))
-        for arg in ("left_out_because", "mfu_note"):
-            if not isinstance(getattr(self, arg), str):
-                raise TypeError(f"`{owner}`: {arg}={getattr(self, arg)!r} is not valid. Expected a string.")
 
     @property
     def callback_name(self) -> str | None:

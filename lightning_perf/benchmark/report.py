@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_perf._io import numbered_path
 from lightning_perf.benchmark.payback import compile_costs
 from lightning_perf.benchmark.results import ONE_REPEAT
 from lightning_perf.benchmark.utilization import MFU_LEGEND, mfu_cell, utilization_lines, utilization_markdown
@@ -380,15 +381,7 @@ def unused_output(output: Path, force: bool = False) -> Path:
 
     With ``force`` the existing files are overwritten: ``output`` is returned as is.
     """
-    output = Path(output)
-    if force or not any(p.exists() for p in output_paths(output)):
-        return output
-    number = 2
-    while True:
-        candidate = output.with_name(f"{output.stem}-{number}{output.suffix}")
-        if not any(p.exists() for p in output_paths(candidate)):
-            return candidate
-        number += 1
+    return numbered_path(Path(output), output_paths, force)
 
 
 def write_outputs(report: BenchReport, output: Path) -> list[Path]:

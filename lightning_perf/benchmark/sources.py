@@ -17,9 +17,9 @@ import importlib
 import inspect
 import pickle
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -97,6 +97,9 @@ def import_class(spec: str, base: type | None = None, what: str = "class") -> ty
 class ModelSource:
     """Builds a fresh ``(model, datamodule)`` pair for a trial. Subclasses say where it comes from."""
 
+    kind: ClassVar[str] = ""
+    """The name :meth:`to_dict` writes and :func:`source_from_dict` reads (``""``: it cannot travel as JSON)."""
+
     def load(self) -> tuple[pl.LightningModule, pl.LightningDataModule]:
         raise NotImplementedError
 
@@ -110,7 +113,12 @@ class ModelSource:
 
     def to_dict(self) -> dict[str, Any]:
         """The source as plain JSON (``kind`` and its fields), for :func:`source_from_dict` in another process."""
-        raise TypeError(f"A {type(self).__name__} cannot travel as JSON.")
+        if not self.kind:
+            raise TypeError(f"A {type(self).__name__} cannot travel as JSON.")
+        data = {f.name: copy.copy(getattr(self, f.name)) for f in fields(self) if f.init}
+        if "configs" in data:
+            data["configs"] = [str(c) for c in data["configs"]]
+        return {"kind": self.kind, **data}
 
     def build(self, spec: DataSettings) -> tuple[pl.LightningModule, pl.LightningDataModule]:
         """The pair with ``spec``'s batch size and loader overrides applied (the worker's builder interface)."""
@@ -122,6 +130,8 @@ class ModelSource:
 @dataclass
 class WorkloadSource(ModelSource):
     """A reference workload of :mod:`lightning_perf.demos`."""
+
+    kind: ClassVar[str] = "workload"
 
     workload: str
     preset: str = "default"
@@ -135,13 +145,12 @@ class WorkloadSource(ModelSource):
     def describe(self) -> str:
         return f"workload {self.workload} ({self.preset} preset)"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": "workload", "workload": self.workload, "preset": self.preset, "seed": self.seed}
-
 
 @dataclass
 class ImportSource(ModelSource):
     """Classes named by import path, built with keyword arguments (the CLI's ``--model``/``--datamodule``)."""
+
+    kind: ClassVar[str] = "import"
 
     model: str
     datamodule: str
@@ -158,15 +167,6 @@ class ImportSource(ModelSource):
     def describe(self) -> str:
         return f"{self.model} on {self.datamodule}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": "import",
-            "model": self.model,
-            "datamodule": self.datamodule,
-            "model_args": dict(self.model_args),
-            "datamodule_args": dict(self.datamodule_args),
-        }
-
 
 @dataclass
 class ConfigSource(ModelSource):
@@ -176,6 +176,8 @@ class ConfigSource(ModelSource):
     Parsed by LightningCLI itself (:mod:`lightning_perf.benchmark.lightning_config`), so the objects are those
     ``python train.py fit --config ...`` builds; :meth:`trainer_settings` gives the files' ``trainer:`` settings.
     """
+
+    kind: ClassVar[str] = "config"
 
     configs: list[str]
     model: str | None = None
@@ -216,17 +218,6 @@ class ConfigSource(ModelSource):
         classes = f"{self.model} on {self.datamodule} with " if self.model else ""
         return f"{classes}{' + '.join(self.configs)}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": "config",
-            "configs": [str(c) for c in self.configs],
-            "model": self.model,
-            "datamodule": self.datamodule,
-            "model_args": dict(self.model_args),
-            "datamodule_args": dict(self.datamodule_args),
-            "seed": self.seed,
-        }
-
 
 def source_from_dict(data: dict[str, Any]) -> ModelSource:
     """The source :meth:`ModelSource.to_dict` described.
@@ -235,7 +226,7 @@ def source_from_dict(data: dict[str, Any]) -> ModelSource:
         ValueError: for an unknown ``kind``.
     """
     fields = {k: v for k, v in data.items() if k != "kind"}
-    kinds: dict[str, type[ModelSource]] = {"workload": WorkloadSource, "import": ImportSource, "config": ConfigSource}
+    kinds: dict[str, type[ModelSource]] = {c.kind: c for c in (WorkloadSource, ImportSource, ConfigSource)}
     kind = data.get("kind")
     if kind not in kinds:
         raise ValueError(f"source kind={kind!r} is not valid. Expected one of {', '.join(kinds)}.")

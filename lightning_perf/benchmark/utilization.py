@@ -1,7 +1,7 @@
 """Utilization in the bench's summary: FLOPs per step, achieved FLOP/s and model-FLOPs utilization (MFU).
 
-The worker counts one training step's FLOPs on repeat 0 (:func:`lightning_perf.benchmark.worker.
-count_training_step_flops`, on the untransformed workload, so every configuration counts the same FLOPs per step).
+The worker counts one training step's FLOPs on repeat 0 (:func:`lightning_perf.benchmark.structure.
+training_step_flops`, on the untransformed workload, so every configuration counts the same FLOPs per step).
 Here, per summary row: the machine's peak in the dtype the configuration's matmuls run in (:func:`machine_peak`),
 and :func:`lightning_perf.profiling.flops.utilization` of the row's median step time, with intervals from
 :func:`step_median_ci95`. A row adds (see the runner's module docstring): ``flops_per_step``, ``flops_error``,

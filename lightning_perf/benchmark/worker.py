@@ -11,8 +11,9 @@ configuration into the next. CPU memory is measured as peak resident memory with
 the runner (see :mod:`lightning_perf.profiling.memory` for why plain RSS would overstate it).
 
 With ``RunSpec.count_flops`` (the bench sets it on repeat 0) the worker also counts the FLOPs of one training step
-(:func:`count_training_step_flops`) after everything is measured, on a fresh, untransformed copy of the workload, so
-every configuration of one workload counts the same FLOPs per step and nothing timed or measured pays for it.
+(:func:`~lightning_perf.benchmark.structure.training_step_flops`) after everything is measured, on a fresh,
+untransformed copy of the workload, so every configuration of one workload counts the same FLOPs per step and nothing
+timed or measured pays for it.
 """
 
 from __future__ import annotations
@@ -231,15 +232,12 @@ def build_reference_workload(spec: RunSpec) -> tuple[pl.LightningModule, pl.Ligh
     )
 
 
-count_training_step_flops = training_step_flops  # one implementation, in benchmark/structure.py
-
-
 def _count_flops(spec: RunSpec, build: Builder, device: torch.device, result: RunResult) -> None:
     """Fill ``result.flops_*`` from a fresh build of the workload; a failure is recorded, never raised."""
     try:
         pl.seed_everything(spec.seed, workers=True, verbose=False)
         model, datamodule = build(spec)
-        count = count_training_step_flops(model, datamodule, device)
+        count = training_step_flops(model, datamodule, device)
     except Exception as exc:  # the user's model may not run outside a Trainer: utilization stays unknown
         result.flops_error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         return

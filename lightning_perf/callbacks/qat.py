@@ -21,7 +21,6 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_perf._io import load_checkpoint
-from lightning_perf._validation import check_bool
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.callbacks._model_hooks import (
     add_before_weights_load,
@@ -33,7 +32,6 @@ from lightning_perf.callbacks._model_hooks import (
 )
 from lightning_perf.callbacks._trainer_data import default_dirpath, loop_data
 from lightning_perf.deploy.inputs import split_inputs, submodule_inputs
-from lightning_perf.deploy.quantize.dynamic import refreshing
 from lightning_perf.deploy.quantize.quantizer import SCHEDULE_UNITS, LoopData, check_options
 from lightning_perf.deploy.quantize.recipes import load_qat_checkpoint, quantizer_for, recipe_for
 from lightning_perf.functional.qat import QuantizationError, QuantizationRecipe
@@ -136,11 +134,6 @@ class QATCallback(Callback):
         owner = type(self).__name__
         recipe = recipe_for(mode, backend, base_config, owner)
         options = check_options(owner, mode, dict(locals()))
-        if check_bool(owner, "refresh", refresh) and mode != "dynamic":
-            raise ValueError(
-                f"`{owner}(mode={mode!r}, refresh=True)` is not valid: only mode 'dynamic' caches a measured choice. "
-                "Leave refresh=False."
-            )
         self.refresh = refresh
         self.backend, self.mode, self.base_config = recipe.backend, mode, recipe.base_config
         self.submodule, self.schedule_unit = submodule, schedule_unit
@@ -293,12 +286,9 @@ class QATCallback(Callback):
         inputs = split_inputs(batch, self.input_key)
         owner = type(self).__name__
         try:
-            with refreshing(self.refresh):
-                line = self._quantizer.run_batch(
-                    pl_module,
-                    lambda m: submodule_inputs(pl_module, m, inputs, "the first batch", owner=owner),
-                    str(stage),
-                )
+            line = self._quantizer.run_batch(
+                pl_module, lambda m: submodule_inputs(pl_module, m, inputs, "the first batch", owner=owner), str(stage)
+            )
         except Exception as exc:
             self._fallback(exc, f"the {stage} run goes on in float")
             return
@@ -311,17 +301,7 @@ class QATCallback(Callback):
     ) -> None:
         self._run_batch(trainer, pl_module, batch)
 
-    @override
-    def on_test_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._run_batch(trainer, pl_module, batch)
-
-    @override
-    def on_validation_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        self._run_batch(trainer, pl_module, batch)
+    on_test_batch_start = on_validation_batch_start = on_predict_batch_start
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -336,8 +316,7 @@ class QATCallback(Callback):
         if run not in self._quantizer.finishes_after or not (trainer.is_global_zero and self.export) or self._refused:
             return
         try:
-            with refreshing(self.refresh):
-                report = self._quantizer.finish(pl_module, self._data(trainer, pl_module))
+            report = self._quantizer.finish(pl_module, self._data(trainer, pl_module))
         except Exception as exc:
             self._fallback(exc, "the trained model and its checkpoints are unchanged")
             return

@@ -162,9 +162,7 @@ class SlidingWindowInferenceCallback(UndoOnExit):
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._undo()
 
-    @override
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._undo()
+    on_test_end = on_predict_end
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -105,14 +105,7 @@ class SlidingWindowSettings:
     buffer_dim: int = -1
 
     def with_roi(self, roi_size: int | tuple[int, ...]) -> SlidingWindowSettings:
-        return _replace(self, roi_size=roi_size)
-
-    def with_sw_batch_size(self, sw_batch_size: int) -> SlidingWindowSettings:
-        return _replace(self, sw_batch_size=sw_batch_size)
-
-
-def _replace(settings: SlidingWindowSettings, **changes: Any) -> SlidingWindowSettings:
-    return dataclasses.replace(settings, **changes)
+        return dataclasses.replace(self, roi_size=roi_size)
 
 
 def _is_int(value: Any) -> bool:

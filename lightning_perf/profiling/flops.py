@@ -21,11 +21,9 @@ scores (2.5x the forward), so the same model counts a little more on those kerne
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -34,9 +32,8 @@ from typing import Any
 
 import torch
 
-from lightning_perf._io import CACHE_ENV, cache_file, write_cache_entries
+from lightning_perf._io import CACHE_ENV, cache_file, read_cache_entries, write_cache_entries
 from lightning_perf._validation import check_instance, check_int, check_number
-from lightning_perf._warnings import MeasurementWarning
 from lightning_perf.profiling.stats import median as median_of
 
 __all__ = [
@@ -279,14 +276,11 @@ def machine_key(dtype: torch.dtype, threads: int, size: int) -> str:
 
     Any change among these (another machine, a new torch with other kernels, another thread count) measures anew.
     """
-    from lightning_perf.profiling.machine import _cpu_model, _read_cpuinfo, cpu_flags
+    from lightning_perf.profiling.machine import cpu_key
 
-    cpuinfo = _read_cpuinfo()
-    flags = cpu_flags(cpuinfo) if cpuinfo else None
-    present = ",".join(sorted(name for name, on in (flags or {}).items() if on)) if flags is not None else "unknown"
     return (
-        f"cpu={_cpu_model(cpuinfo) or 'unknown'}; flags={present or 'none'}; threads={threads}; "
-        f"dtype={_SHORT_DTYPE.get(dtype, str(dtype))}; matmul={size}; torch={torch.__version__}"
+        f"{cpu_key()}; threads={threads}; dtype={_SHORT_DTYPE.get(dtype, str(dtype))}; matmul={size}; "
+        f"torch={torch.__version__}"
     )
 
 
@@ -374,34 +368,9 @@ def _probes() -> Any:
 
 
 def _read_cache(path: Path, *, quiet: bool = False) -> dict[str, Any]:
-    """The cache's entries (key -> entry); a missing file is empty, a corrupt one warns (unless ``quiet``) and counts
-    as empty."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        if not quiet:
-            warnings.warn(
-                f"Could not read the peak FLOP/s cache {str(path)!r} ({exc}); measuring again.",
-                MeasurementWarning,
-                stacklevel=4,  # the caller of peak_flops
-            )
-        return {}
-    try:
-        data = json.loads(text)
-        entries = data["entries"] if isinstance(data, dict) and data.get("schema") == _CACHE_SCHEMA else None
-        if not isinstance(entries, dict):
-            raise ValueError("expected an object with 'schema': 1 and 'entries'")
-    except (ValueError, KeyError, TypeError) as exc:
-        if not quiet:
-            warnings.warn(
-                f"The peak FLOP/s cache {str(path)!r} is not valid ({exc}); "
-                "ignoring it, measuring again and rewriting it.",
-                MeasurementWarning,
-                stacklevel=4,  # the caller of peak_flops
-            )
-        return {}
+    """The cache's valid entries (key -> entry); a missing file is empty, a corrupt one warns (unless ``quiet``, as
+    from the caller of peak_flops) and counts as empty."""
+    entries = read_cache_entries(path, _CACHE_SCHEMA, "peak FLOP/s cache", stacklevel=5, quiet=quiet)
     return {key: entry for key, entry in entries.items() if _valid_entry(entry)}
 
 

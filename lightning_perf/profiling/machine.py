@@ -22,6 +22,7 @@ from typing import Any
 __all__ = [
     "CPU_FLAGS",
     "cpu_flags",
+    "cpu_key",
     "describe_machine",
     "finish_run",
     "git_state",
@@ -86,6 +87,14 @@ def _cpu_model(cpuinfo: str | None) -> str | None:
         if key.strip() in ("model name", "Hardware", "cpu model"):
             return value.strip() or None
     return platform.processor() or None
+
+
+def cpu_key(flags: dict[str, bool] | None = None) -> str:
+    """``cpu=<model>; flags=<the CPU_FLAGS it has>``: how a cache key names the CPU (``flags``: read when ``None``)."""
+    cpuinfo = _read_cpuinfo()
+    flags = cpu_flags(cpuinfo) if flags is None and cpuinfo else flags
+    present = ",".join(sorted(name for name, on in flags.items() if on)) if flags is not None else "unknown"
+    return f"cpu={_cpu_model(cpuinfo) or 'unknown'}; flags={present or 'none'}"
 
 
 def installed_version(*distributions: str) -> str | None:

@@ -26,7 +26,7 @@ import torch
 
 from lightning_perf._imports import require
 from lightning_perf._io import atomic_path, atomic_write_text
-from lightning_perf.profiling.machine import installed_version
+from lightning_perf.profiling.machine import _cpu_model, _read_cpuinfo, installed_version
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -58,17 +58,6 @@ PathLike = str | os.PathLike[str]
 
 
 # ------------------------------------------------------------------------------------------------------ environment
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def environment_info() -> dict[str, Any]:
@@ -116,7 +105,7 @@ def _fixed_environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu": _cpu_model(),
+        "cpu": _cpu_model(_read_cpuinfo()),
         "cpu_count": os.cpu_count(),
         "libc": " ".join(part for part in platform.libc_ver() if part) or None,
         "cuda": torch.version.cuda,

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_perf._io import numbered_path
+
 __all__ = ["Recommendation", "Trial", "TuningResult", "format_value", "ratio_text", "unused_output"]
 
 
@@ -362,15 +364,7 @@ def ratio_text(ratio: float | None, ci95: list[float] | None, verdict: str | Non
 
 def unused_output(yaml_path: str | os.PathLike[str], force: bool = False) -> Path:
     """``yaml_path``, or numbered (``tuned-2.yaml``...) when it or its JSON twin exists; as is with ``force``."""
-    path = Path(yaml_path)
-    if force or not (path.exists() or path.with_suffix(".json").exists()):
-        return path
-    number = 2
-    while True:
-        candidate = path.with_name(f"{path.stem}-{number}{path.suffix}")
-        if not (candidate.exists() or candidate.with_suffix(".json").exists()):
-            return candidate
-        number += 1
+    return numbered_path(Path(yaml_path), lambda p: (p, p.with_suffix(".json")), force)
 
 
 def format_value(value: float | None, spec: str, suffix: str = "") -> str:

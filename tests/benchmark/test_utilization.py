@@ -21,6 +21,7 @@ from lightning_perf.benchmark.report import CONSOLE_COLUMNS, console_rows, markd
 from lightning_perf.benchmark.results import BenchReport, ConfigSummary
 from lightning_perf.benchmark.runner import summarize_runs
 from lightning_perf.benchmark.spec import BenchSpec, RunSpec
+from lightning_perf.benchmark.structure import training_step_flops
 from lightning_perf.benchmark.utilization import (
     add_utilization,
     machine_peak,
@@ -29,7 +30,7 @@ from lightning_perf.benchmark.utilization import (
     unknown_mfu_lines,
     utilization_markdown,
 )
-from lightning_perf.benchmark.worker import RunResult, count_training_step_flops, run
+from lightning_perf.benchmark.worker import RunResult, run
 from lightning_perf.optimizations import BASELINE
 from lightning_perf.profiling import PeakFlops
 from tests.benchmark.conftest import BusyBench
@@ -272,12 +273,12 @@ class _Manual(_Net):
 
 
 def test_one_training_step_is_counted_by_hand_formula() -> None:
-    count = count_training_step_flops(_Net(), _Data(), torch.device("cpu"))
+    count = training_step_flops(_Net(), _Data(), torch.device("cpu"))
     # forward 2*B*in*out, backward weight gradient 2*B*in*out (no input gradient: the batch needs none)
     assert count.total == 2 * (2 * 4 * 12 * 3)
     assert set(count.by_operator) == {"aten.addmm", "aten.mm"}
     with pytest.raises(RuntimeError, match="manual optimization"):
-        count_training_step_flops(_Manual(), _Data(), torch.device("cpu"))
+        training_step_flops(_Manual(), _Data(), torch.device("cpu"))
 
 
 def test_a_model_whose_flops_cannot_be_counted_still_runs_and_says_why() -> None:

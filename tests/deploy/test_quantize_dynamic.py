@@ -331,14 +331,11 @@ def test_onnxruntime_int8_model_is_converted_once_per_weights(monkeypatch: pytes
     quantize_dynamic(_mlp(seed=3), x, "onnxruntime", cache_path=cache)
     quantize_dynamic(_mlp(seed=3), x, "onnxruntime", cache_path=cache, refresh=True)
     assert len(conversions) == 3
-    with dynamic.refreshing():  # how QATCallback(refresh=True) passes it through the quantizer
-        quantize_dynamic(_mlp(seed=3), x, "onnxruntime", cache_path=cache)
-    assert len(conversions) == 4
     kept.write_bytes(kept.read_bytes()[:-1])
     with pytest.warns(MeasurementWarning, match="truncated or altered"):
         quantize_dynamic(_mlp(seed=3), x, "onnxruntime", cache_path=cache)
-    assert len(conversions) == 5 and [p.name for p in dynamic.onnx_cache_dir(cache).iterdir()] == [kept.name]
+    assert len(conversions) == 4 and [p.name for p in dynamic.onnx_cache_dir(cache).iterdir()] == [kept.name]
     quantize_dynamic(_mlp(seed=3), x, "onnxruntime", cache_path=cache)  # the rebuilt file is good again
-    assert len(conversions) == 5
+    assert len(conversions) == 4
     dynamic.clear_cache(cache)
     assert not cache.exists() and not dynamic.onnx_cache_dir(cache).exists()

@@ -41,7 +41,6 @@ import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +59,7 @@ from lightning_perf.deploy.validate import ValidationSummary, compare_models, ev
 from lightning_perf.functional.qat import QuantizationError, with_batch
 from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
-from lightning_perf.profiling.machine import cpu_flags, describe_machine, installed_version
+from lightning_perf.profiling.machine import cpu_flags, cpu_key, installed_version
 
 __all__ = [
     "CACHE_FILE",
@@ -86,7 +85,6 @@ __all__ = [
     "quantize_dynamic_eager",
     "quantize_dynamic_onnxruntime",
     "quantize_dynamic_torchao",
-    "refreshing",
 ]
 
 DYNAMIC_BACKENDS: tuple[str, ...] = ("auto", "eager", "onnxruntime", "torchao")
@@ -100,7 +98,6 @@ TIE_RULE = (
 )
 CACHE_FILE = "dynamic_int8.json"
 _CACHE_SCHEMA = 1
-_REFRESH: ContextVar[bool] = ContextVar("lightning_perf_dynamic_int8_refresh", default=False)
 _EAGER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.LSTM, nn.GRU, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 
 
@@ -477,11 +474,9 @@ def default_cache_path() -> Path:
 
 def machine_key(flags: dict[str, bool] | None = None) -> str:
     """The machine a choice holds for: CPU model and flags, torch's threads, torch, torchao and onnxruntime versions."""
-    flags = cpu_flags() if flags is None else flags
-    present = ",".join(sorted(name for name, on in flags.items() if on)) if flags is not None else "unknown"
     return (
-        f"cpu={describe_machine()['cpu'] or 'unknown'}; flags={present or 'none'}; threads={torch.get_num_threads()}; "
-        f"torch={torch.__version__}; torchao={installed_version('torchao') or 'none'}; "
+        f"{cpu_key(flags)}; threads={torch.get_num_threads()}; torch={torch.__version__}; "
+        f"torchao={installed_version('torchao') or 'none'}; "
         f"onnxruntime={installed_version('onnxruntime') or 'none'}"
     )
 
@@ -529,17 +524,6 @@ def clear_cache(cache_path: str | os.PathLike[str] | None = None) -> None:
     the cache file and its ``_onnx`` folder."""
     Path(cache_path or default_cache_path()).unlink(missing_ok=True)
     shutil.rmtree(onnx_cache_dir(cache_path), ignore_errors=True)
-
-
-@contextmanager
-def refreshing(on: bool = True) -> Iterator[None]:
-    """Within it, :func:`quantize_dynamic` measures and converts again as with ``refresh=True``: how an adapter that
-    calls it through another layer passes its ``refresh`` option."""
-    token = _REFRESH.set(on or _REFRESH.get())
-    try:
-        yield
-    finally:
-        _REFRESH.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------------- the entry
@@ -613,7 +597,7 @@ def quantize_dynamic(
     check_dynamic_backend("quantize_dynamic", backend)
     min_cosine = _check("min_cosine", min_cosine, 0.0, 1.0)
     min_agreement = _check("min_agreement", min_agreement, 0.0, 1.0)
-    refresh = check_bool("quantize_dynamic", "refresh", refresh) or _REFRESH.get()
+    check_bool("quantize_dynamic", "refresh", refresh)
     example = tuple(t.detach().cpu() for t in as_input_tuple(example_inputs, "quantize_dynamic(example_inputs)"))
     flags = cpu_flags()
     reference = copy.deepcopy(module).cpu().eval()

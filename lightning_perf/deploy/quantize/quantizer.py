@@ -110,6 +110,7 @@ class QuantizeOptions:
     filename: str = "model_int8"
     onnx: bool = False
     strict: bool = False
+    refresh: bool = False
     owner: str = "QATCallback"
 
 
@@ -300,7 +301,7 @@ def check_options(owner: str, mode: str, options: Mapping[str, Any]) -> Quantize
             f"`{owner}(schedule_unit={o['schedule_unit']!r})` is not valid. Expected one of: "
             f"{', '.join(SCHEDULE_UNITS)}."
         )
-    for name in ("export", "benchmark", "onnx", "strict"):
+    for name in ("export", "benchmark", "onnx", "strict", "refresh"):
         check_bool(owner, name, o[name])
     if mode == "ptq" and not o["export"]:
         raise ValueError(f"`{owner}(mode='ptq', export=False)` would do nothing. PTQ exports the quantized model.")
@@ -315,6 +316,11 @@ def check_options(owner: str, mode: str, options: Mapping[str, Any]) -> Quantize
         )
     for name in ("min_cosine", "min_agreement"):
         check_number(owner, name, o[name], 0.0, 1.0)
+    if o["refresh"] and mode != "dynamic":
+        raise ValueError(
+            f"`{owner}(mode={mode!r}, refresh=True)` is not valid: only mode 'dynamic' caches a measured choice. "
+            "Leave refresh=False."
+        )
     if mode == "dynamic":
         for name, default, why in (
             ("base_config", None, "the torchao back-end of mode 'dynamic' uses Int8DynamicActivationInt8WeightConfig"),

@@ -167,6 +167,7 @@ class DynamicInt8Quantizer(Quantizer):
             min_agreement=o.min_agreement,
             iterations=o.latency_iterations,
             warmup=o.latency_warmup,
+            refresh=o.refresh,
         )
         self.choice, self._built = choice, (signature, choice)
         return choice, True
