@@ -32,8 +32,9 @@ BUDGETS = (0.25, 0.5, 0.75)
 VARIANTS = ("none", *(f"budget-{b:g}" for b in BUDGETS), "full", "per-op")
 
 
-def _setups(model: Any, batch: Any) -> dict[str, Callable[[], Any]]:
-    """Per variant, a function that puts it in place on ``model`` (from the plain model) and returns its description."""
+def _setups(model: Any, batch: Any, plans: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """Per variant, a function that puts it in place on ``model`` (from the plain model) and returns its description;
+    the budget variants' plans are put in ``plans``."""
     from lightning_perf.functional.checkpoint_budget import (
         plan_checkpointing,
         profile_activations,
@@ -45,7 +46,7 @@ def _setups(model: Any, batch: Any) -> dict[str, Callable[[], Any]]:
     model.zero_grad(set_to_none=True)
     profile, loss = profile_activations(model, blocks, lambda: model.compute(batch)[0])
     loss.backward()
-    plans = {f"budget-{b:g}": plan_checkpointing(profile, b) for b in BUDGETS}
+    plans.update({f"budget-{b:g}": plan_checkpointing(profile, b) for b in BUDGETS})
     setups: dict[str, Callable[[], Any]] = {"none": lambda: "no checkpointing"}
     for name, plan in plans.items():
         setups[name] = functools.partial(_apply_and_describe, model, plan)
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     now = time.thread_time if clock == "thread" else time.perf_counter
     probe = MemoryProbe("cpu")
     variants = args.variants.split(",")
-    setups = _setups(model, batch)
+    plans: dict[str, Any] = {}
+    setups = _setups(model, batch, plans)
 
     def step() -> float:
         began = now()
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             times[variant].append(statistics.median(step() for _ in range(args.steps)))
             remove_activation_checkpointing(model)
         print(f"round {round_ + 1}/{args.rounds} done (load {os.getloadavg()[0]:.1f})", flush=True)
-    _table(args, clock, variants, memory, times)
+    _table(args, clock, variants, memory, times, plans)
 
 
 def _table(
@@ -132,14 +134,18 @@ def _table(
     variants: list[str],
     memory: dict[str, list[int]],
     times: dict[str, list[float]],
+    plans: dict[str, Any],
 ) -> None:
     base_memory = statistics.median(memory["none"]) if "none" in memory else float("nan")
     print(
         f"\n{args.workload} ({args.preset}{f', depth {args.depth}' if args.depth else ''}), {args.threads} thread(s), "
         f"{args.rounds} rounds x {args.steps} steps, {clock} clock, load now {os.getloadavg()[0]:.1f}"
     )
-    print("| variant | activations (MiB) | x none | step (ms) | step x none: median [min, max] over rounds |")
-    print("|---|---|---|---|---|")
+    print(
+        "| variant | activations (MiB) | x none | expected x none | expected recompute (% of blocks' forward) "
+        "| step (ms) | step x none: median [min, max] over rounds |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for variant in variants:
         kept = statistics.median(memory[variant])
         step_ms = statistics.median(times[variant]) * 1e3
@@ -148,7 +154,13 @@ def _table(
             spread = f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
         else:
             spread = "-"
-        print(f"| {variant} | {kept / 2**20:.1f} | {kept / base_memory:.2f} | {step_ms:.1f} | {spread} |")
+        plan = plans.get(variant)
+        expected = f"{plan.expected_ratio:.2f}" if plan else "-"
+        recompute = f"{plan.expected_recompute_s / plan.forward_s:.0%}" if plan and plan.forward_s else "-"
+        print(
+            f"| {variant} | {kept / 2**20:.1f} | {kept / base_memory:.2f} | {expected} | {recompute} | {step_ms:.1f} "
+            f"| {spread} |"
+        )
 
 
 if __name__ == "__main__":

@@ -75,9 +75,11 @@ class GradCheckpointCallback(UndoOnExit):
             of the activation memory that training without checkpointing keeps, at the least recompute time. The
             first training batch runs without checkpointing and is profiled (what each chosen block and its parts,
             attention and MLP, save for backward, which ops they run and their times; it must fit in memory); then,
-            per block: no checkpointing, selective checkpointing (keep matmul/convolution/attention outputs, or
-            attention outputs only, recompute the cheap ops), checkpointing of some of its parts, or full
-            checkpointing, chosen as the least recompute time within the budget (a knapsack, see
+            per block: no checkpointing, recomputing only its norm and activation outputs from inputs kept anyway
+            (the MLP's GELU output, the ``LayerNorm`` outputs: one elementwise op each in backward), selective
+            checkpointing (keep matmul/convolution/attention outputs, or attention outputs only, recompute the cheap
+            ops), checkpointing of some of its parts (with or without those recomputes), or full checkpointing,
+            chosen as the least recompute time within the budget (a knapsack, see
             :mod:`lightning_perf.functional.checkpoint_budget`), so that the kept memory lands just under the budget.
             The plan is reported once, with the memory the allocator measured in the first checkpointed step.
             ``1.0`` means no checkpointing. Under ``torch.compile`` (a

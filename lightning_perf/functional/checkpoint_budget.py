@@ -7,22 +7,30 @@ least recompute time. Three steps, each usable alone in a plain training loop:
    (``torch.autograd.graph.saved_tensors_hooks``) size every tensor autograd keeps for backward, deduplicated by
    storage and attributed to the candidate block it was first saved in; a ``TorchDispatchMode`` records each op a
    block runs, its output storages and its time. Parameters are not activations and are left out.
-2. :func:`plan_checkpointing` chooses, per block, one of: no checkpointing; *selective* checkpointing that keeps the
-   outputs of expensive ops (matmuls, convolutions, attention kernels, the CPU one
-   ``aten._scaled_dot_product_flash_attention_for_cpu`` included) and recomputes the cheap elementwise and
-   normalization ops (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, charged what its per-op
-   Python dispatch costs); selective checkpointing that keeps attention outputs only; checkpointing some of the
-   block's *parts* (its children of two layers or more: attention, MLP), each fully; or full checkpointing (only the
-   block's inputs are kept). The choice is a multiple-choice knapsack solved exactly: the least recompute time whose
-   kept memory is within the budget, so the plan lands just under the budget, not far below it.
+2. :func:`plan_checkpointing` chooses, per block, one of: no checkpointing; recomputing only the outputs of its norms
+   and activations whose inputs stay saved anyway (the GELU output that the MLP's second linear saves, the
+   ``LayerNorm`` outputs: :mod:`~lightning_perf.functional.checkpoint_cheap`, one elementwise op per output in
+   backward); *selective* checkpointing that keeps the outputs of expensive ops (matmuls, convolutions, attention
+   kernels, the CPU one ``aten._scaled_dot_product_flash_attention_for_cpu`` included) and recomputes the cheap
+   elementwise and normalization ops (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, charged what its
+   per-op Python dispatch costs); selective checkpointing that keeps attention outputs only; checkpointing some of the
+   block's *parts* (its children of two layers or more: attention, MLP), each fully, with or without the norm and
+   activation recomputes outside them; or full checkpointing (only the block's inputs are kept). The choice is a
+   multiple-choice knapsack solved exactly: the least recompute time whose kept memory is within the budget, so the
+   plan lands just under the budget, not far below it.
 3. :func:`apply_plan` patches the chosen blocks with
-   :class:`~lightning_perf.functional.grad_checkpoint.CheckpointedForward` (names, ``state_dict`` keys and gradients
-   unchanged); :func:`~lightning_perf.functional.grad_checkpoint.remove_activation_checkpointing` undoes it.
+   :class:`~lightning_perf.functional.grad_checkpoint.CheckpointedForward` (the norm and activation recomputes with
+   its subclass :class:`~lightning_perf.functional.checkpoint_cheap.RecomputeCheapForward`; names, ``state_dict``
+   keys and gradients unchanged);
+   :func:`~lightning_perf.functional.grad_checkpoint.remove_activation_checkpointing` undoes it.
 
 The expected figures are a model: a selective block keeps its inputs plus the outputs of the kept ops; a fully
-checkpointed one its inputs; recompute time is the time of the ops not kept. Check them against the allocator (CUDA
-``memory_allocated``, CPU glibc ``mallinfo2`` through :class:`~lightning_perf.profiling.memory.MemoryProbe`): the
-recorder samples it around the forward, and :class:`CheckpointPlan` carries both.
+checkpointed one its inputs; recompute time is the time of the ops not kept, as measured in the profiled forward (on a
+CPU ViT block the MLP's GELU output is a quarter of what the block saves and takes 1 to 2 ms to make again, while
+every checkpointed part or selective policy frees its bytes only by running a matmul or the attention again). Check
+them against the allocator (CUDA ``memory_allocated``, CPU glibc ``mallinfo2`` through
+:class:`~lightning_perf.profiling.memory.MemoryProbe`): the recorder samples it around the forward, and
+:class:`CheckpointPlan` carries both.
 
 Under ``torch.compile`` the compiler has its own budget (``torch._functorch.config.activation_memory_budget``, a
 knapsack over the compiled graph's saved tensors): :func:`set_compiler_memory_budget` sets it and returns the old
@@ -34,11 +42,8 @@ a new budget compiles them again.
 from __future__ import annotations
 
 import functools
-import itertools
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -48,6 +53,16 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_perf.functional.checkpoint_blocks import count_layers
+from lightning_perf.functional.checkpoint_cheap import RecomputeCheapForward, cheap_modules
+from lightning_perf.functional.checkpoint_plan import (
+    _POLICIES,
+    ActivationProfile,
+    BlockChoice,
+    BlockProfile,
+    CheckpointPlan,
+    plan_checkpointing,
+    validate_memory_budget,
+)
 from lightning_perf.functional.grad_checkpoint import CheckpointedForward
 from lightning_perf.functional.surgery import patch_forward
 from lightning_perf.profiling.memory import MemoryProbe
@@ -88,12 +103,6 @@ SAVE_OP_CLASSES: dict[str, tuple[str, ...]] = {
 }
 """The expensive ops whose outputs selective checkpointing keeps, by class (``aten`` op names, every overload)."""
 
-# The selective policies tried per block, by name: which op classes they keep.
-_POLICIES: dict[str, tuple[str, ...]] = {
-    "matmul+conv+attention": ("matmul", "conv", "attention"),
-    "attention": ("attention",),
-}
-
 
 def _op_class(func: Any) -> str | None:
     """The class in :data:`SAVE_OP_CLASSES` of an ``OpOverload`` (``aten.mm.default`` -> ``"matmul"``), or None."""
@@ -107,73 +116,7 @@ def _op_class(func: Any) -> str | None:
     return None
 
 
-def validate_memory_budget(owner: str, budget: Any) -> float:
-    """Return ``budget`` as a float if it is a number in ``(0, 1]``.
-
-    Raises:
-        TypeError: for a bool or anything not a number.
-        ValueError: for NaN, infinities, zero, negatives and numbers above 1.
-    """
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(
-            f"`{owner}(memory_budget={budget!r})` is not valid. Expected a number in (0, 1]: the fraction of the "
-            "activation memory of training without checkpointing to keep (1.0 means no checkpointing)."
-        )
-    if not math.isfinite(budget) or not 0 < budget <= 1:
-        raise ValueError(
-            f"`{owner}(memory_budget={budget!r})` is not valid. Expected a finite number in (0, 1]: the fraction of "
-            "the activation memory of training without checkpointing to keep (1.0 means no checkpointing)."
-        )
-    return float(budget)
-
-
 # ----------------------------------------------------------------------------------------------------- measuring
-
-
-@dataclass(frozen=True)
-class BlockProfile:
-    """What one candidate block keeps for backward and what recomputing it costs, from one profiled forward.
-
-    Attributes:
-        name: the block's qualified name in the model.
-        saved_bytes: activation bytes first saved for backward inside the block (unique storages), no checkpointing.
-        input_bytes: bytes a fully checkpointed block still keeps: its inputs (that nothing before it saves) and the
-            outputs it saves itself.
-        forward_s: time of the block's ops in the profiled forward.
-        kept_bytes: per selective policy name, the bytes kept under it (inputs plus the kept ops' outputs).
-        recompute_s: per selective policy name, the time of the ops it recomputes.
-        op_counts: how many ops of each class in :data:`SAVE_OP_CLASSES` the block ran (``"other"`` for the rest).
-        parts: the block's children that can be checkpointed alone (attention, MLP: two layers or more), by qualified
-            name: ``(saved_bytes, kept_bytes, forward_s)``, what the part saves, keeps checkpointed, and its ops' time.
-    """
-
-    name: str
-    saved_bytes: int
-    input_bytes: int
-    forward_s: float
-    kept_bytes: dict[str, int] = field(default_factory=dict)
-    recompute_s: dict[str, float] = field(default_factory=dict)
-    op_counts: dict[str, int] = field(default_factory=dict)
-    parts: dict[str, tuple[int, int, float]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ActivationProfile:
-    """One forward pass, as :class:`ActivationRecorder` saw it.
-
-    Attributes:
-        total_saved_bytes: activation bytes saved for backward in the whole forward (unique storages, no parameters).
-        outside_bytes: the part saved outside the candidate blocks (checkpointing them cannot remove it).
-        blocks: one :class:`BlockProfile` per candidate block, in model order.
-        measured_bytes: the allocator's growth over the forward (activations kept plus the output), or None.
-        memory_source: where ``measured_bytes`` comes from (``"cuda"``, ``"cpu-mallinfo2"``, ``"cpu-rss"``).
-    """
-
-    total_saved_bytes: int
-    outside_bytes: int
-    blocks: tuple[BlockProfile, ...]
-    measured_bytes: int | None = None
-    memory_source: str | None = None
 
 
 def _storage_of(t: torch.Tensor) -> Any | None:
@@ -228,7 +171,9 @@ class _OpRecorder(TorchDispatchMode):
         ids = self.recorder._ids
         keys = [k for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) for k in [ids.key(t)] if k is not None]
         self.recorder._ops[block].append((_op_class(func) or "other", elapsed, keys))
+        self.recorder._clock_ns += elapsed
         part = self.recorder._part
+        self.recorder._op_parts[block].append(part)
         if part is not None:
             self.recorder._part_ns[part] += elapsed
         return out
@@ -263,6 +208,16 @@ class ActivationRecorder:
         self._part: str | None = None
         self._saved_part: dict[int, str | None] = {}  # storage id -> part it was first saved in (None: no part)
         self._part_ns: dict[str, int] = {}
+        self._op_parts: dict[str, list[str | None]] = {}  # block -> the part each of its ops ran in
+        # Block or part -> how many of the block's ops ran before its last saved tensor was packed. A checkpoint's
+        # recompute stops there (torch's early stop; inputs are packed before the op's kernel runs): the ops after
+        # it (the MLP's second linear, whose input is saved but whose output is not) are not run again.
+        self._last_pack: dict[str, int] = {}
+        # The norms and activations of each block, whose outputs may be recomputed from their inputs alone.
+        self.cheap = {name: cheap_modules(name, block) for name, block in self.blocks}
+        self._cheap_calls: dict[str, list[tuple[str, int, int, int]]] = {}  # block -> [(module, in, out, op ns)]
+        self._cheap_began: dict[str, int] = {}
+        self._clock_ns = 0  # the ops' time so far
         self._wall_ns: dict[str, int] = {}  # block -> wall time of its forward, the recorder's own cost included
         self._entered_ns = 0
         self._ids = _StorageIds()
@@ -288,7 +243,9 @@ class ActivationRecorder:
         self._outputs = {name: set() for name in regions}
         self._saved, self._saved_part, self._part = {}, {}, None
         self._part_ns = {n: 0 for parts in self.parts.values() for n, _ in parts}
+        self._op_parts, self._last_pack = {name: [] for name, _ in self.blocks}, {}
         self._wall_ns = {name: 0 for name, _ in self.blocks}
+        self._cheap_calls, self._cheap_began, self._clock_ns = {name: [] for name, _ in self.blocks}, {}, 0
         self._ids = _StorageIds()
         keys = (self._ids.key(t) for t in (*self.model.parameters(), *self.model.buffers()))
         self._excluded = {key for key in keys if key is not None}
@@ -300,6 +257,11 @@ class ActivationRecorder:
                 enter_part = functools.partial(self._enter_part, name, part)
                 self._handles.append(module.register_forward_pre_hook(enter_part, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(functools.partial(self._leave_part, part)))
+            for qualname, module in self.cheap[name]:
+                enter_cheap = functools.partial(self._enter_cheap, qualname)
+                self._handles.append(module.register_forward_pre_hook(enter_cheap, with_kwargs=True))
+                leave = functools.partial(self._leave_cheap, name, qualname)
+                self._handles.append(module.register_forward_hook(leave))
         try:
             self._probe = MemoryProbe(self.device)
             self._before = self._probe.allocated()
@@ -366,6 +328,18 @@ class ActivationRecorder:
             self._part = None
             self._note(self._outputs[part], output)
 
+    def _enter_cheap(self, qualname: str, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self._current is not None and not kwargs:  # called as the recompute calls it: one positional input
+            self._cheap_began[qualname] = self._clock_ns
+
+    def _leave_cheap(self, block: str, qualname: str, module: nn.Module, args: Any, output: Any) -> None:
+        began = self._cheap_began.pop(qualname, None)
+        if began is None or self._current != block or len(args) != 1 or not isinstance(output, torch.Tensor):
+            return
+        key, out = (self._ids.key(args[0]) if isinstance(args[0], torch.Tensor) else None), self._ids.key(output)
+        if key is not None and out is not None:
+            self._cheap_calls[block].append((qualname, key, out, self._clock_ns - began))
+
     def _note(self, keys: set[int], tensors: Any) -> None:
         for t in tree_flatten(tensors)[0]:
             key = self._ids.key(t) if isinstance(t, torch.Tensor) else None
@@ -373,6 +347,10 @@ class ActivationRecorder:
                 keys.add(key)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._current is not None:
+            self._last_pack[self._current] = len(self._ops[self._current])
+            if self._part is not None:
+                self._last_pack[self._part] = len(self._ops[self._current])
         key = self._ids.key(t)
         if key is not None and key not in self._excluded and key not in self._saved:
             self._saved[key] = self._current
@@ -409,7 +387,7 @@ class ActivationRecorder:
                 part: (
                     sum(size[k] for k, p in self._saved_part.items() if p == part),
                     sum(size[k] for k in self._kept_when_checkpointed(part, self._saved_part)),
-                    self._part_ns[part] / 1e9,
+                    self._recompute_ns(name, part) / 1e9,
                 )
                 for part, _ in self.parts[name]
             }
@@ -417,7 +395,16 @@ class ActivationRecorder:
             useful = {p: v for p, v in parts.items() if v[0] > v[1]}  # a part that frees nothing is no option
             profiles.append(
                 BlockProfile(
-                    name, saved, inputs_bytes, forward_ns / 1e9, kept, recompute, dict(sorted(counts.items())), useful
+                    name,
+                    saved,
+                    inputs_bytes,
+                    forward_ns / 1e9,
+                    kept,
+                    recompute,
+                    dict(sorted(counts.items())),
+                    useful,
+                    self._recomputable(name),
+                    self._recompute_ns(name, name) / 1e9,
                 )
             )
         inside = sum(p.saved_bytes for p in profiles)
@@ -425,12 +412,45 @@ class ActivationRecorder:
             total, total - inside, tuple(profiles), measured, self._probe.sample().source if self._probe else None
         )
 
+    def _recompute_ns(self, block: str, region: str) -> int:
+        """Time of the ops a checkpointed ``region`` (the block or one of its parts) runs again: its ops before
+        the one that packed its last saved tensor (see ``_last_pack``)."""
+        last = self._last_pack.get(region, 0)
+        ops, parts = self._ops[block], self._op_parts[block]
+        return sum(ops[i][1] for i in range(min(last, len(ops))) if region == block or parts[i] == region)
+
+    def _recomputable(self, name: str) -> dict[str, tuple[str | None, int, float]]:
+        """The norms and activations of block ``name`` whose output can be dropped and made again from an input that
+        stays saved anyway: ``{module: (part its output is first saved in or None, bytes freed, recompute s)}``.
+
+        The output must be saved for backward first inside the block (not its input or output, which live on), and the
+        input saved inside the block too (or be the block's input, saved by an earlier block or by this one), outside
+        the parts or in the output's part: then dropping the output frees its bytes and keeps nothing new alive.
+        """
+        order = {block: index for index, (block, _) in enumerate(self.blocks)}
+        found: dict[str, tuple[str | None, int, float]] = {}
+        for qualname, key, out, ns in self._cheap_calls[name]:
+            if qualname in found or self._saved.get(out, "") != name:
+                continue
+            if out in self._outputs[name] or out in self._inputs[name]:
+                continue
+            region = self._saved_part.get(out)
+            owner = self._saved.get(key, "")
+            inside = owner == name and self._saved_part.get(key) in (None, region)
+            before = key in self._inputs[name] and owner in order and order[owner] <= order[name]
+            if inside or before:
+                found[qualname] = (region, self._ids.sizes[out], ns / 1e9 + _RECIPE_S)
+        return found
+
     def _kept_when_checkpointed(self, region: str, owner: dict[int, str | None]) -> set[int]:
         """The storages a checkpointed region still keeps: its inputs (the checkpoint holds them; those it saved first
         or nobody saved count here) and those of its outputs it saved itself (a ReLU saves its result), which stay
         alive as the next region's input."""
         inputs = {k for k in self._inputs[region] if owner.get(k, region) == region}
         return inputs | {k for k in self._outputs[region] if owner.get(k) == region}
+
+
+_RECIPE_S = 20e-6  # the saved-tensor hooks' own cost per recomputed output (pack, unpack, a module call in Python)
 
 
 def _parts_of(name: str, block: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -463,239 +483,6 @@ def profile_activations(
         recorder.close()
         raise
     return recorder.stop(), output
-
-
-# ------------------------------------------------------------------------------------------------------ planning
-
-
-@dataclass(frozen=True)
-class BlockChoice:
-    """How one block runs under a :class:`CheckpointPlan`.
-
-    Attributes:
-        name: the block's qualified name.
-        mode: ``"none"``, ``"selective"``, ``"parts"`` (some of its children checkpointed, fully) or ``"full"``.
-        kept_ops: for ``"selective"``, the op classes whose outputs are kept (``("matmul", "conv", "attention")``).
-        expected_kept_bytes: activation bytes the block is expected to keep for backward.
-        expected_recompute_s: expected recompute time per step.
-        parts: for ``"parts"``, the qualified names of the children checkpointed.
-    """
-
-    name: str
-    mode: str
-    kept_ops: tuple[str, ...]
-    expected_kept_bytes: int
-    expected_recompute_s: float
-    parts: tuple[str, ...] = ()
-
-    @property
-    def regions(self) -> tuple[str, ...]:
-        """The modules checkpointed for this choice: the block, its chosen parts, or none."""
-        return () if self.mode == "none" else self.parts if self.mode == "parts" else (self.name,)
-
-
-@dataclass(frozen=True)
-class CheckpointPlan:
-    """Which blocks to checkpoint, how, and what it is expected (and, once run, measured) to keep and cost.
-
-    Attributes:
-        budget: the fraction of the no-checkpointing activation memory asked for.
-        choices: one :class:`BlockChoice` per candidate block.
-        baseline_bytes: activation bytes kept without checkpointing (saved-tensor sizes).
-        expected_bytes: activation bytes expected under the plan.
-        expected_recompute_s: expected recompute time per step.
-        forward_s: time of the profiled forward's ops inside the candidate blocks.
-        reachable: False when even full checkpointing of every candidate cannot meet the budget.
-        measured_bytes: allocator growth over a forward under the plan (activations kept plus the output), once
-            measured; compared with ``baseline_bytes``, which the allocator matches without checkpointing (the
-            profiled step's own allocator growth also holds first-call allocations, so it is not the baseline).
-    """
-
-    budget: float
-    choices: tuple[BlockChoice, ...]
-    baseline_bytes: int
-    expected_bytes: int
-    expected_recompute_s: float
-    forward_s: float
-    reachable: bool = True
-    measured_bytes: int | None = None
-
-    @property
-    def checkpointed(self) -> list[BlockChoice]:
-        """The blocks the plan checkpoints (selective, parts of them, or full)."""
-        return [c for c in self.choices if c.mode != "none"]
-
-    @property
-    def regions(self) -> list[str]:
-        """The qualified names of the modules the plan checkpoints (blocks, or their parts)."""
-        return [name for c in self.choices for name in c.regions]
-
-    @property
-    def expected_ratio(self) -> float:
-        """Expected activation memory as a fraction of no checkpointing."""
-        return self.expected_bytes / self.baseline_bytes if self.baseline_bytes else 1.0
-
-    @property
-    def measured_ratio(self) -> float | None:
-        """Measured (allocator) activation memory as a fraction of no checkpointing, once both are measured."""
-        if self.measured_bytes is None or not self.baseline_bytes:
-            return None
-        return self.measured_bytes / self.baseline_bytes
-
-    def with_measurement(self, measured_bytes: int) -> CheckpointPlan:
-        """This plan with the allocator's figure for a forward under it."""
-        return replace(self, measured_bytes=measured_bytes)
-
-    def describe(self) -> str:
-        """The plan in a few lines: blocks, kept ops, expected (and measured) memory and recompute time."""
-        full = [c.name for c in self.choices if c.mode == "full"]
-        selective: dict[tuple[str, ...], list[str]] = {}
-        for c in self.choices:
-            if c.mode == "selective":
-                selective.setdefault(c.kept_ops, []).append(c.name)
-        lines = [
-            f"memory_budget={self.budget:g}: checkpointing in {len(self.checkpointed)} of {len(self.choices)} blocks "
-            f"(least recompute within the budget)"
-        ]
-        if full:
-            lines.append(f"  full ({len(full)}): {_abbreviate(full)}")
-        for ops, names in selective.items():
-            lines.append(f"  selective, keeping {'/'.join(ops)} outputs ({len(names)}): {_abbreviate(names)}")
-        parts = [p for c in self.choices if c.mode == "parts" for p in c.parts]
-        if parts:
-            lines.append(f"  parts of blocks ({len(parts)}): {_abbreviate(parts)}")
-        if not self.checkpointed:
-            lines.append("  none: the budget is met without checkpointing")
-        recompute = (
-            f"{self.expected_recompute_s * 1e3:.1f} ms recompute per step"
-            f" ({self.expected_recompute_s / self.forward_s:.0%} of the blocks' forward)"
-            if self.forward_s > 0
-            else "no recompute"
-        )
-        lines.append(
-            f"  expected: activation memory {_mib(self.expected_bytes)} of {_mib(self.baseline_bytes)} "
-            f"({self.expected_ratio:.2f}x of no checkpointing, saved-tensor sizes), {recompute}"
-        )
-        if self.measured_ratio is not None:
-            lines.append(
-                f"  measured: {_mib(self.measured_bytes or 0)} ({self.measured_ratio:.2f}x; allocator growth over "
-                "the first checkpointed forward, one step)"
-            )
-        if not self.reachable:
-            lines.append(
-                f"  the budget is out of reach: checkpointing every candidate block fully keeps "
-                f"{self.expected_ratio:.2f}x (activations saved outside the blocks, or the blocks' inputs, remain)"
-            )
-        return "\n".join(lines)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def _abbreviate(names: list[str], keep: int = 6) -> str:
-    if len(names) <= keep:
-        return ", ".join(names)
-    return ", ".join(names[: keep - 2]) + f", ... ({len(names) - keep + 2} more), " + ", ".join(names[-2:])
-
-
-_Option = tuple[float, int, str, tuple[str, ...]]  # (recompute s, kept bytes, mode, kept op classes or part names)
-
-
-def _part_options(block: BlockProfile) -> list[tuple[float, int, str, tuple[str, ...]]]:
-    """Checkpointing some of a block's parts (every subset of up to three parts; else each alone, and all)."""
-    names = list(block.parts)  # in the order of the block's children, as `named_modules` lists them
-    if len(names) <= 3:
-        subsets = [c for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)]
-    else:
-        subsets = [(n,) for n in names] + [tuple(names)]
-    options = []
-    for subset in subsets:
-        freed = sum(block.parts[p][0] - block.parts[p][1] for p in subset)
-        options.append((sum(block.parts[p][2] for p in subset), block.saved_bytes - freed, "parts", subset))
-    return options
-
-
-def _block_options(block: BlockProfile) -> list[_Option]:
-    """A block's options: none, each selective policy, some of its parts, full."""
-    options: list[_Option] = [(0.0, block.saved_bytes, "none", ())]
-    for policy, classes in _POLICIES.items():
-        present = tuple(c for c in classes if block.op_counts.get(c))
-        if present and policy in block.kept_bytes and block.kept_bytes[policy] < block.saved_bytes:
-            options.append((max(block.recompute_s[policy], 0.0), block.kept_bytes[policy], "selective", present))
-    options.extend(_part_options(block))
-    options.append((block.forward_s, min(block.input_bytes, block.saved_bytes), "full", ()))
-    return options
-
-
-def _knapsack(options: list[list[_Option]], unit: float, cap: int) -> list[_Option] | None:
-    """One option per block, the least total time with at most ``cap`` units of memory (None when nothing fits)."""
-    import numpy as np
-
-    best = np.zeros(cap + 1)  # least recompute time with at most j units kept, over the blocks so far
-    picks = []
-    for block_options in options:
-        new = np.full(cap + 1, np.inf)
-        pick = np.full(cap + 1, -1)
-        for index, (seconds, kept, _, _) in enumerate(block_options):
-            weight = math.ceil(kept / unit - 1e-9)
-            if weight > cap:
-                continue
-            candidate = best[: cap + 1 - weight] + seconds
-            better = candidate < new[weight:]
-            new[weight:][better] = candidate[better]
-            pick[weight:][better] = index
-        best = new
-        picks.append(pick)
-    if not math.isfinite(best[cap]):
-        return None
-    chosen, j = [], cap
-    for block_options, pick in zip(reversed(options), reversed(picks)):
-        option = block_options[int(pick[j])]
-        chosen.append(option)
-        j -= math.ceil(option[1] / unit - 1e-9)
-    return chosen[::-1]
-
-
-def plan_checkpointing(profile: ActivationProfile, budget: float, resolution: int = 2000) -> CheckpointPlan:
-    """Choose per block none / selective / parts / full checkpointing: the least recompute time that keeps at most
-    ``budget`` x the activations of no checkpointing.
-
-    A multiple-choice knapsack, solved exactly by dynamic programming over the memory left (in ``resolution`` steps,
-    each option's memory rounded up, so the plan never exceeds the budget): one option per block, the least total
-    recompute time within the budget. It keeps as much as the budget allows where keeping saves time, so the plan
-    lands just under the budget rather than far below it. When even full checkpointing of every block exceeds the
-    budget, every block is checkpointed fully and the plan says it is out of reach.
-    """
-    budget = validate_memory_budget("plan_checkpointing", budget)
-    target = budget * profile.total_saved_bytes
-    options = [_block_options(block) for block in profile.blocks]
-    room = target - profile.outside_bytes
-    least = sum(min(o[1] for o in block_options) for block_options in options)
-    current = [min(block_options, key=lambda o: (o[1], o[0])) for block_options in options]  # the least memory
-    if room >= least and options:
-        unit = max(room / resolution, 1.0)
-        # Each option's memory rounded up to whole units: with len(options) units of slack first (the exact plan,
-        # checked), then without (never over the budget).
-        for cap in (int(room // unit) + len(options), int(room // unit)):
-            chosen = _knapsack(options, unit, cap)
-            if chosen is not None and sum(o[1] for o in chosen) <= room:
-                current = chosen
-                break
-    total = profile.outside_bytes + sum(o[1] for o in current)
-    choices = tuple(
-        BlockChoice(block.name, mode, () if mode == "parts" else ops, kept, recompute, ops if mode == "parts" else ())
-        for block, (recompute, kept, mode, ops) in zip(profile.blocks, current)
-    )
-    return CheckpointPlan(
-        budget=budget,
-        choices=choices,
-        baseline_bytes=profile.total_saved_bytes,
-        expected_bytes=total,
-        expected_recompute_s=sum(c.expected_recompute_s for c in choices),
-        forward_s=sum(b.forward_s for b in profile.blocks),
-        reachable=total <= target,
-    )
 
 
 # ------------------------------------------------------------------------------------------------------ applying
@@ -742,7 +529,12 @@ def apply_plan(model: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool 
         context_fn = selective_context_fn(choice.kept_ops) if choice.mode == "selective" else None
         for name in choice.regions:
             module = model.get_submodule(name)
-            if patch_forward(module, functools.partial(_checkpointed, preserve_rng_state, context_fn)) is not None:
+            if name == choice.name and choice.recomputed:
+                recomputed = [model.get_submodule(n) for n in choice.recomputed]
+                patch: Any = patch_forward(module, functools.partial(RecomputeCheapForward, modules=recomputed))
+            else:
+                patch = patch_forward(module, functools.partial(_checkpointed, preserve_rng_state, context_fn))
+            if patch is not None:
                 wrapped.append(name)
     return wrapped
 

@@ -237,7 +237,7 @@ def test_plan_lands_just_under_the_budget_at_the_least_recompute(budget: float) 
     # On 4 blocks: the least recompute time of every combination of the blocks' options within the budget.
     from itertools import product
 
-    from lightning_perf.functional.checkpoint_budget import _block_options
+    from lightning_perf.functional.checkpoint_plan import _block_options
 
     blocks = many[:4]
     profile = ActivationProfile(4000 + 200, 200, blocks)
