@@ -43,7 +43,7 @@ _AVX512 = ("avx512f", "amx_tile", "amx_bf16", "amx_int8")
 _FLAGS_SHOWN = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
 _OBSERVERS = {  # examples/observer_overhead.py's configuration keys
     "bottleneck": "`BottleneckCallback`",
-    "memory": "`MemoryProfilerCallback` (every 10 steps)",
+    "memory": "`MemoryProfilerCallback`",
     "memory-every-step": "`MemoryProfilerCallback` (every step)",
     "simple": "Lightning `SimpleProfiler`",
     "advanced": "Lightning `AdvancedProfiler`",
@@ -283,21 +283,29 @@ def autotune_table(results: Sequence[Result]) -> list[str]:
 
 
 def observers_table(result: Result) -> list[str]:
-    """One row per step size and configuration: step time, ratio to no observer with its interval, self-report."""
-    cells = []
+    """One row per step size and configuration: step time, ratio to no observer with its interval, self-report.
+
+    Reads both result formats of examples/observer_overhead.py: the current one (``step_mean_s``: each fit's mean
+    step, ``self_minus_outside_pp``) and the earlier one (``step_median_s`` only)."""
+    cells, mean = [], False
     for size, configs in result.data["results"].items():
         for name, e in configs.items():
             low, high = e.get("ratio_to_none_ci95") or (None, None)
             own = sorted(e.get("self_reported_share") or [])
             end = sorted(e.get("end_of_fit_extra_s") or [])
+            mean = mean or "step_mean_s" in e
+            gap = e.get("self_minus_outside_pp")
+            digits = 4 if "step_mean_s" in e else 3
             cells.append([
                 f"{size}: {_OBSERVERS.get(name, name)}",
-                _seconds(e.get("step_median_s")),
-                "-" if name == "none" else f"{e['ratio_to_none']:.3f}x [{low:.2f}-{high:.2f}]",
+                _seconds(e.get("step_mean_s", e.get("step_median_s"))),
+                "-" if name == "none" else f"{e['ratio_to_none']:.{digits}f}x [{low:.{digits}f}-{high:.{digits}f}]",
                 f"{own[len(own) // 2]:.2%} ({own[0]:.2%}-{own[-1]:.2%})" if own else "",
+                f"{gap:+.2f} pp" if gap is not None else "",
                 _seconds(end[len(end) // 2]) if end and name != "none" else "",
             ])  # fmt: skip
-    header = ["steps: configuration", "median step", "ratio to none [95%]", "self-report (median; range)", "end of fit"]
+    header = ["steps: configuration", "mean step" if mean else "median step", "ratio to none [95%]",
+              "self-report (median; range)", "self - outside", "end of fit"]  # fmt: skip
     return _table(header, cells)
 
 
@@ -362,7 +370,7 @@ def render_section(results: Sequence[Result]) -> list[str]:
             table, state = bench_table(r)
             lines += ["", caption(r, f"{r.workload}, {'training' if stage == 'fit' else stage}", state), *table]
         elif r.format == "observers":
-            lines += ["", caption(r, "observers' own cost (convnet tiny, CPU)"), *observers_table(r)]
+            lines += ["", caption(r, "observers' own cost (short: tiny MLP; long: convnet, CPU)"), *observers_table(r)]
         else:
             model = str((r.data.get("metadata") or {}).get("model_class", "model")).rsplit(".", 1)[-1]
             lines += ["", caption(r, f"{model}: the quantized int8 model against fp32"), *quantized_table(r)]

@@ -1,31 +1,42 @@
 """What observing costs, measured from outside: this library's observers against no observer and Lightning's profilers.
 
-The same short fit runs once per configuration and step size, several rounds, interleaved in one process (the order
-rotated every round so machine drift spreads evenly; every run gets a fresh model from the same seed). A callback
-placed before all others times each step from one ``on_train_batch_end`` to the next (data loading included); the
-first ``--warmup`` steps are dropped. Printed per step size and configuration:
+Design, so that a cost of a few tenths of a percent can be resolved:
 
-- the steady step time and its ratio to no observer, paired within each round, with a 95% interval
-  (:func:`~lightning_perf.profiling.intervals.paired_ratio`);
-- beside it, what this library's observers report about themselves (``report["overhead"]["share_of_step"]``: their
-  hooks' calls counted, one step in 17 timed end to end, Lightning's dispatch per call timed once at fit start): the
-  outside figure minus 1 and the self-report should agree;
-- the end of fit: the time from the last step's end until ``fit`` returns, minus the same for no observer (the
-  observers' reports, a profiler's summary).
+- **many short segments, interleaved, in one process**: a round runs every configuration once, a short fit each
+  (``--steps`` measured steps after ``--warmup`` dropped ones), in an order shuffled per round (seeded), so drift
+  and a busy neighbour spread over all; many rounds (``--rounds``);
+- **paired per round**: the figure of a fit is its **mean** step time over the measured steps (the time from the end of
+  the last warm-up step to the end of the last step, over their count: a rare dear step, such as a snapshot every 50
+  steps, counts in full, which a median would drop); each configuration's figure is divided by the no-observer fit of
+  the same round, and :func:`~lightning_perf.profiling.intervals.paired_ratio` gives the mean ratio with its 95% t
+  interval over rounds;
+- **a fair comparison**: every fit gets a fresh model from the same seed, the same data in the same order, the same
+  Trainer settings and the same logger (one that discards, at the Trainer's default ``log_every_n_steps``: observers
+  log as they would in a run), ``torch`` on ``--threads`` threads; garbage is collected before each fit.
+
+Sizes: ``short`` (a tiny MLP, 32-64-10, batch 32: about 2 ms steps on one core of a quiet 2-core EPYC, most of it
+Lightning's own per-step work; the output prints how much a plain PyTorch loop of the same model takes) and ``long``
+(the demos' convnet ``tiny`` at width 28: about 50 ms). Printed per size and configuration: the mean step; the ratio to
+no observer with its interval and the outside cost (ratio - 1); what this library's observers report about
+themselves (``report["overhead"]["share_of_step"]``, steady state: their hooks' calls counted, the dear ones timed
+whole, Lightning's dispatch per call timed at fit start) and its gap to the outside cost in percentage points; and the
+end of fit (from the last step's end until ``fit`` returns, minus the same for no observer: reports, summaries).
 
 Configurations: ``none``; ``bottleneck`` (``BottleneckCallback()``); ``memory`` (``MemoryProfilerCallback()``);
 ``simple`` (Lightning's ``SimpleProfiler``); ``advanced`` (Lightning's ``AdvancedProfiler``, with ``--advanced``).
-Step sizes: ``short`` (convnet tiny, the demos' shortest steps: a few milliseconds on one thread of a quiet machine)
-and ``long`` (the same net 5x wider, several times longer); the table shows the step time measured. Run it on a quiet
-machine: on a busy one the intervals widen and say so. Usage::
+Run it on a quiet machine: on a busy one the intervals widen and say so. Usage::
 
     python examples/observer_overhead.py --quick                 # a smoke run, well under a minute
-    python examples/observer_overhead.py --rounds 7 --advanced --output overhead.json
+    python examples/observer_overhead.py --rounds 30 --output overhead.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
+import logging
+import random
 import statistics
 import tempfile
 import time
@@ -36,7 +47,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.profilers import AdvancedProfiler, SimpleProfiler
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_perf.callbacks import BottleneckCallback, MemoryProfilerCallback
 from lightning_perf.demos import make_workload
@@ -44,7 +58,50 @@ from lightning_perf.profiling import format_seconds, write_json
 from lightning_perf.profiling.intervals import paired_ratio
 from lightning_perf.profiling.report import text_table
 
-SIZES: dict[str, dict[str, Any]] = {"short": {}, "long": {"width": 40}}  # convnet "tiny" model overrides
+LONG_WIDTH = 28  # convnet "tiny" width of the long steps
+BATCH = 32
+
+
+class TinyMLP(pl.LightningModule):
+    """The short steps: so little compute that Lightning's own per-step work is most of the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class NullLogger(Logger):
+    """A logger that keeps nothing: every configuration logs at the Trainer's interval, none pays for storage."""
+
+    name, version = "null", 0  # type: ignore[assignment]
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def workload(size: str, steps: int) -> tuple[pl.LightningModule, Any]:
+    """A fresh model from seed 0 and its data (one epoch covers the fit): ``(module, loader or datamodule)``."""
+    if size == "short":
+        torch.manual_seed(0)
+        generator = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(steps * BATCH, 32, generator=generator),
+                             torch.randint(0, 10, (steps * BATCH,), generator=generator))  # fmt: skip
+        return TinyMLP(), DataLoader(data, batch_size=BATCH)
+    model, datamodule = make_workload("convnet", "tiny", seed=0, width=LONG_WIDTH)
+    datamodule.num_samples["train"] = steps * datamodule.batch_size
+    return model, datamodule
 
 
 class StepClock(pl.Callback):
@@ -56,16 +113,20 @@ class StepClock(pl.Callback):
     def on_train_batch_end(self, *args: Any) -> None:
         self.ends.append(time.perf_counter_ns())
 
-    def steps_s(self, warmup: int) -> list[float]:
-        return [(b - a) / 1e9 for a, b in zip(self.ends, self.ends[1:])][warmup:]
+    def mean_s(self, warmup: int) -> float:
+        ends = self.ends[warmup - 1 :]
+        return (ends[-1] - ends[0]) / 1e9 / (len(ends) - 1)
+
+    def median_s(self, warmup: int) -> float:
+        return statistics.median((b - a) / 1e9 for a, b in zip(self.ends[warmup - 1 :], self.ends[warmup:]))
 
 
 def configurations(out: Path, advanced: bool) -> dict[str, Callable[[], dict[str, Any]]]:
     """Name -> the extra Trainer arguments (fresh objects for every run); observers at their defaults."""
     configs: dict[str, Callable[[], dict[str, Any]]] = {
         "none": dict,
-        "bottleneck": lambda: {"callbacks": [BottleneckCallback(dirpath=str(out))]},
-        "memory": lambda: {"callbacks": [MemoryProfilerCallback(dirpath=str(out))]},
+        "bottleneck": lambda: {"callbacks": [BottleneckCallback(dirpath=str(out), verbose=False)]},
+        "memory": lambda: {"callbacks": [MemoryProfilerCallback(dirpath=str(out), verbose=False)]},
         "simple": lambda: {"profiler": SimpleProfiler(dirpath=out, filename="simple")},
     }
     if advanced:
@@ -74,17 +135,18 @@ def configurations(out: Path, advanced: bool) -> dict[str, Callable[[], dict[str
 
 
 def run_once(args: argparse.Namespace, size: str, extra: dict[str, Any], out: Path) -> dict[str, Any]:
-    """One fit: its steady step times, the observer's self-reported share, and the time after the last step."""
+    """One fit: its mean and median steady step, the observer's self-reported share, the time after the last step."""
+    steps = args.warmup + (args.steps if size == "short" else args.long_steps)
     pl.seed_everything(0, verbose=False)
-    model, data = make_workload("convnet", "tiny", seed=0, **SIZES[size])
+    model, data = workload(size, steps)
     clock = StepClock()
     observers = extra.pop("callbacks", [])
     trainer = pl.Trainer(
-        max_steps=args.steps,
+        max_steps=steps,
         accelerator="cpu",
         devices=1,
         callbacks=[clock, *observers],
-        logger=False,
+        logger=NullLogger(),
         limit_val_batches=0,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -92,48 +154,78 @@ def run_once(args: argparse.Namespace, size: str, extra: dict[str, Any], out: Pa
         default_root_dir=out,
         **extra,
     )
-    trainer.fit(model, datamodule=data)
+    gc.collect()
+    if isinstance(data, DataLoader):
+        trainer.fit(model, data)
+    else:
+        trainer.fit(model, datamodule=data)
     tail_s = (time.perf_counter_ns() - clock.ends[-1]) / 1e9
     own = [cb.report["overhead"]["share_of_step"] for cb in observers if getattr(cb, "report", None)]
-    return {"steps": clock.steps_s(args.warmup), "own": own[0] if own else None, "tail_s": tail_s}
+    return {"mean": clock.mean_s(args.warmup), "median": clock.median_s(args.warmup),
+            "own": own[0] if own else None, "tail_s": tail_s}  # fmt: skip
+
+
+def plain_step_s(size: str, steps: int = 200) -> float:
+    """The same model, batch and optimizer in a plain PyTorch loop: the median step without Lightning."""
+    model, data = workload(size, steps)
+    if not isinstance(data, DataLoader):
+        data.setup("fit")
+        data = data.train_dataloader()
+    optimizer = model.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    optimizer = optimizer[0][0] if isinstance(optimizer, tuple) else optimizer
+    ends = []
+    model.log = lambda *a, **k: None  # type: ignore[method-assign]
+    for index, batch in enumerate(data):
+        loss = model.training_step(batch, index)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        ends.append(time.perf_counter_ns())
+    return statistics.median((b - a) / 1e9 for a, b in itertools.pairwise(ends[20:]))
 
 
 def measure(args: argparse.Namespace, size: str, configs: dict[str, Callable[[], dict[str, Any]]], out: Path) -> Any:
-    """Every configuration once per round, the order rotated each round."""
-    names = list(configs)
+    """Every configuration once per round, in an order shuffled per round."""
+    names, order = list(configs), random.Random(0)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for index in range(args.rounds):
-        shift = index % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in order.sample(names, len(names)):
             runs[name].append(run_once(args, size, configs[name](), out))
-        medians = ", ".join(f"{n} {format_seconds(statistics.median(runs[n][-1]['steps']))}" for n in names)
-        print(f"{size} round {index + 1}/{args.rounds}: {medians}", flush=True)
+        if index % max(1, args.rounds // 10) == 0 or index == args.rounds - 1:
+            means = ", ".join(f"{n} {format_seconds(runs[n][-1]['mean'])}" for n in names)
+            print(f"{size} round {index + 1}/{args.rounds}: {means}", flush=True)
     return runs
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[list[object]], dict[str, Any]]:
-    """Table rows and JSON results: step, ratio to none with its interval, self-report, end-of-fit time."""
+    """Table rows and JSON results: step, ratio to none with its interval, self-report and its gap, end of fit."""
     base = runs["none"]
     rows: list[list[object]] = []
     results: dict[str, Any] = {}
     for name, mine in runs.items():
-        estimate = paired_ratio([r["steps"] for r in mine], [r["steps"] for r in base], above_one="slower",
+        estimate = paired_ratio([r["mean"] for r in mine], [r["mean"] for r in base], above_one="slower",
                                 below_one="faster")  # fmt: skip
         own = [r["own"] for r in mine if r["own"] is not None]
         tails = [r["tail_s"] - b["tail_s"] for r, b in zip(mine, base)]
-        step = statistics.median(statistics.median(r["steps"]) for r in mine)
+        step = statistics.median(r["mean"] for r in mine)
+        outside = estimate.ratio - 1
+        gap = 100 * (statistics.median(own) - outside) if own else None
         rows.append([
             name,
             format_seconds(step),
-            "-" if name == "none" else estimate.format(3),
-            "-" if name == "none" else f"{100 * (estimate.ratio - 1):+.2f}%",
+            "-" if name == "none" else estimate.format(4),
+            "-" if name == "none" else f"{100 * outside:+.2f}%",
             f"{100 * statistics.median(own):.2f}%" if own else "-",
+            f"{gap:+.2f} pp" if gap is not None else "-",
             "-" if name == "none" else format_seconds(statistics.median(tails)),
         ])  # fmt: skip
         results[name] = {
-            "step_median_s": step,
+            "step_mean_s": step,
+            "step_median_s": statistics.median(r["median"] for r in mine),
             **estimate.to_dict("ratio_to_none"),
             "self_reported_share": own or None,
+            "self_minus_outside_pp": gap,
             "end_of_fit_extra_s": tails,
         }
     return rows, results
@@ -141,29 +233,44 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[list[object]]
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--warmup", type=int, default=30, help="leading steps left out of each run")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--sizes", default="short,long", help=f"comma-separated, from {list(SIZES)}")
+    parser.add_argument("--steps", type=int, default=400, help="measured steps of a short-step fit")
+    parser.add_argument("--long-steps", type=int, default=50, help="measured steps of a long-step fit")
+    parser.add_argument("--warmup", type=int, default=60, help="leading steps left out of each fit (>= 51: the "
+                        "memory observer's dense leak readings before its first verdict are warm-up)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--sizes", default="short,long", help="comma-separated, from short, long")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the shortest steps)")
     parser.add_argument("--advanced", action="store_true", help="also Lightning's AdvancedProfiler (slow)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 40 steps, short steps only")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 rounds of 100 steps, short steps only")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup, args.rounds, args.sizes = 40, 10, 2, "short"
+        args.steps, args.rounds, args.sizes = 100, 3, "short"
     sizes = args.sizes.split(",")
-    if args.steps - args.warmup < 10 or args.rounds < 2 or any(s not in SIZES for s in sizes):
-        parser.error(f"need --steps >= --warmup + 10, --rounds >= 2 and sizes from {list(SIZES)}")
+    if min(args.steps, args.long_steps) < 10 or args.warmup < 2 or args.rounds < 2:
+        parser.error("need --steps and --long-steps >= 10, --warmup >= 2 and --rounds >= 2")
+    if any(s not in ("short", "long") for s in sizes):
+        parser.error("sizes are short and long")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")  # Lightning's and the profilers' notes would drown the table
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_perf"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     out = Path(tempfile.mkdtemp(prefix="observer-overhead-"))
     configs = configurations(out, args.advanced)
-    report: dict[str, Any] = {"arguments": {k: str(v) for k, v in vars(args).items()}, "results": {}}
+    report: dict[str, Any] = {"arguments": {k: str(v) for k, v in vars(args).items()}, "results": {}, "plain": {}}
     for size in sizes:
-        rows, report["results"][size] = summarize(measure(args, size, configs, out))
-        columns = ["configuration", "step", "ratio to none [95%]", "outside cost", "self-report", "end of fit +"]
-        print(text_table(columns, rows, title=f"{size} steps, {args.rounds} rounds of {args.steps}", width=100))
+        runs = measure(args, size, configs, out)
+        rows, report["results"][size] = summarize(runs)
+        plain, step = plain_step_s(size), report["results"][size]["none"]["step_mean_s"]
+        report["plain"][size] = {"plain_pytorch_step_s": plain, "lightning_step_s": step}
+        columns = ["configuration", "step (mean)", "ratio to none [95%]", "outside", "self-report", "self - outside",
+                   "end of fit +"]  # fmt: skip
+        measured = args.steps if size == "short" else args.long_steps
+        title = f"{size} steps: {args.rounds} rounds, {args.warmup} + {measured} steps a fit"
+        print(text_table(columns, rows, title=title, width=110))
+        print(f"{size}: the same model in a plain PyTorch loop takes {format_seconds(plain)} a step; with Lightning "
+              f"(no observer) {format_seconds(step)}: Lightning's own per-step work and data loading are "
+              f"{100 * max(0.0, 1 - plain / step):.0f}% of it.")  # fmt: skip
     if args.output is not None:
         write_json(report, args.output)
     return report

@@ -219,6 +219,19 @@ def hook_dispatch_ns(trainer: pl.Trainer, calls: int = 200, rounds: int = 5) -> 
     return statistics.median(per_call)
 
 
+def silence_hooks(callback: Callback, names: Iterable[str], silent: bool) -> None:
+    """Silence (or give back) hooks of ``callback``: a silenced hook is ``None`` on the instance, and Lightning skips a
+    callback's hook that is not callable (``lightning.pytorch.trainer.call._call_callback_hooks``: ``if callable(fn)``),
+    so it costs not even Lightning's dispatch (the profiler's context, the call: about a microsecond, per hook and
+    step). Giving back removes the instance attribute, so the class's method is found again. A copy must not carry
+    the ``None`` entries (leave them out of ``__getstate__``)."""
+    for name in names:
+        if silent:
+            setattr(callback, name, None)
+        else:
+            callback.__dict__.pop(name, None)
+
+
 def chart_opt_in_note(owner: str, stem: str) -> str:
     """What the report says when no chart was asked for: charts are opt-in because drawing one costs far more than
     the rest of the report."""

@@ -136,6 +136,7 @@ class BottleneckCallback(UndoOnExit):
         self._phases: StepPhases | None = None
         self._loader: LoaderSettings | None = None
         self._manual, self._last_logged, self._fit_start_ns, self._every = False, 0, 0, 0
+        self._log_next = False  # whether the next step is expected to log (its hooks are then timed whole)
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (a spawn launcher's, a deepcopy of the Trainer's callbacks) holds the settings and the last report,
@@ -157,8 +158,7 @@ class BottleneckCallback(UndoOnExit):
     def _enter(self, phase: str | None, only_from: str | None = None) -> None:
         """A hook inside the step (``only_from``: only while that phase runs): switch to ``phase`` (one clock read).
         Every call is counted in ``phases.cost``, and timed end to end on its timed steps."""
-        phases = self._phases
-        if phases is None:
+        if (phases := self._phases) is None:
             return
         entry = phases.cost.begin()
         if phases.step_open and (only_from is None or phases.current == only_from):
@@ -215,7 +215,7 @@ class BottleneckCallback(UndoOnExit):
         if phases is None:
             return
         entry = phases.cost.begin()
-        phases.begin_step("forward", pl_module)
+        phases.begin_step("forward", pl_module, heavy=self._log_next)  # a step expected to log is timed whole
         phases.cost.end(entry)
 
     @override
@@ -252,6 +252,7 @@ class BottleneckCallback(UndoOnExit):
             log_metrics(trainer, {f"bottleneck/{name}": value for name, value in metrics.items()})
             for key, value in bar.items() if self.progress_bar else ():
                 pl_module.log(key, value, prog_bar=True, logger=False)
+        self._log_next = bool(self._every) and trainer.global_step + 1 - self._last_logged >= self._every
         phases.cost.end(entry)
 
     @override

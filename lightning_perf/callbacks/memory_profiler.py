@@ -24,6 +24,7 @@ from lightning_perf.callbacks._observer import (
     log_metrics,
     report_dir,
     report_stem,
+    silence_hooks,
     write_reports,
 )
 from lightning_perf.callbacks._undo import UndoOnExit
@@ -44,6 +45,8 @@ from lightning_perf.profiling.report import text_table
 __all__ = ["POINTS", "MemoryProfilerCallback"]
 
 _REPORT_PATTERNS = (".json", ".png", "_history_rank*.pickle", "_oom_rank*.pickle")
+_SILENCED_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_train_batch_end")
+_QUIET_HOOKS = (*_SILENCED_HOOKS, "on_before_optimizer_step")
 
 
 class MemoryProfilerCallback(UndoOnExit):
@@ -51,7 +54,7 @@ class MemoryProfilerCallback(UndoOnExit):
 
     Points (``points``, default all, see :data:`POINTS`):
 
-    - ``after_data``: the batch is on the device (``on_train_batch_start``); the peak is reset right after it;
+    - ``after_data``: the batch is on the device (``on_train_batch_start``); the peak restarts from there;
     - ``after_forward``: the loss is computed (the first ``on_before_zero_grad`` or ``on_before_backward``);
     - ``after_backward``: gradients are computed (the last ``on_after_backward`` of the step);
     - ``after_optimizer``: the end of the step (``on_train_batch_end``).
@@ -63,8 +66,11 @@ class MemoryProfilerCallback(UndoOnExit):
     memory_steps.MemorySteps` says how and how often memory in use is read for it, whatever ``every_n_steps``): the
     verdict is renewed while training and at the end of fit, and a :class:`~lightning_perf.MeasurementWarning`
     containing "leak" names the phase that grows and its rate in KiB/step with its 95% interval, once per fit.
-    ``leak_threshold`` (bytes per step) is an optional extra bound, off by default. Its own cost (``overhead``):
-    every hook call counted, one step in 17 timed, Lightning's dispatch per call timed at fit start (``HookCost``).
+    ``leak_threshold`` (bytes per step) is an optional extra bound, off by default.
+
+    Its own cost: between readings a step costs one hook, a counter (on CPU the step's other hooks are silenced, not
+    even dispatched). Self-report (``overhead``, :class:`~lightning_perf.profiling.timer.HookCost`), steady state
+    from the first leak verdict: calls counted, reading steps timed whole, Lightning's dispatch timed at fit start.
 
     On CUDA, with ``record_history=True``, every allocation is recorded with its stack from the start of fit, and the
     history is written at the end of fit as ``<filename>_history_rank<R>.pickle``; with ``oom_snapshot=True`` a
@@ -78,9 +84,9 @@ class MemoryProfilerCallback(UndoOnExit):
     ``log_every_n_steps``; under DDP the peaks and growth rates are summarized across ranks at fit end.
 
     Args:
-        every_n_steps: take a full snapshot (allocated, reserved, peak and time at each point) of one training step in
-            this many (1: every step; default 50: a full snapshot costs about 3% of a 25 ms step when taken one step
-            in 10). The leak series reads ``allocated`` on its own schedule regardless.
+        every_n_steps: take a full snapshot (allocated, reserved, peak and time at each point) of one step in this many
+            (default 100: on CPU a snapshot, a heap walk and a /proc read per point, is about a tenth of a 2 ms step).
+            The leak series reads ``allocated`` on its own schedule regardless.
         points: which points to sample (names from :data:`POINTS`); ``None`` for all.
         warmup_steps: leading steps left out of the leak trend, at most (a shorter first epoch is left out instead).
         leak_threshold: optional extra bound: a point is reported as leaking only if it also grows by more than this
@@ -110,7 +116,7 @@ class MemoryProfilerCallback(UndoOnExit):
 
     def __init__(
         self,
-        every_n_steps: int = 50,
+        every_n_steps: int = 100,
         points: Sequence[str] | None = None,
         warmup_steps: int = 50,
         leak_threshold: float | None = None,
@@ -146,6 +152,7 @@ class MemoryProfilerCallback(UndoOnExit):
         self._oom_files: list[str] = []
         self._oom_handle: Any = None
         self._recording = False
+        self._silenced: bool | None = None  # whether the step's hooks are silenced now (None: never, e.g. CUDA)
         self._last_logged, self._stem, self._rank, self._epoch, self._every = 0, self.filename, 0, 0, 0
 
     @override
@@ -155,26 +162,23 @@ class MemoryProfilerCallback(UndoOnExit):
         self._every = live_interval(trainer, self.log_every_n_steps)  # 0: no logger to send figures to
         device, name = pl_module.device, type(self).__name__
         if device.type not in ("cpu", "cuda"):
-            warn_once(
-                f"`{name}` measures CPU and CUDA memory; the run is on {device.type}, so nothing is sampled.",
-                NoEffectWarning,
-            )
-            return
+            msg = f"`{name}` measures CPU and CUDA memory; the run is on {device.type}, so nothing is sampled."
+            return warn_once(msg, NoEffectWarning)
         probe = MemoryProbe(device)
         self._memory = MemorySteps(
             probe, self.points, self.every_n_steps, self.warmup_steps, self.leak_threshold, self.leak_min_samples
         )
         self._memory.cost.dispatch_ns = hook_dispatch_ns(trainer)
+        # Nothing is read before the optimizer step: that hook stays silent all fit; on CPU the others between readings.
+        self._silenced = False if device.type == "cpu" else None
+        silence_hooks(self, ("on_before_optimizer_step",), True)
         self._rank = trainer.global_rank
         self._directory = report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
         self._stem = report_stem(self._directory, self.filename, _REPORT_PATTERNS, self.overwrite)
         if device.type != "cuda":
             if self.record_history:
-                warn_once(
-                    f"`{name}(record_history=True)` records CUDA allocations only; the run is on {device.type}, so no "
-                    "history is written.",
-                    NoEffectWarning,
-                )
+                msg = f"`{name}(record_history=True)` records CUDA allocations only; the run is on {device.type}."
+                warn_once(msg + " No history is written.", NoEffectWarning)
             return
         if self.record_history:  # before the OOM observer: it initializes the allocator too
             cuda_history.start_history(self.history_max_entries)
@@ -182,8 +186,7 @@ class MemoryProfilerCallback(UndoOnExit):
         if self.oom_snapshot:
             self._oom_handle = cuda_history.on_out_of_memory(self._write_oom_snapshot)
 
-    def _write_oom_snapshot(self, device: int, alloc: int, *_: int) -> None:
-        """Out-of-memory listener: write the allocator's state where the reports go."""
+    def _write_oom_snapshot(self, device: int, alloc: int, *_: int) -> None:  # writes the allocator's state
         if self._directory is None:
             return
         path = self._directory / f"{self._stem}_oom_rank{self._rank}.pickle"
@@ -192,7 +195,9 @@ class MemoryProfilerCallback(UndoOnExit):
             self._oom_files.append(str(path))
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
-        """Stop the OOM listener and the history recording (teardown, and on an exception)."""
+        """Stop the OOM listener and the history recording, give the hooks back (teardown, and on an exception)."""
+        silence_hooks(self, _QUIET_HOOKS, False)
+        self._silenced = None
         if self._oom_handle is not None:
             self._oom_handle.remove()
             self._oom_handle = None
@@ -210,8 +215,9 @@ class MemoryProfilerCallback(UndoOnExit):
         super().on_exception(trainer, pl_module, exception)
 
     def __getstate__(self) -> dict[str, Any]:
-        # The out-of-memory listener and the history recording belong to this process's allocator.
-        return {**self.__dict__, "_oom_handle": None, "_recording": False}
+        # The OOM listener and the history recording belong to this process's allocator, silenced hooks to the run.
+        state = {k: v for k, v in self.__dict__.items() if k not in _QUIET_HOOKS}
+        return {**state, "_oom_handle": None, "_recording": False, "_silenced": None}
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -223,16 +229,20 @@ class MemoryProfilerCallback(UndoOnExit):
     ) -> None:
         memory = self._memory
         if memory is not None:
+            memory.plan_step()  # whether the step reads anything, and how its hooks are timed
             entry = memory.cost.begin()
-            memory.begin_step(self._epoch)  # decides whether this step's hooks are timed
+            memory.begin_step(self._epoch)
+            if memory.reading is self._silenced:  # (CPU) silence the step's other hooks while it reads nothing
+                self._silenced = not memory.reading
+                silence_hooks(self, _SILENCED_HOOKS, self._silenced)
             memory.cost.end(entry)
 
-    def _sample(self, point: str | None, overwrite: bool = False) -> None:
-        """Every hook inside the step: read ``point`` (None: nothing) if the step reads memory; counted and timed."""
+    def _sample(self, point: str, overwrite: bool = False) -> None:
+        """Every hook inside the step: read ``point`` if the step reads memory; counted and timed."""
         memory = self._memory
         if memory is not None:
             entry = memory.cost.begin()
-            if point is not None and memory.active:
+            if memory.active:
                 memory.sample(point, overwrite)
             memory.cost.end(entry)
 
@@ -249,17 +259,10 @@ class MemoryProfilerCallback(UndoOnExit):
         self._sample("after_backward", overwrite=True)
 
     @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
-    ) -> None:
-        self._sample(None)  # nothing read here; Lightning calls it anyway, so its dispatch is counted
-
-    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        memory = self._memory
-        if memory is None:
+        if (memory := self._memory) is None:
             return
         entry = memory.cost.begin()
         step = memory.end_step(self._epoch, time.perf_counter_ns())
@@ -279,13 +282,11 @@ class MemoryProfilerCallback(UndoOnExit):
             return
         if leaking := memory.check_leaks():
             warn_once(leak_message(type(self).__name__, leaking), MeasurementWarning)
-        history = None
-        if self._recording:
-            history = str(cuda_history.dump_snapshot(directory / f"{self._stem}_history_rank{self._rank}.pickle"))
+        history_path = directory / f"{self._stem}_history_rank{self._rank}.pickle"
+        history = str(cuda_history.dump_snapshot(history_path)) if self._recording else None
         files = {"history": history, "oom_snapshots": list(self._oom_files)}
         report = {"callback": type(self).__name__, **memory.summary(), "files": files}
-        ranks = across_ranks(trainer, pl_module, rank_values(report))
-        if ranks is not None:
+        if (ranks := across_ranks(trainer, pl_module, rank_values(report))) is not None:
             report["ranks"] = ranks
         self.report = report
         if trainer.is_global_zero:

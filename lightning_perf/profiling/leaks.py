@@ -51,6 +51,7 @@ __all__ = [
     "LeakSeries",
     "LeakTrend",
     "SlopeInterval",
+    "could_leak",
     "detect_leaks",
     "noise_floor",
     "rises_steadily",
@@ -346,6 +347,16 @@ def trend_of(
     )
 
 
+def could_leak(values: Sequence[int], min_samples: int = 30) -> bool:
+    """Two of :func:`trend_of`'s conditions, the cheap ones: at least ``min_samples`` readings, rising steadily in
+    each of the :data:`SEGMENTS` parts. False means :func:`trend_of` would not flag the point either, so a check
+    renewed while training can stop here (tens of microseconds) instead of fitting the trend (milliseconds)."""
+    n = len(values)
+    return n >= min_samples and all(
+        rises_steadily(values[s * n // SEGMENTS : (s + 1) * n // SEGMENTS]) for s in range(SEGMENTS)
+    )
+
+
 def detect_leaks(
     series: Mapping[str, tuple[Sequence[int], Sequence[int]]],
     threshold: float | None = None,
@@ -470,6 +481,19 @@ class LeakSeries:
         )
         self._values[rows:] = self._MISSING
         self.rows, self.stride, self._row = rows, stride, -1
+
+    def skip_step(self) -> None:
+        """A step known not to be recorded (:meth:`will_record` said so) begins: no row for it."""
+        self._row = -1
+
+    def will_record(self, step: int) -> bool:
+        """Whether :meth:`start_step` would open a row for ``step`` (at the current stride; a halving on that very
+        step can still make it skip)."""
+        return self.stopped_at is None and step % self.stride == 0
+
+    def wants(self, point: str, overwrite: bool = True) -> bool:
+        """Whether :meth:`record` of ``point`` would store a value now: a reading not worth taking otherwise."""
+        return self._row >= 0 and (overwrite or self._values[self._row, self._column[point]] == self._MISSING)
 
     @property
     def recording(self) -> bool:

@@ -302,15 +302,24 @@ class MemoryProbe:
             return int(info.uordblks + info.hblkhd)
         return self._rss_and_peak()[0]
 
-    def reset_peak(self) -> bool:
+    def reset_peak(self, level: MemorySample | None = None) -> bool:
         """Restart the peak from the current level (process-wide). Returns whether the reset was possible.
 
-        On CPU this writes ``5`` to ``/proc/self/clear_refs`` (Linux 4.0+). Where that is not permitted the peak
-        stays the process lifetime's, later samples say so (``peak_since_reset=False``) and a
-        :class:`~lightning_perf.MeasurementWarning` is emitted once.
+        On CPU this writes ``5`` to ``/proc/self/clear_refs`` (Linux 4.0+; a hundred microseconds or more in a large
+        process: the kernel walks its page tables). Where that is not permitted the peak stays the process lifetime's,
+        later samples say so (``peak_since_reset=False``) and a :class:`~lightning_perf.MeasurementWarning` is
+        emitted once.
+
+        Args:
+            level: a sample of this probe taken just now: on CPU, when its ``peak`` is its ``reserved`` (the resident
+                set is at its high-water mark, common under glibc, which keeps freed memory), the peak from now on is
+                already the peak since now, so nothing is written and the reset counts as done.
         """
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._peak_since_reset = True
+            return True
+        if level is not None and level.source == self.source and level.peak <= level.reserved:
             self._peak_since_reset = True
             return True
         try:

@@ -3,12 +3,15 @@
 A loop (Lightning's hooks in :class:`~lightning_perf.callbacks.MemoryProfilerCallback`, or a hand-written one) tells
 :class:`MemorySteps` where each step is; it takes a full :class:`~lightning_perf.profiling.MemorySample` at each point
 of one step in ``every_n_steps``, reads the cheap ``allocated`` at each point of every step until the first verdict,
-then (on CPU) of one step in four, into a :class:`~lightning_perf.profiling.LeakSeries`, and renews the leak verdict
-(:func:`~lightning_perf.profiling.detect_leaks`) on a schedule whose cost is a bounded share of the run::
+then (on CPU) at the last point of one step in 32, into a :class:`~lightning_perf.profiling.LeakSeries`, and renews
+the leak verdict (:func:`~lightning_perf.profiling.detect_leaks`) on a schedule whose cost is a bounded share of the
+run. A step that reads nothing says so beforehand (:meth:`MemorySteps.plan_step`, :attr:`MemorySteps.reading`), so a
+loop can skip its other calls::
 
     steps = MemorySteps(MemoryProbe("cpu"), every_n_steps=5, warmup_steps=10)
     for epoch in range(epochs):
         for batch in loader:
+            steps.plan_step()                      # steps.reading: whether this step reads anything
             steps.begin_step(epoch)                # "after_data"; the peak is reset on a sampled step
             loss = model(batch).sum()
             steps.sample("after_forward")
@@ -29,7 +32,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_perf.profiling.leaks import NOISE_FLOOR_STEPS, SEGMENTS, LeakSeries, LeakTrend, detect_leaks
+from lightning_perf.profiling.leaks import (
+    NOISE_FLOOR_STEPS,
+    SEGMENTS,
+    LeakSeries,
+    LeakTrend,
+    could_leak,
+    detect_leaks,
+)
 from lightning_perf.profiling.memory import MemoryProbe, MemorySample
 from lightning_perf.profiling.report import format_bytes, format_seconds, plot_lines
 from lightning_perf.profiling.stats import summarize
@@ -37,6 +47,7 @@ from lightning_perf.profiling.timer import HookCost
 
 __all__ = [
     "LEAK_CHECK_EVERY_N_STEPS",
+    "LEAK_READ_EVERY_N_STEPS_CPU",
     "PHASES",
     "POINTS",
     "MemorySteps",
@@ -62,6 +73,11 @@ PHASES: dict[str, str] = {
 LEAK_CHECK_EVERY_N_STEPS = 50
 """While training, the leak verdict is renewed after this many steps, then every quarter of the steps seen so far (at
 least this many), so that the checks cost a bounded share of the run; and at the end of fit."""
+
+LEAK_READ_EVERY_N_STEPS_CPU = 32
+"""After the first verdict, on CPU, the leak series reads the last sampled point of one step in this many: one glibc
+``mallinfo2`` heap walk per 32 steps. A walk visits every free chunk of every arena: a few percent of a 2 ms step in a
+training process (measured: 2.8% of the step, busy or not), so about 0.1% at this spacing."""
 
 _MIB = 1024.0 * 1024.0
 _MAX_REPORTED_SAMPLES = 20_000
@@ -104,10 +120,11 @@ class MemorySteps:
 
     Leak detection, by significance and with no absolute bound in bytes: memory in use (``allocated``) is read at
     each point of every step until the first verdict (:data:`LEAK_CHECK_EVERY_N_STEPS`), so that a large leak shows
-    at once; from then on, on CPU, of one step in as many as there are points (one glibc ``mallinfo2`` heap walk per
-    step on average; the earlier readings are thinned to the same spacing), on CUDA (the caching allocator's counter)
-    of every step; whatever ``every_n_steps``; into storage allocated once, so the series does not measure itself.
-    ``leak_min_samples`` counts these readings. Warm-up
+    at once; from then on, on CPU, at the last point of one step in :data:`LEAK_READ_EVERY_N_STEPS_CPU` (a glibc
+    ``mallinfo2`` heap walk each; the earlier readings are thinned to the same spacing, and a snapshot that falls on
+    the series' steps adds its points), on CUDA (the caching allocator's counter) at every point of every step;
+    whatever ``every_n_steps``; into storage allocated once, so the series does not measure itself.
+    ``leak_min_samples`` counts these readings: on CPU a verdict after warm-up needs about 30 x 32 steps. Warm-up
     is left out: the first epoch when it is shorter than ``warmup_steps`` steps, else the first ``warmup_steps`` steps
     (lazily built optimizer state, allocator arenas, the first validation run's caches). On the rest, for each point,
     :func:`~lightning_perf.profiling.detect_leaks` fits a Theil-Sen slope and Sen's distribution-free 95% interval,
@@ -120,13 +137,13 @@ class MemorySteps:
     rule holds on a calm GPU allocator and a busy CPU heap, for any model size. While training, the verdict is renewed
     on the last sampled point of the step every :data:`LEAK_CHECK_EVERY_N_STEPS` steps (then every quarter of the
     steps so far, :meth:`leak_check_due`), on every point when that one grows, and on every point at the end
-    (:meth:`check_leaks`); once a leak is found these readings stop (the full samples go on). Cost on CPU: one
-    ``mallinfo2`` call per step on average, microseconds on a healthy heap but tens of them on a fragmented one
-    (glibc walks its free chunks: the reason the points are not all read at every step), and a verdict every 50 or
-    more steps. The loop's own calls are counted and timed on :attr:`cost` (:class:`~lightning_perf.profiling.timer.
-    HookCost`), and reported as ``overhead``; what timing its calls cannot see is left out: a heap walk evicts the
-    CPU's caches, so the training work right after it may run slower (on short CPU steps an outside measurement has
-    shown more than the self-report).
+    (:meth:`check_leaks`; a renewal stops at :func:`~lightning_perf.profiling.leaks.could_leak`'s cheap screen
+    unless the readings rise steadily); once a leak is found these readings stop (the full samples go on). Cost on
+    CPU: ``mallinfo2`` walks every free chunk of every arena, microseconds on a fresh heap, a few percent of a 2 ms
+    step in a training process: the reason the points are not all read at every step. The loop's own calls are counted
+    and timed on :attr:`cost` (:class:`~lightning_perf.profiling.timer.HookCost`; steady state from the first verdict
+    on, the steps that read timed whole), and reported as ``overhead``; what timing its calls cannot see is left out
+    (a heap walk evicts the CPU's caches, so the training work right after it may run slower).
 
     Args:
         probe: what reads the memory (CPU or CUDA).
@@ -154,9 +171,14 @@ class MemorySteps:
         self.leak_threshold = leak_threshold
         self.leak_min_samples = leak_min_samples
         self.series = LeakSeries(self.points)
-        # After the first verdict, one step in `len(points)` on CPU: one glibc heap walk per step on average.
-        self._steady_stride = 1 if probe.device.type == "cuda" else len(self.points)
-        self.step_index = 0
+        cuda = probe.device.type == "cuda"
+        # After the first verdict, on CPU: the last point of one step in LEAK_READ_EVERY_N_STEPS_CPU (a heap walk each).
+        self._steady_stride = 1 if cuda else LEAK_READ_EVERY_N_STEPS_CPU
+        self._read_points = self.points  # the points the leak series reads (the last one only in CPU steady state)
+        self.step_index = 0  # steps begun (the running step's index is one less)
+        self._index = -1
+        self._planned = -1
+        self.reading = False  # whether the running step reads or checks anything (else its hooks can stay silent)
         self.sampling = False  # whether the running step is sampled
         self._current: dict[str, MemorySample] = {}
         self.steps: list[int] = []  # per sampled step: its index,
@@ -166,27 +188,48 @@ class MemorySteps:
         self.leak_start: int | None = None
         self.leak_found = False
         self._next_check = LEAK_CHECK_EVERY_N_STEPS
-        self.cost = HookCost()  # where the loop counts and times its own calls
-        self._first_end_ns: int | None = None
-        self._last_end_ns = 0
+        # Where the loop counts and times its own calls; the dense readings before the first verdict are warm-up.
+        self.cost = HookCost(first=LEAK_CHECK_EVERY_N_STEPS)
+        self._first_end: tuple[int, int] | None = None  # (step, ns) of the first steady step ended
+        self._last_end = (0, 0)
 
     @property
     def active(self) -> bool:
         """Whether the running step reads anything (a sampled step, or one in the leak series)."""
         return self.sampling or self.series.recording
 
+    def plan_step(self) -> None:
+        """Decide, before the next step's first hook, whether it reads or checks anything (:attr:`reading`) and how
+        its calls are timed (whole when it does); :meth:`begin_step` does it if the loop did not."""
+        index = self._planned = self.step_index
+        self.reading = (
+            index % self.every_n_steps == 0
+            or self.series.will_record(index)
+            or (not self.leak_found and index + 1 >= self._next_check)
+        )
+        self.cost.step(index, heavy=self.reading)
+
     def begin_step(self, epoch: int) -> None:
         """A step begins with its batch on the device: ``after_data``; a sampled step's peak is reset after it."""
-        self.cost.step(self.step_index)
-        if self.step_index == LEAK_CHECK_EVERY_N_STEPS and self._steady_stride > 1 and not self.leak_found:
+        if self._planned != self.step_index:
+            self.plan_step()
+        index = self._index = self.step_index
+        self.step_index += 1
+        if not self.reading:  # the common step: nothing to read
+            self.sampling = False
+            self.series.skip_step()
+            return
+        if index == LEAK_CHECK_EVERY_N_STEPS and self._steady_stride > 1 and not self.leak_found:
             self.series.coarsen(self._steady_stride)
-        self.series.start_step(self.step_index, epoch)
-        self.sampling = self.step_index % self.every_n_steps == 0
+            self._read_points = self.points[-1:]
+        self.series.start_step(index, epoch)
+        self.sampling = index % self.every_n_steps == 0
         if self.sampling:
             self._current = {"start": self.probe.sample()} if "after_data" not in self.points else {}
         self.sample("after_data")
         if self.sampling:
-            self.probe.reset_peak()
+            start = self._current.get("after_data") or self._current["start"]
+            self.probe.reset_peak(start)  # nothing to reset where the peak is the level already
 
     def sample(self, point: str, overwrite: bool = False) -> None:
         """Read ``point``: the full sample on sampled steps, the cheap ``allocated`` for the leak series always.
@@ -195,13 +238,13 @@ class MemorySteps:
         """
         if point not in self.points:
             return
-        probe, series = self.probe, self.series
+        series = self.series
         if self.sampling and (overwrite or point not in self._current):
-            sample = probe.sample()
+            sample = self.probe.sample()
             self._current[point] = sample
             series.record(point, sample.allocated, overwrite)
-        elif series.recording:
-            series.record(point, probe.allocated(), overwrite)
+        elif series.recording and point in self._read_points and series.wants(point, overwrite):
+            series.record(point, self.probe.allocated(), overwrite)
 
     def end_step(self, epoch: int, end_ns: int) -> dict[str, MemorySample] | None:
         """The step ends at ``end_ns`` (after its optimizer step): ``after_optimizer``, and the peak of a sampled step.
@@ -209,9 +252,10 @@ class MemorySteps:
         Returns:
             The sampled step's samples by point (``"end"``: the sample holding its peak), None for a step not sampled.
         """
-        if self._first_end_ns is None:
-            self._first_end_ns = end_ns
-        self._last_end_ns = end_ns
+        index = self._index
+        if self._first_end is None and index >= self.cost.first:
+            self._first_end = (index, end_ns)
+        self._last_end = (index, end_ns)
         self.sample("after_optimizer", overwrite=True)
         step = None
         if self.sampling:
@@ -219,10 +263,9 @@ class MemorySteps:
             step = self._current
             # The peak of the step: read at its end whatever points are sampled.
             step["end"] = self.probe.sample() if "after_optimizer" not in self.points else step["after_optimizer"]
-            self.steps.append(self.step_index)
+            self.steps.append(index)
             self.epochs.append(epoch)
             self.samples.append(step)
-        self.step_index += 1
         return step
 
     # -------------------------------------------------------------------------------------------------- leaks
@@ -235,11 +278,15 @@ class MemorySteps:
         self._next_check = self.step_index + max(LEAK_CHECK_EVERY_N_STEPS, self.step_index // 4)
         return True
 
-    def _leak_trends(self, points: Sequence[str]) -> dict[str, LeakTrend]:
+    def _leak_trends(self, points: Sequence[str], screen: bool = False) -> dict[str, LeakTrend]:
+        """The trends of ``points`` over the leak window; with ``screen``, none (an empty dict) unless each point
+        passes :func:`~lightning_perf.profiling.leaks.could_leak`, the cheap necessary conditions of a leak."""
         # The first step of the leak window: after the first epoch when it is shorter than `warmup_steps`.
         second_epoch = self.series.first_step_of_epoch_after(0)
         self.leak_start = self.warmup_steps if second_epoch is None else min(self.warmup_steps, second_epoch)
         series = self.series.series(self.leak_start)
+        if screen and not all(could_leak(series[p][1], self.leak_min_samples) for p in points):
+            return {}
         return detect_leaks({p: series[p] for p in points}, self.leak_threshold, self.leak_min_samples)
 
     def check_leaks(self, every_point: bool = True) -> list[LeakTrend]:
@@ -250,7 +297,7 @@ class MemorySteps:
             every-step readings stop then (on a heap that keeps growing, glibc's ``mallinfo2`` walks more and more free
             chunks, so they get dearer); the full samples every ``every_n_steps`` go on.
         """
-        if not every_point and not any(t.leaking for t in self._leak_trends(self.points[-1:]).values()):
+        if not every_point and not any(t.leaking for t in self._leak_trends(self.points[-1:], screen=True).values()):
             return []
         self.trends = self._leak_trends(self.points)
         leaking = sorted((t for t in self.trends.values() if t.leaking), key=lambda t: t.slope_low, reverse=True)
@@ -280,9 +327,9 @@ class MemorySteps:
         the samples (the last 20,000)."""
         starts = [s.get("after_data", s.get("start")) for s in self.samples]
         above = [s["end"].peak_above(start) for s, start in zip(self.samples, starts) if start is not None]
-        ends = self.step_index
-        wall_s = (self._last_end_ns - (self._first_end_ns or self._last_end_ns)) / 1e9
-        per_step_s = wall_s / (ends - 1) if ends > 1 else math.nan
+        first, last = self._first_end or self._last_end, self._last_end
+        per_step_s = (last[1] - first[1]) / 1e9 / (last[0] - first[0]) if last[0] > first[0] else math.nan
+        steady = max(0, self.step_index - self.cost.first)
         samples = [
             {"step": step, "epoch": epoch, "point": point, **sample.to_dict()}
             for step, epoch, by_point in zip(self.steps, self.epochs, self.samples)
@@ -314,7 +361,7 @@ class MemorySteps:
                 "trends": self.trends,
                 "leaking": [t.point for t in self.trends.values() if t.leaking],
             },
-            "overhead": {**self.cost.figures(ends, per_step_s), "step_s_mean": per_step_s},
+            "overhead": {**self.cost.figures(steady, per_step_s), "step_s_mean": per_step_s},
             "samples": samples[-_MAX_REPORTED_SAMPLES:],
             "samples_truncated": len(samples) > _MAX_REPORTED_SAMPLES,
         }

@@ -176,11 +176,12 @@ class StepPhases:
         self.validation.end_step()
         self.open_gap()
 
-    def begin_step(self, phase: str = "forward", module: nn.Module | None = None) -> None:
-        """The step's work begins (its wait for data ends) in ``phase``; the cost's timing is decided for it, and
-        ``module``'s host-device synchronizations recorded if the step is one :attr:`syncs` checks."""
+    def begin_step(self, phase: str = "forward", module: nn.Module | None = None, heavy: bool = False) -> None:
+        """The step's work begins (its wait for data ends) in ``phase``; the cost's timing is decided for it (whole if
+        ``heavy``: the caller expects dear work in it, e.g. live figures), and ``module``'s host-device
+        synchronizations recorded if the step is one :attr:`syncs` checks."""
         step = self.timer.num_steps
-        self.cost.step(step)
+        self.cost.step(step, heavy)
         self._enter_step(phase)
         if module is not None and step < self.syncs.last:
             self.syncs.begin(step, module)
@@ -282,7 +283,8 @@ def summarize_steps(phases: StepPhases) -> dict[str, Any]:
             "batch_size_median": summarize(sizes).median if sizes else math.nan,
         },
         "epoch_restart_s": summarize(restarts).median if restarts and math.isfinite(data_median) else None,
-        "overhead": phases.cost.figures(timer.num_steps, step.median),
+        # Steady steps, the mean step (the observer's cost is a mean too: rare dear calls count in full).
+        "overhead": phases.cost.figures(len(steady), clean_time / len(clean) if clean else math.nan),
         "per_step": {
             "phases": list(PHASES),
             "truncated": len(steady) > len(reported),
@@ -405,7 +407,7 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
     throughput, overhead, validation = report["throughput"], report["overhead"], report["validation"]
     lines = [
         f"throughput: {throughput['samples_per_s']:.1f} samples/s per process, {throughput['steps_per_s']:.2f} "
-        f"steps/s; observer cost {100 * overhead['share_of_step']:.2g}% of the median step",
+        f"steps/s; observer cost {100 * overhead['share_of_step']:.2g}% of the mean step",
     ]
     if validation["runs"]:
         lines.append(
@@ -457,6 +459,9 @@ def is_compiled(module: nn.Module) -> bool:
 
 def batch_size_of(batch: Any) -> int | None:
     """Length of the first tensor found in ``batch`` (depth first), the way Lightning infers a batch size."""
+    kind = type(batch)
+    if (kind is list or kind is tuple) and batch and type(batch[0]) is torch.Tensor and batch[0].dim() > 0:
+        return int(batch[0].shape[0])  # the common batch, (inputs, targets), without the ABC checks below
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() > 0 else None
     items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()

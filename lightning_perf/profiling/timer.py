@@ -504,35 +504,46 @@ class PhaseLedger:
 
 
 class HookCost:
-    """What an observer's own hooks cost, without timing every one: each call counted, one step in ``every`` timed end
-    to end, plus ``dispatch_ns``, what the caller's framework spends to call one hook (measured once by the caller, e.g.
-    Lightning's callback loop on an empty hook).
+    """What an observer's own hooks cost in steady state, without timing every one: each call counted, one routine step
+    in ``every`` timed end to end, every call of a *heavy* step (one that reads or computes more than a counter:
+    the observer says which when the step begins) timed end to end, plus ``dispatch_ns``, what the caller's framework
+    spends to call one hook (measured once by the caller, e.g. Lightning's callback loop on an empty hook).
+
+    Steps before ``first`` are warm-up: their calls are counted apart (``warmup_hook_calls``) and left out of the
+    steady figures, so that the share compares with a step time measured after warm-up. Calls made before the first
+    :meth:`step` count as warm-up too.
 
     Hot path: ``entry = cost.begin()`` first thing in a hook and ``cost.end(entry)`` last: two clock reads on a timed
-    step (:attr:`timing`, set by :meth:`step`), none on the others. ``every`` is best prime, so that the timed steps
-    fall evenly on the steps of any sampling period of the observer (every 10th, every 4th...).
+    step (:attr:`timing`, set by :meth:`step`), none on the others. ``every`` is best prime, so that the periodically
+    timed steps fall evenly on the steps of any period of the observer (every 10th, every 4th...). Heavy steps are
+    timed whole because they are rare and dear: sampling one routine step in ``every`` would miss them or, hitting
+    one, bill its cost to every step.
 
     Example::
 
         cost = HookCost(every=17)
         for step, batch in enumerate(loader):
-            cost.step(step)
+            cost.step(step, heavy=step % 50 == 0)
             entry = cost.begin()
             ...  # the observer's hook
             cost.end(entry)
         print(cost.figures(steps, step_s)["share_of_step"])
     """
 
-    __slots__ = ("calls", "dispatch_ns", "every", "first", "timed_calls", "timed_ns", "timing")
+    __slots__ = ("calls", "dispatch_ns", "every", "first", "heavy", "heavy_calls", "heavy_ns", "steady",
+                 "timed_calls", "timed_ns", "timing", "warmup_calls")  # fmt: skip
 
     def __init__(self, every: int = 17, first: int = 0, dispatch_ns: float = 0.0) -> None:
         self.every, self.first, self.dispatch_ns = every, first, dispatch_ns
-        self.calls = self.timed_calls = self.timed_ns = 0
-        self.timing = False
+        self.calls = self.timed_calls = self.timed_ns = self.heavy_calls = self.heavy_ns = self.warmup_calls = 0
+        self.timing = self.heavy = self.steady = False
 
-    def step(self, index: int) -> None:
-        """Step ``index`` begins: it is timed if it is one in :attr:`every` from :attr:`first` (after warm-up)."""
-        self.timing = index >= self.first and (index - self.first) % self.every == 0
+    def step(self, index: int, heavy: bool = False) -> None:
+        """Step ``index`` begins: from :attr:`first` on, it is timed whole if ``heavy``, else if it is one in
+        :attr:`every`."""
+        self.steady = steady = index >= self.first
+        self.heavy = heavy and steady
+        self.timing = steady and (heavy or (index - self.first) % self.every == 0)
 
     def begin(self) -> int:
         """A hook starts: the clock on a timed step, else 0."""
@@ -542,32 +553,46 @@ class HookCost:
         """The hook that began with ``entry`` (from :meth:`begin`) ends: counted, and timed if ``entry``."""
         if entry:
             self.add(entry)
-        else:
+        elif self.steady:
             self.calls += 1
+        else:
+            self.warmup_calls += 1
 
     def add(self, entry_ns: int) -> None:
         """Count a call of a timed step that began at ``entry_ns`` (``time.perf_counter_ns``) and ends now."""
-        self.timed_ns += time.perf_counter_ns() - entry_ns
-        self.timed_calls += 1
+        elapsed = time.perf_counter_ns() - entry_ns
         self.calls += 1
+        if self.heavy:
+            self.heavy_ns += elapsed
+            self.heavy_calls += 1
+        else:
+            self.timed_ns += elapsed
+            self.timed_calls += 1
 
     def total_ns(self) -> float:
-        """The estimated cost of every call: calls x (mean timed body + dispatch)."""
+        """The estimated cost of every steady call: heavy calls as timed, routine calls x their mean timed body, and
+        the dispatch of every call."""
         body = self.timed_ns / self.timed_calls if self.timed_calls else 0.0
-        return self.calls * (body + self.dispatch_ns)
+        return self.heavy_ns + (self.calls - self.heavy_calls) * body + self.calls * self.dispatch_ns
 
     def figures(self, steps: int, step_s: float) -> dict[str, Any]:
-        """The report's ``overhead``: the estimate per step and as a share of ``step_s``, with how it was made."""
+        """The report's ``overhead`` over ``steps`` steady steps of mean ``step_s``: the estimate per step and as a
+        share of ``step_s``, with how it was made."""
         total = self.total_ns()
-        per_step = total / steps if steps else math.nan
+        per_step = total / steps if steps > 0 else math.nan
         return {
             "hook_calls": self.calls,
+            "warmup_hook_calls": self.warmup_calls,
             "timed_calls": self.timed_calls,
+            "heavy_calls": self.heavy_calls,
             "hook_body_ns_mean": self.timed_ns / self.timed_calls if self.timed_calls else math.nan,
+            "heavy_ns_total": self.heavy_ns,
             "dispatch_ns_per_call": self.dispatch_ns,
             "hooks_ns_total": total,
             "hooks_ns_per_step": per_step,
+            "steady_steps": steps,
             "share_of_step": (per_step / 1e9) / step_s if step_s > 0 else math.nan,
-            "method": f"every hook call counted; one step in {self.every} timed end to end; the framework's dispatch "
-            "of one call timed once at setup on an empty hook",
+            "method": f"steady steps (from step {self.first}): every hook call counted; heavy steps timed whole, one "
+            f"routine step in {self.every} timed end to end; the framework's dispatch of one call timed once at setup "
+            "on an empty hook",
         }

@@ -334,3 +334,24 @@ def test_a_series_made_sparser_keeps_only_the_rows_of_its_new_stride() -> None:
     assert steps == [0, 4, 8, 12, 16] and values == [1000, 1004, 1008, 1012, 1016] and series.stride == 4
     with pytest.raises(ValueError, match="stride=0"):
         LeakSeries(["end"], stride=0)
+
+
+def test_could_leak_is_necessary_for_a_verdict() -> None:
+    """The screen the checks while training stop at: whenever it says no, the full verdict says no too."""
+    from lightning_perf.profiling.leaks import could_leak, trend_of
+
+    rng = np.random.default_rng(0)
+    steps = list(range(0, 16 * 60, 16))
+    cases = [
+        [int(v) for v in 1e6 + rng.normal(0, 1e4, 60)],  # noise
+        [int(v) for v in 1e6 + 16 * 1024 * np.arange(60) + rng.normal(0, 1e3, 60)],  # 1 KiB a step, read every 16
+        [int(v) for v in 1e6 + 1024 * np.minimum(np.arange(60), 20)],  # a cache that fills up, then stops
+        [1_000_000] * 60,  # flat
+    ]
+    verdicts = []
+    for values in cases:
+        for n in (17, 30, 60):
+            leaking = trend_of("p", steps[:n], values[:n], min_samples=30).leaking
+            assert could_leak(values[:n], 30) or not leaking
+            verdicts.append(leaking)
+    assert verdicts[5] and not any(verdicts[:4] + verdicts[6:])  # the leak over 60 readings, and nothing else

@@ -139,7 +139,25 @@ def test_hook_cost_times_one_step_in_every_from_first_and_counts_every_call() ->
         for _ in range(4):  # four hooks a step
             cost.end(cost.begin())
     assert timed == [False, False, True, False, False, True, False, False, True]
-    figures = cost.figures(steps=9, step_s=1e-3)
-    assert (figures["hook_calls"], figures["timed_calls"]) == (36, 12)
-    assert figures["hooks_ns_total"] == pytest.approx(36 * (figures["hook_body_ns_mean"] + 100.0))
+    figures = cost.figures(steps=7, step_s=1e-3)  # the steady steps: from `first` on
+    assert (figures["hook_calls"], figures["warmup_hook_calls"], figures["timed_calls"]) == (28, 8, 12)
+    assert figures["hooks_ns_total"] == pytest.approx(28 * (figures["hook_body_ns_mean"] + 100.0))
     assert figures["share_of_step"] == pytest.approx(figures["hooks_ns_per_step"] / 1e6)
+
+
+def test_hook_cost_times_heavy_steps_whole_and_bills_them_as_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scripted clock: routine calls take 10 ns, the heavy step's calls 1,000 ns; the heavy ones are not averaged
+    into every call (one step in `every` would otherwise bill the dear one to all, or miss it)."""
+    now = {"ns": 1}  # a clock read of 0 means "not timed"
+    monkeypatch.setattr("lightning_perf.profiling.timer.time.perf_counter_ns", lambda: now["ns"])
+    cost = HookCost(every=4, first=0, dispatch_ns=0.0)
+    for step in range(8):
+        cost.step(step, heavy=step == 5)
+        for _ in range(2):
+            entry = cost.begin()
+            now["ns"] += 1000 if step == 5 else 10
+            cost.end(entry)
+    figures = cost.figures(steps=8, step_s=1e-6)
+    assert (figures["hook_calls"], figures["timed_calls"], figures["heavy_calls"]) == (16, 4, 2)
+    assert figures["heavy_ns_total"] == 2000 and figures["hook_body_ns_mean"] == 10
+    assert figures["hooks_ns_total"] == 2000 + 14 * 10
