@@ -5,18 +5,26 @@ machine), on a plain training step of a reference workload (forward, loss, backw
 line. The variants are interleaved round by round, so a load change on a shared machine hits all of them alike.
 
 Variants: ``eager``; ``whole`` (``compile_regions(model)``, the LightningModule's forward); ``blocks``
-(``regions="auto"``: the repeated blocks only, the rest eager); ``nested`` (``regions="auto+rest"``: the whole
-forward compiled as one region in which each repeated block is a nested region traced and compiled once).
+(``regions="auto"``: the repeated blocks only, the rest eager; on a CPU with inductor's ``cpp_wrapper``, one C++
+build per graph, see :mod:`lightning_perf.functional.compile_startup`); ``blocks-py`` (the same with
+``options={"cpp_wrapper": False}``: inductor's Python wrapper, one C++ build per fused kernel); ``nested``
+(``regions="auto+rest"``: the whole forward compiled as one region in which each repeated block is a nested region
+traced and compiled once). ``libraries`` counts the C++ libraries built (``.so`` files in the cache folder).
 
 Usage::
 
     python benchmarks/compile_regions.py --workload lm --depth 8 --rounds 2
     python benchmarks/compile_regions.py --workload vit --rounds 2
+    python benchmarks/compile_regions.py --workload lm --depth 8 --steady 200 --variants whole,blocks
+
+``--steady N`` compares steady steps only: every variant's model in one process (same weights, same batch), compiled
+and warmed, then N rounds of one step of each, alternating, so load changes hit all alike; prints the medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import statistics
@@ -24,8 +32,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
-VARIANTS = {"eager": "eager", "whole": None, "blocks": "auto", "nested": "auto+rest"}
+VARIANTS = {"eager": "eager", "whole": None, "blocks": "auto", "blocks-py": "auto", "nested": "auto+rest"}
+OPTIONS = {"blocks-py": {"cpp_wrapper": False}}
 
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
@@ -42,7 +52,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     batch = next(iter(data.train_dataloader()))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     regions = VARIANTS[args.variant]
-    compiled = None if regions == "eager" else compile_regions(model, regions, strict=True)
+    options = OPTIONS.get(args.variant)
+    compiled = None if regions == "eager" else compile_regions(model, regions, options=options, strict=True)
     monitor = CompileMonitor()
     monitor.start()
 
@@ -69,7 +80,49 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         "compile_time_s": stats.compile_time_s,
         "graphs": stats.unique_graphs,
         "compiled": len(compiled.names) if compiled is not None else 0,
+        "libraries": len(
+            glob.glob(os.path.join(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "-"), "**", "*.so"), recursive=True)
+        ),
     }
+
+
+def measure_steady(args: argparse.Namespace) -> None:
+    """Steady steps of every variant, alternating in one process (compile caches warm after the first steps)."""
+    import torch
+
+    from lightning_perf.demos import make_workload
+    from lightning_perf.functional.compile import compile_regions
+
+    torch.set_num_threads(args.threads)
+    overrides = {"depth": args.depth} if args.depth else {}
+    steps: dict[str, Any] = {}
+    for variant in args.variants.split(","):
+        model, data = make_workload(args.workload, args.preset, **overrides)
+        data.setup("fit")
+        batch = next(iter(data.train_dataloader()))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if VARIANTS[variant] != "eager":
+            compile_regions(model, VARIANTS[variant], options=OPTIONS.get(variant), strict=True)
+
+        def step(model: Any = model, batch: Any = batch, optimizer: Any = optimizer) -> float:
+            began = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            model.compute(batch)[0].backward()
+            optimizer.step()
+            return time.perf_counter() - began
+
+        for _ in range(3):
+            step()
+        steps[variant] = step
+        print(f"{variant}: compiled and warm", flush=True)
+    times: dict[str, list[float]] = {variant: [] for variant in steps}
+    for _ in range(args.steady):
+        for variant, step in steps.items():
+            times[variant].append(step())
+    base = statistics.median(times[next(iter(times))])
+    for variant, runs in times.items():
+        median = statistics.median(runs)
+        print(f"  {variant:9s} steady {median * 1e3:7.1f} ms (median of {len(runs)})  {median / base:.3f}x the first")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,8 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--breakdown", action="store_true", help="print torch's compile phase timers per variant")
+    parser.add_argument("--steady", type=int, default=0, help="only steady steps: N alternating rounds in one process")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.steady:
+        measure_steady(args)
+        return
     if args.variant:
         print("RESULT " + json.dumps(measure(args)), flush=True)
         return
@@ -112,8 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     for variant, runs in results.items():
         first = statistics.median(r["first_step_s"] for r in runs)
         steady = statistics.median(r["steady_step_s"] for r in runs)
+        ratio = ""
+        if variant != "whole" and "whole" in results:
+            ratio = (
+                f"  first step {statistics.median(r['first_step_s'] for r in results['whole']) / first:.1f}x shorter"
+            )
         print(
-            f"  {variant:7s} first step {first:6.1f} s  steady {steady * 1e3:7.1f} ms  speed-up {eager / steady:.2f}x"
+            f"  {variant:9s} first step {first:6.1f} s  steady {steady * 1e3:7.1f} ms  speed-up {eager / steady:.2f}x"
+            f"{ratio}"
         )
 
 

@@ -34,6 +34,7 @@ from lightning_perf.functional.compile_cache import (
     save_compile_cache,
     use_inductor_cache_dir,
 )
+from lightning_perf.functional.compile_startup import startup_options
 from lightning_perf.profiling import PhaseTimer, format_seconds
 
 # The loop whose first batch shows whether the step method calls the compiled forward, per trainer entry point.
@@ -85,7 +86,10 @@ class CompileCallback(UndoOnExit):
       which is said once on rank zero.
     - ``"auto"``: the largest group of repeated sibling blocks of one class (a transformer's layers, a ResNet's
       residual blocks), found by structure. Identical blocks share one compiled code object, so the model compiles
-      about as fast as one block: use it to cut cold-start time. The rest (embeddings, head) runs eager.
+      about as fast as one block: use it to cut cold-start time. The rest (embeddings, head) runs eager. On a CPU,
+      with the inductor backend and no ``mode`` or ``options`` given, the blocks are compiled with inductor's
+      ``cpp_wrapper`` (one C++ build per graph rather than per fused kernel, the cold start's largest part there; see
+      :mod:`~lightning_perf.functional.compile_startup`); ``options={"cpp_wrapper": False}`` turns that off.
     - ``"auto+rest"``: the LightningModule's ``forward`` compiled whole, with those blocks marked as nested regions
       (``torch.compiler.nested_compile_region``), traced and compiled once and reused by every copy, so the rest is
       compiled too without compiling each block again. Needs an AOT-autograd backend (``"inductor"``, ``"aot_*"``):
@@ -145,7 +149,8 @@ class CompileCallback(UndoOnExit):
         fullgraph: make a graph break an error (a compiler failure: falls back, or raises if ``strict``).
         dynamic: ``None`` (automatic dynamic shapes after a recompilation), ``True`` or ``False``.
         backend: a torch.compile backend name or callable; ``"inductor"`` by default.
-        options: inductor options (not together with ``mode``).
+        options: inductor options (not together with ``mode``). Given, they replace the CPU regional default
+            ``{"cpp_wrapper": True}``.
         regions: ``None``, ``"auto"`` or a list of module classes / class paths / class names (see above).
         stages: the trainer entry points that run compiled, among ``"fit"``, ``"validate"``, ``"test"`` and
             ``"predict"`` (default: all); the others run eager.
@@ -265,20 +270,23 @@ class CompileCallback(UndoOnExit):
                     NoEffectWarning,
                 )
         nested = nested_regions(pl_module, self.regions, modules, self.backend)
-        self._compiled = CompiledModules(modules, self._compile_kwargs, strict=self.strict, nested=nested)
         if self.inductor_cache_dir is not None:  # before loading `cache`, which fills torch's on-disk caches
             self._cache_dir_stack.enter_context(use_inductor_cache_dir(self.inductor_cache_dir))
+        kwargs = startup_options(pl_module, modules, self._compile_kwargs)  # on a CPU: a quicker cold start
+        self._compiled = CompiledModules(modules, kwargs, strict=self.strict, nested=nested)
         if self.cache is not None:
-            self._load_cache(modules, pl_module.device)
+            self._load_cache(modules, pl_module.device, kwargs)
         whole = self.regions in (None, AUTO_WITH_REST)
         self._entry_check = _MAIN_LOOP[stage] if whole and modules == selected else None
         self._monitor.start()
         if stage == "fit":
             self._timer = PhaseTimer(pl_module.device, warmup_steps=self.warmup_steps)
 
-    def _load_cache(self, modules: list[tuple[str, nn.Module]], device: torch.device) -> None:
+    def _load_cache(
+        self, modules: list[tuple[str, nn.Module]], device: torch.device, compile_kwargs: dict[str, Any]
+    ) -> None:
         assert self.cache is not None
-        self._cache_key = compile_cache_key(modules, self._compile_kwargs, device)
+        self._cache_key = compile_cache_key(modules, compile_kwargs, device)
         if not self._cache_tried:  # every rank, before the first compiled call
             self._cache_tried = True
             self._cache_loaded = load_compile_cache(self.cache, self._cache_key)

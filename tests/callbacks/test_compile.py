@@ -212,6 +212,28 @@ def test_auto_regions_compile_each_block_once(tmp_path: Path) -> None:
     assert report["unique_graphs"] == 1 and report["recompiles"] == 0  # four blocks, one graph
 
 
+@pytest.mark.parametrize(
+    ("regions", "options", "expected"), [("auto", None, {"cpp_wrapper": True}), (None, None, None)]
+)
+def test_cpu_regions_compile_with_cpp_wrapper_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, regions: Any, options: Any, expected: Any
+) -> None:
+    from lightning_perf.functional import compile_startup
+
+    monkeypatch.setattr(compile_startup, "_probe_started", True)  # no real ISA probe thread here
+    seen: list[Any] = []
+
+    def fake_compile(fn: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["options"])
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    callback = CompileCallback(regions=regions, options=options)
+    _trainer(tmp_path, callback, max_steps=1).fit(TinyModule(depth=2))
+    assert seen and all(option == expected for option in seen)
+    assert callback._compile_kwargs["options"] == options  # what the user gave is kept for the next entry point
+
+
 def test_a_workload_block_class_given_by_path(tmp_path: Path) -> None:
     backend = CountingBackend()
     model, data = make_workload("lm", "tiny", seed=0)
