@@ -15,44 +15,23 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_perf._validation import check_bool, check_int
+from lightning_perf.callbacks import _observer as obs
 from lightning_perf.callbacks._model_hooks import add_batch_transform, remove_batch_transform
-from lightning_perf.callbacks._observer import (
-    across_ranks,
-    check_dirpath,
-    check_filename,
-    fit_header,
-    hook_dispatch_ns,
-    live_interval,
-    log_metrics,
-    report_dir,
-    report_stem,
-    run_facts,
-    write_reports,
-)
 from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.profiling import HostSyncRecorder, LoaderSettings, PhaseTimer
+from lightning_perf.profiling import step_phases as sp
 from lightning_perf.profiling.report import text_table
-from lightning_perf.profiling.step_phases import (
-    MEASURED,
-    StepPhases,
-    SyncCheck,
-    batch_size_of,
-    check_settings,
-    first_dataloader,
-    live_figures,
-    phase_table,
-    plot_phases,
-    rank_values,
-    report_lines,
-    step_report,
-)
 from lightning_perf.profiling.timer import HookCost, PhaseLedger
 
 __all__ = ["BottleneckCallback"]
 
+# Lightning's per-step hooks, silenced on the instance between timed steps (sampling): Lightning skips them then.
+_STEP_HOOKS: tuple[str, ...] = ("on_train_batch_start", "on_before_zero_grad", "on_before_backward",
+                                "on_after_backward", "on_before_optimizer_step", "on_train_batch_end")  # fmt: skip
+
 
 class BottleneckCallback(UndoOnExit):
-    """Time every phase of each training step, show the split while training runs, and advise at the end of fit.
+    """Time every phase of (sampled) training steps, show the split while training runs, and advise at fit end.
 
     Phases (:data:`~lightning_perf.profiling.advice.PHASES`, kept by :class:`~lightning_perf.profiling.step_phases.
     StepPhases`): ``data`` (from the end of a step until Lightning moves the next batch: the DataLoader, the user's
@@ -61,21 +40,21 @@ class BottleneckCallback(UndoOnExit):
     inside ``optimizer.step(closure)`` are not the optimizer's) and ``other`` (the rest). Validation is timed apart; a
     step whose wait spans validation or an epoch boundary is ``interrupted``, kept out of the shares. On CPU each phase
     boundary is one clock read into preallocated storage; on CUDA, events read back lazily (never a synchronization).
-
-    Every ``log_every_n_steps`` steps the recent shares and throughput go to the loggers (``bottleneck/<phase>``,
-    ``bottleneck/step_s``, ``bottleneck/samples_per_s``) and, with ``progress_bar=True``, to the progress bar. A few
-    warm-up steps are checked for host-device synchronizations (:class:`~lightning_perf.profiling.HostSyncRecorder`).
-    At the end of fit, on rank zero: the phase table, throughput, the callback's own cost and :func:`~lightning_perf.
-    profiling.recommend`'s advice with its evidence, in the log; ``<filename>.json`` (also :attr:`report`) and, with
-    ``plot=True`` and matplotlib, ``<filename>.png`` in ``dirpath``, each announced; an earlier run's files are kept
-    (``<filename>-2.*``) unless ``overwrite=True``. Under DDP the figures are summarized across ranks. A pickled copy
-    keeps the settings and :attr:`report`, not a run in progress.
-
-    Its own cost (``overhead``, "observer cost"): every hook call counted, one steady step in 17 timed end to end, plus
-    Lightning's dispatch per call timed once at fit start (:class:`~lightning_perf.profiling.timer.HookCost`).
+    After warm-up one step in ``sample_every`` is timed; in between the callback's Lightning hooks are silenced and an
+    optimizer step post-hook counts steps (``on_train_batch_end`` with manual optimization, gradient accumulation or
+    several optimizers). Every ``log_every_n_steps`` steps (at the next timed step) the last timed steps' shares and
+    throughput go to the loggers (``bottleneck/<phase>``, ``bottleneck/step_s``, ``bottleneck/samples_per_s``) and,
+    with ``progress_bar=True``, the progress bar. The last warm-up steps are checked for host-device synchronizations
+    (:class:`~lightning_perf.profiling.HostSyncRecorder`). At the end of fit, on rank zero: the phase table,
+    throughput, the callback's own cost and :func:`~lightning_perf.profiling.recommend`'s advice, in the log;
+    ``<filename>.json`` (also :attr:`report`, with ``sampling``: steps timed and run) and, with ``plot=True``,
+    ``<filename>.png`` in ``dirpath``, each announced; an earlier run's files are kept (``<filename>-2.*``) unless
+    ``overwrite=True``. Under DDP the figures are summarized across ranks. A pickled copy keeps the settings and
+    :attr:`report`. Own cost (``overhead``, :class:`~lightning_perf.profiling.timer.HookCost`): every call counted, one
+    timed step in 17 timed, Lightning's dispatch timed at fit start; averaged over all steps run, timed or not.
 
     Args:
-        warmup_steps: leading steps reported apart as warm-up (compilation, autotuning, allocator growth).
+        warmup_steps: leading steps reported apart as warm-up (compilation, autotuning, allocator growth); all timed.
         log_every_n_steps: how often to log live figures; ``None`` takes the Trainer's ``log_every_n_steps``.
         progress_bar: also show the shares and throughput in the progress bar.
         sync_check_steps: how many of the last warm-up steps are checked for host-device synchronizations (0: none;
@@ -87,10 +66,12 @@ class BottleneckCallback(UndoOnExit):
         plot: draw the PNG chart (opt-in: it costs more than the rest of the report; needs matplotlib, else a note).
         verbose: print the table and the recommendations at the end of fit.
         overwrite: write over an earlier run's reports of the same ``filename`` instead of numbering this run's.
+        sample_every: after warm-up, time one step in this many (1: every step, for per-step detail). The default, 32,
+            keeps the mean cost near 0.25% of a 2 ms step (~100 us per timed step, 1-2 us on the others).
 
     Raises:
-        ValueError: for a negative step count, ``sync_check_steps > warmup_steps``, a threshold outside (0, 1), an
-            unknown phase name, or a file name with a directory in it.
+        ValueError: for a negative step count or ``sample_every < 1``, ``sync_check_steps > warmup_steps``, a
+            threshold outside (0, 1), an unknown phase name, or a file name with a directory in it.
         TypeError: if ``thresholds`` is not a mapping, ``dirpath`` not a path, or ``progress_bar``, ``plot``,
             ``verbose`` or ``overwrite`` not a bool.
 
@@ -116,14 +97,16 @@ class BottleneckCallback(UndoOnExit):
         plot: bool = False,
         verbose: bool = True,
         overwrite: bool = False,
+        sample_every: int = 32,
     ) -> None:
         name = type(self).__name__
         self.warmup_steps: int = check_int(name, "warmup_steps", warmup_steps, 0)
         self.log_every_n_steps: int | None = check_int(name, "log_every_n_steps", log_every_n_steps, 1, True)
         self.sync_check_steps: int = check_int(name, "sync_check_steps", sync_check_steps, 0)
-        self.thresholds = check_settings(name, warmup_steps, sync_check_steps, thresholds)
-        self.dirpath = check_dirpath(name, dirpath)
-        self.filename = check_filename(name, filename)
+        self.sample_every: int = check_int(name, "sample_every", sample_every, 1)
+        self.thresholds = sp.check_settings(name, warmup_steps, sync_check_steps, thresholds)
+        self.dirpath = obs.check_dirpath(name, dirpath)
+        self.filename = obs.check_filename(name, filename)
         self.progress_bar = check_bool(name, "progress_bar", progress_bar)
         self.plot = check_bool(name, "plot", plot)
         self.verbose = check_bool(name, "verbose", verbose)
@@ -133,15 +116,15 @@ class BottleneckCallback(UndoOnExit):
         self._reset()
 
     def _reset(self) -> None:
-        self._phases: StepPhases | None = None
+        self._phases: sp.StepPhases | None = None
         self._loader: LoaderSettings | None = None
         self._manual, self._last_logged, self._fit_start_ns, self._every = False, 0, 0, 0
-        self._log_next = False  # whether the next step is expected to log (its hooks are then timed whole)
+        self._quiet, self._counts = _STEP_HOOKS, True  # hooks silenced between timed steps; the post-hook counts
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy (a spawn launcher's, a deepcopy of the Trainer's callbacks) holds the settings and the last report,
-        # not the run: its timers hold CUDA events (unpicklable), its hooks this process's optimizers.
-        return {**self.__dict__, "_phases": None, "_loader": None, "_handles": []}
+        # A copy (spawn, deepcopy) holds settings and report, not the run: CUDA events, optimizers' and silenced hooks.
+        state = {k: v for k, v in self.__dict__.items() if k not in _STEP_HOOKS}
+        return {**state, "_phases": None, "_loader": None, "_handles": []}
 
     # Chained onto the module's batch-transfer hooks (`setup`), which run in every stage: they act on training only.
     def _before_transfer(self, batch: Any) -> Any:
@@ -153,12 +136,17 @@ class BottleneckCallback(UndoOnExit):
         return batch
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        phases = self._phases
+        if phases is not None and self._counts and phases.quiet_call():  # a skipped step ends: count it
+            if phases.sampler.count():  # the next step is timed: its wait for data starts at this one's end
+                obs.silence_hooks(self, self._quiet, False)
+            return
         self._enter("forward" if self._manual else None, only_from="optimizer")
 
     def _enter(self, phase: str | None, only_from: str | None = None) -> None:
         """A hook inside the step (``only_from``: only while that phase runs): switch to ``phase`` (one clock read).
         Every call is counted in ``phases.cost``, and timed end to end on its timed steps."""
-        if (phases := self._phases) is None:
+        if (phases := self._phases) is None or phases.quiet_call():  # a skipped step: the model's hooks run anyway
             return
         entry = phases.cost.begin()
         if phases.step_open and (only_from is None or phases.current == only_from):
@@ -178,24 +166,29 @@ class BottleneckCallback(UndoOnExit):
         device, clock = pl_module.device, self._clock
         recorder = HostSyncRecorder(device) if self.sync_check_steps else None
         cpu = device.type == "cpu"
-        self._phases = StepPhases(
-            PhaseLedger(MEASURED, self.warmup_steps, clock) if cpu else PhaseTimer(device, self.warmup_steps, clock),
+        self._phases = sp.StepPhases(
+            PhaseLedger(sp.MEASURED, self.warmup_steps, clock) if cpu else PhaseTimer(device, self.warmup_steps, clock),
             validation=PhaseTimer(device, clock=clock),
-            syncs=SyncCheck(recorder, self.warmup_steps - self.sync_check_steps, self.warmup_steps),
-            cost=HookCost(first=self.warmup_steps, dispatch_ns=hook_dispatch_ns(trainer)),
+            syncs=sp.SyncCheck(recorder, self.warmup_steps - self.sync_check_steps, self.warmup_steps),
+            cost=HookCost(first=self.warmup_steps, dispatch_ns=obs.hook_dispatch_ns(trainer)),
+            sampler=sp.StepSampler(self.sample_every, self.warmup_steps),
         )
-        self._every = live_interval(trainer, self.log_every_n_steps, self.progress_bar)
+        self._every = obs.live_interval(trainer, self.log_every_n_steps, self.progress_bar)
         self._manual = not pl_module.automatic_optimization
+        # The post-hook counts steps only where the optimizer steps once per batch; else batch end stays live.
+        self._counts = not self._manual and trainer.accumulate_grad_batches == 1 and len(trainer.optimizers) == 1
+        self._quiet = _STEP_HOOKS if self._counts else _STEP_HOOKS[:-1]
         self._handles.extend(opt.register_step_post_hook(self._after_optimizer_step) for opt in trainer.optimizers)
         self._fit_start_ns = time.perf_counter_ns()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._loader = LoaderSettings.from_dataloader(first_dataloader(trainer.train_dataloader))
+        self._loader = LoaderSettings.from_dataloader(sp.first_dataloader(trainer.train_dataloader))
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
         if self._phases is not None:
             self._phases.syncs.stop()
+        obs.silence_hooks(self, _STEP_HOOKS, False)
         remove_batch_transform(pl_module, self._before_transfer, hook="on_before_batch_transfer")
         remove_batch_transform(pl_module, self._after_transfer, hook="on_after_batch_transfer")
         for handle in self._handles:
@@ -215,7 +208,8 @@ class BottleneckCallback(UndoOnExit):
         if phases is None:
             return
         entry = phases.cost.begin()
-        phases.begin_step("forward", pl_module, heavy=self._log_next)  # a step expected to log is timed whole
+        heavy = bool(self._every) and trainer.global_step + 1 - self._last_logged >= self._every  # logs at its end:
+        phases.begin_step("forward", pl_module, heavy=heavy)  # its hooks timed whole
         phases.cost.end(entry)
 
     @override
@@ -242,17 +236,23 @@ class BottleneckCallback(UndoOnExit):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         phases = self._phases
-        if phases is None or not phases.step_open:
+        if phases is None:
             return
-        entry = phases.cost.begin()
-        phases.end_step(batch_size_of(batch))  # and the wait for the next batch begins, on the same clock read
-        if self._every and trainer.global_step - self._last_logged >= self._every:  # 0: nothing to log to
+        entry, sampler = phases.cost.begin(), phases.sampler
+        if not sampler.live:  # a skipped step, counted here (no post-hook counter)
+            if not sampler.count():
+                phases.cost.end(entry)
+                return
+            obs.silence_hooks(self, self._quiet, False)
+        ended = phases.finish_batch(sp.batch_size_of(batch))  # and the wait for the next batch begins, if timed
+        if ended and self._every and trainer.global_step - self._last_logged >= self._every:  # 0: nothing to log to
             self._last_logged = trainer.global_step
-            metrics, bar = live_figures(phases, self._every)
-            log_metrics(trainer, {f"bottleneck/{name}": value for name, value in metrics.items()})
+            metrics, bar = sp.live_figures(phases, -(-self._every // sampler.every))  # the timed steps of the interval
+            obs.log_metrics(trainer, {f"bottleneck/{name}": value for name, value in metrics.items()})
             for key, value in bar.items() if self.progress_bar else ():
                 pl_module.log(key, value, prog_bar=True, logger=False)
-        self._log_next = bool(self._every) and trainer.global_step + 1 - self._last_logged >= self._every
+        if not sampler.live:
+            obs.silence_hooks(self, self._quiet, True)
         phases.cost.end(entry)
 
     @override
@@ -278,22 +278,22 @@ class BottleneckCallback(UndoOnExit):
         phases.interrupt()
         fit_s, device = (time.perf_counter_ns() - self._fit_start_ns) / 1e9, phases.timer.device
         report = {
-            **fit_header(type(self).__name__, trainer, pl_module, device),
-            **step_report(phases, fit_s, self._loader, self.thresholds, **run_facts(trainer, pl_module, device)),
+            **obs.fit_header(type(self).__name__, trainer, pl_module, device),
+            **sp.step_report(phases, fit_s, self._loader, self.thresholds, **obs.run_facts(trainer, pl_module, device)),
         }
-        ranks = across_ranks(trainer, pl_module, rank_values(report))
+        ranks = obs.across_ranks(trainer, pl_module, sp.rank_values(report))
         if ranks is not None:
             report["ranks"] = ranks
             report["throughput"]["world_samples_per_s"] = ranks["samples_per_s"]["mean"] * trainer.world_size
-        directory = report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
+        directory = obs.report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
         self.report = report
         if trainer.is_global_zero:
-            stem = report_stem(directory, self.filename, (".json", ".png"), self.overwrite)
+            stem = obs.report_stem(directory, self.filename, (".json", ".png"), self.overwrite)
             steady = report["per_step"]["records"]
-            draw = partial(plot_phases, steady) if self.plot and steady else None
+            draw = partial(sp.plot_phases, steady) if self.plot and steady else None
             show = self._print if self.verbose else None
-            write_reports(type(self).__name__, report, directory, stem, draw, show, plot=self.plot)
+            obs.write_reports(type(self).__name__, report, directory, stem, draw, show, plot=self.plot)
 
     def _print(self, report: dict[str, Any]) -> None:
         # A plain-text table in the log (rendering a rich one costs tens of milliseconds).
-        rank_zero_info("\n".join([text_table(*phase_table(report, type(self).__name__)), *report_lines(report)]))
+        rank_zero_info("\n".join([text_table(*sp.phase_table(report, type(self).__name__)), *sp.report_lines(report)]))

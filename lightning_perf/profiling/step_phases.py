@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MEASURED",
     "StepPhases",
+    "StepSampler",
     "SyncCheck",
     "batch_size_of",
     "binned",
@@ -107,6 +108,42 @@ class _EventLedger:
             self.open(then)
 
 
+class StepSampler:
+    """Which steps are timed: every one of the first ``first`` (warm-up), then one in ``every``. :attr:`live` says
+    whether the observer's per-step hooks run now: through a timed step and from the end of the step before it (a
+    timed step's ``data`` phase starts when the step before it ends); :attr:`step` is the index of the running step
+    (between steps, of the next).
+
+    Example (``counts`` from something the loop runs every step anyway, e.g. an optimizer's step post-hook)::
+
+        sampler = StepSampler(every=16, first=5)
+        sampler.sampled(5), sampler.sampled(6), sampler.sampled(21)  # True, False, True
+    """
+
+    __slots__ = ("every", "first", "live", "pre", "step")
+
+    def __init__(self, every: int = 1, first: int = 0) -> None:
+        self.every, self.first = every, first
+        self.step = 0
+        self.live = True  # step 0 is always timed
+        self.pre = False  # the running step is the one before a timed step (its end opens that step's wait)
+
+    def sampled(self, step: int) -> bool:
+        return step < self.first or (step - self.first) % self.every == 0
+
+    def count(self) -> bool:
+        """A skipped step ends (counted outside the observer's hooks): True if the next is timed, so the hooks must
+        run again from now on (the end of this step)."""
+        self.step += 1
+        if not self.sampled(self.step):
+            return False
+        self.live = self.pre = True
+        return True
+
+    def steps_run(self, measured: int) -> int:
+        return max(self.step, measured)
+
+
 class StepPhases:
     """Which phase of the step runs now, on a :class:`PhaseLedger` (CPU: one clock read per boundary) or a
     :class:`PhaseTimer` (CUDA events); per step: batch size, interruption, epoch start, in typed arrays.
@@ -124,8 +161,10 @@ class StepPhases:
         validation: PhaseTimer | None = None,
         syncs: SyncCheck | None = None,
         cost: HookCost | None = None,
+        sampler: StepSampler | None = None,
     ) -> None:
         self.timer = timer
+        self.sampler = sampler if sampler is not None else StepSampler()
         self._ledger = timer if isinstance(timer, PhaseLedger) else _EventLedger(timer)
         self.validation = validation if validation is not None else PhaseTimer(timer.device)
         self.syncs = syncs if syncs is not None else SyncCheck(None, 0, 0)
@@ -159,7 +198,8 @@ class StepPhases:
     def begin_epoch(self) -> None:
         """A training epoch begins: the wait for its first batch (marked an epoch's first from the second epoch on)."""
         self.epochs += 1
-        self.open_gap(new_epoch=self.epochs > 1)
+        if self.sampler.live:  # else its first step is not timed
+            self.open_gap(new_epoch=self.epochs > 1)
 
     def pause(self) -> None:
         """Validation begins: the open step is interrupted, and the time until :meth:`resume` is timed apart."""
@@ -174,7 +214,8 @@ class StepPhases:
         self.paused = False
         self.validation.stop("validation")
         self.validation.end_step()
-        self.open_gap()
+        if self.sampler.live:  # else the next step is not timed
+            self.open_gap()
 
     def begin_step(self, phase: str = "forward", module: nn.Module | None = None, heavy: bool = False) -> None:
         """The step's work begins (its wait for data ends) in ``phase``; the cost's timing is decided for it (whole if
@@ -204,6 +245,31 @@ class StepPhases:
         self.batch_sizes.append(-1 if batch_size is None else batch_size)
         self.flags.append(self._flags)
         self._flags = 0
+
+    def quiet_call(self) -> bool:
+        """A hook called on a step not timed (:attr:`sampler` not live): counted in ``cost.quiet_calls``, True."""
+        if self.sampler.live:
+            return False
+        self.cost.quiet_calls += 1
+        return True
+
+    def finish_batch(self, batch_size: int | None) -> bool:
+        """The loop's end of a batch while the observer's hooks run: the end of the step before a timed one opens its
+        wait for data; a timed step is closed (True), its wait for the next batch opened only if that one is timed,
+        else :attr:`sampler` goes quiet (``live`` False: the caller silences its hooks)."""
+        sampler = self.sampler
+        if sampler.pre:
+            sampler.pre = False
+            self.open_gap()
+            return False
+        sampler.step += 1
+        sampler.live = sampler.sampled(sampler.step)
+        if not sampler.live:
+            self.cost.pause()
+        if not self.step_open:
+            return False
+        self.end_step(batch_size, gap=sampler.live)
+        return True
 
 
 def with_other(record: Mapping[str, float]) -> dict[str, float]:
@@ -268,6 +334,7 @@ def summarize_steps(phases: StepPhases) -> dict[str, Any]:
     data_median = stats["data"]["median"]
     restarts = [r["data"] - data_median for r, f in zip(steady, phases.flags[first:]) if f & _EPOCH_FIRST]
     reported = steady[-MAX_REPORTED_STEPS:]
+    every, run = phases.sampler.every, phases.sampler.steps_run(timer.num_steps)
     return {
         "steps": {
             "total": timer.num_steps,
@@ -275,18 +342,30 @@ def summarize_steps(phases: StepPhases) -> dict[str, Any]:
             "steady": len(steady),
             "interrupted": len(steady) - len(clean),
         },
+        "steps_run": run,
+        "sampling": {
+            "sample_every": every,
+            "steps_run": run,
+            "steps_measured": timer.num_steps,
+            "note": f"after warm-up one step in {every} timed; phases, shares and throughput from the timed steps, "
+            "the observer's cost averaged over every step run"
+            if every > 1
+            else "every step timed",
+        },
         "steady_state": {"step": step.to_dict(), "phases": stats, "shares": phase_shares(clean)},
         "warmup": {name: stats.to_dict() for name, stats in timer.summary(warmup=True).items()},
         "throughput": {
             "samples_per_s": sum(sizes) / clean_time if sizes and clean_time > 0 else math.nan,
             "steps_per_s": 1.0 / step.median if step.median > 0 else math.nan,
             "batch_size_median": summarize(sizes).median if sizes else math.nan,
+            "from_sampled_steps": every > 1,
         },
         "epoch_restart_s": summarize(restarts).median if restarts and math.isfinite(data_median) else None,
-        # Steady steps, the mean step (the observer's cost is a mean too: rare dear calls count in full).
-        "overhead": phases.cost.figures(len(steady), clean_time / len(clean) if clean else math.nan),
+        # Every steady step run (sampled or not), the mean step (the cost is a mean too: rare dear calls count in full).
+        "overhead": phases.cost.figures(max(0, run - first), clean_time / len(clean) if clean else math.nan),
         "per_step": {
             "phases": list(PHASES),
+            "sampled": every > 1,
             "truncated": len(steady) > len(reported),
             "records": reported,
             "interrupted": flags[-MAX_REPORTED_STEPS:],
@@ -405,9 +484,14 @@ def phase_table(report: Mapping[str, Any], owner: str) -> tuple[list[str], list[
 def report_lines(report: Mapping[str, Any]) -> list[str]:
     """Throughput and the observer's cost, validation, the recommendations and the plot's note, a line each."""
     throughput, overhead, validation = report["throughput"], report["overhead"], report["validation"]
+    sampling = report.get("sampling") or {}
+    every = sampling.get("sample_every", 1)
+    sampled = (
+        f" ({sampling['steps_measured']} timed steps of {sampling['steps_run']}, one in {every})" if every > 1 else ""
+    )
     lines = [
-        f"throughput: {throughput['samples_per_s']:.1f} samples/s per process, {throughput['steps_per_s']:.2f} "
-        f"steps/s; observer cost {100 * overhead['share_of_step']:.2g}% of the mean step",
+        f"throughput{sampled}: {throughput['samples_per_s']:.1f} samples/s per process, {throughput['steps_per_s']:.2f}"
+        f" steps/s; observer cost {100 * overhead['share_of_step']:.2g}% of the mean step",
     ]
     if validation["runs"]:
         lines.append(

@@ -530,13 +530,18 @@ class HookCost:
         print(cost.figures(steps, step_s)["share_of_step"])
     """
 
-    __slots__ = ("calls", "dispatch_ns", "every", "first", "heavy", "heavy_calls", "heavy_ns", "steady",
-                 "timed_calls", "timed_ns", "timing", "warmup_calls")  # fmt: skip
+    __slots__ = ("calls", "dispatch_ns", "every", "first", "heavy", "heavy_calls", "heavy_ns", "quiet_calls",
+                 "steady", "timed_calls", "timed_ns", "timing", "warmup_calls")  # fmt: skip
 
     def __init__(self, every: int = 17, first: int = 0, dispatch_ns: float = 0.0) -> None:
         self.every, self.first, self.dispatch_ns = every, first, dispatch_ns
         self.calls = self.timed_calls = self.timed_ns = self.heavy_calls = self.heavy_ns = self.warmup_calls = 0
+        self.quiet_calls = 0  # calls on steps the observer skips (sampling): a flag read, no framework dispatch
         self.timing = self.heavy = self.steady = False
+
+    def pause(self) -> None:
+        """The observer skips the steps to come (sampling): nothing is timed until the next :meth:`step`."""
+        self.timing = self.heavy = False
 
     def step(self, index: int, heavy: bool = False) -> None:
         """Step ``index`` begins: from :attr:`first` on, it is timed whole if ``heavy``, else if it is one in
@@ -571,17 +576,20 @@ class HookCost:
 
     def total_ns(self) -> float:
         """The estimated cost of every steady call: heavy calls as timed, routine calls x their mean timed body, and
-        the dispatch of every call."""
+        the dispatch of every call; quiet calls (:attr:`quiet_calls`) x the mean body, without dispatch."""
         body = self.timed_ns / self.timed_calls if self.timed_calls else 0.0
-        return self.heavy_ns + (self.calls - self.heavy_calls) * body + self.calls * self.dispatch_ns
+        routine = self.calls - self.heavy_calls + self.quiet_calls
+        return self.heavy_ns + routine * body + self.calls * self.dispatch_ns
 
     def figures(self, steps: int, step_s: float) -> dict[str, Any]:
         """The report's ``overhead`` over ``steps`` steady steps of mean ``step_s``: the estimate per step and as a
-        share of ``step_s``, with how it was made."""
+        share of ``step_s``, with how it was made. With sampling, ``steps`` counts every steady step run, the skipped
+        ones too: the cost is an average over all steps, as an outside measurement sees it."""
         total = self.total_ns()
         per_step = total / steps if steps > 0 else math.nan
         return {
             "hook_calls": self.calls,
+            "quiet_calls": self.quiet_calls,
             "warmup_hook_calls": self.warmup_calls,
             "timed_calls": self.timed_calls,
             "heavy_calls": self.heavy_calls,
@@ -594,5 +602,5 @@ class HookCost:
             "share_of_step": (per_step / 1e9) / step_s if step_s > 0 else math.nan,
             "method": f"steady steps (from step {self.first}): every hook call counted; heavy steps timed whole, one "
             f"routine step in {self.every} timed end to end; the framework's dispatch of one call timed once at setup "
-            "on an empty hook",
+            "on an empty hook; quiet calls (skipped steps) billed the mean body, no dispatch",
         }

@@ -124,7 +124,7 @@ def scripted_fit(
 ) -> BottleneckCallback:
     clock = ScriptedClock()
     callback = BottleneckCallback(
-        **{"warmup_steps": 1, "sync_check_steps": 0, "verbose": False, **(callback_kwargs or {})}
+        **{"warmup_steps": 1, "sync_check_steps": 0, "verbose": False, "sample_every": 1, **(callback_kwargs or {})}
     )
     callback._clock = clock
     model = model_cls(clock)
@@ -209,7 +209,7 @@ def test_manual_optimization_sums_the_phases_of_every_call(tmp_path: Path) -> No
 
 def test_validation_is_timed_apart_and_never_reaches_the_training_phases(tmp_path: Path) -> None:
     clock = ScriptedClock()
-    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, verbose=False)
+    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, verbose=False, sample_every=1)
     callback._clock = clock
     data = DataLoader(SlowData(clock, 0.5), batch_size=2)
     val = DataLoader(SlowData(clock, 0.5, n=4), batch_size=2)
@@ -334,7 +334,9 @@ def test_the_self_report_counts_every_hook_call_it_runs(tmp_path: Path, monkeypa
 
 def test_live_figures_reach_the_logger_and_the_progress_bar(tmp_path: Path) -> None:
     clock = ScriptedClock()
-    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, log_every_n_steps=2, progress_bar=True)
+    callback = BottleneckCallback(
+        warmup_steps=1, sync_check_steps=0, log_every_n_steps=2, progress_bar=True, sample_every=1
+    )
     callback._clock = clock
     logger = CSVLogger(tmp_path, name="run", version=0)
     fit = quiet_trainer(tmp_path, [callback], max_steps=6, logger=logger)
@@ -542,7 +544,9 @@ def test_a_copy_taken_mid_fit_starts_idle(tmp_path: Path) -> None:
     quiet_trainer(tmp_path, [callback, CopyMidFit()], max_steps=4).fit(Scripted(clock), data)
     (copy_,) = copies
     assert copy_._phases is None and copy_._handles == []
-    assert callback.report is not None and callback.report["steps"]["total"] == 4
+    assert not {"on_train_batch_start", "on_train_batch_end"} & copy_.__dict__.keys()  # silenced then: not carried
+    assert callback.report is not None and callback.report["steps_run"] == 4
+    assert callback.report["steps"]["total"] == 2  # the warm-up step and the first sampled one (sample_every=32)
 
 
 @pytest.mark.gpu
@@ -555,3 +559,122 @@ def test_pickles_after_a_cuda_fit(tmp_path: Path) -> None:
     quiet_trainer(tmp_path, [callback], accelerator="cuda", max_steps=4).fit(model, datamodule=data)
     clone = pickle.loads(pickle.dumps(callback))
     assert clone.report is not None and clone.report["device"].startswith("cuda") and clone._phases is None
+
+
+# ------------------------------------------------------------------------------------------------------- sampling
+
+_SILENCEABLE = ("on_train_batch_start", "on_before_zero_grad", "on_before_backward", "on_after_backward",
+                "on_before_optimizer_step", "on_train_batch_end")  # fmt: skip
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, seen: dict[str, list[int]]) -> None:
+    """Record the training step (counted by Lightning's batch progress) in which each of the callback's hooks runs."""
+    for name in _SILENCEABLE:
+        real = getattr(BottleneckCallback, name)
+
+        def spied(self: Any, trainer: pl.Trainer, *args: Any, _real: Any = real, _name: str = name) -> Any:
+            seen.setdefault(_name, []).append(trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1)
+            return _real(self, trainer, *args)
+
+        monkeypatch.setattr(BottleneckCallback, name, spied)
+
+
+def _sampled(steps: int, every: int, first: int) -> list[int]:
+    return [s for s in range(steps) if s < first or (s - first) % every == 0]
+
+
+def test_sampled_steps_run_the_hooks_only_on_sampled_steps_and_the_step_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, list[int]] = {}
+    _spy(monkeypatch, seen)
+    callback = scripted_fit(tmp_path, max_steps=40, callback_kwargs={"warmup_steps": 2, "sample_every": 4})
+    sampled = _sampled(40, 4, 2)  # 0, 1 (warm-up), 2, 6, ..., 38
+    assert len(sampled) == 12
+    for name in _SILENCEABLE[:-1]:
+        assert seen[name] == sampled, name
+    assert seen["on_train_batch_end"] == sorted({*sampled, *(s - 1 for s in sampled[3:])})  # and the step before
+    report = callback.report
+    assert report["steps"] == {"total": 12, "warmup": 2, "steady": 10, "interrupted": 0}
+    assert report["steps_run"] == 40 and report["sampling"]["sample_every"] == 4
+    assert report["per_step"]["sampled"] and report["throughput"]["from_sampled_steps"]
+    for record in steady_records(callback):  # exactly as every step is timed: the wait from the step before
+        assert record["data"] == pytest.approx(0.001) and record["step"] == pytest.approx(0.01125)
+        assert record["other"] == pytest.approx(0.0, abs=1e-12)
+    overhead = report["overhead"]
+    assert overhead["steady_steps"] == 38 and overhead["quiet_calls"] > 0  # averaged over every step run
+    assert overhead["hooks_ns_per_step"] == pytest.approx(overhead["hooks_ns_total"] / 38)
+    assert not set(_SILENCEABLE) & callback.__dict__.keys()  # given back at teardown
+    assert report["throughput"]["samples_per_s"] == pytest.approx(2 / 0.01125)
+
+
+def test_sample_every_one_times_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, list[int]] = {}
+    _spy(monkeypatch, seen)
+    callback = scripted_fit(tmp_path, max_steps=10, callback_kwargs={"sample_every": 1})
+    assert all(seen[name] == list(range(10)) for name in _SILENCEABLE)
+    assert callback.report["steps"]["total"] == callback.report["steps_run"] == 10
+    assert not callback.report["per_step"]["sampled"] and callback.report["overhead"]["quiet_calls"] == 0
+
+
+def test_a_sampled_step_after_validation_or_an_epoch_boundary_is_interrupted(tmp_path: Path) -> None:
+    clock = ScriptedClock()
+    callback = BottleneckCallback(warmup_steps=2, sync_check_steps=0, verbose=False, sample_every=4)
+    callback._clock = clock
+    data = DataLoader(SlowData(clock, 0.5, n=60), batch_size=2)  # 30 steps an epoch: step 30 (sampled) starts one
+    val = DataLoader(SlowData(clock, 0.5, n=4), batch_size=2)
+    trainer = quiet_trainer(tmp_path, [callback], max_steps=40, val_check_interval=5, limit_val_batches=2)
+    trainer.fit(Scripted(clock), data, val)
+    report = callback.report
+    assert report["steps_run"] == 40 and report["steps"]["total"] == 12
+    assert report["validation"]["runs"] == 8 and report["validation"]["median_s"] == pytest.approx(2 * 0.00825)
+    # Sampled steady steps 2, 6, ..., 38: 10 after validation (after step 9), 30 after validation and a new epoch.
+    assert report["per_step"]["interrupted"] == [s in (10, 30) for s in _sampled(40, 4, 2)[2:]]
+    clean = [r for r, cut in zip(steady_records(callback), report["per_step"]["interrupted"]) if not cut]
+    assert all(r["data"] == pytest.approx(0.001) and r["step"] == pytest.approx(0.01125) for r in clean)
+
+
+@pytest.mark.parametrize(
+    ("model_cls", "kwargs", "batches"),
+    [(Scripted, {"accumulate_grad_batches": 2, "max_steps": 10}, 20), (ScriptedManual, {"max_steps": 12}, 12)],
+)
+def test_without_one_optimizer_step_a_batch_the_batch_end_counts_the_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_cls: type, kwargs: dict[str, Any], batches: int
+) -> None:
+    seen: dict[str, list[int]] = {}
+    _spy(monkeypatch, seen)
+    callback = scripted_fit(tmp_path, model_cls, callback_kwargs={"sample_every": 4}, **kwargs)
+    sampled = _sampled(batches, 4, 1)
+    assert seen["on_train_batch_end"] == list(range(batches))  # the counter, always on
+    assert seen["on_train_batch_start"] == seen["on_before_backward"][:: 2 if model_cls is ScriptedManual else 1]
+    assert seen["on_train_batch_start"] == sampled
+    report = callback.report
+    assert report["steps_run"] == batches and report["steps"]["total"] == len(sampled)
+    for record in steady_records(callback):
+        assert record["data"] == pytest.approx(0.001) and record["other"] == pytest.approx(0.0, abs=1e-12)
+    if model_cls is ScriptedManual:
+        assert all(r["forward"] == pytest.approx(0.007) for r in steady_records(callback))
+    else:  # the sampled batches 1, 5, 9, ... end an accumulation window: the optimizer steps in each
+        assert all(r["optimizer"] == pytest.approx(0.002) for r in steady_records(callback))
+
+
+def test_a_failing_sampled_fit_gives_the_hooks_back(tmp_path: Path) -> None:
+    clock = ScriptedClock()
+
+    class FailLater(Scripted):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 7:  # hooks silenced then (sampled: 0, 1, 5, 9, ...)
+                raise RuntimeError("late failure")
+            return super().training_step(batch, batch_idx)
+
+    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, sample_every=4, verbose=False)
+    callback._clock = clock
+    with pytest.raises(RuntimeError, match="late failure"):
+        quiet_trainer(tmp_path, [callback], max_steps=20).fit(FailLater(clock), DataLoader(SlowData(clock, 0.5)))
+    assert not set(_SILENCEABLE) & callback.__dict__.keys()
+
+
+def test_sample_every_is_checked() -> None:
+    with pytest.raises(ValueError, match="sample_every=0"):
+        BottleneckCallback(sample_every=0)
+    assert BottleneckCallback().sample_every == 32

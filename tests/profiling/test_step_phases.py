@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from lightning_perf.profiling import PhaseTimer
-from lightning_perf.profiling.step_phases import MEASURED, StepPhases, binned, live_figures, summarize_steps
+from lightning_perf.profiling.step_phases import (
+    MEASURED,
+    StepPhases,
+    StepSampler,
+    binned,
+    live_figures,
+    report_lines,
+    summarize_steps,
+)
 from lightning_perf.profiling.timer import HookCost, PhaseLedger
 
 
@@ -161,3 +169,63 @@ def test_hook_cost_times_heavy_steps_whole_and_bills_them_as_timed(monkeypatch: 
     assert (figures["hook_calls"], figures["timed_calls"], figures["heavy_calls"]) == (16, 4, 2)
     assert figures["heavy_ns_total"] == 2000 and figures["hook_body_ns_mean"] == 10
     assert figures["hooks_ns_total"] == 2000 + 14 * 10
+
+
+def _sampled_loop(phases: StepPhases, clock: Clock, steps: int, validation_after: int = -1) -> tuple[list, list]:
+    """A loop that calls the observer the way Lightning does with silenced hooks: the step's hooks only while the
+    sampler is live, a per-step counter (an optimizer's post-hook) only while it is not."""
+    started, ended = [], []
+    phases.begin_epoch()
+    for step in range(steps):
+        clock.wait(1)  # data
+        if phases.sampler.live:
+            started.append(step)
+            phases.begin_step("forward")
+        clock.wait(3)
+        if phases.sampler.live:
+            phases.switch("optimizer")
+        clock.wait(2)
+        if phases.quiet_call():  # the post-hook on a skipped step: count it
+            phases.sampler.count()
+        if phases.sampler.live:
+            ended.append(step)
+            phases.finish_batch(4)
+        if step == validation_after:
+            phases.pause()
+            clock.wait(50)
+            phases.resume()
+    return started, ended
+
+
+def test_a_sampler_times_warm_up_then_one_step_in_every() -> None:
+    sampler = StepSampler(every=4, first=2)
+    assert [s for s in range(12) if sampler.sampled(s)] == [0, 1, 2, 6, 10]
+    assert [s for s in range(5) if StepSampler().sampled(s)] == [0, 1, 2, 3, 4]
+
+
+def test_sampled_phases_open_the_wait_at_the_end_of_the_step_before() -> None:
+    clock = Clock()
+    phases = StepPhases(PhaseLedger(MEASURED, warmup_steps=2, clock=clock), sampler=StepSampler(every=4, first=2))
+    started, ended = _sampled_loop(phases, clock, 40, validation_after=13)
+    sampled = [0, 1, *range(2, 40, 4)]
+    assert started == sampled and ended == sorted({*sampled, *range(5, 40, 4)})
+    report = summarize_steps(phases)
+    assert report["steps"] == {"total": 12, "warmup": 2, "steady": 10, "interrupted": 1}
+    assert report["per_step"]["interrupted"] == [s == 14 for s in range(2, 40, 4)]  # validation before step 14
+    clean = [r for r, cut in zip(report["per_step"]["records"], report["per_step"]["interrupted"]) if not cut]
+    assert all(r == pytest.approx({**r, "data": 1e-3, "forward": 3e-3, "optimizer": 2e-3, "step": 6e-3}) for r in clean)
+    assert report["steps_run"] == report["sampling"]["steps_run"] == 40
+    assert report["overhead"]["steady_steps"] == 38 and report["overhead"]["quiet_calls"] == 40 - len(started)
+    assert (
+        "12 timed steps of 40, one in 4"
+        in report_lines({**report, "recommendations": [], "validation": {"runs": 0}})[0]
+    )
+
+
+def test_sample_every_one_is_every_step() -> None:
+    clock = Clock()
+    phases = StepPhases(PhaseLedger(MEASURED, warmup_steps=1, clock=clock))
+    started, ended = _sampled_loop(phases, clock, 10)
+    assert started == ended == list(range(10))
+    report = summarize_steps(phases)
+    assert report["steps"]["total"] == report["steps_run"] == 10 and not report["per_step"]["sampled"]
