@@ -1,18 +1,21 @@
 """What observing costs, measured from outside: this library's observers against no observer and Lightning's profilers.
 
-Design, so that a cost of a few tenths of a percent can be resolved:
+Design, so that a cost of a few tenths of a percent can be resolved on a VM whose fits swing 20-50% between each
+other (``--design``):
 
-- **many short segments, interleaved, in one process**: a round runs every configuration once, a short fit each
-  (``--steps`` measured steps after ``--warmup`` dropped ones), in an order shuffled per round (seeded), so drift
-  and a busy neighbour spread over all; many rounds (``--rounds``);
-- **paired per round**: the figure of a fit is its **mean** step time over the measured steps (the time from the end of
-  the last warm-up step to the end of the last step, over their count: a rare dear step, such as a snapshot every 50
-  steps, counts in full, which a median would drop); each configuration's figure is divided by the no-observer fit of
-  the same round, and :func:`~lightning_perf.profiling.intervals.paired_ratio` gives the mean ratio with its 95% t
-  interval over rounds;
-- **a fair comparison**: every fit gets a fresh model from the same seed, the same data in the same order, the same
-  Trainer settings and the same logger (one that discards, at the Trainer's default ``log_every_n_steps``: observers
-  log as they would in a run), ``torch`` on ``--threads`` threads; garbage is collected before each fit.
+- ``toggle`` (default): **one fit per observer and round, the observer switched off and on every ``--block`` steps**
+  (:class:`Toggle`: a callback leaves ``trainer.callbacks`` and comes back at its place; a profiler is swapped for
+  ``PassThroughProfiler``); the mean step of each "on" block is paired with the "off" block before it (the first step
+  of a block, which straddles the switch, left out) and :func:`~lightning_perf.profiling.intervals.paired_ratio`
+  gives the mean ratio with its 95% t interval over all pairs of all rounds. A block is at least twice an observer's
+  sampling period, so it holds the observer's average cost; each round also runs one plain fit, the end-of-fit
+  baseline;
+- ``fits``: **whole fits, interleaved, paired per round**: a round runs every configuration once (``--steps``
+  measured steps after ``--warmup`` dropped ones), in an order shuffled per round; a fit's figure is its **mean** step
+  time (a rare dear step counts in full, which a median would drop), divided by the no-observer fit of the round;
+- **a fair comparison** in both: every fit gets a fresh model from the same seed, the same data in the same order, the
+  same Trainer settings and the same logger (one that discards, at the Trainer's default ``log_every_n_steps``:
+  observers log as they would in a run), ``torch`` on ``--threads`` threads; garbage is collected before each fit.
 
 Sizes: ``short`` (a tiny MLP, 32-64-10, batch 32: about 2 ms steps on one core of a quiet 2-core EPYC, most of it
 Lightning's own per-step work; the output prints how much a plain PyTorch loop of the same model takes) and ``long``
@@ -27,7 +30,7 @@ Configurations: ``none``; ``bottleneck`` (``BottleneckCallback()``); ``memory`` 
 Run it on a quiet machine: on a busy one the intervals widen and say so. Usage::
 
     python examples/observer_overhead.py --quick                 # a smoke run, well under a minute
-    python examples/observer_overhead.py --rounds 30 --output overhead.json
+    python examples/observer_overhead.py --rounds 4 --steps 2560 --long-steps 256 --output overhead.json
 """
 
 from __future__ import annotations
@@ -121,6 +124,59 @@ class StepClock(pl.Callback):
         return statistics.median((b - a) / 1e9 for a, b in zip(self.ends[warmup - 1 :], self.ends[warmup:]))
 
 
+class Toggle(pl.Callback):
+    """Switches an observer off and on every ``block`` steps within one fit (placed last, so a step's hooks all run
+    under one state): a callback leaves ``trainer.callbacks`` (Lightning calls none of its hooks, as if it had not been
+    passed; hooks it put on the model or an optimizer still run: a flag check each, a microsecond at most) and comes
+    back at its place; a profiler is swapped for Lightning's ``PassThroughProfiler``."""
+
+    def __init__(self, observer: Any, block: int) -> None:
+        self.observer, self.block = observer, block
+        self.on: list[bool] = []  # per step: whether the observer ran during it
+        self._place: int | None = None  # where a detached callback goes back
+        self._profiler: Any = None
+
+    def _switch(self, trainer: pl.Trainer, on: bool) -> None:
+        from lightning.pytorch.profilers import PassThroughProfiler
+
+        if isinstance(self.observer, pl.Callback):
+            if on and self._place is not None:
+                trainer.callbacks.insert(self._place, self.observer)
+                self._place = None
+            elif not on and self._place is None:
+                self._place = trainer.callbacks.index(self.observer)
+                trainer.callbacks.pop(self._place)
+        elif on and self._profiler is not None:
+            trainer.profiler, self._profiler = self._profiler, None
+        elif not on and self._profiler is None:
+            self._profiler, trainer.profiler = trainer.profiler, PassThroughProfiler()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.on.append(self._place is None and self._profiler is None)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._switch(trainer, (len(self.on) // self.block) % 2 == 1)
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._switch(trainer, True)  # the observer's end-of-fit work runs as it would
+
+
+def toggled_pairs(durations: list[float], on: list[bool], block: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Mean step of each (off, on) pair of adjacent blocks after warm-up, the first step of a block left out (the
+    switch happens between the clock's reading and the next step: its interval mixes both states)."""
+    offs, ons = [], []
+    starts = range(0, len(on) - 2 * block + 1, 2 * block)
+    for start in starts:
+        if start < warmup:
+            continue
+        off = durations[start + 1 : start + block]
+        on_ = durations[start + block + 1 : start + 2 * block]
+        if off and on_ and not any(on[start : start + block]) and all(on[start + block : start + 2 * block]):
+            offs.append(statistics.fmean(off))
+            ons.append(statistics.fmean(on_))
+    return ons, offs
+
+
 def configurations(out: Path, advanced: bool) -> dict[str, Callable[[], dict[str, Any]]]:
     """Name -> the extra Trainer arguments (fresh objects for every run); observers at their defaults."""
     configs: dict[str, Callable[[], dict[str, Any]]] = {
@@ -163,6 +219,71 @@ def run_once(args: argparse.Namespace, size: str, extra: dict[str, Any], out: Pa
     own = [cb.report["overhead"]["share_of_step"] for cb in observers if getattr(cb, "report", None)]
     return {"mean": clock.mean_s(args.warmup), "median": clock.median_s(args.warmup),
             "own": own[0] if own else None, "tail_s": tail_s}  # fmt: skip
+
+
+def run_toggled(args: argparse.Namespace, size: str, extra: dict[str, Any], out: Path) -> dict[str, Any]:
+    """One fit with the observer switched off and on every ``--block`` steps: per (off, on) pair of blocks the two
+    mean steps, the observer's self-reported share, the time after the last step."""
+    steps = args.warmup + (args.steps if size == "short" else args.long_steps)
+    block = args.block if size == "short" else max(8, args.block // 4)
+    pl.seed_everything(0, verbose=False)
+    model, data = workload(size, steps)
+    clock = StepClock()
+    observers = extra.pop("callbacks", [])
+    toggle = Toggle(observers[0] if observers else extra["profiler"], block)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[clock, *observers, toggle],
+                         logger=NullLogger(), limit_val_batches=0, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+                         **extra)  # fmt: skip
+    gc.collect()
+    if isinstance(data, DataLoader):
+        trainer.fit(model, data)
+    else:
+        trainer.fit(model, datamodule=data)
+    tail_s = (time.perf_counter_ns() - clock.ends[-1]) / 1e9
+    durations = [float("nan")] + [(b - a) / 1e9 for a, b in itertools.pairwise(clock.ends)]
+    ons, offs = toggled_pairs(durations, toggle.on, block, args.warmup)
+    own = [cb.report["overhead"]["share_of_step"] for cb in observers if getattr(cb, "report", None)]
+    return {"ons": ons, "offs": offs, "own": own[0] if own else None, "tail_s": tail_s,
+            "mean": statistics.fmean(ons), "median": statistics.median(ons)}  # fmt: skip
+
+
+def measure_toggled(args: argparse.Namespace, size: str, configs: dict[str, Callable[[], dict[str, Any]]],
+                    out: Path) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+    """Per round: a plain fit (``none``: the end-of-fit baseline) and one toggled fit per observer, order shuffled."""
+    names, order = list(configs), random.Random(0)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for index in range(args.rounds):
+        for name in order.sample(names, len(names)):
+            run = run_once if name == "none" else run_toggled
+            runs[name].append(run(args, size, configs[name](), out))
+        if index % max(1, args.rounds // 10) == 0 or index == args.rounds - 1:
+            means = ", ".join(f"{n} {format_seconds(runs[n][-1]['mean'])}" for n in names)
+            print(f"{size} round {index + 1}/{args.rounds}: {means}", flush=True)
+    return runs
+
+
+def summarize_toggled(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[list[object]], dict[str, Any]]:
+    """Like :func:`summarize`, the ratio paired over (off, on) blocks of all rounds instead of whole fits."""
+    rows, results = summarize({"none": runs["none"]})
+    for name, mine in runs.items():
+        if name == "none":
+            continue
+        ons = [x for r in mine for x in r["ons"]]
+        offs = [x for r in mine for x in r["offs"]]
+        estimate = paired_ratio(ons, offs, above_one="slower", below_one="faster")
+        own = [r["own"] for r in mine if r["own"] is not None]
+        tails = [r["tail_s"] - b["tail_s"] for r, b in zip(mine, runs["none"])]
+        outside = estimate.ratio - 1
+        gap = 100 * (statistics.median(own) - outside) if own else None
+        own_cell = f"{100 * statistics.median(own):.2f}%" if own else "-"
+        gap_cell = f"{gap:+.2f} pp" if gap is not None else "-"
+        rows.append([name, format_seconds(statistics.fmean(offs)), estimate.format(4), f"{100 * outside:+.2f}%",
+                     own_cell, gap_cell, format_seconds(statistics.median(tails))])  # fmt: skip
+        results[name] = {"step_mean_s": statistics.fmean(ons), "step_off_mean_s": statistics.fmean(offs),
+                         "pairs": len(ons), **estimate.to_dict("ratio_to_none"), "self_reported_share": own or None,
+                         "self_minus_outside_pp": gap, "end_of_fit_extra_s": tails}  # fmt: skip
+    return rows, results
 
 
 def plain_step_s(size: str, steps: int = 200) -> float:
@@ -241,11 +362,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sizes", default="short,long", help="comma-separated, from short, long")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the shortest steps)")
     parser.add_argument("--advanced", action="store_true", help="also Lightning's AdvancedProfiler (slow)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 3 rounds of 100 steps, short steps only")
+    parser.add_argument("--design", choices=("toggle", "fits"), default="toggle",
+                        help="toggle: each observer switched off and on every --block steps within one fit, "
+                        "paired by adjacent blocks (resolves small costs on a noisy machine); fits: whole fits "
+                        "against a fit without observer")  # fmt: skip
+    parser.add_argument("--block", type=int, default=64, help="steps per off/on block (short steps; long: /4); at "
+                        "least twice an observer's sampling period, so each block holds its average cost")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 320 steps, short steps only")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.rounds, args.sizes = 100, 3, "short"
+        args.steps, args.rounds, args.sizes, args.block = 320, 2, "short", 32
     sizes = args.sizes.split(",")
     if min(args.steps, args.long_steps) < 10 or args.warmup < 2 or args.rounds < 2:
         parser.error("need --steps and --long-steps >= 10, --warmup >= 2 and --rounds >= 2")
@@ -259,14 +386,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = configurations(out, args.advanced)
     report: dict[str, Any] = {"arguments": {k: str(v) for k, v in vars(args).items()}, "results": {}, "plain": {}}
     for size in sizes:
-        runs = measure(args, size, configs, out)
-        rows, report["results"][size] = summarize(runs)
+        if args.design == "toggle":
+            runs = measure_toggled(args, size, configs, out)
+            rows, report["results"][size] = summarize_toggled(runs)
+        else:
+            runs = measure(args, size, configs, out)
+            rows, report["results"][size] = summarize(runs)
         plain, step = plain_step_s(size), report["results"][size]["none"]["step_mean_s"]
         report["plain"][size] = {"plain_pytorch_step_s": plain, "lightning_step_s": step}
         columns = ["configuration", "step (mean)", "ratio to none [95%]", "outside", "self-report", "self - outside",
                    "end of fit +"]  # fmt: skip
         measured = args.steps if size == "short" else args.long_steps
-        title = f"{size} steps: {args.rounds} rounds, {args.warmup} + {measured} steps a fit"
+        title = f"{size} steps: {args.rounds} rounds, {args.warmup} + {measured} steps a fit, design {args.design}"
         print(text_table(columns, rows, title=title, width=110))
         print(f"{size}: the same model in a plain PyTorch loop takes {format_seconds(plain)} a step; with Lightning "
               f"(no observer) {format_seconds(step)}: Lightning's own per-step work and data loading are "
