@@ -7,9 +7,13 @@ other (``--design``):
   (:class:`Toggle`: a callback leaves ``trainer.callbacks`` and comes back at its place; a profiler is swapped for
   ``PassThroughProfiler``); the mean step of each "on" block is paired with the "off" block before it (the first step
   of a block, which straddles the switch, left out) and :func:`~lightning_perf.profiling.intervals.paired_ratio`
-  gives the mean ratio with its 95% t interval over all pairs of all rounds. A block is at least twice an observer's
-  sampling period, so it holds the observer's average cost; each round also runs one plain fit, the end-of-fit
-  baseline;
+  gives the mean ratio with its 95% t interval over all pairs of all rounds. Steps are timed on the main thread's
+  CPU clock (``--clock thread``: the hooks, Lightning and the single-process data loading all run there; time the
+  hypervisor or another process takes from the core is not counted, and that is most of this VM's noise) or the wall
+  clock (``--clock wall``). A block is at least twice an observer's
+  sampling period, so it holds the observer's average cost; each round also runs one plain fit without observer
+  and one with each observer, for the self-report and the end of fit (a toggled observer's self-report would cover
+  steps it was not there for);
 - ``fits``: **whole fits, interleaved, paired per round**: a round runs every configuration once (``--steps``
   measured steps after ``--warmup`` dropped ones), in an order shuffled per round; a fit's figure is its **mean** step
   time (a rare dear step counts in full, which a median would drop), divided by the no-observer fit of the round;
@@ -112,9 +116,11 @@ class StepClock(pl.Callback):
 
     def __init__(self) -> None:
         self.ends: list[int] = []
+        self.cpu_ends: list[int] = []  # the main thread's CPU time (where the observers' hooks and Lightning run)
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.ends.append(time.perf_counter_ns())
+        self.cpu_ends.append(time.thread_time_ns())
 
     def mean_s(self, warmup: int) -> float:
         ends = self.ends[warmup - 1 :]
@@ -241,7 +247,8 @@ def run_toggled(args: argparse.Namespace, size: str, extra: dict[str, Any], out:
     else:
         trainer.fit(model, datamodule=data)
     tail_s = (time.perf_counter_ns() - clock.ends[-1]) / 1e9
-    durations = [float("nan")] + [(b - a) / 1e9 for a, b in itertools.pairwise(clock.ends)]
+    ends = clock.cpu_ends if args.clock == "thread" else clock.ends
+    durations = [float("nan")] + [(b - a) / 1e9 for a, b in itertools.pairwise(ends)]
     ons, offs = toggled_pairs(durations, toggle.on, block, args.warmup)
     own = [cb.report["overhead"]["share_of_step"] for cb in observers if getattr(cb, "report", None)]
     return {"ons": ons, "offs": offs, "own": own[0] if own else None, "tail_s": tail_s,
@@ -255,8 +262,12 @@ def measure_toggled(args: argparse.Namespace, size: str, configs: dict[str, Call
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for index in range(args.rounds):
         for name in order.sample(names, len(names)):
-            run = run_once if name == "none" else run_toggled
-            runs[name].append(run(args, size, configs[name](), out))
+            if name == "none":
+                runs[name].append(run_once(args, size, configs[name](), out))
+                continue
+            toggled = run_toggled(args, size, configs[name](), out)
+            plain = run_once(args, size, configs[name](), out)  # the self-report and end of fit of a plain fit
+            runs[name].append({**toggled, "own": plain["own"], "tail_s": plain["tail_s"]})
         if index % max(1, args.rounds // 10) == 0 or index == args.rounds - 1:
             means = ", ".join(f"{n} {format_seconds(runs[n][-1]['mean'])}" for n in names)
             print(f"{size} round {index + 1}/{args.rounds}: {means}", flush=True)
@@ -366,6 +377,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="toggle: each observer switched off and on every --block steps within one fit, "
                         "paired by adjacent blocks (resolves small costs on a noisy machine); fits: whole fits "
                         "against a fit without observer")  # fmt: skip
+    parser.add_argument(
+        "--clock",
+        choices=("thread", "wall"),
+        default="thread",
+        help="toggle design: the main thread's CPU time per step (where the hooks run; blind to "
+        "the hypervisor's and other processes' share of the core, this VM's main noise) or wall time",
+    )
     parser.add_argument("--block", type=int, default=64, help="steps per off/on block (short steps; long: /4); at "
                         "least twice an observer's sampling period, so each block holds its average cost")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 320 steps, short steps only")
@@ -397,7 +415,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         columns = ["configuration", "step (mean)", "ratio to none [95%]", "outside", "self-report", "self - outside",
                    "end of fit +"]  # fmt: skip
         measured = args.steps if size == "short" else args.long_steps
-        title = f"{size} steps: {args.rounds} rounds, {args.warmup} + {measured} steps a fit, design {args.design}"
+        design = args.design + (f", {args.clock} clock" if args.design == "toggle" else "")
+        title = f"{size} steps: {args.rounds} rounds, {args.warmup} + {measured} steps a fit, design {design}"
         print(text_table(columns, rows, title=title, width=110))
         print(f"{size}: the same model in a plain PyTorch loop takes {format_seconds(plain)} a step; with Lightning "
               f"(no observer) {format_seconds(step)}: Lightning's own per-step work and data loading are "

@@ -379,7 +379,7 @@ def test_the_self_report_counts_every_hook_call_it_runs(tmp_path: Path, monkeypa
     assert overhead["warmup_hook_calls"] == 5 * 50 and overhead["steady_steps"] == 70
     assert overhead["heavy_calls"] == 5 * 5 and overhead["dispatch_ns_per_call"] > 0
     routine = overhead["hook_calls"] - overhead["heavy_calls"]
-    per_call = overhead["hook_body_ns_mean"] * routine + overhead["heavy_ns_total"]
+    per_call = overhead["hook_body_ns"] * routine + overhead["heavy_ns_total"]
     total = per_call + overhead["hook_calls"] * overhead["dispatch_ns_per_call"]
     assert overhead["hooks_ns_total"] == pytest.approx(total)
     # After the fit the hooks are the class's again, and a copy carries none of the run's silencing.

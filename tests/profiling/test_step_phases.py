@@ -149,7 +149,7 @@ def test_hook_cost_times_one_step_in_every_from_first_and_counts_every_call() ->
     assert timed == [False, False, True, False, False, True, False, False, True]
     figures = cost.figures(steps=7, step_s=1e-3)  # the steady steps: from `first` on
     assert (figures["hook_calls"], figures["warmup_hook_calls"], figures["timed_calls"]) == (28, 8, 12)
-    assert figures["hooks_ns_total"] == pytest.approx(28 * (figures["hook_body_ns_mean"] + 100.0))
+    assert figures["hooks_ns_total"] == pytest.approx(28 * (figures["hook_body_ns"] + 100.0))
     assert figures["share_of_step"] == pytest.approx(figures["hooks_ns_per_step"] / 1e6)
 
 
@@ -167,7 +167,7 @@ def test_hook_cost_times_heavy_steps_whole_and_bills_them_as_timed(monkeypatch: 
             cost.end(entry)
     figures = cost.figures(steps=8, step_s=1e-6)
     assert (figures["hook_calls"], figures["timed_calls"], figures["heavy_calls"]) == (16, 4, 2)
-    assert figures["heavy_ns_total"] == 2000 and figures["hook_body_ns_mean"] == 10
+    assert figures["heavy_ns_total"] == 2000 and figures["hook_body_ns_mean"] == figures["hook_body_ns"] == 10
     assert figures["hooks_ns_total"] == 2000 + 14 * 10
 
 
@@ -229,3 +229,23 @@ def test_sample_every_one_is_every_step() -> None:
     assert started == ended == list(range(10))
     report = summarize_steps(phases)
     assert report["steps"]["total"] == report["steps_run"] == 10 and not report["per_step"]["sampled"]
+
+
+def test_hook_cost_bills_routine_calls_at_the_median_body_and_quiet_calls_a_flag_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One interrupted timed call (a collection inside it) is not billed to every call; a quiet call (a skipped step's
+    flag check) costs what :func:`quiet_call_ns` measured, not a hook body."""
+    now = {"ns": 1}
+    monkeypatch.setattr("lightning_perf.profiling.timer.time.perf_counter_ns", lambda: now["ns"])
+    cost = HookCost(every=1, first=0, dispatch_ns=0.0)
+    cost.quiet_ns = 2.0
+    for step in range(5):
+        cost.step(step)
+        entry = cost.begin()
+        now["ns"] += 100_000 if step == 2 else 10
+        cost.end(entry)
+    cost.quiet_calls = 1000
+    figures = cost.figures(steps=5, step_s=1e-3)
+    assert figures["hook_body_ns"] == 10 and figures["hook_body_ns_mean"] > 10_000
+    assert figures["hooks_ns_total"] == 5 * 10 + 1000 * 2.0
