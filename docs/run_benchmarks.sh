@@ -37,7 +37,7 @@ lightning-perf bench --force --workload convnet --quiet --steps "$steps" --repea
   --configs baseline,qat
 
 # Observers' cost against Lightning's profilers.
-python examples/observer_overhead.py --steps 200 --rounds 5 --output "$out/observer-overhead.json"
+python examples/observer_overhead.py --rounds 3 --steps 2560 --long-steps 256 --output "$out/observer-overhead.json"
 
 # The page: every table from the result files (docs/benchmarks.template.md holds the prose).
 python docs/make_benchmarks_md.py
