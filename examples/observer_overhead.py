@@ -196,6 +196,21 @@ def configurations(out: Path, advanced: bool) -> dict[str, Callable[[], dict[str
     return configs
 
 
+def fit(
+    model: pl.LightningModule, data: Any, steps: int, callbacks: list[Any], out: Path, extra: dict[str, Any]
+) -> None:
+    """``steps`` training steps with the benchmark's Trainer settings (no validation, checkpoint, bar or summary; the
+    discarding logger), after a garbage collection."""
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=callbacks, logger=NullLogger(),
+                         limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=out, **extra)  # fmt: skip
+    gc.collect()
+    if isinstance(data, DataLoader):
+        trainer.fit(model, data)
+    else:
+        trainer.fit(model, datamodule=data)
+
+
 def run_once(args: argparse.Namespace, size: str, extra: dict[str, Any], out: Path) -> dict[str, Any]:
     """One fit: its mean and median steady step, the observer's self-reported share, the time after the last step."""
     steps = args.warmup + (args.steps if size == "short" else args.long_steps)
@@ -203,24 +218,7 @@ def run_once(args: argparse.Namespace, size: str, extra: dict[str, Any], out: Pa
     model, data = workload(size, steps)
     clock = StepClock()
     observers = extra.pop("callbacks", [])
-    trainer = pl.Trainer(
-        max_steps=steps,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[clock, *observers],
-        logger=NullLogger(),
-        limit_val_batches=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=out,
-        **extra,
-    )
-    gc.collect()
-    if isinstance(data, DataLoader):
-        trainer.fit(model, data)
-    else:
-        trainer.fit(model, datamodule=data)
+    fit(model, data, steps, [clock, *observers], out, extra)
     tail_s = (time.perf_counter_ns() - clock.ends[-1]) / 1e9
     own = [cb.report["overhead"]["share_of_step"] for cb in observers if getattr(cb, "report", None)]
     return {"mean": clock.mean_s(args.warmup), "median": clock.median_s(args.warmup),
@@ -237,15 +235,7 @@ def run_toggled(args: argparse.Namespace, size: str, extra: dict[str, Any], out:
     clock = StepClock()
     observers = extra.pop("callbacks", [])
     toggle = Toggle(observers[0] if observers else extra["profiler"], block)
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, callbacks=[clock, *observers, toggle],
-                         logger=NullLogger(), limit_val_batches=0, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
-                         **extra)  # fmt: skip
-    gc.collect()
-    if isinstance(data, DataLoader):
-        trainer.fit(model, data)
-    else:
-        trainer.fit(model, datamodule=data)
+    fit(model, data, steps, [clock, *observers, toggle], out, extra)
     tail_s = (time.perf_counter_ns() - clock.ends[-1]) / 1e9
     ends = clock.cpu_ends if args.clock == "thread" else clock.ends
     durations = [float("nan")] + [(b - a) / 1e9 for a, b in itertools.pairwise(ends)]
