@@ -119,12 +119,14 @@ class BottleneckCallback(UndoOnExit):
         self._phases: sp.StepPhases | None = None
         self._loader: LoaderSettings | None = None
         self._manual, self._last_logged, self._fit_start_ns, self._every = False, 0, 0, 0
+        self._trainer: pl.Trainer | None = None
+        self._counted = -2
         self._quiet, self._counts = _STEP_HOOKS, True  # hooks silenced between timed steps; the post-hook counts
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (spawn, deepcopy) holds settings and report, not the run: CUDA events, optimizers' and silenced hooks.
         state = {k: v for k, v in self.__dict__.items() if k not in _STEP_HOOKS}
-        return {**state, "_phases": None, "_loader": None, "_handles": []}
+        return {**state, "_phases": None, "_loader": None, "_handles": [], "_trainer": None}
 
     # Chained onto the module's batch-transfer hooks (`setup`), which run in every stage: they act on training only.
     def _before_transfer(self, batch: Any) -> Any:
@@ -137,6 +139,12 @@ class BottleneckCallback(UndoOnExit):
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         phases = self._phases
+        step = self._trainer.global_step if self._trainer is not None else -1  # once a step: a subclass's step()
+        if step == self._counted:  # calling super().step() runs torch's post-hooks at both levels
+            if phases is not None:
+                phases.cost.end(phases.cost.begin())  # counted as a call, nothing else
+            return
+        self._counted = step
         if phases is not None and self._counts and phases.quiet_call():  # a skipped step ends: count it
             if phases.sampler.count():  # the next step is timed: its wait for data starts at this one's end
                 obs.silence_hooks(self, self._quiet, False)
@@ -178,6 +186,7 @@ class BottleneckCallback(UndoOnExit):
         # The post-hook counts steps only where the optimizer steps once per batch; else batch end stays live.
         self._counts = not self._manual and trainer.accumulate_grad_batches == 1 and len(trainer.optimizers) == 1
         self._quiet = _STEP_HOOKS if self._counts else _STEP_HOOKS[:-1]
+        self._trainer = trainer
         self._handles.extend(opt.register_step_post_hook(self._after_optimizer_step) for opt in trainer.optimizers)
         self._fit_start_ns = time.perf_counter_ns()
 
