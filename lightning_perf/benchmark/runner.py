@@ -217,12 +217,20 @@ def run_benchmark(
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
-        notes=precision_notes(spec)
-        + ([reliability.figures["start_load"]] if reliability.figures.get("start_load") else [])
+        notes=_report_notes(spec, reliability, runs, summaries),
+    )
+
+
+def _report_notes(spec: BenchSpec, reliability: Reliability, runs: _Runs, summaries: list[ConfigSummary]) -> list[str]:
+    """The report's notes: precision, the load present at start, re-runs, paired baselines, no effect, no predict."""
+    start_load = reliability.figures.get("start_load")
+    return (
+        precision_notes(spec)
+        + ([start_load] if start_load else [])
         + _rerun_notes(runs.set_aside)
         + _paired_baseline_notes(summaries)
         + _no_effect_notes(runs.results)
-        + _predict_skipped_notes(runs.results),
+        + _predict_skipped_notes(runs.results)
     )
 
 
