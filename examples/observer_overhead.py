@@ -3,17 +3,20 @@
 Design, so that a cost of a few tenths of a percent can be resolved on a VM whose fits swing 20-50% between each
 other (``--design``):
 
-- ``toggle`` (default): **one fit per observer and round, the observer switched off and on every ``--block`` steps**
+- ``toggle`` (default): **one fit per observer and round, the observer switched off and on in short blocks**
   (:class:`Toggle`: a callback leaves ``trainer.callbacks`` and comes back at its place; a profiler is swapped for
-  ``PassThroughProfiler``); the mean step of each "on" block is paired with the "off" block before it (the first step
-  of a block, which straddles the switch, left out) and :func:`~lightning_perf.profiling.intervals.paired_ratio`
-  gives the mean ratio with its 95% t interval over all pairs of all rounds. Steps are timed on the main thread's
-  CPU clock (``--clock thread``: the hooks, Lightning and the single-process data loading all run there; time the
-  hypervisor or another process takes from the core is not counted, and that is most of this VM's noise) or the wall
-  clock (``--clock wall``). A block is at least twice an observer's
-  sampling period, so it holds the observer's average cost; each round also runs one plain fit without observer
-  and one with each observer, for the self-report and the end of fit (a toggled observer's self-report would cover
-  steps it was not there for);
+  ``PassThroughProfiler``). This VM's step times drift between speed regimes that last hundreds of steps (consecutive
+  steps correlate at ~0.86), so adjacent short blocks cancel most of the noise: pairs of equal blocks of 3-9 steps
+  (``--block`` 6), random length and random order (:func:`toggle_schedule`; an observer's sampled steps, one in 32 or
+  100, cannot lock onto one side); per pair the mean "on" step over the mean "off" step, each block's first step
+  (which straddles the switch) left out; :func:`~lightning_perf.profiling.intervals.paired_ratio` gives the mean
+  ratio with its 95% t interval over all pairs of all rounds. ``none`` runs the same schedule switching nothing: its
+  ratio is an A/A check of the design and must come out 1; ``empty`` toggles a callback with no hooks of its own
+  (what Lightning's dispatch of any callback costs). Steps are timed on the main thread's CPU clock (``--clock
+  thread``: the hooks, Lightning and the single-process data loading all run there; time the hypervisor or another
+  process takes from the core is not counted) or the wall clock (``--clock wall``). Each round also runs one plain fit
+  per configuration, for the self-report and the end of fit (a toggled observer's self-report would cover steps it
+  was not there for);
 - ``fits``: **whole fits, interleaved, paired per round**: a round runs every configuration once (``--steps``
   measured steps after ``--warmup`` dropped ones), in an order shuffled per round; a fit's figure is its **mean** step
   time (a rare dear step counts in full, which a median would drop), divided by the no-observer fit of the round;
@@ -29,8 +32,9 @@ themselves (``report["overhead"]["share_of_step"]``, steady state: their hooks' 
 whole, Lightning's dispatch per call timed at fit start) and its gap to the outside cost in percentage points; and the
 end of fit (from the last step's end until ``fit`` returns, minus the same for no observer: reports, summaries).
 
-Configurations: ``none``; ``bottleneck`` (``BottleneckCallback()``); ``memory`` (``MemoryProfilerCallback()``);
-``simple`` (Lightning's ``SimpleProfiler``); ``advanced`` (Lightning's ``AdvancedProfiler``, with ``--advanced``).
+Configurations: ``none``; ``empty`` (``pl.Callback()``); ``bottleneck`` (``BottleneckCallback()``); ``memory``
+(``MemoryProfilerCallback()``); ``simple`` (Lightning's ``SimpleProfiler``); ``advanced`` (Lightning's
+``AdvancedProfiler``, with ``--advanced``).
 Run it on a quiet machine: on a busy one the intervals widen and say so. Usage::
 
     python examples/observer_overhead.py --quick                 # a smoke run, well under a minute
@@ -130,22 +134,48 @@ class StepClock(pl.Callback):
         return statistics.median((b - a) / 1e9 for a, b in zip(self.ends[warmup - 1 :], self.ends[warmup:]))
 
 
-class Toggle(pl.Callback):
-    """Switches an observer off and on every ``block`` steps within one fit (placed last, so a step's hooks all run
-    under one state): a callback leaves ``trainer.callbacks`` (Lightning calls none of its hooks, as if it had not been
-    passed; hooks it put on the model or an optimizer still run: a flag check each, a microsecond at most) and comes
-    back at its place; a profiler is swapped for Lightning's ``PassThroughProfiler``."""
+Pairs = list[tuple[int, int, int]]  # (start, middle, end) of two adjacent blocks of equal length
 
-    def __init__(self, observer: Any, block: int) -> None:
-        self.observer, self.block = observer, block
-        self.on: list[bool] = []  # per step: whether the observer ran during it
+
+def toggle_schedule(steps: int, warmup: int, block: int, seed: int = 0) -> tuple[list[bool], Pairs]:
+    """Per step whether the observer runs, and the pairs of blocks ``(start, middle, end)`` compared: observed through
+    the warm-up, then pairs of equal blocks whose length is drawn from ``[block/2, 3 block/2]`` and whose order (on
+    first or off first) is a coin toss, both from ``seed``. Random lengths keep an observer's sampled steps (one in
+    32, one in 100) from locking onto one side or onto a block's first step; a random order keeps a drift from
+    favouring either side. Steps after the last pair are observed (the observer ends its fit as it would)."""
+    rng = random.Random(seed)
+    states, pairs, start = [True] * min(warmup, steps), [], warmup
+    while True:
+        length = rng.randint(max(2, block // 2), max(2, block + block // 2))
+        if start + 2 * length > steps:
+            break
+        first = rng.random() < 0.5
+        states += [first] * length + [not first] * length
+        pairs.append((start, start + length, start + 2 * length))
+        start += 2 * length
+    return states + [True] * (steps - len(states)), pairs
+
+
+class Toggle(pl.Callback):
+    """Switches an observer off and on within one fit as ``states`` says, step by step (placed last, so a step's hooks
+    all run under one state): a callback leaves ``trainer.callbacks`` (Lightning calls none of its hooks, as if it had
+    not been passed; hooks it put on the model or an optimizer still run: a flag check each, a microsecond at most)
+    and comes back at its place; a profiler is swapped for Lightning's ``PassThroughProfiler``. With no observer
+    nothing is switched: the schedule alone (an A/A comparison, whose ratio must come out 1)."""
+
+    def __init__(self, observer: Any, states: list[bool]) -> None:
+        self.observer, self.states = observer, states
+        self.on: list[bool] = []  # per step: whether the observer ran during it (or would have: no observer)
         self._place: int | None = None  # where a detached callback goes back
         self._profiler: Any = None
+        self._off = False  # no observer: the state the schedule is in
 
     def _switch(self, trainer: pl.Trainer, on: bool) -> None:
         from lightning.pytorch.profilers import PassThroughProfiler
 
-        if isinstance(self.observer, pl.Callback):
+        if self.observer is None:
+            self._off = not on
+        elif isinstance(self.observer, pl.Callback):
             if on and self._place is not None:
                 trainer.callbacks.insert(self._place, self.observer)
                 self._place = None
@@ -158,28 +188,28 @@ class Toggle(pl.Callback):
             self._profiler, trainer.profiler = trainer.profiler, PassThroughProfiler()
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.on.append(self._place is None and self._profiler is None)
+        self.on.append(self._place is None and self._profiler is None and not self._off)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._switch(trainer, (len(self.on) // self.block) % 2 == 1)
+        step = len(self.on)  # the next step's index
+        self._switch(trainer, self.states[step] if step < len(self.states) else True)
 
     def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._switch(trainer, True)  # the observer's end-of-fit work runs as it would
 
 
-def toggled_pairs(durations: list[float], on: list[bool], block: int, warmup: int) -> tuple[list[float], list[float]]:
-    """Mean step of each (off, on) pair of adjacent blocks after warm-up, the first step of a block left out (the
-    switch happens between the clock's reading and the next step: its interval mixes both states)."""
-    offs, ons = [], []
-    starts = range(0, len(on) - 2 * block + 1, 2 * block)
-    for start in starts:
-        if start < warmup:
+def toggled_pairs(durations: list[float], on: list[bool], pairs: Pairs) -> tuple[list[float], list[float]]:
+    """Mean step of the "on" and the "off" block of each pair, each block's first step left out (the switch happens
+    between the clock's reading and the next step: its interval mixes both states); a pair whose blocks did not run
+    as planned (one state each) is skipped."""
+    ons, offs = [], []
+    for start, middle, end in pairs:
+        first, second = on[start:middle], on[middle:end]
+        if end > len(durations) or len(set(first)) != 1 or len(set(second)) != 1 or first[0] == second[0]:
             continue
-        off = durations[start + 1 : start + block]
-        on_ = durations[start + block + 1 : start + 2 * block]
-        if off and on_ and not any(on[start : start + block]) and all(on[start + block : start + 2 * block]):
-            offs.append(statistics.fmean(off))
-            ons.append(statistics.fmean(on_))
+        a, b = statistics.fmean(durations[start + 1 : middle]), statistics.fmean(durations[middle + 1 : end])
+        ons.append(a if first[0] else b)
+        offs.append(b if first[0] else a)
     return ons, offs
 
 
@@ -187,6 +217,7 @@ def configurations(out: Path, advanced: bool) -> dict[str, Callable[[], dict[str
     """Name -> the extra Trainer arguments (fresh objects for every run); observers at their defaults."""
     configs: dict[str, Callable[[], dict[str, Any]]] = {
         "none": dict,
+        "empty": lambda: {"callbacks": [pl.Callback()]},  # Lightning's dispatch of a callback's hooks, alone
         "bottleneck": lambda: {"callbacks": [BottleneckCallback(dirpath=str(out), verbose=False)]},
         "memory": lambda: {"callbacks": [MemoryProfilerCallback(dirpath=str(out), verbose=False)]},
         "simple": lambda: {"profiler": SimpleProfiler(dirpath=out, filename="simple")},
@@ -225,38 +256,34 @@ def run_once(args: argparse.Namespace, size: str, extra: dict[str, Any], out: Pa
             "own": own[0] if own else None, "tail_s": tail_s}  # fmt: skip
 
 
-def run_toggled(args: argparse.Namespace, size: str, extra: dict[str, Any], out: Path) -> dict[str, Any]:
-    """One fit with the observer switched off and on every ``--block`` steps: per (off, on) pair of blocks the two
-    mean steps, the observer's self-reported share, the time after the last step."""
+def run_toggled(args: argparse.Namespace, size: str, extra: dict[str, Any], out: Path, seed: int) -> dict[str, Any]:
+    """One fit with the observer switched off and on by :func:`toggle_schedule` (no observer: the schedule alone,
+    nothing switched): per pair of blocks the two mean steps."""
     steps = args.warmup + (args.steps if size == "short" else args.long_steps)
-    block = args.block if size == "short" else max(8, args.block // 4)
+    states, pairs = toggle_schedule(steps, args.warmup, args.block, seed)
     pl.seed_everything(0, verbose=False)
     model, data = workload(size, steps)
     clock = StepClock()
     observers = extra.pop("callbacks", [])
-    toggle = Toggle(observers[0] if observers else extra["profiler"], block)
+    toggle = Toggle(observers[0] if observers else extra.get("profiler"), states)
     fit(model, data, steps, [clock, *observers, toggle], out, extra)
-    tail_s = (time.perf_counter_ns() - clock.ends[-1]) / 1e9
     ends = clock.cpu_ends if args.clock == "thread" else clock.ends
     durations = [float("nan")] + [(b - a) / 1e9 for a, b in itertools.pairwise(ends)]
-    ons, offs = toggled_pairs(durations, toggle.on, block, args.warmup)
-    own = [cb.report["overhead"]["share_of_step"] for cb in observers if getattr(cb, "report", None)]
-    return {"ons": ons, "offs": offs, "own": own[0] if own else None, "tail_s": tail_s,
-            "mean": statistics.fmean(ons), "median": statistics.median(ons)}  # fmt: skip
+    ons, offs = toggled_pairs(durations, toggle.on, pairs)
+    return {"ons": ons, "offs": offs, "mean": statistics.fmean(ons), "median": statistics.median(ons)}
 
 
 def measure_toggled(args: argparse.Namespace, size: str, configs: dict[str, Callable[[], dict[str, Any]]],
                     out: Path) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
-    """Per round: a plain fit (``none``: the end-of-fit baseline) and one toggled fit per observer, order shuffled."""
+    """Per round and configuration, order shuffled per round: a toggled fit (``none``: the schedule alone, an A/A
+    check of the design) and a plain fit (the self-report and the end of fit; a toggled observer's self-report would
+    cover steps it was not there for). Each round draws a new schedule."""
     names, order = list(configs), random.Random(0)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for index in range(args.rounds):
         for name in order.sample(names, len(names)):
-            if name == "none":
-                runs[name].append(run_once(args, size, configs[name](), out))
-                continue
-            toggled = run_toggled(args, size, configs[name](), out)
-            plain = run_once(args, size, configs[name](), out)  # the self-report and end of fit of a plain fit
+            toggled = run_toggled(args, size, configs[name](), out, seed=index)
+            plain = run_once(args, size, configs[name](), out)
             runs[name].append({**toggled, "own": plain["own"], "tail_s": plain["tail_s"]})
         if index % max(1, args.rounds // 10) == 0 or index == args.rounds - 1:
             means = ", ".join(f"{n} {format_seconds(runs[n][-1]['mean'])}" for n in names)
@@ -265,11 +292,12 @@ def measure_toggled(args: argparse.Namespace, size: str, configs: dict[str, Call
 
 
 def summarize_toggled(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[list[object]], dict[str, Any]]:
-    """Like :func:`summarize`, the ratio paired over (off, on) blocks of all rounds instead of whole fits."""
-    rows, results = summarize({"none": runs["none"]})
+    """Table rows and JSON results: per configuration the mean "off" step, the ratio "on"/"off" paired over the pairs
+    of blocks of all rounds with its 95% t interval (``none``: the A/A ratio, nothing switched), the outside cost, the
+    self-report of a plain fit and its gap, the end of fit against a plain fit without observer."""
+    rows: list[list[object]] = []
+    results: dict[str, Any] = {}
     for name, mine in runs.items():
-        if name == "none":
-            continue
         ons = [x for r in mine for x in r["ons"]]
         offs = [x for r in mine for x in r["offs"]]
         estimate = paired_ratio(ons, offs, above_one="slower", below_one="faster")
@@ -278,9 +306,10 @@ def summarize_toggled(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[list[
         outside = estimate.ratio - 1
         gap = 100 * (statistics.median(own) - outside) if own else None
         own_cell = f"{100 * statistics.median(own):.2f}%" if own else "-"
-        gap_cell = f"{gap:+.2f} pp" if gap is not None else "-"
-        rows.append([name, format_seconds(statistics.fmean(offs)), estimate.format(4), f"{100 * outside:+.2f}%",
-                     own_cell, gap_cell, format_seconds(statistics.median(tails))])  # fmt: skip
+        rows.append([name + (" (A/A)" if name == "none" else ""), format_seconds(statistics.fmean(offs)),
+                     estimate.format(4), f"{100 * outside:+.2f}%", own_cell,
+                     f"{gap:+.2f} pp" if gap is not None else "-",
+                     "-" if name == "none" else format_seconds(statistics.median(tails))])  # fmt: skip
         results[name] = {"step_mean_s": statistics.fmean(ons), "step_off_mean_s": statistics.fmean(offs),
                          "pairs": len(ons), **estimate.to_dict("ratio_to_none"), "self_reported_share": own or None,
                          "self_minus_outside_pp": gap, "end_of_fit_extra_s": tails}  # fmt: skip
@@ -364,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the shortest steps)")
     parser.add_argument("--advanced", action="store_true", help="also Lightning's AdvancedProfiler (slow)")
     parser.add_argument("--design", choices=("toggle", "fits"), default="toggle",
-                        help="toggle: each observer switched off and on every --block steps within one fit, "
+                        help="toggle: each observer switched off and on in short random blocks within one fit, "
                         "paired by adjacent blocks (resolves small costs on a noisy machine); fits: whole fits "
                         "against a fit without observer")  # fmt: skip
     parser.add_argument(
@@ -374,16 +403,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="toggle design: the main thread's CPU time per step (where the hooks run; blind to "
         "the hypervisor's and other processes' share of the core, this VM's main noise) or wall time",
     )
-    parser.add_argument("--block", type=int, default=64, help="steps per off/on block (short steps; long: /4); at "
-                        "least twice an observer's sampling period, so each block holds its average cost")  # fmt: skip
+    parser.add_argument("--block", type=int, default=6, help="mean steps per off/on block (lengths drawn from "
+                        "[block/2, 3 block/2]); short blocks cancel this VM's slow speed drifts best")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 320 steps, short steps only")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.rounds, args.sizes, args.block = 320, 2, "short", 32
+        args.steps, args.rounds, args.sizes = 320, 2, "short"
     sizes = args.sizes.split(",")
-    if min(args.steps, args.long_steps) < 10 or args.warmup < 2 or args.rounds < 2:
-        parser.error("need --steps and --long-steps >= 10, --warmup >= 2 and --rounds >= 2")
+    if min(args.steps, args.long_steps) < 10 or args.warmup < 2 or args.rounds < 2 or args.block < 2:
+        parser.error("need --steps and --long-steps >= 10, --warmup >= 2, --rounds >= 2 and --block >= 2")
     if any(s not in ("short", "long") for s in sizes):
         parser.error("sizes are short and long")
     torch.set_num_threads(args.threads)

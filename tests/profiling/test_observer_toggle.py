@@ -4,6 +4,7 @@ leave out each block's first step, and the observer comes back to its place."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 from pathlib import Path
 
@@ -21,14 +22,36 @@ def example():
     return module
 
 
-def test_pairs_take_adjacent_off_on_blocks_without_their_first_step(example):
-    block = 3
-    on = [True, False, False, True, True, True, False, False, False, True, True, True]
-    durations = [math.nan, 9.0, 1.0, 9.0, 2.0, 2.0, 9.0, 1.0, 1.0, 9.0, 4.0, 4.0]
-    ons, offs = example.toggled_pairs(durations, on, block, warmup=0)
-    # the block at 0 holds an "on" step (the fit starts observed): only the pair starting at 6 counts
-    assert (ons, offs) == ([4.0], [1.0])
-    assert example.toggled_pairs(durations, on, block, warmup=7) == ([], [])
+def test_pairs_take_each_pairs_on_and_off_block_without_their_first_step(example):
+    on = [True, False, False, False, True, True, True, True, True, True, False, False]
+    durations = [math.nan, 9.0, 1.0, 1.0, 9.0, 2.0, 2.0, 9.0, 4.0, 9.0, 1.0, 1.0]
+    pairs = [(1, 4, 7), (7, 9, 11), (9, 11, 13)]
+    # pair 1: off then on; pair 2's second block switched mid-way (not as planned: skipped); pair 3 runs past the fit's end
+    assert example.toggled_pairs(durations, on, pairs) == ([2.0], [1.0])
+    assert example.toggled_pairs(durations, on, [(7, 9, 11)]) == ([], [])
+
+
+def test_schedule_pairs_equal_blocks_of_random_length_and_order(example):
+    states, pairs = example.toggle_schedule(steps=400, warmup=10, block=6, seed=3)
+    assert len(states) == 400 and all(states[:10]) and all(states[pairs[-1][2] :])
+    assert pairs[0][0] == 10 and all(b[0] == a[2] for a, b in itertools.pairwise(pairs))
+    lengths = {middle - start for start, middle, _ in pairs}
+    assert all(end - middle == middle - start for start, middle, end in pairs)
+    assert lengths <= set(range(3, 10)) and len(lengths) > 3  # random lengths, not one period
+    firsts = [states[start] for start, _, _ in pairs]
+    assert 0 < sum(firsts) < len(firsts)  # both orders
+    for start, middle, end in pairs:
+        assert len(set(states[start:middle])) == 1 and states[middle:end] == [not states[start]] * (end - middle)
+    assert example.toggle_schedule(400, 10, 6, seed=3) == (states, pairs)
+    assert example.toggle_schedule(400, 10, 6, seed=4) != (states, pairs)
+
+
+def test_an_observers_sampled_steps_fall_on_either_side(example):
+    states, pairs = example.toggle_schedule(steps=5000, warmup=60, block=6, seed=0)
+    for every in (32, 100):
+        kept = [states[s] for start, middle, end in pairs for s in range(start, end)
+                if s not in (start, middle) and s % every == 5]  # fmt: skip
+        assert 0.3 < sum(kept) / len(kept) < 0.7, every
 
 
 class Counter(pl.Callback):
@@ -41,7 +64,8 @@ class Counter(pl.Callback):
 
 def test_toggle_alternates_and_gives_the_observer_its_hooks_back(example, tmp_path):
     observer = Counter()
-    toggle = example.Toggle(observer, block=5)
+    states = [True] + [False] * 4 + [True] * 5 + [False] * 5 + [True] * 25
+    toggle = example.Toggle(observer, states)
     model, data = example.workload("short", 40)
     trainer = pl.Trainer(max_steps=40, accelerator="cpu", devices=1, callbacks=[observer, toggle],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -56,7 +80,7 @@ def test_toggle_swaps_a_profiler_and_restores_it(example, tmp_path):
     from lightning.pytorch.profilers import SimpleProfiler
 
     profiler = SimpleProfiler(dirpath=tmp_path, filename="simple")
-    toggle = example.Toggle(profiler, block=4)
+    toggle = example.Toggle(profiler, [True] + [False] * 3 + [True] * 20)
     model, data = example.workload("short", 24)
     trainer = pl.Trainer(max_steps=24, accelerator="cpu", devices=1, callbacks=[toggle], profiler=profiler,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -64,3 +88,15 @@ def test_toggle_swaps_a_profiler_and_restores_it(example, tmp_path):
     trainer.fit(model, data)
     assert trainer.profiler is profiler
     assert toggle.on[:8] == [True] + [False] * 3 + [True] * 4
+
+
+def test_toggle_without_observer_follows_the_schedule_and_switches_nothing(example, tmp_path):
+    states = [True, False, False, True, True, False] * 4
+    toggle = example.Toggle(None, states)
+    model, data = example.workload("short", 24)
+    trainer = pl.Trainer(max_steps=24, accelerator="cpu", devices=1, callbacks=[toggle], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)  # fmt: skip
+    callbacks = list(trainer.callbacks)
+    trainer.fit(model, data)
+    assert toggle.on == states and trainer.callbacks == callbacks
