@@ -6,10 +6,11 @@ other (``--design``):
 - ``toggle`` (default): **one fit per observer and round, the observer switched off and on in short blocks**
   (:class:`Toggle`: a callback leaves ``trainer.callbacks`` and comes back at its place; a profiler is swapped for
   ``PassThroughProfiler``). This VM's step times drift between speed regimes that last hundreds of steps (consecutive
-  steps correlate at ~0.86), so adjacent short blocks cancel most of the noise: pairs of equal blocks of 3-9 steps
-  (``--block`` 6), random length and random order (:func:`toggle_schedule`; an observer's sampled steps, one in 32 or
-  100, cannot lock onto one side); per pair the mean "on" step over the mean "off" step, each block's first step
-  (which straddles the switch) left out; :func:`~lightning_perf.profiling.intervals.paired_ratio` gives the mean
+  steps correlate at ~0.86), so adjacent short blocks cancel most of the noise: pairs of equal blocks
+  (``--block`` 4: 2-6 steps), random length and random order (:func:`toggle_schedule`; an observer's sampled steps,
+  one in 32 or 100, cannot lock onto one side); per pair the mean "on" step over the mean "off" step, steps timed by
+  the toggle itself (placed last: it reads the clock after every other callback's end of step, then switches, so a
+  step runs under one state whole); :func:`~lightning_perf.profiling.intervals.paired_ratio` gives the mean
   ratio with its 95% t interval over all pairs of all rounds. ``none`` runs the same schedule switching nothing: its
   ratio is an A/A check of the design and must come out 1; ``empty`` toggles a callback with no hooks of its own
   (what Lightning's dispatch of any callback costs). Steps are timed on the main thread's CPU clock (``--clock
@@ -59,7 +60,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.profilers import AdvancedProfiler, SimpleProfiler
+from lightning.pytorch.profilers import AdvancedProfiler, PassThroughProfiler, SimpleProfiler
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -141,7 +142,7 @@ def toggle_schedule(steps: int, warmup: int, block: int, seed: int = 0) -> tuple
     """Per step whether the observer runs, and the pairs of blocks ``(start, middle, end)`` compared: observed through
     the warm-up, then pairs of equal blocks whose length is drawn from ``[block/2, 3 block/2]`` and whose order (on
     first or off first) is a coin toss, both from ``seed``. Random lengths keep an observer's sampled steps (one in
-    32, one in 100) from locking onto one side or onto a block's first step; a random order keeps a drift from
+    32, one in 100) from locking onto one side; a random order keeps a drift from
     favouring either side. Steps after the last pair are observed (the observer ends its fit as it would)."""
     rng = random.Random(seed)
     states, pairs, start = [True] * min(warmup, steps), [], warmup
@@ -157,31 +158,35 @@ def toggle_schedule(steps: int, warmup: int, block: int, seed: int = 0) -> tuple
 
 
 class Toggle(pl.Callback):
-    """Switches an observer off and on within one fit as ``states`` says, step by step (placed last, so a step's hooks
-    all run under one state): a callback leaves ``trainer.callbacks`` (Lightning calls none of its hooks, as if it had
-    not been passed; hooks it put on the model or an optimizer still run: a flag check each, a microsecond at most)
-    and comes back at its place; a profiler is swapped for Lightning's ``PassThroughProfiler``. With no observer
+    """Switches an observer off and on within one fit as ``states`` says, step by step, and times the steps (placed
+    last: at a step's end it reads the clocks after every other callback's hook, then switches, so each timed step
+    runs under one state from its start to its end; the switch itself, a list insert or pop, falls into the next
+    step, as often on each side): a callback leaves ``trainer.callbacks`` (Lightning calls none of its hooks, as if
+    it had not been passed; hooks it put on the model or an optimizer still run: a flag check each, a microsecond at
+    most) and comes back at its place; a profiler is swapped for Lightning's ``PassThroughProfiler``. With no observer
     nothing is switched: the schedule alone (an A/A comparison, whose ratio must come out 1)."""
 
     def __init__(self, observer: Any, states: list[bool]) -> None:
         self.observer, self.states = observer, states
         self.on: list[bool] = []  # per step: whether the observer ran during it (or would have: no observer)
+        self.ends: list[int] = []  # per step: its end, wall clock (ns)
+        self.cpu_ends: list[int] = []  # per step: its end, the main thread's CPU clock (ns)
         self._place: int | None = None  # where a detached callback goes back
         self._profiler: Any = None
         self._off = False  # no observer: the state the schedule is in
 
     def _switch(self, trainer: pl.Trainer, on: bool) -> None:
-        from lightning.pytorch.profilers import PassThroughProfiler
-
         if self.observer is None:
             self._off = not on
         elif isinstance(self.observer, pl.Callback):
+            # A new list: Lightning is iterating over the current one (an insert would have this hook called again)
             if on and self._place is not None:
-                trainer.callbacks.insert(self._place, self.observer)
-                self._place = None
+                callbacks = list(trainer.callbacks)
+                callbacks.insert(self._place, self.observer)
+                trainer.callbacks, self._place = callbacks, None
             elif not on and self._place is None:
                 self._place = trainer.callbacks.index(self.observer)
-                trainer.callbacks.pop(self._place)
+                trainer.callbacks = [c for c in trainer.callbacks if c is not self.observer]
         elif on and self._profiler is not None:
             trainer.profiler, self._profiler = self._profiler, None
         elif not on and self._profiler is None:
@@ -191,6 +196,8 @@ class Toggle(pl.Callback):
         self.on.append(self._place is None and self._profiler is None and not self._off)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.ends.append(time.perf_counter_ns())
+        self.cpu_ends.append(time.thread_time_ns())
         step = len(self.on)  # the next step's index
         self._switch(trainer, self.states[step] if step < len(self.states) else True)
 
@@ -199,15 +206,14 @@ class Toggle(pl.Callback):
 
 
 def toggled_pairs(durations: list[float], on: list[bool], pairs: Pairs) -> tuple[list[float], list[float]]:
-    """Mean step of the "on" and the "off" block of each pair, each block's first step left out (the switch happens
-    between the clock's reading and the next step: its interval mixes both states); a pair whose blocks did not run
-    as planned (one state each) is skipped."""
+    """Mean step of the "on" and the "off" block of each pair (``durations[i]``: step ``i``, from the end of the step
+    before); a pair whose blocks did not run as planned (one state each) is skipped."""
     ons, offs = [], []
     for start, middle, end in pairs:
         first, second = on[start:middle], on[middle:end]
         if end > len(durations) or len(set(first)) != 1 or len(set(second)) != 1 or first[0] == second[0]:
             continue
-        a, b = statistics.fmean(durations[start + 1 : middle]), statistics.fmean(durations[middle + 1 : end])
+        a, b = statistics.fmean(durations[start:middle]), statistics.fmean(durations[middle:end])
         ons.append(a if first[0] else b)
         offs.append(b if first[0] else a)
     return ons, offs
@@ -263,11 +269,10 @@ def run_toggled(args: argparse.Namespace, size: str, extra: dict[str, Any], out:
     states, pairs = toggle_schedule(steps, args.warmup, args.block, seed)
     pl.seed_everything(0, verbose=False)
     model, data = workload(size, steps)
-    clock = StepClock()
     observers = extra.pop("callbacks", [])
     toggle = Toggle(observers[0] if observers else extra.get("profiler"), states)
-    fit(model, data, steps, [clock, *observers, toggle], out, extra)
-    ends = clock.cpu_ends if args.clock == "thread" else clock.ends
+    fit(model, data, steps, [*observers, toggle], out, extra)
+    ends = toggle.cpu_ends if args.clock == "thread" else toggle.ends
     durations = [float("nan")] + [(b - a) / 1e9 for a, b in itertools.pairwise(ends)]
     ons, offs = toggled_pairs(durations, toggle.on, pairs)
     return {"ons": ons, "offs": offs, "mean": statistics.fmean(ons), "median": statistics.median(ons)}
@@ -277,14 +282,15 @@ def measure_toggled(args: argparse.Namespace, size: str, configs: dict[str, Call
                     out: Path) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """Per round and configuration, order shuffled per round: a toggled fit (``none``: the schedule alone, an A/A
     check of the design) and a plain fit (the self-report and the end of fit; a toggled observer's self-report would
-    cover steps it was not there for). Each round draws a new schedule."""
+    cover steps it was not there for; only in the first ``--plain-rounds`` rounds). Each round draws a new
+    schedule."""
     names, order = list(configs), random.Random(0)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for index in range(args.rounds):
         for name in order.sample(names, len(names)):
             toggled = run_toggled(args, size, configs[name](), out, seed=index)
-            plain = run_once(args, size, configs[name](), out)
-            runs[name].append({**toggled, "own": plain["own"], "tail_s": plain["tail_s"]})
+            plain = run_once(args, size, configs[name](), out) if index < args.plain_rounds else {}
+            runs[name].append({**toggled, "own": plain.get("own"), "tail_s": plain.get("tail_s")})
         if index % max(1, args.rounds // 10) == 0 or index == args.rounds - 1:
             means = ", ".join(f"{n} {format_seconds(runs[n][-1]['mean'])}" for n in names)
             print(f"{size} round {index + 1}/{args.rounds}: {means}", flush=True)
@@ -302,7 +308,7 @@ def summarize_toggled(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[list[
         offs = [x for r in mine for x in r["offs"]]
         estimate = paired_ratio(ons, offs, above_one="slower", below_one="faster")
         own = [r["own"] for r in mine if r["own"] is not None]
-        tails = [r["tail_s"] - b["tail_s"] for r, b in zip(mine, runs["none"])]
+        tails = [r["tail_s"] - b["tail_s"] for r, b in zip(mine, runs["none"]) if r["tail_s"] is not None]
         outside = estimate.ratio - 1
         gap = 100 * (statistics.median(own) - outside) if own else None
         own_cell = f"{100 * statistics.median(own):.2f}%" if own else "-"
@@ -403,16 +409,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="toggle design: the main thread's CPU time per step (where the hooks run; blind to "
         "the hypervisor's and other processes' share of the core, this VM's main noise) or wall time",
     )
-    parser.add_argument("--block", type=int, default=6, help="mean steps per off/on block (lengths drawn from "
+    parser.add_argument("--block", type=int, default=4, help="mean steps per off/on block (lengths drawn from "
                         "[block/2, 3 block/2]); short blocks cancel this VM's slow speed drifts best")  # fmt: skip
+    parser.add_argument("--plain-rounds", type=int, default=3, help="toggle design: rounds that also run a plain fit "
+                        "per configuration (the self-report and the end of fit)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 320 steps, short steps only")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.rounds, args.sizes = 320, 2, "short"
+        args.steps, args.rounds, args.sizes, args.plain_rounds = 320, 2, "short", 1
     sizes = args.sizes.split(",")
     if min(args.steps, args.long_steps) < 10 or args.warmup < 2 or args.rounds < 2 or args.block < 2:
         parser.error("need --steps and --long-steps >= 10, --warmup >= 2, --rounds >= 2 and --block >= 2")
+    if args.plain_rounds < 1:
+        parser.error(f"--plain-rounds {args.plain_rounds}: need >= 1 (the self-report and the end of fit)")
     if any(s not in ("short", "long") for s in sizes):
         parser.error("sizes are short and long")
     torch.set_num_threads(args.threads)
