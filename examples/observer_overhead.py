@@ -278,22 +278,27 @@ def run_toggled(args: argparse.Namespace, size: str, extra: dict[str, Any], out:
     return {"ons": ons, "offs": offs, "mean": statistics.fmean(ons), "median": statistics.median(ons)}
 
 
+def size_rounds(args: argparse.Namespace, size: str) -> int:
+    """Rounds for ``size``: ``--long-rounds`` for long steps when given, else ``--rounds``."""
+    return args.long_rounds if size == "long" and args.long_rounds else args.rounds
+
+
 def measure_toggled(args: argparse.Namespace, size: str, configs: dict[str, Callable[[], dict[str, Any]]],
                     out: Path) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """Per round and configuration, order shuffled per round: a toggled fit (``none``: the schedule alone, an A/A
     check of the design) and a plain fit (the self-report and the end of fit; a toggled observer's self-report would
     cover steps it was not there for; only in the first ``--plain-rounds`` rounds). Each round draws a new
     schedule."""
-    names, order = list(configs), random.Random(0)
+    names, order, rounds = list(configs), random.Random(0), size_rounds(args, size)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    for index in range(args.rounds):
+    for index in range(rounds):
         for name in order.sample(names, len(names)):
             toggled = run_toggled(args, size, configs[name](), out, seed=index)
             plain = run_once(args, size, configs[name](), out) if index < args.plain_rounds else {}
             runs[name].append({**toggled, "own": plain.get("own"), "tail_s": plain.get("tail_s")})
-        if index % max(1, args.rounds // 10) == 0 or index == args.rounds - 1:
+        if index % max(1, rounds // 10) == 0 or index == rounds - 1:
             means = ", ".join(f"{n} {format_seconds(runs[n][-1]['mean'])}" for n in names)
-            print(f"{size} round {index + 1}/{args.rounds}: {means}", flush=True)
+            print(f"{size} round {index + 1}/{rounds}: {means}", flush=True)
     return runs
 
 
@@ -344,14 +349,14 @@ def plain_step_s(size: str, steps: int = 200) -> float:
 
 def measure(args: argparse.Namespace, size: str, configs: dict[str, Callable[[], dict[str, Any]]], out: Path) -> Any:
     """Every configuration once per round, in an order shuffled per round."""
-    names, order = list(configs), random.Random(0)
+    names, order, rounds = list(configs), random.Random(0), size_rounds(args, size)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    for index in range(args.rounds):
+    for index in range(rounds):
         for name in order.sample(names, len(names)):
             runs[name].append(run_once(args, size, configs[name](), out))
-        if index % max(1, args.rounds // 10) == 0 or index == args.rounds - 1:
+        if index % max(1, rounds // 10) == 0 or index == rounds - 1:
             means = ", ".join(f"{n} {format_seconds(runs[n][-1]['mean'])}" for n in names)
-            print(f"{size} round {index + 1}/{args.rounds}: {means}", flush=True)
+            print(f"{size} round {index + 1}/{rounds}: {means}", flush=True)
     return runs
 
 
@@ -395,6 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=60, help="leading steps left out of each fit (>= 51: the "
                         "memory observer's dense leak readings before its first verdict are warm-up)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--long-rounds", type=int, default=None, help="rounds of long steps (default: --rounds)")
     parser.add_argument("--sizes", default="short,long", help="comma-separated, from short, long")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the shortest steps)")
     parser.add_argument("--advanced", action="store_true", help="also Lightning's AdvancedProfiler (slow)")
@@ -421,6 +427,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sizes = args.sizes.split(",")
     if min(args.steps, args.long_steps) < 10 or args.warmup < 2 or args.rounds < 2 or args.block < 2:
         parser.error("need --steps and --long-steps >= 10, --warmup >= 2, --rounds >= 2 and --block >= 2")
+    if args.long_rounds is not None and args.long_rounds < 2:
+        parser.error(f"--long-rounds {args.long_rounds}: need >= 2")
     if args.plain_rounds < 1:
         parser.error(f"--plain-rounds {args.plain_rounds}: need >= 1 (the self-report and the end of fit)")
     if any(s not in ("short", "long") for s in sizes):
@@ -445,7 +453,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "end of fit +"]  # fmt: skip
         measured = args.steps if size == "short" else args.long_steps
         design = args.design + (f", {args.clock} clock" if args.design == "toggle" else "")
-        title = f"{size} steps: {args.rounds} rounds, {args.warmup} + {measured} steps a fit, design {design}"
+        rounds = size_rounds(args, size)
+        title = f"{size} steps: {rounds} rounds, {args.warmup} + {measured} steps a fit, design {design}"
         print(text_table(columns, rows, title=title, width=110))
         print(f"{size}: the same model in a plain PyTorch loop takes {format_seconds(plain)} a step; with Lightning "
               f"(no observer) {format_seconds(step)}: Lightning's own per-step work and data loading are "
