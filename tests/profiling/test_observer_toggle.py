@@ -26,7 +26,8 @@ def test_pairs_take_each_pairs_on_and_off_block(example):
     on = [True, False, False, False, True, True, True, True, True, True, False, False]
     durations = [math.nan, 1.0, 1.0, 1.0, 2.0, 2.0, 5.0, 9.0, 4.0, 9.0, 1.0, 1.0]
     pairs = [(1, 4, 7), (7, 9, 11), (9, 11, 13)]
-    # pair 1: off then on; pair 2's second block switched mid-way (not as planned: skipped); pair 3 runs past the fit's end
+    # pair 1: off then on; pair 2's second block switched mid-way (not as planned: skipped);
+    # pair 3 runs past the fit's end
     assert example.toggled_pairs(durations, on, pairs) == ([3.0], [1.0])
     assert example.toggled_pairs(durations, on, [(7, 9, 11)]) == ([], [])
 
