@@ -24,6 +24,7 @@ interruption (validation, an epoch boundary) split; validation runs between :met
 from __future__ import annotations
 
 import math
+import time
 from array import array
 from collections.abc import Mapping
 from pathlib import Path
@@ -40,17 +41,17 @@ from lightning_perf.profiling.advice import (
     validate_thresholds,
 )
 from lightning_perf.profiling.machine import usable_cpu_count
-from lightning_perf.profiling.report import format_seconds, plot_stacked_steps
+from lightning_perf.profiling.report import format_seconds, plot_stacked_steps, text_table
 from lightning_perf.profiling.stats import Stats, summarize
-from lightning_perf.profiling.timer import HookCost, PhaseLedger, PhaseTimer
+from lightning_perf.profiling.syncs import HostSyncRecorder
+from lightning_perf.profiling.timer import Clock, HookCost, PhaseLedger, PhaseTimer
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from lightning_perf.profiling.syncs import HostSyncRecorder
-
 __all__ = [
     "MEASURED",
+    "LiveSchedule",
     "StepPhases",
     "StepSampler",
     "SyncCheck",
@@ -59,11 +60,13 @@ __all__ = [
     "check_settings",
     "first_dataloader",
     "live_figures",
+    "merge_ranks",
     "phase_table",
     "plot_phases",
     "rank_values",
     "recent_figures",
     "report_lines",
+    "report_text",
     "step_report",
     "summarize_steps",
     "usable_cpus",
@@ -134,8 +137,8 @@ class StepSampler:
     def count(self) -> bool:
         """A skipped step ends (counted outside the observer's hooks): True if the next is timed, so the hooks must
         run again from now on (the end of this step)."""
-        self.step += 1
-        if not self.sampled(self.step):
+        step = self.step = self.step + 1
+        if step >= self.first and (step - self.first) % self.every:  # sampled(), inlined: this runs on every step
             return False
         self.live = self.pre = True
         return True
@@ -173,9 +176,32 @@ class StepPhases:
         self.epochs = 0
         self.current: str | None = None
         self.step_open = False
+        self._syncing = False  # a step the host-sync check records
         self._flags = 0
         self.batch_sizes = array("q")  # per step; -1: unknown
         self.flags = array("B")  # per step: interrupted (1), an epoch's first (2)
+
+    @classmethod
+    def for_device(
+        cls,
+        device: torch.device,
+        warmup_steps: int = 0,
+        sync_check_steps: int = 0,
+        sample_every: int = 1,
+        clock: Clock = time.perf_counter_ns,
+        dispatch_ns: float = 0.0,
+    ) -> StepPhases:
+        """An observer's phases on ``device``: a :class:`PhaseLedger` on CPU, else a :class:`PhaseTimer`; validation
+        timed apart; the last ``sync_check_steps`` warm-up steps checked for host-device synchronizations; one step in
+        ``sample_every`` timed after warm-up; its own cost with ``dispatch_ns`` (its framework's) per call."""
+        cpu, recorder = device.type == "cpu", HostSyncRecorder(device) if sync_check_steps else None
+        return cls(
+            PhaseLedger(MEASURED, warmup_steps, clock) if cpu else PhaseTimer(device, warmup_steps, clock),
+            validation=PhaseTimer(device, clock=clock),
+            syncs=SyncCheck(recorder, warmup_steps - sync_check_steps, warmup_steps),
+            cost=HookCost(first=warmup_steps, dispatch_ns=dispatch_ns),
+            sampler=StepSampler(sample_every, warmup_steps),
+        )
 
     def switch(self, phase: str | None) -> None:
         self._ledger.switch(phase)
@@ -226,6 +252,7 @@ class StepPhases:
         self._enter_step(phase)
         if module is not None and step < self.syncs.last:
             self.syncs.begin(step, module)
+            self._syncing = True
 
     def interrupt(self) -> None:
         """Stop the clock of the open step without ending it (validation, an epoch's end, the fit's end)."""
@@ -239,7 +266,9 @@ class StepPhases:
     def end_step(self, batch_size: int | None, gap: bool = True) -> None:
         """Close the step begun by :meth:`begin_step`; with ``gap`` the wait for the next batch starts at once (on the
         same clock read)."""
-        self.syncs.end()
+        if self._syncing:
+            self._syncing = False
+            self.syncs.end()
         self._ledger.end_step("data" if gap else None)
         self.step_open, self.current = gap, "data" if gap else None
         self.batch_sizes.append(-1 if batch_size is None else batch_size)
@@ -252,6 +281,29 @@ class StepPhases:
             return False
         self.cost.quiet_calls += 1
         return True
+
+    # The loop's calls, each counted on `cost` (timed on its timed steps), or as a quiet call on a step not timed.
+
+    def enter(self, phase: str | None, only_from: str | None = None) -> None:
+        """A call inside the step: switch to ``phase`` (one clock read) if a step is open and, with ``only_from``, only
+        while that phase runs."""
+        cost = self.cost
+        if not self.sampler.live:
+            cost.quiet_calls += 1
+            return
+        entry = cost.begin()
+        if self.step_open and (only_from is None or self.current == only_from):
+            self._ledger.switch(phase)
+            self.current = phase
+        cost.end(entry)
+
+    def end_batch(self, batch: Any) -> bool:
+        """The loop's end of a batch while its calls run: on a step not timed the step is counted here (no other
+        counter); then :meth:`finish_batch` with ``batch``'s size. True if a timed step closed."""
+        sampler = self.sampler
+        if not sampler.live and not sampler.count():
+            return False
+        return self.finish_batch(batch_size_of(batch))
 
     def finish_batch(self, batch_size: int | None) -> bool:
         """The loop's end of a batch while the observer's hooks run: the end of the step before a timed one opens its
@@ -272,6 +324,29 @@ class StepPhases:
         return True
 
 
+class LiveSchedule:
+    """When a loop shows live figures: at the end of the first timed step once ``every`` steps have run since the
+    last time (``every`` 0: never). :attr:`window` is how many timed steps such an interval holds, one in
+    ``sample_every``.
+
+    Example::
+
+        live = LiveSchedule(every=50, sample_every=32)
+        if live.due(steps_done):
+            live.last = steps_done
+            metrics, bar = live_figures(phases, live.window)
+    """
+
+    __slots__ = ("every", "last", "window")
+
+    def __init__(self, every: int = 0, sample_every: int = 1) -> None:
+        self.every, self.last = every, 0
+        self.window = -(-every // sample_every) if every else 0
+
+    def due(self, steps_done: int) -> bool:
+        return bool(self.every) and steps_done - self.last >= self.every
+
+
 def with_other(record: Mapping[str, float]) -> dict[str, float]:
     """A step record with ``other``: the step's time not covered by any measured phase."""
     out = {name: record.get(name, 0.0) for name in MEASURED}
@@ -288,28 +363,45 @@ def phase_shares(records: list[dict[str, float]]) -> dict[str, float]:
     return {name: math.fsum(r[name] for r in records) / total for name in PHASES}
 
 
-def live_figures(phases: StepPhases, window: int) -> tuple[dict[str, float], dict[str, float]]:
-    """The last ``window`` steps' shares, step seconds and samples/s (empty before any step is read back), and what a
-    progress bar shows of them: the finite ones, as rounded percentages and samples/s."""
+def live_figures(
+    phases: StepPhases, window: int, prefix: str = "", bar: bool = True
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The last ``window`` steps' shares, step seconds and samples/s under names starting with ``prefix`` (empty
+    before any step is read back), and, with ``bar``, what a progress bar shows of them: the finite ones, as rounded
+    percentages and samples/s."""
     figures = recent_figures(phases, window)
     if figures is None:
         return {}, {}
     shares, step_s, samples_per_s = figures
-    bar = {key: round(100.0 * shares[name], 1) for name, key in _BAR_KEYS.items() if math.isfinite(shares[name])}
-    if math.isfinite(samples_per_s):
-        bar["samples/s"] = round(samples_per_s, 1)
-    return {**shares, "step_s": step_s, "samples_per_s": samples_per_s}, bar
+    shown: dict[str, float] = {}
+    if bar:
+        shown = {key: round(100.0 * shares[name], 1) for name, key in _BAR_KEYS.items() if math.isfinite(shares[name])}
+        if math.isfinite(samples_per_s):
+            shown["samples/s"] = round(samples_per_s, 1)
+    metrics = {prefix + name: share for name, share in shares.items()} if prefix else shares
+    metrics[prefix + "step_s"], metrics[prefix + "samples_per_s"] = step_s, samples_per_s
+    return metrics, shown
 
 
 def recent_figures(phases: StepPhases, window: int) -> tuple[dict[str, float], float, float] | None:
-    """Shares, mean step seconds and samples per second of the last ``window`` steps, never waiting for a device."""
-    records = [with_other(r) for r in phases.timer.recent_steps(window)]
-    if not records:
-        return None
-    step_s = math.fsum(r["step"] for r in records) / len(records)
+    """Shares, mean step seconds and samples per second of the last ``window`` steps, never waiting for a device (on
+    a :class:`PhaseLedger`, straight from its per-step totals: this runs while training)."""
+    timer = phases.timer
+    if isinstance(timer, PhaseLedger):
+        totals, steps = timer.recent_totals(window)
+        if not steps:
+            return None
+        step_ns = sum(totals.values())
+        shares = {name: totals.get(name, 0) / step_ns if step_ns > 0 else math.nan for name in PHASES}
+        step_s = step_ns / 1e9 / steps
+    else:
+        records = [with_other(r) for r in timer.recent_steps(window)]
+        if not records:
+            return None
+        shares, step_s = phase_shares(records), math.fsum(r["step"] for r in records) / len(records)
     sizes = [s for s in phases.batch_sizes[-window:] if s >= 0]
     samples_per_s = (sum(sizes) / len(sizes)) / step_s if sizes and step_s > 0 else math.nan
-    return phase_shares(records), step_s, samples_per_s
+    return shares, step_s, samples_per_s
 
 
 def summarize_steps(phases: StepPhases) -> dict[str, Any]:
@@ -465,6 +557,14 @@ def rank_values(report: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
+def merge_ranks(report: dict[str, Any], ranks: Mapping[str, Mapping[str, float]] | None, world_size: int) -> None:
+    """Add the figures of every process (:func:`rank_values`' min, mean and max across ranks) to ``report``, with the
+    throughput of the whole world; nothing with a single process (``ranks`` None)."""
+    if ranks is not None:
+        report["ranks"] = ranks
+        report["throughput"]["world_samples_per_s"] = ranks["samples_per_s"]["mean"] * world_size
+
+
 def phase_table(report: Mapping[str, Any], owner: str) -> tuple[list[str], list[list[object]], str]:
     """The report's table: headers, a row per phase and one for the whole step (median, p90, share, steps), title."""
     summary, steps = report["steady_state"], report["steps"]
@@ -502,6 +602,12 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
     lines.append("recommendations:" if recs else "recommendations: none, nothing stands out.")
     lines += [rec.format() for rec in recs]
     return lines + ([report["plot_note"]] if report.get("plot_note") else [])
+
+
+def report_text(report: Mapping[str, Any], owner: str) -> str:
+    """The report as plain text for a log: :func:`phase_table` and :func:`report_lines` (a plain table: rendering a
+    rich one costs tens of milliseconds)."""
+    return "\n".join([text_table(*phase_table(report, owner)), *report_lines(report)])
 
 
 def binned(records: list[dict[str, float]], bars: int = MAX_PLOTTED_BARS) -> list[dict[str, float]]:

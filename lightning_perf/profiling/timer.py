@@ -453,17 +453,18 @@ class PhaseLedger:
 
     def end_step(self, then: str | None = None) -> int:
         """Close the step; with ``then``, the next step's clock starts in that phase at the same clock read."""
-        now = self.close()
+        now = self._clock()  # inlines close(): this runs at the end of every timed step
         acc = self._acc
+        acc[self._current] += now - self._last
         self._ns.extend(acc)
         acc[:] = self._zeros
         self._ran_masks.append(self._ran)
-        self._ran = 0
         self._num_steps += 1
-        if then is not None:
+        if then is None:
+            self._current, self._ran = self._stopped, 0
+        else:
             self._current = index = self._index[then]
-            self._ran = 1 << index
-            self._last = now
+            self._ran, self._last = 1 << index, now
         return now
 
     # --------------------------------------------------------------------------------------------------- results
@@ -494,6 +495,15 @@ class PhaseLedger:
     def recent_steps(self, count: int) -> list[dict[str, float]]:
         """The last ``count`` step records, oldest first, warm-up included."""
         return [self._record(i) for i in range(max(0, self._num_steps - max(count, 0)), self._num_steps)]
+
+    def recent_totals(self, count: int) -> tuple[dict[str, int], int]:
+        """Nanoseconds by phase summed over the last ``count`` steps (warm-up included; ``"other"``: the steps' time
+        outside every phase), and how many steps that is: what :meth:`recent_steps` would add up, with no record."""
+        width, steps = len(self.phases) + 2, min(max(count, 0), self._num_steps)
+        rows = self._ns[(self._num_steps - steps) * width : self._num_steps * width]
+        totals = {name: sum(rows[i::width]) for i, name in enumerate(self.phases)}
+        totals["other"] = sum(rows[width - 2 :: width])
+        return totals, steps
 
     def summary(self, warmup: bool = False) -> dict[str, Stats]:
         """Statistics per phase over the steady-state steps (or the warm-up steps) in which it ran."""
@@ -559,8 +569,9 @@ class HookCost:
         print(cost.figures(steps, step_s)["share_of_step"])
     """
 
-    __slots__ = ("bodies", "calls", "dispatch_ns", "every", "first", "heavy", "heavy_calls", "heavy_ns", "quiet_calls",
-                 "quiet_ns", "steady", "timed_calls", "timed_ns", "timing", "warmup_calls")  # fmt: skip
+    __slots__ = ("bodies", "calls", "counter_bodies", "counter_calls", "dispatch_ns", "every", "first", "heavy",
+                 "heavy_calls", "heavy_ns", "quiet_calls", "quiet_ns", "steady", "timed_calls", "timed_ns", "timing",
+                 "warmup_calls")  # fmt: skip
 
     BODIES = 256  # the last routine bodies kept (preallocated ring): their median is the routine call's cost
 
@@ -570,11 +581,14 @@ class HookCost:
         self.quiet_calls = 0  # calls on steps the observer skips (sampling): a flag read, no framework dispatch
         self.quiet_ns = quiet_call_ns()
         self.bodies = array("q", bytes(8 * self.BODIES))
+        self.counter_calls = 0  # of the quiet calls, a skipped step's counter (see `quiet_step`)
+        self.counter_bodies = array("q", bytes(8 * self.BODIES))
         self.timing = self.heavy = self.steady = False
 
     def pause(self) -> None:
-        """The observer skips the steps to come (sampling): nothing is timed until the next :meth:`step`."""
-        self.timing = self.heavy = False
+        """The observer skips the steps to come (sampling): nothing is timed until the next :meth:`step`. A call that
+        began timed before the pause is still billed as its step was (heavy or routine) when it ends."""
+        self.timing = False
 
     def step(self, index: int, heavy: bool = False) -> None:
         """Step ``index`` begins: from :attr:`first` on, it is timed whole if ``heavy``, else if it is one in
@@ -608,6 +622,21 @@ class HookCost:
             self.timed_ns += elapsed
             self.timed_calls += 1
 
+    def quiet_step(self, entry_ns: int) -> None:
+        """A skipped step's counter (the observer's one call on such a step that does more than read a flag, e.g. an
+        optimizer's step post-hook) ends; it began at ``entry_ns`` (``time.perf_counter_ns``). A quiet call; one in 16
+        is timed, and all are billed at the median of those (:meth:`counter_body_ns`): in a running fit, cold caches
+        make it cost several times what a warm loop measures (:func:`quiet_call_ns`)."""
+        self.quiet_calls += 1
+        n = self.counter_calls = self.counter_calls + 1
+        if not n & 15:
+            self.counter_bodies[((n >> 4) - 1) % self.BODIES] = time.perf_counter_ns() - entry_ns
+
+    def counter_body_ns(self) -> float:
+        """The median timed :meth:`quiet_step` call, else (none timed yet) :attr:`quiet_ns`."""
+        n = min(self.counter_calls >> 4, self.BODIES)
+        return float(statistics.median(self.counter_bodies[:n])) if n else self.quiet_ns
+
     def body_ns(self) -> float:
         """A routine call's body: the median of the last :attr:`BODIES` timed ones (a rare interruption, such as a
         garbage collection inside a timed call, would otherwise be billed to every call)."""
@@ -617,10 +646,14 @@ class HookCost:
     def total_ns(self) -> float:
         """The estimated cost of every steady call: heavy calls as timed, routine calls x their median timed body,
         the dispatch of every call; quiet calls (:attr:`quiet_calls`) x a flag check's cost (:func:`quiet_call_ns`),
-        without dispatch."""
-        routine = self.calls - self.heavy_calls
+        without dispatch, but a skipped step's counters (:meth:`quiet_step`) x their median timed call."""
+        routine, flags = self.calls - self.heavy_calls, self.quiet_calls - self.counter_calls
         return (
-            self.heavy_ns + routine * self.body_ns() + self.calls * self.dispatch_ns + self.quiet_calls * self.quiet_ns
+            self.heavy_ns
+            + routine * self.body_ns()
+            + self.calls * self.dispatch_ns
+            + flags * self.quiet_ns
+            + self.counter_calls * self.counter_body_ns()
         )
 
     def figures(self, steps: int, step_s: float) -> dict[str, Any]:
@@ -638,6 +671,8 @@ class HookCost:
             "hook_body_ns_mean": self.timed_ns / self.timed_calls if self.timed_calls else math.nan,
             "hook_body_ns": self.body_ns() if self.timed_calls else math.nan,
             "quiet_call_ns": self.quiet_ns,
+            "quiet_counter_calls": self.counter_calls,
+            "quiet_counter_ns": self.counter_body_ns(),
             "heavy_ns_total": self.heavy_ns,
             "dispatch_ns_per_call": self.dispatch_ns,
             "hooks_ns_total": total,
@@ -647,5 +682,5 @@ class HookCost:
             "method": f"steady steps (from step {self.first}): every hook call counted; heavy steps timed whole, one "
             f"routine step in {self.every} timed end to end, billed at the median body; the framework's dispatch "
             "of one call timed once at setup on an empty hook; quiet calls (skipped steps) billed a flag check's "
-            "cost, no dispatch",
+            "cost, no dispatch, except a skipped step's counter: one in 16 timed, billed at their median",
         }

@@ -8,11 +8,14 @@ import torch
 from lightning_perf.profiling import PhaseTimer
 from lightning_perf.profiling.step_phases import (
     MEASURED,
+    LiveSchedule,
     StepPhases,
     StepSampler,
     binned,
     live_figures,
+    merge_ranks,
     report_lines,
+    report_text,
     summarize_steps,
 )
 from lightning_perf.profiling.timer import HookCost, PhaseLedger
@@ -249,3 +252,151 @@ def test_hook_cost_bills_routine_calls_at_the_median_body_and_quiet_calls_a_flag
     figures = cost.figures(steps=5, step_s=1e-3)
     assert figures["hook_body_ns"] == 10 and figures["hook_body_ns_mean"] > 10_000
     assert figures["hooks_ns_total"] == 5 * 10 + 1000 * 2.0
+
+
+# ------------------------------------------------------------------------------- an observer's calls, no Trainer
+
+
+def _observed_loop(phases: StepPhases, clock: Clock, steps: int) -> list[bool]:
+    """The calls an observer makes (Lightning's hooks in BottleneckCallback), from a plain loop: ``enter`` inside the
+    step, a per-step counter on skipped steps, ``end_batch`` at a step's end while the sampler is live. Returns which
+    of those ends closed a timed step."""
+    closed = []
+    phases.begin_epoch()
+    for _ in range(steps):
+        clock.wait(1)
+        phases.enter("transfer", only_from="data")  # runs on every step, timed or not
+        clock.wait(0.5)
+        phases.enter(None, only_from="transfer")
+        if phases.sampler.live:
+            phases.begin_step("forward")
+        clock.wait(3)
+        phases.enter("optimizer")
+        clock.wait(2)
+        if phases.quiet_call():  # the per-step counter (an optimizer's post-hook) on a skipped step
+            phases.sampler.count()
+        if phases.sampler.live:  # the end of a timed step, or of the one before it (just woken by the counter)
+            closed.append(phases.end_batch([torch.zeros(4, 2)]))
+    return closed
+
+
+def test_an_observer_loop_times_its_sampled_steps_and_counts_the_others_quietly() -> None:
+    clock = Clock()
+    phases = StepPhases.for_device(torch.device("cpu"), warmup_steps=1, sample_every=3, clock=clock)
+    assert isinstance(phases.timer, PhaseLedger) and phases.syncs.recorder is None
+    closed = _observed_loop(phases, clock, 10)  # timed: 0 (warm-up), 1, 4, 7; their ends and the ends before them
+    assert closed == [True, True, False, True, False, True, False]
+    report = summarize_steps(phases)
+    assert report["steps"]["total"] == 4 and report["steps_run"] == 10
+    for record in report["per_step"]["records"]:
+        assert record == pytest.approx({"data": 1e-3, "transfer": 0.5e-3, "forward": 3e-3, "backward": 0.0,
+                                        "optimizer": 2e-3, "other": 0.0, "step": 6.5e-3})  # fmt: skip
+    # Quiet calls: the two transfer calls and the optimizer's of each skipped step, and its counter.
+    assert phases.cost.quiet_calls == 6 * 4
+    assert report["throughput"]["batch_size_median"] == 4
+
+
+def test_enter_switches_only_from_the_phase_named_and_counts_every_call() -> None:
+    clock = Clock()
+    phases = StepPhases(PhaseLedger(MEASURED, clock=clock), cost=HookCost(every=10**9, first=0))
+    phases.enter("transfer", only_from="data")  # no step open: counted, nothing switched
+    assert phases.current is None and phases.cost.warmup_calls == 1  # before any step: warm-up
+    phases.open_gap()
+    phases.enter("backward", only_from="forward")  # "data" runs: not from "forward"
+    assert phases.current == "data"
+    phases.enter("transfer", only_from="data")
+    assert phases.current == "transfer" and phases.cost.warmup_calls == 3 and phases.cost.quiet_calls == 0
+
+
+def test_live_schedule_is_due_once_every_steps_have_run_and_never_at_zero() -> None:
+    live = LiveSchedule(every=50, sample_every=32)
+    assert live.window == 2 and not live.due(49) and live.due(50)
+    live.last = 64
+    assert not live.due(113) and live.due(114)
+    never = LiveSchedule(every=0, sample_every=32)
+    assert never.window == 0 and not never.due(10**6)
+
+
+def test_ranks_are_merged_with_the_world_throughput() -> None:
+    report: dict = {"throughput": {"samples_per_s": 10.0}}
+    merge_ranks(report, None, world_size=1)
+    assert report == {"throughput": {"samples_per_s": 10.0}}
+    ranks = {"samples_per_s": {"min": 9.0, "mean": 10.0, "max": 11.0}}
+    merge_ranks(report, ranks, world_size=4)
+    assert report["ranks"] is ranks and report["throughput"]["world_samples_per_s"] == 40.0
+
+
+def test_report_text_holds_the_table_and_the_lines() -> None:
+    clock = Clock()
+    phases = StepPhases(PhaseLedger(MEASURED, clock=clock))
+    phases.open_gap()
+    for _ in range(3):
+        clock.wait(1)
+        phases.begin_step("forward")
+        clock.wait(2)
+        phases.end_step(8)
+    report = {**summarize_steps(phases), "device": "cpu", "recommendations": [], "validation": {"runs": 0}}
+    text = report_text(report, "Owner")
+    assert "Owner: 3 steady steps" in text
+    assert "forward" in text and "recommendations: none" in text and "samples/s" in text
+
+
+def test_a_paused_hook_cost_still_bills_a_heavy_call_as_heavy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The end of a heavy step pauses the cost (the observer goes quiet) before its own call ends: that call is billed
+    as the heavy call it is, never as a routine body (which would be billed to every routine call)."""
+    now = {"ns": 1}
+    monkeypatch.setattr("lightning_perf.profiling.timer.time.perf_counter_ns", lambda: now["ns"])
+    cost = HookCost(every=10**9, first=0)
+    cost.step(0, heavy=True)
+    entry = cost.begin()
+    now["ns"] += 5000
+    cost.pause()
+    cost.end(entry)
+    assert (cost.heavy_calls, cost.timed_calls, cost.heavy_ns) == (1, 0, 5000)
+    assert cost.begin() == 0  # nothing timed after the pause
+
+
+def test_live_figures_from_the_ledger_totals_equal_those_from_its_records() -> None:
+    clock = Clock()
+    phases = StepPhases(PhaseLedger(MEASURED, clock=clock))
+    phases.open_gap()
+    for step in range(6):
+        clock.wait(1 + step)
+        phases.begin_step("forward")
+        clock.wait(2)
+        phases.switch(None)  # "other"
+        clock.wait(0.5)
+        phases.switch("optimizer")
+        clock.wait(1)
+        phases.end_step(8)
+    totals, steps = phases.timer.recent_totals(3)
+    records = phases.timer.recent_steps(3)
+    assert steps == 3 and sum(totals.values()) == pytest.approx(sum(r["step"] for r in records) * 1e9)
+    assert totals["other"] == 3 * 500_000 and totals["backward"] == 0
+    metrics, bar = live_figures(phases, 3, prefix="bottleneck/", bar=False)
+    assert bar == {} and metrics["bottleneck/other"] == pytest.approx(1.5 / (3 * 3.5 + 4 + 5 + 6))
+    assert metrics["bottleneck/step_s"] == pytest.approx((3 * 3.5 + 4 + 5 + 6) / 3 / 1e3)
+    assert metrics["bottleneck/samples_per_s"] == pytest.approx(8 / metrics["bottleneck/step_s"])
+    assert phases.timer.recent_totals(0) == ({name: 0 for name in (*MEASURED, "other")}, 0)
+
+
+def test_a_skipped_steps_counter_is_billed_at_its_timed_median_the_flag_checks_at_theirs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One counter call in 16 is timed (a scripted clock: each takes 3,000 ns); every counter call is billed that,
+    the other quiet calls a flag check's cost; before any is timed, a counter call is billed a flag check too."""
+    now = {"ns": 1}
+    monkeypatch.setattr("lightning_perf.profiling.timer.time.perf_counter_ns", lambda: now["ns"])
+    cost = HookCost(every=10**9, first=0)
+    cost.quiet_ns = 2.0
+    for _ in range(15):
+        cost.quiet_step(now["ns"])
+    assert cost.counter_body_ns() == 2.0
+    for _ in range(17):
+        entry = now["ns"]
+        now["ns"] += 3000
+        cost.quiet_step(entry)
+    cost.quiet_calls += 10  # flag checks
+    figures = cost.figures(steps=32, step_s=1e-3)
+    assert (figures["quiet_calls"], figures["quiet_counter_calls"], figures["quiet_counter_ns"]) == (42, 32, 3000.0)
+    assert figures["hooks_ns_total"] == 32 * 3000.0 + 10 * 2.0
