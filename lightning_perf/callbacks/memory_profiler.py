@@ -15,38 +15,19 @@ from typing_extensions import override
 
 from lightning_perf._validation import check_bool, check_int
 from lightning_perf._warnings import MeasurementWarning, NoEffectWarning, warn_once
-from lightning_perf.callbacks._observer import (
-    across_ranks,
-    check_dirpath,
-    check_filename,
-    hook_dispatch_ns,
-    live_interval,
-    log_metrics,
-    report_dir,
-    report_stem,
-    silence_hooks,
-    write_reports,
-)
+from lightning_perf.callbacks import _observer as obs
 from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.profiling import MemoryProbe, cuda_history
+from lightning_perf.profiling import memory_steps as ms
 from lightning_perf.profiling.leaks import MIN_LEAK_SAMPLES
-from lightning_perf.profiling.memory_steps import (
-    POINTS,
-    MemorySteps,
-    check_leak_threshold,
-    check_points,
-    leak_message,
-    rank_values,
-    snapshot_table,
-    summary_lines,
-)
+from lightning_perf.profiling.memory_steps import POINTS, MemorySteps
 from lightning_perf.profiling.report import text_table
 
 __all__ = ["POINTS", "MemoryProfilerCallback"]
 
 _REPORT_PATTERNS = (".json", ".png", "_history_rank*.pickle", "_oom_rank*.pickle")
-_SILENCED_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_train_batch_end")
-_QUIET_HOOKS = (*_SILENCED_HOOKS, "on_before_optimizer_step")
+_INSIDE_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward")  # the points inside the step
+_QUIET_HOOKS = (*_INSIDE_HOOKS, "on_train_batch_end", "on_before_optimizer_step")
 
 
 class MemoryProfilerCallback(UndoOnExit):
@@ -68,9 +49,10 @@ class MemoryProfilerCallback(UndoOnExit):
     containing "leak" names the phase that grows and its rate in KiB/step with its 95% interval, once per fit.
     ``leak_threshold`` (bytes per step) is an optional extra bound, off by default.
 
-    Its own cost: between readings a step costs one hook, a counter (on CPU the step's other hooks are silenced, not
-    even dispatched). Self-report (``overhead``, :class:`~lightning_perf.profiling.timer.HookCost`), steady state
-    from the first leak verdict: calls counted, reading steps timed whole, Lightning's dispatch timed at fit start.
+    Its own cost: on CPU a step that reads nothing costs one hook, a countdown (its other hooks are silenced, not even
+    dispatched); a step that reads only the leak series' last point wakes its end alone. Self-report (``overhead``,
+    :class:`~lightning_perf.profiling.timer.HookCost`), steady state from the first leak verdict: reading steps timed
+    whole, quiet steps counted in bulk; every call billed Lightning's dispatch, timed inside the loop (CPU).
 
     On CUDA, with ``record_history=True``, every allocation is recorded with its stack from the start of fit, and the
     history is written at the end of fit as ``<filename>_history_rank<R>.pickle``; with ``oom_snapshot=True`` a
@@ -137,12 +119,12 @@ class MemoryProfilerCallback(UndoOnExit):
         self.leak_min_samples: int = check_int(name, "leak_min_samples", leak_min_samples, MIN_LEAK_SAMPLES)
         self.log_every_n_steps: int | None = check_int(name, "log_every_n_steps", log_every_n_steps, 1, True)
         self.history_max_entries: int = check_int(name, "history_max_entries", history_max_entries, 1)
-        self.leak_threshold = check_leak_threshold(name, leak_threshold)
-        self.points = check_points(name, points)
+        self.leak_threshold = ms.check_leak_threshold(name, leak_threshold)
+        self.points = ms.check_points(name, points)
         self.record_history = check_bool(name, "record_history", record_history)
         self.oom_snapshot = check_bool(name, "oom_snapshot", oom_snapshot)
-        self.dirpath = check_dirpath(name, dirpath)
-        self.filename = check_filename(name, filename)
+        self.dirpath = obs.check_dirpath(name, dirpath)
+        self.filename = obs.check_filename(name, filename)
         self.plot = check_bool(name, "plot", plot)
         self.verbose = check_bool(name, "verbose", verbose)
         self.overwrite = check_bool(name, "overwrite", overwrite)
@@ -151,30 +133,30 @@ class MemoryProfilerCallback(UndoOnExit):
         self._directory: Path | None = None
         self._oom_files: list[str] = []
         self._oom_handle: Any = None
-        self._recording = False
-        self._silenced: bool | None = None  # whether the step's hooks are silenced now (None: never, e.g. CUDA)
+        self._silenced: int | None = None  # 0 no hook silenced, 1 those inside the step, 2 and the end (None: CUDA)
         self._last_logged, self._stem, self._rank, self._epoch, self._every = 0, self.filename, 0, 0, 0
+        # (CPU) steps left to count down, and the countdown's length; Lightning's dispatch, timed in the loop
+        self._recording, self._quiet, self._skipped, self._dispatch = False, 0, 0, obs.DispatchSamples()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.report = self._memory = self._directory = None
         self._oom_files, self._last_logged, self._epoch = [], 0, trainer.current_epoch
-        self._every = live_interval(trainer, self.log_every_n_steps)  # 0: no logger to send figures to
+        self._quiet, self._skipped, self._dispatch = 0, 0, obs.DispatchSamples()
+        self._every = obs.live_interval(trainer, self.log_every_n_steps)  # 0: no logger to send figures to
         device, name = pl_module.device, type(self).__name__
         if device.type not in ("cpu", "cuda"):
             msg = f"`{name}` measures CPU and CUDA memory; the run is on {device.type}, so nothing is sampled."
             return warn_once(msg, NoEffectWarning)
-        probe = MemoryProbe(device)
-        self._memory = MemorySteps(
-            probe, self.points, self.every_n_steps, self.warmup_steps, self.leak_threshold, self.leak_min_samples
-        )
-        self._memory.cost.dispatch_ns = hook_dispatch_ns(trainer)
+        steps = (self.points, self.every_n_steps, self.warmup_steps, self.leak_threshold, self.leak_min_samples)
+        self._memory = MemorySteps(MemoryProbe(device), *steps)
+        self._memory.cost.dispatch_ns = obs.hook_dispatch_ns(trainer)
         # Nothing is read before the optimizer step: that hook stays silent all fit; on CPU the others between readings.
-        self._silenced = False if device.type == "cpu" else None
-        silence_hooks(self, ("on_before_optimizer_step",), True)
+        self._silenced = 0 if device.type == "cpu" else None
+        obs.silence_hooks(self, ("on_before_optimizer_step",), True)
         self._rank = trainer.global_rank
-        self._directory = report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
-        self._stem = report_stem(self._directory, self.filename, _REPORT_PATTERNS, self.overwrite)
+        self._directory = obs.report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
+        self._stem = obs.report_stem(self._directory, self.filename, _REPORT_PATTERNS, self.overwrite)
         if device.type != "cuda":
             if self.record_history:
                 msg = f"`{name}(record_history=True)` records CUDA allocations only; the run is on {device.type}."
@@ -187,16 +169,15 @@ class MemoryProfilerCallback(UndoOnExit):
             self._oom_handle = cuda_history.on_out_of_memory(self._write_oom_snapshot)
 
     def _write_oom_snapshot(self, device: int, alloc: int, *_: int) -> None:  # writes the allocator's state
-        if self._directory is None:
-            return
-        path = self._directory / f"{self._stem}_oom_rank{self._rank}.pickle"
-        cuda_history.dump_snapshot(path)
-        if str(path) not in self._oom_files:
-            self._oom_files.append(str(path))
+        if self._directory is not None:
+            path = self._directory / f"{self._stem}_oom_rank{self._rank}.pickle"
+            cuda_history.dump_snapshot(path)
+            if str(path) not in self._oom_files:
+                self._oom_files.append(str(path))
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
         """Stop the OOM listener and the history recording, give the hooks back (teardown, and on an exception)."""
-        silence_hooks(self, _QUIET_HOOKS, False)
+        obs.silence_hooks(self, _QUIET_HOOKS, False)
         self._silenced = None
         if self._oom_handle is not None:
             self._oom_handle.remove()
@@ -208,16 +189,14 @@ class MemoryProfilerCallback(UndoOnExit):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._oom_files and isinstance(exception, torch.OutOfMemoryError):
-            rank_zero_info(
-                f"{type(self).__name__}: out of memory; allocator snapshot written to {self._oom_files[-1]} "
-                "(open it in https://pytorch.org/memory_viz)."
-            )
+            where = f"snapshot written to {self._oom_files[-1]} (open it in https://pytorch.org/memory_viz)."
+            rank_zero_info(f"{type(self).__name__}: out of memory; allocator {where}")
         super().on_exception(trainer, pl_module, exception)
 
     def __getstate__(self) -> dict[str, Any]:
         # The OOM listener and the history recording belong to this process's allocator, silenced hooks to the run.
         state = {k: v for k, v in self.__dict__.items() if k not in _QUIET_HOOKS}
-        return {**state, "_oom_handle": None, "_recording": False, "_silenced": None}
+        return {**state, "_oom_handle": None, "_recording": False, "_silenced": None, "_quiet": 0, "_skipped": 0}
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -227,20 +206,34 @@ class MemoryProfilerCallback(UndoOnExit):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        memory = self._memory
-        if memory is not None:
-            memory.plan_step()  # whether the step reads anything, and how its hooks are timed
-            entry = memory.cost.begin()
-            memory.begin_step(self._epoch)
-            if memory.reading is self._silenced:  # (CPU) silence the step's other hooks while it reads nothing
-                self._silenced = not memory.reading
-                silence_hooks(self, _SILENCED_HOOKS, self._silenced)
-            memory.cost.end(entry)
+        if quiet := self._quiet:  # (CPU) a step that reads nothing: a countdown, the step's other hooks silenced
+            self._quiet = quiet - 1
+            return
+        if (memory := self._memory) is None:
+            return
+        memory.skip(self._skipped)  # the steps the countdown let run, counted in bulk
+        self._skipped = 0
+        memory.plan_step()  # whether the step reads anything, and how its hooks are timed
+        entry = memory.cost.begin()
+        memory.begin_step(self._epoch)
+        if self._silenced is not None:  # (CPU) silence the hooks of the points the step does not read
+            if memory.reading and memory.cost.steady:  # and time a hook's dispatch where the hooks run (billed)
+                self._dispatch.take(trainer)
+            self._silence(memory, 0 if memory.inside else 1 if memory.reading else 2)
+        memory.cost.end(entry)
+
+    def _silence(self, memory: MemorySteps, mode: int) -> None:
+        """Silence none of the step's hooks (``mode`` 0), those inside it (1), and its end (2: then count down)."""
+        if mode != self._silenced:
+            obs.silence_hooks(self, _INSIDE_HOOKS, mode > 0)
+            obs.silence_hooks(self, ("on_train_batch_end",), mode > 1)
+            self._silenced = mode
+        if mode > 1:
+            self._quiet = self._skipped = memory.quiet_ahead()
 
     def _sample(self, point: str, overwrite: bool = False) -> None:
         """Every hook inside the step: read ``point`` if the step reads memory; counted and timed."""
-        memory = self._memory
-        if memory is not None:
+        if (memory := self._memory) is not None:
             entry = memory.cost.begin()
             if memory.active:
                 memory.sample(point, overwrite)
@@ -270,9 +263,11 @@ class MemoryProfilerCallback(UndoOnExit):
             self._last_logged = trainer.global_step
             peak, last = step["end"].peak, step[self.points[-1]]
             figures = {"memory/peak": peak, "memory/allocated": last.allocated, "memory/reserved": last.reserved}
-            log_metrics(trainer, figures)
+            obs.log_metrics(trainer, figures)
         if memory.leak_check_due() and (leaking := memory.check_leaks(every_point=False)):
-            warn_once(leak_message(type(self).__name__, leaking), MeasurementWarning)
+            warn_once(ms.leak_message(type(self).__name__, leaking), MeasurementWarning)
+        if self._silenced is not None and memory.quiet_ahead():  # (CPU) the next step reads nothing
+            self._silence(memory, 2)
         memory.cost.end(entry)
 
     @override
@@ -280,20 +275,24 @@ class MemoryProfilerCallback(UndoOnExit):
         memory, directory = self._memory, self._directory
         if memory is None or directory is None:
             return
+        memory.skip(self._skipped - self._quiet)  # the steps the countdown let run since the last reading step
+        self._skipped = self._quiet
+        memory.cost.dispatch_ns = self._dispatch.median(memory.cost.dispatch_ns)  # timed in the loop (CPU)
         if leaking := memory.check_leaks():
-            warn_once(leak_message(type(self).__name__, leaking), MeasurementWarning)
+            warn_once(ms.leak_message(type(self).__name__, leaking), MeasurementWarning)
         history_path = directory / f"{self._stem}_history_rank{self._rank}.pickle"
         history = str(cuda_history.dump_snapshot(history_path)) if self._recording else None
         files = {"history": history, "oom_snapshots": list(self._oom_files)}
         report = {"callback": type(self).__name__, **memory.summary(), "files": files}
-        if (ranks := across_ranks(trainer, pl_module, rank_values(report))) is not None:
+        if (ranks := obs.across_ranks(trainer, pl_module, ms.rank_values(report))) is not None:
             report["ranks"] = ranks
         self.report = report
         if trainer.is_global_zero:
             draw = memory.plot if self.plot and memory.samples else None
             show = self._print if self.verbose else None
             more = [history, *self._oom_files]
-            write_reports(type(self).__name__, report, directory, self._stem, draw, show, more, plot=self.plot)
+            obs.write_reports(type(self).__name__, report, directory, self._stem, draw, show, more, plot=self.plot)
 
     def _print(self, report: dict[str, Any]) -> None:
-        rank_zero_info("\n".join([text_table(*snapshot_table(report, type(self).__name__)), *summary_lines(report)]))
+        table = text_table(*ms.snapshot_table(report, type(self).__name__))
+        rank_zero_info("\n".join([table, *ms.summary_lines(report)]))

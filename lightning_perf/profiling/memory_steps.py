@@ -6,7 +6,8 @@ of one step in ``every_n_steps``, reads the cheap ``allocated`` at each point of
 then (on CPU) at the last point of one step in 32, into a :class:`~lightning_perf.profiling.LeakSeries`, and renews
 the leak verdict (:func:`~lightning_perf.profiling.detect_leaks`) on a schedule whose cost is a bounded share of the
 run. A step that reads nothing says so beforehand (:meth:`MemorySteps.plan_step`, :attr:`MemorySteps.reading`), so a
-loop can skip its other calls::
+loop can skip its other calls; :meth:`MemorySteps.quiet_ahead` says how many steps to come read nothing, so a loop can
+run them with no call at all and count them afterwards (:meth:`MemorySteps.skip`)::
 
     steps = MemorySteps(MemoryProbe("cpu"), every_n_steps=5, warmup_steps=10)
     for epoch in range(epochs):
@@ -80,6 +81,7 @@ LEAK_READ_EVERY_N_STEPS_CPU = 32
 training process (measured: 2.8% of the step, busy or not), so about 0.1% at this spacing."""
 
 _MIB = 1024.0 * 1024.0
+_INSIDE = frozenset(("after_forward", "after_backward"))  # the points read by hooks inside the step
 _MAX_REPORTED_SAMPLES = 20_000
 
 
@@ -192,6 +194,7 @@ class MemorySteps:
         self.cost = HookCost(first=LEAK_CHECK_EVERY_N_STEPS)
         self._first_end: tuple[int, int] | None = None  # (step, ns) of the first steady step ended
         self._last_end = (0, 0)
+        self.inside = False  # whether the running step reads a point inside it (after_forward, after_backward)
 
     @property
     def active(self) -> bool:
@@ -209,6 +212,28 @@ class MemorySteps:
         )
         self.cost.step(index, heavy=self.reading)
 
+    def quiet_ahead(self) -> int:
+        """How many steps from the next one on read and check nothing (0: the next one does): a loop may run them
+        without any call, then say so with :meth:`skip` before the next step that reads (:meth:`plan_step`)."""
+        index = self.step_index
+        ahead = [index + (-index) % self.every_n_steps]  # the next full snapshot
+        if self.series.stopped_at is None:  # the leak series' next reading (at its stride now)
+            ahead.append(index + (-index) % self.series.stride)
+        if not self.leak_found:  # the step after which the verdict is renewed
+            ahead.append(max(index, self._next_check - 1))
+        return min(ahead) - index
+
+    def skip(self, steps: int) -> None:
+        """``steps`` steps ran that read nothing (as :meth:`quiet_ahead` allowed), with no call: counted in bulk, each
+        billed one quiet call (:class:`~lightning_perf.profiling.timer.HookCost`: the framework's dispatch of the
+        loop's one hook plus a counter)."""
+        start, end = self.step_index, self.step_index + steps
+        steady = max(0, end - max(start, self.cost.first))
+        self.cost.calls += steady
+        self.cost.quiet_calls += steady
+        self.cost.warmup_calls += steps - steady
+        self.step_index = end
+
     def begin_step(self, epoch: int) -> None:
         """A step begins with its batch on the device: ``after_data``; a sampled step's peak is reset after it."""
         if self._planned != self.step_index:
@@ -216,14 +241,15 @@ class MemorySteps:
         index = self._index = self.step_index
         self.step_index += 1
         if not self.reading:  # the common step: nothing to read
-            self.sampling = False
+            self.sampling = self.inside = False
             self.series.skip_step()
             return
         if index == LEAK_CHECK_EVERY_N_STEPS and self._steady_stride > 1 and not self.leak_found:
             self.series.coarsen(self._steady_stride)
             self._read_points = self.points[-1:]
-        self.series.start_step(index, epoch)
+        recording = self.series.start_step(index, epoch)
         self.sampling = index % self.every_n_steps == 0
+        self.inside = self.sampling or (recording and not _INSIDE.isdisjoint(self._read_points))
         if self.sampling:
             self._current = {"start": self.probe.sample()} if "after_data" not in self.points else {}
         self.sample("after_data")

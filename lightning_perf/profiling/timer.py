@@ -681,6 +681,8 @@ class HookCost:
             "share_of_step": (per_step / 1e9) / step_s if step_s > 0 else math.nan,
             "method": f"steady steps (from step {self.first}): every hook call counted; heavy steps timed whole, one "
             f"routine step in {self.every} timed end to end, billed at the median body; the framework's dispatch "
-            "of one call timed once at setup on an empty hook; quiet calls (skipped steps) billed a flag check's "
-            "cost, no dispatch, except a skipped step's counter: one in 16 timed, billed at their median",
+            "of one call timed on an empty hook (at setup, or sampled in the loop where the observer says so) and "
+            "billed to every hook call; quiet calls (skipped steps) billed a flag check's cost, plus a dispatch "
+            "where the framework still calls the hook, and a skipped step's counter one in 16 timed, billed at "
+            "their median",
         }

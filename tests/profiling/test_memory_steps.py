@@ -168,3 +168,41 @@ def test_the_self_report_is_the_time_of_the_hooks_steady_steps_timed_whole_where
     assert figures["heavy_ns_total"] <= probe_ns + 100 * figures["heavy_calls"]  # plus a few ticks a call
     assert figures["steady_steps"] == steps - LEAK_CHECK_EVERY_N_STEPS
     assert figures["share_of_step"] == pytest.approx(figures["hooks_ns_per_step"] / 2e6)
+
+
+@pytest.mark.parametrize("leak", [0, 64 << 10])
+def test_a_loop_that_skips_the_quiet_steps_reads_and_concludes_as_one_that_runs_them(leak: int) -> None:
+    """:meth:`MemorySteps.quiet_ahead` says how many steps read nothing; a loop that runs them without any call and
+    says so with :meth:`MemorySteps.skip` (the callback's countdown) reads the same points of the same steps, and
+    reaches the same verdict, as a loop that calls every step; the quiet steps are counted (quiet calls)."""
+
+    def loop(skip_ahead: bool, steps: int = 1500) -> tuple[MemorySteps, ScriptedProbe, list[int]]:
+        probe = ScriptedProbe(leak)
+        memory = MemorySteps(probe, every_n_steps=100, warmup_steps=20)  # type: ignore[arg-type]
+        found, step = [], 0
+        while step < steps:
+            if skip_ahead and (quiet := min(memory.quiet_ahead(), steps - step)):
+                probe.bytes += leak * quiet
+                memory.skip(quiet)
+                step += quiet
+                continue
+            memory.plan_step()
+            memory.begin_step(epoch=0)
+            if memory.reading:
+                memory.sample("after_forward")
+                memory.sample("after_backward", overwrite=True)
+            probe.bytes += leak
+            if memory.reading:
+                memory.end_step(epoch=0, end_ns=memory.step_index * 1_000_000)
+                if memory.leak_check_due() and memory.check_leaks(every_point=False):
+                    found.append(memory.step_index)
+            step += 1
+        return memory, probe, found
+
+    (every, every_probe, every_found), (skipping, skipping_probe, skipping_found) = loop(False), loop(True)
+    assert skipping_probe.calls == every_probe.calls and skipping_found == every_found
+    assert bool(every_found) == bool(leak)
+    assert skipping.step_index == every.step_index == 1500 and skipping.steps == every.steps
+    assert skipping.series.series(0) == every.series.series(0)
+    overhead = skipping.summary()["overhead"]
+    assert overhead["quiet_calls"] > 1000 and overhead["heavy_calls"] + overhead["quiet_calls"] <= 1500
