@@ -113,6 +113,7 @@ class BottleneckCallback(UndoOnExit):
         self.overwrite = check_bool(name, "overwrite", overwrite)
         self.report: dict[str, Any] | None = None
         self._handles: list[RemovableHandle] = []
+        self._module: pl.LightningModule | None = None  # whose batch-transfer hooks carry ours (`setup` to `_undo`)
         self._reset()
 
     def _reset(self) -> None:
@@ -127,6 +128,7 @@ class BottleneckCallback(UndoOnExit):
         # A copy (spawn, deepcopy) holds settings and report, not the run: CUDA events, optimizers' and silenced hooks.
         state = {k: v for k, v in self.__dict__.items() if k not in _STEP_HOOKS}
         return {**state, "_phases": None, "_loader": None, "_handles": [], "_done": None, "_hooks_live": True,
+                "_module": None,
                 "_cost": HookCost(), "_sampler": sp.StepSampler()}  # fmt: skip
 
     def _enter(self, phase: str | None, only_from: str | None = None) -> None:  # a hook inside the step
@@ -137,21 +139,19 @@ class BottleneckCallback(UndoOnExit):
         if live != self._hooks_live:
             self._hooks_live = live
             obs.silence_hooks(self, self._quiet, not live)
+            if (module := self._module) is not None:  # skipped steps: our batch-transfer links are not even chained
+                for hook, transform in (("on_before_batch_transfer", self._before_transfer),
+                                        ("on_after_batch_transfer", self._after_transfer)):  # fmt: skip
+                    (add_batch_transform if live else remove_batch_transform)(module, transform, hook=hook)
 
     # Chained onto the module's batch-transfer hooks (`setup`), which run in every stage: they act on training only.
-    # On a skipped step (hooks silenced) these and the post-hook read one flag and count themselves, nothing else.
+    # Unchained on skipped steps (`_hooks_on`: re-chained last, after any other transform); the post-hook counts.
     def _before_transfer(self, batch: Any) -> Any:
-        if self._hooks_live:
-            self._enter("transfer", only_from="data")  # the wait for the batch ends
-        else:
-            self._cost.quiet_calls += 1
+        self._enter("transfer", only_from="data")  # the wait for the batch ends
         return batch
 
     def _after_transfer(self, batch: Any) -> Any:
-        if self._hooks_live:
-            self._enter(None, only_from="transfer")
-        else:
-            self._cost.quiet_calls += 1
+        self._enter(None, only_from="transfer")
         return batch
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -170,6 +170,7 @@ class BottleneckCallback(UndoOnExit):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
+            self._module = pl_module
             add_batch_transform(pl_module, self._before_transfer, hook="on_before_batch_transfer")
             add_batch_transform(pl_module, self._after_transfer, hook="on_after_batch_transfer")
 
@@ -201,7 +202,7 @@ class BottleneckCallback(UndoOnExit):
         if self._phases is not None:
             self._phases.syncs.stop()
         obs.silence_hooks(self, _STEP_HOOKS, False)
-        self._hooks_live = True
+        self._hooks_live, self._module = True, None
         remove_batch_transform(pl_module, self._before_transfer, hook="on_before_batch_transfer")
         remove_batch_transform(pl_module, self._after_transfer, hook="on_after_batch_transfer")
         for handle in self._handles:

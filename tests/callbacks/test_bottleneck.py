@@ -608,6 +608,34 @@ def test_sampled_steps_run_the_hooks_only_on_sampled_steps_and_the_step_before(
     assert report["throughput"]["samples_per_s"] == pytest.approx(2 / 0.01125)
 
 
+class ChainSpy(Scripted):
+    """Records, per training step, whether the batch-transfer hooks carried the observer's links for its batch."""
+
+    def __init__(self, clock: ScriptedClock) -> None:
+        super().__init__(clock)
+        self.chained: list[bool] = []
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.chained.append("on_after_batch_transfer" in self.__dict__)  # our stand-in is on the instance
+        return batch
+
+
+def test_skipped_steps_do_not_even_chain_the_transfer_hooks(tmp_path: Path) -> None:
+    seen: list[ChainSpy] = []
+
+    class Spy(ChainSpy):
+        def __init__(self, clock: ScriptedClock) -> None:
+            super().__init__(clock)
+            seen.append(self)
+
+    callback = scripted_fit(tmp_path, Spy, max_steps=20, callback_kwargs={"warmup_steps": 2, "sample_every": 4})
+    sampled = _sampled(20, 4, 2)
+    assert seen[0].chained == [s in sampled for s in range(20)]  # linked for timed steps only
+    assert callback.report["per_step"]["records"]  # and the timed steps still have their transfer phase
+    assert all(r["transfer"] > 0 for r in steady_records(callback))
+    assert "on_after_batch_transfer" not in seen[0].__dict__ and "on_before_batch_transfer" not in seen[0].__dict__
+
+
 def test_sample_every_one_times_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, list[int]] = {}
     _spy(monkeypatch, seen)
