@@ -42,6 +42,7 @@ _WORKLOAD_ORDER = ("convnet", "unet3d", "vit", "lm")
 _AVX512 = ("avx512f", "amx_tile", "amx_bf16", "amx_int8")
 _FLAGS_SHOWN = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
 _OBSERVERS = {  # examples/observer_overhead.py's configuration keys
+    "empty": "an empty `Callback()`",
     "bottleneck": "`BottleneckCallback`",
     "memory": "`MemoryProfilerCallback`",
     "memory-every-step": "`MemoryProfilerCallback` (every step)",
@@ -295,11 +296,12 @@ def observers_table(result: Result) -> list[str]:
             end = sorted(e.get("end_of_fit_extra_s") or [])
             mean = mean or "step_mean_s" in e
             gap = e.get("self_minus_outside_pp")
-            digits = 4 if "step_mean_s" in e else 3
+            d = 4 if "step_mean_s" in e else 3  # digits
+            aa = name == "none" and low is not None and low != high  # toggle design: the A/A check
             cells.append([
-                f"{size}: {_OBSERVERS.get(name, name)}",
+                f"{size}: {_OBSERVERS.get(name, name)}" + (" (A/A: nothing switched)" if aa else ""),
                 _seconds(e.get("step_mean_s", e.get("step_median_s"))),
-                "-" if name == "none" else f"{e['ratio_to_none']:.{digits}f}x [{low:.{digits}f}-{high:.{digits}f}]",
+                f"{e['ratio_to_none']:.{d}f}x [{low:.{d}f}-{high:.{d}f}]" if name != "none" or aa else "-",
                 f"{own[len(own) // 2]:.2%} ({own[0]:.2%}-{own[-1]:.2%})" if own else "",
                 f"{gap:+.2f} pp" if gap is not None else "",
                 _seconds(end[len(end) // 2]) if end and name != "none" else "",
