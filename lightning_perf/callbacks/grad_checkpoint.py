@@ -73,8 +73,9 @@ class GradCheckpointCallback(UndoOnExit):
             randomness and the last bit of speed matters).
         memory_budget: instead of ``every_n``/``fraction``, a number in ``(0, 1]``: keep at most about that fraction
             of the activation memory that training without checkpointing keeps, at the least recompute time. The
-            first training batch runs without checkpointing and is profiled (what each chosen block and its parts,
-            attention and MLP, save for backward, which ops they run and their times; it must fit in memory); then,
+            first two training batches run without checkpointing and the second, warm one is profiled (the first pays
+            one-time costs; what each chosen block and its parts, attention and MLP, save for backward, which ops they
+            run and their times; it must fit in memory; identical blocks are planned with their median times); then,
             per block: no checkpointing, recomputing only its norm and activation outputs from inputs kept anyway
             (the MLP's GELU output, the ``LayerNorm`` outputs: one elementwise op each in backward), selective
             checkpointing (keep matmul/convolution/attention outputs, or attention outputs only, recompute the cheap
@@ -96,7 +97,7 @@ class GradCheckpointCallback(UndoOnExit):
         wrapped: names of the modules this callback checkpointed in the last ``fit`` (blocks; with ``memory_budget``
             also parts of blocks).
         plan: with ``memory_budget``, the :class:`~lightning_perf.functional.checkpoint_budget.CheckpointPlan` of the
-            last ``fit`` (None before the first batch, under ``torch.compile`` and for ``memory_budget=1.0``).
+            last ``fit`` (None before the second batch, under ``torch.compile`` and for ``memory_budget=1.0``).
         compiled_kept_bytes: with ``memory_budget`` under ``torch.compile``, the activation memory measured in the
             second step of the last ``fit`` (the allocator's growth over its forward), else None.
 
@@ -234,7 +235,9 @@ class GradCheckpointCallback(UndoOnExit):
         state = self._budget_state
         if state is None:
             return
-        if state.profile_next:
+        if state.profile_next and state.warmup_left > 0:
+            state.warmup_left -= 1  # the first step pays one-time costs (allocations, kernel choice): not profiled
+        elif state.profile_next:
             state.profile_next = False
             state.recorder = ActivationRecorder(pl_module, state.blocks, pl_module.device)
             state.recorder.start()
@@ -413,6 +416,7 @@ class _BudgetState:
 
     blocks: list[tuple[str, nn.Module]]
     profile_next: bool = False
+    warmup_left: int = 1  # plain steps before the profiled one
     recorder: ActivationRecorder | None = None
     profile: ActivationProfile | None = None
     measure_next: bool = False

@@ -6,7 +6,8 @@ least recompute time. Three steps, each usable alone in a plain training loop:
 1. :class:`ActivationRecorder` (or :func:`profile_activations`) watches one forward pass: saved-tensor hooks
    (``torch.autograd.graph.saved_tensors_hooks``) size every tensor autograd keeps for backward, deduplicated by
    storage and attributed to the candidate block it was first saved in; a ``TorchDispatchMode`` records each op a
-   block runs, its output storages and its time. Parameters are not activations and are left out.
+   block runs, its output storages and its time (CPU time of the process on CPU, so that a busy machine does not
+   inflate it; wall time of synchronized ops on CUDA). Parameters are not activations and are left out.
 2. :func:`plan_checkpointing` chooses, per block, one of: no checkpointing; recomputing only the outputs of its norms
    and activations whose inputs stay saved anyway (the GELU output that the MLP's second linear saves, the
    ``LayerNorm`` outputs: :mod:`~lightning_perf.functional.checkpoint_cheap`, one elementwise op per output in
@@ -163,14 +164,17 @@ class _OpRecorder(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         if self.synchronize:
             torch.cuda.synchronize()
-        start = time.perf_counter_ns()
+        now = self.recorder._now
+        start = now()
         out = func(*args, **(kwargs or {}))
         if self.synchronize:
             torch.cuda.synchronize()
-        elapsed = time.perf_counter_ns() - start
+        elapsed = now() - start
         ids = self.recorder._ids
-        keys = [k for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) for k in [ids.key(t)] if k is not None]
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        keys = [k for t in tensors for k in [ids.key(t)] if k is not None]
         self.recorder._ops[block].append((_op_class(func) or "other", elapsed, keys))
+        self.recorder._shapes[block].append((str(func), tuple(tuple(t.shape) for t in tensors)))
         self.recorder._clock_ns += elapsed
         part = self.recorder._part
         self.recorder._op_parts[block].append(part)
@@ -198,8 +202,13 @@ class ActivationRecorder:
         self.model = model
         self.blocks = list(blocks)
         self.device = torch.device(device) if device is not None else _model_device(model)
+        # The clock of op times: on CPU the process's CPU time, which a busy machine does not inflate (an op's wall
+        # time there includes the time the thread waited for a core: a random few times the op's cost); on CUDA wall
+        # time around synchronized ops.
+        self._now = time.perf_counter_ns if self.device.type == "cuda" else time.process_time_ns
         self._current: str | None = None
         self._ops: dict[str, list[tuple[str, int, list[int]]]] = {}  # block -> [(op class, ns, output storage ids)]
+        self._shapes: dict[str, list[tuple[str, tuple[Any, ...]]]] = {}  # block -> [(op, output shapes)]
         self._inputs: dict[str, set[int]] = {}
         self._outputs: dict[str, set[int]] = {}
         self._saved: dict[int, str | None] = {}  # storage id -> block it was first saved in (None: outside)
@@ -218,7 +227,7 @@ class ActivationRecorder:
         self._cheap_calls: dict[str, list[tuple[str, int, int, int]]] = {}  # block -> [(module, in, out, op ns)]
         self._cheap_began: dict[str, int] = {}
         self._clock_ns = 0  # the ops' time so far
-        self._wall_ns: dict[str, int] = {}  # block -> wall time of its forward, the recorder's own cost included
+        self._wall_ns: dict[str, int] = {}  # block -> time of its forward (op clock), the recorder's cost included
         self._entered_ns = 0
         self._ids = _StorageIds()
         self._excluded: set[int] = set()
@@ -239,6 +248,7 @@ class ActivationRecorder:
             return
         regions = [name for name, _ in self.blocks] + [n for parts in self.parts.values() for n, _ in parts]
         self._ops = {name: [] for name, _ in self.blocks}
+        self._shapes = {name: [] for name, _ in self.blocks}
         self._inputs = {name: set() for name in regions}
         self._outputs = {name: set() for name in regions}
         self._saved, self._saved_part, self._part = {}, {}, None
@@ -309,12 +319,12 @@ class ActivationRecorder:
         if torch.is_grad_enabled() and self._current is None:
             self._current = name
             self._note(self._inputs[name], (args, kwargs))
-            self._entered_ns = time.perf_counter_ns()
+            self._entered_ns = self._now()
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self._current
         if name is not None and self.blocks[[n for n, _ in self.blocks].index(name)][1] is module:
-            self._wall_ns[name] += time.perf_counter_ns() - self._entered_ns
+            self._wall_ns[name] += self._now() - self._entered_ns
             self._current = self._part = None
             self._note(self._outputs[name], output)
 
@@ -405,6 +415,7 @@ class ActivationRecorder:
                     useful,
                     self._recomputable(name),
                     self._recompute_ns(name, name) / 1e9,
+                    hash(tuple(self._shapes[name])),
                 )
             )
         inside = sum(p.saved_bytes for p in profiles)

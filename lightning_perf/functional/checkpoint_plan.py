@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -64,6 +65,8 @@ class BlockProfile:
             making it again.
         full_recompute_s: the time of the ops a fully checkpointed block runs again (those before the one that packs
             its last saved tensor: the MLP's second linear is not among them); None: ``forward_s``.
+        fingerprint: a hash of the block's ops and their output shapes, in order (None: unknown): blocks with the same
+            fingerprint and memory figures run the same computation, and are planned with their median times.
     """
 
     name: str
@@ -76,6 +79,7 @@ class BlockProfile:
     parts: dict[str, tuple[int, int, float]] = field(default_factory=dict)
     cheap: dict[str, tuple[str | None, int, float]] = field(default_factory=dict)
     full_recompute_s: float | None = None
+    fingerprint: int | None = None
 
 
 @dataclass(frozen=True)
@@ -128,10 +132,10 @@ class BlockChoice:
 
     @property
     def regions(self) -> tuple[str, ...]:
-        """The modules patched for this choice: the block, its chosen parts (and the block when it recomputes norm
-        and activation outputs), or none."""
+        """The modules patched for this choice, in module order: the block, its chosen parts (after the block when it
+        recomputes norm and activation outputs), or none."""
         if self.mode == "parts":
-            return self.parts + ((self.name,) if self.recomputed else ())
+            return ((self.name,) if self.recomputed else ()) + self.parts  # in module order
         return () if self.mode == "none" else (self.name,)
 
 
@@ -321,6 +325,67 @@ def _knapsack(options: list[list[_Option]], unit: float, cap: int) -> list[_Opti
     return chosen[::-1]
 
 
+def _signature(block: BlockProfile) -> tuple[Any, ...]:
+    """What makes two blocks the same for planning: their memory figures and op counts, names relative to the block."""
+
+    def local(name: str | None) -> str | None:
+        return name[len(block.name) + 1 :] if name is not None and name.startswith(block.name + ".") else name
+
+    if block.fingerprint is None:
+        return (block.name,)  # unknown ops: alone in its group
+    return (
+        block.fingerprint,
+        block.saved_bytes,
+        block.input_bytes,
+        tuple(sorted(block.kept_bytes.items())),
+        tuple(sorted(block.recompute_s)),
+        tuple(sorted(block.op_counts.items())),
+        tuple((local(p), v[0], v[1]) for p, v in block.parts.items()),
+        tuple((local(m), local(v[0]), v[1]) for m, v in block.cheap.items()),
+    )
+
+
+def pool_identical_blocks(blocks: Sequence[BlockProfile]) -> list[BlockProfile]:
+    """``blocks`` with the times of identical blocks (same ops and output shapes, memory figures, parts and recomputable
+    modules, by names relative to the block: the repeated layers of a transformer) replaced by their medians.
+
+    One profiled forward times each op once, and a shared machine or a cache miss makes one block's op look several
+    times slower than the same op in its twin. The knapsack would then pick, among identical blocks, the ones whose
+    options happened to be timed fast: plans that change from run to run, and an expected recompute time below the
+    real one. The median over the identical blocks is the better estimate for each of them.
+    """
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for index, block in enumerate(blocks):
+        groups.setdefault(_signature(block), []).append(index)
+    pooled = list(blocks)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        twins = [blocks[i] for i in members]
+        full = [b.forward_s if b.full_recompute_s is None else b.full_recompute_s for b in twins]
+        parts = [list(b.parts.values()) for b in twins]
+        cheap = [list(b.cheap.values()) for b in twins]
+        for i in members:
+            block = blocks[i]
+            pooled[i] = replace(
+                block,
+                forward_s=_median([b.forward_s for b in twins]),
+                recompute_s={k: _median([b.recompute_s[k] for b in twins]) for k in block.recompute_s},
+                parts={
+                    p: (v[0], v[1], _median([t[j][2] for t in parts])) for j, (p, v) in enumerate(block.parts.items())
+                },
+                cheap={
+                    m: (v[0], v[1], _median([t[j][2] for t in cheap])) for j, (m, v) in enumerate(block.cheap.items())
+                },
+                full_recompute_s=_median(full),
+            )
+    return pooled
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
 def plan_checkpointing(profile: ActivationProfile, budget: float, resolution: int = 2000) -> CheckpointPlan:
     """Choose per block none / selective / parts / full checkpointing: the least recompute time that keeps at most
     ``budget`` x the activations of no checkpointing.
@@ -329,11 +394,12 @@ def plan_checkpointing(profile: ActivationProfile, budget: float, resolution: in
     each option's memory rounded up, so the plan never exceeds the budget): one option per block, the least total
     recompute time within the budget. It keeps as much as the budget allows where keeping saves time, so the plan
     lands just under the budget rather than far below it. When even full checkpointing of every block exceeds the
-    budget, every block is checkpointed fully and the plan says it is out of reach.
+    budget, every block is checkpointed fully and the plan says it is out of reach. Identical blocks are planned with
+    their median times (:func:`pool_identical_blocks`).
     """
     budget = validate_memory_budget("plan_checkpointing", budget)
     target = budget * profile.total_saved_bytes
-    options = [_block_options(block) for block in profile.blocks]
+    options = [_block_options(block) for block in pool_identical_blocks(profile.blocks)]
     room = target - profile.outside_bytes
     least = sum(min(o[1] for o in block_options) for block_options in options)
     current = [min(block_options, key=lambda o: (o[1], o[0])) for block_options in options]  # the least memory

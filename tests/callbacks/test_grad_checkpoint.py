@@ -242,6 +242,21 @@ def test_memory_budget_plans_applies_measures_reports_once_and_unwraps(tmp_path:
     assert checkpointed_modules(model) == []
 
 
+def test_memory_budget_profiles_the_second_warm_step(tmp_path: Path) -> None:
+    class Profiled(GradCheckpointCallback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+            state = self._budget_state
+            if state is not None and state.recorder is not None and state.recorder.active:
+                self.profiled_at = batch_idx
+
+    callback = Profiled(memory_budget=0.5)
+    trainer(tmp_path, callbacks=[callback], max_steps=1).fit(budget_model())
+    assert callback.plan is None and not hasattr(callback, "profiled_at")  # one step: the warm-up alone
+    trainer(tmp_path, callbacks=[callback], max_steps=3).fit(budget_model())
+    assert callback.profiled_at == 1 and callback.plan is not None and callback.plan.checkpointed
+
+
 def test_memory_budget_trains_as_the_plain_model(tmp_path: Path) -> None:
     results = []
     for callbacks in ([], [GradCheckpointCallback(memory_budget=0.3)]):

@@ -269,3 +269,38 @@ def test_plan_checkpoints_parts_and_gradients_equal_no_checkpointing() -> None:
     for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
     assert remove_activation_checkpointing(wrapped) == ["layers.0.self_attn"]
+
+
+def test_identical_blocks_are_planned_with_their_median_times() -> None:
+    from dataclasses import replace
+
+    from lightning_perf.functional.checkpoint_plan import pool_identical_blocks
+
+    def block(name: str, seconds: float, fingerprint: int | None = 7) -> BlockProfile:
+        return BlockProfile(
+            name, 1000, 100, seconds, {"attention": 200}, {"attention": seconds / 2}, {"attention": 1},
+            parts={f"{name}.mlp": (600, 100, seconds / 4)}, cheap={f"{name}.act": (f"{name}.mlp", 300, seconds / 10)},
+            full_recompute_s=seconds, fingerprint=fingerprint,
+        )  # fmt: skip
+
+    twins = [block(f"b.{i}", s) for i, s in enumerate((1.0, 5.0, 2.0))]
+    pooled = pool_identical_blocks([*twins, block("other", 9.0, fingerprint=8), block("unknown", 9.0, None)])
+    for original, planned in zip(twins, pooled):
+        assert planned == replace(
+            original,
+            forward_s=2.0,
+            recompute_s={"attention": 1.0},
+            parts={f"{original.name}.mlp": (600, 100, 0.5)},
+            cheap={f"{original.name}.act": (f"{original.name}.mlp", 300, 0.2)},
+            full_recompute_s=2.0,
+        )
+    assert pooled[3].forward_s == 9.0 and pooled[4].forward_s == 9.0  # other ops, or unknown ones: left alone
+    plan = plan_checkpointing(ActivationProfile(3000, 0, tuple(twins)), 0.7)
+    assert {c.mode for c in plan.choices} == {"cheap"}
+    assert plan.expected_recompute_s == pytest.approx(3 * 0.2)  # every twin's norm/activation recompute, median time
+
+
+def test_profiled_repeated_layers_share_a_fingerprint() -> None:
+    torch.manual_seed(0)
+    profile = profiled(transformer(depth=3, dim=32), torch.randn(4, 16, 32))
+    assert len({b.fingerprint for b in profile.blocks}) == 1 and profile.blocks[0].fingerprint is not None
