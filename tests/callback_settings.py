@@ -192,7 +192,7 @@ SETTINGS: list[Setting] = [
         numerics="close",
         numerics_reason="recomputed activations (dropout replayed from the saved RNG state)",
     ),
-    # A memory budget: the first step is profiled, then blocks are checkpointed fully or selectively.
+    # A memory budget: the second (warm) step is profiled, then blocks are checkpointed fully or selectively.
     Setting(
         GradCheckpointCallback,
         {"memory_budget": 0.5},
