@@ -128,8 +128,7 @@ class BottleneckCallback(UndoOnExit):
         # A copy (spawn, deepcopy) holds settings and report, not the run: CUDA events, optimizers' and silenced hooks.
         state = {k: v for k, v in self.__dict__.items() if k not in _STEP_HOOKS}
         return {**state, "_phases": None, "_loader": None, "_handles": [], "_done": None, "_hooks_live": True,
-                "_module": None,
-                "_cost": HookCost(), "_sampler": sp.StepSampler()}  # fmt: skip
+                "_module": None, "_cost": HookCost(), "_sampler": sp.StepSampler()}  # fmt: skip
 
     def _enter(self, phase: str | None, only_from: str | None = None) -> None:  # a hook inside the step
         if self._phases is not None:

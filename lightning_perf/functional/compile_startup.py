@@ -96,9 +96,3 @@ def warm_cpu_probe() -> bool:
 def _probe(pick_vec_isa: Any) -> None:
     with contextlib.suppress(Exception):  # a failed probe is repeated, and reported, by the compile itself
         pick_vec_isa()
-
-
-def _reset_probe_for_tests() -> None:
-    global _probe_started
-    with _probe_lock:
-        _probe_started = False
