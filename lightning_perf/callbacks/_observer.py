@@ -201,6 +201,13 @@ def run_facts(trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.
     }
 
 
+def steps_once_per_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether one optimizer steps once per batch (automatic optimization, no accumulation): then an optimizer
+    post-hook can count the steps in place of Lightning's per-batch hooks (which an observer silences meanwhile)."""
+    one = len(trainer.optimizers) == 1 and trainer.accumulate_grad_batches == 1  # type: ignore[attr-defined]
+    return one and pl_module.automatic_optimization
+
+
 def hook_dispatch_ns(trainer: pl.Trainer, calls: int = 200, rounds: int = 5) -> float:
     """What Lightning spends to call one hook of one callback, in nanoseconds: the body of its callback loop
     (``lightning.pytorch.trainer.call._call_callback_hooks``: the lookup, the profiler's context and its name, the

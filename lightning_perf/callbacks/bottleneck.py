@@ -188,7 +188,7 @@ class BottleneckCallback(UndoOnExit):
         self._done = loop.manual_optimization.optim_step_progress.total if self._manual else (
             loop.automatic_optimization.optim_progress.optimizer.step.total)  # fmt: skip
         # The post-hook counts steps only where the optimizer steps once per batch; else batch end stays live.
-        self._counts = not self._manual and trainer.accumulate_grad_batches == 1 and len(trainer.optimizers) == 1
+        self._counts = obs.steps_once_per_batch(trainer, pl_module)
         self._quiet = _STEP_HOOKS if self._counts else _STEP_HOOKS[:-1]
         self._handles.extend(opt.register_step_post_hook(self._after_optimizer_step) for opt in trainer.optimizers)
         self._fit_start_ns = time.perf_counter_ns()

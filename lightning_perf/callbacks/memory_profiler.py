@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_perf._validation import check_bool, check_int
@@ -21,13 +22,12 @@ from lightning_perf.profiling import MemoryProbe, cuda_history
 from lightning_perf.profiling import memory_steps as ms
 from lightning_perf.profiling.leaks import MIN_LEAK_SAMPLES
 from lightning_perf.profiling.memory_steps import POINTS, MemorySteps
-from lightning_perf.profiling.report import text_table
 
 __all__ = ["POINTS", "MemoryProfilerCallback"]
 
 _REPORT_PATTERNS = (".json", ".png", "_history_rank*.pickle", "_oom_rank*.pickle")
 _INSIDE_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward")  # the points inside the step
-_QUIET_HOOKS = (*_INSIDE_HOOKS, "on_train_batch_end", "on_before_optimizer_step")
+_QUIET_HOOKS = (*_INSIDE_HOOKS, "on_train_batch_end", "on_before_optimizer_step", "on_train_batch_start")
 
 
 class MemoryProfilerCallback(UndoOnExit):
@@ -49,10 +49,11 @@ class MemoryProfilerCallback(UndoOnExit):
     containing "leak" names the phase that grows and its rate in KiB/step with its 95% interval, once per fit.
     ``leak_threshold`` (bytes per step) is an optional extra bound, off by default.
 
-    Its own cost: on CPU a step that reads nothing costs one hook, a countdown (its other hooks are silenced, not even
-    dispatched); a step that reads only the leak series' last point wakes its end alone. Self-report (``overhead``,
-    :class:`~lightning_perf.profiling.timer.HookCost`), steady state from the first leak verdict: reading steps timed
-    whole, quiet steps counted in bulk; every call billed Lightning's dispatch, timed inside the loop (CPU).
+    Its own cost, on CPU: a step that reads nothing runs no hook of it, only an optimizer post-hook that counts down
+    (the hook of the batch's start, where the optimizer does not step once per batch); a step that reads only the leak
+    series' last point wakes its end alone. Self-report (``overhead``, :class:`~lightning_perf.profiling.timer.
+    HookCost`) from the first leak verdict: reading steps timed whole, quiet steps counted in bulk, billed Lightning's
+    dispatch timed in the loop.
 
     On CUDA, with ``record_history=True``, every allocation is recorded with its stack from the start of fit, and the
     history is written at the end of fit as ``<filename>_history_rank<R>.pickle``; with ``oom_snapshot=True`` a
@@ -131,17 +132,19 @@ class MemoryProfilerCallback(UndoOnExit):
         self.report: dict[str, Any] | None = None
         self._memory: MemorySteps | None = None
         self._directory: Path | None = None
-        self._oom_files: list[str] = []
-        self._oom_handle: Any = None
+        self._cuda: cuda_history.CudaRecording | None = None  # (CUDA) history and OOM snapshots
         self._silenced: int | None = None  # 0 no hook silenced, 1 those inside the step, 2 and the end (None: CUDA)
-        self._last_logged, self._stem, self._rank, self._epoch, self._every = 0, self.filename, 0, 0, 0
+        self._last_logged, self._epoch, self._every = 0, 0, 0
         # (CPU) steps left to count down, and the countdown's length; Lightning's dispatch, timed in the loop
-        self._recording, self._quiet, self._skipped, self._dispatch = False, 0, 0, obs.DispatchSamples()
+        self._quiet, self._skipped, self._dispatch = 0, 0, obs.DispatchSamples()
+        # (CPU, one optimizer stepping once a batch) the countdown runs in its post-hook, on Lightning's step counter
+        self._done: Any = None
+        self._wake, self._handles = 0, list[RemovableHandle]()
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.report = self._memory = self._directory = None
-        self._oom_files, self._last_logged, self._epoch = [], 0, trainer.current_epoch
+        self.report = self._memory = self._directory = self._cuda = self._done = None
+        self._last_logged, self._epoch = 0, trainer.current_epoch
         self._quiet, self._skipped, self._dispatch = 0, 0, obs.DispatchSamples()
         self._every = obs.live_interval(trainer, self.log_every_n_steps)  # 0: no logger to send figures to
         device, name = pl_module.device, type(self).__name__
@@ -154,49 +157,47 @@ class MemoryProfilerCallback(UndoOnExit):
         # Nothing is read before the optimizer step: that hook stays silent all fit; on CPU the others between readings.
         self._silenced = 0 if device.type == "cpu" else None
         obs.silence_hooks(self, ("on_before_optimizer_step",), True)
-        self._rank = trainer.global_rank
-        self._directory = obs.report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
-        self._stem = obs.report_stem(self._directory, self.filename, _REPORT_PATTERNS, self.overwrite)
-        if device.type != "cuda":
-            if self.record_history:
-                msg = f"`{name}(record_history=True)` records CUDA allocations only; the run is on {device.type}."
-                warn_once(msg + " No history is written.", NoEffectWarning)
-            return
-        if self.record_history:  # before the OOM observer: it initializes the allocator too
-            cuda_history.start_history(self.history_max_entries)
-            self._recording = True
-        if self.oom_snapshot:
-            self._oom_handle = cuda_history.on_out_of_memory(self._write_oom_snapshot)
+        if device.type == "cpu" and obs.steps_once_per_batch(trainer, pl_module):  # countdown in the post-hook
+            self._done = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+            self._handles = [trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step)]
+        self._directory = directory = obs.report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
+        stem = obs.report_stem(directory, self.filename, _REPORT_PATTERNS, self.overwrite)
+        self._cuda = cuda_history.CudaRecording(directory, stem, trainer.global_rank)
+        if device.type == "cuda":
+            self._cuda.start(self.history_max_entries if self.record_history else None, self.oom_snapshot)
+        elif self.record_history:
+            msg = f"`{name}(record_history=True)` records CUDA allocations only; the run is on {device.type}."
+            warn_once(msg + " No history is written.", NoEffectWarning)
 
-    def _write_oom_snapshot(self, device: int, alloc: int, *_: int) -> None:  # writes the allocator's state
-        if self._directory is not None:
-            path = self._directory / f"{self._stem}_oom_rank{self._rank}.pickle"
-            cuda_history.dump_snapshot(path)
-            if str(path) not in self._oom_files:
-                self._oom_files.append(str(path))
+    def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self._quiet and (memory := self._memory) is not None:  # a quiet step: a counter, billed (sampled)
+            entry = time.perf_counter_ns()
+            if self._done.completed >= self._wake:  # the last step of the countdown: wake the next one
+                self._quiet = 0
+                obs.silence_hooks(self, ("on_train_batch_start",), False)
+            memory.cost.quiet_step(entry)
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
         """Stop the OOM listener and the history recording, give the hooks back (teardown, and on an exception)."""
         obs.silence_hooks(self, _QUIET_HOOKS, False)
         self._silenced = None
-        if self._oom_handle is not None:
-            self._oom_handle.remove()
-            self._oom_handle = None
-        if self._recording:
-            cuda_history.stop_history()
-            self._recording = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._cuda is not None:
+            self._cuda.stop()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._oom_files and isinstance(exception, torch.OutOfMemoryError):
-            where = f"snapshot written to {self._oom_files[-1]} (open it in https://pytorch.org/memory_viz)."
+        if self._cuda is not None and self._cuda.oom_files and isinstance(exception, torch.OutOfMemoryError):
+            where = f"snapshot written to {self._cuda.oom_files[-1]} (open it in https://pytorch.org/memory_viz)."
             rank_zero_info(f"{type(self).__name__}: out of memory; allocator {where}")
         super().on_exception(trainer, pl_module, exception)
 
     def __getstate__(self) -> dict[str, Any]:
         # The OOM listener and the history recording belong to this process's allocator, silenced hooks to the run.
         state = {k: v for k, v in self.__dict__.items() if k not in _QUIET_HOOKS}
-        return {**state, "_oom_handle": None, "_recording": False, "_silenced": None, "_quiet": 0, "_skipped": 0}
+        return {**state, "_cuda": None, "_silenced": None, "_quiet": 0, "_skipped": 0, "_done": None, "_handles": []}
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -211,7 +212,7 @@ class MemoryProfilerCallback(UndoOnExit):
             return
         if (memory := self._memory) is None:
             return
-        memory.skip(self._skipped)  # the steps the countdown let run, counted in bulk
+        memory.skip(self._skipped, counted=self._done is not None)  # the steps the countdown let run, in bulk
         self._skipped = 0
         memory.plan_step()  # whether the step reads anything, and how its hooks are timed
         entry = memory.cost.begin()
@@ -219,17 +220,21 @@ class MemoryProfilerCallback(UndoOnExit):
         if self._silenced is not None:  # (CPU) silence the hooks of the points the step does not read
             if memory.reading and memory.cost.steady:  # and time a hook's dispatch where the hooks run (billed)
                 self._dispatch.take(trainer)
-            self._silence(memory, 0 if memory.inside else 1 if memory.reading else 2)
+            self._silence(memory, 0 if memory.inside else 1 if memory.reading else 2, running=True)
         memory.cost.end(entry)
 
-    def _silence(self, memory: MemorySteps, mode: int) -> None:
-        """Silence none of the step's hooks (``mode`` 0), those inside it (1), and its end (2: then count down)."""
+    def _silence(self, memory: MemorySteps, mode: int, running: bool = False) -> None:
+        """Silence none of the step's hooks (``mode`` 0), those inside it (1), and its end (2: then count down; its
+        start too where the post-hook counts, ``running`` when the step has not stepped its optimizer yet)."""
         if mode != self._silenced:
             obs.silence_hooks(self, _INSIDE_HOOKS, mode > 0)
             obs.silence_hooks(self, ("on_train_batch_end",), mode > 1)
             self._silenced = mode
         if mode > 1:
             self._quiet = self._skipped = memory.quiet_ahead()
+            if self._done is not None:  # the post-hook counts (it sees the steps done before its own)
+                self._wake = self._done.completed + running + self._quiet - 1
+                obs.silence_hooks(self, ("on_train_batch_start",), True)
 
     def _sample(self, point: str, overwrite: bool = False) -> None:
         """Every hook inside the step: read ``point`` if the step reads memory; counted and timed."""
@@ -272,27 +277,23 @@ class MemoryProfilerCallback(UndoOnExit):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        memory, directory = self._memory, self._directory
-        if memory is None or directory is None:
+        memory, cuda = self._memory, self._cuda
+        if memory is None or cuda is None:
             return
-        memory.skip(self._skipped - self._quiet)  # the steps the countdown let run since the last reading step
-        self._skipped = self._quiet
+        left = self._quiet if self._done is None else max(0, self._wake + 1 - self._done.completed) * (self._quiet > 0)
+        memory.skip(self._skipped - left, counted=self._done is not None)  # since the last reading step
+        self._skipped = left
         memory.cost.dispatch_ns = self._dispatch.median(memory.cost.dispatch_ns)  # timed in the loop (CPU)
         if leaking := memory.check_leaks():
             warn_once(ms.leak_message(type(self).__name__, leaking), MeasurementWarning)
-        history_path = directory / f"{self._stem}_history_rank{self._rank}.pickle"
-        history = str(cuda_history.dump_snapshot(history_path)) if self._recording else None
-        files = {"history": history, "oom_snapshots": list(self._oom_files)}
+        history = cuda.dump_history()
+        files = {"history": history, "oom_snapshots": list(cuda.oom_files)}
         report = {"callback": type(self).__name__, **memory.summary(), "files": files}
         if (ranks := obs.across_ranks(trainer, pl_module, ms.rank_values(report))) is not None:
             report["ranks"] = ranks
         self.report = report
         if trainer.is_global_zero:
             draw = memory.plot if self.plot and memory.samples else None
-            show = self._print if self.verbose else None
-            more = [history, *self._oom_files]
-            obs.write_reports(type(self).__name__, report, directory, self._stem, draw, show, more, plot=self.plot)
-
-    def _print(self, report: dict[str, Any]) -> None:
-        table = text_table(*ms.snapshot_table(report, type(self).__name__))
-        rank_zero_info("\n".join([table, *ms.summary_lines(report)]))
+            show = (lambda r: rank_zero_info(ms.report_text(r, type(self).__name__))) if self.verbose else None
+            more = [history, *cuda.oom_files]
+            obs.write_reports(type(self).__name__, report, cuda.directory, cuda.stem, draw, show, more, plot=self.plot)

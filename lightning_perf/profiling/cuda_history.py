@@ -25,7 +25,7 @@ import torch
 
 from lightning_perf._io import atomic_path
 
-__all__ = ["OomListener", "dump_snapshot", "on_out_of_memory", "start_history", "stop_history"]
+__all__ = ["CudaRecording", "OomListener", "dump_snapshot", "on_out_of_memory", "start_history", "stop_history"]
 
 OomListener = Callable[[int, int, int, int], None]
 """``listener(device, bytes_requested, bytes_allocated_on_device, bytes_free_on_device)``."""
@@ -88,3 +88,48 @@ def on_out_of_memory(listener: OomListener) -> Any:
         _attached = True
     _listeners.append(listener)
     return _Handle(listener)
+
+
+class CudaRecording:
+    """One run's CUDA allocation history and out-of-memory snapshots, as files in ``directory``:
+    ``<stem>_history_rank<R>.pickle`` (:meth:`dump_history`) and ``<stem>_oom_rank<R>.pickle`` (written by the OOM
+    listener, listed in :attr:`oom_files`). :meth:`stop` detaches both (idempotent)."""
+
+    def __init__(self, directory: Path, stem: str, rank: int) -> None:
+        self.directory, self.stem, self.rank = Path(directory), stem, rank
+        self.oom_files: list[str] = []
+        self.recording = False
+        self._handle: Any = None
+
+    def start(self, history_entries: int | None, oom_snapshot: bool) -> None:
+        """Record the history (keeping ``history_entries``; None: no history), and listen for OOM if asked."""
+        if history_entries is not None:  # before the OOM observer: it initializes the allocator too
+            start_history(history_entries)
+            self.recording = True
+        if oom_snapshot:
+            self._handle = on_out_of_memory(self._write_oom_snapshot)
+
+    def _write_oom_snapshot(self, device: int, alloc: int, *_: int) -> None:
+        path = self.directory / f"{self.stem}_oom_rank{self.rank}.pickle"
+        dump_snapshot(path)
+        if str(path) not in self.oom_files:
+            self.oom_files.append(str(path))
+
+    def dump_history(self) -> str | None:
+        """Write the history recorded so far; None when none is recorded."""
+        path = self.directory / f"{self.stem}_history_rank{self.rank}.pickle"
+        return str(dump_snapshot(path)) if self.recording else None
+
+    def stop(self) -> None:
+        """Stop listening and recording."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self.recording:
+            stop_history()
+            self.recording = False
+
+    @property
+    def active(self) -> bool:
+        """Whether a listener or a recording is still attached."""
+        return self._handle is not None or self.recording

@@ -42,7 +42,7 @@ from lightning_perf.profiling.leaks import (
     detect_leaks,
 )
 from lightning_perf.profiling.memory import MemoryProbe, MemorySample
-from lightning_perf.profiling.report import format_bytes, format_seconds, plot_lines
+from lightning_perf.profiling.report import format_bytes, format_seconds, plot_lines, text_table
 from lightning_perf.profiling.stats import summarize
 from lightning_perf.profiling.timer import HookCost
 
@@ -56,6 +56,7 @@ __all__ = [
     "check_points",
     "leak_message",
     "rank_values",
+    "report_text",
     "snapshot_table",
     "summary_lines",
 ]
@@ -223,15 +224,17 @@ class MemorySteps:
             ahead.append(max(index, self._next_check - 1))
         return min(ahead) - index
 
-    def skip(self, steps: int) -> None:
+    def skip(self, steps: int, counted: bool = False) -> None:
         """``steps`` steps ran that read nothing (as :meth:`quiet_ahead` allowed), with no call: counted in bulk, each
         billed one quiet call (:class:`~lightning_perf.profiling.timer.HookCost`: the framework's dispatch of the
-        loop's one hook plus a counter)."""
+        loop's one hook plus a counter), unless ``counted``: the loop billed its counter itself
+        (:meth:`~lightning_perf.profiling.timer.HookCost.quiet_step`, e.g. in an optimizer's post-hook)."""
         start, end = self.step_index, self.step_index + steps
-        steady = max(0, end - max(start, self.cost.first))
-        self.cost.calls += steady
-        self.cost.quiet_calls += steady
-        self.cost.warmup_calls += steps - steady
+        if not counted:
+            steady = max(0, end - max(start, self.cost.first))
+            self.cost.calls += steady
+            self.cost.quiet_calls += steady
+            self.cost.warmup_calls += steps - steady
         self.step_index = end
 
     def begin_step(self, epoch: int) -> None:
@@ -452,6 +455,11 @@ def snapshot_table(report: Mapping[str, Any], owner: str) -> tuple[list[str], li
         f"({report['source']})"
     )
     return ["snapshot", "time", "allocated", "reserved", "peak", "trend"], rows, title
+
+
+def report_text(report: Mapping[str, Any], owner: str) -> str:
+    """The end-of-fit text: the snapshot table, then the summary lines."""
+    return "\n".join([text_table(*snapshot_table(report, owner)), *summary_lines(report)])
 
 
 def summary_lines(report: Mapping[str, Any]) -> list[str]:

@@ -382,7 +382,7 @@ def test_history_is_written_at_fit_end_and_recording_stops(tmp_path: Path) -> No
 
 def test_the_self_report_counts_every_hook_call_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each per-step hook is wrapped to count its calls; the report's count must match, and its total follow it.
-    Between readings only ``on_train_batch_start`` runs: Lightning skips the hooks silenced then."""
+    Between readings none runs (Lightning skips the hooks silenced then): the optimizer's post-hook counts down."""
     calls = {"n": 0}
     by_hook: dict[str, int] = {}
     names = ["on_train_batch_start", "on_before_zero_grad", "on_before_backward", "on_after_backward",
@@ -399,19 +399,36 @@ def test_the_self_report_counts_every_hook_call_it_runs(tmp_path: Path, monkeypa
     callback = MemoryProfilerCallback(verbose=False)
     fit_mlp(tmp_path, callback, TinyMLP(), steps=120)
     # Steps that read: every one before the first verdict (0-49), the first after it (50), the leak series' (64, 96),
-    # the step before the verdict's renewal (99): their end only; the snapshot (100): every hook. The others are a
-    # countdown in on_train_batch_start, counted in bulk and billed a quiet call (dispatch and a counter).
-    assert by_hook["on_train_batch_start"] == 120
+    # the step before the verdict's renewal (99): their start and end only; the snapshot (100): every hook. The others
+    # run none: the optimizer's post-hook counts them down, each billed a counter call (no Lightning dispatch).
+    assert by_hook["on_train_batch_start"] == 50 + 5
     assert all(by_hook[name] == 50 + 1 for name in names[1:4]) and by_hook["on_train_batch_end"] == 50 + 5
     overhead = callback.report["overhead"]
-    assert overhead["hook_calls"] + overhead["warmup_hook_calls"] == calls["n"] == 120 + 3 * 51 + 55
+    assert overhead["hook_calls"] + overhead["warmup_hook_calls"] == calls["n"] == 55 + 3 * 51 + 55
     assert overhead["warmup_hook_calls"] == 5 * 50 and overhead["steady_steps"] == 70
-    assert overhead["heavy_calls"] == 4 * 2 + 5 and overhead["dispatch_ns_per_call"] > 0
-    assert overhead["quiet_calls"] == 70 - 5 and overhead["timed_calls"] == 0
-    quiet = overhead["quiet_calls"] * overhead["quiet_call_ns"]
+    assert overhead["heavy_calls"] == overhead["hook_calls"] == 4 * 2 + 5 and overhead["dispatch_ns_per_call"] > 0
+    assert overhead["quiet_calls"] == overhead["quiet_counter_calls"] == 70 - 5 and overhead["timed_calls"] == 0
+    quiet = overhead["quiet_calls"] * overhead["quiet_counter_ns"]
     total = overhead["heavy_ns_total"] + quiet + overhead["hook_calls"] * overhead["dispatch_ns_per_call"]
     assert overhead["hooks_ns_total"] == pytest.approx(total)
     # After the fit the hooks are the class's again, and a copy carries none of the run's silencing.
     assert not {"on_before_backward", "on_before_optimizer_step"} & set(callback.__dict__)
     clone = pickle.loads(pickle.dumps(callback))
     assert clone.report is not None and not {"on_train_batch_end"} & set(clone.__dict__)
+
+
+def test_with_gradient_accumulation_the_countdown_runs_in_the_batch_start_hook(tmp_path: Path) -> None:
+    # The optimizer steps once in two batches: its post-hook cannot count batches, so the batch's start stays live.
+    starts = {"n": 0}
+
+    class Counting(MemoryProfilerCallback):
+        def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
+            starts["n"] += 1
+            super().on_train_batch_start(*args, **kwargs)
+
+    callback = Counting(verbose=False)
+    fit_mlp(tmp_path, callback, TinyMLP(), steps=60, accumulate_grad_batches=2)  # 120 batches
+    assert starts["n"] == 120
+    overhead = callback.report["overhead"]
+    assert overhead["quiet_counter_calls"] == 0 and overhead["quiet_calls"] == 70 - 5
+    assert callback.report["leaks"]["trends"]["after_optimizer"].last_step == 96  # batches, as without accumulation
