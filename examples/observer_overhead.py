@@ -419,6 +419,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "[block/2, 3 block/2]); short blocks cancel this VM's slow speed drifts best")  # fmt: skip
     parser.add_argument("--plain-rounds", type=int, default=3, help="toggle design: rounds that also run a plain fit "
                         "per configuration (the self-report and the end of fit)")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated configurations to run (none is always run), e.g. memory: a quicker look at one observer",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 320 steps, short steps only")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
@@ -439,6 +444,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         logging.getLogger(name).setLevel(logging.ERROR)
     out = Path(tempfile.mkdtemp(prefix="observer-overhead-"))
     configs = configurations(out, args.advanced)
+    if args.only is not None:
+        wanted = {"none", *(name.strip() for name in args.only.split(","))}
+        if unknown := wanted - set(configs):
+            parser.error(
+                f"--only {args.only!r}: unknown configuration(s) {sorted(unknown)}; expected some of {sorted(configs)}"
+            )
+        configs = {name: make for name, make in configs.items() if name in wanted}
     report: dict[str, Any] = {"arguments": {k: str(v) for k, v in vars(args).items()}, "results": {}, "plain": {}}
     for size in sizes:
         if args.design == "toggle":
