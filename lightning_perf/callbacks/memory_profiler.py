@@ -68,7 +68,7 @@ class MemoryProfilerCallback(UndoOnExit):
 
     Args:
         every_n_steps: take a full snapshot (allocated, reserved, peak and time at each point) of one step in this many
-            (default 100: on CPU a snapshot, a heap walk and a /proc read per point, is about a tenth of a 2 ms step).
+            (default 500: on CPU a snapshot, a heap walk and a /proc read per point, costs 1-1.5 ms in a training run).
             The leak series reads ``allocated`` on its own schedule regardless.
         points: which points to sample (names from :data:`POINTS`); ``None`` for all.
         warmup_steps: leading steps left out of the leak trend, at most (a shorter first epoch is left out instead).
@@ -99,7 +99,7 @@ class MemoryProfilerCallback(UndoOnExit):
 
     def __init__(
         self,
-        every_n_steps: int = 100,
+        every_n_steps: int = 500,
         points: Sequence[str] | None = None,
         warmup_steps: int = 50,
         leak_threshold: float | None = None,

@@ -3,7 +3,7 @@
 A loop (Lightning's hooks in :class:`~lightning_perf.callbacks.MemoryProfilerCallback`, or a hand-written one) tells
 :class:`MemorySteps` where each step is; it takes a full :class:`~lightning_perf.profiling.MemorySample` at each point
 of one step in ``every_n_steps``, reads the cheap ``allocated`` at each point of every step until the first verdict,
-then (on CPU) at the last point of one step in 32, into a :class:`~lightning_perf.profiling.LeakSeries`, and renews
+then (on CPU) at the last point of one step in 64, into a :class:`~lightning_perf.profiling.LeakSeries`, and renews
 the leak verdict (:func:`~lightning_perf.profiling.detect_leaks`) on a schedule whose cost is a bounded share of the
 run. A step that reads nothing says so beforehand (:meth:`MemorySteps.plan_step`, :attr:`MemorySteps.reading`), so a
 loop can skip its other calls; :meth:`MemorySteps.quiet_ahead` says how many steps to come read nothing, so a loop can
@@ -76,10 +76,12 @@ LEAK_CHECK_EVERY_N_STEPS = 50
 """While training, the leak verdict is renewed after this many steps, then every quarter of the steps seen so far (at
 least this many), so that the checks cost a bounded share of the run; and at the end of fit."""
 
-LEAK_READ_EVERY_N_STEPS_CPU = 32
+LEAK_READ_EVERY_N_STEPS_CPU = 64
 """After the first verdict, on CPU, the leak series reads the last sampled point of one step in this many: one glibc
-``mallinfo2`` heap walk per 32 steps. A walk visits every free chunk of every arena: a few percent of a 2 ms step in a
-training process (measured: 2.8% of the step, busy or not), so about 0.1% at this spacing."""
+``mallinfo2`` heap walk per 64 steps. A walk visits every free chunk of every arena: 100-150 us in a training process
+(the step has evicted the heap's free lists from the caches; 8 us in a warm loop), and a reading step with its two
+hooks about 200 us more than a quiet one (2-core AMD EPYC, 3 ms steps), so about 0.1% at this spacing. A slow leak
+(1 KiB/step) is reported within about 2,000 steps; a large one at the first verdict (step 50)."""
 
 _MIB = 1024.0 * 1024.0
 _INSIDE = frozenset(("after_forward", "after_backward"))  # the points read by hooks inside the step
@@ -127,7 +129,7 @@ class MemorySteps:
     ``mallinfo2`` heap walk each; the earlier readings are thinned to the same spacing, and a snapshot that falls on
     the series' steps adds its points), on CUDA (the caching allocator's counter) at every point of every step;
     whatever ``every_n_steps``; into storage allocated once, so the series does not measure itself.
-    ``leak_min_samples`` counts these readings: on CPU a verdict after warm-up needs about 30 x 32 steps. Warm-up
+    ``leak_min_samples`` counts these readings: on CPU a verdict after warm-up needs about 30 x 64 steps. Warm-up
     is left out: the first epoch when it is shorter than ``warmup_steps`` steps, else the first ``warmup_steps`` steps
     (lazily built optimizer state, allocator arenas, the first validation run's caches). On the rest, for each point,
     :func:`~lightning_perf.profiling.detect_leaks` fits a Theil-Sen slope and Sen's distribution-free 95% interval,

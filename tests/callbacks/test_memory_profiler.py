@@ -220,7 +220,7 @@ from tests.callbacks.test_memory_profiler import KeepsDetachedTensors, fit_mlp
 callback = MemoryProfilerCallback(verbose=False)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    fit_mlp(Path(sys.argv[1]), callback, KeepsDetachedTensors(), steps=1100)
+    fit_mlp(Path(sys.argv[1]), callback, KeepsDetachedTensors(), steps=2100)
 leaks = callback.report["leaks"]
 print(json.dumps({
     "warnings": [str(w.message) for w in caught if issubclass(w.category, MeasurementWarning)],
@@ -230,9 +230,9 @@ print(json.dumps({
 """
 
 
-def test_a_module_that_keeps_a_detached_kib_per_step_is_caught_within_1100_steps(tmp_path: Path) -> None:
-    # After the first verdict the CPU leak series reads one step in 32 (a heap walk costs a few percent of a short
-    # step): the 30 readings after warm-up (step 50) take until step 1024, the verdict comes at the end of fit.
+def test_a_module_that_keeps_a_detached_kib_per_step_is_caught_within_2100_steps(tmp_path: Path) -> None:
+    # After the first verdict the CPU leak series reads one step in 64 (a heap walk costs a few percent of a short
+    # step): the 30 readings after warm-up (step 50) take until step 1984, the verdict comes at the end of fit.
     # In a fresh process: the heap of a whole test suite (garbage of earlier tests freed by the collector mid-series,
     # inductor's compile workers' reader threads) moves the 44 KiB between two readings often enough to break the
     # steadiness test in a third of the series; that is the noise a heap-walk reading has, not what this test checks.
@@ -246,8 +246,8 @@ def test_a_module_that_keeps_a_detached_kib_per_step_is_caught_within_1100_steps
     assert trend["leaking"] and trend["significant"] and trend["segments_growing"] == 3, trend
     (message,) = [m for m in result["warnings"] if re.search(r"leak.*KiB/step", m)]
     assert any(f"({point})" in message for point in POINTS)  # names the phase that grows
-    assert trend["samples"] == len(range(64, 1100, 32))
-    assert result["stopped_at_step"] <= 1100
+    assert trend["samples"] == len(range(64, 2100, 64))
+    assert result["stopped_at_step"] <= 2100
     assert trend["slope_low"] > 512  # at least the tensors' 1 KiB of data, give or take what the estimate allows
 
 
@@ -257,12 +257,12 @@ def test_a_module_that_keeps_a_detached_kib_per_step_is_caught_within_1100_steps
 def test_models_that_do_not_leak_are_not_flagged(tmp_path: Path, model: type[TinyMLP], logged: bool) -> None:
     callback = MemoryProfilerCallback(verbose=False)
     kwargs: dict[str, Any] = {"logger": CSVLogger(tmp_path, name="run"), "log_every_n_steps": 5} if logged else {}
-    fit_mlp(tmp_path, callback, model(), steps=1100, **kwargs)
+    fit_mlp(tmp_path, callback, model(), steps=2100, **kwargs)
     leaks = callback.report["leaks"]
     assert leaks["leaking"] == []
-    # Every step until the first verdict at step 50, then the last point one step in 32 (the earlier rows thinned to
+    # Every step until the first verdict at step 50, then the last point one step in 64 (the earlier rows thinned to
     # match): a verdict on 33 readings after warm-up.
-    assert leaks["first_step"] == 50 and leaks["trends"]["after_optimizer"].samples == len(range(64, 1100, 32))
+    assert leaks["first_step"] == 50 and leaks["trends"]["after_optimizer"].samples == len(range(64, 2100, 64))
     assert leaks["stopped_at_step"] is None
 
 
@@ -274,11 +274,11 @@ def test_a_clean_model_is_not_flagged(tmp_path: Path) -> None:
     trends = callback.report["leaks"]["trends"]
     # The verdict, not the measured slope: allocator noise on a shared machine moves the figure, never the verdict.
     assert callback.report["leaks"]["leaking"] == []
-    assert set(trends) == set(POINTS) and trends["after_optimizer"].samples == len(range(32, 80, 32))
-    assert all(t.samples == len(range(32, 50, 32)) for p, t in trends.items() if p != "after_optimizer")
+    assert set(trends) == set(POINTS) and trends["after_optimizer"].samples == len(range(64, 80, 64))
+    assert all(t.samples == len(range(64, 50, 64)) for p, t in trends.items() if p != "after_optimizer")
 
 
-def test_the_leak_series_is_read_every_step_until_the_first_verdict_then_the_last_point_one_step_in_32(
+def test_the_leak_series_is_read_every_step_until_the_first_verdict_then_the_last_point_one_step_in_64(
     tmp_path: Path,
 ) -> None:
     callback = MemoryProfilerCallback(every_n_steps=10, warmup_steps=0, verbose=False)
@@ -288,18 +288,18 @@ def test_the_leak_series_is_read_every_step_until_the_first_verdict_then_the_las
     assert (trend.samples, trend.first_step, trend.last_step) == (40, 0, 39)
     assert callback.report["leaks"]["sampled_every_n_steps"] == 1
     longer = MemoryProfilerCallback(every_n_steps=10, warmup_steps=0, verbose=False)
-    fit_mlp(tmp_path / "longer", longer, TinyMLP(), steps=120)
+    fit_mlp(tmp_path / "longer", longer, TinyMLP(), steps=200)
     trends = longer.report["leaks"]["trends"]
-    # Thinned to 0, 32; then read only where a snapshot falls on the series' steps (none before step 160).
-    assert (trends["after_forward"].samples, trends["after_forward"].last_step) == (2, 32)
+    # Thinned to 0; then read only where a snapshot falls on the series' steps (none before step 320).
+    assert (trends["after_forward"].samples, trends["after_forward"].last_step) == (1, 0)
     last = trends["after_optimizer"]
-    assert (last.samples, last.first_step, last.last_step) == (4, 0, 96)  # a heap walk per 32 steps
-    assert longer.report["leaks"]["sampled_every_n_steps"] == 32
+    assert (last.samples, last.first_step, last.last_step) == (4, 0, 192)  # a heap walk per 64 steps
+    assert longer.report["leaks"]["sampled_every_n_steps"] == 64
 
 
 def test_the_optional_threshold_can_only_silence(tmp_path: Path) -> None:
     callback = MemoryProfilerCallback(verbose=False, leak_threshold=1 << 30)  # 1 GiB per step: nothing reaches it
-    fit_mlp(tmp_path, callback, KeepsDetachedTensors(), steps=1100)
+    fit_mlp(tmp_path, callback, KeepsDetachedTensors(), steps=2100)
     trend = callback.report["leaks"]["trends"]["after_optimizer"]
     assert trend.significant and not trend.leaking and trend.threshold == 1 << 30
 
@@ -396,18 +396,18 @@ def test_the_self_report_counts_every_hook_call_it_runs(tmp_path: Path, monkeypa
             return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(MemoryProfilerCallback, name, counted)
-    callback = MemoryProfilerCallback(verbose=False)
+    callback = MemoryProfilerCallback(every_n_steps=100, verbose=False)
     fit_mlp(tmp_path, callback, TinyMLP(), steps=120)
-    # Steps that read: every one before the first verdict (0-49), the first after it (50), the leak series' (64, 96),
+    # Steps that read: every one before the first verdict (0-49), the first after it (50), the leak series' (64),
     # the step before the verdict's renewal (99): their start and end only; the snapshot (100): every hook. The others
     # run none: the optimizer's post-hook counts them down, each billed a counter call (no Lightning dispatch).
-    assert by_hook["on_train_batch_start"] == 50 + 5
-    assert all(by_hook[name] == 50 + 1 for name in names[1:4]) and by_hook["on_train_batch_end"] == 50 + 5
+    assert by_hook["on_train_batch_start"] == 50 + 4
+    assert all(by_hook[name] == 50 + 1 for name in names[1:4]) and by_hook["on_train_batch_end"] == 50 + 4
     overhead = callback.report["overhead"]
-    assert overhead["hook_calls"] + overhead["warmup_hook_calls"] == calls["n"] == 55 + 3 * 51 + 55
+    assert overhead["hook_calls"] + overhead["warmup_hook_calls"] == calls["n"] == 54 + 3 * 51 + 54
     assert overhead["warmup_hook_calls"] == 5 * 50 and overhead["steady_steps"] == 70
-    assert overhead["heavy_calls"] == overhead["hook_calls"] == 4 * 2 + 5 and overhead["dispatch_ns_per_call"] > 0
-    assert overhead["quiet_calls"] == overhead["quiet_counter_calls"] == 70 - 5 and overhead["timed_calls"] == 0
+    assert overhead["heavy_calls"] == overhead["hook_calls"] == 4 * 2 + 3 and overhead["dispatch_ns_per_call"] > 0
+    assert overhead["quiet_calls"] == overhead["quiet_counter_calls"] == 70 - 4 and overhead["timed_calls"] == 0
     quiet = overhead["quiet_calls"] * overhead["quiet_counter_ns"]
     total = overhead["heavy_ns_total"] + quiet + overhead["hook_calls"] * overhead["dispatch_ns_per_call"]
     assert overhead["hooks_ns_total"] == pytest.approx(total)
@@ -426,9 +426,9 @@ def test_with_gradient_accumulation_the_countdown_runs_in_the_batch_start_hook(t
             starts["n"] += 1
             super().on_train_batch_start(*args, **kwargs)
 
-    callback = Counting(verbose=False)
+    callback = Counting(every_n_steps=100, verbose=False)
     fit_mlp(tmp_path, callback, TinyMLP(), steps=60, accumulate_grad_batches=2)  # 120 batches
     assert starts["n"] == 120
     overhead = callback.report["overhead"]
-    assert overhead["quiet_counter_calls"] == 0 and overhead["quiet_calls"] == 70 - 5
-    assert callback.report["leaks"]["trends"]["after_optimizer"].last_step == 96  # batches, as without accumulation
+    assert overhead["quiet_counter_calls"] == 0 and overhead["quiet_calls"] == 70 - 4
+    assert callback.report["leaks"]["trends"]["after_optimizer"].last_step == 64  # batches, as without accumulation
