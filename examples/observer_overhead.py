@@ -162,9 +162,9 @@ class Toggle(pl.Callback):
     last: at a step's end it reads the clocks after every other callback's hook, then switches, so each timed step
     runs under one state from its start to its end; the switch itself, a list insert or pop, falls into the next
     step, as often on each side): a callback leaves ``trainer.callbacks`` (Lightning calls none of its hooks, as if
-    it had not been passed; hooks it put on the model or an optimizer still run: a flag check each, a microsecond at
-    most) and comes back at its place; a profiler is swapped for Lightning's ``PassThroughProfiler``. With no observer
-    nothing is switched: the schedule alone (an A/A comparison, whose ratio must come out 1)."""
+    it had not been passed; its optimizer post-hooks are taken out too, hooks it put on the model still run: a flag
+    check each) and comes back at its place; a profiler is swapped for Lightning's ``PassThroughProfiler``. With no
+    observer nothing is switched: the schedule alone (an A/A comparison, whose ratio must come out 1)."""
 
     def __init__(self, observer: Any, states: list[bool]) -> None:
         self.observer, self.states = observer, states
@@ -174,6 +174,7 @@ class Toggle(pl.Callback):
         self._place: int | None = None  # where a detached callback goes back
         self._profiler: Any = None
         self._off = False  # no observer: the state the schedule is in
+        self._detached: list[tuple[Any, int, Any]] = []  # the observer's optimizer post-hooks while it is off
 
     def _switch(self, trainer: pl.Trainer, on: bool) -> None:
         if self.observer is None:
@@ -184,13 +185,29 @@ class Toggle(pl.Callback):
                 callbacks = list(trainer.callbacks)
                 callbacks.insert(self._place, self.observer)
                 trainer.callbacks, self._place = callbacks, None
+                self._optimizer_hooks(trainer, on)
             elif not on and self._place is None:
                 self._place = trainer.callbacks.index(self.observer)
                 trainer.callbacks = [c for c in trainer.callbacks if c is not self.observer]
+                self._optimizer_hooks(trainer, on)
         elif on and self._profiler is not None:
             trainer.profiler, self._profiler = self._profiler, None
         elif not on and self._profiler is None:
             self._profiler, trainer.profiler = trainer.profiler, PassThroughProfiler()
+
+    def _optimizer_hooks(self, trainer: pl.Trainer, on: bool) -> None:
+        """Off, the observer's optimizer step post-hooks are taken out too (they count steps and wake the observer's
+        hooks): an observer switched off runs nothing, and sees none of the steps it was off for."""
+        if on:
+            for hooks, key, hook in self._detached:
+                hooks[key] = hook
+            self._detached = []
+            return
+        for optimizer in trainer.optimizers:
+            hooks = optimizer._optimizer_step_post_hooks
+            for key, hook in list(hooks.items()):
+                if getattr(hook, "__self__", None) is self.observer:
+                    self._detached.append((hooks, key, hooks.pop(key)))
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.on.append(self._place is None and self._profiler is None and not self._off)

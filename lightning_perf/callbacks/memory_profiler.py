@@ -139,7 +139,7 @@ class MemoryProfilerCallback(UndoOnExit):
         self._quiet, self._skipped, self._dispatch = 0, 0, obs.DispatchSamples()
         # (CPU, one optimizer stepping once a batch) the countdown runs in its post-hook, on Lightning's step counter
         self._done: Any = None
-        self._wake, self._handles = 0, list[RemovableHandle]()
+        self._counted, self._handles = -1, list[RemovableHandle]()  # the step count last counted down
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -170,10 +170,11 @@ class MemoryProfilerCallback(UndoOnExit):
             warn_once(msg + " No history is written.", NoEffectWarning)
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        if self._quiet and (memory := self._memory) is not None:  # a quiet step: a counter, billed (sampled)
+        # A quiet step: counted down once (a step() calling super().step() runs post-hooks twice), billed (sampled).
+        if self._quiet and (memory := self._memory) is not None and (done := self._done.completed) != self._counted:
             entry = time.perf_counter_ns()
-            if self._done.completed >= self._wake:  # the last step of the countdown: wake the next one
-                self._quiet = 0
+            self._counted, self._quiet = done, self._quiet - 1
+            if not self._quiet:  # the last step of the countdown: wake the next one's start
                 obs.silence_hooks(self, ("on_train_batch_start",), False)
             memory.cost.quiet_step(entry)
 
@@ -232,8 +233,8 @@ class MemoryProfilerCallback(UndoOnExit):
             self._silenced = mode
         if mode > 1:
             self._quiet = self._skipped = memory.quiet_ahead()
-            if self._done is not None:  # the post-hook counts (it sees the steps done before its own)
-                self._wake = self._done.completed + running + self._quiet - 1
+            if self._done is not None:  # the post-hook counts down (the running step's too)
+                self._quiet, self._counted = self._quiet + running, -1
                 obs.silence_hooks(self, ("on_train_batch_start",), True)
 
     def _sample(self, point: str, overwrite: bool = False) -> None:
@@ -280,9 +281,8 @@ class MemoryProfilerCallback(UndoOnExit):
         memory, cuda = self._memory, self._cuda
         if memory is None or cuda is None:
             return
-        left = self._quiet if self._done is None else max(0, self._wake + 1 - self._done.completed) * (self._quiet > 0)
-        memory.skip(self._skipped - left, counted=self._done is not None)  # since the last reading step
-        self._skipped = left
+        memory.skip(self._skipped - self._quiet, counted=self._done is not None)  # since the last reading step
+        self._skipped = self._quiet
         memory.cost.dispatch_ns = self._dispatch.median(memory.cost.dispatch_ns)  # timed in the loop (CPU)
         if leaking := memory.check_leaks():
             warn_once(ms.leak_message(type(self).__name__, leaking), MeasurementWarning)

@@ -78,6 +78,30 @@ def test_toggle_alternates_and_gives_the_observer_its_hooks_back(example, tmp_pa
     assert trainer.callbacks.index(observer) == trainer.callbacks.index(toggle) - 1  # back at its place
 
 
+def test_an_observer_switched_off_has_its_optimizer_post_hooks_taken_out(example, tmp_path):
+    class Counting(pl.Callback):  # counts optimizer steps in a post-hook, as the observers do between readings
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def on_fit_start(self, trainer: pl.Trainer, *args: object) -> None:
+            trainer.optimizers[0].register_step_post_hook(self.count)
+
+        def count(self, *args: object) -> None:
+            self.steps += 1
+
+    observer = Counting()
+    states = [True] * 3 + [False] * 6 + [True] * 3 + [False] * 4 + [True] * 14
+    toggle = example.Toggle(observer, states)
+    model, data = example.workload("short", 30)
+    trainer = pl.Trainer(max_steps=30, accelerator="cpu", devices=1, callbacks=[observer, toggle],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(model, data)
+    assert toggle.on == states and observer.steps == sum(states) == 20  # it saw none of the steps it was off for
+    hooks = trainer.optimizers[0]._optimizer_step_post_hooks
+    assert [h.__self__ for h in hooks.values()] == [observer] and not toggle._detached  # given back at the end
+
+
 def test_toggle_swaps_a_profiler_and_restores_it(example, tmp_path):
     from lightning.pytorch.profilers import SimpleProfiler
 
