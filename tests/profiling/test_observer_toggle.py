@@ -63,15 +63,21 @@ class Counter(pl.Callback):
         self.ends += 1
 
 
+def toggled_fit(example, root, observer, states):
+    """A fit of ``len(states)`` short steps with ``observer`` switched as ``states`` says: (toggle, trainer)."""
+    toggle = example.Toggle(observer, states)
+    model, data = example.workload("short", len(states))
+    trainer = pl.Trainer(max_steps=len(states), accelerator="cpu", devices=1, callbacks=[observer, toggle],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=root)  # fmt: skip
+    trainer.fit(model, data)
+    return toggle, trainer
+
+
 def test_toggle_alternates_and_gives_the_observer_its_hooks_back(example, tmp_path):
     observer = Counter()
     states = [True] + [False] * 4 + [True] * 5 + [False] * 5 + [True] * 25
-    toggle = example.Toggle(observer, states)
-    model, data = example.workload("short", 40)
-    trainer = pl.Trainer(max_steps=40, accelerator="cpu", devices=1, callbacks=[observer, toggle],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
-    trainer.fit(model, data)
+    toggle, trainer = toggled_fit(example, tmp_path, observer, states)
     assert toggle.on[:15] == [True] + [False] * 4 + [True] * 5 + [False] * 5
     assert observer.ends == sum(toggle.on)  # its hook ran in the "on" steps only
     assert len(toggle.ends) == len(toggle.cpu_ends) == len(toggle.on) == 40  # one end per step
@@ -91,12 +97,7 @@ def test_an_observer_switched_off_has_its_optimizer_post_hooks_taken_out(example
 
     observer = Counting()
     states = [True] * 3 + [False] * 6 + [True] * 3 + [False] * 4 + [True] * 14
-    toggle = example.Toggle(observer, states)
-    model, data = example.workload("short", 30)
-    trainer = pl.Trainer(max_steps=30, accelerator="cpu", devices=1, callbacks=[observer, toggle],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
-    trainer.fit(model, data)
+    toggle, trainer = toggled_fit(example, tmp_path, observer, states)
     assert toggle.on == states and observer.steps == sum(states) == 20  # it saw none of the steps it was off for
     hooks = trainer.optimizers[0]._optimizer_step_post_hooks
     assert [h.__self__ for h in hooks.values()] == [observer] and not toggle._detached  # given back at the end
