@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -131,19 +130,18 @@ class MemoryProfilerCallback(UndoOnExit):
         self.overwrite = check_bool(name, "overwrite", overwrite)
         self.report: dict[str, Any] | None = None
         self._memory: MemorySteps | None = None
-        self._directory: Path | None = None
         self._cuda: cuda_history.CudaRecording | None = None  # (CUDA) history and OOM snapshots
         self._silenced: int | None = None  # 0 no hook silenced, 1 those inside the step, 2 and the end (None: CUDA)
         self._last_logged, self._epoch, self._every = 0, 0, 0
         # (CPU) steps left to count down, and the countdown's length; Lightning's dispatch, timed in the loop
         self._quiet, self._skipped, self._dispatch = 0, 0, obs.DispatchSamples()
-        # (CPU, one optimizer stepping once a batch) the countdown runs in its post-hook, on Lightning's step counter
+        # (CPU, one optimizer stepping once a batch) the countdown runs in its post-hook; Lightning's step counter
         self._done: Any = None
         self._counted, self._handles = -1, list[RemovableHandle]()  # the step count last counted down
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.report = self._memory = self._directory = self._cuda = self._done = None
+        self.report = self._memory = self._cuda = self._done = None
         self._last_logged, self._epoch = 0, trainer.current_epoch
         self._quiet, self._skipped, self._dispatch = 0, 0, obs.DispatchSamples()
         self._every = obs.live_interval(trainer, self.log_every_n_steps)  # 0: no logger to send figures to
@@ -160,7 +158,7 @@ class MemoryProfilerCallback(UndoOnExit):
         if device.type == "cpu" and obs.steps_once_per_batch(trainer, pl_module):  # countdown in the post-hook
             self._done = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
             self._handles = [trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step)]
-        self._directory = directory = obs.report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
+        directory = obs.report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
         stem = obs.report_stem(directory, self.filename, _REPORT_PATTERNS, self.overwrite)
         self._cuda = cuda_history.CudaRecording(directory, stem, trainer.global_rank)
         if device.type == "cuda":

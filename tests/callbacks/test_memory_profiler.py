@@ -367,7 +367,7 @@ def test_out_of_memory_writes_a_snapshot_and_still_raises(tmp_path: Path) -> Non
     path = tmp_path / "memory_profile_oom_rank0.pickle"
     snapshot = pickle.loads(path.read_bytes())
     assert snapshot["segments"] and any(snapshot["device_traces"])  # the history leading up to the failure
-    assert callback._oom_handle is None and not callback._recording  # listener and recording gone at teardown
+    assert callback._cuda is not None and not callback._cuda.active  # listener and recording gone at teardown
 
 
 @pytest.mark.gpu
