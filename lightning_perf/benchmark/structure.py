@@ -57,6 +57,8 @@ class ModelStructure:
         fused_attention: those of them that already call ``scaled_dot_product_attention``.
         repeated_blocks: the repeated blocks regional compilation compiles once (``select_regions(model, "auto")``).
         block_class: their class name.
+        block_shapes: how many different parameter shapes the repeated blocks come in (0: none, or not known); one
+            shape compiles once and is reused by every block, each further shape is compiled apart.
         unknown: why some fact could not be found (the FLOP count or the model's build failed), else ``""``.
     """
 
@@ -68,6 +70,7 @@ class ModelStructure:
     fused_attention: tuple[str, ...] = ()
     repeated_blocks: tuple[str, ...] = ()
     block_class: str | None = None
+    block_shapes: int = 0
     unknown: str = ""
 
     def __post_init__(self) -> None:
@@ -147,6 +150,7 @@ def probe_structure(
         fused_attention=tuple(fused),
         repeated_blocks=tuple(name for name, _ in blocks),
         block_class=type(blocks[0][1]).__name__ if blocks else None,
+        block_shapes=len({tuple((n, tuple(p.shape)) for n, p in block.named_parameters()) for _, block in blocks}),
         unknown=unknown,
     )
 

@@ -8,7 +8,7 @@ import torch
 
 from lightning_perf.benchmark.configs import default_configs
 from lightning_perf.benchmark.spec import BenchSpec, SpecError
-from lightning_perf.benchmark.structure import ModelStructure, structure_of, structure_of_source
+from lightning_perf.benchmark.structure import ModelStructure, probe_structure, structure_of, structure_of_source
 from lightning_perf.tuning.inference import search_plan
 from tests.benchmark import _structure_models as models
 from tests.benchmark.test_defaults import AVX2_CPU, H100
@@ -122,11 +122,35 @@ def test_a_structure_given_decides_and_a_bad_one_is_refused() -> None:
     assert "channels_last" in spec.names and "compile" in spec.names  # convolutions, no repeated blocks
     short = BenchSpec(device="cpu", preset="tiny", structure=given)  # a cold CPU compile does not fit 150 s
     assert "compile" not in short.names and "within a 150 s budget" in dict(short.left_out)["compile"]
+    assert "Mine has no repeated blocks to compile once" in dict(short.left_out)["compile"]
     with pytest.raises(SpecError, match=r"structure=.*ModelStructure.to_dict\(\) fields"):
         BenchSpec(device="cpu", preset="tiny", structure={"convs": 3})
     with pytest.raises(ValueError, match=r"conv_flop_share=1.5.*a fraction"):
         ModelStructure(conv_flop_share=1.5)
     assert ModelStructure.from_dict(given) == ModelStructure(model="Mine", convolutions=("c",), conv_flop_share=0.5)
+
+
+@pytest.mark.parametrize("shapes", [1, 3, 0])
+def test_regional_compile_stays_in_a_short_cpu_budget_only_over_blocks_of_one_shape(shapes: int) -> None:
+    blocks = ("b.0", "b.1", "b.2")
+    given = ModelStructure(model="Net", repeated_blocks=blocks, block_class="Blk", block_shapes=shapes).to_dict()
+    spec = BenchSpec(device="cpu", preset="tiny", structure=given)  # the default 150 s budget
+    if shapes == 1:  # one block compiled once, later repeats warm from the configuration's cache
+        assert "compile_regional" in spec.names
+        return
+    assert "compile_regional" not in spec.names
+    why = dict(spec.left_out)["compile_regional"]
+    assert f"Net's 3 Blk blocks come in {shapes or 'shapes not known'}" in why and "--time-budget 400" in why
+    assert "compile_regional" in BenchSpec(device="cpu", preset="tiny", structure=given, time_budget_s=400).names
+
+
+def test_the_demos_blocks_shapes_decide_regional_compile_on_a_short_cpu_budget() -> None:
+    from lightning_perf.demos import make_workload
+
+    lm = probe_structure(make_workload("lm", preset="tiny")[0])
+    assert len(lm.repeated_blocks) > 1 and lm.block_shapes == 1  # identical blocks: one compile
+    convnet = probe_structure(make_workload("convnet", preset="tiny")[0])
+    assert convnet.block_shapes == len(convnet.repeated_blocks) > 1  # a shape per stage: each compiled apart
 
 
 def test_a_model_that_cannot_be_built_leaves_the_choice_to_the_device() -> None:

@@ -74,8 +74,8 @@ def test_no_arguments_choose_by_capability_and_structure_and_say_what_was_left_o
     monkeypatch.chdir(tmp_path)
     assert main(["bench"]) == 0
     options = fake_bench["options"]
-    # the convnet's convolutions: channels_last; the device: no bf16; compile_regional (its repeated blocks) only
-    # from a 400 s budget on a CPU
+    # the convnet's convolutions: channels_last; the device: no bf16; compile_regional (its repeated blocks, in 6
+    # shapes: each compiled apart) only from a 400 s budget on a CPU
     assert list(options.configs) == ["baseline", "channels_last", "fused_optimizer"]
     assert (options.steps, options.warmup_steps, options.repeats, options.preset) == (15, 3, None, "default")
     assert (options.target, options.time_budget_s) == (0.05, 150.0)  # --repeats auto by default
@@ -83,7 +83,10 @@ def test_no_arguments_choose_by_capability_and_structure_and_say_what_was_left_o
     assert "bf16-mixed: left out on CPU because this CPU has no bf16 instructions" in printed
     assert "compile: left out because ConvNetModule has 6 repeated BasicBlock blocks" in " ".join(printed.split())
     assert "flash_attention: left out because ConvNetModule has no attention module" in " ".join(printed.split())
-    assert "compile_regional: left out on CPU within a 150 s budget" in " ".join(printed.split())
+    why = (
+        "compile_regional: left out on CPU within a 150 s budget: ConvNetModule's 6 BasicBlock blocks come in 6 shapes"
+    )
+    assert why in " ".join(printed.split())
     assert all(len(line) <= 80 for line in printed.splitlines() if not line.startswith(("[", "wrote ")))
     assert "bf16 would be emulated" in printed
     # piped: one plain line per finished run, no progress bar
