@@ -29,6 +29,7 @@ from lightning_perf.benchmark.spec import RunSpec
 from lightning_perf.benchmark.threads import thread_env
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.profiling import TRUTHFUL_CPU_MEMORY_ENV
+from lightning_perf.profiling.reliability import RUN_STARTERS
 
 __all__ = ["run_isolated"]
 
@@ -54,6 +55,16 @@ def _start_method(env: dict[str, str]) -> str:
         forkserver.set_forkserver_preload(list(_PRELOAD))
         _server_env.append(wanted)
     return "forkserver" if _server_env[0] == wanted else "spawn"
+
+
+def _server_pid(context: Any) -> int | None:
+    """The fork server's process id, once it runs (None for another start method)."""
+    if getattr(context, "_name", None) != "forkserver":
+        return None
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid if isinstance(pid, int) else None
 
 
 def _malloc_keys(env: dict[str, str]) -> list[str]:
@@ -89,12 +100,23 @@ def _exit_with_parent(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="lightning-perf-parent-watch", daemon=True).start()
 
 
-def _child(spec: dict[str, Any], source: Any, result_path: str, log_path: str, env: dict[str, str]) -> None:
-    """Body of the child process: build, train and measure, write the result as JSON. ``env`` is set first (a child
-    forked from the fork server has the server's environment)."""
+def _child(
+    spec: dict[str, Any], source: bytes | None, result_path: str, log_path: str, env: dict[str, str], where: list[str]
+) -> None:
+    """Body of the child process: build, train and measure, write the result as JSON.
+
+    First the caller's state that a child forked from the fork server does not have (it has the server's, from when
+    it started): ``env`` (the whole environment, as a spawned child inherits it), the working directory and
+    ``sys.path`` (``where``: the directory, then the path). ``source`` comes pickled by the caller and is unpickled
+    after that, so that its module is found on the caller's path, and a failure to is the run's error."""
+    import pickle
+    import sys
     import traceback
 
+    os.environ.clear()
     os.environ.update(env)
+    os.chdir(where[0])
+    sys.path[:] = where[1:]
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -104,7 +126,7 @@ def _child(spec: dict[str, Any], source: Any, result_path: str, log_path: str, e
 
     run_spec = RunSpec(**spec)
     try:
-        result = run(run_spec, build=None if source is None else source.build)
+        result = run(run_spec, build=None if source is None else pickle.loads(source).build)
     except BaseException as exc:  # reported to the parent, which decides whose fault it is
         traceback.print_exc()
         result = RunResult(
@@ -143,10 +165,17 @@ def run_isolated(
         "TRITON_CACHE_DIR": str(cache / "triton"),
     }
     context: Any = multiprocessing.get_context(_start_method(env))  # spawn or forkserver: both have Process
-    args = (asdict(spec), source, str(result_path), str(log_path), env)
+    import pickle
+    import sys
+
+    payload = None if source is None else pickle.dumps(source)
+    where = [os.getcwd(), *sys.path]
+    args = (asdict(spec), payload, str(result_path), str(log_path), {**os.environ, **env}, where)
     process = context.Process(target=_child, args=args, name=name)
     with _environ(env):  # a spawned child (and the fork server, started by the first run) inherits it
         process.start()
+    if (server := _server_pid(context)) is not None:  # its runs' CPU time is the bench's own, not other processes'
+        RUN_STARTERS.add(server)
     killed = False
     try:
         process.join(max(1.0, timeout_s))

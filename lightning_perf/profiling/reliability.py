@@ -94,6 +94,11 @@ OUTLIER_SHARE_MAX = 0.1
 interrupted (preemption, page faults, another process), not merely noisy."""
 
 
+RUN_STARTERS: set[int] = set()
+"""Processes that start this process's measured runs for it (the bench's fork server,
+:mod:`lightning_perf.benchmark.isolation`): their CPU time and their children's is this process's own."""
+
+
 @dataclass(frozen=True)
 class Probes:
     """Where the monitor reads the machine's counters (replaced in tests).
@@ -101,9 +106,11 @@ class Probes:
     Attributes:
         clock: seconds, monotonic.
         system_cpu: cumulative ``(busy_s, steal_s)`` of the whole machine, all cores summed.
-        own_cpu: cumulative CPU seconds of this process and its reaped children (a measured run's worker is started
-            after the first reading and reaped before the second, so its whole CPU time falls in the difference; a
-            child still running, such as a process the caller started beside the bench, counts as another process).
+        own_cpu: cumulative CPU seconds of this process and its reaped children, and of each process in
+            :data:`RUN_STARTERS` with its reaped children and live descendants (a measured run's worker is started
+            after the first reading and reaped, by this process or by the bench's fork server, before the second, so
+            its whole CPU time falls in the difference; a child still running, such as a process the caller started
+            beside the bench, counts as another process).
         load_average: the 1-minute load average, or ``None``.
         frequency: ``(current_mhz, max_mhz)``, or ``None``.
         cpu_count: logical CPUs.
@@ -135,7 +142,20 @@ class Probes:
 
         def own_cpu() -> float:
             t = me.cpu_times()
-            return t.user + t.system + t.children_user + t.children_system
+            total = t.user + t.system + t.children_user + t.children_system
+            for pid in RUN_STARTERS:
+                try:
+                    starter = psutil.Process(pid)
+                    tree = [starter, *starter.children(recursive=True)]
+                except psutil.Error:  # gone: its time is in this process's reaped children's
+                    continue
+                for process in tree:
+                    try:
+                        t = process.cpu_times()
+                    except psutil.Error:  # gone since the listing: its time is in its parent's reaped children's
+                        continue
+                    total += t.user + t.system + t.children_user + t.children_system
+            return total
 
         def load_average() -> float | None:
             try:
