@@ -37,18 +37,20 @@ __all__ = ["run_isolated"]
 _PRELOAD = ("lightning_perf.benchmark.worker",)
 # Read when a process starts (glibc's malloc, OpenMP, the warnings filters): a forked run has its server's values.
 _READ_AT_START = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "PYTHONWARNINGS")
-_server_env: list[dict[str, str | None]] = []  # what the fork server started with (empty: not started by us)
+_server_env: list[dict[str, Any]] = []  # what the fork server started with (empty: not started by us)
 
 
 def _start_method(env: dict[str, str]) -> str:
     """``forkserver`` on Linux when the server has (or, not yet started, will have) the environment that a process
-    reads at its start that this run asks for; else ``spawn``. What is read later (the compile cache folders) is set
-    in the child itself (:func:`_child`)."""
+    reads at its start that this run asks for, and the caller's working directory and ``sys.path``; else ``spawn``.
+    The rest of the environment (the compile cache folders) is set in the child itself (:func:`_child`)."""
     import sys
 
     if not sys.platform.startswith("linux"):
         return "spawn"
-    wanted = {k: env.get(k, os.environ.get(k)) for k in (*_READ_AT_START, *_malloc_keys(env))}
+    wanted: dict[str, Any] = {k: env.get(k, os.environ.get(k)) for k in (*_READ_AT_START, *_malloc_keys(env))}
+    # The directory and import path a child starts with (a forked one: the server's, where a source is unpickled).
+    wanted["cwd"], wanted["sys.path"] = os.getcwd(), list(sys.path)
     if not _server_env:
         from multiprocessing import forkserver
 
@@ -100,23 +102,13 @@ def _exit_with_parent(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="lightning-perf-parent-watch", daemon=True).start()
 
 
-def _child(
-    spec: dict[str, Any], source: bytes | None, result_path: str, log_path: str, env: dict[str, str], where: list[str]
-) -> None:
-    """Body of the child process: build, train and measure, write the result as JSON.
-
-    First the caller's state that a child forked from the fork server does not have (it has the server's, from when
-    it started): ``env`` (the whole environment, as a spawned child inherits it), the working directory and
-    ``sys.path`` (``where``: the directory, then the path). ``source`` comes pickled by the caller and is unpickled
-    after that, so that its module is found on the caller's path, and a failure to is the run's error."""
-    import pickle
-    import sys
+def _child(spec: dict[str, Any], source: Any, result_path: str, log_path: str, env: dict[str, str]) -> None:
+    """Body of the child process: build, train and measure, write the result as JSON. ``env`` is the caller's whole
+    environment of now, set first (a child forked from the fork server has the server's, from when it started)."""
     import traceback
 
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(where[0])
-    sys.path[:] = where[1:]
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -126,7 +118,7 @@ def _child(
 
     run_spec = RunSpec(**spec)
     try:
-        result = run(run_spec, build=None if source is None else pickle.loads(source).build)
+        result = run(run_spec, build=None if source is None else source.build)
     except BaseException as exc:  # reported to the parent, which decides whose fault it is
         traceback.print_exc()
         result = RunResult(
@@ -165,12 +157,7 @@ def run_isolated(
         "TRITON_CACHE_DIR": str(cache / "triton"),
     }
     context: Any = multiprocessing.get_context(_start_method(env))  # spawn or forkserver: both have Process
-    import pickle
-    import sys
-
-    payload = None if source is None else pickle.dumps(source)
-    where = [os.getcwd(), *sys.path]
-    args = (asdict(spec), payload, str(result_path), str(log_path), {**os.environ, **env}, where)
+    args = (asdict(spec), source, str(result_path), str(log_path), {**os.environ, **env})
     process = context.Process(target=_child, args=args, name=name)
     with _environ(env):  # a spawned child (and the fork server, started by the first run) inherits it
         process.start()

@@ -90,7 +90,7 @@ def test_a_forked_runs_cpu_time_is_the_bench_s_own_not_another_process_s(tmp_pat
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is used on Linux only")
-def test_a_forked_run_has_the_callers_directory_and_path_of_now(
+def test_a_run_after_the_callers_directory_or_path_changed_is_spawned_there(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     isolation.run_isolated(
@@ -109,3 +109,4 @@ def test_a_forked_run_has_the_callers_directory_and_path_of_now(
         RunSpec(config="baseline", threads=_threads()), tmp_path, 60.0, source=later_source.Source()
     )
     assert result is not None and result.error.endswith(f"RuntimeError: cwd={code}")
+    assert isolation._start_method({}) == "spawn"  # the fork server has another directory and path
