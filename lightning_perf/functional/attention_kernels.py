@@ -23,6 +23,7 @@ __all__ = [
     "HALF_DTYPES",
     "KEPT",
     "SDPA",
+    "SDPA_FP32",
     "SWAPPED",
     "SWITCHED_CONFIG",
     "UNCHANGED",
@@ -34,6 +35,9 @@ __all__ = [
 
 FLASH_ATTN = "flash_attn"
 SDPA = "sdpa"
+SDPA_FP32 = "sdpa_fp32"
+"""SDPA computed in float32 on a CPU for half-precision inputs (the output in their dtype): chosen where this CPU's
+half-precision SDPA, its backward above all, measures slower than float32 (:func:`choose_kernel`)."""
 UNCHANGED = "unchanged"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 """The half-precision dtypes flash-attn computes in."""
@@ -131,6 +135,8 @@ def attention(
     """
     if kernel == FLASH_ATTN and _flash_attn_applies(q, k, attn_mask, is_causal):
         return _flash_attn_func()(q, k, v, dropout_p=dropout_p, softmax_scale=scale, causal=is_causal)
+    if kernel == SDPA_FP32 and q.device.type == "cpu":
+        return _sdpa_in_float32(q, k, v, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -141,6 +147,53 @@ def attention(
         scale=scale,
     )
     return out.transpose(1, 2)
+
+
+def _sdpa_in_float32(
+    q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None, is_causal: bool, dropout_p: float, scale: float | None
+) -> Tensor:
+    """SDPA in float32 with CPU autocast off inside; the output in the dtype SDPA would have returned (autocast's, or
+    the inputs')."""
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.float()
+    with torch.autocast("cpu", enabled=False):
+        out = F.scaled_dot_product_attention(
+            q.float().transpose(1, 2),
+            k.float().transpose(1, 2),
+            v.float().transpose(1, 2),
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+        )
+    return out.to(dtype).transpose(1, 2)
+
+
+@cache
+def cpu_sdpa_ms(head_dim: int, dtype: torch.dtype, threads: int) -> tuple[float, float]:
+    """Forward and backward of causal SDPA on this CPU at ``(8, 4, 128, head_dim)``, in ``dtype`` and in float32:
+    ``(ms in dtype, ms in float32)``, each the median of 5 calls after 2 warm-up ones, alternating, at ``threads``
+    threads (the caller's: both timed alike). About 0.1 s, once per process and kind."""
+    import statistics
+    import time
+
+    times: dict[torch.dtype, list[float]] = {dtype: [], torch.float32: []}
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        d: [torch.randn(8, 4, 128, head_dim, generator=gen).to(d).requires_grad_() for _ in range(3)] for d in times
+    }
+    for round_ in range(7):
+        for d, (q, k, v) in inputs.items():
+            start = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            if round_ >= 2:
+                times[d].append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[dtype]), statistics.median(times[torch.float32])
+
+
+_FP32_FASTER = 0.85
+"""SDPA runs in float32 for half-precision inputs on a CPU where that measures at most this fraction of the time."""
 
 
 def _sdpa_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -182,5 +235,14 @@ def choose_kernel(head_dim: int, device: torch.device | str, compute_dtype: torc
             FLASH_ATTN,
             f"flash-attn 2 ({dev}, {dtype}, head_dim {head_dim}); calls with an attention mask or in fp32 use SDPA",
         )
+    if dev.type == "cpu" and dtype in HALF_DTYPES and head_dim > 0:
+        half, single = cpu_sdpa_ms(head_dim, dtype, torch.get_num_threads())
+        if single <= _FP32_FASTER * half:
+            name = str(dtype).removeprefix("torch.")
+            return AttentionDecision(
+                SDPA_FP32,
+                f"SDPA computed in float32, inputs and output in {name}: on this CPU a forward and backward measured "
+                f"{single:.1f} ms in float32 vs {half:.1f} ms in {name} (head_dim {head_dim}); {why}",
+            )
     backend = _sdpa_backend(dev, dtype, head_dim)
     return AttentionDecision(SDPA, f"SDPA{f' (its {backend} backend)' if backend else ''}: {why}")

@@ -364,6 +364,7 @@ def test_torch_compile_of_swapped_attention() -> None:
 
 def test_without_flash_attn_the_reason_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels_mod, "is_flash_attn_available", lambda: False)
+    monkeypatch.setattr(kernels_mod, "cpu_sdpa_ms", lambda *args: (5.0, 5.0))  # bf16 as fast as float32 here
     decision = choose_kernel(64, "cpu", torch.bfloat16)
     assert decision.kernel == SDPA and "flash-attn is not installed" in decision.reason
 
@@ -394,8 +395,46 @@ def test_kernel_choice(
         kernels_mod, "is_sm_at_least", lambda major, minor=0, dev=None: (capability or (0, 0)) >= (8, 0)
     )
     monkeypatch.setattr(kernels_mod, "_sdpa_backend", lambda *args: None)
+    monkeypatch.setattr(kernels_mod, "cpu_sdpa_ms", lambda *args: (5.0, 5.0))  # bf16 as fast as float32 here
     decision = choose_kernel(head_dim, device, dtype)
     assert decision.kernel == kernel and reason in decision.reason
+
+
+def test_on_a_cpu_whose_half_precision_sdpa_is_slower_attention_computes_in_float32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    timed: list[tuple[int, torch.dtype, int]] = []
+    monkeypatch.setattr(kernels_mod, "cpu_sdpa_ms", lambda *args: timed.append(args) or (10.0, 5.0))
+    decision = choose_kernel(32, "cpu", torch.bfloat16)
+    assert decision.kernel == kernels_mod.SDPA_FP32 and timed == [(32, torch.bfloat16, torch.get_num_threads())]
+    assert "5.0 ms in float32 vs 10.0 ms in bfloat16 (head_dim 32)" in decision.reason
+    assert choose_kernel(32, "cpu", torch.float32).kernel == SDPA and len(timed) == 1  # fp32 runs: nothing to time
+    monkeypatch.setattr(kernels_mod, "cpu_sdpa_ms", lambda *args: (10.0, 9.0))  # not clearly faster: kept
+    assert choose_kernel(32, "cpu", torch.bfloat16).kernel == SDPA
+
+
+def test_the_float32_kernel_computes_in_float32_and_gives_the_autocast_dtype_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[torch.dtype] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(q.dtype)
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(kernels_mod.F, "scaled_dot_product_attention", recording)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = kernels_mod.attention(q, k, v, kernel=kernels_mod.SDPA_FP32, is_causal=True)
+        reference = kernels_mod.attention(q, k, v, kernel=SDPA, is_causal=True)
+    assert seen == [torch.float32, torch.float32] and out.dtype == reference.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference.float(), atol=3e-2, rtol=3e-2)
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+    half = [t.detach().bfloat16() for t in (q, k, v)]  # half-precision inputs without autocast: output stays bf16
+    assert kernels_mod.attention(*half, kernel=kernels_mod.SDPA_FP32).dtype == torch.bfloat16
 
 
 @pytest.fixture
