@@ -20,14 +20,14 @@ from lightning_perf.benchmark.settle import (
     repeats_to_settle,
     unsettled_text,
 )
-from lightning_perf.benchmark.stack import Stack, recommendation_lines
+from lightning_perf.benchmark.stack import Stack, is_winner, recommendation_lines, recommended_names
 from lightning_perf.optimizations import BASELINE
 from lightning_perf.profiling.intervals import RatioEstimate
 
 if TYPE_CHECKING:
     from lightning_perf.benchmark.results import ConfigSummary
 
-__all__ = ["estimates_from", "mark_settled", "recommendation_record", "settling_record"]
+__all__ = ["estimates_from", "mark_settled", "prefer_measured_stack", "recommendation_record", "settling_record"]
 
 RATIO = "speedup"
 """The ratio that must settle and that picks the winners (for an inference stage, the per-batch latency speed-up)."""
@@ -83,6 +83,26 @@ def settling_record(
         "stopped": stopped,
         "unsettled": [{**item.__dict__, "text": unsettled_text(item, settling.target)} for item in unsettled],
     }
+
+
+def prefer_measured_stack(stack: Stack, summaries: Sequence[ConfigSummary]) -> Stack:
+    """What the recommendation names: ``stack`` (the winners stacked), or a stack measured in the same run
+    (``--configs a+b+c``) that won itself (its whole interval above 1 over enough repeats, undisturbed) with a higher
+    speed-up than what ``stack`` would put in the Trainer; the best such stack."""
+    by_name = {s.config: s for s in summaries}
+    singles = estimates_from(summaries)
+    row = by_name.get(stack.name)
+    current = "+".join(recommended_names(stack, row.estimate(RATIO) if row is not None else None, singles))
+    best = by_name.get(current)
+    floor = best.estimate(RATIO) if best is not None else None
+    chosen = None
+    for candidate in summaries:
+        estimate = candidate.estimate(RATIO)
+        if "+" not in candidate.config or candidate.config == current or candidate.disturbed or not is_winner(estimate):
+            continue
+        if floor is None or estimate.ratio > floor.ratio:  # type: ignore[union-attr]
+            chosen, floor = candidate, estimate
+    return stack if chosen is None else Stack(tuple(chosen.config.split("+")))
 
 
 def recommendation_record(

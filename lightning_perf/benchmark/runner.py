@@ -89,7 +89,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf._deprecation import moved_names
-from lightning_perf.benchmark.answer import estimates_from, recommendation_record, settling_record
+from lightning_perf.benchmark.answer import (
+    estimates_from,
+    prefer_measured_stack,
+    recommendation_record,
+    settling_record,
+)
 from lightning_perf.benchmark.isolation import run_isolated
 from lightning_perf.benchmark.results import ONE_REPEAT, BenchReport, ConfigSummary, ProgressFn, RunEvent
 from lightning_perf.benchmark.rounds import run_rounds
@@ -201,6 +206,8 @@ def run_benchmark(
     machine = {**machine, "device": spec.device, "device_reason": spec.device_reason, "mfu_peaks": _peak_rows(peaks)}
     machine["threads"] = threads.to_dict()
     source = spec.source or {}
+    if stack_phase:  # a stack the user measured (--configs a+b) that beat the winners' stack is recommended instead
+        stack = prefer_measured_stack(stack, summaries)
     answer = recommendation_record(stack, summaries, config_file=source.get("kind") == "config") if stack_phase else {}
     runs_done = [asdict(r) for name in order for r in runs.results[name]]
     if answer:

@@ -57,3 +57,25 @@ def test_one_repeat_recommends_nothing_and_says_why() -> None:
     rows = [summary("baseline"), one]
     lines = recommendation_record(choose_stack(estimates_from(rows)), rows)["lines"]
     assert lines[0].startswith("Recommendation: none yet: with one repeat no speed-up has an interval")
+
+
+def test_a_stack_measured_by_the_user_that_beat_the_winners_stack_is_recommended() -> None:
+    from lightning_perf.benchmark.answer import prefer_measured_stack
+
+    given = "bf16-mixed+flash_attention+compile_regional"
+    rows = [summary("baseline"), summary("bf16-mixed", 1.21, 1.09, 1.35), summary("flash_attention", 1.23, 1.12, 1.37)]
+    rows.append(summary(given, 1.80, 1.68, 1.98))
+    stack = choose_stack(estimates_from(rows))  # the winners, the measured stack passed over
+    assert stack.name == "bf16-mixed+flash_attention"
+    rows.append(summary(stack.name, 1.47, 1.36, 1.56))
+    chosen = prefer_measured_stack(stack, rows)
+    assert chosen.name == given
+    record = recommendation_record(chosen, rows)
+    assert record["stack"] == given and record["lines"][0].startswith(f"Recommendation: {given}: 1.80x [1.68-1.98]")
+    rows[3].disturbed = True  # disturbed, slower or without enough evidence: the winners' stack stays
+    assert prefer_measured_stack(stack, rows) == stack
+    rows[3].disturbed = False
+    rows[3] = summary(given, 1.40, 1.30, 1.50)
+    assert prefer_measured_stack(stack, rows) == stack
+    rows[3] = summary(given, 1.80, 1.68, 1.98, n=2)
+    assert prefer_measured_stack(stack, rows) == stack
