@@ -645,3 +645,9 @@ def test_a_module_that_branches_on_training_is_checked_in_training_mode() -> Non
         result = swap_attention(model)
     assert result.swapped == [] and type(model[0]) is ScalesInTraining
     assert "parity check failed" in result.decisions["0"].reason
+
+
+def test_the_cpu_timing_runs_as_training_would_whatever_the_callers_context() -> None:
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):  # e.g. a swap before predict
+        half, single = kernels_mod.cpu_sdpa_ms.__wrapped__(8, torch.bfloat16, torch.get_num_threads())
+    assert half > 0 and single > 0
