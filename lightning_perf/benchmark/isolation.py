@@ -156,7 +156,10 @@ def run_isolated(
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
         "TRITON_CACHE_DIR": str(cache / "triton"),
     }
-    context: Any = multiprocessing.get_context(_start_method(env))  # spawn or forkserver: both have Process
+    # Objects of classes defined in the caller's __main__ (ObjectSource.defined_in_main) unpickle in a spawned child,
+    # which imports the main script again, not in one forked from the fork server.
+    method = "spawn" if getattr(source, "defined_in_main", False) else _start_method(env)
+    context: Any = multiprocessing.get_context(method)  # spawn or forkserver: both have Process
     args = (asdict(spec), source, str(result_path), str(log_path), {**os.environ, **env})
     process = context.Process(target=_child, args=args, name=name)
     with _environ(env):  # a spawned child (and the fork server, started by the first run) inherits it

@@ -110,3 +110,16 @@ def test_a_run_after_the_callers_directory_or_path_changed_is_spawned_there(
     )
     assert result is not None and result.error.endswith(f"RuntimeError: cwd={code}")
     assert isolation._start_method({}) == "spawn"  # the fork server has another directory and path
+
+
+class MainDefined(EnvReport):
+    """As a snapshot of objects whose classes live in the caller's ``__main__`` says of itself."""
+
+    defined_in_main = True
+
+
+def test_objects_of_classes_from_main_run_in_a_spawned_process(tmp_path: Path) -> None:
+    result = isolation.run_isolated(
+        RunSpec(config="baseline", threads=_threads()), tmp_path, 60.0, source=MainDefined()
+    )
+    assert _seen(result)["parent"] == str(os.getpid())  # spawned by this process: it imports __main__ again
