@@ -48,7 +48,8 @@ def _start_method(env: dict[str, str]) -> str:
 
     if not sys.platform.startswith("linux"):
         return "spawn"
-    wanted: dict[str, Any] = {k: env.get(k, os.environ.get(k)) for k in (*_READ_AT_START, *_malloc_keys(env))}
+    malloc = sorted({k for k in (*env, *os.environ) if k.startswith("MALLOC_")})
+    wanted: dict[str, Any] = {k: env.get(k, os.environ.get(k)) for k in (*_READ_AT_START, *malloc)}
     # The directory and import path a child starts with (a forked one: the server's, where a source is unpickled).
     wanted["cwd"], wanted["sys.path"] = os.getcwd(), list(sys.path)
     if not _server_env:
@@ -67,10 +68,6 @@ def _server_pid(context: Any) -> int | None:
 
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
     return pid if isinstance(pid, int) else None
-
-
-def _malloc_keys(env: dict[str, str]) -> list[str]:
-    return sorted({k for k in (*env, *os.environ) if k.startswith("MALLOC_")})
 
 
 @contextmanager

@@ -351,23 +351,22 @@ def _compile_within_budget(
     if not device.startswith("cpu") or repeats is not None or budget >= CPU_COMPILE_MIN_BUDGET_S:
         return configs, left_out
     facts = structure or {}
+    once = ("compile_regional",) if facts.get("block_shapes") == 1 else ()  # one block's shape: compiled once
+    dropped = [name for name in configs if name in COMPILE_VARIANTS and name not in once]
+    if not dropped:
+        return configs, left_out
     model, blocks = facts.get("model") or "the model", len(facts.get("repeated_blocks") or ())
-    shapes = int(facts.get("block_shapes") or 0)
     if not blocks:
         what = f"{model} has no repeated blocks to compile once, and a whole-model cold compile"
-    elif shapes == 1:
-        what = "a whole-model cold compile (compile_regional compiles one block once)"
-    else:
+    else:  # regional compile over blocks of several shapes (the default set has no whole-model compile then)
+        shapes = f"{facts['block_shapes']} shapes" if facts.get("block_shapes") else "shapes not known"
         kind = facts.get("block_class") or "repeated"
-        count = f"{shapes} shapes" if shapes else "shapes not known"
-        what = f"{model}'s {blocks} {kind} blocks come in {count}, each compiled apart: a cold compile"
+        what = f"{model}'s {blocks} {kind} blocks come in {shapes}, each compiled apart: a cold compile"
     why = (
         f"left out on CPU within a {budget:.0f} s budget: {what} there takes minutes, which would leave the other "
         f"configurations too few repeats for an answer; `--time-budget {CPU_COMPILE_MIN_BUDGET_S:.0f}` or "
         "`--configs ...,{name}` includes it"
     )
-    once = ("compile_regional",) if shapes == 1 else ()  # one block's shape: compiled once, at any budget
-    dropped = [name for name in configs if name in COMPILE_VARIANTS and name not in once]
     kept = tuple(name for name in configs if name not in dropped)
     return kept, (*left_out, *((name, why.replace("{name}", name)) for name in dropped))
 

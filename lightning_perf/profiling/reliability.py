@@ -140,21 +140,29 @@ class Probes:
             busy = sum(getattr(t, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq"))
             return busy, getattr(t, "steal", 0.0)
 
+        def cpu_s(process: Any, reaped: bool = True) -> float | None:
+            """A process's CPU seconds (and its reaped children's); None once it is gone (or a zombie)."""
+            try:
+                t = process.cpu_times()
+            except psutil.Error:
+                return None
+            return t.user + t.system + (t.children_user + t.children_system if reaped else 0.0)
+
+        def family(process: Any) -> list[Any]:
+            """``process`` and its live descendants."""
+            try:
+                return [process, *process.children(recursive=True)]
+            except psutil.Error:
+                return [process]
+
         def own_cpu() -> float:
-            t = me.cpu_times()
-            total = t.user + t.system + t.children_user + t.children_system
+            total = cpu_s(me) or 0.0
             for pid in RUN_STARTERS:
                 try:
                     starter = psutil.Process(pid)
-                    tree = [starter, *starter.children(recursive=True)]
                 except psutil.Error:  # gone: its time is in this process's reaped children's
                     continue
-                for process in tree:
-                    try:
-                        t = process.cpu_times()
-                    except psutil.Error:  # gone since the listing: its time is in its parent's reaped children's
-                        continue
-                    total += t.user + t.system + t.children_user + t.children_system
+                total += sum(filter(None, map(cpu_s, family(starter))))  # one gone since: in its parent's reaped
             return total
 
         def load_average() -> float | None:
@@ -174,17 +182,8 @@ class Probes:
 
         def tree_cpu() -> tuple[float, dict[int, float]]:
             own = me.cpu_times()
-            live: dict[int, float] = {}
-            try:
-                children = me.children(recursive=True)
-            except psutil.Error:
-                children = []
-            for child in children:
-                try:
-                    t = child.cpu_times()
-                except psutil.Error:  # gone (or a zombie) since the listing: left out, that interval is unknown
-                    continue
-                live[child.pid] = t.user + t.system
+            # A child gone (or a zombie) since the listing is left out: that interval is unknown.
+            live = {child.pid: t for child in family(me)[1:] if (t := cpu_s(child, reaped=False)) is not None}
             return own.user + own.system, live
 
         return cls(
