@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_perf._device import synchronize
-from lightning_perf.profiling import MemoryProbe, PhaseTimer
+from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer, truthful_cpu_peak
 from lightning_perf.profiling.stats import median, percentile
 from lightning_perf.profiling.step_phases import batch_size_of
 
@@ -33,11 +33,20 @@ _LOADER = {"predict": "predict_dataloader", "validate": "val_dataloader", "test"
 
 
 class _InferenceClock(Callback):
-    """Times every batch of one inference stage; the memory probe's peak restarts after the warm-up batches."""
+    """Times every batch of one inference stage; the memory probe's peak restarts after the warm-up batches. On a CPU
+    memory is measured over the next ``memory`` batches, and the timed ones come after
+    :data:`~lightning_perf.benchmark.worker.SETTLE_STEPS` more, as in a fit (``memory=0``: no memory figure)."""
 
-    def __init__(self, stage: str, device: torch.device, warmup: int) -> None:
+    def __init__(self, stage: str, device: torch.device, warmup: int, memory: int = 0) -> None:
+        from lightning_perf.benchmark.worker import SETTLE_STEPS
+
         self.stage, self.device, self.warmup = stage, device, warmup
-        self.timer = PhaseTimer(device=device, warmup_steps=warmup)
+        cpu = device.type == "cpu"
+        self.memory_end = warmup + memory if cpu and memory else None
+        self.untimed = warmup + (memory + SETTLE_STEPS if self.memory_end else 0)
+        self.measures_memory = not cpu or self.memory_end is not None
+        self.memory_after: MemorySample | None = None
+        self.timer = PhaseTimer(device=device, warmup_steps=self.untimed)
         self.probe = MemoryProbe(device)
         self.samples: list[int] = []
         self.first_batch_s: float | None = None
@@ -56,7 +65,7 @@ class _InferenceClock(Callback):
 
     def _batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
         size = batch_size_of(batch)
-        if size is not None and self._done >= self.warmup:
+        if size is not None and self._done >= self.untimed:
             self.samples.append(size)
         self.timer.start("batch")
 
@@ -75,6 +84,9 @@ class _InferenceClock(Callback):
                 sample = self.probe.sample()
                 self.memory_before = sample.allocated if sample.source == "cuda" else sample.reserved
                 self.probe.reset_peak()
+        if self._done == self.memory_end:
+            self.memory_after = self.probe.sample()
+            truthful_cpu_peak(False)  # the batches timed next allocate at full speed
 
 
 def measure_inference(
@@ -97,24 +109,34 @@ def measure_inference(
 
     Raises:
         ValueError: for a stage that is not an inference stage.
-        RuntimeError: when the stage's loader has fewer than ``warmup + 1`` batches, or no batch was timed.
+        RuntimeError: when the stage's loader has too few batches for the untimed ones and one timed batch, or no
+            batch was timed.
     """
     if stage not in INFERENCE_STAGES:
         raise ValueError(f"stage={stage!r} is not valid. Expected one of {INFERENCE_STAGES}.")
-    wanted = warmup + steps
+    from lightning_perf.benchmark.worker import MEMORY_STEPS, SETTLE_STEPS
+
+    available = None
     if datamodule is not None:
         datamodule.setup(stage)
         loader = getattr(datamodule, _LOADER[stage])()
         try:
             available = len(loader)
         except TypeError:  # an iterable loader without a length: Lightning's limit decides
-            available = wanted
-        if available < warmup + 1:
+            available = None
+        if available is not None and available < warmup + 1:
             raise RuntimeError(
                 f"The {stage} data has {available} batch(es); {warmup} warm-up batch(es) and at least one timed batch "
                 f"are needed (lower --warmup-steps, or give the data module more {stage} samples)."
             )
-    clock = _InferenceClock(stage, device, warmup)
+    # On a CPU: memory over up to MEMORY_STEPS batches the data can spare beside a settling one and three timed ones
+    # (or all of `steps`, if fewer); none when it cannot: the timed batches come first.
+    spare = steps + MEMORY_STEPS if available is None else available - warmup - SETTLE_STEPS - min(steps, 3)
+    memory = max(0, min(MEMORY_STEPS, spare))
+    clock = _InferenceClock(stage, device, warmup, memory)
+    if clock.memory_end is None:  # nothing measures host memory: host allocations at full speed
+        truthful_cpu_peak(False)
+    wanted = clock.untimed + steps
     dropped = ("max_steps", "max_epochs", "strategy", *_LIMIT.values())
     kwargs = {k: v for k, v in trainer_kwargs.items() if k not in dropped}
     kwargs[_LIMIT[stage]] = wanted
@@ -125,18 +147,22 @@ def measure_inference(
         getattr(trainer, stage)(model, datamodule=datamodule, verbose=False)
     times = [record["batch"] for record in clock.timer.steps]
     if not times:
-        raise RuntimeError(f"No steady {stage} batch was timed: the data ran out after the {warmup} warm-up batches.")
+        raise RuntimeError(
+            f"No steady {stage} batch was timed: the data ran out after the {clock.untimed} untimed batches."
+        )
     latency = median(times)
     samples = median(clock.samples) if clock.samples else batch_size
-    sample = clock.probe.sample()
+    sample = clock.memory_after or clock.probe.sample()
     figures: dict[str, Any] = {
         "first_batch_s": clock.first_batch_s,
         "warmup_s": clock.warmup_s,
         "predict_step_times_s": times,
         "predict_step_median_s": latency,
         "predict_throughput": samples / latency if samples else None,
-        "peak_memory_bytes": int(sample.peak),
-        "step_memory_bytes": None if clock.memory_before is None else max(0, int(sample.peak) - clock.memory_before),
+        "peak_memory_bytes": int(sample.peak) if clock.measures_memory else None,
+        "step_memory_bytes": None
+        if clock.memory_before is None or not clock.measures_memory
+        else max(0, int(sample.peak) - clock.memory_before),
         "memory_source": sample.source,
     }
     for q in LATENCY_PERCENTILES:

@@ -303,8 +303,9 @@ def markdown_report(report: BenchReport) -> str:
         lines += ["**Reliability: disturbed.** Figures marked `?` are not to be trusted:", ""]
         lines += [f"- {cause}" for cause in report.reliability.get("causes", [])] + [""]
     memory = (
-        "Memory on CPU is peak RSS with MALLOC_MMAP_THRESHOLD_=65536 (freed tensors go back to the OS, so the peak is "
-        "truthful); on CUDA max_memory_allocated."
+        "Memory on CPU is peak RSS over 2 steps after the warm-up with MALLOC_MMAP_THRESHOLD_=65536 (freed tensors go "
+        "back to the OS, so the peak is truthful), switched off before the timed steps (it slows allocation); on CUDA "
+        "max_memory_allocated."
     )
     if report.stage == "fit":
         lines += [

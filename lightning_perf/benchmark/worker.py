@@ -7,8 +7,10 @@ that inference stage per batch instead (:mod:`lightning_perf.benchmark.inference
 
 :func:`lightning_perf.benchmark.isolation.run_isolated` runs :func:`run` in a fresh process once per configuration
 and repeat (for the bench and the tuner alike), so no compiled graph, allocator cache or global flag leaks from one
-configuration into the next. CPU memory is measured as peak resident memory with ``MALLOC_MMAP_THRESHOLD_`` set by
-the runner (see :mod:`lightning_perf.profiling.memory` for why plain RSS would overstate it).
+configuration into the next. CPU memory is measured as peak resident memory over :data:`MEMORY_STEPS` steps after
+the warm-up, with ``MALLOC_MMAP_THRESHOLD_`` set by the runner (see :mod:`lightning_perf.profiling.memory` for why
+plain RSS would overstate it); that setting slows every large allocation, so it is switched off before the timed steps,
+which allocate as a user's training does.
 
 With ``RunSpec.count_flops`` (the bench sets it on repeat 0) the worker also counts the FLOPs of one training step
 (:func:`~lightning_perf.benchmark.structure.training_step_flops`) after everything is measured, on a fresh,
@@ -38,7 +40,7 @@ from lightning_perf._device import as_device, synchronize
 from lightning_perf._warnings import NoEffectWarning
 from lightning_perf.benchmark.spec import RunSpec
 from lightning_perf.benchmark.structure import training_step_flops
-from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer
+from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer, truthful_cpu_peak
 
 
 @dataclass
@@ -83,18 +85,34 @@ class RunResult:
     threads: int | None = None  # the intra-op threads the run used (RunSpec.threads, else torch's default)
 
 
+MEMORY_STEPS = 2
+"""Steps a run on a CPU measures memory over, right after its warm-up, in a process started with
+:data:`~lightning_perf.profiling.memory.TRUTHFUL_CPU_MEMORY_ENV` (peak RSS is then the peak of memory in use). That
+setting makes every large allocation slow, so it is switched off after them
+(:func:`~lightning_perf.profiling.memory.truthful_cpu_peak`) and :data:`SETTLE_STEPS` more steps let the heap grow to
+the working set before any step is timed: the timed steps allocate as a user's training does."""
+
+SETTLE_STEPS = 1
+
+
 class _StepClock(Callback):
     """Times training steps end to end (data fetch included) and the first batch's fetch and forward.
 
     A steady-state step is the interval between two consecutive ``on_train_batch_end`` calls, so data loading,
     the transfer to the device, forward, backward and the optimizer step all count, as a user would experience.
+    On a CPU, memory is measured over :data:`MEMORY_STEPS` steps after the warm-up and the timed steps come after
+    :data:`SETTLE_STEPS` more (:attr:`untimed_steps` in all); on CUDA both come from the steps after the warm-up.
     """
 
     def __init__(self, device: torch.device, warmup_steps: int) -> None:
         self.device = device
-        self.timer = PhaseTimer(device=device, warmup_steps=warmup_steps)
+        cpu = device.type == "cpu"
+        self.memory_end = warmup_steps + MEMORY_STEPS if cpu else None
+        self.untimed_steps = warmup_steps + (MEMORY_STEPS + SETTLE_STEPS if cpu else 0)
+        self.timer = PhaseTimer(device=device, warmup_steps=self.untimed_steps)
         self.probe = MemoryProbe(device)
         self.warmup_steps = warmup_steps
+        self.memory_after: MemorySample | None = None
         self.first_batch_s: float | None = None
         self.first_forward_s: float | None = None
         self.first_step_s: float | None = None
@@ -113,6 +131,8 @@ class _StepClock(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.memory_end is None:  # on CUDA nothing measures host memory: host allocations at full speed
+            truthful_cpu_peak(False)
         self._train_start_ns = time.perf_counter_ns()
 
     @override
@@ -122,7 +142,7 @@ class _StepClock(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if self._batch_end_ns is not None and self._batches_done >= self.warmup_steps:
+        if self._batch_end_ns is not None and self._batches_done >= self.untimed_steps:
             # Lightning fetches the next batch between one step's end and the next one's start.
             self.data_wait_s.append((time.perf_counter_ns() - self._batch_end_ns) / 1e9)
         if self._batches_done == 0:
@@ -155,6 +175,8 @@ class _StepClock(Callback):
             self.warmup_s = (time.perf_counter_ns() - self._train_start_ns) / 1e9
             self.memory_before_steps = _comparable_to_peak(self.probe.sample())
             self.probe.reset_peak()
+        if self._batches_done == self.memory_end:
+            self._end_memory()
         if trainer.global_step < trainer.max_steps:
             self.timer.start("step")
         if isinstance(outputs, dict) and "loss" in outputs:
@@ -165,8 +187,18 @@ class _StepClock(Callback):
             self._losses.append(self._loss.detach())  # read after training: no device sync per step
         self._batch_end_ns = time.perf_counter_ns()
 
+    def _end_memory(self) -> None:
+        if self.memory_end is not None and self.memory_after is None:
+            self.memory_after = self.probe.sample()
+            truthful_cpu_peak(False)  # the steps timed next (and predict after the fit) allocate at full speed
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._end_memory()
+
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_memory()
         if self._loss is not None:
             self.last_loss = float(self._loss.detach().float().cpu())
         self.losses = [float(loss.float().cpu()) for loss in self._losses]
@@ -315,7 +347,8 @@ def _run(spec: RunSpec, build: Builder | None) -> RunResult:
     result.trainer_settings = sorted(settings) + (["callbacks"] if file_callbacks else [])
     # The bench's own settings, then the file's, then the configuration's own (its precision over the file's).
     trainer_kwargs = {"accelerator": device.type, "devices": 1, "precision": spec.precision, **QUIET_FIT_KWARGS}
-    trainer_kwargs |= {"max_steps": spec.warmup_steps + spec.steps, **settings, **config.trainer_kwargs}
+    untimed = spec.warmup_steps + (MEMORY_STEPS + SETTLE_STEPS if device.type == "cpu" else 0)
+    trainer_kwargs |= {"max_steps": untimed + spec.steps, **settings, **config.trainer_kwargs}
     result.precision = str(trainer_kwargs["precision"])
     if config.strategy is not None:
         trainer_kwargs["strategy"] = config.strategy()
@@ -385,7 +418,7 @@ def _record_steps(clock: _StepClock, steps: int, result: RunResult) -> None:
     result.step_median_s = step_stats.median
     result.step_times_s = [record["step"] for record in clock.timer.steps]
     result.throughput = result.batch_size / step_stats.median if result.batch_size else None
-    sample = clock.probe.sample()
+    sample = clock.memory_after or clock.probe.sample()
     result.peak_memory_bytes = int(sample.peak)
     if clock.memory_before_steps is not None:
         result.step_memory_bytes = max(0, int(sample.peak) - int(clock.memory_before_steps))

@@ -53,6 +53,7 @@ _EXPORTS = {
     "SyncSite": "lightning_perf.profiling.syncs",
     "theil_sen_slope": "lightning_perf.profiling.leaks",
     "TRUTHFUL_CPU_MEMORY_ENV": "lightning_perf.profiling.memory",
+    "truthful_cpu_peak": "lightning_perf.profiling.memory",
     "utilization": "lightning_perf.profiling.flops",
     "write_json": "lightning_perf.profiling.report",
     "write_markdown": "lightning_perf.profiling.report",
@@ -96,6 +97,7 @@ __all__ = [
     "sen_slope_interval",
     "summarize",
     "theil_sen_slope",
+    "truthful_cpu_peak",
     "utilization",
     "write_json",
     "write_markdown",
@@ -114,7 +116,13 @@ if TYPE_CHECKING:
         sen_slope_interval,
         theil_sen_slope,
     )
-    from lightning_perf.profiling.memory import TRUTHFUL_CPU_MEMORY_ENV, MemoryProbe, MemorySample, peak_rss_bytes
+    from lightning_perf.profiling.memory import (
+        TRUTHFUL_CPU_MEMORY_ENV,
+        MemoryProbe,
+        MemorySample,
+        peak_rss_bytes,
+        truthful_cpu_peak,
+    )
     from lightning_perf.profiling.report import (
         SCHEMA_VERSION,
         environment_info,

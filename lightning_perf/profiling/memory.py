@@ -15,8 +15,10 @@ PyTorch keeps no allocator statistics for CPU tensors, so on CPU the probe reads
   memory for reuse: an activation-memory comparison based on RSS can be off by 2x (FINDINGS.md).
 - ``peak``: peak resident set size (``VmHWM``), reset by writing ``5`` to ``/proc/self/clear_refs``. It sees every
   peak, however short, but it is RSS, so it only equals the true peak of memory in use when freed memory really
-  goes back to the OS: run the measured process with :data:`TRUTHFUL_CPU_MEMORY_ENV`
-  (``MALLOC_MMAP_THRESHOLD_=65536``, so every block of 64 KiB or more is its own mmap, unmapped on free).
+  goes back to the OS: start the measured process with :data:`TRUTHFUL_CPU_MEMORY_ENV`
+  (``MALLOC_MMAP_THRESHOLD_=65536``, so every block of 64 KiB or more is its own mmap, unmapped on free). That makes
+  every large allocation slow (the default ``lm`` step took 300 ms instead of 156 ms on a 2-core CPU): measure memory
+  first, then switch it off with :func:`truthful_cpu_peak` before timing anything.
   It also includes the interpreter and libraries, so report ``peak`` minus the ``reserved`` of a sample taken
   right after :meth:`MemoryProbe.reset_peak`, not minus ``allocated``: :meth:`MemorySample.peak_above` does that.
 
@@ -39,10 +41,43 @@ import torch
 
 from lightning_perf._device import as_device
 
-__all__ = ["TRUTHFUL_CPU_MEMORY_ENV", "MemoryProbe", "MemorySample", "peak_rss_bytes"]
+__all__ = ["TRUTHFUL_CPU_MEMORY_ENV", "MemoryProbe", "MemorySample", "peak_rss_bytes", "truthful_cpu_peak"]
 
 TRUTHFUL_CPU_MEMORY_ENV: dict[str, str] = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-"""Environment for a subprocess whose CPU peak RSS must equal its peak memory in use (see the module docstring)."""
+"""Environment for a subprocess whose CPU peak RSS must equal its peak memory in use (see the module docstring): every
+large allocation it makes pays for it in time; :func:`truthful_cpu_peak` switches it off for what is timed next."""
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, <malloc.h>
+_TRUTHFUL_MMAP_THRESHOLD = 64 * 1024
+# glibc's DEFAULT_MMAP_THRESHOLD_MAX (32 MiB on 64-bit): where the dynamic threshold of a warmed-up process ends; the
+# dynamic rule keeps the trim threshold at twice it.
+_FAST_MMAP_THRESHOLD = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)
+
+
+def truthful_cpu_peak(on: bool = True) -> bool:
+    """Serve every block of 64 KiB or more from its own mmap, unmapped when freed, and return the free heap to the
+    system now (``on``: what :data:`TRUTHFUL_CPU_MEMORY_ENV` does from a process's start), or give allocation its
+    speed back (``on=False``: blocks under 32 MiB come from the heap again, the threshold a warmed-up process reaches
+    by itself). glibc only; returns whether it took effect.
+
+    Measure memory first, in a process started with :data:`TRUTHFUL_CPU_MEMORY_ENV`, then switch it off to time
+    steps: every large allocation under it costs page faults (the default ``lm`` step: 300 ms instead of 156 ms on a
+    2-core CPU). Switching it on later does not make the peak truthful again: glibc serves a request from a free heap
+    block before it maps a new one, and a block used again stays resident after it is freed.
+    """
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    threshold = _TRUTHFUL_MMAP_THRESHOLD if on else _FAST_MMAP_THRESHOLD
+    done = bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * threshold))
+    if on:
+        malloc_trim(0)
+    return done
+
 
 SOURCES: dict[str, dict[str, str]] = {
     "cuda": {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from lightning_perf.benchmark.report import table_rows
@@ -75,7 +77,7 @@ def test_worker_records_losses_and_data_wait_for_a_custom_builder() -> None:
     """The auto-tuner's path through the worker: a builder of the user's objects, per-step losses, data wait."""
     from lightning_perf.benchmark.sources import apply_data_settings
     from lightning_perf.benchmark.spec import RunSpec
-    from lightning_perf.benchmark.worker import run
+    from lightning_perf.benchmark.worker import MEMORY_STEPS, SETTLE_STEPS, run
     from tests.tuning._user_models import PlainDataModule, SmallConvNet
 
     def build(spec: RunSpec) -> tuple[SmallConvNet, PlainDataModule]:
@@ -86,9 +88,37 @@ def test_worker_records_losses_and_data_wait_for_a_custom_builder() -> None:
     spec = RunSpec(workload="mine", config="baseline", steps=4, warmup_steps=2, predict_batches=0, batch_size=6)
     result = run(spec, build=build)
     assert result.ok and result.batch_size == 6
-    assert len(result.losses) == 6 and all(loss > 0 for loss in result.losses)
+    # Every step's loss: 2 warm-up, the CPU's memory and settling steps (untimed), 4 timed.
+    assert len(result.losses) == 6 + MEMORY_STEPS + SETTLE_STEPS and all(loss > 0 for loss in result.losses)
+    assert len(result.step_times_s) == 4
     assert len(result.data_wait_s) == 4 and all(0 <= w < max(result.step_times_s) for w in result.data_wait_s)
     assert result.throughput == pytest.approx(6 / result.step_median_s)
+
+
+def test_a_cpu_run_measures_memory_before_it_times_steps_at_full_allocation_speed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Memory over the steps right after the warm-up under the truthful allocator setting (the process starts with
+    it), switched off before a settling step and the timed ones: a step under it pays page faults per large tensor
+    (the default lm: 300 ms instead of 156 ms), which the bench once timed as the configurations' steps."""
+    from lightning_perf.benchmark import worker
+    from lightning_perf.benchmark.spec import RunSpec
+    from tests.tuning._user_models import PlainDataModule, SmallConvNet
+
+    events: list[str] = []
+
+    class Logged(SmallConvNet):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            events.append("step")
+            return super().training_step(batch, batch_idx)
+
+    monkeypatch.setattr(worker, "truthful_cpu_peak", lambda on=True: events.append(f"truthful={on}") or True)
+    spec = RunSpec(workload="mine", config="baseline", steps=4, warmup_steps=2, predict_batches=0)
+    result = worker.run(spec, build=lambda _: (Logged(), PlainDataModule(batch_size=4)))
+    assert result.ok and result.step_memory_bytes is not None
+    untimed = 2 + worker.MEMORY_STEPS + worker.SETTLE_STEPS
+    assert events.count("truthful=False") == 1 and events.index("truthful=False") == 2 + worker.MEMORY_STEPS
+    assert len(events) == untimed + 4 + 1 and len(result.step_times_s) == 4  # the last 4 steps are the timed ones
 
 
 def test_a_callback_that_did_not_apply_is_kept_and_noted_beside_its_row(monkeypatch: pytest.MonkeyPatch) -> None:

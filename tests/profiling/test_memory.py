@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import pickle
+import platform
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -265,3 +266,46 @@ def test_truthful_environment_makes_peak_rss_track_a_known_allocation() -> None:
     assert abs((r["during_alloc"] - r["base_alloc"]) - 128 * MB) < 2 * MB
     assert abs(r["after_alloc"] - r["base_alloc"]) < 2 * MB
     assert r["ru_maxrss"] >= r["peak"] - 4 * MB
+
+
+_SWITCH_SCRIPT = """
+import ctypes, json, sys, types
+package = types.ModuleType("lightning_perf")
+package.__path__ = [PACKAGE_DIR]
+sys.modules["lightning_perf"] = package
+import torch
+from lightning_perf.profiling.memory import _MallInfo2, truthful_cpu_peak
+info = ctypes.CDLL(None).mallinfo2
+info.restype = _MallInfo2
+MB = 1 << 20
+
+def mapped_by(size):  # bytes glibc mmapped for one live block of `size` bytes
+    before = info().hblkhd
+    block = torch.empty(size, dtype=torch.uint8)
+    grown = info().hblkhd - before
+    del block
+    return grown
+
+found = {"start": mapped_by(4 * MB), "off": truthful_cpu_peak(False)}
+found["after_off"] = mapped_by(4 * MB)
+found["on"] = truthful_cpu_peak(True)
+found["after_on"] = mapped_by(8 * MB)  # larger than any free heap block left: a fresh map again
+print(json.dumps(found))
+"""
+
+
+@on_linux
+def test_the_truthful_setting_is_switched_off_and_on_within_a_process() -> None:
+    """Memory is measured under the truthful setting, steps are timed without it (benchmark.worker): each large block
+    is its own mmap under it, from the heap after it is switched off."""
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt and mallinfo2 are glibc's")
+    env = {**os.environ, **TRUTHFUL_CPU_MEMORY_ENV, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(
+        [sys.executable, "-c", _SWITCH_SCRIPT.replace("PACKAGE_DIR", repr(PACKAGE_DIR))],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["start"] >= 4 * MB and found["off"] is True and found["on"] is True
+    assert found["after_off"] == 0  # served from the heap: no page faults of a fresh map per block
+    assert found["after_on"] >= 8 * MB
