@@ -17,8 +17,10 @@ against it (:func:`lightning_perf.profiling.reliability.other_cores_limit`).
 
 An explicit count (``--threads``, ``BenchSpec(threads=...)``) or an ``OMP_NUM_THREADS`` already set in the
 environment wins. The choice reaches each worker twice: in its environment before torch starts
-(:meth:`ThreadChoice.env`: ``OMP_NUM_THREADS`` and ``OMP_WAIT_POLICY=PASSIVE``, so an idle OpenMP thread sleeps
-instead of spinning against another process, also one that arrives after the run started) and by
+(:meth:`ThreadChoice.env`: ``OMP_NUM_THREADS``, and ``OMP_WAIT_POLICY=PASSIVE`` where other processes kept a core
+busy at the start, so an idle OpenMP thread sleeps instead of spinning against them; on a machine quiet at the start
+OpenMP's default, as a user's training runs: PASSIVE there slowed the default ``lm``'s bf16-mixed step from 93 to
+132 ms, its speed-up from 1.7-1.8x to 1.4x) and by
 ``torch.set_num_threads`` in the worker. Figures behind the rule: docs/guide.md, "Worker threads on a shared
 machine".
 
@@ -68,8 +70,8 @@ class ThreadChoice:
         threads: intra-op threads per worker.
         cores: the usable cores the choice was made from.
         load: the 1-minute load average when the run started (``None``: unknown).
-        wait_policy: ``OMP_WAIT_POLICY`` given to the workers: ``PASSIVE`` unless the environment sets one (``None``:
-            OpenMP's default).
+        wait_policy: ``OMP_WAIT_POLICY`` given to the workers: the environment's; else ``PASSIVE`` where other
+            processes kept a core busy at the start (the count left one out for it); else ``None``: OpenMP's default.
         reason: where the count came from (``"auto"``, ``"asked for"``, ``"OMP_NUM_THREADS"``).
         other_cores: other processes' busy cores sampled when the run started (``None``: not sampled; the load
             average decided).
@@ -147,17 +149,19 @@ def decide_threads(
         now = other_cores if other_cores is not None and math.isfinite(other_cores) else load
         busy = math.floor(now + 0.5) if now is not None and math.isfinite(now) and now > 0 else 0
         threads, reason = max(1, usable - busy), "auto"
-    return ThreadChoice(threads, usable, load, environ.get("OMP_WAIT_POLICY") or PASSIVE, reason, other_cores)
+        if busy:  # threads that spin between parallel regions would compete with that load (guide)
+            return ThreadChoice(threads, usable, load, environ.get("OMP_WAIT_POLICY") or PASSIVE, reason, other_cores)
+    return ThreadChoice(threads, usable, load, environ.get("OMP_WAIT_POLICY") or None, reason, other_cores)
 
 
 def thread_env(threads: int | None, wait_policy: str | None = None) -> dict[str, str]:
     """A worker's environment for ``threads`` intra-op threads, set before torch starts: ``OMP_NUM_THREADS`` and
-    ``OMP_WAIT_POLICY`` (``wait_policy``, else the one this environment sets, else ``PASSIVE``); empty for ``None``
-    (torch's default)."""
+    ``OMP_WAIT_POLICY`` (``wait_policy``, else the one this environment sets, else none: OpenMP's default); empty for
+    ``None`` (torch's default)."""
     if threads is None:
         return {}
-    policy = wait_policy or os.environ.get("OMP_WAIT_POLICY") or PASSIVE
-    return {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": policy}
+    policy = wait_policy or os.environ.get("OMP_WAIT_POLICY")
+    return {"OMP_NUM_THREADS": str(threads), **({"OMP_WAIT_POLICY": policy} if policy else {})}
 
 
 def _positive_int(text: str | None) -> bool:

@@ -39,8 +39,11 @@ from tests.benchmark.test_auto_bench import Quiet
 def test_threads_follow_the_cores_and_the_load(cores: int | None, load: float | None, threads: int) -> None:
     choice = decide_threads(cores, load, environ={})
     assert (choice.threads, choice.reason) == (threads, "auto")
-    # Idle OpenMP threads sleep: spinning against another process made 2 threads 2.5-7.6x slower than 1 (guide).
-    assert choice.env() == {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
+    # Idle OpenMP threads sleep where a load was there at the start: spinning against another process made 2 threads
+    # 2.5-7.6x slower than 1 (guide); on a quiet machine OpenMP's default, as a user's training runs (PASSIVE slowed
+    # lm's bf16-mixed step 1.4x there).
+    policy = {"OMP_WAIT_POLICY": "PASSIVE"} if (load or 0) >= 0.5 else {}
+    assert choice.env() == {"OMP_NUM_THREADS": str(threads), **policy}
 
 
 def test_an_explicit_count_wins_then_the_environment() -> None:
@@ -89,7 +92,7 @@ def test_the_worker_environment_carries_the_threads_before_torch_starts(
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     result = run_isolated(RunSpec(config="baseline", threads=1), tmp_path, 10.0)
-    assert seen == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert seen == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": None}  # OpenMP's own wait policy: none of ours
     assert "OMP_NUM_THREADS" not in os.environ  # only the child's environment had it
     assert result is not None and not result.ok
 
