@@ -330,6 +330,14 @@ def _why_left_out(
     return f"left out on {where} because {because}; `--configs ...,{optimization.name}` to include it"
 
 
+MEASURED_TOGETHER_ON_CPU = (("bf16-mixed", "flash_attention"),)
+"""Pairs the default set on a CPU also measures as one configuration where it has both: under bf16 the attention swap
+computes SDPA in float32 where that is faster (:mod:`lightning_perf.functional.attention_kernels`), which neither shows
+alone, and the winners' stack is built from single winners (the default ``vit`` on a 2-core AVX-512 CPU: bf16-mixed
+1.00x and flash_attention 1.00x alone in its default bench; together 131-135 ms a step against baseline's 201-205 ms,
+1.52x, one process each). A pair that wins with a higher speed-up than the winners' stack is the recommendation
+(:func:`lightning_perf.benchmark.answer.prefer_measured_stack`)."""
+
 COMPILE_VARIANTS = ("compile", "compile_regional")
 """The compile configurations the default set picks one of by the model's structure: ``compile_regional`` where the
 model has repeated blocks, else ``compile``."""
@@ -400,7 +408,8 @@ def default_configs(
     real share of the FLOPs, the attention swap where attention is not already on a fused kernel, a compile variant
     (``compile_regional`` where there are repeated blocks, else ``compile``) on a GPU, and on a CPU when the model has
     repeated blocks or convolutions. Elsewhere, and for every entry when ``structure`` is ``None``, the entry's
-    ``bench_default_on`` capabilities decide.
+    ``bench_default_on`` capabilities decide. On a CPU a pair of :data:`MEASURED_TOGETHER_ON_CPU` that are both in is
+    also measured as one configuration (``bf16-mixed+flash_attention``).
 
     Returns:
         ``(names, left_out)``: ``baseline`` and every optimization chosen that can run there and applies to
@@ -414,4 +423,6 @@ def default_configs(
             chosen.append(optimization.name)
         else:
             left_out.append((optimization.name, why))
+    if device.type == "cpu":
+        chosen += [f"{a}+{b}" for a, b in MEASURED_TOGETHER_ON_CPU if a in chosen and b in chosen]
     return chosen, left_out
