@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_perf._device import synchronize
+from lightning_perf.benchmark.spec import MEMORY_STEPS, SETTLE_STEPS
 from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer, truthful_cpu_peak
 from lightning_perf.profiling.stats import median, percentile
 from lightning_perf.profiling.step_phases import batch_size_of
@@ -35,11 +36,9 @@ _LOADER = {"predict": "predict_dataloader", "validate": "val_dataloader", "test"
 class _InferenceClock(Callback):
     """Times every batch of one inference stage; the memory probe's peak restarts after the warm-up batches. On a CPU
     memory is measured over the next ``memory`` batches, and the timed ones come after
-    :data:`~lightning_perf.benchmark.worker.SETTLE_STEPS` more, as in a fit (``memory=0``: no memory figure)."""
+    :data:`~lightning_perf.benchmark.spec.SETTLE_STEPS` more, as in a fit (``memory=0``: no memory figure)."""
 
     def __init__(self, stage: str, device: torch.device, warmup: int, memory: int = 0) -> None:
-        from lightning_perf.benchmark.worker import SETTLE_STEPS
-
         self.stage, self.device, self.warmup = stage, device, warmup
         cpu = device.type == "cpu"
         self.memory_end = warmup + memory if cpu and memory else None
@@ -114,8 +113,6 @@ def measure_inference(
     """
     if stage not in INFERENCE_STAGES:
         raise ValueError(f"stage={stage!r} is not valid. Expected one of {INFERENCE_STAGES}.")
-    from lightning_perf.benchmark.worker import MEMORY_STEPS, SETTLE_STEPS
-
     available = None
     if datamodule is not None:
         datamodule.setup(stage)

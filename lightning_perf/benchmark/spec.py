@@ -118,6 +118,17 @@ def _gpu_name(index: int) -> str:
         return f"name unknown: {type(exc).__name__}"
 
 
+MEMORY_STEPS = 2
+"""Steps a run on a CPU measures memory over, right after its warm-up, in a process started with
+:data:`~lightning_perf.profiling.memory.TRUTHFUL_CPU_MEMORY_ENV` (peak RSS is then the peak of memory in use). That
+setting makes every large allocation slow, so it is switched off after them
+(:func:`~lightning_perf.profiling.memory.truthful_cpu_peak`) and :data:`SETTLE_STEPS` more steps let the heap grow to
+the working set before any step is timed: the timed steps allocate as a user's training does."""
+
+SETTLE_STEPS = 1
+"""Untimed steps after the memory steps (and the switch to full-speed allocation), before the timed ones."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
     """What every run of a bench (and every trial of the tuner) measures with; only plain values, so it travels as

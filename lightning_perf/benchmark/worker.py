@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from lightning_perf._device import as_device, synchronize
 from lightning_perf._warnings import NoEffectWarning
-from lightning_perf.benchmark.spec import RunSpec
+from lightning_perf.benchmark.spec import MEMORY_STEPS, SETTLE_STEPS, RunSpec
 from lightning_perf.benchmark.structure import training_step_flops
 from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer, truthful_cpu_peak
 
@@ -83,16 +83,6 @@ class RunResult:
     predict_skipped: str | None = None  # why a fit run timed no inference (a user's data without a predict split)
     no_effect: list[str] = field(default_factory=list)  # a callback's own "did not apply" (NoEffectWarning) texts
     threads: int | None = None  # the intra-op threads the run used (RunSpec.threads, else torch's default)
-
-
-MEMORY_STEPS = 2
-"""Steps a run on a CPU measures memory over, right after its warm-up, in a process started with
-:data:`~lightning_perf.profiling.memory.TRUTHFUL_CPU_MEMORY_ENV` (peak RSS is then the peak of memory in use). That
-setting makes every large allocation slow, so it is switched off after them
-(:func:`~lightning_perf.profiling.memory.truthful_cpu_peak`) and :data:`SETTLE_STEPS` more steps let the heap grow to
-the working set before any step is timed: the timed steps allocate as a user's training does."""
-
-SETTLE_STEPS = 1
 
 
 class _StepClock(Callback):
