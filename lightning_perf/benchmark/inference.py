@@ -128,7 +128,7 @@ def measure_inference(
             )
     # On a CPU: memory over up to MEMORY_STEPS batches the data can spare beside a settling one and three timed ones
     # (or all of `steps`, if fewer); none when it cannot: the timed batches come first.
-    spare = steps + MEMORY_STEPS if available is None else available - warmup - SETTLE_STEPS - min(steps, 3)
+    spare = MEMORY_STEPS if available is None else available - warmup - SETTLE_STEPS - min(steps, 3)
     memory = max(0, min(MEMORY_STEPS, spare))
     clock = _InferenceClock(stage, device, warmup, memory)
     if clock.memory_end is None:  # nothing measures host memory: host allocations at full speed

@@ -141,6 +141,7 @@ def decide_threads(
     check_int("decide_threads", "cores", cores, 1, allow_none=True)
     usable = cores or 1
     environ = os.environ if environ is None else environ
+    busy = 0
     if asked is not None:
         threads, reason = asked, "asked for"
     elif _positive_int(environ.get("OMP_NUM_THREADS")):
@@ -149,9 +150,9 @@ def decide_threads(
         now = other_cores if other_cores is not None and math.isfinite(other_cores) else load
         busy = math.floor(now + 0.5) if now is not None and math.isfinite(now) and now > 0 else 0
         threads, reason = max(1, usable - busy), "auto"
-        if busy:  # threads that spin between parallel regions would compete with that load (guide)
-            return ThreadChoice(threads, usable, load, environ.get("OMP_WAIT_POLICY") or PASSIVE, reason, other_cores)
-    return ThreadChoice(threads, usable, load, environ.get("OMP_WAIT_POLICY") or None, reason, other_cores)
+    # Threads that spin between parallel regions would compete with a load there at the start (guide).
+    policy = environ.get("OMP_WAIT_POLICY") or (PASSIVE if busy else None)
+    return ThreadChoice(threads, usable, load, policy, reason, other_cores)
 
 
 def thread_env(threads: int | None, wait_policy: str | None = None) -> dict[str, str]:

@@ -337,8 +337,8 @@ def _run(spec: RunSpec, build: Builder | None) -> RunResult:
     result.trainer_settings = sorted(settings) + (["callbacks"] if file_callbacks else [])
     # The bench's own settings, then the file's, then the configuration's own (its precision over the file's).
     trainer_kwargs = {"accelerator": device.type, "devices": 1, "precision": spec.precision, **QUIET_FIT_KWARGS}
-    untimed = spec.warmup_steps + (MEMORY_STEPS + SETTLE_STEPS if device.type == "cpu" else 0)
-    trainer_kwargs |= {"max_steps": untimed + spec.steps, **settings, **config.trainer_kwargs}
+    clock = _StepClock(device, spec.warmup_steps)  # its untimed steps: warm-up, and on a CPU memory and settling
+    trainer_kwargs |= {"max_steps": clock.untimed_steps + spec.steps, **settings, **config.trainer_kwargs}
     result.precision = str(trainer_kwargs["precision"])
     if config.strategy is not None:
         trainer_kwargs["strategy"] = config.strategy()
@@ -347,7 +347,6 @@ def _run(spec: RunSpec, build: Builder | None) -> RunResult:
         _time_inference_stage(spec, model, datamodule, trainer_kwargs, callbacks, result)
         result.wall_s = time.perf_counter() - wall_start
         return result
-    clock = _StepClock(device, spec.warmup_steps)
     pl.Trainer(callbacks=[clock, *callbacks], **trainer_kwargs).fit(model, datamodule=datamodule)
     _record_steps(clock, spec.steps, result)
     if spec.predict_batches > 0 and not _has_predict_data(model, datamodule):
