@@ -546,7 +546,7 @@ def test_a_copy_taken_mid_fit_starts_idle(tmp_path: Path) -> None:
     assert copy_._phases is None and copy_._handles == []
     assert not {"on_train_batch_start", "on_train_batch_end"} & copy_.__dict__.keys()  # silenced then: not carried
     assert callback.report is not None and callback.report["steps_run"] == 4
-    assert callback.report["steps"]["total"] == 2  # the warm-up step and the first sampled one (sample_every=32)
+    assert callback.report["steps"]["total"] == 2  # the warm-up step and the first sampled one (sample_every=100)
 
 
 @pytest.mark.gpu
@@ -705,4 +705,4 @@ def test_a_failing_sampled_fit_gives_the_hooks_back(tmp_path: Path) -> None:
 def test_sample_every_is_checked() -> None:
     with pytest.raises(ValueError, match="sample_every=0"):
         BottleneckCallback(sample_every=0)
-    assert BottleneckCallback().sample_every == 32
+    assert BottleneckCallback().sample_every == 100
