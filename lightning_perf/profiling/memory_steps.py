@@ -76,12 +76,13 @@ LEAK_CHECK_EVERY_N_STEPS = 50
 """While training, the leak verdict is renewed after this many steps, then every quarter of the steps seen so far (at
 least this many), so that the checks cost a bounded share of the run; and at the end of fit."""
 
-LEAK_READ_EVERY_N_STEPS_CPU = 64
-"""After the first verdict, on CPU, the leak series reads the last sampled point of one step in this many: one glibc
-``mallinfo2`` heap walk per 64 steps. A walk visits every free chunk of every arena: 100-150 us in a training process
-(the step has evicted the heap's free lists from the caches; 8 us in a warm loop), and a reading step with its two
-hooks about 200 us more than a quiet one (2-core AMD EPYC, 3 ms steps), so about 0.1% at this spacing. A slow leak
-(1 KiB/step) is reported within about 2,000 steps; a large one at the first verdict (step 50)."""
+LEAK_READ_EVERY_N_STEPS_CPU = 128
+"""After the first verdict, on CPU, the leak series reads the last sampled point of one step in this many (and the
+verdict is renewed on such steps only): one glibc ``mallinfo2`` heap walk per 128 steps. A walk visits every free
+chunk of every arena: 100-150 us in a training process (the step has evicted the heap's free lists from the caches;
+8 us in a warm loop); seen from outside, a reading step costs about 0.25 ms more than a quiet one (2-core AMD EPYC,
+1.2 ms steps, `examples/observer_overhead.py`), about 0.4% of such steps at one in 64, hence one in 128. A slow leak
+(1 KiB/step) is reported within about 4,000 steps; a large one at the first verdict (step 50)."""
 
 _MIB = 1024.0 * 1024.0
 _INSIDE = frozenset(("after_forward", "after_backward"))  # the points read by hooks inside the step
@@ -129,7 +130,7 @@ class MemorySteps:
     ``mallinfo2`` heap walk each; the earlier readings are thinned to the same spacing, and a snapshot that falls on
     the series' steps adds its points), on CUDA (the caching allocator's counter) at every point of every step;
     whatever ``every_n_steps``; into storage allocated once, so the series does not measure itself.
-    ``leak_min_samples`` counts these readings: on CPU a verdict after warm-up needs about 30 x 64 steps. Warm-up
+    ``leak_min_samples`` counts these readings: on CPU a verdict after warm-up needs about 30 x 128 steps. Warm-up
     is left out: the first epoch when it is shorter than ``warmup_steps`` steps, else the first ``warmup_steps`` steps
     (lazily built optimizer state, allocator arenas, the first validation run's caches). On the rest, for each point,
     :func:`~lightning_perf.profiling.detect_leaks` fits a Theil-Sen slope and Sen's distribution-free 95% interval,
@@ -141,7 +142,8 @@ class MemorySteps:
     hundred steps, yet is small per step next to that scatter, while a leak adds its bytes at every step; the same
     rule holds on a calm GPU allocator and a busy CPU heap, for any model size. While training, the verdict is renewed
     on the last sampled point of the step every :data:`LEAK_CHECK_EVERY_N_STEPS` steps (then every quarter of the
-    steps so far, :meth:`leak_check_due`), on every point when that one grows, and on every point at the end
+    steps so far, :meth:`leak_check_due`; on CPU at the next step the series reads anyway), on every point when that
+    one grows, and on every point at the end
     (:meth:`check_leaks`; a renewal stops at :func:`~lightning_perf.profiling.leaks.could_leak`'s cheap screen
     unless the readings rise steadily); once a leak is found these readings stop (the full samples go on). Cost on
     CPU: ``mallinfo2`` walks every free chunk of every arena, microseconds on a fresh heap, a few percent of a 2 ms
@@ -306,7 +308,10 @@ class MemorySteps:
         :data:`LEAK_CHECK_EVERY_N_STEPS`); never once a leak is found."""
         if self.leak_found or self.step_index < self._next_check:
             return False
-        self._next_check = self.step_index + max(LEAK_CHECK_EVERY_N_STEPS, self.step_index // 4)
+        due = self.step_index + max(LEAK_CHECK_EVERY_N_STEPS, self.step_index // 4)
+        # Checked at the end of step `_next_check - 1`: on a CPU, moved to the next step the series reads anyway, so
+        # that a renewal never wakes a step of its own (a heap walk and the hooks: about 0.3 ms on a 1 ms step).
+        self._next_check = due + (1 - due) % self._steady_stride
         return True
 
     def _leak_trends(self, points: Sequence[str], screen: bool = False) -> dict[str, LeakTrend]:

@@ -74,8 +74,10 @@ def test_a_steady_leak_is_reported_once_and_the_every_step_readings_stop() -> No
 
 
 def test_flat_memory_is_not_a_leak_and_the_verdict_is_renewed_on_a_schedule() -> None:
-    memory, checked, messages = run(leak=0, steps=160)
-    assert checked == [50, 100, 150] and messages == []  # then every quarter of the steps so far, at least 50
+    memory, checked, messages = run(leak=0, steps=300)
+    # Then every quarter of the steps so far, at least 50, on CPU at the next step the series reads (one in 128):
+    # due after 100 steps, renewed at the end of step 128; due after 179, renewed after step 256.
+    assert checked == [50, 129, 257] and messages == []
     report = memory.summary()
     assert report["leaks"]["leaking"] == [] and report["leaks"]["stopped_at_step"] is None
     assert report["peak_above_start"]["median"] == 1 << 20  # CPU: the peak (3 MiB) above the resident set (2 MiB)
@@ -103,7 +105,7 @@ def test_between_readings_a_step_reads_nothing_and_its_hooks_may_stay_silent() -
                 memory.check_leaks(every_point=False)
         per_step.append(probe.calls - before)
     steady = range(LEAK_CHECK_EVERY_N_STEPS, 400)
-    checks = {99, 149, 199, 249, 311, 389}  # renewed after 100, 150, 200, 250 steps, then every quarter of them
+    checks = {128, 256, 384}  # renewals (due after 100, 179, 321 steps) wait for the series' next reading step
     for step in steady:
         calls, snapshot, grid = per_step[step], step % 50 == 0, step % LEAK_READ_EVERY_N_STEPS_CPU == 0
         assert reading[step] == (snapshot or grid or step in checks), step
