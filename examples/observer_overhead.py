@@ -25,9 +25,10 @@ other (``--design``):
   same Trainer settings and the same logger (one that discards, at the Trainer's default ``log_every_n_steps``:
   observers log as they would in a run), ``torch`` on ``--threads`` threads; garbage is collected before each fit.
 
-Sizes: ``short`` (a tiny MLP, 32-64-10, batch 32: about 2 ms steps on one core of a quiet 2-core EPYC, most of it
-Lightning's own per-step work; the output prints how much a plain PyTorch loop of the same model takes) and ``long``
-(the demos' convnet ``tiny`` at width 28: about 50 ms). Printed per size and configuration: the mean step; the ratio to
+Sizes: ``short`` (a tiny MLP, 32-64-10, batch 32: 1.1-1.3 ms steps on one core of a quiet 2-core AVX-512 EPYC,
+3 ms on an AVX2 one, most of it Lightning's own per-step work; ``--short-hidden`` widens the MLP for longer steps;
+the output prints how much a plain PyTorch loop of the same model takes) and ``long`` (the demos' convnet ``tiny`` at
+width 28: 20-50 ms). Printed per size and configuration: the mean step; the ratio to
 no observer with its interval and the outside cost (ratio - 1); what this library's observers report about
 themselves (``report["overhead"]["share_of_step"]``, steady state: their hooks' calls counted, the dear ones timed
 whole, Lightning's dispatch per call timed at fit start) and its gap to the outside cost in percentage points; and the
@@ -77,9 +78,9 @@ BATCH = 32
 class TinyMLP(pl.LightningModule):
     """The short steps: so little compute that Lightning's own per-step work is most of the step."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 64) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.net = nn.Sequential(nn.Linear(32, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -103,14 +104,14 @@ class NullLogger(Logger):
         pass
 
 
-def workload(size: str, steps: int) -> tuple[pl.LightningModule, Any]:
+def workload(size: str, steps: int, hidden: int = 64) -> tuple[pl.LightningModule, Any]:
     """A fresh model from seed 0 and its data (one epoch covers the fit): ``(module, loader or datamodule)``."""
     if size == "short":
         torch.manual_seed(0)
         generator = torch.Generator().manual_seed(0)
         data = TensorDataset(torch.randn(steps * BATCH, 32, generator=generator),
                              torch.randint(0, 10, (steps * BATCH,), generator=generator))  # fmt: skip
-        return TinyMLP(), DataLoader(data, batch_size=BATCH)
+        return TinyMLP(hidden), DataLoader(data, batch_size=BATCH)
     model, datamodule = make_workload("convnet", "tiny", seed=0, width=LONG_WIDTH)
     datamodule.num_samples["train"] = steps * datamodule.batch_size
     return model, datamodule
@@ -269,7 +270,7 @@ def run_once(args: argparse.Namespace, size: str, extra: dict[str, Any], out: Pa
     """One fit: its mean and median steady step, the observer's self-reported share, the time after the last step."""
     steps = args.warmup + (args.steps if size == "short" else args.long_steps)
     pl.seed_everything(0, verbose=False)
-    model, data = workload(size, steps)
+    model, data = workload(size, steps, args.short_hidden)
     clock = StepClock()
     observers = extra.pop("callbacks", [])
     fit(model, data, steps, [clock, *observers], out, extra)
@@ -285,7 +286,7 @@ def run_toggled(args: argparse.Namespace, size: str, extra: dict[str, Any], out:
     steps = args.warmup + (args.steps if size == "short" else args.long_steps)
     states, pairs = toggle_schedule(steps, args.warmup, args.block, seed)
     pl.seed_everything(0, verbose=False)
-    model, data = workload(size, steps)
+    model, data = workload(size, steps, args.short_hidden)
     observers = extra.pop("callbacks", [])
     toggle = Toggle(observers[0] if observers else extra.get("profiler"), states)
     fit(model, data, steps, [*observers, toggle], out, extra)
@@ -344,9 +345,9 @@ def summarize_toggled(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[list[
     return rows, results
 
 
-def plain_step_s(size: str, steps: int = 200) -> float:
+def plain_step_s(size: str, hidden: int = 64, steps: int = 200) -> float:
     """The same model, batch and optimizer in a plain PyTorch loop: the median step without Lightning."""
-    model, data = workload(size, steps)
+    model, data = workload(size, steps, hidden)
     if not isinstance(data, DataLoader):
         data.setup("fit")
         data = data.train_dataloader()
@@ -419,6 +420,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--long-rounds", type=int, default=None, help="rounds of long steps (default: --rounds)")
     parser.add_argument("--sizes", default="short,long", help="comma-separated, from short, long")
+    parser.add_argument("--short-hidden", type=int, default=64, help="hidden width of the short steps' MLP (64; "
+                        "wider for longer steps, e.g. to match 2 ms steps on a faster CPU)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the shortest steps)")
     parser.add_argument("--advanced", action="store_true", help="also Lightning's AdvancedProfiler (slow)")
     parser.add_argument("--design", choices=("toggle", "fits"), default="toggle",
@@ -451,6 +454,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("need --steps and --long-steps >= 10, --warmup >= 2, --rounds >= 2 and --block >= 2")
     if args.long_rounds is not None and args.long_rounds < 2:
         parser.error(f"--long-rounds {args.long_rounds}: need >= 2")
+    if args.short_hidden < 1:
+        parser.error(f"--short-hidden {args.short_hidden}: need >= 1")
     if args.plain_rounds < 1:
         parser.error(f"--plain-rounds {args.plain_rounds}: need >= 1 (the self-report and the end of fit)")
     if any(s not in ("short", "long") for s in sizes):
@@ -476,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             runs = measure(args, size, configs, out)
             rows, report["results"][size] = summarize(runs)
-        plain, step = plain_step_s(size), report["results"][size]["none"]["step_mean_s"]
+        plain, step = plain_step_s(size, args.short_hidden), report["results"][size]["none"]["step_mean_s"]
         report["plain"][size] = {"plain_pytorch_step_s": plain, "lightning_step_s": step}
         columns = ["configuration", "step (mean)", "ratio to none [95%]", "outside", "self-report", "self - outside",
                    "end of fit +"]  # fmt: skip
