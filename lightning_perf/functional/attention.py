@@ -112,7 +112,7 @@ from lightning_perf.functional.attention_modules import (
     FusedQKVSpec,
     SwappedAttention,
 )
-from lightning_perf.functional.attention_parity import check_parity
+from lightning_perf.functional.attention_parity import check_parity, time_against_original
 from lightning_perf.functional.attention_trace import SDPACalls
 from lightning_perf.functional.sharding import (
     is_fsdp_module,
@@ -152,6 +152,7 @@ __all__ = [
     "restore_attention",
     "restore_attention_implementations",
     "swap_attention",
+    "time_against_original",
 ]
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "module_dtype",
     "outputs_close",
     "relative_error",
+    "time_against_original",
     "train_without_dropout",
 ]
 
@@ -246,3 +247,39 @@ def _is_float_tensor(value: Any) -> bool:
 def module_dtype(module: nn.Module) -> torch.dtype:
     """The dtype of the module's first floating point parameter (float32 without any)."""
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
+def time_against_original(
+    original: nn.Module,
+    swapped: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    compute_dtype: torch.dtype | None = None,
+    repeats: int = 5,
+) -> tuple[float, float]:
+    """Forward and backward of ``original`` and of ``swapped`` on one real call (``args``, ``kwargs``: what the swapped
+    module received in training), alternating, in their current mode and under autocast to ``compute_dtype``:
+    ``(ms original, ms swapped)``, each the median of ``repeats`` after one warm-up call each.
+
+    Gradients are taken with :func:`torch.autograd.grad` (no ``.grad`` is touched) with respect to the floating point
+    inputs and the parameters; the global RNG is left as it was (dropout draws nothing a training step would).
+    """
+    import statistics
+    import time
+
+    dev = module_device(original)
+    leaves = {id(a): a.detach().requires_grad_(True) for a in args if _is_float_tensor(a)}
+    call_args = tuple(leaves.get(id(a), a) for a in args)
+    params = [p for p in original.parameters() if p.requires_grad]  # the swapped module holds the same ones
+    wrt = [*leaves.values(), *params]
+    times: dict[int, list[float]] = {0: [], 1: []}
+    with _fork_rng(dev), torch.enable_grad(), _autocast(dev, compute_dtype):
+        for round_ in range(repeats + 1):
+            for index, module in enumerate((original, swapped) if round_ % 2 else (swapped, original)):
+                start = time.perf_counter()
+                out = _first_tensor(module(*call_args, **kwargs))
+                torch.autograd.grad(out.float().sum(), wrt, allow_unused=True)
+                if round_:
+                    times[index if round_ % 2 else 1 - index].append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[0]), statistics.median(times[1])

@@ -266,9 +266,61 @@ def test_a_failed_or_interrupted_fit_leaves_the_plain_model(tmp_path: Path, erro
 
 def test_validate_and_predict_swap_too_and_bf16_mixed(tmp_path: Path) -> None:
     model = SequenceModule(encoder(depth=2))
-    callback = FlashAttentionCallback()
+    callback = FlashAttentionCallback(time_first_batch=False)  # the swap itself, whichever kernel is faster here
     run = trainer(tmp_path, callbacks=[callback], precision="bf16-mixed")
     run.fit(model)
     run.validate(model, verbose=False)
     assert callback.swapped == ["net.layers.0.self_attn", "net.layers.1.self_attn"]
     assert not any(isinstance(m, FusedMultiheadAttention) for m in model.modules())
+
+
+class Kinds(FlashAttentionCallback):
+    """Records the class of the first block's attention module at each training batch's start."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self.seen = [*getattr(self, "seen", []), type(pl_module.net.blocks[0].attn).__name__]
+
+
+@pytest.mark.parametrize("own_faster", [True, False], ids=["own-faster", "swap-faster"])
+def test_on_a_cpu_in_bf16_the_first_batch_decides_between_the_swap_and_the_original(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_faster: bool
+) -> None:
+    """The timing is scripted (its figures are the machine's); what is checked is the mechanism: one timing per kind of
+    module on the first training batch's real call, the originals back where they were at least 5% faster, the
+    decision's reason with both times, state_dict keys and teardown as with any swap."""
+    calls: list[tuple[tuple[int, ...], object]] = []
+
+    def scripted(original: nn.Module, swapped: nn.Module, args: tuple, kwargs: dict, **options: object) -> tuple:
+        calls.append((tuple(args[0].shape), options["compute_dtype"]))
+        assert original.training and isinstance(swapped, SwappedAttention) and not kwargs
+        return (1.0, 2.0) if own_faster else (2.0, 1.0)
+
+    monkeypatch.setattr("lightning_perf.callbacks.flash_attention.time_against_original", scripted)
+    model = GPTModule()
+    keys = set(model.state_dict())
+    callback = Kinds()
+    trainer(tmp_path, callbacks=[callback], precision="bf16-mixed", max_steps=3).fit(model)
+    assert calls == [((8, 7, 16), torch.bfloat16)]  # one kind of module (2 blocks), the first batch's (B, T, dim)
+    names = ["net.blocks.0.attn", "net.blocks.1.attn"]
+    assert [callback.decisions[n].action for n in names] == ["kept" if own_faster else "swapped"] * 2
+    times = "own 1.00 ms, swapped 2.00 ms" if own_faster else "own 2.00 ms, swapped 1.00 ms"
+    assert times in callback.decisions[names[0]].reason
+    assert callback.swapped == ([] if own_faster else names)
+    kept = "NanoGPTAttention" if own_faster else "FusedQKVAttention"
+    assert callback.seen == ["FusedQKVAttention", kept, kept]  # the first batch runs swapped either way
+    assert not any(isinstance(m, SwappedAttention) for m in model.modules())  # teardown: the originals, as always
+    assert set(model.state_dict()) == keys
+
+
+def test_the_timing_leaves_no_gradient_and_the_rng_as_it_was() -> None:
+    from lightning_perf.functional.attention import swap_attention, time_against_original
+
+    model = TinyGPT(depth=1).train()
+    result = swap_attention(model, device="cpu", compute_dtype=torch.bfloat16)
+    ((original, swapped),) = result.replaced.values()
+    x = torch.randn(2, 5, 16)
+    state = torch.get_rng_state()
+    own, fused = time_against_original(original, swapped, (x,), {}, compute_dtype=torch.bfloat16, repeats=2)
+    assert own > 0 and fused > 0
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(p.grad is None for p in model.parameters())
