@@ -31,6 +31,7 @@ from lightning_perf.functional.attention import (
 )
 from lightning_perf.functional.attention_kernels import HALF_DTYPES
 from lightning_perf.functional.surgery import restore_modules, take_over_modes
+from lightning_perf.profiling.step_phases import is_compiled
 
 _KEEP_OWN_BELOW = 0.95
 """On a CPU in half precision, a swapped module's original goes back when it measured at most this fraction of the
@@ -164,7 +165,7 @@ class FlashAttentionCallback(UndoOnExit):
         self.decisions = result.decisions
         self._result = result
         if self.time_first_batch and self._device.type == "cpu" and self._compute_dtype in HALF_DTYPES:
-            self._probes = _Probe.for_swap(pl_module, result)
+            self._probes = _Probe.for_swap(result)
         if not result.decisions:
             warn_once(
                 f"FlashAttentionCallback found no attention module in {type(pl_module).__name__} that it knows "
@@ -209,7 +210,7 @@ class FlashAttentionCallback(UndoOnExit):
         if not self._probes:
             return
         probes, self._probes = self._probes, []
-        compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules())
+        compiled = is_compiled(pl_module)
         for probe in probes:
             probe.stop()
             if compiled or (timed := probe.time(self._compute_dtype)) is None:  # compiled: a swap back recompiles
@@ -218,8 +219,8 @@ class FlashAttentionCallback(UndoOnExit):
             timing = f"at the first training batch, forward and backward: own {own:.2f} ms, swapped {swapped:.2f} ms"
             if own > _KEEP_OWN_BELOW * swapped:
                 for name in probe.names:
-                    kernel, reason, action = self.decisions[name].kernel, self.decisions[name].reason, SWAPPED
-                    self.decisions[name] = AttentionDecision(kernel, f"{reason}; {timing}", action)
+                    kept = self.decisions[name]
+                    self.decisions[name] = AttentionDecision(kept.kernel, f"{kept.reason}; {timing}", kept.action)
                 continue
             back = {name: self._result.replaced.pop(name) for name in probe.names}
             restore_modules(pl_module, back)
@@ -281,7 +282,7 @@ class _Probe:
         self._handle = swapped.register_forward_pre_hook(self._capture, with_kwargs=True)
 
     @classmethod
-    def for_swap(cls, model: nn.Module, result: SwapResult) -> list[_Probe]:
+    def for_swap(cls, result: SwapResult) -> list[_Probe]:
         kinds: dict[tuple[Any, ...], list[str]] = {}
         for name, (original, _) in result.replaced.items():
             if result.decisions[name].action == SWAPPED:

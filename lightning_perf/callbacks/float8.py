@@ -34,6 +34,7 @@ from lightning_perf.functional.float8 import (
     sharded_linears,
     time_linear_shape,
 )
+from lightning_perf.profiling.step_phases import is_compiled
 
 __all__ = ["Float8TrainingCallback"]
 
@@ -221,7 +222,7 @@ def _has_compile(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
 
     if any(isinstance(cb, CompileCallback) for cb in getattr(trainer, "callbacks", ())):
         return True
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules())
+    return is_compiled(pl_module)
 
 
 def _why_none(plan: Float8Plan) -> str:

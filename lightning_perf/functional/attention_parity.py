@@ -273,13 +273,13 @@ def time_against_original(
     call_args = tuple(leaves.get(id(a), a) for a in args)
     params = [p for p in original.parameters() if p.requires_grad]  # the swapped module holds the same ones
     wrt = [*leaves.values(), *params]
-    times: dict[int, list[float]] = {0: [], 1: []}
+    modules: list[tuple[list[float], nn.Module]] = [([], original), ([], swapped)]
     with _fork_rng(dev), torch.enable_grad(), _autocast(dev, compute_dtype):
-        for round_ in range(repeats + 1):
-            for index, module in enumerate((original, swapped) if round_ % 2 else (swapped, original)):
+        for round_ in range(repeats + 1):  # round 0 warms both up; the order alternates
+            for times, module in modules if round_ % 2 else modules[::-1]:
                 start = time.perf_counter()
                 out = _first_tensor(module(*call_args, **kwargs))
                 torch.autograd.grad(out.float().sum(), wrt, allow_unused=True)
                 if round_:
-                    times[index if round_ % 2 else 1 - index].append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[0]), statistics.median(times[1])
+                    times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(modules[0][0]), statistics.median(modules[1][0])

@@ -143,9 +143,9 @@ class MemorySteps:
     rule holds on a calm GPU allocator and a busy CPU heap, for any model size. While training, the verdict is renewed
     on the last sampled point of the step every :data:`LEAK_CHECK_EVERY_N_STEPS` steps (then every quarter of the
     steps so far, :meth:`leak_check_due`; on CPU at the next step the series reads anyway), on every point when that
-    one grows, and on every point at the end
-    (:meth:`check_leaks`; a renewal stops at :func:`~lightning_perf.profiling.leaks.could_leak`'s cheap screen
-    unless the readings rise steadily); once a leak is found these readings stop (the full samples go on). Cost on
+    one grows, and on every point at the end (:meth:`check_leaks`; a renewal stops at
+    :func:`~lightning_perf.profiling.leaks.could_leak`'s cheap screen unless the readings rise steadily); once a leak
+    is found these readings stop (the full samples go on). Cost on
     CPU: ``mallinfo2`` walks every free chunk of every arena, microseconds on a fresh heap, a few percent of a 2 ms
     step in a training process: the reason the points are not all read at every step. The loop's own calls are counted
     and timed on :attr:`cost` (:class:`~lightning_perf.profiling.timer.HookCost`; steady state from the first verdict
