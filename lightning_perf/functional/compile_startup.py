@@ -13,8 +13,12 @@ Two things lower it, and :func:`cpu_startup` applies them to a regional compile 
   so a block costs two ``g++`` runs instead of one per kernel. The wrapper then runs in C++, not Python, which does
   not slow the steady state. It is not used for a whole model: one file holding every block's calls compiles
   slower than the per-kernel libraries, several of which run in parallel.
-- the CPU vector-ISA probe (a ``g++`` build and a child process loading it, seconds, once per inductor cache folder)
-  starts on a background thread when the modules are compiled, so it overlaps with tracing instead of following it.
+- the CPU vector-ISA probe starts on a background thread when the modules are compiled, so it overlaps with tracing
+  instead of following it. Inductor checks every vector ISA the CPU reports (AVX2, AVX-512, AVX-512 VNNI, AMX) with a
+  ``g++`` build of a kernel using ATen's vector headers and a child process loading it, and some with a second build
+  for an extension (bf16, VNNI, fp16): on a 2-core AVX-512 VM nine builds and about 7-10 s one after another, once per
+  inductor cache folder (a new machine, container or ``TORCHINDUCTOR_CACHE_DIR``). The ISAs are independent, so they
+  are checked side by side, one thread each up to the usable cores, before torch picks one from its cached answers.
 
 Each applies only with the ``inductor`` backend, no ``mode`` and no ``options`` given: a user's own ``options``
 (``{"cpp_wrapper": False}`` to opt out) are left as they are.
@@ -25,9 +29,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torch import nn
+
+from lightning_perf.profiling.machine import usable_cpu_count
 
 __all__ = ["CPU_REGIONAL_OPTIONS", "cpu_startup", "on_cpu", "startup_options", "warm_cpu_probe"]
 
@@ -76,9 +83,10 @@ def cpu_startup(compile_kwargs: Mapping[str, Any], *, regional: bool, cpu: bool)
 def warm_cpu_probe() -> bool:
     """Start inductor's CPU vector-ISA probe on a daemon thread, once per process; whether it was started now.
 
-    Inductor runs the probe (build a small AVX kernel, load it in a child process) the first time it generates CPU
-    code, in the middle of the first compiled step; run ahead of it, the probe overlaps with tracing. Its result is
-    cached by torch, so the compile finds it done (or waits on the same file lock while it finishes).
+    Inductor runs the probe (for each vector ISA the CPU reports: build a small kernel, load it in a child process)
+    the first time it generates CPU code, in the middle of the first compiled step; run ahead of it, the probe
+    overlaps with tracing, and the ISAs are checked side by side (:func:`_probe`). Each answer is cached by torch, so
+    the compile finds them done (or waits on the same file lock while one finishes).
     """
     global _probe_started
     with _probe_lock:
@@ -86,13 +94,32 @@ def warm_cpu_probe() -> bool:
             return False
         _probe_started = True
     try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        from torch._inductor import cpu_vec_isa
     except ImportError:  # pragma: no cover - a later torch that moved it
         return False
-    threading.Thread(target=_probe, args=(pick_vec_isa,), name="inductor-cpu-isa-probe", daemon=True).start()
+    candidates = _isa_candidates(cpu_vec_isa)
+    threading.Thread(
+        target=_probe, args=(cpu_vec_isa.pick_vec_isa, candidates), name="inductor-cpu-isa-probe", daemon=True
+    ).start()
     return True
 
 
-def _probe(pick_vec_isa: Any) -> None:
+def _isa_candidates(cpu_vec_isa: Any) -> list[Any]:
+    """The vector ISAs inductor will check on this CPU: those of its list whose CPU flags the CPU reports (torch's
+    own filter in ``valid_vec_isa_list``, without the checks); none off x86 or where torch's names moved."""
+    try:
+        reported = cpu_vec_isa.x86_isa_checker()
+        return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(f in reported for f in str(isa).split())]
+    except Exception:  # pragma: no cover - a later torch that renamed them: the plain probe only
+        return []
+
+
+def _probe(pick_vec_isa: Any, candidates: Sequence[Any] = ()) -> None:
+    """Check ``candidates`` side by side (``bool(isa)`` builds and loads each ISA's test kernel; torch caches the
+    answer per ISA), then let torch pick one (``pick_vec_isa``) from those answers."""
     with contextlib.suppress(Exception):  # a failed probe is repeated, and reported, by the compile itself
+        workers = min(len(candidates), usable_cpu_count())
+        if workers > 1:
+            with ThreadPoolExecutor(workers, thread_name_prefix="inductor-cpu-isa-check") as pool:
+                list(pool.map(bool, candidates))
         pick_vec_isa()

@@ -110,6 +110,48 @@ def test_a_failing_probe_is_left_to_the_compile(monkeypatch: pytest.MonkeyPatch)
     compile_startup._probe(broken)  # swallowed: inductor runs the probe again and reports it
 
 
+def test_the_isas_are_checked_side_by_side_then_torch_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compile_startup, "usable_cpu_count", lambda: 2)
+    both_running = threading.Barrier(2, timeout=10)  # broken (and the checks unrecorded) if they ran one after another
+    checked: list[str] = []
+    picked: list[list[str]] = []
+
+    class FakeISA:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __bool__(self) -> bool:
+            both_running.wait()
+            checked.append(self.name)
+            return True
+
+    compile_startup._probe(lambda: picked.append(sorted(checked)), [FakeISA("avx512"), FakeISA("avx2")])
+    assert picked == [["avx2", "avx512"]]  # the pick comes after both checks
+
+
+def test_one_core_leaves_the_checks_to_torchs_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compile_startup, "usable_cpu_count", lambda: 1)
+
+    class Untouchable:
+        def __bool__(self) -> bool:
+            raise AssertionError("checked outside torch's pick")
+
+    picked: list[bool] = []
+    compile_startup._probe(lambda: picked.append(True), [Untouchable(), Untouchable()])
+    assert picked == [True]
+
+
+def test_the_candidates_are_the_isas_whose_flags_the_cpu_reports() -> None:
+    class Module:
+        supported_vec_isa_list = ["avx512 avx512_vnni amx_tile", "avx512 avx512_vnni", "avx512", "avx2", "asimd"]
+
+        @staticmethod
+        def x86_isa_checker() -> list[str]:
+            return ["avx2", "avx512"]
+
+    assert compile_startup._isa_candidates(Module) == ["avx512", "avx2"]
+
+
 # ------------------------------------------------------------------------------------------------ real compilers
 
 
