@@ -330,17 +330,23 @@ def summarize_toggled(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[list[
         ons = [x for r in mine for x in r["ons"]]
         offs = [x for r in mine for x in r["offs"]]
         estimate = paired_ratio(ons, offs, above_one="slower", below_one="faster")
+        # The same ratio per round (one fit each), its interval over rounds: it holds what varies from fit to fit,
+        # which the pairs of one fit share (a fit's own speed regime, where its rare dear steps fell)
+        rounds = paired_ratio([statistics.fmean(r["ons"]) for r in mine], [statistics.fmean(r["offs"]) for r in mine],
+                              above_one="slower", below_one="faster")  # fmt: skip
         own = [r["own"] for r in mine if r["own"] is not None]
         tails = [r["tail_s"] - b["tail_s"] for r, b in zip(mine, runs["none"]) if r["tail_s"] is not None]
         outside = estimate.ratio - 1
         gap = 100 * (statistics.median(own) - outside) if own else None
         own_cell = f"{100 * statistics.median(own):.2f}%" if own else "-"
         rows.append([name + (" (A/A)" if name == "none" else ""), format_seconds(statistics.fmean(offs)),
-                     estimate.format(4), f"{100 * outside:+.2f}%", own_cell,
+                     estimate.format(4), rounds.format(4), f"{100 * outside:+.2f}%", own_cell,
                      f"{gap:+.2f} pp" if gap is not None else "-",
                      "-" if name == "none" else format_seconds(statistics.median(tails))])  # fmt: skip
         results[name] = {"step_mean_s": statistics.fmean(ons), "step_off_mean_s": statistics.fmean(offs),
-                         "pairs": len(ons), **estimate.to_dict("ratio_to_none"), "self_reported_share": own or None,
+                         "pairs": len(ons), **estimate.to_dict("ratio_to_none"), **rounds.to_dict("over_rounds"),
+                         "round_ratios": [statistics.fmean(r["ons"]) / statistics.fmean(r["offs"]) for r in mine],
+                         "self_reported_share": own or None,
                          "self_minus_outside_pp": gap, "end_of_fit_extra_s": tails}  # fmt: skip
     return rows, results
 
@@ -483,8 +489,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows, report["results"][size] = summarize(runs)
         plain, step = plain_step_s(size, args.short_hidden), report["results"][size]["none"]["step_mean_s"]
         report["plain"][size] = {"plain_pytorch_step_s": plain, "lightning_step_s": step}
-        columns = ["configuration", "step (mean)", "ratio to none [95%]", "outside", "self-report", "self - outside",
-                   "end of fit +"]  # fmt: skip
+        columns = ["configuration", "step (mean)", "ratio to none [95%]", "over rounds [95%]", "outside", "self-report",
+                   "self - outside", "end of fit +"]  # fmt: skip
+        if args.design != "toggle":  # a fit is a round there: its interval is over rounds already
+            columns.remove("over rounds [95%]")
         measured = args.steps if size == "short" else args.long_steps
         design = args.design + (f", {args.clock} clock" if args.design == "toggle" else "")
         rounds = size_rounds(args, size)
