@@ -15,6 +15,7 @@ import pytest
 
 from lightning_perf.profiling.leaks import (
     MIN_LEAK_SAMPLES,
+    NOISE_FLOOR_STEPS,
     LeakSeries,
     detect_leaks,
     noise_floor,
@@ -171,7 +172,21 @@ def test_churn_is_significant_yet_not_a_leak() -> None:
     rng = np.random.default_rng(3)
     trend = verdict(allocator_noise(rng, 3000))
     assert trend.significant and trend.segments_growing == 3
-    assert trend.slope * 2 < trend.noise_floor and not trend.leaking
+    assert trend.slope * NOISE_FLOOR_STEPS < trend.noise_floor and not trend.leaking
+
+
+def test_a_kib_per_step_read_one_step_in_128_is_flagged_though_two_steps_are_below_the_floor() -> None:
+    # The CPU leak series after its first verdict: 31 readings 128 steps apart; read that sparsely the readings scatter
+    # by 2-3 KB around the line (the heap's jumps between them), more than two steps of a 1 KiB/step leak.
+    below_two_steps = 0
+    for seed in range(20):
+        rng = np.random.default_rng(5000 + seed)
+        steps = 128 * np.arange(1, 32)
+        values = 50_000_000 + KIB * steps + np.round(rng.normal(0.0, 3000.0, steps.size))
+        trend = detect_leaks({"after_optimizer": (steps.tolist(), values.tolist())})["after_optimizer"]
+        assert trend.leaking, (seed, trend)
+        below_two_steps += trend.slope * 2 < trend.noise_floor
+    assert below_two_steps >= 10  # the regime the rule's four steps are for
 
 
 def test_a_random_walk_is_never_flagged() -> None:
