@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torch import nn
@@ -117,9 +116,25 @@ def _isa_candidates(cpu_vec_isa: Any) -> list[Any]:
 def _probe(pick_vec_isa: Any, candidates: Sequence[Any] = ()) -> None:
     """Check ``candidates`` side by side (``bool(isa)`` builds and loads each ISA's test kernel; torch caches the
     answer per ISA), then let torch pick one (``pick_vec_isa``) from those answers."""
+    workers = min(len(candidates), usable_cpu_count())
+    if workers > 1:  # daemon threads (a pool's would hold the interpreter's exit until their builds end)
+        todo, lock = list(candidates), threading.Lock()
+
+        def check() -> None:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    isa = todo.pop(0)
+                with contextlib.suppress(Exception):  # a failed check is repeated, and reported, by the compile
+                    bool(isa)
+
+        threads = [
+            threading.Thread(target=check, name=f"inductor-cpu-isa-check-{i}", daemon=True) for i in range(workers)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     with contextlib.suppress(Exception):  # a failed probe is repeated, and reported, by the compile itself
-        workers = min(len(candidates), usable_cpu_count())
-        if workers > 1:
-            with ThreadPoolExecutor(workers, thread_name_prefix="inductor-cpu-isa-check") as pool:
-                list(pool.map(bool, candidates))
         pick_vec_isa()
