@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import statistics
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -265,9 +267,6 @@ def time_against_original(
     Gradients are taken with :func:`torch.autograd.grad` (no ``.grad`` is touched) with respect to the floating point
     inputs and the parameters; the global RNG is left as it was (dropout draws nothing a training step would).
     """
-    import statistics
-    import time
-
     dev = module_device(original)
     leaves = {id(a): a.detach().requires_grad_(True) for a in args if _is_float_tensor(a)}
     call_args = tuple(leaves.get(id(a), a) for a in args)
