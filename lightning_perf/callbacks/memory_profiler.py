@@ -132,7 +132,7 @@ class MemoryProfilerCallback(UndoOnExit):
         self._memory: MemorySteps | None = None
         self._cuda: cuda_history.CudaRecording | None = None  # (CUDA) history and OOM snapshots
         self._silenced: int | None = None  # 0 no hook silenced, 1 those inside the step, 2 and the end (None: CUDA)
-        self._last_logged, self._epoch, self._every = 0, 0, 0
+        self._epoch, self._every = 0, 0
         # (CPU) steps left to count down, and the countdown's length; Lightning's dispatch, timed in the loop
         self._quiet, self._skipped, self._dispatch = 0, 0, obs.DispatchSamples()
         # (CPU, one optimizer stepping once a batch) the countdown runs in its post-hook; Lightning's step counter
@@ -142,7 +142,7 @@ class MemoryProfilerCallback(UndoOnExit):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.report = self._memory = self._cuda = self._done = None
-        self._last_logged, self._epoch = 0, trainer.current_epoch
+        self._epoch = trainer.current_epoch
         self._quiet, self._skipped, self._dispatch = 0, 0, obs.DispatchSamples()
         self._every = obs.live_interval(trainer, self.log_every_n_steps)  # 0: no logger to send figures to
         device, name = pl_module.device, type(self).__name__
@@ -150,7 +150,7 @@ class MemoryProfilerCallback(UndoOnExit):
             msg = f"`{name}` measures CPU and CUDA memory; the run is on {device.type}, so nothing is sampled."
             return warn_once(msg, NoEffectWarning)
         steps = (self.points, self.every_n_steps, self.warmup_steps, self.leak_threshold, self.leak_min_samples)
-        self._memory = MemorySteps(MemoryProbe(device), *steps)
+        self._memory = MemorySteps(MemoryProbe(device), *steps, log_every_n_steps=self._every)
         self._memory.cost.dispatch_ns = obs.hook_dispatch_ns(trainer)
         # Nothing is read before the optimizer step: that hook stays silent all fit; on CPU the others between readings.
         self._silenced = 0 if device.type == "cpu" else None
@@ -158,6 +158,7 @@ class MemoryProfilerCallback(UndoOnExit):
         if device.type == "cpu" and obs.steps_once_per_batch(trainer, pl_module):  # countdown in the post-hook
             self._done = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
             self._handles = [trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step)]
+        self._memory.cheap_at_start = self._done is None  # else the post-hook reads the step's end
         directory = obs.report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
         stem = obs.report_stem(directory, self.filename, _REPORT_PATTERNS, self.overwrite)
         self._cuda = cuda_history.CudaRecording(directory, stem, trainer.global_rank)
@@ -168,13 +169,24 @@ class MemoryProfilerCallback(UndoOnExit):
             warn_once(msg + " No history is written.", NoEffectWarning)
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        # A quiet step: counted down once (a step() calling super().step() runs post-hooks twice), billed (sampled).
+        # A quiet step: counted down once (a step() calling super().step() runs post-hooks twice), its end read, billed.
         if self._quiet and (memory := self._memory) is not None and (done := self._done.completed) != self._counted:
             entry = time.perf_counter_ns()
-            self._counted, self._quiet = done, self._quiet - 1
+            self._counted = done
+            steady = self._count_down(memory)
             if not self._quiet:  # the last step of the countdown: wake the next one's start
                 obs.silence_hooks(self, ("on_train_batch_start",), False)
-            memory.cost.quiet_step(entry)
+            memory.cost.quiet_step(entry, steady)
+
+    def _count_down(self, memory: MemorySteps) -> bool:
+        """A quiet step: the cheap reading of its memory (when that opens a leak confirmation, the countdown ends).
+        Returns whether the step is past the observer's warm-up."""
+        index = memory.step_index + self._skipped - self._quiet
+        if memory.read_cheap(index, self._epoch):
+            self._skipped -= self._quiet - 1  # the steps run quietly, this one included
+            self._quiet = 1
+        self._quiet -= 1
+        return index >= memory.cost.first
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
         """Stop the OOM listener and the history recording, give the hooks back (teardown, and on an exception)."""
@@ -206,12 +218,12 @@ class MemoryProfilerCallback(UndoOnExit):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if quiet := self._quiet:  # (CPU) a step that reads nothing: a countdown, the step's other hooks silenced
-            self._quiet = quiet - 1
-            return
         if (memory := self._memory) is None:
             return
-        memory.skip(self._skipped, counted=self._done is not None)  # the steps the countdown let run, in bulk
+        if self._quiet:  # (CPU) a step that reads only its start: a countdown, the step's other hooks silenced
+            entry = time.perf_counter_ns()
+            return memory.cost.quiet_step(entry, self._count_down(memory))
+        memory.skip(self._skipped, counted=True)  # the steps the countdown let run, in bulk (each billed its read)
         self._skipped = 0
         memory.plan_step()  # whether the step reads anything, and how its hooks are timed
         entry = memory.cost.begin()
@@ -263,11 +275,8 @@ class MemoryProfilerCallback(UndoOnExit):
             return
         entry = memory.cost.begin()
         step = memory.end_step(self._epoch, time.perf_counter_ns())
-        if step is not None and self._every and trainer.global_step - self._last_logged >= self._every:
-            self._last_logged = trainer.global_step
-            peak, last = step["end"].peak, step[self.points[-1]]
-            figures = {"memory/peak": peak, "memory/allocated": last.allocated, "memory/reserved": last.reserved}
-            obs.log_metrics(trainer, figures)
+        if memory.logging:
+            obs.log_metrics(trainer, memory.log_figures(step))
         if memory.leak_check_due() and (leaking := memory.check_leaks(every_point=False)):
             warn_once(ms.leak_message(type(self).__name__, leaking), MeasurementWarning)
         if self._silenced is not None and memory.quiet_ahead():  # (CPU) the next step reads nothing
@@ -279,7 +288,7 @@ class MemoryProfilerCallback(UndoOnExit):
         memory, cuda = self._memory, self._cuda
         if memory is None or cuda is None:
             return
-        memory.skip(self._skipped - self._quiet, counted=self._done is not None)  # since the last reading step
+        memory.skip(self._skipped - self._quiet, counted=True)  # since the last reading step
         self._skipped = self._quiet
         memory.cost.dispatch_ns = self._dispatch.median(memory.cost.dispatch_ns)  # timed in the loop (CPU)
         if leaking := memory.check_leaks():

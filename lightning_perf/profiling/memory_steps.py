@@ -2,12 +2,11 @@
 
 A loop (Lightning's hooks in :class:`~lightning_perf.callbacks.MemoryProfilerCallback`, or a hand-written one) tells
 :class:`MemorySteps` where each step is; it takes a full :class:`~lightning_perf.profiling.MemorySample` at each point
-of one step in ``every_n_steps``, reads the cheap ``allocated`` at each point of every step until the first verdict,
-then (on CPU) at the last point of one step in 64, into a :class:`~lightning_perf.profiling.LeakSeries`, and renews
-the leak verdict (:func:`~lightning_perf.profiling.detect_leaks`) on a schedule whose cost is a bounded share of the
-run. A step that reads nothing says so beforehand (:meth:`MemorySteps.plan_step`, :attr:`MemorySteps.reading`), so a
-loop can skip its other calls; :meth:`MemorySteps.quiet_ahead` says how many steps to come read nothing, so a loop can
-run them with no call at all and count them afterwards (:meth:`MemorySteps.skip`)::
+of one step in ``every_n_steps`` and watches every step for leaks (:class:`MemorySteps` says how: on CUDA the
+allocator's counter at each point, on CPU the resident set screened, then memory in use read to confirm). A step that
+reads nothing but the cheap signal says so beforehand (:meth:`MemorySteps.plan_step`, :attr:`MemorySteps.reading`), so
+a loop can skip its other calls; :meth:`MemorySteps.quiet_ahead` says how many steps to come are such steps, so a loop
+can run them with one call each (:meth:`MemorySteps.read_cheap`) and count them afterwards (:meth:`MemorySteps.skip`)::
 
     steps = MemorySteps(MemoryProbe("cpu"), every_n_steps=5, warmup_steps=10)
     for epoch in range(epochs):
@@ -29,6 +28,7 @@ run them with no call at all and count them afterwards (:meth:`MemorySteps.skip`
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,9 @@ from lightning_perf.profiling.leaks import (
     LeakTrend,
     could_leak,
     detect_leaks,
+    sen_slope_interval,
+    theil_sen_slope,
+    trend_of,
 )
 from lightning_perf.profiling.memory import MemoryProbe, MemorySample
 from lightning_perf.profiling.report import format_bytes, format_seconds, plot_lines, text_table
@@ -48,9 +51,10 @@ from lightning_perf.profiling.timer import HookCost
 
 __all__ = [
     "LEAK_CHECK_EVERY_N_STEPS",
-    "LEAK_READ_EVERY_N_STEPS_CPU",
     "PHASES",
     "POINTS",
+    "SCREEN_FIRST_GAP",
+    "SCREEN_READ_EVERY_N_STEPS_CPU",
     "MemorySteps",
     "check_leak_threshold",
     "check_points",
@@ -73,16 +77,15 @@ PHASES: dict[str, str] = {
 """What each point of :data:`POINTS` means, as the leak warning says it."""
 
 LEAK_CHECK_EVERY_N_STEPS = 50
-"""While training, the leak verdict is renewed after this many steps, then every quarter of the steps seen so far (at
-least this many), so that the checks cost a bounded share of the run; and at the end of fit."""
+"""The observer's warm-up (its own cost is counted from this step on); on CUDA the leak verdict is renewed after this
+many steps, then every quarter of the steps seen so far (at least this many), and at the end of fit."""
 
-LEAK_READ_EVERY_N_STEPS_CPU = 128
-"""After the first verdict, on CPU, the leak series reads the last sampled point of one step in this many (and the
-verdict is renewed on such steps only): one glibc ``mallinfo2`` heap walk per 128 steps. A walk visits every free
-chunk of every arena: 100-150 us in a training process (the step has evicted the heap's free lists from the caches;
-8 us in a warm loop); seen from outside, a reading step costs about 0.25 ms more than a quiet one (2-core AMD EPYC,
-1.2 ms steps, `examples/observer_overhead.py`), about 0.4% of such steps at one in 64, hence one in 128. A slow leak
-(1 KiB/step) is reported within about 4,000 steps; a large one at the first verdict (step 50)."""
+SCREEN_READ_EVERY_N_STEPS_CPU = 1
+"""On CPU the leak screen reads the resident set (``/proc/self/statm``) at one step in this many."""
+
+SCREEN_FIRST_GAP = 25
+"""On CPU the first leak screen runs this many steps after the series holds ``leak_min_samples`` readings past
+warm-up; later screens every eighth of the steps so far, at least this many apart."""
 
 _MIB = 1024.0 * 1024.0
 _INSIDE = frozenset(("after_forward", "after_backward"))  # the points read by hooks inside the step
@@ -122,35 +125,40 @@ def check_leak_threshold(owner: str, leak_threshold: Any) -> float | None:
 
 
 class MemorySteps:
-    """Memory at the points of each step: full samples every ``every_n_steps`` steps, ``allocated`` more often.
+    """Memory at the points of each step: full samples every ``every_n_steps`` steps, a leak watch on every step.
 
-    Leak detection, by significance and with no absolute bound in bytes: memory in use (``allocated``) is read at
-    each point of every step until the first verdict (:data:`LEAK_CHECK_EVERY_N_STEPS`), so that a large leak shows
-    at once; from then on, on CPU, at the last point of one step in :data:`LEAK_READ_EVERY_N_STEPS_CPU` (a glibc
-    ``mallinfo2`` heap walk each; the earlier readings are thinned to the same spacing, and a snapshot that falls on
-    the series' steps adds its points), on CUDA (the caching allocator's counter) at every point of every step;
-    whatever ``every_n_steps``; into storage allocated once, so the series does not measure itself.
-    ``leak_min_samples`` counts these readings: on CPU a verdict after warm-up needs about 30 x 128 steps. Warm-up
-    is left out: the first epoch when it is shorter than ``warmup_steps`` steps, else the first ``warmup_steps`` steps
-    (lazily built optimizer state, allocator arenas, the first validation run's caches). On the rest, for each point,
-    :func:`~lightning_perf.profiling.detect_leaks` fits a Theil-Sen slope and Sen's distribution-free 95% interval,
-    and flags the point when, over at least ``leak_min_samples`` steps, the interval lies above zero (growth noise
-    would rarely produce), it does so in each third of the steps as well (steady: a cache that fills up and stops, or
-    a one-time jump, leaves a third flat), and the growth over two steps reaches the noise floor of the readings
-    (their robust scatter around the trend, measured over short blocks). That last rule is relative to the readings,
-    not a number of bytes: the allocator's own churn drifts up in occasional jumps that can be significant over a few
-    hundred steps, yet is small per step next to that scatter, while a leak adds its bytes at every step; the same
-    rule holds on a calm GPU allocator and a busy CPU heap, for any model size. While training, the verdict is renewed
-    on the last sampled point of the step every :data:`LEAK_CHECK_EVERY_N_STEPS` steps (then every quarter of the
-    steps so far, :meth:`leak_check_due`; on CPU at the next step the series reads anyway), on every point when that
-    one grows, and on every point at the end (:meth:`check_leaks`; a renewal stops at
-    :func:`~lightning_perf.profiling.leaks.could_leak`'s cheap screen unless the readings rise steadily); once a leak
-    is found these readings stop (the full samples go on). Cost on
-    CPU: ``mallinfo2`` walks every free chunk of every arena, microseconds on a fresh heap, a few percent of a 2 ms
-    step in a training process: the reason the points are not all read at every step. The loop's own calls are counted
-    and timed on :attr:`cost` (:class:`~lightning_perf.profiling.timer.HookCost`; steady state from the first verdict
-    on, the steps that read timed whole), and reported as ``overhead``; what timing its calls cannot see is left out
-    (a heap walk evicts the CPU's caches, so the training work right after it may run slower).
+    Leak detection, by significance and with no absolute bound in bytes, on every step of any epoch:
+
+    - **CUDA**: the caching allocator's ``allocated`` counter (exact, no synchronization) is read at each point of
+      every step into a :class:`~lightning_perf.profiling.LeakSeries`; the verdict
+      (:func:`~lightning_perf.profiling.detect_leaks`) is renewed after :data:`LEAK_CHECK_EVERY_N_STEPS` steps, then
+      every quarter of the steps so far (:meth:`leak_check_due`), and at the end of fit.
+    - **CPU**: a cheap signal every :data:`SCREEN_READ_EVERY_N_STEPS_CPU` step, the expensive look only to confirm.
+      The resident set (one ``pread`` of ``/proc/self/statm``, :meth:`MemoryProbe.resident`) is read at the end of
+      every step (:meth:`read_cheap`; where the optimizer does not step once a batch, at its start) into a series of
+      its own. A **screen** of that series (:data:`SCREEN_FIRST_GAP` steps after it holds ``leak_min_samples``
+      readings past warm-up, then every eighth of the steps so far, at least :data:`SCREEN_FIRST_GAP`) asks whether
+      it rises steadily in each third of the later half of the run (:func:`~lightning_perf.profiling.leaks.
+      could_leak`) and significantly (Sen's interval above zero). The resident set is too coarse to judge a leak by
+      itself (glibc trims and grows the heap by megabytes, and a leak pins pages around it), so a screen that passes
+      opens a **confirmation**: the next ``leak_min_samples`` steps read memory in use (glibc ``mallinfo2``, a heap
+      walk) at every point, and :func:`~lightning_perf.profiling.detect_leaks` judges those readings with the full
+      rule. A confirmed leak is reported once; a refused one (the heap in use is flat: the resident set grew for
+      another reason) pushes the next screen back (50, 100, 200... steps). Delay: a 256 KiB/step leak is reported
+      about ``warmup_steps + 2 * leak_min_samples + 25`` steps into the fit (about 140 by default); a 4 KiB/step one
+      within a few hundred steps more (the screen must see the resident set grow).
+
+    On both, warm-up is left out of the verdict: the first epoch when it is shorter than ``warmup_steps`` steps, else
+    the first ``warmup_steps`` steps (lazily built optimizer state, allocator arenas, the first validation run's
+    caches). The rule (:mod:`~lightning_perf.profiling.leaks`): over at least ``leak_min_samples`` readings, a
+    Theil-Sen slope whose 95% interval lies above zero, a steady rise in each third, and growth over
+    :data:`~lightning_perf.profiling.leaks.NOISE_FLOOR_STEPS` steps that reaches the readings' noise floor.
+
+    The loop's own calls are counted and timed on :attr:`cost` (:class:`~lightning_perf.profiling.timer.HookCost`;
+    steady state from step :data:`LEAK_CHECK_EVERY_N_STEPS` on, the steps that read timed whole, the cheap reads of
+    the other steps as quiet calls) and reported as ``overhead``. A step that reads only the cheap signal says so
+    beforehand (:attr:`reading` False), so a loop can leave its other calls out; :meth:`quiet_ahead` says how many
+    steps to come are such steps.
 
     Args:
         probe: what reads the memory (CPU or CUDA).
@@ -159,7 +167,10 @@ class MemorySteps:
         warmup_steps: leading steps left out of the leak trend and the snapshot table, at most (a shorter first epoch
             is left out of the trend instead).
         leak_threshold: optional extra bound in bytes per step (see :func:`~lightning_perf.profiling.detect_leaks`).
-        leak_min_samples: steps after warm-up needed before a point can be reported as leaking.
+        leak_min_samples: readings after warm-up needed before a point can be reported as leaking (and the length of
+            a CPU confirmation).
+        log_every_n_steps: also read the cheap figures (:meth:`log_figures`) at the end of one step in this many (0:
+            never).
     """
 
     def __init__(
@@ -170,6 +181,7 @@ class MemorySteps:
         warmup_steps: int = 50,
         leak_threshold: float | None = None,
         leak_min_samples: int = 30,
+        log_every_n_steps: int = 0,
     ) -> None:
         self.probe = probe
         self.points = check_points(type(self).__name__, points)
@@ -177,25 +189,32 @@ class MemorySteps:
         self.warmup_steps = warmup_steps
         self.leak_threshold = leak_threshold
         self.leak_min_samples = leak_min_samples
-        self.series = LeakSeries(self.points)
-        cuda = probe.device.type == "cuda"
-        # After the first verdict, on CPU: the last point of one step in LEAK_READ_EVERY_N_STEPS_CPU (a heap walk each).
-        self._steady_stride = 1 if cuda else LEAK_READ_EVERY_N_STEPS_CPU
-        self._read_points = self.points  # the points the leak series reads (the last one only in CPU steady state)
+        self.log_every_n_steps = log_every_n_steps
+        self.series = LeakSeries(self.points)  # CUDA: every step; CPU: the last confirmation's steps
+        cpu = probe.device.type != "cuda"
+        # (CPU) the resident set at one point of every step, and the screen's schedule
+        self.cheap = LeakSeries(("resident",), capacity=2048, stride=SCREEN_READ_EVERY_N_STEPS_CPU) if cpu else None
+        self.cheap_at_start = False  # the loop reads the cheap signal at the step's start (not its end)
+        self._screen_at = leak_min_samples * SCREEN_READ_EVERY_N_STEPS_CPU  # the next screen, at the earliest
+        self._backoff = LEAK_CHECK_EVERY_N_STEPS
+        self._confirm: tuple[int, int] | None = None  # (CPU) the confirmation's steps [first, end)
+        self.screens: list[dict[str, Any]] = []  # (CPU) each screen that opened a confirmation, and its outcome
         self.step_index = 0  # steps begun (the running step's index is one less)
         self._index = -1
         self._planned = -1
         self.reading = False  # whether the running step reads or checks anything (else its hooks can stay silent)
         self.sampling = False  # whether the running step is sampled
+        self.logging = False  # whether the running step reads the cheap figures for the loggers
         self._current: dict[str, MemorySample] = {}
         self.steps: list[int] = []  # per sampled step: its index,
         self.epochs: list[int] = []  # its epoch,
         self.samples: list[dict[str, MemorySample]] = []  # and its samples by point ("end": the step's peak)
         self.trends: dict[str, LeakTrend] = {}
+        self.cheap_trend: LeakTrend | None = None
         self.leak_start: int | None = None
         self.leak_found = False
         self._next_check = LEAK_CHECK_EVERY_N_STEPS
-        # Where the loop counts and times its own calls; the dense readings before the first verdict are warm-up.
+        # Where the loop counts and times its own calls; the first steps are warm-up.
         self.cost = HookCost(first=LEAK_CHECK_EVERY_N_STEPS)
         self._first_end: tuple[int, int] | None = None  # (step, ns) of the first steady step ended
         self._last_end = (0, 0)
@@ -206,32 +225,40 @@ class MemorySteps:
         """Whether the running step reads anything (a sampled step, or one in the leak series)."""
         return self.sampling or self.series.recording
 
+    def _confirming(self, index: int) -> bool:
+        return self._confirm is not None and self._confirm[0] <= index < self._confirm[1]
+
     def plan_step(self) -> None:
         """Decide, before the next step's first hook, whether it reads or checks anything (:attr:`reading`) and how
         its calls are timed (whole when it does); :meth:`begin_step` does it if the loop did not."""
         index = self._planned = self.step_index
-        self.reading = (
-            index % self.every_n_steps == 0
-            or self.series.will_record(index)
-            or (not self.leak_found and index + 1 >= self._next_check)
-        )
+        self.logging = bool(self.log_every_n_steps) and (index + 1) % self.log_every_n_steps == 0
+        self.reading = index % self.every_n_steps == 0 or self.logging
+        if self.cheap is None:  # CUDA: every step
+            self.reading = self.reading or self.series.will_record(index)
+        else:
+            self.reading = self.reading or self._confirming(index)
         self.cost.step(index, heavy=self.reading)
 
     def quiet_ahead(self) -> int:
-        """How many steps from the next one on read and check nothing (0: the next one does): a loop may run them
-        without any call, then say so with :meth:`skip` before the next step that reads (:meth:`plan_step`)."""
+        """How many steps from the next one on read nothing but the cheap signal (0: the next one does): a loop may run
+        them with no call but :meth:`read_cheap`, then say so with :meth:`skip` before the next step that reads."""
         index = self.step_index
+        if self.cheap is None and self.series.stopped_at is None:  # CUDA: the leak series reads every step
+            return 0
         ahead = [index + (-index) % self.every_n_steps]  # the next full snapshot
-        if self.series.stopped_at is None:  # the leak series' next reading (at its stride now)
-            ahead.append(index + (-index) % self.series.stride)
-        if not self.leak_found:  # the step after which the verdict is renewed
+        if self.log_every_n_steps:
+            ahead.append(index + (-index - 1) % self.log_every_n_steps)
+        if self._confirm is not None:
+            ahead.append(max(index, self._confirm[0]))
+        if self.cheap is None and not self.leak_found:  # the step after which the verdict is renewed
             ahead.append(max(index, self._next_check - 1))
         return min(ahead) - index
 
     def skip(self, steps: int, counted: bool = False) -> None:
         """``steps`` steps ran that read nothing (as :meth:`quiet_ahead` allowed), with no call: counted in bulk, each
         billed one quiet call (:class:`~lightning_perf.profiling.timer.HookCost`: the framework's dispatch of the
-        loop's one hook plus a counter), unless ``counted``: the loop billed its counter itself
+        loop's one hook plus a counter), unless ``counted``: the loop billed its calls itself
         (:meth:`~lightning_perf.profiling.timer.HookCost.quiet_step`, e.g. in an optimizer's post-hook)."""
         start, end = self.step_index, self.step_index + steps
         if not counted:
@@ -241,22 +268,49 @@ class MemorySteps:
             self.cost.warmup_calls += steps - steady
         self.step_index = end
 
+    def read_cheap(self, index: int, epoch: int, stamp: bool = True) -> bool:
+        """(CPU) Read the cheap signal for step ``index`` (steps in order, each once; the loop calls it on the steps
+        it runs quietly, :meth:`begin_step` or :meth:`end_step` on the others, per :attr:`cheap_at_start`) and screen
+        it when due; ``stamp``: the clock read now marks the step for the mean step time. Returns True when a
+        confirmation opens: the steps from the next one on read (see :meth:`quiet_ahead`)."""
+        cheap = self.cheap
+        if cheap is None or not cheap.start_step(index, epoch):
+            return False
+        cheap.record("resident", self.probe.resident())
+        if stamp:
+            self._stamp(index, time.perf_counter_ns())
+        if index < self._screen_at or self.leak_found or self._confirm is not None:
+            return False
+        first = self._leak_first_step(cheap)
+        if index < (earliest := first + self.leak_min_samples * cheap.stride + SCREEN_FIRST_GAP):
+            self._screen_at = earliest  # enough readings past warm-up
+            return False
+        self._screen_at = index + max(SCREEN_FIRST_GAP, index // 8)
+        steps, values = cheap.series(max(first, index // 2))["resident"]
+        if not could_leak(values, self.leak_min_samples) or not sen_slope_interval(steps, values).grows:
+            return False
+        self._confirm = (index + 1, index + 1 + self.leak_min_samples)
+        self.series = LeakSeries(self.points)
+        self.screens.append({"step": index, "rate_bytes_per_step": theil_sen_slope(steps, values)})
+        return True
+
     def begin_step(self, epoch: int) -> None:
         """A step begins with its batch on the device: ``after_data``; a sampled step's peak is reset after it."""
         if self._planned != self.step_index:
             self.plan_step()
         index = self._index = self.step_index
         self.step_index += 1
+        if self.cheap_at_start:
+            self.read_cheap(index, epoch, stamp=False)
         if not self.reading:  # the common step: nothing to read
             self.sampling = self.inside = False
             self.series.skip_step()
             return
-        if index == LEAK_CHECK_EVERY_N_STEPS and self._steady_stride > 1 and not self.leak_found:
-            self.series.coarsen(self._steady_stride)
-            self._read_points = self.points[-1:]
-        recording = self.series.start_step(index, epoch)
+        recording = (self.cheap is None or self._confirming(index)) and self.series.start_step(index, epoch)
+        if not recording:
+            self.series.skip_step()
         self.sampling = index % self.every_n_steps == 0
-        self.inside = self.sampling or (recording and not _INSIDE.isdisjoint(self._read_points))
+        self.inside = self.sampling or (recording and not _INSIDE.isdisjoint(self.points))
         if self.sampling:
             self._current = {"start": self.probe.sample()} if "after_data" not in self.points else {}
         self.sample("after_data")
@@ -265,7 +319,7 @@ class MemorySteps:
             self.probe.reset_peak(start)  # nothing to reset where the peak is the level already
 
     def sample(self, point: str, overwrite: bool = False) -> None:
-        """Read ``point``: the full sample on sampled steps, the cheap ``allocated`` for the leak series always.
+        """Read ``point``: the full sample on sampled steps, ``allocated`` for the leak series where it reads.
 
         Without ``overwrite`` only the point's first reading in the step is kept.
         """
@@ -276,7 +330,7 @@ class MemorySteps:
             sample = self.probe.sample()
             self._current[point] = sample
             series.record(point, sample.allocated, overwrite)
-        elif series.recording and point in self._read_points and series.wants(point, overwrite):
+        elif series.recording and series.wants(point, overwrite):
             series.record(point, self.probe.allocated(), overwrite)
 
     def end_step(self, epoch: int, end_ns: int) -> dict[str, MemorySample] | None:
@@ -286,10 +340,10 @@ class MemorySteps:
             The sampled step's samples by point (``"end"``: the sample holding its peak), None for a step not sampled.
         """
         index = self._index
-        if self._first_end is None and index >= self.cost.first:
-            self._first_end = (index, end_ns)
-        self._last_end = (index, end_ns)
+        self._stamp(index, end_ns)
         self.sample("after_optimizer", overwrite=True)
+        if not self.cheap_at_start:
+            self.read_cheap(index, epoch, stamp=False)
         step = None
         if self.sampling:
             self.sampling = False
@@ -301,42 +355,72 @@ class MemorySteps:
             self.samples.append(step)
         return step
 
+    def _stamp(self, index: int, ns: int) -> None:
+        """Step ``index`` ended (or began, for all steps alike) at ``ns``: the mean step time, for the self-report."""
+        if self._first_end is None and index >= self.cost.first:
+            self._first_end = (index, ns)
+        self._last_end = (index, ns)
+
+    def log_figures(self, step: dict[str, MemorySample] | None) -> dict[str, float]:
+        """The figures for the loggers at the end of this step: from its full sample where it has one, else the cheap
+        ones (CPU: the resident set and its peak from one ``/proc`` read, no heap walk, so no ``memory/allocated``;
+        CUDA: the allocator's three counters). The peak is the highest since the last sampled step's start."""
+        last = step[self.points[-1]] if step is not None else self.probe.sample(heap=self.cheap is None)
+        figures: dict[str, float] = {
+            "memory/peak": step["end"].peak if step is not None else last.peak,
+            "memory/reserved": last.reserved,
+        }
+        return figures if last.allocated < 0 else {**figures, "memory/allocated": last.allocated}
+
     # -------------------------------------------------------------------------------------------------- leaks
 
     def leak_check_due(self) -> bool:
-        """Whether the verdict is due after this step (then not again for a quarter of the steps so far, at least
-        :data:`LEAK_CHECK_EVERY_N_STEPS`); never once a leak is found."""
-        if self.leak_found or self.step_index < self._next_check:
+        """Whether the verdict is due after this step: CUDA after :data:`LEAK_CHECK_EVERY_N_STEPS` steps, then every
+        quarter of the steps so far; CPU at a confirmation's last step. Never once a leak is found."""
+        if self.leak_found:
             return False
-        due = self.step_index + max(LEAK_CHECK_EVERY_N_STEPS, self.step_index // 4)
-        # Checked at the end of step `_next_check - 1`: on a CPU, moved to the next step the series reads anyway, so
-        # that a renewal never wakes a step of its own (a heap walk and the hooks: about 0.3 ms on a 1 ms step).
-        self._next_check = due + (1 - due) % self._steady_stride
+        if self.cheap is not None:
+            return self._confirm is not None and self.step_index >= self._confirm[1]
+        if self.step_index < self._next_check:
+            return False
+        self._next_check = self.step_index + max(LEAK_CHECK_EVERY_N_STEPS, self.step_index // 4)
         return True
+
+    def _leak_first_step(self, series: LeakSeries) -> int:
+        # The first step of the leak window: after the first epoch when it is shorter than `warmup_steps`.
+        second_epoch = series.first_step_of_epoch_after(0)
+        return self.warmup_steps if second_epoch is None else min(self.warmup_steps, second_epoch)
 
     def _leak_trends(self, points: Sequence[str], screen: bool = False) -> dict[str, LeakTrend]:
         """The trends of ``points`` over the leak window; with ``screen``, none (an empty dict) unless each point
         passes :func:`~lightning_perf.profiling.leaks.could_leak`, the cheap necessary conditions of a leak."""
-        # The first step of the leak window: after the first epoch when it is shorter than `warmup_steps`.
-        second_epoch = self.series.first_step_of_epoch_after(0)
-        self.leak_start = self.warmup_steps if second_epoch is None else min(self.warmup_steps, second_epoch)
+        self.leak_start = self._leak_first_step(self.cheap if self.cheap is not None else self.series)
         series = self.series.series(self.leak_start)
         if screen and not all(could_leak(series[p][1], self.leak_min_samples) for p in points):
             return {}
         return detect_leaks({p: series[p] for p in points}, self.leak_threshold, self.leak_min_samples)
 
     def check_leaks(self, every_point: bool = True) -> list[LeakTrend]:
-        """Renew the verdict (``every_point=False``: the step's last point first, a leak shows at every point).
+        """Renew the verdict (``every_point=False``: the step's last point first, a leak shows at every point); on
+        CPU, judge the confirmation that just ended (or, at the end of fit, the one under way: too short to flag).
 
         Returns:
-            The leaking points' trends, fastest first, the first time a leak is found (else an empty list). The
-            every-step readings stop then (on a heap that keeps growing, glibc's ``mallinfo2`` walks more and more free
-            chunks, so they get dearer); the full samples every ``every_n_steps`` go on.
+            The leaking points' trends, fastest first, the first time a leak is found (else an empty list). The leak
+            series then stops; the full samples every ``every_n_steps`` go on.
         """
+        if self.cheap is not None and self.cheap.rows:
+            steps, values = self.cheap.series(self._leak_first_step(self.cheap))["resident"]
+            self.cheap_trend = trend_of("resident", steps, values, self.leak_min_samples, self.leak_threshold)
         if not every_point and not any(t.leaking for t in self._leak_trends(self.points[-1:], screen=True).values()):
-            return []
-        self.trends = self._leak_trends(self.points)
-        leaking = sorted((t for t in self.trends.values() if t.leaking), key=lambda t: t.slope_low, reverse=True)
+            leaking = []
+        else:
+            self.trends = self._leak_trends(self.points)
+            leaking = sorted((t for t in self.trends.values() if t.leaking), key=lambda t: t.slope_low, reverse=True)
+        if self._confirm is not None and self.step_index >= self._confirm[1]:  # (CPU) a confirmation ends
+            self.screens[-1]["confirmed"] = bool(leaking)
+            self._confirm = None
+            if not leaking:
+                self._screen_at, self._backoff = self.step_index + self._backoff, 2 * self._backoff
         if not leaking or self.leak_found:
             return []
         self.leak_found = True
@@ -390,7 +474,15 @@ class MemorySteps:
                 "rule": f"interval above zero overall and in each of {SEGMENTS} consecutive parts, and the growth over "
                 f"{NOISE_FLOOR_STEPS} steps at least the noise floor of the readings",
                 "first_step": self.leak_start,
-                "sampled_every_n_steps": self.series.stride,
+                "sampled_every_n_steps": self.series.stride if self.cheap is None else None,
+                "screen": None
+                if self.cheap is None
+                else {
+                    "signal": "resident set (/proc/self/statm), confirmed by memory in use (mallinfo2) at every point",
+                    "read_every_n_steps": self.cheap.stride,
+                    "trend": self.cheap_trend,
+                    "confirmations": self.screens,
+                },
                 "stopped_at_step": self.series.stopped_at,
                 "threshold_bytes_per_step": self.leak_threshold,
                 "min_samples": self.leak_min_samples,

@@ -622,11 +622,14 @@ class HookCost:
             self.timed_ns += elapsed
             self.timed_calls += 1
 
-    def quiet_step(self, entry_ns: int) -> None:
+    def quiet_step(self, entry_ns: int, steady: bool = True) -> None:
         """A skipped step's counter (the observer's one call on such a step that does more than read a flag, e.g. an
         optimizer's step post-hook) ends; it began at ``entry_ns`` (``time.perf_counter_ns``). A quiet call; one in 16
         is timed, and all are billed at the median of those (:meth:`counter_body_ns`): in a running fit, cold caches
-        make it cost several times what a warm loop measures (:func:`quiet_call_ns`)."""
+        make it cost several times what a warm loop measures (:func:`quiet_call_ns`). A warm-up step's (not
+        ``steady``) is left out."""
+        if not steady:
+            return
         self.quiet_calls += 1
         n = self.counter_calls = self.counter_calls + 1
         if not n & 15:

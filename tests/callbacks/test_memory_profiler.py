@@ -119,8 +119,8 @@ def test_reports_go_to_the_default_root_dir_and_peaks_to_the_logger(tmp_path: Pa
     assert saved["leaks"]["leaking"] == []
     assert (out / "memory_profile.png").stat().st_size > 0
     rows = [r for r in csv.DictReader((out / "metrics.csv").open()) if r.get("memory/peak")]
-    # Steps 0, 2, 4 are sampled (global steps 1, 3, 5 once they end); a log needs 2 steps since the last one.
-    assert [int(r["step"]) for r in rows] == [3, 5]
+    # One step in `log_every_n_steps` (steps 1, 3, 5: global steps 2, 4, 6 once they end), whether sampled or not.
+    assert [int(r["step"]) for r in rows] == [2, 4, 6]
     assert all(float(r["memory/peak"]) >= float(r["memory/reserved"]) > 0 for r in rows)
 
 
@@ -159,19 +159,6 @@ class TinyMLP(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-class KeepsDetachedTensors(TinyMLP):
-    """Keeps a detached 1 KiB tensor per step (256 float32): no graph, just bytes that never go."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kept: list[torch.Tensor] = []
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        self.kept.append(torch.full((256,), loss.item()))
-        return loss
-
-
 class LogsAValuePerStep(TinyMLP):
     """Logs a value every step: the logger's buffers fill and flush, which must not look like a leak."""
 
@@ -194,119 +181,125 @@ def leak_warnings(caught: Any) -> list[str]:
 def test_a_module_that_keeps_its_graphs_is_caught(tmp_path: Path) -> None:
     callback = MemoryProfilerCallback(verbose=False)
     with pytest.warns(MeasurementWarning, match="leak") as caught:
-        fit_convnet(tmp_path, callback, model=LeakyConvNet(), max_steps=52)  # the verdict comes at step 50
+        fit_convnet(tmp_path, callback, model=LeakyConvNet(), max_steps=104)
     messages = leak_warnings(caught)
     assert len(messages) == 1  # said once per fit, however often the verdict is renewed
     assert "KiB/step (95% interval" in messages[0]
     leaks = callback.report["leaks"]
     assert leaks["leaking"] == list(POINTS)
     trend = leaks["trends"]["after_optimizer"]
-    # The first epoch (16 steps) is left out; every later step is in the series until the verdict at step 50, where
-    # the leak is reported and the every-step readings stop.
-    assert leaks["first_step"] == 16 and leaks["stopped_at_step"] == 50
-    assert (trend.first_step, trend.last_step, trend.samples) == (16, 49, 34)
+    # The first epoch (16 steps) is left out; the resident set's screen runs 25 steps after it holds 30 readings (step
+    # 71), memory in use is read at every point of the next 30 steps, and the verdict comes after them.
+    assert leaks["first_step"] == 16 and leaks["stopped_at_step"] == 102
+    assert leaks["screen"]["confirmations"][0]["step"] == 71 and leaks["screen"]["confirmations"][0]["confirmed"]
+    assert (trend.first_step, trend.last_step, trend.samples) == (72, 101, 30)
     assert trend.slope_low <= trend.slope <= trend.slope_high
     # The kept outputs alone are 32 x 10 float32 per step; their graph keeps far more (a bound on any machine).
     assert trend.slope_low > 32 * 10 * 4
 
 
-_DETACHED_KIB_FIT = """
+class KeepsBytes(TinyMLP):
+    """Keeps a detached tensor of ``size`` bytes per step: no graph, just bytes that never go."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size, self.kept = size, list[torch.Tensor]()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.kept.append(torch.full((self.size // 4,), loss.item()))
+        return loss
+
+
+_LONG_EPOCH_FITS = """
 import json, sys, warnings
 from pathlib import Path
+import lightning.pytorch as pl, torch
+from torch.utils.data import DataLoader
 from lightning_perf import MeasurementWarning
 from lightning_perf.callbacks import MemoryProfilerCallback
-from tests.callbacks.test_memory_profiler import KeepsDetachedTensors, fit_mlp
+from tests.callbacks._quiet import quiet_trainer
+from tests.callbacks.test_memory_profiler import KeepsBytes, TinyMLP
 
-callback = MemoryProfilerCallback(verbose=False, **json.loads(sys.argv[2]))
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    fit_mlp(Path(sys.argv[1]), callback, KeepsDetachedTensors(), steps=4000)
-leaks = callback.report["leaks"]
-print(json.dumps({
-    "warnings": [str(w.message) for w in caught if issubclass(w.category, MeasurementWarning)],
-    "trend": leaks["trends"]["after_optimizer"].to_dict(),
-    "stopped_at_step": leaks["stopped_at_step"],
-}))
+out = []
+for size in json.loads(sys.argv[2]):
+    callback = MemoryProfilerCallback(verbose=False)
+    pl.seed_everything(0, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data = DataLoader(torch.randn(450 * 8, 32), batch_size=8)  # one epoch of 450 steps: no epoch end to help
+        model = KeepsBytes(size) if size else TinyMLP()
+        quiet_trainer(Path(sys.argv[1]) / str(size), [callback], max_epochs=1).fit(model, data)
+    leaks = callback.report["leaks"]
+    out.append({
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, MeasurementWarning)],
+        "leaking": leaks["leaking"], "stopped_at_step": leaks["stopped_at_step"],
+        "steps": callback.report["steps_seen"],
+        "screens": leaks["screen"]["confirmations"], "resident": leaks["screen"]["trend"].to_dict(),
+    })
+print(json.dumps(out))
 """
 
 
-def fit_detached_kib_in_a_fresh_process(root: Path, **kwargs: Any) -> dict[str, Any]:
-    """4,000 steps of a model that keeps 1 KiB a step, in a fresh process: the heap of a whole test suite (garbage of
-    earlier tests freed by the collector mid-series, inductor's compile workers' threads) moves memory between two
-    readings by hundreds of KiB (a noise floor of 400 KB measured in the suite, 0.4 KB alone), which hides a 1 KiB/step
-    trend; that is the noise a heap-walk reading has, not what these tests check. Returns the trend of the last point,
-    the leak warnings and where the readings stopped."""
-    code = [sys.executable, "-c", _DETACHED_KIB_FIT, str(root), json.dumps(kwargs)]
+def test_within_one_long_epoch_a_leak_is_flagged_by_step_300_and_a_clean_twin_never(tmp_path: Path) -> None:
+    """A clean MLP, then one that keeps 4 KiB a step, then 256 KiB a step, each one epoch of 450 steps, in a fresh
+    process: the heap of a whole test suite (garbage of earlier tests freed mid-series, compile workers' threads)
+    moves memory in use by hundreds of KiB between two readings, which is not the noise a training process has."""
+    code = [sys.executable, "-c", _LONG_EPOCH_FITS, str(tmp_path), json.dumps([0, 4096, 256 << 10])]
     proc = subprocess.run(code, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def test_a_module_that_keeps_a_detached_kib_per_step_is_caught_within_4000_steps(tmp_path: Path) -> None:
-    # After the first verdict the CPU leak series reads one step in 128 (a heap walk and its cold caches cost about
-    # 0.25 ms seen from outside): the 30 readings after warm-up (step 50) take until step 3840; the verdict comes at
-    # its renewal on a reading step or at the end of fit.
-    result = fit_detached_kib_in_a_fresh_process(tmp_path)
-    trend = result["trend"]
-    assert trend["leaking"] and trend["significant"] and trend["segments_growing"] == 3, trend
-    (message,) = [m for m in result["warnings"] if re.search(r"leak.*KiB/step", m)]
-    assert any(f"({point})" in message for point in POINTS)  # names the phase that grows
-    assert trend["samples"] in (len(range(128, 3841, 128)), len(range(128, 4000, 128)))  # at step 3840 or the end
-    assert result["stopped_at_step"] <= 4000
-    assert trend["slope_low"] > 512  # at least the tensors' 1 KiB of data, give or take what the estimate allows
+    clean, small, large = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert clean["steps"] == 450 and clean["leaking"] == [] and clean["warnings"] == []
+    assert not any(s["confirmed"] for s in clean["screens"])  # a screen may fire; a confirmation may not
+    assert clean["resident"]["samples"] == 400  # the resident set was read at every step past warm-up
+    for leak, size in ((small, 4096), (large, 256 << 10)):
+        (message,) = [m for m in leak["warnings"] if re.search(r"leak.*KiB/step", m)]
+        assert any(f"({point})" in message for point in POINTS)  # names the phase that grows
+        assert leak["leaking"] and leak["stopped_at_step"] <= 300, leak
+        assert leak["screens"][-1]["confirmed"] and leak["screens"][-1]["step"] < leak["stopped_at_step"]
+        assert leak["resident"]["slope"] > size / 2  # the resident set grows at least about as fast
 
 
 @pytest.mark.parametrize(
     ("model", "logged"), [(TinyMLP, False), (LogsAValuePerStep, True)], ids=["mlp", "logs-a-value-per-step"]
 )
 def test_models_that_do_not_leak_are_not_flagged(tmp_path: Path, model: type[TinyMLP], logged: bool) -> None:
+    # Our warnings are errors in tests: a false alarm fails here. Several epochs of 64 steps, a logger flushing.
     callback = MemoryProfilerCallback(verbose=False)
     kwargs: dict[str, Any] = {"logger": CSVLogger(tmp_path, name="run"), "log_every_n_steps": 5} if logged else {}
-    fit_mlp(tmp_path, callback, model(), steps=4000, **kwargs)
+    fit_mlp(tmp_path, callback, model(), steps=600, **kwargs)
     leaks = callback.report["leaks"]
-    assert leaks["leaking"] == []
-    # Every step until the first verdict at step 50, then the last point one step in 128 (the earlier rows thinned to
-    # match): a verdict on 31 readings after warm-up (enough to flag: 30).
-    assert leaks["first_step"] == 50 and leaks["trends"]["after_optimizer"].samples == len(range(128, 4000, 128))
-    assert leaks["stopped_at_step"] is None
+    assert leaks["leaking"] == [] and leaks["stopped_at_step"] is None
+    assert leaks["first_step"] == 50 and leaks["screen"]["trend"].samples == 550
 
 
 def test_a_clean_model_is_not_flagged(tmp_path: Path) -> None:
-    # Our warnings are errors in tests: a false alarm fails here. Validation and a logger run in between samples.
+    # Validation and a logger run in between steps.
     callback = MemoryProfilerCallback(verbose=False)
     logger = CSVLogger(tmp_path, name="run")
     fit_convnet(tmp_path, callback, max_steps=80, logger=logger, limit_val_batches=2, val_check_interval=10)
-    trends = callback.report["leaks"]["trends"]
+    leaks = callback.report["leaks"]
     # The verdict, not the measured slope: allocator noise on a shared machine moves the figure, never the verdict.
-    assert callback.report["leaks"]["leaking"] == []
-    assert set(trends) == set(POINTS) and trends["after_optimizer"].samples == len(range(128, 80, 128))
-    assert all(t.samples == len(range(128, 50, 128)) for p, t in trends.items() if p != "after_optimizer")
+    assert leaks["leaking"] == [] and leaks["screen"]["trend"].samples == 80 - 16
 
 
-def test_the_leak_series_is_read_every_step_until_the_first_verdict_then_the_last_point_one_step_in_128(
-    tmp_path: Path,
-) -> None:
+def test_the_resident_set_is_read_every_step_and_memory_in_use_on_snapshots_only(tmp_path: Path) -> None:
     callback = MemoryProfilerCallback(every_n_steps=10, warmup_steps=0, verbose=False)
-    fit_mlp(tmp_path, callback, TinyMLP(), steps=40)
-    assert callback.report["steps_sampled"] == 4  # full snapshots: steps 0, 10, 20, 30
-    trend = callback.report["leaks"]["trends"]["after_forward"]
-    assert (trend.samples, trend.first_step, trend.last_step) == (40, 0, 39)
-    assert callback.report["leaks"]["sampled_every_n_steps"] == 1
-    longer = MemoryProfilerCallback(every_n_steps=10, warmup_steps=0, verbose=False)
-    fit_mlp(tmp_path / "longer", longer, TinyMLP(), steps=200)
-    trends = longer.report["leaks"]["trends"]
-    # Thinned to 0; then read only where a snapshot falls on the series' steps (none before step 640).
-    assert (trends["after_forward"].samples, trends["after_forward"].last_step) == (1, 0)
-    last = trends["after_optimizer"]
-    assert (last.samples, last.first_step, last.last_step) == (2, 0, 128)  # a heap walk per 128 steps
-    assert longer.report["leaks"]["sampled_every_n_steps"] == 128
+    fit_mlp(tmp_path, callback, TinyMLP(), steps=200)
+    assert callback.report["steps_sampled"] == 20  # full snapshots: steps 0, 10, 20, ...
+    screen = callback.report["leaks"]["screen"]
+    assert (screen["trend"].samples, screen["trend"].first_step, screen["trend"].last_step) == (200, 0, 199)
+    assert screen["read_every_n_steps"] == 1 and screen["confirmations"] == []
+    assert all(t.samples == 0 for t in callback.report["leaks"]["trends"].values())  # no heap walk between snapshots
 
 
 def test_the_optional_threshold_can_only_silence(tmp_path: Path) -> None:
-    result = fit_detached_kib_in_a_fresh_process(tmp_path, leak_threshold=1 << 30)  # 1 GiB per step: none reaches it
-    trend = result["trend"]
-    assert trend["significant"] and not trend["leaking"] and trend["threshold"] == 1 << 30, trend
-    assert not [m for m in result["warnings"] if "leak" in m]
+    callback = MemoryProfilerCallback(verbose=False, leak_threshold=1 << 30)  # 1 GiB per step: none reaches it
+    fit_convnet(tmp_path, callback, model=LeakyConvNet(), max_steps=104)
+    leaks = callback.report["leaks"]
+    trend = leaks["trends"]["after_optimizer"]
+    assert trend.significant and not trend.leaking and trend.threshold == 1 << 30
+    assert leaks["leaking"] == [] and leaks["screen"]["confirmations"][0]["confirmed"] is False
 
 
 # ----------------------------------------------------------------------------------------------- report files
@@ -403,17 +396,15 @@ def test_the_self_report_counts_every_hook_call_it_runs(tmp_path: Path, monkeypa
         monkeypatch.setattr(MemoryProfilerCallback, name, counted)
     callback = MemoryProfilerCallback(every_n_steps=100, verbose=False)
     fit_mlp(tmp_path, callback, TinyMLP(), steps=120)
-    # Steps that read: every one before the first verdict (0-49), the first after it (50): its start and end only; the
-    # snapshot (100): every hook. The leak series' next reading and the verdict's renewal come together at step 128,
-    # after the fit. The others run none: the optimizer's post-hook counts them down, each billed a counter call (no
-    # Lightning dispatch).
-    assert by_hook["on_train_batch_start"] == 50 + 2
-    assert all(by_hook[name] == 50 + 1 for name in names[1:4]) and by_hook["on_train_batch_end"] == 50 + 2
+    # Steps that read: the snapshots (0, 100), every hook. The others run none: the optimizer's post-hook reads the
+    # resident set and counts them down, each billed a counter call (no Lightning dispatch); warm-up (0-49) left out.
+    assert by_hook["on_train_batch_start"] == by_hook["on_train_batch_end"] == 2
+    assert all(by_hook[name] == 2 for name in names[1:4])
     overhead = callback.report["overhead"]
-    assert overhead["hook_calls"] + overhead["warmup_hook_calls"] == calls["n"] == 52 + 3 * 51 + 52
-    assert overhead["warmup_hook_calls"] == 5 * 50 and overhead["steady_steps"] == 70
-    assert overhead["heavy_calls"] == overhead["hook_calls"] == 2 + 5 and overhead["dispatch_ns_per_call"] > 0
-    assert overhead["quiet_calls"] == overhead["quiet_counter_calls"] == 70 - 2 and overhead["timed_calls"] == 0
+    assert overhead["hook_calls"] + overhead["warmup_hook_calls"] == calls["n"] == 10
+    assert overhead["warmup_hook_calls"] == 5 and overhead["steady_steps"] == 70
+    assert overhead["heavy_calls"] == overhead["hook_calls"] == 5 and overhead["dispatch_ns_per_call"] > 0
+    assert overhead["quiet_calls"] == overhead["quiet_counter_calls"] == 70 - 1 and overhead["timed_calls"] == 0
     quiet = overhead["quiet_calls"] * overhead["quiet_counter_ns"]
     total = overhead["heavy_ns_total"] + quiet + overhead["hook_calls"] * overhead["dispatch_ns_per_call"]
     assert overhead["hooks_ns_total"] == pytest.approx(total)
@@ -435,6 +426,6 @@ def test_with_gradient_accumulation_the_countdown_runs_in_the_batch_start_hook(t
     callback = Counting(every_n_steps=100, verbose=False)
     fit_mlp(tmp_path, callback, TinyMLP(), steps=70, accumulate_grad_batches=2)  # 140 batches
     assert starts["n"] == 140
-    overhead = callback.report["overhead"]  # steady: 90 batches, of which 50, 100 and 128 read (128 renews the verdict)
-    assert overhead["quiet_counter_calls"] == 0 and overhead["quiet_calls"] == 90 - 3
-    assert callback.report["leaks"]["trends"]["after_optimizer"].last_step == 128  # batches, as without accumulation
+    overhead = callback.report["overhead"]  # steady: 90 batches, of which 100 reads (a snapshot)
+    assert overhead["quiet_counter_calls"] == overhead["quiet_calls"] == 90 - 1  # each reads the resident set
+    assert callback.report["leaks"]["screen"]["trend"].last_step == 139  # batches, as without accumulation

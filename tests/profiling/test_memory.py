@@ -158,7 +158,7 @@ def test_a_forked_child_reads_its_own_figures(probe: MemoryProbe) -> None:
     if pid == 0:  # the child: plain Python only, then leave without running any test machinery
         try:
             probe.sample()  # reopens the descriptor if it notices the fork
-            status = probe._status()  # what that descriptor reads now
+            status = probe._proc("/proc/self/status")  # what that descriptor reads now
             assert status is not None
             with open("/proc/self/status", "rb") as f:  # the child's own status, read the plain way
                 own = f.read()
@@ -172,7 +172,7 @@ def test_a_forked_child_reads_its_own_figures(probe: MemoryProbe) -> None:
     os.waitpid(pid, 0)
     assert child_pid == pid == own_pid != parent
     assert probe_pid == child_pid == opened_by  # the child's probe reads the child's status, not the parent's
-    parent_status = probe._status()
+    parent_status = probe._proc("/proc/self/status")
     assert parent_status is not None and _pid_in(parent_status) == parent  # the parent's descriptor still works
 
 

@@ -11,7 +11,7 @@ import torch
 from lightning_perf.profiling import MemorySample
 from lightning_perf.profiling.memory_steps import (
     LEAK_CHECK_EVERY_N_STEPS,
-    LEAK_READ_EVERY_N_STEPS_CPU,
+    SCREEN_FIRST_GAP,
     MemorySteps,
     leak_message,
     summary_lines,
@@ -30,6 +30,10 @@ class ScriptedProbe:
     def allocated(self) -> int:
         self.calls["allocated"] += 1
         return self.bytes
+
+    def resident(self) -> int:  # the cheap signal: here the same bytes (a real resident set is far noisier)
+        self.calls["resident"] += 1
+        return 2 * self.bytes
 
     def sample(self) -> MemorySample:
         self.calls["sample"] += 1
@@ -62,31 +66,68 @@ def run(leak: int, steps: int) -> tuple[MemorySteps, list[int], list[str]]:
     return memory, checked, messages
 
 
-def test_a_steady_leak_is_reported_once_and_the_every_step_readings_stop() -> None:
-    memory, checked, messages = run(leak=4096, steps=120)
-    assert checked == [50] and len(messages) == 1 and "grows by 4 KiB/step" in messages[0]
+# A screen runs once the resident set holds 30 readings past warm-up (step 20 here), SCREEN_FIRST_GAP steps later.
+SCREEN = 20 + 30 + SCREEN_FIRST_GAP
+
+
+def test_a_steady_leak_is_screened_confirmed_over_the_next_steps_and_reported_once() -> None:
+    memory, checked, messages = run(leak=4096, steps=150)
+    # The screen at step 75 passes; memory in use is read at every point of the next 30 steps, then judged.
+    assert checked == [SCREEN + 1 + 30] and len(messages) == 1 and "grows by 4 KiB/step" in messages[0]
     report = memory.summary()
-    assert (report["steps_seen"], report["steps_sampled"]) == (120, 12)
+    assert (report["steps_seen"], report["steps_sampled"]) == (150, 15)
     assert report["leaks"]["leaking"] == ["after_data", "after_forward", "after_backward", "after_optimizer"]
-    assert (report["leaks"]["first_step"], report["leaks"]["stopped_at_step"]) == (20, 50)
+    assert (report["leaks"]["first_step"], report["leaks"]["stopped_at_step"]) == (20, SCREEN + 31)
+    trend = report["leaks"]["trends"]["after_optimizer"]
+    assert (trend.first_step, trend.last_step, trend.samples) == (SCREEN + 1, SCREEN + 30, 30)  # the confirmation
+    screen = {"step": SCREEN, "rate_bytes_per_step": 8192, "confirmed": True}  # the resident set: 2x the bytes here
+    assert report["leaks"]["screen"]["confirmations"] == [screen]
     assert report["snapshots"]["after_optimizer"]["time_s"]["median"] == 3e-6  # three readings after "after_data"
     assert "leak: memory in use grows at" in summary_lines(report)[1]
 
 
-def test_flat_memory_is_not_a_leak_and_the_verdict_is_renewed_on_a_schedule() -> None:
+class FragmentingProbe(ScriptedProbe):
+    """The resident set grows a page per step, memory in use does not: what glibc's heap does to a clean run."""
+
+    def resident(self) -> int:
+        self.calls["resident"] += 1
+        self.pages = getattr(self, "pages", 0) + 1
+        return self.bytes + 4096 * self.pages
+
+
+def test_a_resident_set_that_grows_while_memory_in_use_is_flat_is_refused_and_screened_later() -> None:
+    probe = FragmentingProbe(leak=0)
+    memory = MemorySteps(probe, every_n_steps=10, warmup_steps=20)  # type: ignore[arg-type]
+    checked = []
+    for _ in range(400):
+        memory.begin_step(epoch=0)
+        memory.sample("after_forward")
+        memory.sample("after_backward", overwrite=True)
+        probe.bytes += [0, 512, -512][memory.step_index % 3]  # churn, no growth
+        memory.end_step(epoch=0, end_ns=memory.step_index * 1_000_000)
+        if memory.leak_check_due():
+            checked.append(memory.step_index)
+            assert memory.check_leaks(every_point=False) == []
+    memory.check_leaks()
+    screens = memory.summary()["leaks"]["screen"]["confirmations"]
+    assert [s["step"] for s in screens] == [SCREEN, 156, 287] and not any(s["confirmed"] for s in screens)
+    assert checked == [SCREEN + 31, 187, 318]  # each refusal pushes the next screen back: 50, then 100 steps
+    assert memory.summary()["leaks"]["leaking"] == [] and memory.summary()["leaks"]["screen"]["trend"].leaking
+
+
+def test_flat_memory_is_never_confirmed_and_memory_in_use_is_read_on_snapshots_only() -> None:
     memory, checked, messages = run(leak=0, steps=300)
-    # Then every quarter of the steps so far, at least 50, on CPU at the next step the series reads (one in 128):
-    # due after 100 steps, renewed at the end of step 128; due after 179, renewed after step 256.
-    assert checked == [50, 129, 257] and messages == []
+    assert checked == [] and messages == []
     report = memory.summary()
     assert report["leaks"]["leaking"] == [] and report["leaks"]["stopped_at_step"] is None
+    assert report["leaks"]["screen"]["confirmations"] == [] and report["leaks"]["screen"]["trend"].samples == 280
     assert report["peak_above_start"]["median"] == 1 << 20  # CPU: the peak (3 MiB) above the resident set (2 MiB)
     assert report["overhead"]["step_s_mean"] == 1e-3
 
 
-def test_between_readings_a_step_reads_nothing_and_its_hooks_may_stay_silent() -> None:
-    """After the first verdict, on CPU: a full snapshot one step in ``every_n_steps``, the leak series' last point one
-    step in LEAK_READ_EVERY_N_STEPS_CPU, and no probe call at all in the other steps, which say so (``reading``)."""
+def test_between_snapshots_a_step_reads_only_the_resident_set_and_its_hooks_may_stay_silent() -> None:
+    """On CPU: a full snapshot one step in ``every_n_steps``, the resident set at the end of every step, no other
+    probe call (no heap walk) in the other steps, which say so beforehand (``reading``)."""
     probe = ScriptedProbe(leak=0)
     memory = MemorySteps(probe, every_n_steps=50, warmup_steps=20)  # type: ignore[arg-type]
     per_step: list[Counter[str]] = []
@@ -101,22 +142,15 @@ def test_between_readings_a_step_reads_nothing_and_its_hooks_may_stay_silent() -
             memory.sample("after_forward")  # Lightning's second hook of the same point: kept once, read once
             memory.sample("after_backward", overwrite=True)
             memory.end_step(epoch=0, end_ns=memory.step_index * 1_000_000)
-            if memory.leak_check_due():
-                memory.check_leaks(every_point=False)
-        per_step.append(probe.calls - before)
-    steady = range(LEAK_CHECK_EVERY_N_STEPS, 400)
-    checks = {128, 256, 384}  # renewals (due after 100, 179, 321 steps) wait for the series' next reading step
-    for step in steady:
-        calls, snapshot, grid = per_step[step], step % 50 == 0, step % LEAK_READ_EVERY_N_STEPS_CPU == 0
-        assert reading[step] == (snapshot or grid or step in checks), step
-        if snapshot:  # a sample per point; the peak (3x the bytes) is above the level (2x): it is reset
-            assert calls == Counter(sample=4, reset_peak=1), step
-        elif grid:
-            assert calls == Counter(allocated=1), step  # the last point only
+            assert not memory.leak_check_due()
         else:
-            assert not calls, step
-    assert all(per_step[step] == Counter(sample=4, reset_peak=1) for step in (0,))
-    assert sum(per_step[s]["allocated"] for s in range(1, LEAK_CHECK_EVERY_N_STEPS)) == 4 * 49  # dense at first
+            memory.read_cheap(memory.step_index - 1, epoch=0)  # what the callback's countdown does
+        per_step.append(probe.calls - before)
+    for step in range(400):
+        calls, snapshot = per_step[step], step % 50 == 0
+        assert reading[step] == snapshot, step
+        # a snapshot: a sample per point; the peak (3x the bytes) is above the level (2x): it is reset
+        assert calls == (Counter(sample=4, reset_peak=1, resident=1) if snapshot else Counter(resident=1)), step
 
 
 def test_the_peak_is_not_reset_where_it_is_the_level_already() -> None:
@@ -161,11 +195,9 @@ def test_the_self_report_is_the_time_of_the_hooks_steady_steps_timed_whole_where
             entry = memory.cost.begin()
             memory.end_step(epoch=0, end_ns=memory.step_index * 2_000_000)  # 2 ms steps
             memory.cost.end(entry)
-    steady = range(LEAK_CHECK_EVERY_N_STEPS, steps)
-    snapshots = sum(1 for s in steady if s % 50 == 0)
-    grid = sum(1 for s in steady if s % 50 and s % LEAK_READ_EVERY_N_STEPS_CPU == 0)
+    snapshots = sum(1 for s in range(LEAK_CHECK_EVERY_N_STEPS, steps) if s % 50 == 0)
     figures = memory.summary()["overhead"]
-    probe_ns = (snapshots * 2 + grid) * 100_000  # a snapshot here: after_data and after_optimizer; the grid: one
+    probe_ns = snapshots * 2 * 100_000  # a snapshot here: after_data and after_optimizer
     assert figures["heavy_ns_total"] >= probe_ns  # every reading's time is in the report
     assert figures["heavy_ns_total"] <= probe_ns + 100 * figures["heavy_calls"]  # plus a few ticks a call
     assert figures["steady_steps"] == steps - LEAK_CHECK_EVERY_N_STEPS
@@ -184,9 +216,14 @@ def test_a_loop_that_skips_the_quiet_steps_reads_and_concludes_as_one_that_runs_
         found, step = [], 0
         while step < steps:
             if skip_ahead and (quiet := min(memory.quiet_ahead(), steps - step)):
-                probe.bytes += leak * quiet
-                memory.skip(quiet)
-                step += quiet
+                ran = 0
+                while ran < quiet:  # the countdown: the cheap reading of each quiet step, cut short by a screen
+                    probe.bytes += leak
+                    ran += 1
+                    if memory.read_cheap(memory.step_index + ran - 1, epoch=0):
+                        break
+                memory.skip(ran, counted=True)
+                step += ran
                 continue
             memory.plan_step()
             memory.begin_step(epoch=0)
@@ -198,6 +235,8 @@ def test_a_loop_that_skips_the_quiet_steps_reads_and_concludes_as_one_that_runs_
                 memory.end_step(epoch=0, end_ns=memory.step_index * 1_000_000)
                 if memory.leak_check_due() and memory.check_leaks(every_point=False):
                     found.append(memory.step_index)
+            else:
+                memory.read_cheap(memory.step_index - 1, epoch=0)
             step += 1
         return memory, probe, found
 
@@ -207,4 +246,5 @@ def test_a_loop_that_skips_the_quiet_steps_reads_and_concludes_as_one_that_runs_
     assert skipping.step_index == every.step_index == 1500 and skipping.steps == every.steps
     assert skipping.series.series(0) == every.series.series(0)
     overhead = skipping.summary()["overhead"]
-    assert overhead["quiet_calls"] > 1000 and overhead["heavy_calls"] + overhead["quiet_calls"] <= 1500
+    assert skipping.cheap.series(0) == every.cheap.series(0)
+    assert overhead["heavy_calls"] < 100  # snapshots and a confirmation: the rest ran with no call but the reading
