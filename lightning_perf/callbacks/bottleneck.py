@@ -35,23 +35,23 @@ class BottleneckCallback(UndoOnExit):
     """Time every phase of (sampled) training steps, show the split while training runs, and advise at fit end.
 
     Phases (:data:`~lightning_perf.profiling.advice.PHASES`, kept by :class:`~lightning_perf.profiling.step_phases.
-    StepPhases`, the logic this file wires to Lightning's hooks): ``data`` (from a step's end until Lightning
-    moves the next batch: the DataLoader, the user's ``on_before_batch_transfer``, Lightning's bookkeeping),
-    ``transfer`` (through ``on_after_batch_transfer``), ``forward`` (``training_step``), ``backward``, ``optimizer``
-    (``zero_grad`` and ``step()``, without the forward and backward of a closure) and ``other``. Validation is timed
-    apart; a step whose wait spans validation or an epoch boundary is ``interrupted``, kept out of the shares. On CPU a
-    phase boundary is one clock read into preallocated storage; on CUDA, events read back late (never a sync). After
-    warm-up one step in ``sample_every`` is timed; in between the Lightning hooks are silenced and an optimizer step
-    post-hook counts steps (``on_train_batch_end`` with manual optimization, gradient accumulation or several
-    optimizers). Every ``log_every_n_steps`` steps (at the next timed step) the last timed steps' shares and throughput
-    go to the loggers (``bottleneck/<phase>``, ``bottleneck/step_s``, ``bottleneck/samples_per_s``) and, with
-    ``progress_bar=True``, the progress bar. The last warm-up steps are checked for host-device synchronizations. At
-    the end of fit, on rank zero: the phase table, throughput, the callback's own cost and :func:`~lightning_perf.
+    StepPhases`, the logic this file wires to Lightning's hooks): ``data`` (from a step's end until Lightning moves the
+    next batch: the DataLoader, the user's ``on_before_batch_transfer``, Lightning's bookkeeping), ``transfer`` (through
+    ``on_after_batch_transfer``), ``forward`` (``training_step``), ``backward``, ``optimizer`` (``zero_grad`` and
+    ``step()``, without the forward and backward of a closure) and ``other``. Validation is timed apart; a step whose
+    wait spans validation or an epoch boundary is ``interrupted``, kept out of the shares. On CPU a phase boundary is
+    one clock read into preallocated storage; on CUDA, events read back late (never a sync). After warm-up every step is
+    timed until ``min_timed_steps`` are, then one in ``sample_every``; in between the Lightning hooks are silenced and
+    an optimizer step post-hook counts steps (``on_train_batch_end`` with manual optimization, gradient accumulation or
+    several optimizers). Every ``log_every_n_steps`` steps (at the next timed step) the last timed steps' shares and
+    throughput go to the loggers (``bottleneck/<phase>``, ``bottleneck/step_s``, ``bottleneck/samples_per_s``) and, with
+    ``progress_bar=True``, the progress bar. The last warm-up steps are checked for host-device synchronizations. At the
+    end of fit, on rank zero: the phase table, throughput, the callback's own cost and :func:`~lightning_perf.
     profiling.recommend`'s advice, in the log; ``<filename>.json`` (also :attr:`report`) and, with ``plot=True``,
     ``<filename>.png`` in ``dirpath``, each announced; an earlier run's files are kept (``<filename>-2.*``) unless
     ``overwrite=True``. Under DDP the figures are summarized across ranks. A pickled copy keeps the settings and
-    :attr:`report`. Own cost (``overhead``, :class:`~lightning_perf.profiling.timer.HookCost`): every call counted,
-    some timed; averaged over all steps run, timed or not.
+    :attr:`report`. Own cost (``overhead``, :class:`~lightning_perf.profiling.timer.HookCost`): every call counted, some
+    timed; averaged over all steps run, timed or not.
 
     Args:
         warmup_steps: leading steps reported apart as warm-up (compilation, autotuning, allocator growth); all timed.
@@ -66,10 +66,14 @@ class BottleneckCallback(UndoOnExit):
         plot: draw the PNG chart (opt-in: it costs more than the rest of the report; needs matplotlib, else a note).
         verbose: print the table and the recommendations at the end of fit.
         overwrite: write over an earlier run's reports of the same ``filename`` instead of numbering this run's.
-        sample_every: after warm-up, time one step in this many (1: every step, for per-step detail). The default, 100,
-            spreads a timed step's cost over 100 steps (measured from outside on 1.4 ms steps: a timed step with its
-            neighbours costs about 0.35 ms, so one in 32 cost 1.05%, one in 64 0.64%); on the others the hooks only
-            count themselves.
+        sample_every: after the first ``min_timed_steps`` steady steps, time one step in this many (1: every step, for
+            per-step detail). The default, 100, spreads a timed step's cost over 100 steps (measured from outside on
+            1.4 ms steps: a timed step with its neighbours costs about 0.35 ms, so one in 32 cost 1.05%, one in 64
+            0.64%); on the others the hooks only count themselves.
+        min_timed_steps: after warm-up, time every step until this many steady ones are (default 50, or all of a
+            shorter fit), so that a short fit's shares rest on enough steps; a report from fewer than
+            :data:`~lightning_perf.profiling.step_phases.ENOUGH_TIMED_STEPS` (30) says so in its table and advice
+            ("from 3 timed steps: indicative only"). Each share carries its 95% interval.
 
     Raises:
         ValueError: for a negative step count or ``sample_every < 1``, ``sync_check_steps > warmup_steps``, a
@@ -100,12 +104,14 @@ class BottleneckCallback(UndoOnExit):
         verbose: bool = True,
         overwrite: bool = False,
         sample_every: int = 100,
+        min_timed_steps: int = sp.DENSE_TIMED_STEPS,
     ) -> None:
         name = type(self).__name__
         self.warmup_steps: int = check_int(name, "warmup_steps", warmup_steps, 0)
         self.log_every_n_steps: int | None = check_int(name, "log_every_n_steps", log_every_n_steps, 1, True)
         self.sync_check_steps: int = check_int(name, "sync_check_steps", sync_check_steps, 0)
         self.sample_every: int = check_int(name, "sample_every", sample_every, 1)
+        self.min_timed_steps: int = check_int(name, "min_timed_steps", min_timed_steps, 0)
         self.thresholds = sp.check_settings(name, warmup_steps, sync_check_steps, thresholds)
         self.dirpath = obs.check_dirpath(name, dirpath)
         self.filename = obs.check_filename(name, filename)
@@ -181,7 +187,13 @@ class BottleneckCallback(UndoOnExit):
         self.report = None
         dispatch_ns, device = obs.hook_dispatch_ns(trainer), pl_module.device
         self._phases = sp.StepPhases.for_device(
-            device, self.warmup_steps, self.sync_check_steps, self.sample_every, self._clock, dispatch_ns
+            device,
+            self.warmup_steps,
+            self.sync_check_steps,
+            self.sample_every,
+            self._clock,
+            dispatch_ns,
+            self.min_timed_steps,
         )
         self._cost, self._sampler = self._phases.cost, self._phases.sampler
         every = obs.live_interval(trainer, self.log_every_n_steps, self.progress_bar)

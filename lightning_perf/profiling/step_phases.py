@@ -27,6 +27,7 @@ import math
 import time
 from array import array
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ from lightning_perf.profiling.advice import (
     recommend,
     validate_thresholds,
 )
+from lightning_perf.profiling.intervals import t_critical_95
 from lightning_perf.profiling.machine import usable_cpu_count
 from lightning_perf.profiling.report import format_seconds, plot_stacked_steps, text_table
 from lightning_perf.profiling.stats import Stats, summarize
@@ -50,6 +52,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
+    "DENSE_TIMED_STEPS",
+    "ENOUGH_TIMED_STEPS",
     "MEASURED",
     "LiveSchedule",
     "StepPhases",
@@ -67,12 +71,17 @@ __all__ = [
     "recent_figures",
     "report_lines",
     "report_text",
+    "share_intervals",
     "step_report",
     "summarize_steps",
     "usable_cpus",
 ]
 
 MEASURED = PHASES[:-1]  # timed directly; "other" is the step minus these
+DENSE_TIMED_STEPS = 50
+"""After warm-up every step is timed until this many steady ones are (or the fit ends), then one in ``sample_every``."""
+ENOUGH_TIMED_STEPS = 30
+"""A report from fewer steady timed steps says so ("from 3 timed steps: indicative only") in its table and advice."""
 MAX_PLOTTED_BARS = 500
 MAX_REPORTED_STEPS = 20_000
 _BAR_KEYS = {"data": "data%", "forward": "fwd%", "backward": "bwd%", "optimizer": "opt%"}
@@ -190,17 +199,19 @@ class StepPhases:
         sample_every: int = 1,
         clock: Clock = time.perf_counter_ns,
         dispatch_ns: float = 0.0,
+        dense_steps: int = DENSE_TIMED_STEPS,
     ) -> StepPhases:
         """An observer's phases on ``device``: a :class:`PhaseLedger` on CPU, else a :class:`PhaseTimer`; validation
         timed apart; the last ``sync_check_steps`` warm-up steps checked for host-device synchronizations; one step in
-        ``sample_every`` timed after warm-up; its own cost with ``dispatch_ns`` (its framework's) per call."""
+        ``sample_every`` timed after warm-up and ``dense_steps`` steady ones timed each; its own cost with
+        ``dispatch_ns`` (its framework's) per call."""
         cpu, recorder = device.type == "cpu", HostSyncRecorder(device) if sync_check_steps else None
         return cls(
             PhaseLedger(MEASURED, warmup_steps, clock) if cpu else PhaseTimer(device, warmup_steps, clock),
             validation=PhaseTimer(device, clock=clock),
             syncs=SyncCheck(recorder, warmup_steps - sync_check_steps, warmup_steps),
             cost=HookCost(first=warmup_steps, dispatch_ns=dispatch_ns),
-            sampler=StepSampler(sample_every, warmup_steps),
+            sampler=StepSampler(sample_every, warmup_steps + dense_steps),
         )
 
     def switch(self, phase: str | None) -> None:
@@ -356,6 +367,32 @@ def with_other(record: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
+def share_intervals(records: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Each phase's share of the step time over ``records`` (:func:`with_other`'s) with its 95% interval: the share is
+    a ratio of sums, its standard error from the linearized residuals ``phase - share * step`` (the delta method) and
+    a t quantile; NaN bounds below two steps. Steps that drift together widen it, as they should."""
+    n = len(records)
+    steps = [r["step"] for r in records]
+    total = math.fsum(steps)
+    if n < 2 or not total > 0:
+        return {name: [math.nan, math.nan] for name in PHASES}
+    out = {}
+    for name in PHASES:
+        values = [r[name] for r in records]
+        share = math.fsum(values) / total
+        residuals = [v - share * step for v, step in zip(values, steps)]
+        mean = math.fsum(residuals) / n
+        spread = math.sqrt(n * math.fsum((z - mean) ** 2 for z in residuals) / (n - 1))
+        half = t_critical_95(n - 1) * spread / total
+        out[name] = [max(0.0, share - half), min(1.0, share + half)]
+    return out
+
+
+def indicative_note(timed: int) -> str | None:
+    """What a report from ``timed`` steady timed steps says of itself: None from :data:`ENOUGH_TIMED_STEPS` on."""
+    return f"from {timed} timed steps: indicative only" if timed < ENOUGH_TIMED_STEPS else None
+
+
 def phase_shares(records: list[dict[str, float]]) -> dict[str, float]:
     total = math.fsum(r["step"] for r in records)
     if not total > 0:
@@ -439,12 +476,19 @@ def summarize_steps(phases: StepPhases) -> dict[str, Any]:
             "sample_every": every,
             "steps_run": run,
             "steps_measured": timer.num_steps,
-            "note": f"after warm-up one step in {every} timed; phases, shares and throughput from the timed steps, "
-            "the observer's cost averaged over every step run"
+            "dense_steps": (dense := phases.sampler.first - first),
+            "note": f"after warm-up every step timed until {dense} are, then one in {every}; phases, "
+            "shares and throughput from the timed steps, the observer's cost averaged over every step run"
             if every > 1
             else "every step timed",
+            "indicative": indicative_note(len(clean)),
         },
-        "steady_state": {"step": step.to_dict(), "phases": stats, "shares": phase_shares(clean)},
+        "steady_state": {
+            "step": step.to_dict(),
+            "phases": stats,
+            "shares": phase_shares(clean),
+            "shares_ci95": share_intervals(clean),
+        },
         "warmup": {name: stats.to_dict() for name, stats in timer.summary(warmup=True).items()},
         "throughput": {
             "samples_per_s": sum(sizes) / clean_time if sizes and clean_time > 0 else math.nan,
@@ -542,7 +586,10 @@ def step_report(
         "fit_seconds": fit_s,
         "dataloader": loader,
         "host_syncs": host_syncs,
-        "recommendations": recommend(breakdown),
+        "recommendations": [
+            replace(rec, evidence=f"{note}; {rec.evidence}") if (note := figures["sampling"]["indicative"]) else rec
+            for rec in recommend(breakdown)
+        ],
     }
 
 
@@ -568,17 +615,22 @@ def merge_ranks(report: dict[str, Any], ranks: Mapping[str, Mapping[str, float]]
 def phase_table(report: Mapping[str, Any], owner: str) -> tuple[list[str], list[list[object]], str]:
     """The report's table: headers, a row per phase and one for the whole step (median, p90, share, steps), title."""
     summary, steps = report["steady_state"], report["steps"]
+    note = (report.get("sampling") or {}).get("indicative")
     title = (
         f"{owner}: {steps['steady']} steady steps ({steps['warmup']} warm-up, {steps['interrupted']} interrupted left "
-        f"out) on {report['device']}"
+        f"out) on {report['device']}" + (f" ({note})" if note else "")
     )
     rows: list[list[object]] = []
+    intervals = summary.get("shares_ci95", {})
     for name in [*PHASES, "step"]:
         stats = summary["step"] if name == "step" else summary["phases"][name]
         share = 1.0 if name == "step" else summary["shares"][name]
+        low, high = intervals.get(name, (math.nan, math.nan))
         share_text = f"{100 * share:.1f}%" if math.isfinite(share) else "n/a"
+        if math.isfinite(low) and name != "step":
+            share_text += f" [{100 * low:.1f}-{100 * high:.1f}]"
         rows.append([name, format_seconds(stats["median"]), format_seconds(stats["p90"]), share_text, stats["count"]])
-    return ["phase", "median", "p90", "share", "steps"], rows, title
+    return ["phase", "median", "p90", "share [95%]", "steps"], rows, title
 
 
 def report_lines(report: Mapping[str, Any]) -> list[str]:
@@ -587,7 +639,11 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
     sampling = report.get("sampling") or {}
     every = sampling.get("sample_every", 1)
     sampled = (
-        f" ({sampling['steps_measured']} timed steps of {sampling['steps_run']}, one in {every})" if every > 1 else ""
+        f" ({sampling['steps_measured']} timed steps of {sampling['steps_run']}, one in {every}"
+        + (f" after the first {dense} steady" if (dense := sampling.get("dense_steps")) else "")
+        + ")"
+        if every > 1
+        else ""
     )
     lines = [
         f"throughput{sampled}: {throughput['samples_per_s']:.1f} samples/s per process, {throughput['steps_per_s']:.2f}"

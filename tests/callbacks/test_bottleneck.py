@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_perf.callbacks import BottleneckCallback, MemoryProfilerCallback
 from lightning_perf.demos import make_workload
+from lightning_perf.profiling import step_phases as sp
 from lightning_perf.profiling.advice import PHASES
 from tests.callbacks._quiet import quiet_trainer
 
@@ -534,19 +535,19 @@ def test_a_copy_taken_mid_fit_starts_idle(tmp_path: Path) -> None:
 
     class CopyMidFit(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            if trainer.global_step == 2:
+            if trainer.global_step == 55:  # after the dense steps (1 warm-up + 50): the hooks are silenced
                 copies.append(pickle.loads(pickle.dumps(trainer.callbacks[0])))
 
     clock = ScriptedClock()
     callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, verbose=False)
     callback._clock = clock
     data = DataLoader(SlowData(clock, 0.5), batch_size=2)
-    quiet_trainer(tmp_path, [callback, CopyMidFit()], max_steps=4).fit(Scripted(clock), data)
+    quiet_trainer(tmp_path, [callback, CopyMidFit()], max_steps=60).fit(Scripted(clock), data)
     (copy_,) = copies
     assert copy_._phases is None and copy_._handles == []
     assert not {"on_train_batch_start", "on_train_batch_end"} & copy_.__dict__.keys()  # silenced then: not carried
-    assert callback.report is not None and callback.report["steps_run"] == 4
-    assert callback.report["steps"]["total"] == 2  # the warm-up step and the first sampled one (sample_every=100)
+    assert callback.report is not None and callback.report["steps_run"] == 60
+    assert callback.report["steps"]["total"] == 1 + 50 + 1  # warm-up, every step until 50 steady, one in 100
 
 
 @pytest.mark.gpu
@@ -588,7 +589,9 @@ def test_sampled_steps_run_the_hooks_only_on_sampled_steps_and_the_step_before(
 ) -> None:
     seen: dict[str, list[int]] = {}
     _spy(monkeypatch, seen)
-    callback = scripted_fit(tmp_path, max_steps=40, callback_kwargs={"warmup_steps": 2, "sample_every": 4})
+    callback = scripted_fit(
+        tmp_path, max_steps=40, callback_kwargs={"warmup_steps": 2, "sample_every": 4, "min_timed_steps": 0}
+    )
     sampled = _sampled(40, 4, 2)  # 0, 1 (warm-up), 2, 6, ..., 38
     assert len(sampled) == 12
     for name in _SILENCEABLE[:-1]:
@@ -628,7 +631,9 @@ def test_skipped_steps_do_not_even_chain_the_transfer_hooks(tmp_path: Path) -> N
             super().__init__(clock)
             seen.append(self)
 
-    callback = scripted_fit(tmp_path, Spy, max_steps=20, callback_kwargs={"warmup_steps": 2, "sample_every": 4})
+    callback = scripted_fit(
+        tmp_path, Spy, max_steps=20, callback_kwargs={"warmup_steps": 2, "sample_every": 4, "min_timed_steps": 0}
+    )
     sampled = _sampled(20, 4, 2)
     assert seen[0].chained == [s in sampled for s in range(20)]  # linked for timed steps only
     assert callback.report["per_step"]["records"]  # and the timed steps still have their transfer phase
@@ -647,7 +652,7 @@ def test_sample_every_one_times_every_step(tmp_path: Path, monkeypatch: pytest.M
 
 def test_a_sampled_step_after_validation_or_an_epoch_boundary_is_interrupted(tmp_path: Path) -> None:
     clock = ScriptedClock()
-    callback = BottleneckCallback(warmup_steps=2, sync_check_steps=0, verbose=False, sample_every=4)
+    callback = BottleneckCallback(warmup_steps=2, sync_check_steps=0, verbose=False, sample_every=4, min_timed_steps=0)
     callback._clock = clock
     data = DataLoader(SlowData(clock, 0.5, n=60), batch_size=2)  # 30 steps an epoch: step 30 (sampled) starts one
     val = DataLoader(SlowData(clock, 0.5, n=4), batch_size=2)
@@ -671,7 +676,7 @@ def test_without_one_optimizer_step_a_batch_the_batch_end_counts_the_steps(
 ) -> None:
     seen: dict[str, list[int]] = {}
     _spy(monkeypatch, seen)
-    callback = scripted_fit(tmp_path, model_cls, callback_kwargs={"sample_every": 4}, **kwargs)
+    callback = scripted_fit(tmp_path, model_cls, callback_kwargs={"sample_every": 4, "min_timed_steps": 0}, **kwargs)
     sampled = _sampled(batches, 4, 1)
     assert seen["on_train_batch_end"] == list(range(batches))  # the counter, always on
     assert seen["on_train_batch_start"] == seen["on_before_backward"][:: 2 if model_cls is ScriptedManual else 1]
@@ -695,7 +700,7 @@ def test_a_failing_sampled_fit_gives_the_hooks_back(tmp_path: Path) -> None:
                 raise RuntimeError("late failure")
             return super().training_step(batch, batch_idx)
 
-    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, sample_every=4, verbose=False)
+    callback = BottleneckCallback(warmup_steps=1, sync_check_steps=0, sample_every=4, verbose=False, min_timed_steps=0)
     callback._clock = clock
     with pytest.raises(RuntimeError, match="late failure"):
         quiet_trainer(tmp_path, [callback], max_steps=20).fit(FailLater(clock), DataLoader(SlowData(clock, 0.5)))
@@ -706,3 +711,34 @@ def test_sample_every_is_checked() -> None:
     with pytest.raises(ValueError, match="sample_every=0"):
         BottleneckCallback(sample_every=0)
     assert BottleneckCallback().sample_every == 100
+
+
+def test_a_short_fit_is_timed_at_every_steady_step_and_a_very_short_one_says_it_is_indicative(tmp_path: Path) -> None:
+    """Defaults (one step in 100 after the dense ones): a 40-step fit's report rests on all 35 steady steps; a 3-step
+    fit's (1 steady step past 2 warm-up) says so in its table title and in each piece of advice."""
+    fit = scripted_fit(
+        tmp_path / "40", max_steps=40, data_ms=20.0, callback_kwargs={"warmup_steps": 5, "sample_every": 100}
+    )
+    report = fit.report
+    assert report is not None and report["steps"]["steady"] == 35 >= 30 and report["steps"]["total"] == 40
+    assert report["sampling"]["indicative"] is None
+    title = sp.phase_table(report, "BottleneckCallback")[2]
+    assert "indicative" not in title
+    short = scripted_fit(tmp_path / "3", max_steps=3, data_ms=20.0, callback_kwargs={"warmup_steps": 2})
+    assert short.report is not None and short.report["sampling"]["indicative"] == "from 1 timed steps: indicative only"
+    assert "(from 1 timed steps: indicative only)" in sp.phase_table(short.report, "BottleneckCallback")[2]
+    recs = short.report["recommendations"]
+    assert recs and all(r.evidence.startswith("from 1 timed steps: indicative only; ") for r in recs)  # data waits
+
+
+def test_each_phase_share_carries_its_interval() -> None:
+    steady = [{"data": 1.0 + (i % 3) * 0.1, "forward": 2.0, "step": 5.0 + (i % 3) * 0.1} for i in range(40)]
+    records = [sp.with_other(r) for r in steady]
+    shares, intervals = sp.phase_shares(records), sp.share_intervals(records)
+    for name in ("data", "forward", "other"):
+        low, high = intervals[name]
+        assert low < shares[name] < high and high - low < 0.05, name  # steady steps: narrow, around the share
+    assert intervals["backward"] == [0.0, 0.0]  # never ran: exactly zero
+    assert all(math.isnan(v) for v in sp.share_intervals(records[:1])["data"])  # one step: no interval
+    wide = sp.share_intervals([sp.with_other({"data": d, "step": 5.0}) for d in (0.5, 4.5) * 3])["data"]
+    assert wide[1] - wide[0] > 0.3  # steps that disagree: wide

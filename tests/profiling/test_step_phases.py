@@ -282,7 +282,7 @@ def _observed_loop(phases: StepPhases, clock: Clock, steps: int) -> list[bool]:
 
 def test_an_observer_loop_times_its_sampled_steps_and_counts_the_others_quietly() -> None:
     clock = Clock()
-    phases = StepPhases.for_device(torch.device("cpu"), warmup_steps=1, sample_every=3, clock=clock)
+    phases = StepPhases.for_device(torch.device("cpu"), warmup_steps=1, sample_every=3, clock=clock, dense_steps=0)
     assert isinstance(phases.timer, PhaseLedger) and phases.syncs.recorder is None
     closed = _observed_loop(phases, clock, 10)  # timed: 0 (warm-up), 1, 4, 7; their ends and the ends before them
     assert closed == [True, True, False, True, False, True, False]
