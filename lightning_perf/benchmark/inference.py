@@ -6,6 +6,9 @@ the device synchronized by :class:`~lightning_perf.profiling.PhaseTimer` only wh
 ``warmup`` batches are reported apart: ``first_batch_s`` is the cold first batch (from the stage's start to the end of
 its first batch: data fetch, transfer, first forward, compilation when a configuration compiles), ``warmup_s`` the
 whole warm-up. The rest are the latency samples, whose percentiles and median-based throughput the run reports.
+
+A module without its own ``predict_step`` is called in ``predict`` as its ``training_step`` calls ``forward`` on the
+batch (several or keyword inputs included), not with the whole batch as Lightning's default does.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_perf._device import synchronize
 from lightning_perf.benchmark.spec import MEMORY_STEPS, SETTLE_STEPS
+from lightning_perf.functional.inputs import call_of
 from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer, truthful_cpu_peak
 from lightning_perf.profiling.stats import median, percentile
 from lightning_perf.profiling.step_phases import batch_size_of
@@ -88,6 +93,13 @@ class _InferenceClock(Callback):
             truthful_cpu_peak(False)  # the batches timed next allocate at full speed
 
 
+def _as_trained(model: pl.LightningModule, batch: Any) -> Any:
+    """``forward`` on ``batch`` called as ``training_step`` calls it (the step stops there); the whole batch when the
+    step makes no call."""
+    call = call_of(model, lambda: model.training_step(batch, 0), "a predict batch", cpu=False)
+    return model(batch) if call is None else model(*call.args, **call.kwargs)
+
+
 def measure_inference(
     stage: str,
     model: pl.LightningModule,
@@ -138,7 +150,13 @@ def measure_inference(
     kwargs = {k: v for k, v in trainer_kwargs.items() if k not in dropped}
     kwargs[_LIMIT[stage]] = wanted
     trainer = pl.Trainer(callbacks=[clock, *callbacks], **kwargs)
-    if stage == "predict":
+    if stage == "predict" and not is_overridden("predict_step", model):
+        model.predict_step = lambda batch, *_, **__: _as_trained(model, batch)  # type: ignore[method-assign]
+        try:
+            trainer.predict(model, datamodule=datamodule, return_predictions=False)
+        finally:
+            del model.predict_step
+    elif stage == "predict":
         trainer.predict(model, datamodule=datamodule, return_predictions=False)
     else:
         getattr(trainer, stage)(model, datamodule=datamodule, verbose=False)
