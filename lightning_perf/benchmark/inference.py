@@ -28,7 +28,7 @@ from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer, trut
 from lightning_perf.profiling.stats import median, percentile
 from lightning_perf.profiling.step_phases import batch_size_of
 
-__all__ = ["INFERENCE_STAGES", "LATENCY_PERCENTILES", "measure_inference"]
+__all__ = ["INFERENCE_STAGES", "LATENCY_PERCENTILES", "measure_inference", "predict_as_trained"]
 
 INFERENCE_STAGES = ("predict", "validate", "test")
 LATENCY_PERCENTILES = (50.0, 95.0, 99.0)
@@ -100,6 +100,19 @@ def _as_trained(model: pl.LightningModule, batch: Any) -> Any:
     return model(batch) if call is None else model(*call.args, **call.kwargs)
 
 
+def predict_as_trained(trainer: pl.Trainer, model: pl.LightningModule, datamodule: Any) -> None:
+    """``trainer.predict`` without predictions kept; a module without its own ``predict_step`` is called as its
+    ``training_step`` calls ``forward`` (Lightning's default passes the whole batch), for this run only."""
+    if is_overridden("predict_step", model):
+        trainer.predict(model, datamodule=datamodule, return_predictions=False)
+        return
+    model.predict_step = lambda batch, *_, **__: _as_trained(model, batch)  # type: ignore[method-assign]
+    try:
+        trainer.predict(model, datamodule=datamodule, return_predictions=False)
+    finally:
+        del model.predict_step
+
+
 def measure_inference(
     stage: str,
     model: pl.LightningModule,
@@ -150,14 +163,8 @@ def measure_inference(
     kwargs = {k: v for k, v in trainer_kwargs.items() if k not in dropped}
     kwargs[_LIMIT[stage]] = wanted
     trainer = pl.Trainer(callbacks=[clock, *callbacks], **kwargs)
-    if stage == "predict" and not is_overridden("predict_step", model):
-        model.predict_step = lambda batch, *_, **__: _as_trained(model, batch)  # type: ignore[method-assign]
-        try:
-            trainer.predict(model, datamodule=datamodule, return_predictions=False)
-        finally:
-            del model.predict_step
-    elif stage == "predict":
-        trainer.predict(model, datamodule=datamodule, return_predictions=False)
+    if stage == "predict":
+        predict_as_trained(trainer, model, datamodule)
     else:
         getattr(trainer, stage)(model, datamodule=datamodule, verbose=False)
     times = [record["batch"] for record in clock.timer.steps]

@@ -169,7 +169,7 @@ def loop_data(
     metadata."""
     from lightning_perf.deploy.quantize.quantizer import LoopData  # the export callback needs no quantization
 
-    def example(module: nn.Module, split: str) -> tuple[torch.Tensor, ...]:
+    def example(module: nn.Module, split: str) -> tuple[torch.Tensor, ...] | CapturedCall:
         return example_inputs(owner, trainer, pl_module, module, split, input_key, call)
 
     def validation(module: nn.Module) -> Iterator[Any] | None:

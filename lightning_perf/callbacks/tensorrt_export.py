@@ -219,6 +219,7 @@ class TensorRTExportCallback(Callback):
         if val_loader is not None:
             loader = model_inputs(pl_module, val_loader, datamodule=datamodule)
             batches = (step_call(pl_module, batch, call, self.input_key) for batch in loader)
+        example: Any
         if self.input_shapes is not None:
             example, source = (
                 example_inputs_from_shapes(self.input_shapes, batch_size=self.export_kwargs["batch_range"][2]),

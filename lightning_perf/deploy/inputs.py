@@ -290,5 +290,6 @@ def submodule_inputs(
         args, kwargs = ((), inputs) if isinstance(inputs, dict) else (as_input_tuple(inputs, f"{owner}: {source}"), {})
     call = call_of(submodule, lambda: model(*args, **kwargs), f"the inputs of the submodule for {source}")
     if call is None:
-        call = CapturedCall(*pytree.tree_map_only(Tensor, lambda t: t.detach().cpu(), (args, kwargs)), source)
+        cpu_args, cpu_kwargs = pytree.tree_map_only(Tensor, lambda t: t.detach().cpu(), (args, kwargs))
+        call = CapturedCall(cpu_args, cpu_kwargs, source)
     return call.tensors if call.positional else call
