@@ -6,6 +6,9 @@ the device synchronized by :class:`~lightning_perf.profiling.PhaseTimer` only wh
 ``warmup`` batches are reported apart: ``first_batch_s`` is the cold first batch (from the stage's start to the end of
 its first batch: data fetch, transfer, first forward, compilation when a configuration compiles), ``warmup_s`` the
 whole warm-up. The rest are the latency samples, whose percentiles and median-based throughput the run reports.
+
+A module without its own ``predict_step`` is called in ``predict`` as its ``training_step`` calls ``forward`` on the
+batch (several or keyword inputs included), not with the whole batch as Lightning's default does.
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_perf._device import synchronize
 from lightning_perf.benchmark.spec import MEMORY_STEPS, SETTLE_STEPS
+from lightning_perf.functional.inputs import call_of
 from lightning_perf.profiling import MemoryProbe, MemorySample, PhaseTimer, truthful_cpu_peak
 from lightning_perf.profiling.stats import median, percentile
 from lightning_perf.profiling.step_phases import batch_size_of
 
-__all__ = ["INFERENCE_STAGES", "LATENCY_PERCENTILES", "measure_inference"]
+__all__ = ["INFERENCE_STAGES", "LATENCY_PERCENTILES", "measure_inference", "predict_as_trained"]
 
 INFERENCE_STAGES = ("predict", "validate", "test")
 LATENCY_PERCENTILES = (50.0, 95.0, 99.0)
@@ -88,6 +93,26 @@ class _InferenceClock(Callback):
             truthful_cpu_peak(False)  # the batches timed next allocate at full speed
 
 
+def _as_trained(model: pl.LightningModule, batch: Any) -> Any:
+    """``forward`` on ``batch`` called as ``training_step`` calls it (the step stops there); the whole batch when the
+    step makes no call."""
+    call = call_of(model, lambda: model.training_step(batch, 0), "a predict batch", cpu=False)
+    return model(batch) if call is None else model(*call.args, **call.kwargs)
+
+
+def predict_as_trained(trainer: pl.Trainer, model: pl.LightningModule, datamodule: Any) -> None:
+    """``trainer.predict`` without predictions kept; a module without its own ``predict_step`` is called as its
+    ``training_step`` calls ``forward`` (Lightning's default passes the whole batch), for this run only."""
+    if is_overridden("predict_step", model):
+        trainer.predict(model, datamodule=datamodule, return_predictions=False)
+        return
+    model.predict_step = lambda batch, *_, **__: _as_trained(model, batch)  # type: ignore[method-assign]
+    try:
+        trainer.predict(model, datamodule=datamodule, return_predictions=False)
+    finally:
+        del model.predict_step
+
+
 def measure_inference(
     stage: str,
     model: pl.LightningModule,
@@ -139,7 +164,7 @@ def measure_inference(
     kwargs[_LIMIT[stage]] = wanted
     trainer = pl.Trainer(callbacks=[clock, *callbacks], **kwargs)
     if stage == "predict":
-        trainer.predict(model, datamodule=datamodule, return_predictions=False)
+        predict_as_trained(trainer, model, datamodule)
     else:
         getattr(trainer, stage)(model, datamodule=datamodule, verbose=False)
     times = [record["batch"] for record in clock.timer.steps]

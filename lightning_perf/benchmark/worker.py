@@ -418,6 +418,8 @@ def _record_steps(clock: _StepClock, steps: int, result: RunResult) -> None:
 def _time_predict(spec: RunSpec, model: Any, datamodule: Any, trainer_kwargs: dict[str, Any],
                   callbacks: list[Callback], result: RunResult) -> None:  # fmt: skip
     """Time ``spec.predict_batches`` predict batches after the fit (two of them warm-up), under the same callbacks."""
+    from lightning_perf.benchmark.inference import predict_as_trained
+
     datamodule.setup("predict")
     available = len(datamodule.predict_dataloader())
     if available < 2:
@@ -428,7 +430,7 @@ def _time_predict(spec: RunSpec, model: Any, datamodule: Any, trainer_kwargs: di
     kwargs = {k: v for k, v in trainer_kwargs.items() if k not in ("max_steps", "max_epochs", "strategy")}
     kwargs["limit_predict_batches"] = predict_batches
     predictor = pl.Trainer(callbacks=[predict_clock, *callbacks], **kwargs)
-    predictor.predict(model, datamodule=datamodule, return_predictions=False)
+    predict_as_trained(predictor, model, datamodule)
     predict_stats = predict_clock.timer.summary().get("predict")
     if predict_stats is not None and predict_stats.count:
         result.predict_step_median_s = predict_stats.median

@@ -7,6 +7,8 @@ Batches go through the same path as training batches (the datamodule's and the m
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_perf.deploy.inputs import split_inputs, submodule_inputs, through_batch_hooks
+from lightning_perf.functional.inputs import CapturedCall, call_of
 
 if TYPE_CHECKING:
     from lightning_perf.deploy.quantize.quantizer import LoopData
@@ -28,6 +31,7 @@ __all__ = [
     "has_val_data",
     "loop_data",
     "run_metadata",
+    "step_call",
     "submodule_batches",
     "val_dataloader",
 ]
@@ -93,13 +97,21 @@ def run_metadata(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str
 
 
 def example_inputs(
-    owner: str, trainer: pl.Trainer, pl_module: pl.LightningModule, module: nn.Module, split: str, input_key: Any
-) -> tuple[torch.Tensor, ...]:
-    """What ``module`` receives when the LightningModule runs its ``example_input_array`` (else the inputs of the
-    first batch of ``split``), on the CPU."""
-    example = pl_module.example_input_array
+    owner: str,
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    module: nn.Module,
+    split: str,
+    input_key: Any,
+    call: CapturedCall | None = None,
+) -> tuple[torch.Tensor, ...] | CapturedCall:
+    """What ``module`` receives when the LightningModule runs its ``example_input_array`` (else ``call``, the call
+    training made, else the inputs of the first batch of ``split``), on the CPU."""
+    example: Any = pl_module.example_input_array
     source = "example_input_array"
-    if example is None:
+    if example is None and call is not None:
+        example, source = call, call.source
+    elif example is None:
         batch = first_batch(trainer, pl_module, split)
         if batch is None:
             raise ValueError(
@@ -112,31 +124,56 @@ def example_inputs(
     return submodule_inputs(pl_module, module, example, source, device=pl_module.device, owner=owner)
 
 
+def step_call(pl_module: pl.LightningModule, batch: Any, call: CapturedCall | None, input_key: Any) -> Any:
+    """The model inputs of ``batch``: the call ``validation_step`` (else ``training_step``) makes to ``forward``
+    (not run) when training's ``call`` is more than one positional tensor, else (or if no step makes one)
+    :func:`split_inputs`."""
+    if call is not None and not (call.positional and len(call.tensors) == 1):
+        steps = [pl_module.validation_step] if is_overridden("validation_step", pl_module) else []
+        for step in (*steps, pl_module.training_step):
+            with contextlib.suppress(Exception):  # a step this batch does not suit (a predict batch without labels)
+                found = call_of(pl_module, functools.partial(step, batch, 0), "a batch", cpu=False)
+                if found is not None:
+                    return found
+    return split_inputs(batch, input_key)
+
+
 def submodule_batches(
-    owner: str, pl_module: pl.LightningModule, module: nn.Module, loader: Any, input_key: Any
+    owner: str,
+    pl_module: pl.LightningModule,
+    module: nn.Module,
+    loader: Any,
+    input_key: Any,
+    call: CapturedCall | None = None,
 ) -> Iterator[Any]:
     """Validation batches as ``(submodule inputs, labels)``: what ``module`` receives for each, and the labels."""
     datamodule = getattr(pl_module.trainer, "datamodule", None)
     for batch in loader:
         batch = through_batch_hooks(pl_module, batch, datamodule=datamodule)
-        inputs = split_inputs(batch, input_key)
+        inputs = step_call(pl_module, batch, call, input_key)
         inputs = submodule_inputs(pl_module, module, inputs, "a validation batch", device=pl_module.device, owner=owner)
         labels = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
         yield (inputs, labels)
 
 
 def loop_data(
-    owner: str, trainer: pl.Trainer, pl_module: pl.LightningModule, dirpath: Path, input_key: Any
+    owner: str,
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    dirpath: Path,
+    input_key: Any,
+    call: CapturedCall | None = None,
 ) -> LoopData:
     """What a quantizer needs from the loop (:class:`~lightning_perf.deploy.quantize.quantizer.LoopData`): example
-    inputs and validation batches of a submodule, where to write, the run's metadata."""
+    inputs and validation batches of a submodule (``call``: the call training made), where to write, the run's
+    metadata."""
     from lightning_perf.deploy.quantize.quantizer import LoopData  # the export callback needs no quantization
 
-    def example(module: nn.Module, split: str) -> tuple[torch.Tensor, ...]:
-        return example_inputs(owner, trainer, pl_module, module, split, input_key)
+    def example(module: nn.Module, split: str) -> tuple[torch.Tensor, ...] | CapturedCall:
+        return example_inputs(owner, trainer, pl_module, module, split, input_key, call)
 
     def validation(module: nn.Module) -> Iterator[Any] | None:
         loader = val_dataloader(trainer, pl_module)
-        return None if loader is None else submodule_batches(owner, pl_module, module, loader, input_key)
+        return None if loader is None else submodule_batches(owner, pl_module, module, loader, input_key, call)
 
     return LoopData(example=example, validation=validation, dirpath=dirpath, metadata=run_metadata(trainer, pl_module))

@@ -30,10 +30,11 @@ from lightning_perf.callbacks._model_hooks import (
     remove_before_weights_load,
     run_after_configure_model,
 )
-from lightning_perf.callbacks._trainer_data import default_dirpath, loop_data
-from lightning_perf.deploy.inputs import split_inputs, submodule_inputs
+from lightning_perf.callbacks._trainer_data import default_dirpath, loop_data, step_call
+from lightning_perf.deploy.inputs import submodule_inputs
 from lightning_perf.deploy.quantize.quantizer import SCHEDULE_UNITS, LoopData, check_options
 from lightning_perf.deploy.quantize.recipes import load_qat_checkpoint, quantizer_for, recipe_for
+from lightning_perf.functional.inputs import CallRecorder
 from lightning_perf.functional.qat import QuantizationError, QuantizationRecipe
 
 __all__ = ["SCHEDULE_UNITS", "QATCallback"]
@@ -156,6 +157,7 @@ class QATCallback(Callback):
         self.history: list[dict[str, Any]] = []
         """The periodic comparisons of a converted copy with the model (``eval_converted_every_n_epochs``)."""
         self._refused = False  # this run trains sharded (FSDP2): the callback stands aside until it ends
+        self._recorder: CallRecorder | None = None  # the first call training makes: the example input
 
     @property
     @override
@@ -187,7 +189,8 @@ class QATCallback(Callback):
 
     def _data(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LoopData:
         dirpath = self.dirpath or default_dirpath(trainer, "quantized")
-        return loop_data(type(self).__name__, trainer, pl_module, dirpath, self.input_key)
+        call = None if self._recorder is None else self._recorder.call
+        return loop_data(type(self).__name__, trainer, pl_module, dirpath, self.input_key, call)
 
     def _fallback(self, exc: Exception, consequence: str) -> None:
         if self.strict:
@@ -211,6 +214,8 @@ class QATCallback(Callback):
         if stage == "fit" and self._quantizer.trains:
             owner = f"{type(self).__name__}(backend={self.backend!r})"
             check_pruning_order(self, owner, trainer, self._quantizer.recipe.pruning_refusal)
+        if stage == "fit":
+            self._recorder = CallRecorder(pl_module)
         begin = self._quantizer.begin_run if stage != "fit" else lambda module: self._begin_fit(trainer, module)
         run_after_configure_model(pl_module, lambda module: self._begin(trainer, module, begin))
 
@@ -283,7 +288,8 @@ class QATCallback(Callback):
         stage = trainer.state.fn
         if stage not in RUN_STAGES or trainer.sanity_checking or self._refused:
             return
-        inputs = split_inputs(batch, self.input_key)
+        call = None if self._recorder is None else self._recorder.call
+        inputs = step_call(pl_module, batch, call, self.input_key)
         owner = type(self).__name__
         try:
             line = self._quantizer.run_batch(
@@ -335,6 +341,8 @@ class QATCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._recorder is not None:
+            self._recorder.remove()  # a fit that never called forward
         self._quantizer.end_run(pl_module)
         discard_pending_surgery(pl_module)
         remove_before_weights_load(pl_module, self)
@@ -381,4 +389,5 @@ class QATCallback(Callback):
         state = dict(self.__dict__)
         state.pop("log", None)  # the logging functions Lightning attaches belong to this process
         state.pop("log_dict", None)
+        state["_recorder"] = None  # a hook on this process's model
         return state

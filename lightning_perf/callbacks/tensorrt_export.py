@@ -23,7 +23,7 @@ from lightning_perf._io import load_checkpoint
 from lightning_perf._validation import check_bool, check_file_stem
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, refuse_sharded, run_after_configure_model
-from lightning_perf.callbacks._trainer_data import default_dirpath, has_val_data, run_metadata, val_dataloader
+from lightning_perf.callbacks._trainer_data import default_dirpath, run_metadata, step_call, val_dataloader
 from lightning_perf.deploy.backend import BACKENDS, validate_options
 from lightning_perf.deploy.export import ExportError, ExportReport, export_model
 from lightning_perf.deploy.inputs import (
@@ -33,6 +33,7 @@ from lightning_perf.deploy.inputs import (
     split_inputs,
     through_batch_hooks,
 )
+from lightning_perf.functional.inputs import CallRecorder
 
 __all__ = ["TensorRTExportCallback"]
 
@@ -50,10 +51,10 @@ class TensorRTExportCallback(Callback):
 
     A backend that cannot run (TensorRT not installed, no CUDA) or fails falls back to the next with a
     :class:`~lightning_perf.FallbackWarning`; the fit itself never fails because of the export unless
-    ``strict=True``. Bad options fail at construction; a model with no obtainable example input fails in ``setup``,
-    before any training. Under ``ModelParallelStrategy`` or ``FSDPStrategy`` (or with modules sharded by
-    ``fully_shard``) it warns once at ``setup`` (a :class:`~lightning_perf.NoEffectWarning` naming the strategy) and
-    exports nothing: export the consolidated checkpoint with ``lightning-perf export`` after training.
+    ``strict=True``. Bad options fail at construction. Under ``ModelParallelStrategy`` or ``FSDPStrategy`` (or with
+    modules sharded by ``fully_shard``) it warns once at ``setup`` (a :class:`~lightning_perf.NoEffectWarning` naming
+    the strategy) and exports nothing: export the consolidated checkpoint with ``lightning-perf export`` after
+    training.
 
     Args:
         backends: tried in order: ``"tensorrt"`` (torch-tensorrt, CUDA only) and/or ``"onnx"`` (onnxruntime); one
@@ -65,7 +66,8 @@ class TensorRTExportCallback(Callback):
         dirpath: where to write; default the ``ModelCheckpoint``'s directory, else ``<default_root_dir>/export``.
         filename: name of the artifact set and stem of its files (``model.onnx``, ``model.trt.pt2``, ``.export.json``).
         input_shapes: per-input sample shapes without the batch dimension (float inputs) to trace with. Without them
-            the example is the module's ``example_input_array``, else the inputs of the first validation batch.
+            the example is the module's ``example_input_array``, else the first call training made to ``forward``
+            (several, nested or keyword inputs: each batched tensor a named input), else the first validation batch.
         input_key: the model input's key when batches are dicts.
         validation_batch_sizes: batch sizes to validate and time; default min, opt and max of ``batch_range``.
         tolerance: override of the precision's default tolerance, e.g. ``{"atol": 1e-3}``.
@@ -144,6 +146,7 @@ class TensorRTExportCallback(Callback):
         self.report: ExportReport | None = None
         """The report of the last export (rank zero), ``None`` before one ran or when it could not start."""
         self._refused = False  # this fit trains sharded (FSDP2): nothing is exported at its end
+        self._recorder: CallRecorder | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -152,12 +155,8 @@ class TensorRTExportCallback(Callback):
         example = pl_module.example_input_array
         if self.input_shapes is None and example is not None:
             as_input_tuple(example, f"{type(pl_module).__name__}.example_input_array")  # a dict input fails here
-        elif self.input_shapes is None and not has_val_data(trainer, pl_module):
-            raise ValueError(
-                f"`TensorRTExportCallback` has no example input for {type(pl_module).__name__}: set "
-                "`example_input_array` on the module, give the trainer validation data, or pass "
-                "`TensorRTExportCallback(input_shapes=[...])`."
-            )
+        elif self.input_shapes is None:
+            self._recorder = CallRecorder(pl_module)  # the example: the call training makes
         # A model that shards itself in configure_model is sharded only once that has run.
         run_after_configure_model(pl_module, lambda module: self._refuse(trainer, module))
 
@@ -197,6 +196,15 @@ class TensorRTExportCallback(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         discard_pending_surgery(pl_module)  # a fit that failed before `configure_model` ran
+        self.teardown(trainer, pl_module, "fit")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._recorder is not None:
+            self._recorder.remove()  # a fit that never called forward
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_recorder": None}  # a hook on this process's model
 
     def _export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ExportReport:
         checkpoint = _best_checkpoint(trainer) if self.use_best_checkpoint else None
@@ -206,22 +214,33 @@ class TensorRTExportCallback(Callback):
 
         datamodule = getattr(trainer, "datamodule", None)
         val_loader = val_dataloader(trainer, pl_module)
-        batches = model_inputs(pl_module, val_loader, datamodule=datamodule) if val_loader is not None else None
+        call = None if self._recorder is None else self._recorder.call
+        batches = None
+        if val_loader is not None:
+            loader = model_inputs(pl_module, val_loader, datamodule=datamodule)
+            batches = (step_call(pl_module, batch, call, self.input_key) for batch in loader)
+        example: Any
         if self.input_shapes is not None:
-            example = example_inputs_from_shapes(self.input_shapes, batch_size=self.export_kwargs["batch_range"][2])
+            example, source = (
+                example_inputs_from_shapes(self.input_shapes, batch_size=self.export_kwargs["batch_range"][2]),
+                "input_shapes",
+            )
         elif pl_module.example_input_array is not None:
             example = as_input_tuple(
                 through_batch_hooks(pl_module, pl_module.example_input_array, datamodule=datamodule)
             )
+            source = "example_input_array"
+        elif call is not None:
+            example, source = call, call.source
         else:
-            first = (
-                next(model_inputs(pl_module, val_loader, datamodule=datamodule), None)
-                if val_loader is not None
-                else None
-            )
+            first = next(model_inputs(pl_module, val_loader, datamodule=datamodule), None) if val_loader else None
             if first is None:
-                raise ValueError("the validation data is empty, so no example input could be taken from it.")
-            example = split_inputs(first, self.input_key)
+                raise ValueError(
+                    f"no example input for {type(pl_module).__name__}: its `forward` was never called during the fit "
+                    "and there is no validation data. Set `example_input_array` on the module or pass "
+                    "`TensorRTExportCallback(input_shapes=[...])`."
+                )
+            example, source = split_inputs(first, self.input_key), "the first validation batch"
 
         device = self.device
         if device is None and pl_module.device.type == "cuda":
@@ -229,6 +248,7 @@ class TensorRTExportCallback(Callback):
         metadata = {
             "source": "checkpoint" if checkpoint is not None else "final weights",
             "checkpoint": None if checkpoint is None else str(checkpoint),
+            "example_source": source,
             **run_metadata(trainer, pl_module),
         }
         return export_model(

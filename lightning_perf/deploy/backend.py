@@ -23,6 +23,7 @@ from lightning_perf._imports import is_available
 from lightning_perf._validation import check_bool, check_int, check_int_sequence, check_mapping, check_str_sequence
 from lightning_perf.deploy.inputs import DimRange, Inputs, InputSpec
 from lightning_perf.deploy.validate import DEFAULT_TOLERANCES, Tolerance
+from lightning_perf.functional.inputs import export_shapes
 
 __all__ = [
     "BACKENDS",
@@ -121,8 +122,9 @@ class ExportBackend:
         raise NotImplementedError
 
 
-def dynamic_shapes(specs: Sequence[InputSpec]) -> tuple[dict[int, Any] | None, ...]:
-    """``torch.export`` dynamic shapes of the inputs, positionally: one ``Dim`` shared by every batch dimension."""
+def dynamic_shapes(specs: Sequence[InputSpec], model: nn.Module | None = None) -> tuple[Any, ...]:
+    """``torch.export`` dynamic shapes of the inputs, positionally: one ``Dim`` shared by every batch dimension (as
+    ``model`` takes them, see :func:`~lightning_perf.functional.inputs.export_shapes`)."""
     from torch.export import Dim
 
     batch = specs[0].dynamic_dims.get(0)
@@ -134,7 +136,7 @@ def dynamic_shapes(specs: Sequence[InputSpec]) -> tuple[dict[int, Any] | None, .
             for d, rng in spec.dynamic_dims.items()
         }
         shapes.append(dims or None)
-    return tuple(shapes)
+    return tuple(shapes) if model is None else export_shapes(model, shapes)  # type: ignore[no-any-return]
 
 
 @dataclass

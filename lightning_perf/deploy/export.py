@@ -58,6 +58,7 @@ from lightning_perf.deploy.inputs import (
 from lightning_perf.deploy.onnx import OnnxBackend
 from lightning_perf.deploy.tensorrt import TensorRTBackend
 from lightning_perf.deploy.validate import Tolerance, ValidationResult, flat_outputs, full_fp32, validate_runner
+from lightning_perf.functional.inputs import CapturedCall
 from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, measure_latency
 
@@ -218,8 +219,10 @@ def export_model(
     ``<filename>.export.json``; ``<filename>.failed/`` the artifacts that failed and, if none passed, the report.
 
     Args:
-        model: the module to export; its ``forward`` takes positional tensors.
-        example_inputs: tensor(s) with a batch dimension: every input's dtype and other sizes; traces the export.
+        model: the module to export.
+        example_inputs: tensor(s) with a batch dimension, or a :class:`~lightning_perf.functional.inputs.CapturedCall`
+            (several, nested or keyword inputs: each batched tensor becomes a named input of the export, the other
+            arguments stay as captured): every input's dtype and other sizes; traces the export.
         backends: tried in this order until one passes; ``"tensorrt"`` and/or ``"onnx"`` (one name alone: that one).
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"``. ONNX in fp16 needs a GPU execution provider; ONNX has no
             bf16 here (numpy has no bfloat16 to feed onnxruntime).
@@ -252,7 +255,11 @@ def export_model(
     # The options are validate_options' parameters, each forwarded under its own name.
     opts = validate_options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES})
     _check_target(model, filename)
-    example, specs = _input_specs(example_inputs, opts)
+    names = None
+    if isinstance(example_inputs, CapturedCall):  # several or keyword inputs: exported positionally, by name
+        names = example_inputs.names(model) if len(example_inputs.tensors) > 1 else None  # one: `input`
+        model, example_inputs = example_inputs.adapter(model), example_inputs.tensors
+    example, specs = _input_specs(example_inputs, opts, names)
     source, batches = _real_batches(validation_data, input_key, example, specs, opts)
     exportable, ref_outputs = _reference(model, batches, opts)
     report = _new_report(opts, specs, source, metadata)
@@ -273,12 +280,12 @@ def export_model(
 _OPTION_NAMES = frozenset(inspect.signature(validate_options).parameters) - {"owner"}
 
 
-def _input_specs(example_inputs: Any, opts: Any) -> tuple[tuple[Tensor, ...], list[Any]]:
-    """The example as a tuple of tensors, and each input's spec (dtype, static sizes, dynamic ranges)."""
+def _input_specs(example_inputs: Any, opts: Any, names: list[str] | None) -> tuple[tuple[Tensor, ...], list[Any]]:
+    """The example as a tuple of tensors, and each input's spec (name, dtype, static sizes, dynamic ranges)."""
     example = as_input_tuple(example_inputs)
     if len(opts.dynamic_dims) > len(example):
         raise ValueError(f"dynamic_dims names {len(opts.dynamic_dims)} inputs but the example has {len(example)}.")
-    return example, build_input_specs(example, opts.batch_range, opts.dynamic_dims)
+    return example, build_input_specs(example, opts.batch_range, opts.dynamic_dims, names)
 
 
 def _check_target(model: Any, filename: Any) -> None:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from lightning_perf._device import as_device
-from lightning_perf.functional.inputs import INPUT_KEYS, as_input_tuple, split_inputs
+from lightning_perf.functional.inputs import INPUT_KEYS, CapturedCall, as_input_tuple, call_of, split_inputs
 
 __all__ = [
     "BATCH_HOOKS",
@@ -146,16 +146,17 @@ def build_input_specs(
     example: tuple[Tensor, ...],
     batch_range: DimRange,
     dynamic_dims: Sequence[Mapping[int, DimRange]],
+    names: Sequence[str] | None = None,
 ) -> list[InputSpec]:
     """Each input's min/opt/max shapes: the batch dimension over ``batch_range``, the dims in ``dynamic_dims``
-    over theirs, every other dimension fixed at the example's size.
+    over theirs, every other dimension fixed at the example's size; ``names`` default ``input``, ``input_0``...
 
     Raises:
         ValueError: if a dynamic dimension does not exist, is the batch dimension, or the example's size lies outside
             its range.
     """
     specs = []
-    for i, (name, tensor) in enumerate(zip(input_names(len(example)), example)):
+    for i, (name, tensor) in enumerate(zip(names or input_names(len(example)), example)):
         ranges: dict[int, DimRange] = {0: batch_range}
         for dim, rng in (dynamic_dims[i] if i < len(dynamic_dims) else {}).items():
             if dim == 0 or not 0 < dim < tensor.dim():
@@ -189,11 +190,12 @@ def take_batch(inputs: tuple[Tensor, ...], batch_size: int) -> tuple[Tensor, ...
 
 
 def collect_inputs(batches: Iterable[Any], needed: int, input_key: str | None) -> tuple[Tensor, ...] | None:
-    """Concatenate the inputs of ``batches`` until ``needed`` samples are gathered (fewer if the data ends)."""
+    """Concatenate the inputs of ``batches`` (or of :class:`CapturedCall` items) until ``needed`` samples are gathered
+    (fewer if the data ends)."""
     parts: list[tuple[Tensor, ...]] = []
     count = 0
     for batch in batches:
-        inputs = split_inputs(batch, input_key)
+        inputs = batch.tensors if isinstance(batch, CapturedCall) else split_inputs(batch, input_key)
         if parts and len(inputs) != len(parts[0]):
             raise ValueError(
                 f"Validation batches disagree on the number of model inputs: {len(parts[0])} vs {len(inputs)}."
@@ -262,10 +264,6 @@ def model_inputs(
         yield through_batch_hooks(module, batch, datamodule=datamodule, device=device)
 
 
-class _InputCaptured(Exception):
-    """Raised by a forward pre-hook to stop a forward once the submodule's inputs are known."""
-
-
 def submodule_inputs(
     model: nn.Module,
     submodule: nn.Module,
@@ -274,46 +272,24 @@ def submodule_inputs(
     *,
     device: torch.device | str | None = None,
     owner: str = "submodule_inputs",
-) -> tuple[Tensor, ...]:
-    """What ``submodule`` receives when ``model``'s ``forward`` runs on ``inputs``, on the CPU.
+) -> tuple[Tensor, ...] | CapturedCall:
+    """What ``submodule`` receives when ``model``'s ``forward`` runs on ``inputs`` (a tensor, tensors, a dict of
+    keyword inputs or a :class:`CapturedCall`), on the CPU: its positional tensors, or the call itself when it has
+    keyword or non-tensor arguments.
 
-    A forward pre-hook on the submodule records its positional inputs and stops the forward there, so whatever the
-    model does to its input first (reshaping, normalizing) is seen. Without a ``forward`` (a LightningModule that
-    calls its submodule directly in its step methods), ``inputs`` are the submodule's inputs. ``inputs`` go to
-    ``device`` first (default: left where they are); ``source`` and ``owner`` name them in errors.
-
-    Raises:
-        ValueError: if the submodule is called with keyword arguments.
+    The forward stops at the submodule (:func:`call_of`), so whatever the model does to its input first (reshaping,
+    normalizing) is seen. Without a ``forward`` (a LightningModule that calls its submodule directly in its step
+    methods), ``inputs`` are the submodule's inputs. ``inputs`` go to ``device`` first (default: left where they are);
+    ``source`` and ``owner`` name them in errors.
     """
     if device is not None:
         inputs = pytree.tree_map_only(Tensor, lambda t: t.to(device), inputs)
-    captured: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-
-    def record(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        captured.append((args, kwargs))
-        raise _InputCaptured
-
-    handle = submodule.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            if isinstance(inputs, dict):
-                model(**inputs)
-            elif isinstance(inputs, (tuple, list)):
-                model(*inputs)
-            else:
-                model(inputs)
-    except (_InputCaptured, NotImplementedError):
-        pass
-    finally:
-        handle.remove()
-    if not captured:
-        found = as_input_tuple(inputs, f"{type(model).__name__} {source}")
+    if isinstance(inputs, CapturedCall):
+        args, kwargs = inputs.args, inputs.kwargs
     else:
-        args, kwargs = captured[0]
-        if kwargs:
-            raise ValueError(
-                f"`{owner}`: the submodule is called with keyword arguments ({', '.join(kwargs)}); quantization "
-                "captures positional tensor inputs only."
-            )
-        found = as_input_tuple(args, f"the inputs of the submodule for {source}")
-    return tuple(t.detach().cpu() for t in found)
+        args, kwargs = ((), inputs) if isinstance(inputs, dict) else (as_input_tuple(inputs, f"{owner}: {source}"), {})
+    call = call_of(submodule, lambda: model(*args, **kwargs), f"the inputs of the submodule for {source}")
+    if call is None:
+        cpu_args, cpu_kwargs = pytree.tree_map_only(Tensor, lambda t: t.detach().cpu(), (args, kwargs))
+        call = CapturedCall(cpu_args, cpu_kwargs, source)
+    return call.tensors if call.positional else call

@@ -5,8 +5,9 @@ onnx, onnxscript and onnxruntime are imported only inside the functions that nee
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,14 @@ from lightning_perf._imports import require
 from lightning_perf.deploy.backend import BackendUnavailable, ExportBackend, ExportOptions, Runner, dynamic_shapes
 from lightning_perf.deploy.inputs import Inputs, InputSpec
 
-__all__ = ["OnnxBackend", "OnnxRunner", "equal_thread_options", "onnx_providers", "save_program_onnx"]
+__all__ = [
+    "OnnxBackend",
+    "OnnxRunner",
+    "equal_thread_options",
+    "onnx_providers",
+    "save_program_onnx",
+    "traceable_causal_masks",
+]
 
 
 ORT_TYPES = {
@@ -134,7 +142,7 @@ class OnnxBackend(ExportBackend):
         return _onnx_export(
             model,
             example,
-            dynamic_shapes=dynamic_shapes(specs),
+            dynamic_shapes=dynamic_shapes(specs, model),
             input_names=[s.name for s in specs],
             output_names=options.output_names,
             opset_version=options.opset,
@@ -160,8 +168,23 @@ def save_program_onnx(
     return _save_external(onnx_program, path)
 
 
+@contextlib.contextmanager
+def traceable_causal_masks() -> Iterator[None]:
+    """nn.Transformer's check of whether a mask is causal reads the mask's values, which ``torch.export`` cannot trace
+    (a data-dependent guard): inside the block the answer is "not known causal", so the mask is applied as given, the
+    same result without the causal fast path."""
+    from torch.nn.modules import transformer
+
+    detect = transformer._detect_is_causal_mask
+    transformer._detect_is_causal_mask = lambda mask, is_causal=None, size=None: bool(is_causal)
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
+
+
 def _onnx_export(model: Any, args: tuple[Any, ...], **kwargs: Any) -> Any:
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), traceable_causal_masks():
         # torch.export's own deprecation chatter (pytree LeafSpec...) says nothing about the user's model.
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)

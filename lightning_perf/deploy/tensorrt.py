@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from lightning_perf._imports import require
 from lightning_perf.deploy.backend import BackendUnavailable, ExportBackend, ExportOptions, Runner, dynamic_shapes
 from lightning_perf.deploy.inputs import Inputs, InputSpec, cast_inputs
+from lightning_perf.deploy.onnx import traceable_causal_masks
 from lightning_perf.deploy.validate import flat_outputs
 
 __all__ = ["TensorRTBackend", "TensorRTBuild", "TensorRTRunner"]
@@ -77,8 +78,9 @@ class TensorRTBackend(ExportBackend):
 
         # Traced here with one Dim shared by every input's batch dimension: torch-tensorrt's own tracer makes one per
         # input, which torch.export rejects as soon as the model combines two inputs along the batch.
-        shapes = dynamic_shapes(specs)
-        program = torch.export.export(model, example, dynamic_shapes=shapes)
+        shapes = dynamic_shapes(specs, model)
+        with traceable_causal_masks():
+            program = torch.export.export(model, example, dynamic_shapes=shapes)
         # torch-tensorrt >= 2.13 takes the precision from the dtypes (TensorRT 11 is strongly typed, and
         # `enabled_precisions` is gone from the dynamo path): the model copy and the inputs are cast already.
         compiled = torch_tensorrt.compile(

@@ -213,13 +213,17 @@ class _DictExample(ConvNetModule):
         self.example_input_array = {"x": torch.zeros(1, 3, 16, 16)}
 
 
-def test_no_example_input_fails_in_setup_before_training(tmp_path: Path) -> None:
+@needs_onnx
+def test_without_example_or_validation_data_the_call_training_made_is_the_example(tmp_path: Path) -> None:
     _, data = make_workload("convnet", "tiny", seed=0)
     data.setup("fit")
-    trainer = _trainer(tmp_path, [TensorRTExportCallback(backends=["onnx"], **QUICK)])
-    with pytest.raises(ValueError, match=r"no example input for _NoExample.*input_shapes"):
-        trainer.fit(_NoExample("tiny"), train_dataloaders=data.train_dataloader())
-    assert trainer.global_step == 0
+    callback = TensorRTExportCallback(backends=["onnx"], **QUICK)
+    trainer = _trainer(tmp_path, [callback])
+    trainer.fit(_NoExample("tiny"), train_dataloaders=data.train_dataloader())
+    assert callback.report is not None and callback.report.ok, callback.report
+    assert callback.report.metadata["example_source"] == "the first training call"
+    assert [s.name for s in callback.report.inputs] == ["input"]
+    assert callback._recorder is not None and not callback._recorder._handle.hooks_dict_ref()  # the hook removed
 
 
 def test_dict_example_input_fails_in_setup(tmp_path: Path) -> None:
@@ -230,14 +234,24 @@ def test_dict_example_input_fails_in_setup(tmp_path: Path) -> None:
     assert trainer.global_step == 0
 
 
-def test_input_shapes_stand_in_for_a_missing_example(tmp_path: Path) -> None:
+def test_a_fit_that_never_calls_forward_says_what_would_give_an_example(tmp_path: Path) -> None:
+    class StepCallsTheNet(_NoExample):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    _, data = make_workload("convnet", "tiny", seed=0)
+    data.setup("fit")
+    callback = TensorRTExportCallback(backends=["onnx"], strict=True, **QUICK)
+    with pytest.raises(ExportError, match=r"no example input for StepCallsTheNet.*never called.*input_shapes"):
+        _trainer(tmp_path, [callback]).fit(StepCallsTheNet("tiny"), train_dataloaders=data.train_dataloader())
+    assert not callback._recorder._handle.hooks_dict_ref()  # teardown took the hook off
+
+
+def test_input_shapes_stand_in_for_a_missing_example() -> None:
     trainer = SimpleNamespace(fit_loop=None)  # no validation data, and the module has no example input
-    without = TensorRTExportCallback(backends=["onnx"], **QUICK)
-    with pytest.raises(ValueError, match="no example input for _NoExample"):
-        without.setup(trainer, _NoExample("tiny"), "fit")  # type: ignore[arg-type]
     callback = TensorRTExportCallback(backends=["onnx"], input_shapes=[(3, 16, 16)], **QUICK)
-    callback.setup(trainer, _NoExample("tiny"), "fit")  # type: ignore[arg-type]  # the shapes stand in: no error
-    assert callback.input_shapes == [(3, 16, 16)]
+    callback.setup(trainer, _NoExample("tiny"), "fit")  # type: ignore[arg-type]  # the shapes stand in: no hook
+    assert callback.input_shapes == [(3, 16, 16)] and callback._recorder is None
 
 
 @pytest.mark.parametrize(

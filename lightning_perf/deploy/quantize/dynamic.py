@@ -53,9 +53,10 @@ from lightning_perf._io import cache_file, read_cache_entries, write_cache_entri
 from lightning_perf._validation import check_bool
 from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.inputs import Inputs, as_input_tuple
-from lightning_perf.deploy.onnx import equal_thread_options
+from lightning_perf.deploy.onnx import _onnx_export, equal_thread_options
 from lightning_perf.deploy.quantize.dynamic_cache import int8_onnx_file, read_int8_onnx, weights_key, write_int8_onnx
 from lightning_perf.deploy.validate import ValidationSummary, compare_models, eval_mode
+from lightning_perf.functional.inputs import export_shapes
 from lightning_perf.functional.qat import QuantizationError, with_batch
 from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
@@ -169,8 +170,15 @@ class _QuietForward(nn.Module):
         self.module = module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with _quiet():
-            return self.module(*args, **kwargs)
+        # nn.Transformer*Layer's eval fast path reads `linear.weight.device`, which int8 layers have as a method: the
+        # fast path is off for this call only (it needs float weights anyway).
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            with _quiet():
+                return self.module(*args, **kwargs)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
 @torch.no_grad()
@@ -305,14 +313,12 @@ def _int8_onnx_bytes(source: nn.Module, example: tuple[Tensor, ...], reduce_rang
             with _quiet():
                 # The exporter's optimize=True is kept: optimize=False was not clearly faster on a 2-core machine, and
                 # on nn.TransformerEncoder it gives a graph that onnxruntime quantizes less (not the same int8 model).
-                program = torch.onnx.export(
-                    source,
-                    example,
-                    None,
-                    dynamo=True,
-                    dynamic_shapes=tuple({0: Dim.DYNAMIC} for _ in example),
-                    verbose=False,
-                )
+                # One Dim for every batch dimension (separate ones fail where the model combines two inputs), traced
+                # on two samples at least: torch.export specializes a named Dim whose example size is 1.
+                batch = Dim("batch")
+                example = with_batch(example, max(2, int(example[0].shape[0])))
+                shapes = export_shapes(source, [{0: batch} for _ in example])
+                program = _onnx_export(source, example, dynamic_shapes=shapes)
                 if program is None:
                     raise RuntimeError("torch.onnx.export returned no program")
                 program.save(str(float_path))
@@ -552,7 +558,7 @@ def _try(
         result.candidates.append(candidate)
         try:
             quantized = _build(name, reference, example, cache_dir, refresh)
-            candidate.validation = compare_models(reference, quantized, [example], min_cosine=min_cosine)
+            candidate.validation = compare_models(reference, quantized, [(example,)], min_cosine=min_cosine)
         except Exception as exc:
             candidate.problem = f"failed: {failure_reason(exc)}"
             continue

@@ -160,7 +160,7 @@ def export_dynamic(
         else:
             report.int8_bytes = int8_size_bytes(quantized)
             passed = run.validate(
-                float_module, quantized, batches or [example], min_cosine, min_agreement=min_agreement
+                float_module, quantized, batches or [(example,)], min_cosine, min_agreement=min_agreement
             )
             run.save_model(passed, SUFFIXES[backend], functools.partial(_write_model, backend, quantized, example))
         if report.ok and benchmark and batch_sizes and quantized is not None:

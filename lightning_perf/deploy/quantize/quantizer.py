@@ -127,7 +127,7 @@ class LoopData:
         metadata: what the report records about the run (step, epoch, model class).
     """
 
-    example: Callable[[nn.Module, str], tuple[torch.Tensor, ...]]
+    example: Callable[[nn.Module, str], Any]  # positional tensors, or a CapturedCall with keyword inputs
     validation: Callable[[nn.Module], Iterable[Any] | None]
     dirpath: str | os.PathLike[str] = "."
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -34,6 +34,7 @@ from lightning_perf.deploy.quantize.quantizer import (
     resolve_submodule,
 )
 from lightning_perf.deploy.quantize.save import QuantizationReport
+from lightning_perf.functional.inputs import CapturedCall, PositionalCall
 from lightning_perf.functional.qat import BACKENDS, MODES, QuantizationRecipe, is_prepared, make_recipe, prepare
 from lightning_perf.functional.qat_config import base_config_spec, resolve_base_config
 from lightning_perf.functional.surgery import replace_modules
@@ -153,8 +154,11 @@ class DynamicInt8Quantizer(Quantizer):
         holders = [(n, c) for n, c in root.named_children() if next(c.parameters(), None) is not None]
         return holders[0] if len(holders) == 1 else ("", root)
 
-    def _quantize(self, module: nn.Module, example: tuple[torch.Tensor, ...]) -> tuple[DynamicQuantization, bool]:
-        """The int8 copy of ``module`` and whether it was chosen now (``False``: this process's earlier copy)."""
+    def _quantize(self, module: nn.Module, example: Any) -> tuple[DynamicQuantization, bool]:
+        """The int8 copy of ``module`` (called as ``example``, a :class:`CapturedCall`, was: through its adapter) and
+        whether it was chosen now (``False``: this process's earlier copy)."""
+        if isinstance(example, CapturedCall):
+            module, example = example.adapter(module), example.tensors
         signature = _signature(module, example)
         if self._built is not None and self._built[0] == signature:
             return self._built[1], False
@@ -187,7 +191,8 @@ class DynamicInt8Quantizer(Quantizer):
                 NoEffectWarning,
             )
             return None
-        choice, fresh = self._quantize(module, inputs(module))  # a failure: the adapter's fallback, the run goes on
+        example = inputs(module)
+        choice, fresh = self._quantize(module, example)  # a failure: the adapter's fallback, the run goes on
         if choice.module is None:
             warn_once(
                 f"`{self.owner}(mode='dynamic')`: no int8 back-end was correct and faster than fp32 for "
@@ -196,6 +201,8 @@ class DynamicInt8Quantizer(Quantizer):
             )
             return None
         int8 = choice.module
+        if isinstance(example, CapturedCall):  # the int8 adapter, called as the module is
+            int8 = PositionalCall(int8, example, reverse=True)
         if name:
             replace_modules(root, [name], lambda m, _: int8, check_state_dict=False)
         else:  # the whole module: the int8 copy stands in for its forward (steps calling `self(...)`)
@@ -233,6 +240,9 @@ class DynamicInt8Quantizer(Quantizer):
         try:
             example = batches[0][0] if batches else data.example(module, "train")
             choice, _ = self._quantize(module, example)
+            if isinstance(example, CapturedCall):  # validated and timed as the int8 copy was built: positionally
+                batches = [(example.inputs_of(i.args, i.kwargs), labels) for i, labels in batches]
+                module, example = example.adapter(module), example.tensors
             return export_dynamic(
                 module,
                 choice,
