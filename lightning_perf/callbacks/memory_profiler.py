@@ -138,6 +138,7 @@ class MemoryProfilerCallback(UndoOnExit):
         # (CPU, one optimizer stepping once a batch) the countdown runs in its post-hook; Lightning's step counter
         self._done: Any = None
         self._counted, self._handles = -1, list[RemovableHandle]()  # the step count last counted down
+        self._stride = 1 << 62  # (CPU) the leak screen reads one step in this many
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -159,6 +160,7 @@ class MemoryProfilerCallback(UndoOnExit):
             self._done = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
             self._handles = [trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step)]
         self._memory.cheap_at_start = self._done is None  # else the post-hook reads the step's end
+        self._stride = self._memory.cheap.stride if self._memory.cheap is not None else 1 << 62
         directory = obs.report_dir(trainer, self.dirpath)  # on every rank: log_dir broadcasts
         stem = obs.report_stem(directory, self.filename, _REPORT_PATTERNS, self.overwrite)
         self._cuda = cuda_history.CudaRecording(directory, stem, trainer.global_rank)
@@ -169,24 +171,30 @@ class MemoryProfilerCallback(UndoOnExit):
             warn_once(msg + " No history is written.", NoEffectWarning)
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        # A quiet step: counted down once (a step() calling super().step() runs post-hooks twice), its end read, billed.
+        # A quiet step: counted down once (a step() calling super().step() runs post-hooks twice), billed; the leak
+        # screen's reading where it falls (inlined: this runs on every step).
         if self._quiet and (memory := self._memory) is not None and (done := self._done.completed) != self._counted:
             entry = time.perf_counter_ns()
             self._counted = done
-            steady = self._count_down(memory)
+            steady, reads = self._count_down(memory)
             if not self._quiet:  # the last step of the countdown: wake the next one's start
                 obs.silence_hooks(self, ("on_train_batch_start",), False)
-            memory.cost.quiet_step(entry, steady)
+            memory.cost.quiet_step(entry, steady, reads)
 
-    def _count_down(self, memory: MemorySteps) -> bool:
-        """A quiet step: the cheap reading of its memory (when that opens a leak confirmation, the countdown ends).
-        Returns whether the step is past the observer's warm-up."""
-        index = memory.step_index + self._skipped - self._quiet
+    def _count_down(self, memory: MemorySteps) -> tuple[bool, bool]:
+        """A quiet step: counted down, its memory read where the leak screen reads (when that opens a confirmation,
+        the countdown ends). Returns whether the step is past the observer's warm-up, and whether it read."""
+        quiet = self._quiet
+        index = memory.step_index + self._skipped - quiet
+        if index % self._stride:
+            self._quiet = quiet - 1
+            return index >= memory.cost.first, False
         if memory.read_cheap(index, self._epoch):
-            self._skipped -= self._quiet - 1  # the steps run quietly, this one included
-            self._quiet = 1
-        self._quiet -= 1
-        return index >= memory.cost.first
+            self._skipped, self._quiet = self._skipped - quiet + 1, 0  # the steps run quietly, this one included
+        else:
+            self._quiet = quiet - 1
+        self._stride = memory.cheap.stride if memory.cheap is not None else 1 << 62  # doubles on long runs
+        return index >= memory.cost.first, True
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
         """Stop the OOM listener and the history recording, give the hooks back (teardown, and on an exception)."""
@@ -222,7 +230,7 @@ class MemoryProfilerCallback(UndoOnExit):
             return
         if self._quiet:  # (CPU) a step that reads only its start: a countdown, the step's other hooks silenced
             entry = time.perf_counter_ns()
-            return memory.cost.quiet_step(entry, self._count_down(memory))
+            return memory.cost.quiet_step(entry, *self._count_down(memory))
         memory.skip(self._skipped, counted=True)  # the steps the countdown let run, in bulk (each billed its read)
         self._skipped = 0
         memory.plan_step()  # whether the step reads anything, and how its hooks are timed

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -53,6 +54,7 @@ __all__ = [
     "SEGMENTS",
     "LeakSeries",
     "LeakTrend",
+    "ResidentSeries",
     "SlopeInterval",
     "could_leak",
     "detect_leaks",
@@ -525,3 +527,49 @@ class LeakSeries:
             ok = keep & (values != self._MISSING)
             out[point] = (self._steps[: self.rows][ok].tolist(), values[ok].tolist())
         return out
+
+
+class ResidentSeries:
+    """One reading per recorded step, in preallocated storage: the hot path of a signal read at every step.
+
+    :meth:`add` costs two array stores and a few integer checks (no NumPy scalar, no allocation): it runs on every
+    training step. When the storage is full, every other row is dropped and the stride doubles, as in
+    :class:`LeakSeries`.
+
+    Example::
+
+        series = ResidentSeries()
+        for step in range(100):
+            series.add(step, epoch=0, value=probe.resident())
+        steps, values = series.series(first_step=10)
+    """
+
+    __slots__ = ("rows", "second_epoch", "steps", "stride", "values")
+
+    def __init__(self, capacity: int = 2048, stride: int = 1) -> None:
+        self.steps, self.values = array("q", bytes(8 * capacity)), array("q", bytes(8 * capacity))
+        self.rows, self.stride = 0, stride
+        self.second_epoch: int | None = None  # the first recorded step of a later epoch than the first
+
+    def add(self, step: int, epoch: int, value: int) -> bool:
+        """Record ``value`` for ``step`` if it is one of the recorded steps (every ``stride``-th); return whether."""
+        if step % self.stride:
+            return False
+        rows = self.rows
+        if rows == len(self.steps):
+            half = (rows + 1) // 2
+            self.steps[:half], self.values[:half] = self.steps[:rows:2], self.values[:rows:2]
+            rows, self.stride = half, self.stride * 2
+            if step % self.stride:
+                self.rows = rows
+                return False
+        self.steps[rows], self.values[rows], self.rows = step, value, rows + 1
+        if epoch and self.second_epoch is None:
+            self.second_epoch = step
+        return True
+
+    def series(self, first_step: int = 0) -> tuple[list[int], list[int]]:
+        """``(steps, values)`` of the recorded steps from ``first_step`` on."""
+        steps = self.steps[: self.rows].tolist()
+        start = next((i for i, step in enumerate(steps) if step >= first_step), len(steps))
+        return steps[start:], self.values[start : self.rows].tolist()

@@ -204,6 +204,15 @@ _STATM_PATH = "/proc/self/statm"
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _CLEAR_REFS_PATH = "/proc/self/clear_refs"
 _HAS_PROC_STATUS = os.path.exists(_STATUS_PATH)
+_FORKS = [0]  # forks seen by this process's children: "/proc/self" descriptors opened before one describe the parent
+
+
+def _forked() -> None:
+    _FORKS[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _status_kib(buf: bytes, key: bytes) -> int:
@@ -239,7 +248,7 @@ class MemoryProbe:
         self._peak_since_reset = False
         self._fds: dict[str, int] = {}  # /proc files kept open, and what closes them
         self._finalizers: list[weakref.finalize] = []
-        self._status_pid = -1
+        self._forks_seen = -1
         self._mallinfo2 = None if self._cuda else _load_mallinfo2()
         if self._cuda:
             self.source = "cuda"
@@ -261,11 +270,10 @@ class MemoryProbe:
         """The bytes of ``path`` (``/proc/self/...``), from a descriptor opened once per process (None off Linux)."""
         if not _HAS_PROC_STATUS:
             return None
-        pid = os.getpid()
-        if self._status_pid != pid:
+        if self._forks_seen != _FORKS[0]:
             # "/proc/self" is resolved at open(): a descriptor inherited through fork would describe the parent.
             self._close_status()
-            self._status_pid = pid
+            self._forks_seen = _FORKS[0]
         if (fd := self._fds.get(path)) is None:
             fd = self._fds[path] = os.open(path, os.O_RDONLY)
             self._finalizers.append(weakref.finalize(self, os.close, fd))
@@ -404,7 +412,7 @@ class MemoryProbe:
         # A descriptor and a ctypes function do not survive pickling: the copy reopens and reloads them.
         state = self.__dict__.copy()
         # The peak reset happened in this process, not in the one that unpickles.
-        state.update(_fds={}, _status_pid=-1, _finalizers=[], _mallinfo2=None, _peak_since_reset=False)
+        state.update(_fds={}, _forks_seen=-1, _finalizers=[], _mallinfo2=None, _peak_since_reset=False)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

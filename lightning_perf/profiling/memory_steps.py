@@ -34,10 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf.profiling.leaks import (
+    MIN_LEAK_SAMPLES,
     NOISE_FLOOR_STEPS,
     SEGMENTS,
     LeakSeries,
     LeakTrend,
+    ResidentSeries,
     could_leak,
     detect_leaks,
     sen_slope_interval,
@@ -53,7 +55,8 @@ __all__ = [
     "LEAK_CHECK_EVERY_N_STEPS",
     "PHASES",
     "POINTS",
-    "SCREEN_FIRST_GAP",
+    "SCREEN_GAP",
+    "SCREEN_READINGS",
     "SCREEN_READ_EVERY_N_STEPS_CPU",
     "MemorySteps",
     "check_leak_threshold",
@@ -80,12 +83,19 @@ LEAK_CHECK_EVERY_N_STEPS = 50
 """The observer's warm-up (its own cost is counted from this step on); on CUDA the leak verdict is renewed after this
 many steps, then every quarter of the steps seen so far (at least this many), and at the end of fit."""
 
-SCREEN_READ_EVERY_N_STEPS_CPU = 1
-"""On CPU the leak screen reads the resident set (``/proc/self/statm``) at one step in this many."""
+SCREEN_READ_EVERY_N_STEPS_CPU = 4
+"""On CPU the leak screen reads the resident set (``/proc/self/statm``) at the end of one step in this many at first;
+the series keeps at most :data:`SCREEN_READINGS` readings, evenly spread, so the stride doubles as the run grows (one
+in 8 from step 256, 16 from 512...). A procfs ``pread`` costs 1.5 us in a warm loop but about 20 us right after a
+training step (2-core AMD EPYC VM: cold caches; an empty Python call costs 2 us there, ``getpid`` 5 us): read at every
+step it would be 1% of a 2 ms step."""
 
-SCREEN_FIRST_GAP = 25
-"""On CPU the first leak screen runs this many steps after the series holds ``leak_min_samples`` readings past
-warm-up; later screens every eighth of the steps so far, at least this many apart."""
+SCREEN_READINGS = 64
+"""Readings of the resident set kept at most (see :data:`SCREEN_READ_EVERY_N_STEPS_CPU`)."""
+
+SCREEN_GAP = 64
+"""On CPU leak screens run at least this many steps apart (then every quarter of the steps so far), the first when the
+resident set holds :data:`~lightning_perf.profiling.leaks.MIN_LEAK_SAMPLES` readings past warm-up (0.1-1 ms each)."""
 
 _MIB = 1024.0 * 1024.0
 _INSIDE = frozenset(("after_forward", "after_backward"))  # the points read by hooks inside the step
@@ -133,20 +143,21 @@ class MemorySteps:
       every step into a :class:`~lightning_perf.profiling.LeakSeries`; the verdict
       (:func:`~lightning_perf.profiling.detect_leaks`) is renewed after :data:`LEAK_CHECK_EVERY_N_STEPS` steps, then
       every quarter of the steps so far (:meth:`leak_check_due`), and at the end of fit.
-    - **CPU**: a cheap signal every :data:`SCREEN_READ_EVERY_N_STEPS_CPU` step, the expensive look only to confirm.
-      The resident set (one ``pread`` of ``/proc/self/statm``, :meth:`MemoryProbe.resident`) is read at the end of
-      every step (:meth:`read_cheap`; where the optimizer does not step once a batch, at its start) into a series of
-      its own. A **screen** of that series (:data:`SCREEN_FIRST_GAP` steps after it holds ``leak_min_samples``
-      readings past warm-up, then every eighth of the steps so far, at least :data:`SCREEN_FIRST_GAP`) asks whether
+    - **CPU**: a cheap signal, the expensive look only to confirm. The resident set (one ``pread`` of
+      ``/proc/self/statm``, :meth:`MemoryProbe.resident`) is read at the end of one step in
+      :data:`SCREEN_READ_EVERY_N_STEPS_CPU` (sparser on long runs; :meth:`read_cheap`; where the optimizer does not
+      step once a batch, at its start) into a series of its own. A **screen** of that series (once it holds 18
+      readings past warm-up, then every quarter of the steps so far, at least :data:`SCREEN_GAP` apart) asks whether
       it rises steadily in each third of the later half of the run (:func:`~lightning_perf.profiling.leaks.
       could_leak`) and significantly (Sen's interval above zero). The resident set is too coarse to judge a leak by
       itself (glibc trims and grows the heap by megabytes, and a leak pins pages around it), so a screen that passes
       opens a **confirmation**: the next ``leak_min_samples`` steps read memory in use (glibc ``mallinfo2``, a heap
       walk) at every point, and :func:`~lightning_perf.profiling.detect_leaks` judges those readings with the full
-      rule. A confirmed leak is reported once; a refused one (the heap in use is flat: the resident set grew for
-      another reason) pushes the next screen back (50, 100, 200... steps). Delay: a 256 KiB/step leak is reported
-      about ``warmup_steps + 2 * leak_min_samples + 25`` steps into the fit (about 140 by default); a 4 KiB/step one
-      within a few hundred steps more (the screen must see the resident set grow).
+      rule. A confirmed leak is reported once; a refused one (memory in use is flat: the resident set grew for
+      another reason) pushes the next screen back (50, 100, 200... steps). Delay, by default: a leak present from the
+      start is screened at step ``warmup_steps + 18 x 4`` (122) and reported ``leak_min_samples`` steps later (153)
+      when the resident set shows it by then (`benchmarks/leak_detection.py`); one that starts late, once it spans
+      the later half of the run.
 
     On both, warm-up is left out of the verdict: the first epoch when it is shorter than ``warmup_steps`` steps, else
     the first ``warmup_steps`` steps (lazily built optimizer state, allocator arenas, the first validation run's
@@ -193,9 +204,9 @@ class MemorySteps:
         self.series = LeakSeries(self.points)  # CUDA: every step; CPU: the last confirmation's steps
         cpu = probe.device.type != "cuda"
         # (CPU) the resident set at one point of every step, and the screen's schedule
-        self.cheap = LeakSeries(("resident",), capacity=2048, stride=SCREEN_READ_EVERY_N_STEPS_CPU) if cpu else None
+        self.cheap = ResidentSeries(SCREEN_READINGS, SCREEN_READ_EVERY_N_STEPS_CPU) if cpu else None
         self.cheap_at_start = False  # the loop reads the cheap signal at the step's start (not its end)
-        self._screen_at = leak_min_samples * SCREEN_READ_EVERY_N_STEPS_CPU  # the next screen, at the earliest
+        self._screen_at = MIN_LEAK_SAMPLES * SCREEN_READ_EVERY_N_STEPS_CPU  # the next screen, at the earliest
         self._backoff = LEAK_CHECK_EVERY_N_STEPS
         self._confirm: tuple[int, int] | None = None  # (CPU) the confirmation's steps [first, end)
         self.screens: list[dict[str, Any]] = []  # (CPU) each screen that opened a confirmation, and its outcome
@@ -274,20 +285,21 @@ class MemorySteps:
         it when due; ``stamp``: the clock read now marks the step for the mean step time. Returns True when a
         confirmation opens: the steps from the next one on read (see :meth:`quiet_ahead`)."""
         cheap = self.cheap
-        if cheap is None or not cheap.start_step(index, epoch):
+        if cheap is None or index % cheap.stride or not cheap.add(index, epoch, self.probe.resident()):
             return False
-        cheap.record("resident", self.probe.resident())
         if stamp:
             self._stamp(index, time.perf_counter_ns())
         if index < self._screen_at or self.leak_found or self._confirm is not None:
             return False
         first = self._leak_first_step(cheap)
-        if index < (earliest := first + self.leak_min_samples * cheap.stride + SCREEN_FIRST_GAP):
+        if index < (earliest := first + MIN_LEAK_SAMPLES * cheap.stride):
             self._screen_at = earliest  # enough readings past warm-up
             return False
-        self._screen_at = index + max(SCREEN_FIRST_GAP, index // 8)
-        steps, values = cheap.series(max(first, index // 2))["resident"]
-        if not could_leak(values, self.leak_min_samples) or not sen_slope_interval(steps, values).grows:
+        self._screen_at = index + max(SCREEN_GAP, index // 4)
+        # The later half of the run, at least 36 readings of it where there are.
+        steps, values = cheap.series(max(first, min(index // 2, index - 2 * MIN_LEAK_SAMPLES * cheap.stride)))
+        # A trigger, not the verdict: the slope's interval on at most 64 medians (2,016 pairs, not 32,640).
+        if not could_leak(values, MIN_LEAK_SAMPLES) or not sen_slope_interval(steps, values, 64).grows:
             return False
         self._confirm = (index + 1, index + 1 + self.leak_min_samples)
         self.series = LeakSeries(self.points)
@@ -386,9 +398,11 @@ class MemorySteps:
         self._next_check = self.step_index + max(LEAK_CHECK_EVERY_N_STEPS, self.step_index // 4)
         return True
 
-    def _leak_first_step(self, series: LeakSeries) -> int:
+    def _leak_first_step(self, series: LeakSeries | ResidentSeries) -> int:
         # The first step of the leak window: after the first epoch when it is shorter than `warmup_steps`.
-        second_epoch = series.first_step_of_epoch_after(0)
+        second_epoch = (
+            series.second_epoch if isinstance(series, ResidentSeries) else series.first_step_of_epoch_after(0)
+        )
         return self.warmup_steps if second_epoch is None else min(self.warmup_steps, second_epoch)
 
     def _leak_trends(self, points: Sequence[str], screen: bool = False) -> dict[str, LeakTrend]:
@@ -409,7 +423,7 @@ class MemorySteps:
             series then stops; the full samples every ``every_n_steps`` go on.
         """
         if self.cheap is not None and self.cheap.rows:
-            steps, values = self.cheap.series(self._leak_first_step(self.cheap))["resident"]
+            steps, values = self.cheap.series(self._leak_first_step(self.cheap))
             self.cheap_trend = trend_of("resident", steps, values, self.leak_min_samples, self.leak_threshold)
         if not every_point and not any(t.leaking for t in self._leak_trends(self.points[-1:], screen=True).values()):
             leaking = []

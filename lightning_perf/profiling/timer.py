@@ -569,9 +569,27 @@ class HookCost:
         print(cost.figures(steps, step_s)["share_of_step"])
     """
 
-    __slots__ = ("bodies", "calls", "counter_bodies", "counter_calls", "dispatch_ns", "every", "first", "heavy",
-                 "heavy_calls", "heavy_ns", "quiet_calls", "quiet_ns", "steady", "timed_calls", "timed_ns", "timing",
-                 "warmup_calls")  # fmt: skip
+    __slots__ = (
+        "bodies",
+        "calls",
+        "counter_bodies",
+        "counter_calls",
+        "dispatch_ns",
+        "every",
+        "first",
+        "heavy",
+        "heavy_calls",
+        "heavy_ns",
+        "quiet_calls",
+        "quiet_ns",
+        "reading_calls",
+        "reading_ns",
+        "steady",
+        "timed_calls",
+        "timed_ns",
+        "timing",
+        "warmup_calls",
+    )  # fmt: skip
 
     BODIES = 256  # the last routine bodies kept (preallocated ring): their median is the routine call's cost
 
@@ -582,6 +600,7 @@ class HookCost:
         self.quiet_ns = quiet_call_ns()
         self.bodies = array("q", bytes(8 * self.BODIES))
         self.counter_calls = 0  # of the quiet calls, a skipped step's counter (see `quiet_step`)
+        self.reading_calls = self.reading_ns = 0  # of the quiet calls, those that also read something (timed whole)
         self.counter_bodies = array("q", bytes(8 * self.BODIES))
         self.timing = self.heavy = self.steady = False
 
@@ -622,15 +641,20 @@ class HookCost:
             self.timed_ns += elapsed
             self.timed_calls += 1
 
-    def quiet_step(self, entry_ns: int, steady: bool = True) -> None:
+    def quiet_step(self, entry_ns: int, steady: bool = True, reads: bool = False) -> None:
         """A skipped step's counter (the observer's one call on such a step that does more than read a flag, e.g. an
         optimizer's step post-hook) ends; it began at ``entry_ns`` (``time.perf_counter_ns``). A quiet call; one in 16
         is timed, and all are billed at the median of those (:meth:`counter_body_ns`): in a running fit, cold caches
         make it cost several times what a warm loop measures (:func:`quiet_call_ns`). A warm-up step's (not
-        ``steady``) is left out."""
+        ``steady``) is left out; one that ``reads`` something (a dearer call on some of those steps, e.g. one in 8) is
+        timed whole, apart."""
         if not steady:
             return
         self.quiet_calls += 1
+        if reads:
+            self.reading_calls += 1
+            self.reading_ns += time.perf_counter_ns() - entry_ns
+            return
         n = self.counter_calls = self.counter_calls + 1
         if not n & 15:
             self.counter_bodies[((n >> 4) - 1) % self.BODIES] = time.perf_counter_ns() - entry_ns
@@ -650,9 +674,10 @@ class HookCost:
         """The estimated cost of every steady call: heavy calls as timed, routine calls x their median timed body,
         the dispatch of every call; quiet calls (:attr:`quiet_calls`) x a flag check's cost (:func:`quiet_call_ns`),
         without dispatch, but a skipped step's counters (:meth:`quiet_step`) x their median timed call."""
-        routine, flags = self.calls - self.heavy_calls, self.quiet_calls - self.counter_calls
+        routine, flags = self.calls - self.heavy_calls, self.quiet_calls - self.counter_calls - self.reading_calls
         return (
             self.heavy_ns
+            + self.reading_ns
             + routine * self.body_ns()
             + self.calls * self.dispatch_ns
             + flags * self.quiet_ns
@@ -676,6 +701,8 @@ class HookCost:
             "quiet_call_ns": self.quiet_ns,
             "quiet_counter_calls": self.counter_calls,
             "quiet_counter_ns": self.counter_body_ns(),
+            "quiet_reading_calls": self.reading_calls,
+            "quiet_reading_ns_total": self.reading_ns,
             "heavy_ns_total": self.heavy_ns,
             "dispatch_ns_per_call": self.dispatch_ns,
             "hooks_ns_total": total,
@@ -687,5 +714,5 @@ class HookCost:
             "of one call timed on an empty hook (at setup, or sampled in the loop where the observer says so) and "
             "billed to every hook call; quiet calls (skipped steps) billed a flag check's cost, plus a dispatch "
             "where the framework still calls the hook, and a skipped step's counter one in 16 timed, billed at "
-            "their median",
+            "their median (those that read something timed whole)",
         }

@@ -11,7 +11,7 @@ import torch
 from lightning_perf.profiling import MemorySample
 from lightning_perf.profiling.memory_steps import (
     LEAK_CHECK_EVERY_N_STEPS,
-    SCREEN_FIRST_GAP,
+    SCREEN_READ_EVERY_N_STEPS_CPU,
     MemorySteps,
     leak_message,
     summary_lines,
@@ -66,13 +66,13 @@ def run(leak: int, steps: int) -> tuple[MemorySteps, list[int], list[str]]:
     return memory, checked, messages
 
 
-# A screen runs once the resident set holds 30 readings past warm-up (step 20 here), SCREEN_FIRST_GAP steps later.
-SCREEN = 20 + 30 + SCREEN_FIRST_GAP
+# The first screen runs once the resident set (one step in 4) holds 18 readings past warm-up (step 20 here).
+SCREEN = 20 + 18 * SCREEN_READ_EVERY_N_STEPS_CPU
 
 
 def test_a_steady_leak_is_screened_confirmed_over_the_next_steps_and_reported_once() -> None:
     memory, checked, messages = run(leak=4096, steps=150)
-    # The screen at step 75 passes; memory in use is read at every point of the next 30 steps, then judged.
+    # The screen at step 92 passes; memory in use is read at every point of the next 30 steps, then judged.
     assert checked == [SCREEN + 1 + 30] and len(messages) == 1 and "grows by 4 KiB/step" in messages[0]
     report = memory.summary()
     assert (report["steps_seen"], report["steps_sampled"]) == (150, 15)
@@ -110,9 +110,10 @@ def test_a_resident_set_that_grows_while_memory_in_use_is_flat_is_refused_and_sc
             assert memory.check_leaks(every_point=False) == []
     memory.check_leaks()
     screens = memory.summary()["leaks"]["screen"]["confirmations"]
-    assert [s["step"] for s in screens] == [SCREEN, 156, 287] and not any(s["confirmed"] for s in screens)
-    assert checked == [SCREEN + 31, 187, 318]  # each refusal pushes the next screen back: 50, then 100 steps
-    assert memory.summary()["leaks"]["leaking"] == [] and memory.summary()["leaks"]["screen"]["trend"].leaking
+    assert [s["step"] for s in screens] == [SCREEN, 176, 312] and not any(s["confirmed"] for s in screens)
+    # Each refusal pushes the next screen back: 50, then 100 steps (to the next reading: one step in 4, 8 from 256).
+    assert checked == [SCREEN + 31, 207, 343]
+    assert memory.summary()["leaks"]["leaking"] == [] and memory.summary()["leaks"]["screen"]["trend"].significant
 
 
 def test_flat_memory_is_never_confirmed_and_memory_in_use_is_read_on_snapshots_only() -> None:
@@ -120,14 +121,18 @@ def test_flat_memory_is_never_confirmed_and_memory_in_use_is_read_on_snapshots_o
     assert checked == [] and messages == []
     report = memory.summary()
     assert report["leaks"]["leaking"] == [] and report["leaks"]["stopped_at_step"] is None
-    assert report["leaks"]["screen"]["confirmations"] == [] and report["leaks"]["screen"]["trend"].samples == 280
+    screen = report["leaks"]["screen"]
+    # One step in 4, one in 8 once 64 readings are kept (step 256): evenly spread, from warm-up on.
+    assert screen["confirmations"] == [] and screen["read_every_n_steps"] == 8
+    assert screen["trend"].samples == len(range(24, 300, 8))
     assert report["peak_above_start"]["median"] == 1 << 20  # CPU: the peak (3 MiB) above the resident set (2 MiB)
     assert report["overhead"]["step_s_mean"] == 1e-3
 
 
 def test_between_snapshots_a_step_reads_only_the_resident_set_and_its_hooks_may_stay_silent() -> None:
-    """On CPU: a full snapshot one step in ``every_n_steps``, the resident set at the end of every step, no other
-    probe call (no heap walk) in the other steps, which say so beforehand (``reading``)."""
+    """On CPU: a full snapshot one step in ``every_n_steps``, the resident set at the end of one step in 4 (8 from step
+    256, when 64 readings are kept), no other probe call (no heap walk) in the other steps, which say so beforehand
+    (``reading``)."""
     probe = ScriptedProbe(leak=0)
     memory = MemorySteps(probe, every_n_steps=50, warmup_steps=20)  # type: ignore[arg-type]
     per_step: list[Counter[str]] = []
@@ -147,10 +152,12 @@ def test_between_snapshots_a_step_reads_only_the_resident_set_and_its_hooks_may_
             memory.read_cheap(memory.step_index - 1, epoch=0)  # what the callback's countdown does
         per_step.append(probe.calls - before)
     for step in range(400):
-        calls, snapshot = per_step[step], step % 50 == 0
+        calls, snapshot, read = per_step[step], step % 50 == 0, step % (4 if step < 256 else 8) == 0
         assert reading[step] == snapshot, step
         # a snapshot: a sample per point; the peak (3x the bytes) is above the level (2x): it is reset
-        assert calls == (Counter(sample=4, reset_peak=1, resident=1) if snapshot else Counter(resident=1)), step
+        assert calls == Counter(
+            **(dict(sample=4, reset_peak=1) if snapshot else {}), **(dict(resident=1) if read else {})
+        ), step
 
 
 def test_the_peak_is_not_reset_where_it_is_the_level_already() -> None:
