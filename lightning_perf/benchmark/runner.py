@@ -190,7 +190,7 @@ def run_benchmark(
     # One count for every configuration, from what other processes keep busy now (benchmark.threads); the runs are
     # judged against that starting load (profiling.reliability.other_cores_limit).
     threads = decide_for_run(spec.threads, machine, other_cores=sample_other_cores(monitor))
-    spec = replace(spec, threads=threads.threads)
+    spec = replace(spec, threads=threads.threads, wait_policy=spec.wait_policy or threads.wait_policy)
     settling = None if spec.repeats is not None else Settling(spec.target, spec.time_budget_s, clock=clock)
     order = list(spec.names)
     with tempfile.TemporaryDirectory(prefix="lightning-perf-bench-") as tmp:
@@ -204,7 +204,9 @@ def run_benchmark(
     peaks: dict[tuple[str, bool], Any] = {}
     add_utilization(summaries, _peak_lookup(spec, machine, peak, peaks))
     machine = {**machine, "device": spec.device, "device_reason": spec.device_reason, "mfu_peaks": _peak_rows(peaks)}
-    machine["threads"] = threads.to_dict()
+    # What the workers' OpenMP read at their start (RunResult.wait_policy), not what was meant.
+    started = sorted({r.wait_policy for name in order for r in runs.results[name] if r.ok}, key=str)
+    machine["threads"] = {**threads.to_dict(), "wait_policy": started[0] if len(started) == 1 else started}
     source = spec.source or {}
     if stack_phase:  # a stack the user measured (--configs a+b) that beat the winners' stack is recommended instead
         stack = prefer_measured_stack(stack, summaries)

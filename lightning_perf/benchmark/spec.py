@@ -148,6 +148,7 @@ class RunSettings:
         source: the user's model (``ModelSource.to_dict()``); ``None``: the reference workload.
         stage: ``fit``, or an inference stage measured per batch (``predict``, ``validate``, ``test``).
         threads: every worker's intra-op threads; ``None``: decided at the run's start (benchmark.threads).
+        wait_policy: every worker's ``OMP_WAIT_POLICY`` (decided with the threads); ``None``: the environment's.
     """
 
     workload: str = "convnet"
@@ -163,6 +164,7 @@ class RunSettings:
     source: dict[str, Any] | None = None
     stage: str = "fit"
     threads: int | None = None
+    wait_policy: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,6 +243,8 @@ class BenchSpec(RunSettings):
         _positive(self, "num_workers", 0)
         if self.threads is not None:
             _positive(self, "threads", 1)
+        if self.wait_policy not in (None, "PASSIVE", "ACTIVE"):
+            raise SpecError("wait_policy", self.wait_policy, "None, 'PASSIVE' or 'ACTIVE' (OpenMP's OMP_WAIT_POLICY)")
         if self.batch_size is not None:
             _positive(self, "batch_size", 1)
         sizes = tuple(self.batch_sizes)

@@ -83,6 +83,7 @@ class RunResult:
     predict_skipped: str | None = None  # why a fit run timed no inference (a user's data without a predict split)
     no_effect: list[str] = field(default_factory=list)  # a callback's own "did not apply" (NoEffectWarning) texts
     threads: int | None = None  # the intra-op threads the run used (RunSpec.threads, else torch's default)
+    wait_policy: str | None = None  # OMP_WAIT_POLICY when the run's process started (what OpenMP read; None: unset)
 
 
 class _StepClock(Callback):
