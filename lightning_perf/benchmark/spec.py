@@ -177,6 +177,7 @@ class RunSpec(RunSettings):
     pin_memory: bool = False
     persistent_workers: bool = False
     loader_overrides: dict[str, Any] = field(default_factory=dict)  # the auto-tuner's DataLoader settings
+    decided: dict[str, Any] = field(default_factory=dict)  # callback class -> state_dict: its first run's decision
 
 
 def _positive(spec: Any, name: str, minimum: int) -> None:
@@ -281,10 +282,12 @@ class BenchSpec(RunSettings):
         """The resolved configuration names, ``baseline`` first."""
         return tuple(self.configs or ())
 
-    def run_spec(self, config: str, repeat: int) -> RunSpec:
-        """What the worker process of ``config``'s repeat ``repeat`` runs (FLOPs are counted on repeat 0 of a fit)."""
+    def run_spec(self, config: str, repeat: int, decided: Mapping[str, Any] | None = None) -> RunSpec:
+        """What the worker process of ``config``'s repeat ``repeat`` runs (FLOPs are counted on repeat 0 of a fit);
+        ``decided``: what the configuration's first run decided by timing (``RunResult.decided``), replayed."""
         shared = {f.name: getattr(self, f.name) for f in fields(RunSettings)}
-        return RunSpec(**shared, config=config, repeat=repeat, count_flops=repeat == 0 and self.stage == "fit")
+        first_fit = repeat == 0 and self.stage == "fit"
+        return RunSpec(**shared, config=config, repeat=repeat, count_flops=first_fit, decided=dict(decided or {}))
 
     def per_batch_size(self) -> list[BenchSpec]:
         """The benches of a sweep, one per batch size (this spec alone when it is not a sweep)."""
