@@ -207,9 +207,9 @@ def run_benchmark(
     # What the workers' OpenMP read at their start (RunResult.wait_policy), not what was meant.
     started = sorted({r.wait_policy for name in order for r in runs.results[name] if r.ok}, key=str)
     machine["threads"] = {**threads.to_dict(), "wait_policy": started[0] if len(started) == 1 else started}
-    source = spec.source or {}
+    source, stack_notes = spec.source or {}, list[str]()
     if stack_phase:  # a stack the user measured (--configs a+b) that beat the winners' stack is recommended instead
-        stack = prefer_measured_stack(stack, summaries)
+        stack = prefer_measured_stack(stack, summaries, stack_notes)
     answer = recommendation_record(stack, summaries, config_file=source.get("kind") == "config") if stack_phase else {}
     runs_done = [asdict(r) for name in order for r in runs.results[name]]
     if answer:
@@ -226,7 +226,7 @@ def run_benchmark(
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
-        notes=_report_notes(spec, reliability, runs, summaries),
+        notes=_report_notes(spec, reliability, runs, summaries) + stack_notes,
     )
 
 
