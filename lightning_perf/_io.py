@@ -225,9 +225,12 @@ CACHE_ENV = "LIGHTNING_PERF_CACHE"
 
 
 def cache_file(name: str) -> Path:
-    """``$LIGHTNING_PERF_CACHE/<name>``, else ``~/.cache/lightning_perf/<name>``: where measured decisions are kept."""
+    """``$LIGHTNING_PERF_CACHE/<name>``, else ``$XDG_CACHE_HOME/lightning_perf/<name>``, else
+    ``~/.cache/lightning_perf/<name>``: where measured decisions (and the compile caches' signing key) are kept."""
     folder = os.environ.get(CACHE_ENV)
-    return (Path(folder).expanduser() if folder else Path.home() / ".cache" / "lightning_perf") / name
+    if folder:
+        return Path(folder).expanduser() / name
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "lightning_perf" / name
 
 
 def read_cache_entries(

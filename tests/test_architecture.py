@@ -327,7 +327,18 @@ def test_benchmark_never_imports_the_cli() -> None:
 # ---------------------------------------------------------------------------------------------- unsafe loading
 
 
+# Loaders that run a file's code (unpickling, bytecode, generated Python), whatever their arguments.
+_CODE_LOADERS = {f"{m}.{f}" for m in ("pickle", "_pickle", "cPickle", "dill", "cloudpickle", "marshal", "joblib")
+                 for f in ("load", "loads", "Unpickler")}  # fmt: skip
+_CODE_LOADERS |= {"torch.jit.load", "torch.export.load", "torch.package.PackageImporter", "shelve.open", "exec", "eval"}
+_CODE_LOADERS |= {"yaml.unsafe_load", "yaml.full_load", "yaml.load"}  # yaml.load only with SafeLoader (below)
+
+
 def _unsafe_loads(tree: ast.AST) -> list[tuple[int, str]]:
+    """Calls that can execute a file's code: pickle-like loaders, ``torch.load`` without ``weights_only=True``,
+    ``numpy.load`` allowing pickles, and ``load_cache_artifacts`` (torch unpickles and runs the compile artifacts)
+    in a module that checks no HMAC (``hmac.compare_digest``) before it."""
+    names = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
     found = []
     for node in ast.walk(tree):
         weights_only_value = node.value if isinstance(node, ast.keyword) and node.arg == "weights_only" else None
@@ -338,8 +349,13 @@ def _unsafe_loads(tree: ast.AST) -> list[tuple[int, str]]:
         if not isinstance(node, ast.Call):
             continue
         name = ast.unparse(node.func)
-        if name.split(".")[-1] in ("load", "loads") and name.split(".")[0] in ("pickle", "cPickle", "_pickle"):
+        keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+        if name in _CODE_LOADERS and not (name == "yaml.load" and "SafeLoader" in keywords.get("Loader", "")):
             found.append((node.lineno, f"{name}(...)"))
+        elif name.endswith("load_cache_artifacts") and "hmac.compare_digest" not in names:
+            found.append((node.lineno, f"{name}(...) without an HMAC check in the module"))
+        elif name in ("np.load", "numpy.load") and keywords.get("allow_pickle", "False") != "False":
+            found.append((node.lineno, f"{name}(..., allow_pickle={keywords['allow_pickle']})"))
         elif name in ("torch.load", "load") or name.endswith("serialization.load"):
             if name == "load" and not _is_torch_load_alias(tree):
                 continue
@@ -347,7 +363,7 @@ def _unsafe_loads(tree: ast.AST) -> list[tuple[int, str]]:
             if weights_only is None:
                 found.append((node.lineno, f"{name}(...) without weights_only=True"))
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module in ("pickle", "_pickle", "cPickle", "dill"):
+        if isinstance(node, ast.ImportFrom) and node.module in ("pickle", "_pickle", "cPickle", "dill", "marshal"):
             for alias in node.names:
                 if alias.name in ("load", "loads", "Unpickler"):
                     found.append((node.lineno, f"from {node.module} import {alias.name}"))
@@ -383,6 +399,16 @@ def test_no_unsafe_loading() -> None:
         ("import pickle\npickle.dumps(x)", False),
         ('"""torch.load(f, weights_only=False) in a docstring"""', False),
         ("json.loads(s)", False),
+        ("import marshal\nmarshal.loads(b)", True),
+        ("exec(text)", True),
+        ("model.eval()", False),
+        ("import numpy as np\nnp.load(f, allow_pickle=True)", True),
+        ("import numpy as np\nnp.load(f)", False),
+        ("import yaml\nyaml.load(f, Loader=yaml.SafeLoader)", False),
+        ("import yaml\nyaml.load(f, Loader=yaml.Loader)", True),
+        ("torch.compiler.load_cache_artifacts(data)", True),
+        ("import hmac\nhmac.compare_digest(a, b)\ntorch.compiler.load_cache_artifacts(data)", False),
+        ("torch.jit.load(f)", True),
     ],
 )
 def test_unsafe_loading_scan(source: str, flagged: bool) -> None:

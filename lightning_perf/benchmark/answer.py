@@ -85,10 +85,11 @@ def settling_record(
     }
 
 
-def prefer_measured_stack(stack: Stack, summaries: Sequence[ConfigSummary]) -> Stack:
+def prefer_measured_stack(stack: Stack, summaries: Sequence[ConfigSummary], notes: list[str] | None = None) -> Stack:
     """What the recommendation names: ``stack`` (the winners stacked), or a stack measured in the same run
-    (``--configs a+b+c``) that won itself (its whole interval above 1 over enough repeats, undisturbed) with a higher
-    speed-up than what ``stack`` would put in the Trainer; the best such stack."""
+    (``--configs a+b+c``) that won itself (its whole interval above 1 over enough repeats, undisturbed) and whose
+    interval lies wholly above that of what ``stack`` would put in the Trainer; the best such stack. A measured stack
+    faster by its point estimate only (the intervals overlap) is not preferred, and ``notes`` gets a line saying so."""
     by_name = {s.config: s for s in summaries}
     singles = estimates_from(summaries)
     row = by_name.get(stack.name)
@@ -100,8 +101,12 @@ def prefer_measured_stack(stack: Stack, summaries: Sequence[ConfigSummary]) -> S
         estimate = candidate.estimate(RATIO)
         if "+" not in candidate.config or candidate.config == current or candidate.disturbed or not is_winner(estimate):
             continue
-        if floor is None or estimate.ratio > floor.ratio:  # type: ignore[union-attr]
+        assert estimate is not None  # a winner has an interval
+        if floor is None or estimate.low > floor.high:
             chosen, floor = candidate, estimate
+        elif estimate.ratio > floor.ratio and notes is not None:
+            notes.append(f"{candidate.config} {estimate.format()} is not clearly faster than {current or 'baseline'} "
+                         f"{floor.format()} (the intervals overlap): the recommendation keeps the latter")  # fmt: skip
     return stack if chosen is None else Stack(tuple(chosen.config.split("+")))
 
 

@@ -9,8 +9,11 @@ fraction of a second instead of the 4-6 s those imports take on a 2-core CPU, a 
 when the environment a process reads at its start differs from the server's, it is started with ``spawn``. It ends
 itself when its parent is gone; its output goes to a log file whose tail becomes the error when it dies without a
 result. CPU memory is measured with
-``MALLOC_MMAP_THRESHOLD_`` set (see :mod:`lightning_perf.profiling.memory`); ``RunSpec.threads`` is in the child's
-environment before torch starts (:func:`~lightning_perf.benchmark.threads.thread_env`).
+``MALLOC_MMAP_THRESHOLD_`` set when the process starts (see :mod:`lightning_perf.profiling.memory`), never in its
+``os.environ``: what it starts (DataLoader workers, inductor's compile workers, ``g++``) has the caller's setting, and
+what it forks allocates at full speed (:func:`~lightning_perf.profiling.memory.fork_at_full_speed`).
+``RunSpec.threads`` and ``RunSpec.wait_policy`` are in the child's environment before torch starts
+(:func:`~lightning_perf.benchmark.threads.thread_env`); the wait policy OpenMP read is recorded in its result.
 """
 
 from __future__ import annotations
@@ -104,8 +107,15 @@ def _child(spec: dict[str, Any], source: Any, result_path: str, log_path: str, e
     environment of now, set first (a child forked from the fork server has the server's, from when it started)."""
     import traceback
 
+    from lightning_perf.profiling.memory import fork_at_full_speed
+
+    policy = os.environ.get("OMP_WAIT_POLICY")  # as this process (or its fork server) started: what OpenMP read
     os.environ.clear()
     os.environ.update(env)
+    # What this process starts runs as in a user's training: DataLoader workers the platform's default way (not the
+    # way this process was started), forked ones allocating at full speed.
+    multiprocessing.set_start_method(None, force=True)
+    fork_at_full_speed()
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -121,6 +131,7 @@ def _child(spec: dict[str, Any], source: Any, result_path: str, log_path: str, e
         result = RunResult(
             spec=asdict(run_spec), ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
         )
+    result.wait_policy = policy
     atomic_write_text(result_path, json.dumps(asdict(result), default=str))
 
 
@@ -147,19 +158,19 @@ def run_isolated(
     # keeps that cold first step apart (benchmark.payback). Nothing is shared between configurations or benches.
     cache = workdir / f"{name}-{spec.config.replace('+', '_')}-compile-cache"
     env = {
-        **thread_env(spec.threads),
-        **TRUTHFUL_CPU_MEMORY_ENV,
+        **thread_env(spec.threads, spec.wait_policy),
         "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore"),
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
         "TRITON_CACHE_DIR": str(cache / "triton"),
     }
+    start_env = {**env, **TRUTHFUL_CPU_MEMORY_ENV}  # read by glibc at the start only; the child's os.environ: env
     # Objects of classes defined in the caller's __main__ (ObjectSource.defined_in_main) unpickle in a spawned child,
     # which imports the main script again, not in one forked from the fork server.
-    method = "spawn" if getattr(source, "defined_in_main", False) else _start_method(env)
+    method = "spawn" if getattr(source, "defined_in_main", False) else _start_method(start_env)
     context: Any = multiprocessing.get_context(method)  # spawn or forkserver: both have Process
     args = (asdict(spec), source, str(result_path), str(log_path), {**os.environ, **env})
     process = context.Process(target=_child, args=args, name=name)
-    with _environ(env):  # a spawned child (and the fork server, started by the first run) inherits it
+    with _environ(start_env):  # a spawned child (and the fork server, started by the first run) inherits it
         process.start()
     if (server := _server_pid(context)) is not None:  # its runs' CPU time is the bench's own, not other processes'
         RUN_STARTERS.add(server)

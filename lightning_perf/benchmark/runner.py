@@ -190,7 +190,7 @@ def run_benchmark(
     # One count for every configuration, from what other processes keep busy now (benchmark.threads); the runs are
     # judged against that starting load (profiling.reliability.other_cores_limit).
     threads = decide_for_run(spec.threads, machine, other_cores=sample_other_cores(monitor))
-    spec = replace(spec, threads=threads.threads)
+    spec = replace(spec, threads=threads.threads, wait_policy=spec.wait_policy or threads.wait_policy)
     settling = None if spec.repeats is not None else Settling(spec.target, spec.time_budget_s, clock=clock)
     order = list(spec.names)
     with tempfile.TemporaryDirectory(prefix="lightning-perf-bench-") as tmp:
@@ -204,10 +204,12 @@ def run_benchmark(
     peaks: dict[tuple[str, bool], Any] = {}
     add_utilization(summaries, _peak_lookup(spec, machine, peak, peaks))
     machine = {**machine, "device": spec.device, "device_reason": spec.device_reason, "mfu_peaks": _peak_rows(peaks)}
-    machine["threads"] = threads.to_dict()
-    source = spec.source or {}
+    # What the workers' OpenMP read at their start (RunResult.wait_policy), not what was meant.
+    started = sorted({r.wait_policy for name in order for r in runs.results[name] if r.ok}, key=str)
+    machine["threads"] = {**threads.to_dict(), "wait_policy": started[0] if len(started) == 1 else started}
+    source, stack_notes = spec.source or {}, list[str]()
     if stack_phase:  # a stack the user measured (--configs a+b) that beat the winners' stack is recommended instead
-        stack = prefer_measured_stack(stack, summaries)
+        stack = prefer_measured_stack(stack, summaries, stack_notes)
     answer = recommendation_record(stack, summaries, config_file=source.get("kind") == "config") if stack_phase else {}
     runs_done = [asdict(r) for name in order for r in runs.results[name]]
     if answer:
@@ -224,7 +226,7 @@ def run_benchmark(
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
-        notes=_report_notes(spec, reliability, runs, summaries),
+        notes=_report_notes(spec, reliability, runs, summaries) + stack_notes,
     )
 
 
@@ -237,6 +239,7 @@ def _report_notes(spec: BenchSpec, reliability: Reliability, runs: _Runs, summar
         + _rerun_notes(runs.set_aside)
         + _paired_baseline_notes(summaries)
         + _no_effect_notes(runs.results)
+        + _decision_notes(runs.decided)
         + _predict_skipped_notes(runs.results)
     )
 
@@ -293,6 +296,7 @@ class _Runs:
         self.disturbed_now: dict[tuple[str, int], str | None] = {}  # each run's own verdict, as it ends
         self.set_aside: list[tuple[str, int, str]] = []  # disturbed runs measured again, kept out of the figures
         self.started: dict[str, Any] = {}  # the starting load the runs are judged against (assess's keywords)
+        self.decided: dict[str, dict[str, Any]] = {}  # configuration -> its first run's RunResult.decided
         self.done = 0
         self.start = clock()
 
@@ -307,11 +311,13 @@ class _Runs:
         )
         token = self.monitor.start()
         try:
-            result = self.run(self.spec.run_spec(name, repeat), self.tmp, self.spec.timeout_s)
+            result = self.run(self.spec.run_spec(name, repeat, self.decided.get(name)), self.tmp, self.spec.timeout_s)
         except BaseException:
             getattr(self.monitor, "close", lambda: None)()  # its sampler thread ends with the run
             raise
         conditions = self.monitor.stop(token, f"{name}, repeat {repeat + 1}", config=name, repeat=repeat)
+        if result.ok and result.decided:  # decided once, by the configuration's first run: later ones replay it
+            self.decided.setdefault(name, result.decided)
         if result.ok:  # a skipped or failed run measured nothing the conditions could have disturbed
             self.watched.append(conditions)
             self.disturbed_now[(name, repeat)] = self._judge(conditions)
@@ -416,6 +422,18 @@ def _no_effect_notes(results: dict[str, list[RunResult]]) -> list[str]:
         for text in dict.fromkeys(text for r in runs for text in r.no_effect):
             notes.append(f"{config}: did not apply, so this row measures without it: {text}")
     return notes
+
+
+def _decision_notes(decided: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per kind of module a configuration's first run decided on by timing (every repeat ran that code)."""
+    return [
+        f"{config}: {owner} decided at the first run, every repeat ran the same code: "
+        f"{'own code' if t['kept_own'] else 'swapped'} for {', '.join(t['modules'])} (first batch: own "
+        f"{t['own_ms']:.2f} ms, swapped {t['swapped_ms']:.2f} ms)"
+        for config, states in decided.items()
+        for owner, state in states.items()
+        for t in state.get("first_batch", {}).get("timings", [])
+    ]
 
 
 def _predict_skipped_notes(results: dict[str, list[RunResult]]) -> list[str]:

@@ -148,6 +148,7 @@ class RunSettings:
         source: the user's model (``ModelSource.to_dict()``); ``None``: the reference workload.
         stage: ``fit``, or an inference stage measured per batch (``predict``, ``validate``, ``test``).
         threads: every worker's intra-op threads; ``None``: decided at the run's start (benchmark.threads).
+        wait_policy: every worker's ``OMP_WAIT_POLICY`` (decided with the threads); ``None``: the environment's.
     """
 
     workload: str = "convnet"
@@ -163,6 +164,7 @@ class RunSettings:
     source: dict[str, Any] | None = None
     stage: str = "fit"
     threads: int | None = None
+    wait_policy: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +177,7 @@ class RunSpec(RunSettings):
     pin_memory: bool = False
     persistent_workers: bool = False
     loader_overrides: dict[str, Any] = field(default_factory=dict)  # the auto-tuner's DataLoader settings
+    decided: dict[str, Any] = field(default_factory=dict)  # callback class -> state_dict: its first run's decision
 
 
 def _positive(spec: Any, name: str, minimum: int) -> None:
@@ -241,6 +244,8 @@ class BenchSpec(RunSettings):
         _positive(self, "num_workers", 0)
         if self.threads is not None:
             _positive(self, "threads", 1)
+        if self.wait_policy not in (None, "PASSIVE", "ACTIVE"):
+            raise SpecError("wait_policy", self.wait_policy, "None, 'PASSIVE' or 'ACTIVE' (OpenMP's OMP_WAIT_POLICY)")
         if self.batch_size is not None:
             _positive(self, "batch_size", 1)
         sizes = tuple(self.batch_sizes)
@@ -277,10 +282,12 @@ class BenchSpec(RunSettings):
         """The resolved configuration names, ``baseline`` first."""
         return tuple(self.configs or ())
 
-    def run_spec(self, config: str, repeat: int) -> RunSpec:
-        """What the worker process of ``config``'s repeat ``repeat`` runs (FLOPs are counted on repeat 0 of a fit)."""
+    def run_spec(self, config: str, repeat: int, decided: Mapping[str, Any] | None = None) -> RunSpec:
+        """What the worker process of ``config``'s repeat ``repeat`` runs (FLOPs are counted on repeat 0 of a fit);
+        ``decided``: what the configuration's first run decided by timing (``RunResult.decided``), replayed."""
         shared = {f.name: getattr(self, f.name) for f in fields(RunSettings)}
-        return RunSpec(**shared, config=config, repeat=repeat, count_flops=repeat == 0 and self.stage == "fit")
+        first_fit = repeat == 0 and self.stage == "fit"
+        return RunSpec(**shared, config=config, repeat=repeat, count_flops=first_fit, decided=dict(decided or {}))
 
     def per_batch_size(self) -> list[BenchSpec]:
         """The benches of a sweep, one per batch size (this spec alone when it is not a sweep)."""

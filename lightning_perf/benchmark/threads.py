@@ -17,12 +17,13 @@ against it (:func:`lightning_perf.profiling.reliability.other_cores_limit`).
 
 An explicit count (``--threads``, ``BenchSpec(threads=...)``) or an ``OMP_NUM_THREADS`` already set in the
 environment wins. The choice reaches each worker twice: in its environment before torch starts
-(:meth:`ThreadChoice.env`: ``OMP_NUM_THREADS``, and ``OMP_WAIT_POLICY=PASSIVE`` where other processes kept a core
-busy at the start, so an idle OpenMP thread sleeps instead of spinning against them; on a machine quiet at the start
-OpenMP's default, as a user's training runs: PASSIVE there slowed the default ``lm``'s bf16-mixed step from 93 to
-132 ms, its speed-up from 1.7-1.8x to 1.4x) and by
-``torch.set_num_threads`` in the worker. Figures behind the rule: docs/guide.md, "Worker threads on a shared
-machine".
+(:func:`thread_env` of ``RunSpec.threads`` and ``RunSpec.wait_policy``: ``OMP_NUM_THREADS``, and
+``OMP_WAIT_POLICY=PASSIVE`` where other processes kept a core busy at the start, so an idle OpenMP thread sleeps
+instead of spinning against them; on a machine quiet at the start OpenMP's default, as a user's training runs: PASSIVE
+there slowed the default ``lm``'s bf16-mixed step from 93 to 132 ms, its speed-up from 1.7-1.8x to 1.4x) and by
+``torch.set_num_threads`` in the worker. Each run records the wait policy its process started with
+(``RunResult.wait_policy``), and the report's ``machine.threads.wait_policy`` is what the runs had. Figures behind the
+rule: docs/guide.md, "Worker threads on a shared machine".
 
 Pure logic over plain numbers; the probes (:func:`load_average`, the monitor's sample) are separate, so a test scripts
 cores, load and sample.
@@ -83,10 +84,6 @@ class ThreadChoice:
     wait_policy: str | None
     reason: str
     other_cores: float | None = None
-
-    def env(self) -> dict[str, str]:
-        """The worker's environment entries, set before torch starts."""
-        return thread_env(self.threads, self.wait_policy)
 
     @property
     def set_by_hand(self) -> bool:
@@ -157,12 +154,10 @@ def decide_threads(
 
 def thread_env(threads: int | None, wait_policy: str | None = None) -> dict[str, str]:
     """A worker's environment for ``threads`` intra-op threads, set before torch starts: ``OMP_NUM_THREADS`` and
-    ``OMP_WAIT_POLICY`` (``wait_policy``, else the one this environment sets, else none: OpenMP's default); empty for
-    ``None`` (torch's default)."""
-    if threads is None:
-        return {}
+    ``OMP_WAIT_POLICY`` (``wait_policy``, else the one this environment sets, else none: OpenMP's default); no
+    ``OMP_NUM_THREADS`` for ``None`` (torch's default)."""
     policy = wait_policy or os.environ.get("OMP_WAIT_POLICY")
-    return {"OMP_NUM_THREADS": str(threads), **({"OMP_WAIT_POLICY": policy} if policy else {})}
+    return {**({"OMP_NUM_THREADS": str(threads)} if threads else {}), **({"OMP_WAIT_POLICY": policy} if policy else {})}
 
 
 def _positive_int(text: str | None) -> bool:

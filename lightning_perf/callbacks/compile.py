@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_perf._validation import check_bool
 from lightning_perf._warnings import NoEffectWarning, warn_once
 from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.compile import (
@@ -131,12 +132,13 @@ class CompileCallback(UndoOnExit):
     compiled modules' classes and parameter shapes, the compile options); at the start of the next run, on every rank
     and before the first compiled step, the file is loaded into torch's compile caches if its key matches, so the first
     steps skip most of the compiling (see :mod:`lightning_perf.functional.compile_cache` for the format and what it
-    trusts: the file is code, so load only caches your own runs wrote). A missing, truncated, altered or foreign file
-    is refused with one :class:`~lightning_perf.NoEffectWarning` naming what differed, and the run compiles from
-    cold. Every rank must see the file (a shared file system, or copy it to each node before the job). On the CPU the
-    file does not hold the compiled C++ kernels (native code, which this library never loads from a file), so a warm
-    start still builds them; ``inductor_cache_dir`` keeps torch's own kernel cache in a private folder of the run, which
-    a resume on the same machine reuses through torch's own loading (the variable is restored at teardown).
+    trusts). The file is code (torch runs what it holds), so it is signed with your own secret key and only a file
+    signed with it is loaded: an unsigned, foreign, truncated or altered file is refused with one
+    :class:`~lightning_perf.NoEffectWarning` saying why, and the run compiles from cold. Every rank must see the file
+    (a shared file system, or copy it to each node before the job) and the key (a home folder the nodes share). On the
+    CPU the file does not hold the compiled C++ kernels (native code, which this library never loads from a file), so
+    a warm start still builds them; ``inductor_cache_dir`` keeps torch's own kernel cache in a private folder of the
+    run, which a resume on the same machine reuses through torch's own loading (the variable is restored at teardown).
 
     At the end of ``fit``, on rank zero, it reports the compile time (spent in torch's compiler, and the first
     ``warmup_steps`` training steps in all) apart from the steady-state step time, with the graphs, graph breaks and
@@ -162,6 +164,8 @@ class CompileCallback(UndoOnExit):
             of ``/tmp/torchinductor_<user>``): a later run on the same machine loads the compiled C++ kernels from it,
             which ``cache`` does not carry (see
             :func:`~lightning_perf.functional.compile_cache.use_inductor_cache_dir`).
+        trust_cache: load a ``cache`` file that is not signed with your key (another user's or machine's): this
+            **runs code from that file**; only for a file you trust as you trust code.
 
     Raises:
         ValueError: for an unknown mode, backend name, stage or region class path, ``mode`` with ``options``, empty
@@ -196,6 +200,7 @@ class CompileCallback(UndoOnExit):
         warmup_steps: int = 2,
         cache: str | os.PathLike[str] | None = None,
         inductor_cache_dir: str | os.PathLike[str] | None = None,
+        trust_cache: bool = False,
     ) -> None:
         owner = type(self).__name__
         self._compile_kwargs = compile_options(
@@ -228,6 +233,7 @@ class CompileCallback(UndoOnExit):
                 "(str or os.PathLike) for torch's own compile cache, private to you."
             )
         self.inductor_cache_dir = inductor_cache_dir
+        self.trust_cache = check_bool(owner, "trust_cache", trust_cache)
         self._cache_dir_stack = contextlib.ExitStack()
         self.report: dict[str, Any] = {}
         self._compiled: CompiledModules | None = None
@@ -289,7 +295,7 @@ class CompileCallback(UndoOnExit):
         self._cache_key = compile_cache_key(modules, compile_kwargs, device)
         if not self._cache_tried:  # every rank, before the first compiled call
             self._cache_tried = True
-            self._cache_loaded = load_compile_cache(self.cache, self._cache_key)
+            self._cache_loaded = load_compile_cache(self.cache, self._cache_key, trusted=self.trust_cache)
             if self._cache_loaded:
                 rank_zero_info(f"{type(self).__name__}: loaded the compiled code of an earlier run from {self.cache}.")
 

@@ -90,7 +90,9 @@ class FlashAttentionCallback(UndoOnExit):
             first training batch's real call (forward and backward, alternating, 5 times each, about 0.1 s once) and
             put the originals back where they are at least 5% faster; the decision's reason gives both times. Default
             lm (2-core AVX-512 CPU): own 7.2 ms vs swapped 8.1 ms, kept; vit: own 17.9 ms vs swapped 7.8 ms, swapped.
-            Decided per process; skipped for a compiled model (a swap back would recompile).
+            Skipped for a compiled model (a swap back would recompile). The decision and its timings are in
+            :attr:`first_batch` and the callback's ``state_dict``: a run that loads it (a resumed fit, a later repeat
+            of ``lightning-perf bench``) runs the same code without timing again.
 
     Attributes:
         decisions: module name -> ``(kernel, reason)`` for every attention module found in the last ``setup``;
@@ -98,6 +100,9 @@ class FlashAttentionCallback(UndoOnExit):
             ``"swapped"``, ``"already fused"``, ``"switched config"`` or ``"kept"``.
         fallbacks: swapped module name -> ``{argument: calls}`` for the calls that ran the original code during the
             last run (an argument the kernel cannot serve), filled at teardown.
+        first_batch: what ``time_first_batch`` decided, as data (empty when nothing was timed): ``timings``, one
+            ``{"modules", "own_ms", "swapped_ms", "kept_own"}`` per kind of module, and ``replayed`` when the decision
+            came from a loaded ``state_dict`` instead of this run's timing.
 
     Raises:
         ValueError: for an adapter class path that does not import or does not name an ``AttentionAdapter``.
@@ -145,6 +150,16 @@ class FlashAttentionCallback(UndoOnExit):
         self._compute_dtype: torch.dtype | None = None
         # (CPU, half precision) per kind of swapped module: its names and the first call a swapped one received
         self._probes: list[_Probe] = []
+        self.first_batch: dict[str, Any] = {}
+        self._replay: dict[str, Any] | None = None  # an earlier run's first_batch (load_state_dict), applied instead
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"first_batch": self.first_batch} if self.first_batch else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._replay = dict(state_dict.get("first_batch") or {}) or None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -204,6 +219,17 @@ class FlashAttentionCallback(UndoOnExit):
         self._result.undo(pl_module)
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._replay is None or not self._probes:  # nothing loaded, or nothing this run would time
+            return
+        for probe in self._probes:
+            probe.stop()
+        self._probes = []
+        for timing in self._replay.get("timings", []):  # the same modules as the run that timed them, where present
+            self._decide(pl_module, [n for n in timing.get("modules", ()) if n in self._result.replaced], timing)
+        self.first_batch = {**self._replay, "replayed": True}
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -211,25 +237,36 @@ class FlashAttentionCallback(UndoOnExit):
             return
         probes, self._probes = self._probes, []
         compiled = is_compiled(pl_module)
+        timings = []
         for probe in probes:
             probe.stop()
             if compiled or (timed := probe.time(self._compute_dtype)) is None:  # compiled: a swap back recompiles
                 continue
-            own, swapped = timed
-            timing = f"at the first training batch, forward and backward: own {own:.2f} ms, swapped {swapped:.2f} ms"
-            if own > _KEEP_OWN_BELOW * swapped:
-                for name in probe.names:
-                    kept = self.decisions[name]
-                    self.decisions[name] = AttentionDecision(kept.kernel, f"{kept.reason}; {timing}", kept.action)
-                continue
-            back = {name: self._result.replaced.pop(name) for name in probe.names}
-            restore_modules(pl_module, back)
-            kernel = self.decisions[probe.names[0]].kernel
-            reason = f"kept: its own code beat {kernel} on this CPU in {self._compute_dtype} ({timing})"
-            for name in probe.names:
-                self.decisions[name] = AttentionDecision(UNCHANGED, reason, KEPT)
-            rank_zero_info(f"FlashAttentionCallback: {len(back)} module(s) like {probe.names[0]} back to their own "
-                           f"code; {reason}")  # fmt: skip
+            own, swapped = (round(t, 3) for t in timed)
+            timings.append({"modules": probe.names, "own_ms": own, "swapped_ms": swapped,
+                            "kept_own": not own > _KEEP_OWN_BELOW * swapped})  # fmt: skip
+            self._decide(pl_module, probe.names, timings[-1])
+        self.first_batch = {"timings": timings} if timings else {}
+
+    def _decide(self, pl_module: pl.LightningModule, names: list[str], timing: dict[str, Any]) -> None:
+        """Keep the swap of ``names`` or put their own code back, as ``timing`` (a :attr:`first_batch` entry) says."""
+        if not names:
+            return
+        where = "an earlier run's first training batch" if self._replay else "the first training batch"
+        text = f"at {where}, forward and backward: own {timing['own_ms']:.2f} ms, swapped {timing['swapped_ms']:.2f} ms"
+        if not timing["kept_own"]:
+            for name in names:
+                kept = self.decisions[name]
+                self.decisions[name] = AttentionDecision(kept.kernel, f"{kept.reason}; {text}", kept.action)
+            return
+        back = {name: self._result.replaced.pop(name) for name in names}
+        restore_modules(pl_module, back)
+        kernel = self.decisions[names[0]].kernel
+        reason = f"kept: its own code beat {kernel} on this CPU in {self._compute_dtype} ({text})"
+        for name in names:
+            self.decisions[name] = AttentionDecision(UNCHANGED, reason, KEPT)
+        rank_zero_info(f"FlashAttentionCallback: {len(back)} module(s) like {names[0]} back to their own code; "
+                       f"{reason}")  # fmt: skip
 
     @property
     def swapped(self) -> list[str]:

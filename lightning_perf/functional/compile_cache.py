@@ -2,29 +2,31 @@
 
 :func:`save_compile_cache` writes, atomically (a temporary file in the same folder, then ``os.replace``), one file:
 
-- a first line naming the format, then one line of JSON: the key (:func:`compile_cache_key`: torch and Python
+- a first line naming the format, a line with the HMAC-SHA256 of everything after it made with your own secret key
+  (:func:`signing_key`), then one line of JSON: the key (:func:`compile_cache_key`: torch and Python
   versions, device type and name, a hash of the compiled modules' structure, the compile options) and the name,
   size and SHA-256 of each section that follows;
 - the bytes of ``torch.compiler.save_cache_artifacts()`` ("Mega-Cache": the FX-graph, AOTAutograd, autotuning and
   dynamo-PGO cache entries this process made or used).
 
-:func:`load_compile_cache` checks the format, each section's size and hash (a truncated or altered file is refused)
-and the key (a file of another torch, device, model or set of options is refused, naming what differed), then hands
-the artifact bytes to ``torch.compiler.load_cache_artifacts()``. Any refusal is one
-:class:`~lightning_perf.NoEffectWarning` and the run compiles from cold.
-
-What is trusted: this module reads the header with ``json`` only, unpickles nothing and writes nothing executable
-itself; it hands torch only torch's own artifacts, which torch reads the way it reads its on-disk compile caches (it
-unpickles compiled graphs from them). The hashes catch corruption, not an attacker (who can rewrite them): load only
-a cache file written by your own runs, kept where only they can write. On the CPU, inductor's C++ kernels are not in
+:func:`load_compile_cache` checks the signature first: torch unpickles its artifacts and runs the generated Python
+they hold, so a file is code, and only one signed with your key (written by your own runs, on any machine that shares
+the key through your home folder) is loaded; any other (unsigned, another user's, altered) is refused before anything
+in it is parsed, unless you name it as trusted (``trusted=True``, ``CompileCallback(trust_cache=True)``: that **runs
+code from that file**). Then the format, each section's size and hash and the key (a file of another torch, device,
+model or set of options is refused, naming what differed), then the artifact bytes go to
+``torch.compiler.load_cache_artifacts()``. Any refusal is one :class:`~lightning_perf.NoEffectWarning` and the run
+compiles from cold. The SHA-256 of each section catches corruption in a trusted file; the HMAC, whose key never
+travels with the cache, is what stops a file crafted by someone else. On the CPU, inductor's C++ kernels are not in
 torch's artifacts and are built again in the warm run (most of a CPU cold start); on CUDA, Triton kernels are.
 
 :func:`use_inductor_cache_dir` is the other kind of warm start: it points torch's own on-disk compile cache
 (``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``) at a folder of the run's, beside its
 checkpoints, so a later run *on the same machine, as the same user* finds the compiled C++ kernels there and loads
 them as it loads its default cache. That folder holds native code built by torch and loaded by torch: it is trusted
-exactly as torch's default cache folder is, so it must be writable by you alone. A folder that is not (owned by
-another user, or writable by group or others) is not used, with a warning. It is not portable: another machine
+exactly as torch's default cache folder is, so it must be writable by you alone. A folder that is not (it, an entry
+in it or a parent folder owned by another user, or writable by group or others; a parent such as ``/tmp`` with the
+sticky bit may be) is not used, with a warning. It is not portable: another machine
 or CPU finds no match in it and compiles again (torch's cache keys include the compiler, the CPU's instruction set
 and torch's version).
 """
@@ -33,10 +35,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
 import platform
+import secrets
+import stat
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_perf._io import atomic_write_bytes
+from lightning_perf._io import atomic_write_bytes, cache_file
 from lightning_perf._warnings import NoEffectWarning, warn_once
 
 __all__ = [
@@ -54,14 +59,18 @@ __all__ = [
     "compile_cache_supported",
     "load_compile_cache",
     "save_compile_cache",
+    "signing_key",
     "use_inductor_cache_dir",
 ]
 
 #: The file name used when the cache path given is a folder.
 CACHE_FILE_NAME = "torch_compile_cache.bin"
 
-_MAGIC = b"lightning_perf torch.compile cache v1\n"
+_MAGIC = b"lightning_perf torch.compile cache v2\n"  # then the HMAC line
+_UNSIGNED_MAGIC = b"lightning_perf torch.compile cache v1\n"  # written before caches were signed
 _MAX_HEADER = 16 * 2**20
+#: The file in the user's cache folder (``lightning_perf._io.cache_file``) that holds the signing key.
+KEY_FILE_NAME = "compile_cache.key"
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +122,46 @@ def _device_name(device: torch.device) -> str:
     return device.type
 
 
+# ------------------------------------------------------------------------------------------------------------ signing
+
+
+def signing_key() -> bytes:
+    """Your secret key for compile cache files: 32 random bytes in :data:`KEY_FILE_NAME` of your cache folder
+    (``$LIGHTNING_PERF_CACHE``, else ``$XDG_CACHE_HOME/lightning_perf``, else ``~/.cache/lightning_perf``), made on
+    first use with mode 0600. A cluster whose nodes share your home folder shares it; it never travels with a cache.
+
+    Raises:
+        ValueError: the key file is owned by someone else, readable or writable by others, or damaged.
+        OSError: it cannot be made or read.
+    """
+    path = cache_file(KEY_FILE_NAME)
+    if not path.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        made = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        with os.fdopen(os.open(made, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "wb") as file:
+            file.write(secrets.token_bytes(32))
+            os.fsync(file.fileno())
+        try:
+            os.link(made, path)  # whole or not at all; when two processes race, the first key made stays
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(made)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as file:
+        info, key = os.fstat(fd), file.read(33)
+    if hasattr(os, "getuid") and (info.st_uid != os.getuid() or info.st_mode & 0o077):
+        raise ValueError(f"the signing key {os.fspath(path)!r} is not private to you (owner {info.st_uid}, mode "
+                         f"{oct(info.st_mode & 0o777)}): remove it, a new one is made")  # fmt: skip
+    if len(key) != 32:
+        raise ValueError(f"the signing key {os.fspath(path)!r} is damaged ({len(key)} bytes): remove it")
+    return key
+
+
+def _signature(data: bytes) -> bytes:
+    return b"hmac-sha256 " + hmac.new(signing_key(), data, "sha256").hexdigest().encode()
+
+
 # ------------------------------------------------------------------------------------------------------------ saving
 
 
@@ -137,21 +186,29 @@ def save_compile_cache(path: str | os.PathLike[str], key: Mapping[str, Any]) -> 
     for meta, data in sections:
         meta.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
     header = json.dumps({"key": dict(key), "sections": [meta for meta, _ in sections]}).encode() + b"\n"
+    signed = b"".join([header, *(data for _, data in sections)])
     target = compile_cache_path(path)
+    try:
+        signature = _signature(signed)
+    except (OSError, ValueError) as error:
+        warn_once(f"torch.compile cache: not saved to {os.fspath(target)!r}: {error}.", NoEffectWarning)
+        return None
     target.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(target, b"".join([_MAGIC, header, *(data for _, data in sections)]))
+    atomic_write_bytes(target, b"".join([_MAGIC, signature, b"\n", signed]))
     return target
 
 
 # ----------------------------------------------------------------------------------------------------------- loading
 
 
-def load_compile_cache(path: str | os.PathLike[str], key: Mapping[str, Any]) -> bool:
-    """Load the cache file at ``path`` into torch's compile caches if it is intact and its key equals ``key``.
+def load_compile_cache(path: str | os.PathLike[str], key: Mapping[str, Any], *, trusted: bool = False) -> bool:
+    """Load the cache file at ``path`` into torch's compile caches if it is signed with your key (:func:`signing_key`),
+    intact and its key equals ``key``.
 
-    Returns whether it was loaded. A missing file (a first run) is said in the log; a truncated, altered or foreign
-    file is refused with one :class:`~lightning_perf.NoEffectWarning` saying why. Either way compilation starts from
-    cold.
+    Returns whether it was loaded. A missing file (a first run) is said in the log; an unsigned, foreign, truncated or
+    altered file is refused with one :class:`~lightning_perf.NoEffectWarning` saying why, before anything in it is
+    parsed. Either way compilation starts from cold. ``trusted=True`` loads a file not signed with your key (another
+    user's or machine's): loading **runs code from that file**; the format, hashes and key are still checked.
     """
     target = compile_cache_path(path)
     if not compile_cache_supported():
@@ -161,7 +218,7 @@ def load_compile_cache(path: str | os.PathLike[str], key: Mapping[str, Any]) -> 
         log.info("torch.compile cache %s not found: this run compiles from cold and saves it.", os.fspath(target))
         return False
     try:
-        sections, saved_key = _read(target)
+        sections, saved_key = _read(target, trusted)
     except (OSError, ValueError) as error:
         _refuse(target, str(error))
         return False
@@ -180,15 +237,27 @@ def load_compile_cache(path: str | os.PathLike[str], key: Mapping[str, Any]) -> 
     return True
 
 
-def _read(target: Path) -> tuple[list[tuple[dict[str, Any], bytes]], dict[str, Any]]:
-    """The sections and key of a cache file; ``ValueError`` saying what is wrong with it."""
+def _read(target: Path, trusted: bool) -> tuple[list[tuple[dict[str, Any], bytes]], dict[str, Any]]:
+    """The sections and key of a cache file; ``ValueError`` saying what is wrong with it (the signature first)."""
     if not target.is_file():
         raise ValueError("there is no such file")
-    with target.open("rb") as file:
-        if file.readline(len(_MAGIC)) != _MAGIC:
-            raise ValueError("it is not a lightning_perf torch.compile cache file")
-        line = file.readline(_MAX_HEADER)
-        body = file.read()
+    data = target.read_bytes()
+    if data.startswith(_MAGIC):
+        signature, _, signed = data[len(_MAGIC) :].partition(b"\n")
+        mine = trusted or hmac.compare_digest(signature, _signature(signed))
+    elif data.startswith(_UNSIGNED_MAGIC):
+        signed, mine = data[len(_UNSIGNED_MAGIC) :], trusted
+    else:
+        raise ValueError("it is not a lightning_perf torch.compile cache file")
+    if not mine:
+        raise ValueError(
+            "it is not signed with your key (another user or machine wrote it, it was altered, or it predates signed "
+            "caches); torch would run the code it holds. Only if you trust that file as code, pass "
+            "`CompileCallback(trust_cache=True)` (`load_compile_cache(..., trusted=True)`)"
+        )
+    line, _, body = signed.partition(b"\n")
+    if len(line) > _MAX_HEADER:
+        raise ValueError("its header is damaged (too long)")
     try:
         header = json.loads(line)
         metas = [dict(meta) for meta in header["sections"]]
@@ -228,14 +297,24 @@ def _unsupported() -> str:
 
 
 def _not_private(folder: Path) -> str | None:
-    """Why ``folder`` is not fit to hold native code that torch will load, or ``None`` if it is."""
+    """Why ``folder`` is not fit to hold native code that torch will load, or ``None`` if it is: it and every entry in
+    it must be yours and writable by you alone, every parent yours or root's and not writable by others (unless
+    sticky, as ``/tmp``: others cannot move a sticky folder's entries)."""
     if not hasattr(os, "getuid"):  # pragma: no cover - Windows: no POSIX owner and mode bits to check
         return None
-    info = folder.stat()
-    if info.st_uid != os.getuid():
-        return f"it is owned by user id {info.st_uid}, not by this process's user ({os.getuid()})"
-    if info.st_mode & 0o022:
-        return f"it is writable by group or others (mode {oct(info.st_mode & 0o777)})"
+    uid, folder = os.getuid(), folder.resolve()
+    for parent in folder.parents:
+        info = parent.stat()
+        if info.st_uid not in (uid, 0) or (info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX):
+            mode = oct(info.st_mode & 0o7777)
+            return f"its parent {os.fspath(parent)!r} is owned by user id {info.st_uid} or writable by others ({mode})"
+    entries = [folder] + [Path(top, name) for top, dirs, files in os.walk(folder) for name in (*dirs, *files)]
+    for entry in entries:
+        info, what = entry.stat(), "it" if entry == folder else f"its entry {os.fspath(entry.relative_to(folder))!r}"
+        if info.st_uid != uid:
+            return f"{what} is owned by user id {info.st_uid}, not by this process's user ({uid})"
+        if info.st_mode & 0o022:
+            return f"{what} is writable by group or others (mode {oct(info.st_mode & 0o777)})"
     return None
 
 
@@ -252,7 +331,7 @@ def use_inductor_cache_dir(folder: str | os.PathLike[str]) -> Iterator[bool]:
         target.mkdir(mode=0o700, parents=True, exist_ok=True)
         problem = _not_private(target)
     except OSError as error:
-        problem = f"it cannot be made ({error})"
+        problem = f"it cannot be made or checked ({error})"
     if problem is not None:
         warn_once(
             f"Inductor cache folder {os.fspath(target)!r} not used: {problem}. It would hold compiled native code that "

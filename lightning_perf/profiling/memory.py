@@ -29,6 +29,7 @@ microseconds; re-opened after a fork); psutil is the fallback off Linux, where t
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import sys
@@ -41,7 +42,14 @@ import torch
 
 from lightning_perf._device import as_device
 
-__all__ = ["TRUTHFUL_CPU_MEMORY_ENV", "MemoryProbe", "MemorySample", "peak_rss_bytes", "truthful_cpu_peak"]
+__all__ = [
+    "TRUTHFUL_CPU_MEMORY_ENV",
+    "MemoryProbe",
+    "MemorySample",
+    "fork_at_full_speed",
+    "peak_rss_bytes",
+    "truthful_cpu_peak",
+]
 
 TRUTHFUL_CPU_MEMORY_ENV: dict[str, str] = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 """Environment for a subprocess whose CPU peak RSS must equal its peak memory in use (see the module docstring): every
@@ -65,18 +73,36 @@ def truthful_cpu_peak(on: bool = True) -> bool:
     2-core CPU). Switching it on later does not make the peak truthful again: glibc serves a request from a free heap
     block before it maps a new one, and a block used again stays resident after it is freed.
     """
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return False
     threshold = _TRUTHFUL_MMAP_THRESHOLD if on else _FAST_MMAP_THRESHOLD
-    done = bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * threshold))
+    done = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold))
     if on:
-        malloc_trim(0)
+        libc.malloc_trim(0)
     return done
+
+
+def fork_at_full_speed() -> bool:
+    """Give every process forked from this one from now on full-speed allocation (``truthful_cpu_peak(False)`` in
+    the child), while this one may still measure memory: a fork copies the allocator's settings, so a DataLoader
+    worker forked at an epoch's start would otherwise allocate under :data:`TRUTHFUL_CPU_MEMORY_ENV` for its whole
+    life, as no user's does. glibc only; returns whether it took effect."""
+    if _glibc() is None:  # resolved here, not in the child: a fork may leave the dynamic loader's lock held
+        return False
+    os.register_at_fork(after_in_child=functools.partial(truthful_cpu_peak, False))
+    return True
+
+
+@functools.cache
+def _glibc() -> Any | None:
+    """This process's C library when it is glibc (``mallopt``, ``malloc_trim``, ``mallinfo2`` live there), else None."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
 
 
 SOURCES: dict[str, dict[str, str]] = {
@@ -188,11 +214,9 @@ class _MallInfo2(ctypes.Structure):
 
 def _load_mallinfo2() -> Any | None:
     """The C function ``mallinfo2``, or None where glibc does not provide it."""
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return None
     try:
-        fn = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
+        fn = _glibc().mallinfo2  # type: ignore[union-attr]
+    except AttributeError:  # not glibc, or glibc < 2.33
         return None
     fn.argtypes = []
     fn.restype = _MallInfo2

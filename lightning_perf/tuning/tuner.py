@@ -681,6 +681,7 @@ class AutoTuner(Remeasuring):
         return RunSpec(
             workload=self.source.describe(),
             threads=self._threads.threads,
+            wait_policy=self._threads.wait_policy,
             config=candidate.config_name,
             steps=self.steps,
             warmup_steps=self.warmup_steps,

@@ -79,3 +79,10 @@ def test_a_stack_measured_by_the_user_that_beat_the_winners_stack_is_recommended
     assert prefer_measured_stack(stack, rows) == stack
     rows[3] = summary(given, 1.80, 1.68, 1.98, n=2)
     assert prefer_measured_stack(stack, rows) == stack
+    # Faster by the point estimate only: its interval overlaps the winners' stack's, so that one stays, and it says so.
+    rows[3], notes = summary(given, 1.52, 1.42, 1.62), []
+    assert prefer_measured_stack(stack, rows, notes) == stack
+    assert notes == [f"{given} 1.52x [1.42-1.62] is not clearly faster than bf16-mixed+flash_attention 1.47x "
+                     "[1.36-1.56] (the intervals overlap): the recommendation keeps the latter"]  # fmt: skip
+    rows[3] = summary(given, 1.70, 1.57, 1.85)  # clear of it: preferred
+    assert prefer_measured_stack(stack, rows, notes).name == given and len(notes) == 1

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import platform
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.utils import data as torch_data
 
 from lightning_perf.benchmark import isolation
 from lightning_perf.benchmark.spec import RunSpec
@@ -123,3 +126,83 @@ def test_objects_of_classes_from_main_run_in_a_spawned_process(tmp_path: Path) -
         RunSpec(config="baseline", threads=_threads()), tmp_path, 60.0, source=MainDefined()
     )
     assert _seen(result)["parent"] == str(os.getpid())  # spawned by this process: it imports __main__ again
+
+
+def _sees(path: Path) -> None:
+    """Write what this process sees once: its MALLOC_*/OMP_* environment, and whether a 16 MiB block is its own mmap
+    (the allocator's settings, which a fork copies whatever the environment says)."""
+    import ctypes
+    import json
+
+    from lightning_perf.profiling.memory import _MallInfo2
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.free.argtypes, libc.mallinfo2.restype = ctypes.c_void_p, [ctypes.c_void_p], _MallInfo2
+    before = libc.mallinfo2().hblks
+    block = libc.malloc(16 << 20)
+    mapped = libc.mallinfo2().hblks > before
+    libc.free(block)
+    seen = {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "OMP_"))}
+    try:
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as file:
+            json.dump({"env": seen, "mapped": mapped}, file)
+    except FileExistsError:  # one record per process
+        pass
+
+
+class _Samples(torch_data.Dataset):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> Any:
+        import torch
+
+        if torch_data.get_worker_info() is not None:
+            _sees(self.path)
+        return torch.ones(8), 0
+
+
+class LoaderWorkers:
+    """A user's model whose data comes from a DataLoader worker (forked at the epoch's start, while the run measures
+    memory); the loader worker and a subprocess the build starts report what they see."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def build(self, spec: Any) -> Any:
+        import subprocess
+
+        from tests.benchmark._own_models import Classifier, Points
+
+        code = f"from tests.benchmark.test_isolation import _sees; _sees({str(self.folder / 'subprocess.json')!r})"
+        subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+        data = Points()
+        data.train_dataloader = lambda: torch_data.DataLoader(  # type: ignore[method-assign]
+            _Samples(self.folder / "loader.json"), batch_size=4, num_workers=1
+        )
+        return Classifier(), data
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the allocator's settings are glibc's")
+def test_a_runs_loader_workers_and_subprocesses_see_the_users_allocator_and_the_recorded_wait_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # the user's own
+    spec = RunSpec(config="baseline", threads=1, wait_policy="PASSIVE", steps=2, warmup_steps=1, predict_batches=0)
+    result = isolation.run_isolated(spec, tmp_path, 120.0, source=LoaderWorkers(tmp_path))
+    assert result is not None and result.ok, result and result.error
+    assert result.wait_policy == "PASSIVE"  # what the process started with, so what its OpenMP read
+    for name in ("subprocess", "loader"):
+        seen = json.loads((tmp_path / f"{name}.json").read_text())
+        assert seen["env"] == {"MALLOC_ARENA_MAX": "4", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}, name
+    if multiprocessing.get_all_start_methods()[0] == "fork":  # the platform's default, as a user's loader starts
+        # Forked, as a user's would be, and allocating as the timed steps do, not as the memory steps it was forked in.
+        assert not json.loads((tmp_path / "loader.json").read_text())["mapped"]
+    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ

@@ -164,3 +164,50 @@ def test_every_row_says_the_baseline_its_ratio_used_and_the_stack_row_gets_the_f
     assert len(notes) == 2 and notes[0].startswith(
         "a: its speed-up pairs with baseline's runs of the same repeats, 200.0 ms"
     )
+
+
+def test_the_attention_swap_is_decided_by_a_configurations_first_run_and_replayed_by_the_later_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Worker: the first run times (scripted here), records the decision and its timings; a run handed that decision
+    runs the same code without timing and says so. Runner: only the first run decides; every later repeat of that
+    configuration is handed its decision, and the report's notes say what was decided from which timings."""
+    import json
+    from dataclasses import replace
+
+    from lightning_perf.benchmark import runner, worker
+    from lightning_perf.benchmark.spec import RunSpec
+    from lightning_perf.profiling import PeakFlops
+    from tests.benchmark.test_auto_bench import Quiet
+    from tests.callbacks.test_flash_attention import GPTModule
+
+    timed: list[int] = []
+    scripted = lambda *args, **kwargs: timed.append(1) or (1.0, 2.0)  # noqa: E731  own code faster: kept
+    monkeypatch.setattr("lightning_perf.callbacks.flash_attention.time_against_original", scripted)
+    spec = RunSpec(workload="mine", config="bf16-mixed+flash_attention", steps=2, warmup_steps=1, predict_batches=0)
+    first = worker.run(spec, build=lambda _: (GPTModule(), None))
+    assert first.ok, first.error
+    names = ["net.blocks.0.attn", "net.blocks.1.attn"]
+    decision = {"timings": [{"modules": names, "own_ms": 1.0, "swapped_ms": 2.0, "kept_own": True}]}
+    assert first.decided == {"FlashAttentionCallback": {"first_batch": decision}}
+    decided = json.loads(json.dumps(first.decided))  # as the runner hands it on
+    later = worker.run(replace(spec, repeat=1, decided=decided), build=lambda _: (GPTModule(), None))
+    assert later.ok and timed == [1]
+    assert later.decided == {"FlashAttentionCallback": {"first_batch": {**decision, "replayed": True}}}
+
+    handed: list[tuple[str, int, dict]] = []
+
+    def run(spec: RunSpec, tmp: Any, timeout_s: float) -> RunResult:
+        handed.append((spec.config, spec.repeat, spec.decided))
+        steps = [0.2 if spec.config == "baseline" else 0.1] * 6
+        return RunResult(spec={"config": spec.config, "repeat": spec.repeat}, batch_size=4, step_median_s=0.1,
+                         step_times_s=steps, decided=first.decided if spec.repeat == 0 and spec.config != "baseline"
+                         else later.decided if spec.config != "baseline" else {})  # fmt: skip
+
+    bench = BenchSpec(configs="flash_attention", device="cpu", preset="tiny", repeats=3, predict_batches=0)
+    report = runner.run_benchmark(bench, run=run, monitor=Quiet(), peak=lambda *a: PeakFlops(None, "unknown: test"))
+    assert [d for c, r, d in handed if c == "flash_attention"] == [{}, first.decided, first.decided]
+    assert all(d == {} for c, r, d in handed if c == "baseline")
+    assert any(n.startswith("flash_attention: FlashAttentionCallback decided at the first run, every repeat ran the "
+                            "same code: own code for net.blocks.0.attn, net.blocks.1.attn (first batch: own 1.00 ms, "
+                            "swapped 2.00 ms)") for n in report.notes)  # fmt: skip

@@ -43,7 +43,7 @@ def test_threads_follow_the_cores_and_the_load(cores: int | None, load: float | 
     # 2.5-7.6x slower than 1 (guide); on a quiet machine OpenMP's default, as a user's training runs (PASSIVE slowed
     # lm's bf16-mixed step 1.4x there).
     policy = {"OMP_WAIT_POLICY": "PASSIVE"} if (load or 0) >= 0.5 else {}
-    assert choice.env() == {"OMP_NUM_THREADS": str(threads), **policy}
+    assert thread_env(choice.threads, choice.wait_policy) == {"OMP_NUM_THREADS": str(threads), **policy}
 
 
 def test_an_explicit_count_wins_then_the_environment() -> None:
@@ -115,19 +115,22 @@ def test_every_run_of_a_bench_gets_the_same_threads_recorded_in_the_report(monke
 
     described = machine.describe_machine()
     monkeypatch.setattr(machine, "describe_machine", lambda: {**described, "cpu_count_usable": 2})
-    asked: list[int | None] = []
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    asked: list[tuple[int | None, str | None]] = []
 
     def scripted(spec: RunSpec, tmp: Path, timeout_s: float) -> RunResult:
-        asked.append(spec.threads)
+        asked.append((spec.threads, spec.wait_policy))
         steps = [0.2 if spec.config == "baseline" else 0.1] * 6
         return RunResult(spec={"config": spec.config, "repeat": spec.repeat, "threads": spec.threads}, batch_size=4,
-                         step_median_s=steps[0], step_times_s=steps, threads=spec.threads)  # fmt: skip
+                         step_median_s=steps[0], step_times_s=steps, threads=spec.threads,
+                         wait_policy="PASSIVE" if spec.repeat else "ACTIVE")  # fmt: skip
 
     spec = BenchSpec(configs="channels_last", device="cpu", preset="tiny", repeats=2, predict_batches=0)
     monitor: Any = Quiet()  # sees an idle machine
     report = run_benchmark(spec, run=scripted, monitor=monitor, peak=lambda *a: PeakFlops(None, "unknown: test"))
-    assert asked and set(asked) == {1}
+    assert asked and set(asked) == {(1, "PASSIVE")}  # the load at the start: idle OpenMP threads sleep
     data = json.loads(json.dumps(report.to_dict(), default=str))
+    assert data["machine"]["threads"]["wait_policy"] == ["ACTIVE", "PASSIVE"]  # what the runs started with
     assert data["machine"]["threads"]["threads"] == 1 and data["options"]["threads"] == 1
     assert {r["threads"] for r in data["runs"]} == {1}
     assert console_lines(report)[0] == "threads: 1 (2 cores, load 1.4)"

@@ -147,6 +147,7 @@ def _trainer(root: Path, *callbacks: pl.Callback, **overrides: Any) -> pl.Traine
         ({"warmup_steps": True}, ValueError, r"warmup_steps=True"),
         ({"cache": 3}, TypeError, r"CompileCallback\(cache=3\)` is not valid. Expected None or a file or folder"),
         ({"inductor_cache_dir": ""}, TypeError, r"CompileCallback\(inductor_cache_dir=''\)` is not valid.*folder"),
+        ({"trust_cache": "yes"}, TypeError, r"CompileCallback\(trust_cache='yes'\)` is not valid. Expected True"),
     ],
 )
 def test_invalid_arguments_are_rejected(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from pathlib import Path
 
@@ -324,3 +325,33 @@ def test_the_timing_leaves_no_gradient_and_the_rng_as_it_was() -> None:
     assert own > 0 and fused > 0
     assert torch.equal(torch.get_rng_state(), state)
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("own_faster", [True, False], ids=["own-faster", "swap-faster"])
+def test_a_loaded_first_batch_decision_runs_the_same_code_from_the_first_batch_without_timing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_faster: bool
+) -> None:
+    """A later repeat of a bench (or a resumed fit) loads the first run's decision: no timing, the same modules on
+    the same code from its first batch on, and its record says whose timings decided."""
+    calls: list[int] = []
+
+    def scripted(*args: object, **options: object) -> tuple:
+        calls.append(1)
+        return (1.0, 2.0) if own_faster else (2.0, 1.0)
+
+    monkeypatch.setattr("lightning_perf.callbacks.flash_attention.time_against_original", scripted)
+    first = FlashAttentionCallback()
+    trainer(tmp_path, callbacks=[first], precision="bf16-mixed", max_steps=2).fit(GPTModule())
+    names = ["net.blocks.0.attn", "net.blocks.1.attn"]
+    timing = {"modules": names, "own_ms": 1.0 if own_faster else 2.0, "swapped_ms": 2.0 if own_faster else 1.0,
+              "kept_own": own_faster}  # fmt: skip
+    assert first.first_batch == {"timings": [timing]} and first.state_dict() == {"first_batch": first.first_batch}
+    later = Kinds()
+    later.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as it travels between processes
+    trainer(tmp_path, callbacks=[later], precision="bf16-mixed", max_steps=3).fit(GPTModule())
+    assert calls == [1]  # timed once, by the first run
+    kept = "NanoGPTAttention" if own_faster else "FusedQKVAttention"
+    assert later.seen == [kept] * 3  # the decided code from the first batch on
+    assert [later.decisions[n].action for n in names] == [d.action for d in map(first.decisions.get, names)]
+    assert "an earlier run's first training batch" in later.decisions[names[0]].reason
+    assert later.first_batch == {"timings": [timing], "replayed": True}

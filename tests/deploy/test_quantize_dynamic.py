@@ -339,3 +339,61 @@ def test_onnxruntime_int8_model_is_converted_once_per_weights(monkeypatch: pytes
     assert len(conversions) == 4
     dynamic.clear_cache(cache)
     assert not cache.exists() and not dynamic.onnx_cache_dir(cache).exists()
+
+
+class _Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(16, 64)
+
+
+class MeanPooled(_Tokens):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).mean(1)
+
+
+class MaxPooled(_Tokens):
+    """MeanPooled with another forward: the same name, modules and weights (as a file edited between two runs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).amax(1)
+
+
+MaxPooled.__name__, MaxPooled.__qualname__ = MeanPooled.__name__, MeanPooled.__qualname__
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randn(32, 8, 16, generator=torch.Generator().manual_seed(1))
+
+
+def test_the_model_key_follows_the_code_not_only_names_shapes_and_weights() -> None:
+    x = _tokens()
+    mean, other_mean, max_ = MeanPooled(), MeanPooled(), MaxPooled()
+    assert dynamic_cache.weights_key(mean) == dynamic_cache.weights_key(max_)
+    assert dynamic.model_key(mean, [x]) == dynamic.model_key(other_mean, [x])
+    assert dynamic.model_key(mean, [x]) != dynamic.model_key(max_, [x])
+
+
+def test_a_changed_forward_misses_the_int8_cache_and_a_stale_file_is_rebuilt_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("onnxruntime")
+    conversions: list[int] = []
+    convert = dynamic._int8_onnx_bytes
+    monkeypatch.setattr(dynamic, "_int8_onnx_bytes", lambda *args: conversions.append(1) or convert(*args))
+    cache, x = tmp_path / "choices.json", _tokens()
+    quantize_dynamic(MeanPooled(), x, "onnxruntime", cache_path=cache)
+    changed = quantize_dynamic(MaxPooled(), x, "onnxruntime", cache_path=cache)
+    assert len(conversions) == 2 and len(list(dynamic.onnx_cache_dir(cache).iterdir())) == 2
+    assert torch.allclose(changed.module(x), MaxPooled()(x), atol=0.1)  # its own int8 model, not the mean's
+    # A key that cannot see the change (as the old key could not): the file it loads disagrees, and is rebuilt once.
+    dynamic.clear_cache(cache)
+    monkeypatch.setattr(dynamic, "code_key", lambda module: "the same")
+    quantize_dynamic(MeanPooled(), x, "onnxruntime", cache_path=cache)
+    with pytest.warns(MeasurementWarning, match="disagrees with the float module.*converting again"):
+        rebuilt = quantize_dynamic(MaxPooled(), x, "onnxruntime", cache_path=cache)
+    assert len(conversions) == 4 and rebuilt.backend == "onnxruntime"
+    assert torch.allclose(rebuilt.module(x), MaxPooled()(x), atol=0.1)
+    again = quantize_dynamic(MaxPooled(), x, "onnxruntime", cache_path=cache)  # the rebuilt file serves as it is
+    assert len(conversions) == 4 and again.module.onnx_bytes == rebuilt.module.onnx_bytes

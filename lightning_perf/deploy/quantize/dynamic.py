@@ -21,12 +21,12 @@ is). Three back-ends, one chosen at run time by measuring on the actual module (
 ``backend="auto"`` keeps the fastest candidate that agrees with the float module, none when no candidate is faster
 than fp32, and a simpler one when its interval overlaps the fastest's (:data:`TIE_RULE`; :func:`quantize_dynamic`).
 The choice and every candidate's figures are cached per machine (CPU model and flags, threads, torch, torchao and
-onnxruntime versions), module structure and input shape in ``$LIGHTNING_PERF_CACHE/dynamic_int8.json`` (else
+onnxruntime versions), module structure, code and input shape in ``$LIGHTNING_PERF_CACHE/dynamic_int8.json`` (else
 ``~/.cache/lightning_perf``), JSON written atomically: a later run, in any process, builds the chosen back-end only.
 The onnxruntime back-end's int8 model itself is kept in ``dynamic_int8_onnx/`` beside it, with the size and hash of
 its bytes and a hash of the float weights: a later run with the same weights loads it instead of exporting and
 quantizing again, the seconds a conversion takes (a file that is foreign, truncated or altered is refused with one
-warning and rebuilt).
+warning and rebuilt; one that disagrees with the float module is rebuilt once, with a warning).
 """
 
 from __future__ import annotations
@@ -51,10 +51,17 @@ from torch import Tensor, nn
 from lightning_perf._imports import is_available, require
 from lightning_perf._io import cache_file, read_cache_entries, write_cache_entries
 from lightning_perf._validation import check_bool
+from lightning_perf._warnings import MeasurementWarning
 from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.inputs import Inputs, as_input_tuple
 from lightning_perf.deploy.onnx import _onnx_export, equal_thread_options
-from lightning_perf.deploy.quantize.dynamic_cache import int8_onnx_file, read_int8_onnx, weights_key, write_int8_onnx
+from lightning_perf.deploy.quantize.dynamic_cache import (
+    code_key,
+    int8_onnx_file,
+    read_int8_onnx,
+    weights_key,
+    write_int8_onnx,
+)
 from lightning_perf.deploy.validate import ValidationSummary, compare_models, eval_mode
 from lightning_perf.functional.inputs import export_shapes
 from lightning_perf.functional.qat import QuantizationError, with_batch
@@ -204,6 +211,8 @@ class OnnxRuntimeModule(nn.Module):
     copy or a pickle.
     """
 
+    from_cache = False  # loaded from the int8 ONNX cache (quantize_dynamic_onnxruntime), not converted in this call
+
     def __init__(self, onnx_bytes: bytes, output_spec: tuple[str, tuple[Any, ...]], threads: int | None = None) -> None:
         super().__init__()
         self.onnx_bytes = onnx_bytes
@@ -293,10 +302,13 @@ def quantize_dynamic_onnxruntime(
     }
     file = int8_onnx_file(cache_dir, key)
     payload = None if refresh else read_int8_onnx(file, key)
+    loaded = payload is not None
     if payload is None:
         payload = _int8_onnx_bytes(source, example, reduce_range, per_channel)
         write_int8_onnx(file, key, payload)
-    return OnnxRuntimeModule(payload, spec)
+    quantized = OnnxRuntimeModule(payload, spec)
+    quantized.from_cache = loaded
+    return quantized
 
 
 def _int8_onnx_bytes(source: nn.Module, example: tuple[Tensor, ...], reduce_range: bool, per_channel: bool) -> bytes:
@@ -488,8 +500,9 @@ def machine_key(flags: dict[str, bool] | None = None) -> str:
 
 
 def model_key(module: nn.Module, example: Sequence[Tensor]) -> str:
-    """A hash of the module tree (names and class names), its parameters' shapes and dtypes, and the input shapes."""
-    parts = [f"{name}:{type(m).__qualname__}" for name, m in module.named_modules()]
+    """A hash of the module tree (names and class names), its classes' code (:func:`code_key`), its parameters'
+    shapes and dtypes, and the input shapes."""
+    parts = [f"{name}:{type(m).__qualname__}" for name, m in module.named_modules()] + [code_key(module)]
     parts += [f"{name}:{tuple(p.shape)}:{p.dtype}" for name, p in module.named_parameters()]
     parts += [f"input:{tuple(t.shape)}:{t.dtype}" for t in example]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
@@ -559,6 +572,12 @@ def _try(
         try:
             quantized = _build(name, reference, example, cache_dir, refresh)
             candidate.validation = compare_models(reference, quantized, [(example,)], min_cosine=min_cosine)
+            if getattr(quantized, "from_cache", False) and (stale := candidate.validation.failure(min_agreement)):
+                # A kept file whose key matched but that no longer fits (code the key cannot see): convert once more.
+                warnings.warn(f"The cached {name} int8 model in {str(cache_dir)!r} disagrees with the float module "
+                              f"({stale}); converting again.", MeasurementWarning, stacklevel=4)  # fmt: skip
+                quantized = _build(name, reference, example, cache_dir, True)
+                candidate.validation = compare_models(reference, quantized, [(example,)], min_cosine=min_cosine)
         except Exception as exc:
             candidate.problem = f"failed: {failure_reason(exc)}"
             continue

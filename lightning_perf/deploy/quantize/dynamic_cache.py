@@ -1,11 +1,12 @@
 """The int8 ONNX models that dynamic quantization keeps, so that a later run loads one instead of converting again.
 
-One file per machine, module structure, input shapes and options (the key :func:`int8_onnx_file` names it by),
-holding a header line (the key, a hash of the float weights, the size and SHA-256 of the model) and the model's bytes,
-written atomically (:func:`lightning_perf._io.atomic_write_bytes`). A reader checks all of it before use
-(:func:`read_int8_onnx`): other weights are a plain miss; a file that is not one of these, was written for another
-key, or whose bytes do not match its header is refused with one warning, and the caller converts again. The bytes are
-a model for onnxruntime, data that is parsed and never executed as Python.
+One file per machine (torch and onnxruntime versions included), module structure, code (:func:`code_key`), input
+shapes and options (the key :func:`int8_onnx_file` names it by), holding a header line (the key, a hash of the float
+weights, the size and SHA-256 of the model) and the model's bytes, written atomically
+(:func:`lightning_perf._io.atomic_write_bytes`). A reader checks all of it before use (:func:`read_int8_onnx`): other
+weights are a plain miss; a file that is not one of these, was written for another key, or whose bytes do not match
+its header is refused with one warning, and the caller converts again. The bytes are a model for onnxruntime, data
+that is parsed and never executed as Python.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import types
 import warnings
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from torch import nn
 from lightning_perf._io import atomic_write_bytes
 from lightning_perf._warnings import MeasurementWarning
 
-__all__ = ["int8_onnx_file", "read_int8_onnx", "weights_key", "write_int8_onnx"]
+__all__ = ["code_key", "int8_onnx_file", "read_int8_onnx", "weights_key", "write_int8_onnx"]
 
 _ONNX_MAGIC = b"lightning_perf dynamic int8 onnx 1\n"
 _ONNX_SUFFIX = ".int8.onnx.bin"
@@ -39,6 +41,30 @@ def weights_key(module: nn.Module) -> str:
         else:
             digest.update(f"{name}:{value!r}\n".encode())
     return digest.hexdigest()[:32]
+
+
+def code_key(module: nn.Module) -> str:
+    """A hash of the code that runs ``module``: for each class in its tree, the bytecode, names and constants of every
+    function its classes up to ``nn.Module`` define (``forward`` and what it calls on ``self``), not their line numbers.
+    Two processes with the same class names, modules and weights but another ``forward`` get other keys."""
+    classes = {k for m in module.modules() for k in type(m).__mro__[: type(m).__mro__.index(nn.Module)]}
+    digest = hashlib.sha256()
+    for cls in sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        for name, value in sorted(vars(cls).items()):
+            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            if code is not None:
+                digest.update(f"{cls.__module__}.{cls.__qualname__}.{name}:{_code_text(code)}\n".encode())
+    return digest.hexdigest()[:24]
+
+
+def _code_text(code: types.CodeType) -> str:
+    # Nested functions' code objects are read the same way (their repr holds an address); a frozenset's repr follows
+    # the per-process string hash, so its items are sorted.
+    consts = [
+        _code_text(c) if isinstance(c, types.CodeType) else repr(sorted(map(repr, c)) if type(c) is frozenset else c)
+        for c in code.co_consts
+    ]
+    return f"{code.co_code.hex()}|{code.co_names}|{code.co_varnames}|{code.co_freevars}|{consts}"
 
 
 def int8_onnx_file(cache_dir: str | os.PathLike[str], key: dict[str, str]) -> Path:
