@@ -42,17 +42,19 @@ class MemoryProfilerCallback(UndoOnExit):
     Each sample is a :class:`~lightning_perf.profiling.MemorySample` (CUDA: the caching allocator's allocated, reserved
     and peak bytes; CPU: glibc ``mallinfo2``'s bytes in use, the resident set and its peak).
 
-    Leak detection, by significance and with no absolute bound in bytes (:class:`~lightning_perf.profiling.
-    memory_steps.MemorySteps` says how and how often memory in use is read for it, whatever ``every_n_steps``): the
-    verdict is renewed while training and at the end of fit, and a :class:`~lightning_perf.MeasurementWarning`
-    containing "leak" names the phase that grows and its rate in KiB/step with its 95% interval, once per fit.
-    ``leak_threshold`` (bytes per step) is an optional extra bound, off by default.
+    Leak detection, by significance and with no absolute bound in bytes, on any epoch's steps
+    (:class:`~lightning_perf.profiling.memory_steps.MemorySteps` says what is read how often): on CUDA the allocator's
+    counter at every point of every step; on CPU the resident set (``/proc/self/statm``) at one step in 4 (sparser on
+    long runs), screened, and a screen that suggests growth confirmed by reading memory in use (``mallinfo2``) at every
+    point of the next ``leak_min_samples`` steps. A leak present from the start is reported near step
+    ``warmup_steps + 72 + leak_min_samples`` (153 by default) on CPU, step 100 on CUDA. A
+    :class:`~lightning_perf.MeasurementWarning` containing "leak" names the phase that grows and its rate in KiB/step
+    with its 95% interval, once per fit. ``leak_threshold`` (bytes per step) is an optional extra bound, off by default.
 
     Its own cost, on CPU: a step that reads nothing runs no hook of it, only an optimizer post-hook that counts down
-    (the hook of the batch's start, where the optimizer does not step once per batch); a step that reads only the leak
-    series' last point wakes its end alone. Self-report (``overhead``, :class:`~lightning_perf.profiling.timer.
-    HookCost`) from the first leak verdict: reading steps timed whole, quiet steps counted in bulk, billed Lightning's
-    dispatch timed in the loop.
+    and, one step in 4, reads the resident set (the batch's start hook instead, where the optimizer does not step once a
+    batch). Self-report (``overhead``, :class:`~lightning_perf.profiling.timer.HookCost`) from step 50: reading steps
+    timed whole, quiet steps' counters sampled, their resident-set readings timed whole, Lightning's dispatch timed.
 
     On CUDA, with ``record_history=True``, every allocation is recorded with its stack from the start of fit, and the
     history is written at the end of fit as ``<filename>_history_rank<R>.pickle``; with ``oom_snapshot=True`` a
@@ -62,18 +64,20 @@ class MemoryProfilerCallback(UndoOnExit):
     At the end of fit, on rank zero: a table ``snapshot | time | allocated | reserved | peak | trend`` in the log, a
     JSON report ``<filename>.json`` (also :attr:`report`) and, with ``plot=True`` and matplotlib, ``<filename>.png``
     in ``dirpath``, each announced; an earlier run's files are kept (``<filename>-2.*``...) unless ``overwrite=True``.
-    The step's peak goes to the loggers (``memory/peak``, ``memory/allocated``, ``memory/reserved``) every
-    ``log_every_n_steps``; under DDP the peaks and growth rates are summarized across ranks at fit end.
+    The memory figures go to the loggers every ``log_every_n_steps`` (``memory/peak``, the highest since the last
+    snapshot, and ``memory/reserved``; ``memory/allocated`` on CUDA and on snapshot steps); under DDP the peaks and
+    growth rates are summarized across ranks at fit end.
 
     Args:
         every_n_steps: take a full snapshot (allocated, reserved, peak and time at each point) of one step in this many
             (default 500: on CPU a snapshot, a heap walk and a /proc read per point, costs 1-1.5 ms in a training run).
-            The leak series reads ``allocated`` on its own schedule regardless.
+            The leak watch reads on its own schedule regardless.
         points: which points to sample (names from :data:`POINTS`); ``None`` for all.
         warmup_steps: leading steps left out of the leak trend, at most (a shorter first epoch is left out instead).
         leak_threshold: optional extra bound: a point is reported as leaking only if it also grows by more than this
             many bytes per step. ``None`` (default): the verdict rests on significance and the noise floor alone.
-        leak_min_samples: readings after warm-up needed before a point can be reported as leaking (at least 18).
+        leak_min_samples: readings after warm-up needed before a point can be reported as leaking (at least 18); on
+            CPU also the length of a confirmation.
         log_every_n_steps: how often to send memory figures to the loggers; ``None`` takes the Trainer's.
         record_history: on CUDA, record allocation history and write it at the end of fit.
         history_max_entries: how many allocation events the history keeps (the latest).

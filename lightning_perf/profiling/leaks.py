@@ -25,10 +25,11 @@ the machine, the allocator or the model's size:
    collector) moves memory in occasional jumps whose long-run drift can be statistically significant over a few
    hundred steps, yet is small per step next to the readings' scatter; a leak adds its bytes at every step.
    Measured on a clean CPU training run (tiny conv net, glibc heap, dense readings), the churn grew 0.1-0.2 noise
-   floors per step while 1 KiB kept per step added 1.4-1.6. Read one step in 128 (the CPU leak series after its
-   first verdict), the floor is wider (the readings span more of the heap's jumps): 1 KiB a step then added 0.5-1.75
-   floors per step in five fresh 4,000-step fits (one of them below the 0.5 that two steps needed), a clean MLP
-   0.001-0.004. Four steps keep a margin of at least two on the leak's side and over 1.25 on the dense churn's.
+   floors per step while 1 KiB kept per step added 1.4-1.6. Read sparsely (one step in 128, as the CPU series was
+   until 2026-12), the floor is wider (the readings span more of the heap's jumps): 1 KiB a step then added 0.5-1.75
+   floors per step in five fresh 4,000-step fits, a clean MLP 0.001-0.004. Four steps keep a margin of at least two
+   on the leak's side and over 1.25 on the dense churn's (the CPU verdict now judges a confirmation's consecutive
+   steps: dense readings).
    Comparing with the scatter of the readings themselves, not with a number of bytes, keeps the rule the same
    on a calm GPU allocator (scatter near zero) and on a busy CPU heap, for a small model and a large one.
 
