@@ -95,15 +95,15 @@ def live_interval(trainer: pl.Trainer, every: int | None, progress_bar: bool = F
     return interval if trainer.loggers or progress_bar else 0
 
 
-def log_metrics(trainer: pl.Trainer, metrics: Mapping[str, float]) -> None:
-    """Send ``metrics`` to every logger of the Trainer at its current step, from rank zero only."""
+def log_metrics(trainer: pl.Trainer, metrics: Mapping[str, float], step: int | None = None) -> None:
+    """Send ``metrics`` to every logger of the Trainer at ``step`` (its current step), from rank zero only."""
     if not trainer.is_global_zero:
         return
     clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
     if not clean:
         return
     for logger in trainer.loggers:
-        logger.log_metrics(clean, step=trainer.global_step)
+        logger.log_metrics(clean, step=trainer.global_step if step is None else step)
 
 
 def across_ranks(

@@ -137,6 +137,7 @@ class MemoryProfilerCallback(UndoOnExit):
         self._cuda: cuda_history.CudaRecording | None = None  # (CUDA) history and OOM snapshots
         self._silenced: int | None = None  # 0 no hook silenced, 1 those inside the step, 2 and the end (None: CUDA)
         self._epoch, self._every = 0, 0
+        self._trainer: pl.Trainer | None = None  # (CPU) for the quiet steps' logging, from fit start to the undo
         # (CPU) steps left to count down, and the countdown's length; Lightning's dispatch, timed in the loop
         self._quiet, self._skipped, self._dispatch = 0, 0, obs.DispatchSamples()
         # (CPU, one optimizer stepping once a batch) the countdown runs in its post-hook; Lightning's step counter
@@ -150,6 +151,7 @@ class MemoryProfilerCallback(UndoOnExit):
         self._epoch = trainer.current_epoch
         self._quiet, self._skipped, self._dispatch = 0, 0, obs.DispatchSamples()
         self._every = obs.live_interval(trainer, self.log_every_n_steps)  # 0: no logger to send figures to
+        self._trainer = trainer  # (CPU) the quiet steps' counter logs the cheap figures: no hook is woken for them
         device, name = pl_module.device, type(self).__name__
         if device.type not in ("cpu", "cuda"):
             msg = f"`{name}` measures CPU and CUDA memory; the run is on {device.type}, so nothing is sampled."
@@ -190,6 +192,11 @@ class MemoryProfilerCallback(UndoOnExit):
         the countdown ends). Returns whether the step is past the observer's warm-up, and whether it read."""
         quiet = self._quiet
         index = memory.step_index + self._skipped - quiet
+        if self._every and not (index + 1) % self._every and self._trainer is not None:  # the loggers' figures
+            obs.log_metrics(self._trainer, memory.log_figures(None), index + 1)  # the step count once it ends
+            if index % self._stride:
+                self._quiet = quiet - 1
+                return index >= memory.cost.first, True
         if index % self._stride:
             self._quiet = quiet - 1
             return index >= memory.cost.first, False
@@ -203,7 +210,7 @@ class MemoryProfilerCallback(UndoOnExit):
     def _undo(self, pl_module: pl.LightningModule) -> None:
         """Stop the OOM listener and the history recording, give the hooks back (teardown, and on an exception)."""
         obs.silence_hooks(self, _QUIET_HOOKS, False)
-        self._silenced = None
+        self._silenced, self._trainer = None, None
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -220,7 +227,8 @@ class MemoryProfilerCallback(UndoOnExit):
     def __getstate__(self) -> dict[str, Any]:
         # The OOM listener and the history recording belong to this process's allocator, silenced hooks to the run.
         state = {k: v for k, v in self.__dict__.items() if k not in _QUIET_HOOKS}
-        return {**state, "_cuda": None, "_silenced": None, "_quiet": 0, "_skipped": 0, "_done": None, "_handles": []}
+        return {**state, "_cuda": None, "_silenced": None, "_quiet": 0, "_skipped": 0, "_done": None, "_handles": [],
+                "_trainer": None}  # fmt: skip
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
