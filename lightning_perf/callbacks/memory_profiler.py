@@ -47,7 +47,7 @@ class MemoryProfilerCallback(UndoOnExit):
     counter at every point of every step; on CPU the resident set (``/proc/self/statm``) at one step in 4 (sparser on
     long runs), screened, and a screen that suggests growth confirmed by reading memory in use (``mallinfo2``) at every
     point of the next ``leak_min_samples`` steps. A leak present from the start is reported near step
-    ``warmup_steps + 72 + leak_min_samples`` (153 by default) on CPU, step 100 on CUDA. A
+    ``warmup_steps + 74 + leak_min_samples + 1`` (155 by default) on CPU, step 100 on CUDA. A
     :class:`~lightning_perf.MeasurementWarning` containing "leak" names the phase that grows and its rate in KiB/step
     with its 95% interval, once per fit. ``leak_threshold`` (bytes per step) is an optional extra bound, off by default.
 

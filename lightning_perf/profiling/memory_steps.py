@@ -155,7 +155,8 @@ class MemorySteps:
       walk) at every point, and :func:`~lightning_perf.profiling.detect_leaks` judges those readings with the full
       rule. A confirmed leak is reported once; a refused one (memory in use is flat: the resident set grew for
       another reason) pushes the next screen back (50, 100, 200... steps). Delay, by default: a leak present from the
-      start is screened at step ``warmup_steps + 18 x 4`` (122) and reported ``leak_min_samples`` steps later (153)
+      start is screened at the first reading from step ``warmup_steps + 18 x 4`` (124) and reported
+      ``leak_min_samples + 1`` steps later (155)
       when the resident set shows it by then (`benchmarks/leak_detection.py`); one that starts late, once it spans
       the later half of the run.
 
