@@ -103,3 +103,131 @@ def test_links_between_the_pages_resolve() -> None:
             if fragment:
                 anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.MULTILINE)}
                 assert fragment in anchors, f"{page.name} links {target}#{fragment}: no such heading"
+
+
+# A result file named on a page (not a command's `--output`): `docs/bench/x.json` from the repository root,
+# `bench/x.json` beside a docs/ page.
+_RESULT_FILE = re.compile(
+    r"(?<![\w./-])(?<!--output )((?:docs/)?(?:bench|curves)/[\w./-]*[\w-]\.(?:json|md|yaml|png|log|xml))"
+)
+_PAGES = (ROOT / "README.md", *sorted(DOCS.glob("*.md")))
+_FIGURE = re.compile(r"\d(?:\.\d+)?x\b|\bx\d|\d%|\d(?:\.\d+)? (?:ms|s)\b")
+_RATIO_WITH_INTERVAL = re.compile(r"\d+\.\d+x \[\d+\.\d+-\d+\.\d+\]")
+# Figures of scripts whose output was never committed, kept with this mark until measured again (the machine they
+# ran on is shared, so they were not): keep this list short, and add no script without a reason.
+_NO_FILE = "no result file; not re-measured"
+_NO_FILE_SCRIPTS = (
+    "examples/compile_warm_start.py",
+    "examples/dynamic_int8_warm_start.py",
+    "examples/powersgd_bandwidth.py",
+)
+
+
+def _result_path(page: Path, name: str) -> Path:
+    return ROOT / name if name.startswith("docs/") else page.parent / name
+
+
+def test_every_result_file_named_on_a_page_exists() -> None:
+    named = set()
+    for page in _PAGES:
+        for name in _RESULT_FILE.findall(page.read_text()):
+            named.add(name)
+            assert _result_path(page, name).is_file(), f"{page.name} names {name}, which does not exist"
+    assert {"docs/bench/timed-as-training/lm-cpu-avx512.json", "docs/curves/checkpoint-budget-lm-cpu.json"} <= named
+
+
+def _clauses(cell: str) -> list[str]:
+    """A table cell cut at its semicolons outside parentheses and brackets: one claim each."""
+    clauses, depth, start = [], 0, 0
+    for i, char in enumerate(cell):
+        depth += (char in "([") - (char in ")]")
+        if char == ";" and depth == 0:
+            clauses.append(cell[start:i])
+            start = i + 1
+    return [*clauses, cell[start:]]
+
+
+def _last_cell(row: str) -> str:
+    return row.strip().rstrip("|").rsplit(" | ", 1)[-1]
+
+
+def _sources(name: str) -> list[str]:
+    """Where a figure from result file NAME may be quoted from: the file, its Markdown sibling, and its table on
+    docs/benchmarks.md (intervals recomputed from the raw steps), a disturbed row's ratios marked `?` as the bench
+    does."""
+    path = ROOT / name
+    texts = [p.read_text() for p in dict.fromkeys((path, path.with_suffix(".md"))) if p.is_file()]
+    page = (DOCS / "benchmarks.md").read_text()
+    caption = page.find(f"(bench/{path.relative_to(DOCS / 'bench')})") if name.startswith("docs/bench/") else -1
+    if caption >= 0:
+        rows = page[caption:].split("\n\n", 1)[0].splitlines()
+        texts += [re.sub(r"(\d+\.\d+x \[)", r"?\1", row) if " | yes |" in row else row for row in rows]
+    return texts
+
+
+def _figure_problems(table: list[str]) -> list[str]:
+    """What is wrong with the figures in a table's last column: a claim with a figure that names no result file (one
+    named in the column's header covers every row) and carries no allowed mark, a ratio with its interval that is in
+    none of its files, a ratio its files mark disturbed (`?1.62x`) and the claim does not."""
+    header_files = _RESULT_FILE.findall(_last_cell(table[0]))
+    problems = []
+    for row in table[2:]:
+        for clause in map(str.strip, _clauses(_last_cell(row))):
+            if not _FIGURE.search(clause):
+                continue
+            files = _RESULT_FILE.findall(clause) or header_files
+            if not files:
+                if _NO_FILE not in clause or not any(script in clause for script in _NO_FILE_SCRIPTS):
+                    problems.append(f"names no result file: {clause}")
+                continue
+            texts = [text for name in files for text in _sources(name)]
+            for figure in _RATIO_WITH_INTERVAL.findall(clause):
+                holding = [text for text in texts if figure in text]
+                if not holding:
+                    problems.append(f"{figure} is in none of {files}")
+                elif any(f"?{figure}" in text for text in holding) and "disturbed" not in clause:
+                    problems.append(f"{figure} is disturbed in {files}, not in: {clause}")
+    return problems
+
+
+def _readme_table(heading: str) -> list[str]:
+    section = (ROOT / "README.md").read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("|")]
+
+
+@pytest.mark.parametrize("heading", ["Optimizations", "Observers"])
+def test_every_figure_in_the_readme_tables_names_its_result_file(heading: str) -> None:
+    table = _readme_table(heading)
+    assert len(table) > 3
+    assert _figure_problems(table) == []
+
+
+def test_the_figure_rule_flags_a_missing_file_a_wrong_figure_and_a_dropped_disturbed_mark() -> None:
+    lm = "([f](docs/bench/timed-as-training/lm-cpu-avx512.json))"
+    table = [
+        "| name | measured |",
+        "|---|---|",
+        "| a | lm 1.62x [1.36-1.85] (disturbed) " + lm + "; no figure here |",
+        "| b | convnet 2.15x faster |",
+        f"| c | lm 1.63x [1.36-1.85] {lm} |",
+        f"| d | lm 1.62x [1.36-1.85] {lm} |",
+        f"| e | 2.0x (`examples/mine.py`; {_NO_FILE}); 1.9x (`examples/compile_warm_start.py`; {_NO_FILE}) |",
+    ]
+    problems = _figure_problems(table)
+    assert len(problems) == 4, problems
+    assert problems[0] == "names no result file: convnet 2.15x faster"
+    assert problems[1].startswith("1.63x [1.36-1.85] is in none of")
+    assert problems[2].startswith("1.62x [1.36-1.85] is disturbed in")
+    assert problems[3] == f"names no result file: 2.0x (`examples/mine.py`; {_NO_FILE})"
+
+
+def test_a_figure_without_a_file_is_marked_only_beside_an_allowed_script() -> None:
+    used = set()
+    for page in _PAGES:
+        text = page.read_text()
+        for mark in re.finditer(re.escape(_NO_FILE), text):
+            before = text[max(0, mark.start() - 400) : mark.start()]
+            scripts = [script for script in _NO_FILE_SCRIPTS if script in before]
+            assert scripts, f"{page.name}: '{_NO_FILE}' at offset {mark.start()} names none of {_NO_FILE_SCRIPTS}"
+            used.update(scripts)
+    assert used == set(_NO_FILE_SCRIPTS), f"allowed but no longer used (remove): {set(_NO_FILE_SCRIPTS) - used}"

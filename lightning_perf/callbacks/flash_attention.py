@@ -88,11 +88,11 @@ class FlashAttentionCallback(UndoOnExit):
             on the module and its shapes (SDPA computes in float32 there when that is faster; a module's own
             half-precision matmuls can still beat it), time each kind of swapped module against its original on the
             first training batch's real call (forward and backward, alternating, 5 times each, about 0.1 s once) and
-            put the originals back where they are at least 5% faster; the decision's reason gives both times. Default
-            lm (2-core AVX-512 CPU): own 7.2 ms vs swapped 8.1 ms, kept; vit: own 17.9 ms vs swapped 7.8 ms, swapped.
-            Skipped for a compiled model (a swap back would recompile). The decision and its timings are in
-            :attr:`first_batch` and the callback's ``state_dict``: a run that loads it (a resumed fit, a later repeat
-            of ``lightning-perf bench``) runs the same code without timing again.
+            put the originals back where they are at least 5% faster; the decision's reason gives both times (the
+            default lm keeps its own attention, vit the swap). Skipped for a compiled model (a swap back would
+            recompile). The decision and its timings are in :attr:`first_batch` and the callback's ``state_dict``: a run
+            that loads it (a resumed fit, a later repeat of ``lightning-perf bench``) runs the same code without timing
+            again.
 
     Attributes:
         decisions: module name -> ``(kernel, reason)`` for every attention module found in the last ``setup``;
