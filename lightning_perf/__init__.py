@@ -27,7 +27,7 @@ from lightning_perf._warnings import (
     PartialEffectWarning,
 )
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
     "FallbackWarning",
