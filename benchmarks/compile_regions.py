@@ -7,9 +7,8 @@ line. The variants are interleaved round by round, so a load change on a shared 
 Variants: ``eager``; ``whole`` (``compile_regions(model)``, the LightningModule's forward); ``blocks``
 (``regions="auto"``: the repeated blocks only, the rest eager; on a CPU with inductor's ``cpp_wrapper``, one C++
 build per graph, see :mod:`lightning_perf.functional.compile_startup`); ``blocks-py`` (the same with
-``options={"cpp_wrapper": False}``: inductor's Python wrapper, one C++ build per fused kernel); ``nested``
-(``regions="auto+rest"``: the whole forward compiled as one region in which each repeated block is a nested region
-traced and compiled once). ``libraries`` counts the C++ libraries built (``.so`` files in the cache folder).
+``options={"cpp_wrapper": False}``: inductor's Python wrapper, one C++ build per fused kernel). ``libraries`` counts
+the C++ libraries built (``.so`` files in the cache folder).
 
 Usage::
 
@@ -34,7 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-VARIANTS = {"eager": "eager", "whole": None, "blocks": "auto", "blocks-py": "auto", "nested": "auto+rest"}
+VARIANTS = {"eager": "eager", "whole": None, "blocks": "auto", "blocks-py": "auto"}
 OPTIONS = {"blocks-py": {"cpp_wrapper": False}}
 
 

@@ -42,7 +42,7 @@ def test_found_in_bench_list(dummy: Optimization, capsys: pytest.CaptureFixture[
 
 
 def test_found_in_the_tuner_search_list(dummy: Optimization) -> None:
-    from lightning_perf.tuning import AutoTuner
+    from lightning_perf.tuning.tuner import AutoTuner
 
     tuner = AutoTuner(workload="convnet", preset="tiny", progress=False)
     assert tuner.optimizations.index("dummy_speedup") == tuner.optimizations.index("channels_last") + 1

@@ -88,7 +88,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_perf._deprecation import moved_names
 from lightning_perf.benchmark.answer import (
     estimates_from,
     prefer_measured_stack,
@@ -118,33 +117,6 @@ __all__ = [
     "run_benchmark",
     "summarize_runs",
 ]
-
-# Names that lived here once: importing them from here still works, warns, and names the new home. (BASELINE and the
-# result types this module uses itself stay importable from here as they are.)
-_REPORT = "lightning_perf.benchmark.report"
-__getattr__ = moved_names(
-    __name__,
-    {
-        "BenchOptions": "lightning_perf.benchmark.spec:BenchSpec",
-        **dict.fromkeys(
-            (
-                "CONSOLE_COLUMNS",
-                "CONSOLE_LEGEND",
-                "DISTURBED",
-                "TABLE_COLUMNS",
-                "TABLE_LEGEND",
-                "console_rows",
-                "markdown_report",
-                "output_paths",
-                "reliability_lines",
-                "table_rows",
-                "unused_output",
-                "write_outputs",
-            ),
-            _REPORT,
-        ),
-    },
-)
 
 
 def run_benchmark(

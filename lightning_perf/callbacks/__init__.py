@@ -1,5 +1,6 @@
 """Lightning callbacks, one optimization or observer each; the logic lives in :mod:`lightning_perf.functional`."""
 
+import lightning_perf.strategies  # noqa: F401  registers Trainer(strategy="ddp_powersgd")
 from lightning_perf.callbacks.backend_flags import BackendFlagsCallback
 from lightning_perf.callbacks.bottleneck import BottleneckCallback
 from lightning_perf.callbacks.channels_last import ChannelsLastCallback

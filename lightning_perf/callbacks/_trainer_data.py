@@ -18,8 +18,8 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from lightning_perf.deploy.inputs import split_inputs, submodule_inputs, through_batch_hooks
-from lightning_perf.functional.inputs import CapturedCall, call_of
+from lightning_perf.deploy.inputs import submodule_inputs, through_batch_hooks
+from lightning_perf.functional.inputs import CapturedCall, call_of, split_inputs
 
 if TYPE_CHECKING:
     from lightning_perf.deploy.quantize.quantizer import LoopData

@@ -18,13 +18,11 @@ from lightning_perf._validation import check_bool
 from lightning_perf._warnings import NoEffectWarning, warn_once
 from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.compile import (
-    AUTO_WITH_REST,
     STAGES,
     CompiledModules,
     CompileMonitor,
     compile_options,
     inside_wrappers,
-    nested_regions,
     select_regions,
     top_level_blocks,
     validate_regions,
@@ -91,11 +89,6 @@ class CompileCallback(UndoOnExit):
       with the inductor backend and no ``mode`` or ``options`` given, the blocks are compiled with inductor's
       ``cpp_wrapper`` (one C++ build per graph rather than per fused kernel, the cold start's largest part there; see
       :mod:`~lightning_perf.functional.compile_startup`); ``options={"cpp_wrapper": False}`` turns that off.
-    - ``"auto+rest"``: the LightningModule's ``forward`` compiled whole, with those blocks marked as nested regions
-      (``torch.compiler.nested_compile_region``), traced and compiled once and reused by every copy, so the rest is
-      compiled too without compiling each block again. Needs an AOT-autograd backend (``"inductor"``, ``"aot_*"``):
-      with another backend, or when a block's ``forward`` is replaced on the instance, the forward is compiled whole
-      without nested regions; under FSDP2 each sharded block is compiled in its wrapper, as with ``"auto"``.
     - a list of module classes, or class paths as strings for YAML (``"torch.nn.TransformerEncoderLayer"``), or bare
       class names: their outermost instances are compiled.
 
@@ -275,14 +268,13 @@ class CompileCallback(UndoOnExit):
                     f"{pl_module.device.type} it compiles without them (as the default mode).",
                     NoEffectWarning,
                 )
-        nested = nested_regions(pl_module, self.regions, modules, self.backend)
         if self.inductor_cache_dir is not None:  # before loading `cache`, which fills torch's on-disk caches
             self._cache_dir_stack.enter_context(use_inductor_cache_dir(self.inductor_cache_dir))
         kwargs = startup_options(pl_module, modules, self._compile_kwargs)  # on a CPU: a quicker cold start
-        self._compiled = CompiledModules(modules, kwargs, strict=self.strict, nested=nested)
+        self._compiled = CompiledModules(modules, kwargs, strict=self.strict)
         if self.cache is not None:
             self._load_cache(modules, pl_module.device, kwargs)
-        whole = self.regions in (None, AUTO_WITH_REST)
+        whole = self.regions is None
         self._entry_check = _MAIN_LOOP[stage] if whole and modules == selected else None
         self._monitor.start()
         if stage == "fit":

@@ -27,13 +27,11 @@ from lightning_perf.callbacks._trainer_data import default_dirpath, run_metadata
 from lightning_perf.deploy.backend import BACKENDS, validate_options
 from lightning_perf.deploy.export import ExportError, ExportReport, export_model
 from lightning_perf.deploy.inputs import (
-    as_input_tuple,
     example_inputs_from_shapes,
     model_inputs,
-    split_inputs,
     through_batch_hooks,
 )
-from lightning_perf.functional.inputs import CallRecorder
+from lightning_perf.functional.inputs import CallRecorder, as_input_tuple, split_inputs
 
 __all__ = ["TensorRTExportCallback"]
 

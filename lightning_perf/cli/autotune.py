@@ -143,7 +143,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the tuner; exit status 0, 1 when the model fails under its own settings, 2 for bad arguments."""
     _check_combinations(args, parser)
     from lightning_perf.benchmark.spec import SpecError
-    from lightning_perf.tuning import AutoTuner, ModelError, TuningError
+    from lightning_perf.tuning.tuner import AutoTuner, ModelError, TuningError
 
     kwargs: dict[str, Any] = {}
     if args.workload is not None:

@@ -316,7 +316,8 @@ def _validation_loader(checkpoint: Path, datamodule_cls: Any) -> tuple[Any, Any]
 
 def _example(model: Any, module_cls: Any, loader: Any, datamodule: Any, input_key: str | None) -> Any:
     """The example input: the module's ``example_input_array``, else the first validation batch's inputs."""
-    from lightning_perf.deploy.inputs import as_input_tuple, model_inputs, split_inputs, through_batch_hooks
+    from lightning_perf.deploy.inputs import model_inputs, through_batch_hooks
+    from lightning_perf.functional.inputs import as_input_tuple, split_inputs
 
     try:
         if model.example_input_array is not None:

@@ -1,7 +1,7 @@
 """Everything after training, without Lightning: example inputs and the batch path, parity checks, the one atomic
 artifact-set writer, ONNX and TensorRT export, and quantization back-ends.
 
-- :mod:`~lightning_perf.deploy.inputs`: model inputs of a batch, example inputs, input specs, the batch hooks;
+- :mod:`~lightning_perf.deploy.inputs`: example inputs, input specs, the batch hooks;
 - :mod:`~lightning_perf.deploy.validate`: an export's or a quantized model's outputs against the model's;
 - :mod:`~lightning_perf.deploy.artifacts`: artifact sets committed in one atomic step;
 - :mod:`~lightning_perf.deploy.export`: :func:`export_model` with :mod:`~lightning_perf.deploy.onnx` and
@@ -19,11 +19,9 @@ from lightning_perf.deploy.export import BackendAttempt, ExportError, ExportRepo
 from lightning_perf.deploy.inputs import (
     DimRange,
     InputSpec,
-    as_input_tuple,
     build_input_specs,
     example_inputs_from_shapes,
     model_inputs,
-    split_inputs,
     through_batch_hooks,
 )
 from lightning_perf.deploy.quantize import QuantizationReport, export_quantized, save_quantized
@@ -43,7 +41,6 @@ __all__ = [
     "QuantizationReport",
     "Tolerance",
     "ValidationResult",
-    "as_input_tuple",
     "build_input_specs",
     "committed_set",
     "example_inputs_from_shapes",
@@ -51,7 +48,6 @@ __all__ = [
     "export_quantized",
     "model_inputs",
     "save_quantized",
-    "split_inputs",
     "stage_set",
     "through_batch_hooks",
     "validate_options",

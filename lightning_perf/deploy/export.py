@@ -49,7 +49,6 @@ from lightning_perf.deploy.backend import (
 )
 from lightning_perf.deploy.inputs import (
     InputSpec,
-    as_input_tuple,
     build_input_specs,
     cast_inputs,
     collect_inputs,
@@ -58,7 +57,7 @@ from lightning_perf.deploy.inputs import (
 from lightning_perf.deploy.onnx import OnnxBackend
 from lightning_perf.deploy.tensorrt import TensorRTBackend
 from lightning_perf.deploy.validate import Tolerance, ValidationResult, flat_outputs, full_fp32, validate_runner
-from lightning_perf.functional.inputs import CapturedCall
+from lightning_perf.functional.inputs import CapturedCall, as_input_tuple
 from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, measure_latency
 

@@ -1,11 +1,7 @@
-"""Example inputs and the batch path of the deployment layer.
-
-What a model is exported, calibrated and validated with: the model inputs of a data-loader batch
-(:func:`split_inputs`), example tensors checked for a batch dimension (:func:`as_input_tuple`) or made from shapes
-(:func:`example_inputs_from_shapes`), each input's min/opt/max shapes (:func:`build_input_specs`), and the batch path:
-:func:`through_batch_hooks` sends a batch through the datamodule's and the module's own ``on_before_batch_transfer``,
-``transfer_batch_to_device`` and ``on_after_batch_transfer`` as a training loop does (found by duck typing, without
-importing Lightning).
+"""Example inputs of the deployment layer: example tensors made from shapes (:func:`example_inputs_from_shapes`),
+each input's min/opt/max shapes (:func:`build_input_specs`), and the batch path (:func:`through_batch_hooks`: a batch
+through the datamodule's and the module's own transfer hooks, found by duck typing, without importing Lightning).
+The model inputs of a batch come from :mod:`lightning_perf.functional.inputs`.
 """
 
 from __future__ import annotations
@@ -19,22 +15,19 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from lightning_perf._device import as_device
-from lightning_perf.functional.inputs import INPUT_KEYS, CapturedCall, as_input_tuple, call_of, split_inputs
+from lightning_perf.functional.inputs import CapturedCall, as_input_tuple, call_of, split_inputs
 
 __all__ = [
     "BATCH_HOOKS",
-    "INPUT_KEYS",
     "DimRange",
     "InputSpec",
     "Inputs",
-    "as_input_tuple",
     "build_input_specs",
     "cast_inputs",
     "collect_inputs",
     "example_inputs_from_shapes",
     "input_names",
     "model_inputs",
-    "split_inputs",
     "submodule_inputs",
     "take_batch",
     "through_batch_hooks",

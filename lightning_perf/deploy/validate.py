@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from lightning_perf._device import module_device
-from lightning_perf.deploy.inputs import cast_inputs, split_inputs
+from lightning_perf.deploy.inputs import cast_inputs
+from lightning_perf.functional.inputs import split_inputs
 
 __all__ = [
     "DEFAULT_TOLERANCES",

@@ -9,12 +9,10 @@ Regional compilation compiles each of a model's repeated blocks (the layers of a
 a ResNet) instead of the whole model. Identical blocks share one compiled code object: torch guards on the code and
 treats parameters as graph inputs, so the second and later blocks reuse the first one's graph without recompiling,
 which cuts cold-start time roughly by the number of blocks (the "regional compilation" recipe in PyTorch's docs).
-With ``regions="auto+rest"`` the whole ``forward`` is compiled and the blocks are nested regions in it
-(``torch.compiler.nested_compile_region``), so the embedding and head are compiled as well and each block class is still
-traced and compiled once. On a CPU most of a cold start is building inductor's C++ kernels, which neither way shares
-with a later process (see :mod:`lightning_perf.functional.compile_cache` for warm starts); a regional compile there
-builds one library per graph instead of one per kernel (inductor's ``cpp_wrapper``, when no ``mode`` or ``options``
-are given: :mod:`lightning_perf.functional.compile_startup`).
+On a CPU most of a cold start is building inductor's C++ kernels, which neither way shares with a later process (see
+:mod:`lightning_perf.functional.compile_cache` for warm starts); a regional compile there builds one library per graph
+instead of one per kernel (inductor's ``cpp_wrapper``, when no ``mode`` or ``options`` are given:
+:mod:`lightning_perf.functional.compile_startup`).
 
 What the plain ``nn.Module.compile()`` of torch 2.13 does not handle, and this module does:
 
@@ -66,7 +64,6 @@ from lightning_perf.functional.surgery import (
 )
 
 __all__ = [
-    "AUTO_WITH_REST",
     "COMPILE_MODES",
     "STAGES",
     "CompileMonitor",
@@ -78,7 +75,6 @@ __all__ = [
     "fresh_compile_cache",
     "inside_wrappers",
     "is_compiler_error",
-    "nested_regions",
     "select_regions",
     "top_level_blocks",
     "validate_regions",
@@ -91,10 +87,6 @@ COMPILE_MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", 
 STAGES: tuple[str, ...] = ("fit", "validate", "test", "predict")
 
 Regions = str | Sequence["type[nn.Module] | str"] | None
-
-#: ``regions`` value: the whole forward compiled as one region, in which each repeated block is a nested region
-#: (``torch.compiler.nested_compile_region``) traced and compiled once and reused by its copies.
-AUTO_WITH_REST = "auto+rest"
 
 
 # ------------------------------------------------------------------------------------------------------ validation
@@ -189,12 +181,11 @@ def validate_regions(regions: Any, owner: str = "compile_regions") -> str | tupl
         ValueError: if the list is empty, a string is neither ``"auto"``, a class path nor a class name, or a dotted
             path does not import to an ``nn.Module`` subclass.
     """
-    if regions is None or regions in ("auto", AUTO_WITH_REST):
+    if regions is None or regions == "auto":
         return regions  # type: ignore[no-any-return]
     expected = (
-        "Expected None (the whole model), 'auto' (its largest group of repeated blocks), 'auto+rest' (those blocks "
-        "compiled once, inside the whole model compiled) or a list of module classes, class paths "
-        "('torch.nn.TransformerEncoderLayer') or class names ('Block')."
+        "Expected None (the whole model), 'auto' (its largest group of repeated blocks) or a list of module classes, "
+        "class paths ('torch.nn.TransformerEncoderLayer') or class names ('Block')."
     )
     if isinstance(regions, str) and not _is_class_reference(regions):
         raise ValueError(f"`{owner}(regions={regions!r})` is not valid: {regions!r} is not a class name. {expected}")
@@ -256,12 +247,11 @@ def select_regions(model: nn.Module, regions: Regions) -> list[tuple[str, nn.Mod
         model: the model.
         regions: ``None`` for ``model`` itself (name ``""``); ``"auto"`` for its main repeated blocks
             (:func:`lightning_perf.functional.surgery.find_repeated_blocks`, as activation checkpointing picks them);
-            ``"auto+rest"`` for ``model`` itself, its blocks then being :func:`nested_regions`;
             or module classes / class names (see :func:`validate_regions`), of which the outermost matching modules
             are taken (a match inside another match is compiled as part of it), never ``model`` itself.
     """
     normalized = validate_regions(regions, "select_regions")
-    if normalized is None or normalized == AUTO_WITH_REST:
+    if normalized is None:
         return [("", model)]
     if normalized == "auto":
         return find_repeated_blocks(model)
@@ -270,30 +260,6 @@ def select_regions(model: nn.Module, regions: Regions) -> list[tuple[str, nn.Mod
     return find_modules(
         model, lambda module, _: isinstance(module, classes) or type(module).__name__ in names, outermost=True
     )
-
-
-def nested_regions(
-    model: nn.Module,
-    regions: Regions,
-    compiled: Sequence[tuple[str, nn.Module]],
-    backend: str | Callable[..., Any] = "inductor",
-) -> list[tuple[str, nn.Module]]:
-    """The blocks to mark as nested regions inside ``compiled`` (what :func:`select_regions` and :func:`inside_wrappers`
-    chose): with ``"auto+rest"``, the model's repeated blocks, when the model itself is what is compiled.
-
-    Empty otherwise, and the model is then compiled whole (correct, slower to start): other ``regions``; under FSDP2,
-    where the blocks themselves are compiled instead (never around a wrapper); a backend that does not run AOT
-    autograd (only ``"inductor"`` and the ``"aot_*"`` backends differentiate a nested region: ``"eager"`` would fail in
-    the backward); and when a block's ``forward`` is already replaced on the instance (activation checkpointing, say),
-    since a nested region runs the class's ``forward``.
-    """
-    aot = isinstance(backend, str) and (backend == "inductor" or backend.startswith("aot_"))
-    if regions != AUTO_WITH_REST or not aot or [name for name, _ in compiled] != [""]:
-        return []
-    blocks = find_repeated_blocks(model)
-    if any("forward" in block.__dict__ for _, block in blocks):
-        return []
-    return blocks
 
 
 def inside_wrappers(model: nn.Module, selected: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -436,48 +402,6 @@ class _CompiledForward(ForwardPatch):
 _Compiled = _CompiledCall | _CompiledForward
 
 
-_MARKS = (
-    "__marked_compile_region_config__",
-    "__marked_compile_region_max_reuse_entries__",
-    "__marked_compile_region_reuse_hash_fn__",
-)
-
-
-class _NestedRegion:
-    """A block class's ``forward`` marked as a nested compile region while at least one handle holds it.
-
-    Inside an enclosing compiled region the block is traced and compiled once per class and input shapes, and its
-    copies are stamped out from that; outside one the mark does nothing. The mark is put on the class (as the
-    ``@torch.compiler.nested_compile_region`` decorator would be), not on the instances: in torch 2.13 a region reached
-    through an instance-level ``forward`` reuses the first copy's parameters for every copy (wrong outputs).
-    """
-
-    _held: dict[type[nn.Module], tuple[Any, int]] = {}  # class -> (its own forward, handles holding the mark)
-
-    def __init__(self, cls: type[nn.Module]) -> None:
-        self.cls = cls
-        original, holders = self._held.get(cls, (cls.__dict__.get("forward"), 0))
-        if holders == 0:
-            cls.forward = torch.compiler.nested_compile_region(cls.forward)  # type: ignore[method-assign]
-        self._held[cls] = (original, holders + 1)
-        self.installed = True
-
-    def uninstall(self) -> None:
-        if not self.installed:
-            return
-        self.installed = False
-        original, holders = self._held.pop(self.cls)
-        marked = self.cls.__dict__.get("forward")
-        for mark in _MARKS:  # torch sets them on the function it marks
-            vars(getattr(marked, "__marked_compile_region_fn__", marked)).pop(mark, None)
-        if holders > 1:
-            self._held[self.cls] = (original, holders - 1)
-        elif original is None:  # the forward was inherited: take the mark off, the base class's shows again
-            del self.cls.forward
-        else:
-            self.cls.forward = original  # type: ignore[method-assign]
-
-
 def _run_compiled(entry: _Compiled, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     entry.calls += 1
     try:
@@ -497,7 +421,6 @@ class CompiledModules:
 
     Attributes:
         names: qualified names of the compiled modules, in order (``""`` is the model itself).
-        nested: qualified names of the blocks marked as nested regions inside them (``regions="auto+rest"``).
         failures: per module class name, the compiler error that turned compilation off for that class.
         strict: whether a compiler failure raises instead of falling back.
     """
@@ -507,14 +430,10 @@ class CompiledModules:
         modules: Iterable[tuple[str, nn.Module]],
         compile_kwargs: Mapping[str, Any],
         strict: bool = False,
-        nested: Iterable[tuple[str, nn.Module]] = (),
     ) -> None:
         self.strict = strict
         self.failures: dict[str, str] = {}
         self._calls: list[_Compiled] = []
-        nested = list(nested)
-        self._nested = [_NestedRegion(cls) for cls in dict.fromkeys(type(module) for _, module in nested)]
-        self.nested: list[str] = [name for name, _ in nested]
         modules = list(modules)
         compile_kwargs = _with_recompile_limit(compile_kwargs, modules)
         for name, module in modules:
@@ -537,8 +456,6 @@ class CompiledModules:
         """Make every module plain again (a module compiled by someone else since is left alone). Idempotent."""
         for call in self._calls:
             call.uninstall()
-        for region in self._nested:
-            region.uninstall()
 
     def _fall_back(self, failed: _Compiled, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # The eager call decides whose error it is: if it fails too, that error (the model's) propagates unchanged.
@@ -593,10 +510,8 @@ def compile_regions(
     Args:
         model: the model.
         regions: what to compile: ``None`` the model's own ``forward``; ``"auto"`` its main repeated blocks
-            (:func:`~lightning_perf.functional.surgery.find_repeated_blocks`); ``"auto+rest"`` the model's ``forward``
-            with those blocks as nested regions (:func:`nested_regions`: each block class traced and compiled once,
-            the embedding and head compiled too); or a list of module classes, class
-            paths or class names, whose outermost instances are compiled (the model itself never is).
+            (:func:`~lightning_perf.functional.surgery.find_repeated_blocks`); or a list of module classes, class paths
+            or class names, whose outermost instances are compiled (the model itself never is).
         mode, fullgraph, dynamic, backend, options: passed to ``torch.compile`` (see :func:`compile_options`). Regions
             on a CPU with ``inductor`` and neither ``mode`` nor ``options`` get ``options={"cpp_wrapper": True}``
             (:func:`~lightning_perf.functional.compile_startup.startup_options`).
@@ -619,7 +534,7 @@ def compile_regions(
     regions = validate_regions(regions)
     selected = inside_wrappers(model, select_regions(model, regions))
     kwargs = startup_options(model, selected, kwargs)  # on a CPU: a quicker cold start (compile_startup)
-    return CompiledModules(selected, kwargs, strict=strict, nested=nested_regions(model, regions, selected, backend))
+    return CompiledModules(selected, kwargs, strict=strict)
 
 
 @contextlib.contextmanager

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_perf._deprecation import moved_names
 from lightning_perf._imports import require
 from lightning_perf.functional.inputs import as_input_tuple
 from lightning_perf.functional.qat_config import SUPPORTED_BASE_CONFIGS, base_config_spec, resolve_base_config
@@ -756,22 +755,3 @@ def freeze_batchnorm_stats(module: nn.Module, frozen: bool = True) -> int:
     for layer in layers:
         layer.train(module.training and not frozen)
     return len(layers)
-
-
-# ----------------------------------------------------------------------------------------- moved (deprecated)
-
-_MOVED = {
-    "calibrate": "lightning_perf.deploy.quantize.convert",
-    "convert": "lightning_perf.deploy.quantize.convert",
-    "float_copy": "lightning_perf.deploy.quantize.convert",
-    "QuantizationReport": "lightning_perf.deploy.quantize.save",
-    "compiled_latency": "lightning_perf.deploy.quantize.save",
-    "export_quantized": "lightning_perf.deploy.quantize.save",
-    "save_quantized": "lightning_perf.deploy.quantize.save",
-    "ValidationSummary": "lightning_perf.deploy.validate",
-    "compare_models": "lightning_perf.deploy.validate",
-    "LatencyRow": "lightning_perf.profiling.latency",
-}
-
-
-__getattr__ = moved_names(__name__, _MOVED)

@@ -18,7 +18,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -118,7 +118,8 @@ class PowerSGDDDPStrategy(DDPStrategy):
       over elements sent), ``powersgd/allreduce_bytes`` (bytes handed to all-reduce per rank) and
       ``powersgd/uncompressed_bytes`` (what plain DDP would have sent).
 
-    Also available as ``Trainer(strategy="ddp_powersgd")`` once any ``lightning_perf`` module has been imported.
+    Also ``Trainer(strategy="ddp_powersgd")`` once ``lightning_perf.strategies`` or ``lightning_perf.callbacks`` is
+    imported; a LightningCLI YAML names the class (``class_path: lightning_perf.strategies.PowerSGDDDPStrategy``).
     Sync BatchNorm is the Trainer's ``sync_batchnorm=True``, as with any DDP strategy.
 
     The state is gathered when a checkpoint is saved, so ``trainer.save_checkpoint`` must run on every rank (as for
@@ -337,3 +338,6 @@ class PowerSGDDDPStrategy(DDPStrategy):
 
 # The strategy's own argument names, for "did you mean" suggestions on a misspelled keyword.
 _OWN_ARGUMENTS = frozenset(inspect.signature(PowerSGDDDPStrategy.__init__).parameters) - {"self", "kwargs"}
+
+# `Trainer(strategy="ddp_powersgd")` once `lightning_perf.strategies` (or `.callbacks`, which imports it) is imported.
+PowerSGDDDPStrategy.register_strategies(StrategyRegistry)

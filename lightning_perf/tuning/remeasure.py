@@ -5,7 +5,7 @@ A trial the watcher finds disturbed is set aside and measured again while the bu
 :data:`MAX_MEASUREMENTS` runs; the budget stretches by the time the set-aside runs took, up to twice it
 (:class:`~lightning_perf.benchmark.settle.Settling`'s ``lose``/``can_stretch``). Two baseline runs further apart than
 :data:`~lightning_perf.tuning.conditions.BASELINE_SPREAD_MAX` get a third, and the two that agree are the reference.
-:class:`Remeasuring` is the part of :class:`~lightning_perf.tuning.AutoTuner` that does it.
+:class:`Remeasuring` is the part of :class:`~lightning_perf.tuning.tuner.AutoTuner` that does it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ MAX_MEASUREMENTS = 3
 
 
 class Remeasuring:
-    """The tuner's trials, measured again when disturbed (a mixin of :class:`~lightning_perf.tuning.AutoTuner`, which
-    provides ``_measure``, ``_usable``, ``_record`` and ``_say``)."""
+    """The tuner's trials, measured again when disturbed (a mixin of :class:`~lightning_perf.tuning.tuner.AutoTuner`,
+    which provides ``_measure``, ``_usable``, ``_record`` and ``_say``)."""
 
     _deadline: float
     _stretch: Settling | None

@@ -136,7 +136,7 @@ def _model_source(
         size = check_preset(preset, device.split(":")[0], "AutoTuner")
         return WorkloadSource(check_workload(workload, "AutoTuner"), size, seed), size
     if not isinstance(source, ModelSource):
-        raise ValueError(f"source={source!r} is not valid. Expected a lightning_perf.tuning.ModelSource.")
+        raise ValueError(f"source={source!r} is not valid. Expected a lightning_perf.benchmark.sources.ModelSource.")
     return source, preset
 
 

@@ -141,18 +141,3 @@ def test_the_results_file_records_the_device_its_reason_and_the_mfu_peaks(
     assert all(p["peak_flops_per_second"] == 1e11 and p["source"] == "given (test)" for p in machine["mfu_peaks"])
     assert {"gpu", "gpu_driver", "cuda", "torch"} <= set(machine)  # on a GPU machine: its name, driver, CUDA
     assert report.options["configs"] == [BASELINE, "channels_last", "backend_flags"]
-
-
-def test_names_that_left_the_runner_still_import_from_there_with_a_warning() -> None:
-    from lightning_perf.benchmark import report
-
-    with pytest.warns(
-        DeprecationWarning, match=r"runner.BenchOptions moved to lightning_perf.benchmark.spec.BenchSpec"
-    ):
-        assert runner.BenchOptions is BenchSpec
-    with pytest.warns(DeprecationWarning, match=r"moved to lightning_perf.benchmark.report.console_rows"):
-        assert runner.console_rows is report.console_rows
-    with pytest.warns(DeprecationWarning, match=r"moved to lightning_perf.benchmark.report.write_outputs"):
-        assert runner.write_outputs is report.write_outputs
-    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
-        runner.nothing_here  # noqa: B018

@@ -507,16 +507,6 @@ def test_inductor_cache_dir_is_used_while_fitting_and_restored(tmp_path: Path, m
     assert model.seen == str(tmp_path / "default")
 
 
-def test_auto_with_rest_compiles_the_forward_with_nested_blocks(tmp_path: Path) -> None:
-    from tests._compiling import Block
-
-    forward, model = Block.__dict__["forward"], TinyModule(depth=3)
-    callback = CompileCallback(backend="aot_eager", regions="auto+rest")
-    _trainer(tmp_path, callback, max_steps=2).fit(model)
-    assert callback.report["compiled"] == [""] and callback.report["recompiles"] == 0
-    assert Block.__dict__["forward"] is forward and compiled_modules(model) == []  # all undone at teardown
-
-
 # ------------------------------------------------------------------------------------------------ real compilers
 
 

@@ -20,15 +20,10 @@ from lightning_perf.demos import make_workload
 from lightning_perf.deploy.artifacts import committed_set, write_set
 from lightning_perf.deploy.backend import BackendUnavailable, validate_options
 from lightning_perf.deploy.export import ExportError, export_model
-from lightning_perf.deploy.inputs import (
-    DimRange,
-    as_input_tuple,
-    build_input_specs,
-    example_inputs_from_shapes,
-    split_inputs,
-)
+from lightning_perf.deploy.inputs import DimRange, build_input_specs, example_inputs_from_shapes
 from lightning_perf.deploy.onnx import OnnxBackend, OnnxRunner
 from lightning_perf.deploy.validate import DEFAULT_TOLERANCES, Tolerance, compare_outputs
+from lightning_perf.functional.inputs import as_input_tuple, split_inputs
 
 needs_onnx = pytest.mark.skipif(
     not (is_onnx_available() and is_onnxruntime_available()), reason="needs the `onnx` extra"

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,7 +22,6 @@ from lightning_perf.functional.compile import (
     compile_regions,
     fresh_compile_cache,
     is_compiler_error,
-    nested_regions,
     select_regions,
     top_level_blocks,
     validate_regions,
@@ -89,6 +86,7 @@ def test_compile_options_pass_everything_to_torch_compile() -> None:
         ([nn.Linear, 3], TypeError, r"item 3 is not an nn.Module class or class name"),
         ([dict], TypeError, r"item <class 'dict'> is not an nn.Module class"),
         ("all", ValueError, r"regions='all'\)` is not valid: 'all' is not a class name. Expected None .*'auto'"),
+        ("auto+rest", ValueError, r"regions='auto\+rest'\)` is not valid"),  # removed: no measured gain
         (["layers"], ValueError, r"item 'layers' is not an nn.Module class or class name"),
         (["torch.nn.NoSuchLayer"], ValueError, r"regions=\['torch.nn.NoSuchLayer'\]\).*Cannot import"),
         (["torch.nn.functional.relu"], ValueError, r"not a subclass of torch.nn.Module"),
@@ -329,84 +327,3 @@ def test_fresh_compile_cache_compiles_cold_in_a_new_folder(tmp_path: Path, monke
         assert os.path.isdir(folder) and folder != str(tmp_path / "warm")
     assert not os.path.exists(folder)  # a temporary folder of its own, removed afterwards
     compiled.remove()
-
-
-# -------------------------------------------------------------------------------------------- nested block regions
-
-
-class AotCounting:
-    """An ``aot_*`` backend (AOT autograd, eager kernels) that records the dynamo graphs it is given."""
-
-    def __init__(self) -> None:
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
-        from torch._dynamo.backends.debugging import aot_eager
-
-        self.graphs.append(gm)
-        return aot_eager(gm, example_inputs, **kwargs)
-
-
-@pytest.fixture
-def aot_counting() -> Iterator[AotCounting]:
-    """Registered under an ``aot_`` name: nested regions are used only with backends that run AOT autograd."""
-    from torch._dynamo.backends import registry
-
-    backend = AotCounting()
-    registry.register_backend(backend, name="aot_counting_test")
-    yield backend
-    registry._COMPILER_FNS.pop("aot_counting_test")
-    registry._BACKENDS.pop("aot_counting_test")
-
-
-def test_auto_with_rest_compiles_the_model_once_with_each_block_traced_once(aot_counting: AotCounting) -> None:
-    torch.manual_seed(0)
-    model, x = Tower(depth=3), torch.randn(3, 8, requires_grad=True)
-    expected = model(x)
-    expected.sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    forward, keys = Block.__dict__["forward"], list(model.state_dict())
-    monitor = CompileMonitor()
-    monitor.start()
-    compiled = compile_regions(model, "auto+rest", backend="aot_counting_test")
-    assert compiled.names == [""] and compiled.nested == ["layers.0", "layers.1", "layers.2"]
-    out = model(x)
-    out.sum().backward()
-    model(x)
-    stats = monitor.stop()
-    # One frame, one graph: the embedding and head inline, the three blocks three calls of one subgraph.
-    assert stats.compilations == 1 and stats.recompiles == 0 and len(aot_counting.graphs) == 1
-    graph = aot_counting.graphs[0]
-    calls = [node for node in graph.graph.nodes if node.target is torch.ops.higher_order.invoke_subgraph]
-    assert len(calls) == 3 and len({node.args[0].target for node in calls}) == 1
-    # Each copy with its own parameters (a region reached through an instance-level forward would reuse the first's).
-    torch.testing.assert_close(out, expected)
-    for param, grad in zip(model.parameters(), grads, strict=True):
-        torch.testing.assert_close(param.grad, grad)
-    assert list(model.state_dict()) == keys
-    compiled.remove()
-    assert Block.__dict__["forward"] is forward and not hasattr(forward, "__marked_compile_region_config__")
-    compiled.remove()  # idempotent
-
-
-def test_nested_regions_only_where_they_can_apply(aot_counting: AotCounting) -> None:
-    model = Tower(depth=3)
-    assert nested_regions(model, "auto", [("", model)]) == []  # blocks compiled on their own
-    assert nested_regions(model, "auto+rest", [("", model)], backend="eager") == []  # no AOT autograd: no backward
-    assert nested_regions(model, "auto+rest", [("layers.0", model.layers[0])]) == []  # FSDP2 moved it inside
-    assert [n for n, _ in nested_regions(model, "auto+rest", [("", model)], "aot_counting_test")] == [
-        "layers.0",
-        "layers.1",
-        "layers.2",
-    ]
-    model.layers[1].forward = model.layers[1].forward  # replaced on the instance: the class's mark would miss it
-    assert nested_regions(model, "auto+rest", [("", model)]) == []
-    # Two handles hold the class's mark: it goes when the last one lets go.
-    first = compile_regions(Tower(depth=2), "auto+rest", backend="aot_counting_test")
-    second = compile_regions(Tower(depth=2), "auto+rest", backend="aot_counting_test")
-    marked = Block.__dict__["forward"]
-    first.remove()
-    assert Block.__dict__["forward"] is marked
-    second.remove()
-    assert Block.__dict__["forward"] is not marked and not hasattr(Block.forward, "__marked_compile_region_fn__")

@@ -92,21 +92,6 @@ def test_default_start_iteration_is_a_tenth_of_the_run(steps: float, start: int)
     assert default_start_iter(steps) == start
 
 
-def test_registered_by_name_on_any_lightning_perf_import() -> None:
-    # A fresh interpreter: `import lightning_perf` registers the name without importing the strategy module.
-    probe = (
-        "import sys, lightning_perf\n"
-        "from lightning.pytorch.strategies import StrategyRegistry\n"
-        "assert 'ddp_powersgd' in StrategyRegistry\n"
-        "assert 'lightning_perf.strategies.powersgd' not in sys.modules\n"
-        "print(type(StrategyRegistry.get('ddp_powersgd')).__name__)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "PowerSGDDDPStrategy"
-    trainer = pl.Trainer(strategy="ddp_powersgd", accelerator="cpu", devices=1, logger=False)
-    assert isinstance(trainer.strategy, PowerSGDDDPStrategy)
-
-
 def test_register_strategies_leaves_ddp_names_alone() -> None:
     registry = _StrategyRegistry()
     PowerSGDDDPStrategy.register_strategies(registry)

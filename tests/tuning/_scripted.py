@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from lightning_perf.benchmark.worker import RunResult
-from lightning_perf.tuning import AutoTuner, Candidate
 from lightning_perf.tuning.conditions import TrialWatch
+from lightning_perf.tuning.tuner import AutoTuner, Candidate
 
 __all__ = ["quiet_machine", "script_trials", "scripted_result"]
 

@@ -13,18 +13,16 @@ import torch
 import yaml
 
 import lightning_perf.tuning.remeasure as remeasure
-from lightning_perf.benchmark.sources import apply_data_settings, batch_size_holder, rebuild_loader
-from lightning_perf.demos import make_workload
-from lightning_perf.tuning import (
-    AutoTuner,
-    Candidate,
+from lightning_perf.benchmark.sources import (
     ImportSource,
-    ModelError,
     ObjectSource,
-    TuningError,
-    compare,
-    loss_deviation,
+    apply_data_settings,
+    batch_size_holder,
+    rebuild_loader,
 )
+from lightning_perf.demos import make_workload
+from lightning_perf.tuning.tuner import AutoTuner, Candidate, ModelError, TuningError
+from lightning_perf.tuning.verdicts import compare, loss_deviation
 from tests.tuning._scripted import quiet_machine, script_trials, scripted_result
 from tests.tuning._user_models import PlainDataModule, SmallConvNet
 

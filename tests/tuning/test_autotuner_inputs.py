@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_perf.tuning import AutoTuner
+from lightning_perf.tuning.tuner import AutoTuner
 from tests.tuning._user_models import PlainDataModule, SmallConvNet
 
 BAD = [

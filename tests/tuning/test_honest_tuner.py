@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from lightning_perf.profiling.reliability import Probes
-from lightning_perf.tuning import AutoTuner, TuningResult
 from lightning_perf.tuning.capabilities import model_capabilities, skip_reason
 from lightning_perf.tuning.conditions import BASELINE_SPREAD_MAX, TrialWatch
-from lightning_perf.tuning.results import unused_output
+from lightning_perf.tuning.results import TuningResult, unused_output
+from lightning_perf.tuning.tuner import AutoTuner
 from tests.tuning._scripted import script_trials, scripted_result
 from tests.tuning._user_models import PlainDataModule, SmallAttentionNet, SmallConvNet, SmallMLP
 

@@ -21,9 +21,9 @@ from lightning_perf import optimizations
 from lightning_perf.benchmark.sources import ImportSource, WorkloadSource
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.optimizations import INFERENCE_STAGES, Optimization
-from lightning_perf.tuning import AutoTuner, Candidate, TuningError
 from lightning_perf.tuning.inference import NO_DATA_STAGE, precision_names, search_plan, trial_skip_reason
 from lightning_perf.tuning.recommend import bench_command
+from lightning_perf.tuning.tuner import AutoTuner, Candidate, TuningError
 from tests.tuning._scripted import quiet_machine, script_trials, scripted_result
 from tests.tuning._user_models import PredictDataModule, SmallConvNet
 

@@ -53,7 +53,7 @@ from lightning_perf._io import cache_file, read_cache_entries, write_cache_entri
 from lightning_perf._validation import check_bool
 from lightning_perf._warnings import MeasurementWarning
 from lightning_perf.deploy.backend import failure_reason
-from lightning_perf.deploy.inputs import Inputs, as_input_tuple
+from lightning_perf.deploy.inputs import Inputs
 from lightning_perf.deploy.onnx import _onnx_export, equal_thread_options
 from lightning_perf.deploy.quantize.dynamic_cache import (
     code_key,
@@ -63,7 +63,7 @@ from lightning_perf.deploy.quantize.dynamic_cache import (
     write_int8_onnx,
 )
 from lightning_perf.deploy.validate import ValidationSummary, compare_models, eval_mode
-from lightning_perf.functional.inputs import export_shapes
+from lightning_perf.functional.inputs import as_input_tuple, export_shapes
 from lightning_perf.functional.qat import QuantizationError, with_batch
 from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks

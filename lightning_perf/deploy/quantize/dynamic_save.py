@@ -21,7 +21,6 @@ from torch import nn
 
 from lightning_perf._validation import check_file_stem
 from lightning_perf.deploy.artifacts import StagedSet
-from lightning_perf.deploy.inputs import as_input_tuple
 from lightning_perf.deploy.quantize.dynamic import (
     DynamicQuantization,
     OnnxRuntimeModule,
@@ -31,6 +30,7 @@ from lightning_perf.deploy.quantize.dynamic import (
 )
 from lightning_perf.deploy.quantize.save import ArtifactRun, write_program
 from lightning_perf.deploy.validate import ValidationSummary
+from lightning_perf.functional.inputs import as_input_tuple
 from lightning_perf.functional.qat_device import cache_off
 from lightning_perf.profiling.latency import LatencyRow
 

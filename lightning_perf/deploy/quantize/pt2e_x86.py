@@ -24,7 +24,7 @@ __all__ = ["calibrate", "convert_x86"]
 def calibrate(prepared: nn.Module, batches: Iterable[Any], input_key: str | None = None) -> int:
     """Run ``batches`` through a PTQ-prepared model in eval mode so its observers see real data; returns the
     number of samples seen. The model inputs of each batch are found with
-    :func:`~lightning_perf.deploy.inputs.split_inputs`.
+    :func:`~lightning_perf.functional.inputs.split_inputs`.
     """
     device = module_device(prepared)
     prepared.eval()

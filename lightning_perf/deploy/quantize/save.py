@@ -27,10 +27,10 @@ from lightning_perf._validation import check_file_stem
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.deploy.artifacts import StagedSet
 from lightning_perf.deploy.backend import failure_reason
-from lightning_perf.deploy.inputs import as_input_tuple, split_inputs
 from lightning_perf.deploy.onnx import save_program_onnx
 from lightning_perf.deploy.quantize.convert import convert, float_copy
 from lightning_perf.deploy.validate import ValidationSummary, compare_models
+from lightning_perf.functional.inputs import as_input_tuple, split_inputs
 from lightning_perf.functional.qat import (
     QuantizationError,
     QuantizationRecipe,
