@@ -94,9 +94,13 @@ class _InferenceClock(Callback):
 
 
 def _as_trained(model: pl.LightningModule, batch: Any) -> Any:
-    """``forward`` on ``batch`` called as ``training_step`` calls it (the step stops there); the whole batch when the
-    step makes no call."""
-    call = call_of(model, lambda: model.training_step(batch, 0), "a predict batch", cpu=False)
+    """``forward`` on ``batch`` called as ``training_step`` calls it (the step stops there); the whole batch, as
+    Lightning's default ``predict_step`` passes it, when the step makes no call or cannot take a predict batch (one
+    without the targets it unpacks)."""
+    try:
+        call = call_of(model, lambda: model.training_step(batch, 0), "a predict batch", cpu=False)
+    except Exception:  # the user's step on a batch it was not written for: Lightning's default is the honest call
+        call = None
     return model(batch) if call is None else model(*call.args, **call.kwargs)
 
 
