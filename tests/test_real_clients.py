@@ -75,7 +75,7 @@ def test_onnx_export_has_one_named_input_per_batched_tensor_and_validates_at_sev
     assert all(i.shape[0] != 4 for i in session.get_inputs())  # the batch dimension of every input is dynamic
 
 
-@pytest.mark.parametrize("name", ["lightning-demo-transformer", "keyword-mask"])
+@pytest.mark.parametrize("name", list(CLIENTS))
 def test_bench_fits_and_predicts_the_model_as_training_calls_it(name: str) -> None:
     model_name, data_name, _ = CLIENTS[name]
     source = {"kind": "import", "model": f"tests._real_clients:{model_name}",
