@@ -48,9 +48,9 @@ class ScriptedProbe:
         return True
 
 
-def run(leak: int, steps: int) -> tuple[MemorySteps, list[int], list[str]]:
+def run(leak: int, steps: int, **kwargs: Any) -> tuple[MemorySteps, list[int], list[str]]:
     probe = ScriptedProbe(leak)
-    memory = MemorySteps(probe, every_n_steps=10, warmup_steps=20)  # type: ignore[arg-type]
+    memory = MemorySteps(probe, every_n_steps=10, warmup_steps=20, **kwargs)  # type: ignore[arg-type]
     checked, messages = [], []
     for step in range(steps):
         memory.begin_step(epoch=0)
@@ -84,6 +84,15 @@ def test_a_steady_leak_is_screened_confirmed_over_the_next_steps_and_reported_on
     assert report["leaks"]["screen"]["confirmations"] == [screen]
     assert report["snapshots"]["after_optimizer"]["time_s"]["median"] == 3e-6  # three readings after "after_data"
     assert "leak: memory in use grows at" in summary_lines(report)[1]
+
+
+def test_the_optional_threshold_can_only_silence() -> None:
+    memory, checked, messages = run(leak=4096, steps=150, leak_threshold=float(1 << 30))  # 1 GiB/step: none reaches it
+    leaks = memory.summary()["leaks"]
+    trend = leaks["trends"]["after_optimizer"]
+    assert checked == [SCREEN + 31] and messages == [] and leaks["leaking"] == []
+    assert trend.significant and not trend.leaking and trend.threshold == 1 << 30
+    assert leaks["screen"]["confirmations"][0]["confirmed"] is False  # refused by the bound, not by the data
 
 
 class FragmentingProbe(ScriptedProbe):
