@@ -119,6 +119,13 @@ __all__ = [
 ]
 
 
+def _wait_policy_started(runs: _Runs, order: Sequence[str]) -> Any:
+    """What the workers' OpenMP read at their start (``RunResult.wait_policy``), not what was meant: one value, or
+    the sorted values where runs differed."""
+    started = sorted({r.wait_policy for name in order for r in runs.results[name] if r.ok}, key=str)
+    return started[0] if len(started) == 1 else started
+
+
 def run_benchmark(
     spec: BenchSpec,
     progress: ProgressFn | None = None,
@@ -176,9 +183,7 @@ def run_benchmark(
     peaks: dict[tuple[str, bool], Any] = {}
     add_utilization(summaries, _peak_lookup(spec, machine, peak, peaks))
     machine = {**machine, "device": spec.device, "device_reason": spec.device_reason, "mfu_peaks": _peak_rows(peaks)}
-    # What the workers' OpenMP read at their start (RunResult.wait_policy), not what was meant.
-    started = sorted({r.wait_policy for name in order for r in runs.results[name] if r.ok}, key=str)
-    machine["threads"] = {**threads.to_dict(), "wait_policy": started[0] if len(started) == 1 else started}
+    machine["threads"] = {**threads.to_dict(), "wait_policy": _wait_policy_started(runs, order)}
     source, stack_notes = spec.source or {}, list[str]()
     if stack_phase:  # a stack the user measured (--configs a+b) that beat the winners' stack is recommended instead
         stack = prefer_measured_stack(stack, summaries, stack_notes)

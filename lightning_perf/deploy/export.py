@@ -233,12 +233,10 @@ def export_model(
         validation_batch_sizes: batch sizes to validate and time at; default the batch range's min, opt and max.
         tolerance: override of :data:`DEFAULT_TOLERANCES` for ``precision`` (a :class:`Tolerance` or a dict of fields).
         latency_iterations, latency_warmup: timed calls per batch size, eager and export interleaved at equal
-            threads; untimed calls before them. The call spends its time on the export itself, the validation at
-            each batch size, and this timing: ``2 x (latency_warmup + latency_iterations)`` calls per batch size,
-            which can take as long as the export; ``latency_iterations=0`` skips it.
+            threads, after untimed ones: ``2 x (latency_warmup + latency_iterations)`` calls per batch size, which
+            can take as long as the export; ``latency_iterations=0`` skips the timing.
         device: where the export runs and is timed; default CUDA when available, else CPU.
-        onnx_providers, opset: onnxruntime execution providers, in order of preference (default CUDA on a CUDA
-            device, then CPU); ONNX opset (default the exporter's).
+        onnx_providers, opset: onnxruntime providers by preference (default CUDA on a CUDA device, then CPU); opset.
         strict: raise :class:`ExportError` at the first backend that fails instead of falling back.
         metadata: extra facts stored in the report (e.g. the checkpoint the weights came from).
 
@@ -254,10 +252,7 @@ def export_model(
     # The options are validate_options' parameters, each forwarded under its own name.
     opts = validate_options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES})
     _check_target(model, filename)
-    names = None
-    if isinstance(example_inputs, CapturedCall):  # several or keyword inputs: exported positionally, by name
-        names = example_inputs.names(model) if len(example_inputs.tensors) > 1 else None  # one: `input`
-        model, example_inputs = example_inputs.adapter(model), example_inputs.tensors
+    model, example_inputs, names = _positional(model, example_inputs)
     example, specs = _input_specs(example_inputs, opts, names)
     source, batches = _real_batches(validation_data, input_key, example, specs, opts)
     exportable, ref_outputs = _reference(model, batches, opts)
@@ -270,10 +265,17 @@ def export_model(
         sets.discard()
     if opts.strict and not report.ok:
         last = report.attempts[-1]
-        raise ExportError(
-            f"Export backend {last.backend!r} {_STATUS_TEXT[last.status]}: {last.reason}. Report: {report.report_path}"
-        ) from failure
+        raise ExportError(f"Export backend {last.backend!r} {_STATUS_TEXT[last.status]}: {last.reason}. "
+                          f"Report: {report.report_path}") from failure  # fmt: skip
     return report
+
+
+def _positional(model: nn.Module, example_inputs: Any) -> tuple[nn.Module, Any, list[str] | None]:
+    """A captured call (several or keyword inputs) is exported positionally, one named input per batched tensor."""
+    if not isinstance(example_inputs, CapturedCall):
+        return model, example_inputs, None
+    names = example_inputs.names(model) if len(example_inputs.tensors) > 1 else None  # one: `input`
+    return example_inputs.adapter(model), example_inputs.tensors, names
 
 
 _OPTION_NAMES = frozenset(inspect.signature(validate_options).parameters) - {"owner"}

@@ -407,7 +407,7 @@ class LeakSeries:
     """Memory in use at named points of every step, in fixed storage, for :func:`detect_leaks`.
 
     Storage is allocated once (``capacity`` rows of int64), so recording does not itself grow the heap it measures.
-    One step in ``stride`` is recorded (:meth:`coarsen` makes it sparser). When the storage is full, every other row is
+    One step in ``stride`` is recorded. When the storage is full, every other row is
     dropped and from then on the stride doubles: a run of any length keeps an evenly spread series of at most
     ``capacity`` steps.
 
@@ -474,19 +474,6 @@ class LeakSeries:
         self._epochs[self._row] = epoch
         self.rows += 1
         return True
-
-    def coarsen(self, stride: int) -> None:
-        """From the next step on, record one step in ``stride``; of the rows kept so far, only those of such steps stay
-        (so the series stays evenly spread)."""
-        keep = np.nonzero(self._steps[: self.rows] % stride == 0)[0]
-        rows = keep.size
-        self._values[:rows], self._steps[:rows], self._epochs[:rows] = (
-            self._values[keep],
-            self._steps[keep],
-            self._epochs[keep],
-        )
-        self._values[rows:] = self._MISSING
-        self.rows, self.stride, self._row = rows, stride, -1
 
     def skip_step(self) -> None:
         """A step known not to be recorded (:meth:`will_record` said so) begins: no row for it."""

@@ -336,21 +336,6 @@ def test_leak_series_refuses_bad_arguments(kwargs: dict[str, object], match: str
         LeakSeries(**{"points": ["p"], **kwargs})  # type: ignore[arg-type]
 
 
-def test_a_series_made_sparser_keeps_only_the_rows_of_its_new_stride() -> None:
-    series = LeakSeries(["end"])
-    for step in range(10):
-        if series.start_step(step, epoch=0):
-            series.record("end", 1000 + step)
-    series.coarsen(4)
-    for step in range(10, 20):
-        if series.start_step(step, epoch=0):
-            series.record("end", 1000 + step)
-    steps, values = series.series()["end"]
-    assert steps == [0, 4, 8, 12, 16] and values == [1000, 1004, 1008, 1012, 1016] and series.stride == 4
-    with pytest.raises(ValueError, match="stride=0"):
-        LeakSeries(["end"], stride=0)
-
-
 def test_could_leak_is_necessary_for_a_verdict() -> None:
     """The screen the checks while training stop at: whenever it says no, the full verdict says no too."""
     from lightning_perf.profiling.leaks import could_leak, trend_of
