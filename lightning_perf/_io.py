@@ -1,14 +1,9 @@
 """Atomic file writes and safe checkpoint reads (DESIGN.md, Errors and safety).
 
-A reader never sees a half-written file under its final name; a set of files that must change together goes through
-:mod:`lightning_perf.deploy.artifacts`. :func:`load_checkpoint` reads a file with ``torch.load(weights_only=True)``
-and nothing else: a file never runs code, and a file that needs more globals fails with an error naming the global
-and ``torch.serialization.add_safe_globals``. A file that is not a checkpoint at all (text, random bytes, a truncated
-or corrupt archive) fails with :class:`NotACheckpointError` saying what is wrong with it, never with that advice.
-
-Everything is first written to a hidden temporary file in the destination's own directory (so the final
-``os.replace`` is a rename within one file system, which POSIX and Windows make atomic) and moved into place only
-once the writer has finished without an exception.
+A reader never sees a half-written file under its final name (:func:`atomic_path`, :func:`atomic_write_bytes`,
+:func:`atomic_write_text`); :func:`load_checkpoint` reads with ``torch.load(weights_only=True)`` only and raises
+:class:`NotACheckpointError` for a file that is not a checkpoint. Sets of files go through
+:mod:`lightning_perf.deploy.artifacts`. Design notes: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """The one list of optimizations: what each adds to a Trainer, where the tuner tries it, and which symptom it answers.
 
-Plain data (standard library only, class paths as strings), so that every layer can read it: the bench
-configurations (:mod:`lightning_perf.benchmark.configs`), the auto-tuner's search list (:mod:`lightning_perf.tuning`)
-and the advice of :mod:`lightning_perf.profiling.advice` are all derived from it. Adding an optimization is one
-:func:`register` call (one entry in ``_BUILTIN_OPTIMIZATIONS`` for the ones shipped here).
-
-Example::
-
-    from lightning_perf.optimizations import AdviceRule, Optimization, register
-
-    register(
-        Optimization(
-            "my_fusion",
-            "MyFusionCallback: fuses my layers",
-            callback="my_pkg.callbacks.MyFusionCallback",
-            tuner_stage="optimization",
-            tuner_order=35,
-            advice=(AdviceRule("compute_bound", "fuse my layers"),),
-        )
-    )
+Plain data (standard library only): the bench configurations, the tuner's search list and the advice derive from it.
+Entry points: :class:`Optimization`, :class:`AdviceRule`, :func:`register`. Design notes and an example:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

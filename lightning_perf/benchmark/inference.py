@@ -1,14 +1,7 @@
 """The inference benchmark of one run: ``trainer.predict`` / ``validate`` / ``test`` of the model as built, timed per
 batch (``lightning-perf bench --stage predict``).
 
-Each batch is timed from the stage's ``on_*_batch_start`` to its ``on_*_batch_end`` (the forward and the user's step,
-the device synchronized by :class:`~lightning_perf.profiling.PhaseTimer` only where it resolves its events). The first
-``warmup`` batches are reported apart: ``first_batch_s`` is the cold first batch (from the stage's start to the end of
-its first batch: data fetch, transfer, first forward, compilation when a configuration compiles), ``warmup_s`` the
-whole warm-up. The rest are the latency samples, whose percentiles and median-based throughput the run reports.
-
-A module without its own ``predict_step`` is called in ``predict`` as its ``training_step`` calls ``forward`` on the
-batch (several or keyword inputs included), not with the whole batch as Lightning's default does.
+Design notes (what is timed, warm-up, ``predict`` without ``predict_step``): docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """The one process-isolation runner: each measured run trains in a fresh process, for the bench and the tuner alike.
 
-A run is a :class:`~lightning_perf.benchmark.worker.RunSpec` plus, optionally, a
-:class:`~lightning_perf.benchmark.sources.ModelSource` that builds the user's model (the tuner's); without one the
-worker builds the reference workload the spec names (the bench's). Each run is a fresh process, so no compiled graph,
-allocator cache or backend flag leaks from one run into the next: on Linux it is forked from a fork server that has
-imported torch, Lightning and the worker once and never runs anything (:func:`_start_method`: a run then starts in a
-fraction of a second instead of the 4-6 s those imports take on a 2-core CPU, a third of a short run), elsewhere, or
-when the environment a process reads at its start differs from the server's, it is started with ``spawn``. It ends
-itself when its parent is gone; its output goes to a log file whose tail becomes the error when it dies without a
-result. CPU memory is measured with
-``MALLOC_MMAP_THRESHOLD_`` set when the process starts (see :mod:`lightning_perf.profiling.memory`), never in its
-``os.environ``: what it starts (DataLoader workers, inductor's compile workers, ``g++``) has the caller's setting, and
-what it forks allocates at full speed (:func:`~lightning_perf.profiling.memory.fork_at_full_speed`).
-``RunSpec.threads`` and ``RunSpec.wait_policy`` are in the child's environment before torch starts
-(:func:`~lightning_perf.benchmark.threads.thread_env`); the wait policy OpenMP read is recorded in its result.
+Entry point: :func:`run_isolated`. Design notes (fork server, ``spawn``, memory and thread settings of the child):
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""When a compiled configuration pays for its cold compile: its cold first step apart from its warm ones, and the
-number of training steps after which it is repaid.
+"""When a compiled configuration pays for its cold compile: its cold first step apart from its warm ones, and the number
+of training steps after which it is repaid.
 
-Within one bench a compiled configuration's processes share one compile cache
-(:func:`~lightning_perf.benchmark.isolation.run_isolated`): the first process of that configuration compiles cold,
-the later ones start from the cache. Its steady state is measured like any other configuration's. From the runs (in
-the order they ran) and the summary rows, :func:`compile_costs` gives, per configuration with a long warm-up (an
-entry's ``long_warmup``: the compile variants, fp8), the cold first step, the warm first step (median over the later
-processes) and the break-even
-
-    steps = (cold first step - baseline step) / (baseline step - compiled step)
-
-stated only where the speed-up's 95% interval lies above 1 (a compile not measured faster is never repaid). Pure: it
-reads figures, never a process or a clock.
+Entry point: :func:`compile_costs` (pure: reads figures). The break-even rule: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """Time N training steps of *your* LightningModule inside a pytest-benchmark test, with and without callbacks.
 
-Example::
-
-    from lightning_perf.benchmark import benchmark_training_steps
-    from lightning_perf.callbacks import ChannelsLastCallback
-
-    def test_channels_last_pays_off(benchmark):
-        benchmark.group = "my-model"
-        benchmark_training_steps(
-            benchmark, MyModule(), MyDataModule(), callbacks=[ChannelsLastCallback()], compare_with={"baseline": []}
-        )
-        assert benchmark.extra_info["verdict"] != "slower"
-
-The configurations named in ``compare_with`` are measured in the same test, round by round between the timed rounds
-of ``callbacks`` (interleaved, so a drift of the machine falls on all of them), and every configuration gets the same
-warm-up. ``benchmark.extra_info`` then holds the speed-up of ``callbacks`` over each, with its 95% interval and a
-verdict (``"faster"``, ``"slower"`` or ``"no clear difference"``): a difference inside the noise is marked as such.
-
-``pytest --benchmark-only --benchmark-group-by=group`` shows the timings side by side.
+Entry point: :func:`benchmark_training_steps`; ``benchmark.extra_info`` holds each speed-up with its 95% interval and
+verdict. An example and the measurement notes: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,79 +1,8 @@
 """The benchmark harness behind ``lightning-perf bench``: configurations side by side, measured, not guessed.
 
-Every (repeat, configuration) pair runs in a fresh worker process. Repeats are interleaved and the order rotates from
-one repeat to the next, so drift of the machine (thermal state, a neighbour's load) falls on every configuration alike.
-Ratios against ``baseline`` are paired within a repeat and carry a 95% interval and a verdict
-(:mod:`lightning_perf.profiling.intervals`); the machine's conditions are watched around every run
-(:mod:`lightning_perf.profiling.reliability`) and a disturbed run says so.
-
-Results file (JSON, ``kind: "lightning-perf-bench"``). Every time is in seconds under a key ending ``_s``, every step
-time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain numbers::
-
-    schema_version, kind, command, wall_s
-    options      the BenchSpec (workload, configs, preset, steps, warmup_steps, repeats, batch_size, precision,
-                 device, seed, predict_batches, num_workers, timeout_s, stage ("fit" | "predict" | "validate" |
-                 "test"), source (the user's model, null for a workload: {kind: "import", model, datamodule,
-                 model_args, datamodule_args} or {kind: "config", configs: [paths], model, datamodule, ...}; workload
-                 is then the model's class name), precision_from ("--config" when the file's precision is the run's),
-                 ignored_trainer_settings (the file's trainer keys the bench decides itself), structure (the model's
-                 facts that chose the default set, benchmark.structure.ModelStructure.to_dict(): model, convolutions,
-                 conv_flop_share, linear_flop_share, attention, fused_attention, repeated_blocks, block_class,
-                 unknown; null when --configs was given))
-    notes        [str]: a configuration's own precision over the run's, a callback that did not apply (its
-                 NoEffectWarning), a fit run that timed no inference
-    machine      profiling.machine.describe_machine(): cpu, cpu_count, torch_threads, cpu_flags {avx2, avx512f,
-                 avx512_vnni, avx512_bf16, amx_tile, amx_bf16, amx_int8}, cpu_bf16_instructions, gpu, gpu_count,
-                 gpu_driver, cuda, and the versions lightning_perf, torch, lightning; and the bench's own: device
-                 (the one measured), device_reason ("auto: CUDA is visible (NVIDIA H100 80GB HBM3)"), mfu_peaks
-                 [{precision, fast_fp32_matmul, peak_flops_per_second, source, causes}] (the peaks the MFU was taken
-                 against)
-    run          profiling.machine.run_metadata(): command, argv, cwd, git_commit, git_dirty, start_time, end_time
-    environment  profiling.environment_info() (added by write_json)
-    reliability  {reliable: bool, causes: [str], disturbed_runs: ["<config>, repeat <n>"], disturbed_configs: [...],
-                  cores_used, cpu_count, runs_watched, other_cores_mean, other_cores_max, other_cores_peak_max
-                  (busiest 5 s of a run), other_cores_start (sampled before the first run), other_cores_limit (a
-                  run's average above it is disturbed; its busiest 5 s may exceed it by 0.5), start_load (a sentence
-                  on the starting load, also in notes; null when none), steal_share_max, load_average_max,
-                  frequency_share_min, dispersion: {config: {repeat_spread, outlier_step_share}}}
-    left_out     [{config, reason}]: configurations the no-argument bench did not run for this model on this device,
-                 and what in the model or the device decided it
-    recommendation  {stack, configs, dropped, speedup, lines} (benchmark.answer.recommendation_record); where the
-                 recommended configuration compiles, also cold_first_step_s and break_even_steps (training steps after
-                 which the cold compile is repaid; null unless its speed-up's interval lies above 1)
-    summary      one row per configuration (ConfigSummary below):
-        config, runs, skipped, error, disturbed (bool), likely_cause (str | null, for a slower configuration)
-        step_median_s, step_min_s, step_max_s (smallest and largest per-repeat median), step_p10_s, step_p90_s
-        step_times_s: [[...] per repeat, in repeat order]   raw steady-state step times, to rebuild any interval
-        speedup: baseline step time / step time (> 1: faster), geometric mean of the paired per-repeat ratios;
-            speedup_ci95: [low, high] (low <= speedup <= high), speedup_verdict: "faster" | "slower" |
-            "no clear difference" | "one repeat: no interval" (every ratio of a one-repeat bench), speedup_method:
-            "t interval over paired repeats" | "bootstrap over paired steps"
-            | "one paired repeat: no interval", speedup_n (paired repeats), speedup_min / speedup_max (per-repeat)
-            (baseline's own row: speedup 1.0, the rest null)
-        throughput (samples/s at the median step), warmup_s, model_init_s, first_batch_s, first_forward_s,
-            first_step_s (the first step of the configuration's first process: cold, where its processes share one
-            compile cache; the warm ones and the break-even: benchmark.payback.compile_costs(summary, runs))
-        peak_memory_bytes, step_memory_bytes; memory_ratio: step memory / baseline's, with memory_ratio_ci95,
-            memory_ratio_verdict ("less memory" | "more memory" | "no clear difference"), _method, _n
-        predict_step_median_s, predict_step_times_s (per repeat), predict_throughput; predict_speedup: baseline
-            predict time / predict time, with predict_speedup_ci95, _verdict ("faster" | "slower" | ...), _method, _n
-        final_train_loss
-        flops_per_step (one training step of the untransformed workload, counted on repeat 0; null when unknown,
-            flops_error says why), step_median_ci95_s (bootstrap over repeats and steps),
-            achieved_flops_per_second and _ci95, peak_flops_per_second, peak_source ("table: H100 SXM bf16 dense",
-            "given: Lightning get_available_flops", "measured matmul 2048^3 fp32, 2 threads (cached)",
-            "unknown: ..."), peak_causes (what disturbed a measured peak), mfu (achieved / peak, a fraction) and
-            mfu_ci95 (see benchmark.utilization)
-        inference stages (--stage predict|validate|test; a "step" is then one batch's latency, and step_times_s,
-            speedup... describe it): latency_p50_s, latency_p95_s, latency_p99_s (median over repeats of each
-            repeat's percentile), and against baseline, each with _ci95, _verdict, _method, _n:
-            latency_p50_speedup, latency_p95_speedup, latency_p99_speedup, predict_throughput_ratio,
-            first_batch_speedup, warmup_speedup (baseline / configuration: > 1 is faster), peak_memory_ratio
-    runs         every worker's RunResult (also latency_p50_s/_p95_s/_p99_s, precision, trainer_settings):
-                 spec {config, repeat, ...}, ok, skipped, error, batch_size,
-                 step_median_s, step_times_s, predict_step_median_s, predict_step_times_s, throughput, warmup_s,
-                 model_init_s, first_batch_s, first_forward_s, peak_memory_bytes, step_memory_bytes, losses,
-                 data_wait_s, wall_s, flops_per_step, flops_by_operator, flops_error (repeat 0)
+Entry point: :func:`run_benchmark` (takes a :class:`~lightning_perf.benchmark.spec.BenchSpec`). Every run is a fresh
+worker process, repeats interleaved; ratios carry a 95% interval and a verdict. The results file's schema and the design
+notes: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The one validated description of a bench, from the command line (or a script) to every worker process.
 
-:class:`BenchSpec` is built once, by ``lightning-perf bench`` from its arguments or by a script, and checks everything
-once, here: the device (``auto`` resolves to CUDA when one is visible, and says why), the workload, the preset (the
-workload's ``gpu`` size by default on CUDA), the configuration names (with a "did you mean" for a misspelling) and the
-numbers. The runner (:func:`lightning_perf.benchmark.runner.run_benchmark`) takes it as it is, and hands each worker
-process a :class:`RunSpec`: the same settings plus the one configuration and repeat it runs.
-
-Both share :class:`RunSettings`, so a setting is declared once and copied by name (:meth:`BenchSpec.run_spec`). The
-auto-tuner builds :class:`RunSpec` itself and uses the same checks (:func:`check_workload`, :func:`check_preset`,
-:func:`resolve_device`).
+Entry points: :class:`BenchSpec` (checks everything once), :class:`RunSpec` (one worker's run), :class:`RunSettings`
+(what both share), and the checks :func:`check_workload`, :func:`check_preset`, :func:`resolve_device`. Design notes:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

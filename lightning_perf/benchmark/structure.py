@@ -1,16 +1,7 @@
 """What a model is made of, as far as the bench's default set cares: the facts :func:`default_configs` decides on.
 
-:func:`probe_structure` finds them with the detectors the optimizations themselves use: the convolutions that
-channels-last acts on (:func:`~lightning_perf.functional.channels_last.find_conv_layers`) and their share of one
-training step's FLOPs (:func:`training_step_flops`), the attention modules the
-attention swap knows and whether each already runs on ``scaled_dot_product_attention`` (its adapters' own
-``already_fused``), and the repeated blocks that regional compilation compiles once
-(:func:`~lightning_perf.functional.compile.select_regions` with ``"auto"``). :func:`structure_of_source` builds the
-bench's model once in the parent process for that (a model built from a source is the one the workers build), counts
-its FLOPs on the meta device (:func:`training_step_flops`, no arithmetic); where the step cannot run there, the
-layers alone decide. Nothing here imports the bench's worker or its configurations, so both can import this module.
-
-:class:`ModelStructure` travels as plain JSON (the results file's ``options.structure``).
+Entry points: :func:`probe_structure`, :func:`structure_of_source`, :func:`training_step_flops`,
+:class:`ModelStructure`. Design notes: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

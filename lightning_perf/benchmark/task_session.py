@@ -1,16 +1,7 @@
 """``lightning-perf bench --tasks tasks.csv`` and ``--ref REF``: many benches, one summary, git refs side by side.
 
-The command line parses its options into a :class:`TaskSpec` and calls :func:`run_tasks`; a script can do the same.
-Each task (a row of the task file, or the command line itself with ``--ref`` alone) runs once per ref as its own
-``python -m lightning_perf bench`` subprocess, so a crashing task cannot take the others down. A git ref is checked
-out in a temporary worktree that is first on the task's import path (:mod:`lightning_perf.benchmark.refs`); without a
-ref the working tree runs as it is. Every task writes its JSON and Markdown under the output directory, named after
-the task (``NAME.json``, or ``NAME@REF.json`` with refs), and the run ends with ``summary.json`` and ``summary.md``
-across tasks. With several refs the first is the reference and each other ref's results are compared with it as
-``lightning-perf compare`` does (:mod:`lightning_perf.benchmark.compare`).
-
-Exit status: 0 when every task ran and nothing regressed, 1 when a task failed or a ref is slower than the reference
-beyond the threshold and the noise; a ref that does not exist is a :class:`TaskSetupError` before any work (exit 2).
+Entry points: :class:`TaskSpec`, :func:`run_tasks`, :class:`TaskSetupError`. Exit status 0 when every task ran and
+nothing regressed, 1 otherwise, 2 for a ref that does not exist. Design notes: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Task files for ``lightning-perf bench --tasks``: one bench per CSV row, read and checked before anything runs.
 
-A task file is a CSV file with a header row. Required columns: ``name``, ``config``, ``configs``, ``steps``,
-``batch_size``; optional: ``workload``, ``model``, ``datamodule``, ``model_args``, ``datamodule_args``, ``stage``,
-``precision``, ``warmup_steps``, ``repeats``, ``ref``. An empty cell means the default (the command line's value, else
-the bench's). A task names its model in exactly one way: ``config`` (a LightningCLI YAML; several separated by ``;``
-are merged in order), or ``model`` with ``datamodule`` (``package.module:Class``, arguments as JSON objects in
-``model_args`` / ``datamodule_args``), or ``workload`` (a reference workload). ``configs`` lists configurations
-separated by ``;``; ``+`` stacks them (``baseline;channels_last+compile``). ``ref`` holds git refs separated by ``;``
-(``.`` is the working tree). Lines whose first cell starts with ``#`` are comments.
-
-Every row is checked when the file is read: a malformed file raises :class:`TaskFileError`, whose one-line message
-names the file, the line and the column. This module imports no torch and no Lightning.
+A malformed file raises :class:`TaskFileError` naming the file, the line and the column; no torch, no Lightning. The
+file format (columns, separators, comments): docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """Utilization in the bench's summary: FLOPs per step, achieved FLOP/s and model-FLOPs utilization (MFU).
 
-The worker counts one training step's FLOPs on repeat 0 (:func:`lightning_perf.benchmark.structure.
-training_step_flops`, on the untransformed workload, so every configuration counts the same FLOPs per step).
-Here, per summary row: the machine's peak in the dtype the configuration's matmuls run in (:func:`machine_peak`),
-and :func:`lightning_perf.profiling.flops.utilization` of the row's median step time, with intervals from
-:func:`step_median_ci95`. A row adds (see the runner's module docstring): ``flops_per_step``, ``flops_error``,
-``step_median_ci95_s``, ``achieved_flops_per_second`` and ``_ci95``, ``peak_flops_per_second``, ``peak_source``,
-``peak_causes``, ``mfu`` (a fraction) and ``mfu_ci95``.
-
-Where the peak comes from: on CUDA the dense datasheet table of :mod:`lightning_perf.profiling.flops`, else Lightning's
-``get_available_flops`` (not first: Lightning 2.6 gives sparse figures for the H200 and H100 NVL and the fp32 rate for
-the RTX 4090's bf16); on a CPU a large matmul in the run's dtype and thread count, measured once per machine, sized to
-a time budget, and cached (``$LIGHTNING_PERF_CACHE``). A peak measured while the machine was disturbed is too low, so
-the MFU against it is too high: such a row's MFU is marked ``?`` on the console and ``*`` in the Markdown.
+Entry points: :func:`add_utilization`, :func:`machine_peak`, :func:`step_median_ci95`. The keys a summary row gains and
+where the peak comes from: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """One benchmark run: train (or run inference on) a model under one configuration and measure it, in its own process.
 
-The model is a reference workload (``RunSpec.workload``), or the user's own, rebuilt in this process from
-``RunSpec.source`` (:func:`lightning_perf.benchmark.sources.source_from_dict`: classes by import path, or LightningCLI
-files whose ``trainer:`` settings then apply under every configuration). ``RunSpec.stage`` other than ``fit`` measures
-that inference stage per batch instead (:mod:`lightning_perf.benchmark.inference`).
-
-:func:`lightning_perf.benchmark.isolation.run_isolated` runs :func:`run` in a fresh process once per configuration
-and repeat (for the bench and the tuner alike), so no compiled graph, allocator cache or global flag leaks from one
-configuration into the next. CPU memory is measured as peak resident memory over :data:`MEMORY_STEPS` steps after
-the warm-up, with ``MALLOC_MMAP_THRESHOLD_`` set by the runner (see :mod:`lightning_perf.profiling.memory` for why
-plain RSS would overstate it); that setting slows every large allocation, so it is switched off before the timed steps,
-which allocate as a user's training does.
-
-With ``RunSpec.count_flops`` (the bench sets it on repeat 0) the worker also counts the FLOPs of one training step
-(:func:`~lightning_perf.benchmark.structure.training_step_flops`) after everything is measured, on a fresh,
-untransformed copy of the workload, so every configuration of one workload counts the same FLOPs per step and nothing
-timed or measured pays for it.
+Entry point: :func:`run`, called by :func:`lightning_perf.benchmark.isolation.run_isolated`. Design notes (the model's
+source, memory measurement, FLOP counting): docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """``lightning-perf autotune``: the auto-tuner from the command line.
 
-Either a reference workload (``--workload convnet``) or the user's own classes by import path::
-
-    lightning-perf autotune --model my_project.models:Segmenter --datamodule my_project.data:Scans \\
-        --model-args '{"depth": 4}' --time-budget 300 --output tuned.yaml
-
-``--stage predict`` (or ``validate``, ``test``) tunes for inference: per-batch latency and throughput, the inference
-precisions (``bf16-true``, ``16-true``) and the optimizations that apply to that stage.
-
-writes ``tuned.yaml`` (a LightningCLI config: ``python train.py fit --config tuned.yaml``) and ``tuned.json``, and
-names both at the end. Existing files are never overwritten unless ``--force``: the run gets a number instead.
-The parser imports nothing heavy; the user's classes are imported after parsing, and a class that does not import
-still ends as one line on stderr with exit status 2.
+Tunes a reference workload (``--workload``) or the user's classes (``--model``, ``--datamodule``); writes a LightningCLI
+YAML and a JSON file, never overwriting without ``--force``. The parser imports nothing heavy. Usage notes:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

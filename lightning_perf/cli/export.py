@@ -1,14 +1,8 @@
 """``lightning-perf export CHECKPOINT --module-class pkg.mod:Class``: deployment export of any Lightning checkpoint.
 
-Loads the checkpoint (``torch.load(weights_only=True)`` only) into the LightningModule class named, takes held-out
-batches from the validation data of the LightningDataModule class named (``--datamodule-class``, built from the
-checkpoint's saved datamodule hyperparameters), and runs :func:`lightning_perf.deploy.export.export_model`: TensorRT,
-else ONNX, validated against the model at several batch sizes and timed against eager PyTorch. Prints what each
-backend did and commits the artifact and a JSON report as one artifact set next to the checkpoint (or in
-``--dirpath``). Exit status: 0 when an artifact passed validation, 1 when none did, 2 for bad arguments.
-
-The parser imports nothing heavy (stdlib and :mod:`lightning_perf.cli._common`); torch, Lightning and the deploy
-layer are imported in :func:`run`, after every argument check that needs none of them.
+Runs :func:`lightning_perf.deploy.export.export_model` and commits the artifact with its report as one artifact set.
+Exit status: 0 when an artifact passed validation, 1 when none did, 2 for bad arguments. The parser imports nothing
+heavy. Design notes: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Reference workloads on synthetic data (no downloads) that the CLI, the benchmarks, the examples and the tests run.
 
-Each workload is a ``LightningModule`` plus a ``LightningDataModule`` in three sizes: ``tiny`` (a few milliseconds per
-step, for tests), ``default`` (tens to hundreds of milliseconds per step on a CPU, for benchmarks) and ``gpu`` (the
-models people train on one data-center GPU: a ResNet-50-scale convnet at 224x224, a 3D U-Net at 128^3, ViT-B/16 and a
-GPT-2-small-scale LM at 512 tokens; what ``lightning-perf bench`` picks on CUDA).
-
-Example::
-
-    import lightning.pytorch as pl
-    from lightning_perf.demos import make_workload
-
-    model, data = make_workload("convnet", "tiny", seed=0)
-    pl.Trainer(max_steps=10, accelerator="cpu", logger=False).fit(model, datamodule=data)
+Entry point: :func:`make_workload` (a ``LightningModule`` and a ``LightningDataModule``, in the sizes ``tiny``,
+``default`` and ``gpu``). The sizes and an example: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations
