@@ -1,30 +1,9 @@
 """Turn a measured step-time breakdown into recommendations, each with the evidence behind it.
 
-Plain data in, plain data out, no Lightning: :class:`StepBreakdown` holds what was measured (phase shares of the step,
-the DataLoader's settings, the device, the precision, host-device synchronizations...) and :func:`recommend` applies
-the rules below, most important first. Every :class:`Recommendation` names the figures that triggered it, so a user
-can judge it, and the callbacks of this library that would help.
-
-Rules (thresholds are shares of steady-state step time, adjustable through ``StepBreakdown.thresholds``):
-
-- ``data`` share above its threshold (default 20%): the step waits for the next batch. Advice depends on the
-  DataLoader: ``num_workers=0`` -> use workers (a suggested count from the CPUs per process); some workers -> more of
-  them, or a deeper ``prefetch_factor``; every CPU already busy -> cheaper per-sample work.
-- ``num_workers`` times processes per node above the CPUs usable: workers fight over cores.
-- ``pin_memory=False`` on CUDA: host-to-device copies cannot overlap compute.
-- ``persistent_workers=False`` with workers, when restarting them at each epoch costs over 5% of an epoch.
-- ``transfer`` share above its threshold (10%): pin memory, send smaller dtypes (uint8 images, int32 tokens).
-- ``optimizer`` share above its threshold (20%): ``FusedOptimizerCallback`` unless the optimizers are fused already.
-- ``other`` share above its threshold (30%): time in callbacks, logging and Lightning's own bookkeeping.
-- host-device synchronizations inside the training step, with their source lines.
-- On CUDA, compute (forward, backward, optimizer) below half of the step: the GPU idles; a larger batch and
-  ``CompileCallback`` cut the per-step overhead.
-- Compute at least half of the step: make compute cheaper: mixed precision, ``ChannelsLastCallback`` (convolutions),
-  ``CompileCallback``, ``BackendFlagsCallback`` (TF32 on Ampere or newer), ``GradCheckpointCallback`` to fit a larger
-  batch. Callbacks already in use are not suggested again.
-
-Which optimizations each of the last three rules offers, and when, comes from the one list of optimizations
-(:mod:`lightning_perf.optimizations`, each entry's ``advice``): registering an entry there adds it here.
+Entry points: :class:`StepBreakdown` (what was measured), :func:`recommend` (the rules, most important first) and
+:class:`Recommendation` (the figures that triggered it and the callbacks that would help). Plain data, no Lightning; the
+optimizations offered come from :mod:`lightning_perf.optimizations`. The rules and their thresholds:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

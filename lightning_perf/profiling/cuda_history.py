@@ -1,16 +1,8 @@
 """CUDA memory history and out-of-memory snapshots, viewable in PyTorch's memory visualizer (pytorch.org/memory_viz).
 
-Thin, safe wrappers over PyTorch's private allocator API, no Lightning:
-
-- :func:`start_history` / :func:`stop_history`: record every allocation and free with its stack trace
-  (``torch.cuda.memory._record_memory_history``); :func:`dump_snapshot` writes the allocator state and that history
-  as a pickle the visualizer reads.
-- :func:`on_out_of_memory`: call a function when the allocator is about to raise ``torch.OutOfMemoryError``
-  (``torch._C._cuda_attach_out_of_memory_observer``). Torch observers cannot be detached, so one dispatcher is
-  attached per process, once, and the returned handle removes only this listener. CUDA is initialized first: an
-  observer attached to an uninitialized allocator crashes the process (pytorch/pytorch#102796, #107330). The
-  exception itself still propagates to the caller; a listener that fails is reported, never raised from inside the
-  allocator.
+Thin, safe wrappers over PyTorch's private allocator API, no Lightning: :func:`start_history`, :func:`stop_history`,
+:func:`dump_snapshot` and :func:`on_out_of_memory`. Why one dispatcher per process and CUDA initialized first:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """FLOPs per step, the machine's peak FLOP/s, and model-FLOPs utilization (MFU): how far a run is from the limit.
 
-Three small pieces, each usable alone:
-
-- :func:`count_flops` runs one step (forward and backward, or a forward only) under
-  :class:`torch.utils.flop_counter.FlopCounterMode` and returns a :class:`FlopCount`. torch 2.13 counts matmuls,
-  convolutions and the CUDA attention kernels (flash, efficient, cuDNN) but gives **0** for the CPU attention
-  kernel that ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` use on CPU
-  (``aten._scaled_dot_product_flash_attention_for_cpu``); :func:`flop_mapping` registers it and its backward.
-- :func:`peak_flops` says what the machine can do in the run's dtype, and how that was found out: a figure the
-  caller gives (e.g. Lightning's ``get_available_flops``), a small table of dense datasheet figures for common GPUs,
-  or on a CPU a large matmul measured once per machine and cached as JSON.
-- :func:`utilization` turns FLOPs per step, a step time and the peak into the figures a results file carries.
-
-Counting convention (model FLOPs, as MFU is defined in the PaLM paper): a multiply-add is 2 FLOPs; backward counts
-what autograd's own formulas need, without recomputation, so attention's backward is 2x its forward on CPU, equal
-to what the math path counts when the same attention runs as ``bmm`` calls. Causal masks are not subtracted (torch
-does not either). torch's formulas for the CUDA flash/efficient kernels count their backward's recomputation of the
-scores (2.5x the forward), so the same model counts a little more on those kernels.
+Entry points, each usable alone: :func:`count_flops` (:class:`FlopCount`), :func:`peak_flops` (:class:`PeakFlops`) and
+:func:`utilization`. What torch counts, the counting convention and where a peak comes from: docs/architecture.md,
+Module notes.
 """
 
 from __future__ import annotations

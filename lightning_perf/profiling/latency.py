@@ -1,16 +1,7 @@
 """The one latency timer: a baseline and a candidate callable, timed paired and interleaved, one row per batch size.
 
-Both callables run in blocks ordered baseline, candidate, candidate, baseline (ABBA): a linear drift of the machine
-(thermal, another process starting) falls on both alike, and blocks rather than alternating calls keep a runtime's
-spinning worker threads (onnxruntime's, by default) from slowing the other runtime's next call. Each block starts with
-``warmup`` untimed calls. Each call is timed on the host up to a device synchronize: end-to-end latency as a caller
-sees it, the only fair clock when the two run on different runtimes. Statistics come from
-:func:`lightning_perf.profiling.stats.summarize`.
-
-The blocks pair up as ``(A1, B1)`` and ``(B2, A2)``: each pair is one paired repeat of
-:func:`lightning_perf.profiling.intervals.paired_ratio`, which gives the speed-up (baseline time over candidate time)
-with its 95% interval, the method that built it, and a verdict: ``"faster"`` (the candidate is faster: the whole
-interval lies above 1), ``"slower"`` or ``"no clear difference"``.
+Entry points: :func:`measure_latency` (one :class:`LatencyRow` per batch size), :func:`paired_blocks`. Why ABBA blocks
+and how they pair into a speed-up with its 95% interval and verdict: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,39 +1,9 @@
 """Memory-leak detection: a significant, steady growth of memory sampled at the same point of many training steps.
 
-Memory read at one point of a step (say, right after the optimizer step) is flat across steps in a healthy run once
-warm-up is over (allocator growth, lazily built optimizer state, cudnn workspaces). A leak, typically a list that
-keeps losses or outputs together with their autograd graph, makes it climb by about the same amount every step.
-
-How a point is judged (:func:`detect_leaks`), with no absolute bound in bytes, so that the verdict does not depend on
-the machine, the allocator or the model's size:
-
-1. **Rate**: the Theil-Sen estimator, the median of the slopes between every pair of samples. Unlike a least-squares
-   fit it ignores up to about 29% of wild samples (a garbage-collection pause, a one-off buffer), so a clean run
-   does not look like a leak because of a few spikes, and a leak is not hidden by them.
-2. **Significance**: Sen's distribution-free 95% interval for that slope (Sen 1968; the order statistics of the
-   pairwise slopes picked with the normal approximation of Kendall's S, with the correction for tied values).
-   Growth is significant when the interval's lower bound is above zero.
-3. **Steadiness**: the samples are split into :data:`SEGMENTS` consecutive parts of equal count, and in each of them
-   memory must go up from one reading to the next significantly more often than it goes down (a sign test on the
-   consecutive differences, :func:`rises_steadily`). A cache that fills up and then stops, a one-time jump (the first
-   validation run, a new data-loader iterator) or warm-up growth that spills past the warm-up all leave at least one
-   part flat, and are not a leak; a one-time drop (the collector freeing an earlier run's garbage) changes one
-   difference only, so it does not hide a leak either.
-4. **Practical size**: the growth over :data:`NOISE_FLOOR_STEPS` (4) steps must reach the noise floor of the
-   readings, their robust scatter (1.4826 x the median absolute deviation) around the fitted line, measured over
-   short blocks (:func:`noise_floor`). The allocator's own churn (free lists, caches, garbage waiting for the
-   collector) moves memory in occasional jumps whose long-run drift can be statistically significant over a few
-   hundred steps, yet is small per step next to the readings' scatter; a leak adds its bytes at every step.
-   Measured on a clean CPU training run (tiny conv net, glibc heap, dense readings), the churn grew 0.1-0.2 noise
-   floors per step while 1 KiB kept per step added 1.4-1.6. Read sparsely (one step in 128, as the CPU series was
-   until 2026-12), the floor is wider (the readings span more of the heap's jumps): 1 KiB a step then added 0.5-1.75
-   floors per step in five fresh 4,000-step fits, a clean MLP 0.001-0.004. Four steps keep a margin of at least two
-   on the leak's side and over 1.25 on the dense churn's (the CPU verdict now judges a confirmation's consecutive
-   steps: dense readings).
-   Comparing with the scatter of the readings themselves, not with a number of bytes, keeps the rule the same
-   on a calm GPU allocator (scatter near zero) and on a busy CPU heap, for a small model and a large one.
-
-No Lightning; plain NumPy (no SciPy).
+Entry points: :func:`detect_leaks` (the verdict per point: rate, significance, steadiness, practical size, with no
+absolute bound in bytes), :class:`LeakSeries`, :class:`ResidentSeries`, and the statistics :func:`theil_sen_slope`,
+:func:`sen_slope_interval`, :func:`rises_steadily`, :func:`noise_floor`. No Lightning; plain NumPy. The rules, why each
+holds and the measurements behind them: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
 """Memory in use and peak memory, per device, cheap enough to sample every step.
 
-CUDA figures come from PyTorch's caching allocator and are exact: ``allocated`` is
-``torch.cuda.memory_allocated`` (bytes in live tensors), ``reserved`` is ``torch.cuda.memory_reserved`` (held by
-the caching allocator), ``peak`` is ``torch.cuda.max_memory_allocated`` since the last reset.
-
-PyTorch keeps no allocator statistics for CPU tensors, so on CPU the probe reads the process (Linux, glibc):
-
-- ``allocated``: bytes in use in the C heap, glibc ``mallinfo2()`` ``uordblks + hblkhd`` (small chunks plus
-  mmapped large ones; CPU tensors come from ``malloc``). **Exact at the instant sampled**, but it misses peaks
-  that come and go between two samples. It counts glibc's allocator only: under an ``LD_PRELOAD``-ed jemalloc or
-  tcmalloc it is meaningless. Without ``mallinfo2`` (non-glibc, glibc < 2.33) it falls back to RSS, with a
-  :class:`~lightning_perf.MeasurementWarning`.
-- ``reserved``: resident set size (``VmRSS``). Overstates memory in use after frees, because glibc keeps freed
-  memory for reuse: an activation-memory comparison based on RSS can be off by 2x (FINDINGS.md).
-- ``peak``: peak resident set size (``VmHWM``), reset by writing ``5`` to ``/proc/self/clear_refs``. It sees every
-  peak, however short, but it is RSS, so it only equals the true peak of memory in use when freed memory really
-  goes back to the OS: start the measured process with :data:`TRUTHFUL_CPU_MEMORY_ENV`
-  (``MALLOC_MMAP_THRESHOLD_=65536``, so every block of 64 KiB or more is its own mmap, unmapped on free). That makes
-  every large allocation slow (the default ``lm`` step took 300 ms instead of 156 ms on a 2-core CPU): measure memory
-  first, then switch it off with :func:`truthful_cpu_peak` before timing anything.
-  It also includes the interpreter and libraries, so report ``peak`` minus the ``reserved`` of a sample taken
-  right after :meth:`MemoryProbe.reset_peak`, not minus ``allocated``: :meth:`MemorySample.peak_above` does that.
-
-``VmRSS`` and ``VmHWM`` come from one ``pread`` of ``/proc/self/status`` on a descriptor kept open (a few
-microseconds; re-opened after a fork); psutil is the fallback off Linux, where the peak is the process lifetime's.
+Entry points: :class:`MemoryProbe` and :class:`MemorySample`; for a measured CPU process
+:data:`TRUTHFUL_CPU_MEMORY_ENV`, :func:`truthful_cpu_peak` and :func:`fork_at_full_speed`. What each figure means on
+CUDA and on a CPU (glibc), and why a CPU peak needs ``MALLOC_MMAP_THRESHOLD_``: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
 """Memory at named points of training steps, the leak verdict and the report: no Lightning needed.
 
-A loop (Lightning's hooks in :class:`~lightning_perf.callbacks.MemoryProfilerCallback`, or a hand-written one) tells
-:class:`MemorySteps` where each step is; it takes a full :class:`~lightning_perf.profiling.MemorySample` at each point
-of one step in ``every_n_steps`` and watches every step for leaks (:class:`MemorySteps` says how: on CUDA the
-allocator's counter at each point, on CPU the resident set screened, then memory in use read to confirm). A step that
-reads nothing but the cheap signal says so beforehand (:meth:`MemorySteps.plan_step`, :attr:`MemorySteps.reading`), so
-a loop can skip its other calls; :meth:`MemorySteps.quiet_ahead` says how many steps to come are such steps, so a loop
-can run them with one call each (:meth:`MemorySteps.read_cheap`) and count them afterwards (:meth:`MemorySteps.skip`)::
-
-    steps = MemorySteps(MemoryProbe("cpu"), every_n_steps=5, warmup_steps=10)
-    for epoch in range(epochs):
-        for batch in loader:
-            steps.plan_step()                      # steps.reading: whether this step reads anything
-            steps.begin_step(epoch)                # "after_data"; the peak is reset on a sampled step
-            loss = model(batch).sum()
-            steps.sample("after_forward")
-            loss.backward()
-            steps.sample("after_backward", overwrite=True)
-            optimizer.step(); optimizer.zero_grad()
-            steps.end_step(epoch, time.perf_counter_ns())  # "after_optimizer"; steps.cost counts the loop's calls
-            if steps.leak_check_due() and (leaking := steps.check_leaks(every_point=False)):
-                print(leak_message("my loop", leaking))
-    steps.check_leaks()
-    print(summary_lines(steps.summary()))
+Entry points: :class:`MemorySteps` (driven by :class:`~lightning_perf.callbacks.MemoryProfilerCallback` or a
+hand-written loop), :func:`leak_message`, :func:`summary_lines`, :func:`report_text`. A hand-written loop's example:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """Whether a measurement can be trusted: what else ran on the machine while it went, and how much it scattered.
 
-A :class:`ConditionMonitor` is read at the start and the end of every measured run (a run being one worker process:
-the averages are differences of cumulative counters). While the run goes, a daemon thread of this (idle, waiting)
-process reads the counters about once a second (:class:`LoadSampler`), so a burst that overlaps only part of a run,
-and leaves its average below the threshold, still shows in the busiest :data:`PEAK_WINDOW_S` seconds. Per run it
-records:
-
-- the CPU time other processes took: the system's busy CPU time minus this process's and its workers', as an average
-  number of busy cores, and the same over the busiest :data:`PEAK_WINDOW_S` seconds of the run;
-- steal time (CPU time the hypervisor gave to other guests), where the platform reports it;
-- the 1-minute load average and the CPU frequency against its maximum, where the platform reports them.
-
-:func:`assess` turns those runs and the step samples into a :class:`Reliability`: a verdict, the causes in words, the
-figures behind them, and which runs and configurations were disturbed. The thresholds are named constants below, each
-with its reason. The probes are plain callables (:class:`Probes`), so the verdict is tested with them replaced.
-
-Other processes' load is judged against the bench's starting conditions (:func:`other_cores_limit`): before the
-first run, :meth:`ConditionMonitor.other_cores_now` samples what other processes keep busy for about a second (the
-thread choice of :mod:`lightning_perf.benchmark.threads` leaves cores for it). A steady load that was there from the
-start, and that the thread choice left cores for, is not a disturbance; a rise above it is. Where the threads were
-set by hand, the starting load shares the bench's cores and runs are judged against it (the results say so); where it
-was larger than the cores the automatic choice could leave free (it keeps one thread at least), only the free cores
-are excused.
+Entry points: :class:`ConditionMonitor` (read around every measured run, with a :class:`LoadSampler` thread),
+:func:`assess` (the :class:`Reliability` verdict with its causes), :func:`other_cores_limit`, and :class:`Probes`
+(replaceable in tests). What is recorded and how a starting load is judged: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """Is a change real? Tests on two independent samples of one measurement (an old run and a new run).
 
-The paired statistics of one run (baseline and configuration measured side by side) live with the bench; this module
-answers the other question, asked by ``lightning-perf compare``: two result files measured at different times, one
-sample from each, nothing paired. Three pieces, all NumPy and the standard library (no SciPy):
-
-- :func:`mann_whitney_u`: the Mann-Whitney U (Wilcoxon rank-sum) test, two-sided, as airspeed velocity uses it for
-  regressions. It asks whether a value drawn from one sample tends to be larger than one drawn from the other, with
-  no assumption about the shape of the distributions (step times are skewed, with a long tail of disturbed steps).
-  The p-value comes from the **normal approximation** with the **tie correction** and a continuity correction of 1/2.
-  It is close to the exact distribution (within a few thousandths of the p-value) once each sample has **8 or more**
-  values; for smaller samples it is only indicative, and :func:`compare_samples` then leans on the interval. With
-  three values a side, the exact test cannot go below p = 0.1 anyway.
-- :func:`ratio_of_medians_ci`: a 95% interval for ``median(new) / median(old)`` by the percentile bootstrap: each
-  sample is resampled with replacement, independently (the samples are not paired), ``resamples`` times with a seeded
-  :class:`numpy.random.Generator`, so the same inputs always give the same interval. A sample given as groups (the
-  steps of each repeat, each repeat a fresh process) is resampled in two stages, repeats first and then steps within
-  each drawn repeat, so the interval carries the variation between processes and not only between steps.
-- :func:`compare_samples`: the verdict that combines both, under a threshold (e.g. 5%): a change is called only when
-  it is beyond the threshold **and** beyond the noise. For a figure where lower is better (a step time), "slower"
-  needs ``ratio > 1 + threshold`` and either ``p < 0.01`` with an interval that excludes 1, or the whole interval
-  above ``1 + threshold``; "faster" is the mirror image on the ratio's log scale (``ratio < 1 / (1 + threshold)``).
-  Anything else is "no clear difference". For a figure where higher is better (a throughput) the ratio is read the
-  other way round.
+Entry points (NumPy and the standard library, no SciPy): :func:`mann_whitney_u`, :func:`ratio_of_medians_ci` and
+:func:`compare_samples`, the verdict ``lightning-perf compare`` uses. The methods, their limits at small samples and the
+verdict's rule: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

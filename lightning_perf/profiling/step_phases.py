@@ -1,24 +1,8 @@
 """The phases of training steps from the boundaries a loop reports, and their summary: no Lightning needed.
 
-A loop (Lightning's hooks in :class:`~lightning_perf.callbacks.BottleneckCallback`, or a hand-written one) tells
-:class:`StepPhases` where each phase begins; it keeps the phases on a :class:`~lightning_perf.profiling.timer.
-PhaseLedger` (CPU: one clock read per boundary, per-step totals in typed arrays) or a :class:`~lightning_perf.
-profiling.PhaseTimer` (CUDA events, read back late), the wait for data between steps (``data``), and which steps an
-interruption (validation, an epoch boundary) split; validation runs between :meth:`~StepPhases.pause` and
-:meth:`~StepPhases.resume` are timed apart. The loop counts and times its own calls on ``phases.cost`` (a
-:class:`~lightning_perf.profiling.timer.HookCost`). :func:`summarize_steps` turns that into the report's figures::
-
-    phases = StepPhases(PhaseLedger(MEASURED, warmup_steps=2))
-    phases.open_gap()
-    for batch in loader:                 # the wait for `batch` is billed to "data"
-        phases.begin_step("forward")
-        loss = model(batch).sum()
-        phases.switch("backward")
-        loss.backward()
-        phases.switch("optimizer")
-        optimizer.step(); optimizer.zero_grad()
-        phases.end_step(len(batch))      # and the wait for the next batch begins
-    print(summarize_steps(phases)["steady_state"]["shares"])
+Entry points: :class:`StepPhases` (driven by :class:`~lightning_perf.callbacks.BottleneckCallback` or a hand-written
+loop), :func:`summarize_steps` and the report writers (:func:`report_text`, :func:`plot_phases`). How phases are kept
+and a hand-written loop's example: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """Find host-device synchronizations in a stretch of code, and the source lines that cause them.
 
-A call such as ``loss.item()`` inside a training step makes the host wait until the device has finished everything
-queued so far, so the host can no longer run ahead and the device idles while the next step is launched.
-
-- On CUDA the recorder turns on ``torch.cuda.set_sync_debug_mode("warn")`` while active: PyTorch itself then warns
-  at every synchronizing operation (also inside C++: ``nonzero``, boolean masks, copies to the host), and the
-  warnings are collected instead of shown. The previous mode is restored on :meth:`HostSyncRecorder.stop`. torch's
-  own notice that the debug mode "is a prototype feature" is about the recorder's tool, not the user's code: it is
-  filtered out where the mode is set (that message only; every other warning reaches the caller).
-- On other devices nothing synchronizes, so the recorder predicts what would on a GPU: a
-  :class:`~torch.overrides.TorchFunctionMode` sees every Python-level tensor call and counts those that need the
-  value on the host (``item``, ``tolist``, ``cpu``, ``numpy``, ``bool``/``int``/``float`` of a tensor, data-dependent
-  shapes: ``nonzero``, ``unique``, ``masked_select``, boolean-mask indexing). ``.to(device)`` is not counted: on a
-  CPU run the training device *is* the host, so a move to it cannot be told from a copy back. Calls made by torch's
-  own library code (``torch.optim``, ``torch.nn``...) are left out too, since on CPU they cannot be told apart from
-  host-side bookkeeping (an optimizer's step counter); the call site recorded is the first frame outside torch.
-
-Either way only the stretches between :meth:`~HostSyncRecorder.start` and :meth:`~HostSyncRecorder.stop` are
-watched; sample a few steps, not all: the CPU mode costs about a microsecond per tensor operation.
+Entry point: :class:`HostSyncRecorder` (its :class:`SyncSite` records): torch's sync debug mode on CUDA, a prediction of
+what would synchronize on a GPU elsewhere. What each mode sees and costs: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Per-step phase timing that never stalls the device on the hot path.
 
-A training step is split into named phases (``"forward"``, ``"backward"``, ``"optimizer"``...). On CPU a phase is
-timed with a host clock (``time.perf_counter_ns`` unless one is injected). On CUDA the host runs ahead of the
-device, so a host clock would time kernel *launches*; instead each ``start``/``stop`` records a pair of
-``torch.cuda.Event(enable_timing=True)`` on the current stream and the durations are read back later:
-
-- opportunistically at :meth:`PhaseTimer.end_step`, for the oldest closed steps whose events have all completed
-  (``Event.query()``, which never blocks);
-- at the latest when results are asked for (:attr:`~PhaseTimer.steps`, :meth:`~PhaseTimer.summary`,
-  :meth:`~PhaseTimer.finalize`...), with at most one ``torch.cuda.synchronize`` for all remaining steps.
-
-At most ``max_pending_steps`` closed steps (16 by default) wait unresolved. Should the device fall further behind
-than that, ``end_step`` waits on the events of the *oldest* pending step only (``Event.synchronize``): the device
-finished that step ``max_pending_steps`` steps ago unless the host is that far ahead, in which case CUDA's launch
-queue would soon block the host anyway. This bounds memory while never waiting on recent work.
-
-The first ``warmup_steps`` steps (compilation, cudnn autotuning, allocator growth) are kept apart from steady
-state. The timer also measures its own cost, the host time spent inside its methods, so an observer can report it.
-A ``PhaseTimer`` is not thread-safe: use one per thread.
+Entry points: :class:`PhaseTimer` (host clock on CPU, CUDA events read back late on CUDA), :class:`PhaseLedger` and
+:class:`HookCost` (an observer's own cost). Not thread-safe: one per thread. How CUDA events are resolved without
+waiting on recent work: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations
