@@ -1,14 +1,10 @@
 """Everything after training, without Lightning: example inputs and the batch path, parity checks, the one atomic
 artifact-set writer, ONNX and TensorRT export, and quantization back-ends.
 
-- :mod:`~lightning_perf.deploy.inputs`: example inputs, input specs, the batch hooks;
-- :mod:`~lightning_perf.deploy.validate`: an export's or a quantized model's outputs against the model's;
-- :mod:`~lightning_perf.deploy.artifacts`: artifact sets committed in one atomic step;
-- :mod:`~lightning_perf.deploy.export`: :func:`export_model` with :mod:`~lightning_perf.deploy.onnx` and
-  :mod:`~lightning_perf.deploy.tensorrt` (options and the backend base class in :mod:`~lightning_perf.deploy.backend`);
-- :mod:`~lightning_perf.deploy.quantize`: conversion, saving and timing of quantized models.
-
-Heavy optional dependencies (onnx, onnxruntime, torch-tensorrt, torchao) are imported only where used.
+Submodules: :mod:`~lightning_perf.deploy.inputs`, :mod:`~lightning_perf.deploy.validate`,
+:mod:`~lightning_perf.deploy.artifacts`, :mod:`~lightning_perf.deploy.export` (with ``onnx``, ``tensorrt`` and
+``backend``) and :mod:`~lightning_perf.deploy.quantize`. Heavy optional dependencies are imported only where used. What
+each holds: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

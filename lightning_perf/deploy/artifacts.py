@@ -1,29 +1,9 @@
-"""The one atomic writer of artifact sets: a model file, its external weights, engine, JSON report and sidecars
-become visible together, in one atomic step, or not at all.
+"""The one atomic writer of artifact sets: a model file, its external weights, engine, JSON report and sidecars become
+visible together, in one atomic step, or not at all.
 
-Every deployment writer (ONNX and TensorRT export, the quantized-model save, their reports) stages its files with
-:func:`stage_set` and commits them with :meth:`StagedSet.commit`; readers find the files of the committed set with
-:func:`committed_set` (or through the pointer path ``<dirpath>/<name>``).
-
-On-disk layout, for a set named ``model`` in ``dirpath``::
-
-    dirpath/
-        model -> .model.versions/000003     the committed set: a relative symlink, replaced by one os.replace
-        .model.versions/
-            000002/                         the previous set, kept while a reader may still be reading it
-            000003/                         model.onnx  model.onnx.data  model.export.json  ...
-        .staging-<pid>-<random>/            a set being written; removed on failure (a killed writer's one is
-                                            removed by the next commit in that directory)
-
-Commit protocol: the files are written into the staging directory (in ``dirpath``, so on the same filesystem), each
-file is fsynced and then the staging directory; the staging directory is renamed to the next version under
-``.<name>.versions`` (fsynced); a temporary symlink to it is created and renamed onto ``<name>`` with ``os.replace``,
-the single atomic step that switches readers from the old set to the new one; ``dirpath`` is fsynced. Versions older
-than the previous one, stale staging directories (of processes that no longer run) and stray temporary links are
-then removed. A kill at any moment therefore leaves the complete old set or the complete new set under ``<name>``.
-
-A full disk, an exceeded quota or a read-only target raises :class:`ArtifactWriteError` naming the path and the free
-space; the staged files are removed and the old set stays as it was. POSIX only (symlinks).
+Entry points: :func:`stage_set` (a :class:`StagedSet`, committed with :meth:`StagedSet.commit`), :func:`write_set`,
+:func:`committed_set`; a failed write raises :class:`ArtifactWriteError` and leaves the old set as it was. POSIX only.
+The on-disk layout and the commit protocol: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

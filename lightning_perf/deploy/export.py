@@ -1,19 +1,8 @@
 """Deployment export of a trained model: TensorRT or ONNX, checked against the model, with its measured speed.
 
-:func:`export_model` takes a plain ``nn.Module`` and example inputs, tries each backend in the order given
-(``"tensorrt"``: torch-tensorrt's dynamo path, saved as an ExportedProgram; ``"onnx"``: ``torch.onnx.export(...,
-dynamo=True)`` run with onnxruntime), and keeps the first artifact that
-
-1. exports with a dynamic batch dimension (and any other dimension the caller marks dynamic),
-2. is saved, loaded back from the saved file, and
-3. computes what the model computes on real inputs at several batch sizes of the dynamic range: same output names
-   and shapes, no NaN/Inf, differences within the tolerance of its precision.
-
-A backend that is missing, fails, or produces an artifact that disagrees with the model is reported with its reason
-and the next one is tried, with a :class:`~lightning_perf.FallbackWarning` (``strict=True`` raises instead). The
-artifact is timed against eager PyTorch (:func:`lightning_perf.profiling.latency.measure_latency`). Files are written
-as artifact sets (:mod:`lightning_perf.deploy.artifacts`), so a failed export never replaces a good one. Heavy
-dependencies (onnx, onnxscript, onnxruntime, torch-tensorrt) are imported only inside the backend that needs them.
+Entry point: :func:`export_model` (its :class:`ExportReport`, one :class:`BackendAttempt` per back-end tried;
+:class:`ExportError`). What an artifact must pass, the fallbacks and how files are written: docs/architecture.md, Module
+notes.
 """
 
 from __future__ import annotations

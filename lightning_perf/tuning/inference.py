@@ -1,25 +1,8 @@
 """Tuning for inference: what ``AutoTuner(stage="predict")`` (or ``"validate"``, ``"test"``) searches, and how.
 
-A trial of an inference stage runs ``trainer.predict`` / ``validate`` / ``test`` of the model as built, through the
-same worker as ``lightning-perf bench --stage predict`` (:mod:`lightning_perf.benchmark.inference`), in a fresh
-process. Its "step" is one batch: the figure compared is the per-batch latency (lower is better) at the same batch
-size, and samples per second in the batch-size stage (both are the per-sample time the tuner compares).
-
-The search lists come from the one list of optimizations (:mod:`lightning_perf.optimizations`), filtered by the
-entries' ``stages``:
-
-- precision: the entries that set the Trainer's precision and apply to the stage: the inference-only ones first
-  (``bf16-true``, ``16-true``: weights and activations in reduced precision), then the mixed ones of the fit search.
-  The device checks of training apply (bf16 emulated on a CPU without bf16 instructions is skipped, fp16 needs a
-  CUDA device or a CPU with fp16 arithmetic).
-- optimizations: the optimization stage's list (channels-last, compile, and whatever is registered with
-  ``stages`` including the tuned stage, such as dynamic int8); a training-only entry (fused optimizer) is listed as
-  skipped with the reason, not measured.
-- no data-loading stage: the inference worker does not measure the data wait, so there is nothing to decide it on.
-- batch size: doublings, kept on throughput, as for training.
-
-There is no loss in an inference run, so a candidate that changes numerics (reduced precision, int8) is compared on
-speed only: the recommendation says so and asks for an accuracy check.
+Entry points: :func:`search_plan` (a :class:`SearchPlan` derived from :mod:`lightning_perf.optimizations`),
+:func:`check_stage`, :func:`trial_skip_reason`, :func:`inference_notes`. The search stages and why candidates are
+compared on speed only: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

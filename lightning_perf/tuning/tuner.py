@@ -1,36 +1,8 @@
 """The auto-tuner: try the optimizations on the user's own model, one measured trial at a time, keep what helps.
 
-Every trial trains the user's model for a few warm-up steps and a few measured steps in a fresh process (``spawn``),
-through the same worker as ``lightning-perf bench``, so no compiled graph, backend flag or allocator state leaks from
-one trial into the next, and the objects the user passed are never modified.
-
-Honest measurement: every ratio the tuner prints or writes (vs baseline, vs the incumbent, the recommendation's
-headline) carries a 95% interval and a verdict (:mod:`lightning_perf.profiling.intervals`), and a row's reason quotes
-that row's own figure. A candidate is kept only when its per-sample gain over the best configuration so far reaches
-the noise bar it states (``min_gain``, or 1.5x the difference between two baseline runs), its interval lies above 1,
-and it is faster in at least ``confidence`` of all step pairs. A gain inside the bar, or below ``confirm_below``, is
-measured again with its incumbent in two more processes, and both pairs together must clear the bar. Candidates that
-change numerics must also reproduce the baseline's per-step losses within ``loss_rtol``. Trials that cannot apply are
-skipped with the reason (no attention module, no convolution, bf16 emulated on this CPU, CUDA only). Each trial is
-watched like a bench run (:mod:`lightning_perf.tuning.conditions`); a disturbed one is set aside and measured again
-while the budget lasts (it stretches by the time lost, up to twice it), at most three runs; one disturbed every time
-decides nothing, and a disturbed reference (or two baseline runs more than 1.5x apart) ends the search with
-"unreliable: <causes>" and no recommendation, and the result says what to run when the machine is quiet. Every trial
-runs with the same intra-op threads (:mod:`lightning_perf.benchmark.threads`).
-
-The search, in order, within ``time_budget_s``:
-
-1. ``baseline``: the model as given, fp32, twice in two processes (their difference is the noise floor a gain must
-   clear). If it fails, the tuner stops and shows the model's own error.
-2. precision: ``bf16-mixed`` (where the device supports bf16) and ``16-mixed`` (CUDA), as alternatives.
-3. optimizations, stacked greedily on the best so far: channels-last, fused optimizer, backend flags, the attention
-   swap, compile, and on CUDA compile with CUDA graphs in place of plain compile.
-4. data loading: ``num_workers`` (with ``persistent_workers``; ``pin_memory`` on CUDA), when the measured data wait
-   is a noticeable share of the step.
-5. batch size: doublings of the current one up to ``max_batch_size`` (default 4x) that fit in memory; the best
-   throughput wins.
-
-``stage="predict"`` (``"validate"``, ``"test"``) tunes for inference: see :mod:`lightning_perf.tuning.inference`.
+Entry point: :class:`AutoTuner` (:class:`TuningError`, :class:`ModelError`). Every trial runs in a fresh process through
+the bench's worker, and every ratio carries a 95% interval and a verdict. The keep rule, disturbed trials and the
+search's order: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Quantization after training: one module per back-end, the conversion, and the save with its report.
 
-- :mod:`~lightning_perf.deploy.quantize.pt2e_x86`: PT2E calibration and ``convert_pt2e`` (``backend="x86"``);
-- :mod:`~lightning_perf.deploy.quantize.torchao`: ``QATConfig(step="convert")`` (``backend="torchao"``);
-- :mod:`~lightning_perf.deploy.quantize.convert`: :func:`convert` and :func:`float_copy`, whatever the back-end;
-- :mod:`~lightning_perf.deploy.quantize.save`: :func:`export_quantized` (convert, validate, save, time, report) and
-  :func:`save_quantized`;
-- :mod:`~lightning_perf.deploy.quantize.dynamic`: dynamic int8 for CPU inference (:func:`quantize_dynamic`: eager
-  ``torch.ao``, ONNX Runtime or torchao, the fastest correct one measured on the module), and
-  :mod:`~lightning_perf.deploy.quantize.dynamic_save`: :func:`export_dynamic` (validate, time, save, report).
-
-Quantization as data: :mod:`~lightning_perf.deploy.quantize.quantizer` holds one recipe object per mode (QAT x86, QAT
-torchao, static PTQ, dynamic int8) and the registry keyed on the recipe's type;
-:func:`lightning_perf.deploy.quantize.recipes.quantizer_for` builds the quantizer that carries a recipe out
-(:mod:`~lightning_perf.deploy.quantize.qat_quantizer`, :mod:`~lightning_perf.deploy.quantize.recipes`), which
-:class:`~lightning_perf.callbacks.QATCallback` schedules. The training-time half (prepare, the observer / fake-quant /
-batch-norm schedules) is :mod:`lightning_perf.functional.qat`.
+Submodules: ``pt2e_x86`` and ``torchao`` (back-ends), ``convert``, ``save`` (:func:`export_quantized`,
+:func:`save_quantized`), ``dynamic`` and ``dynamic_save`` (dynamic int8 for CPU inference), ``quantizer`` (one recipe
+object per mode, the registry), ``recipes`` and ``qat_quantizer`` (the quantizers
+:class:`~lightning_perf.callbacks.QATCallback` schedules). The training-time half is
+:mod:`lightning_perf.functional.qat`. What each holds: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """Dynamic int8 quantization for CPU inference: int8 weights, activations quantized per batch at run time.
 
-No calibration and no training change: a float module goes in, an int8 copy comes out (the float module is left as it
-is). Three back-ends, one chosen at run time by measuring on the actual module (:func:`quantize_dynamic`):
-
-- ``"eager"``: ``torch.ao.quantization.quantize_dynamic`` with the ``x86``/``fbgemm`` engine (``nn.Linear``,
-  ``nn.LSTM``, ``nn.GRU``, ``nn.LSTMCell``, ``nn.GRUCell``, ``nn.RNNCell``). It is deprecated in torch 2.13 and warns
-  on every call; the warning is silenced locally here (it says nothing the user can act on: the API still works and
-  torch offers no eager replacement that is fast on AVX2). On an AMD EPYC (Zen 3, AVX2 only, 1 thread, two MLP blocks
-  1024->4096->1024, batch 64) it ran in 0.39-0.41x the fp32 time, relative error 4e-2.
-- ``"onnxruntime"``: the module exported to ONNX (``torch.onnx.export(dynamo=True)``, dynamic batch dimension), then
-  ``onnxruntime.quantization.quantize_dynamic(per_channel=True, reduce_range=...)``, run by an ONNX Runtime session
-  wrapped as an ``nn.Module`` (:class:`OnnxRuntimeModule`). ``reduce_range=True`` (7-bit weights) on CPUs without
-  VNNI: their u8*s8 ``VPMADDUBSW`` path saturates its 16-bit intermediate sums, and ONNX Runtime's own docstring
-  recommends ``reduce_range=False`` on VNNI CPUs, whose dot products accumulate in 32 bits. Same machine: 0.32-0.36x
-  the fp32 eager time; relative error 2.5e-2 with per-channel, reduced-range weights (0.16 with the defaults).
-- ``"torchao"``: ``quantize_(module, Int8DynamicActivationInt8WeightConfig())``, offered only where the CPU has
-  VNNI or AMX int8 instructions: its ``torch._int_mm`` is about 100x slower than an fp32 matmul on AVX2, and the
-  model ran 18.5x *slower* than fp32 there (torchao issue #4365 reports the same).
-
-``backend="auto"`` keeps the fastest candidate that agrees with the float module, none when no candidate is faster
-than fp32, and a simpler one when its interval overlaps the fastest's (:data:`TIE_RULE`; :func:`quantize_dynamic`).
-The choice and every candidate's figures are cached per machine (CPU model and flags, threads, torch, torchao and
-onnxruntime versions), module structure, code and input shape in ``$LIGHTNING_PERF_CACHE/dynamic_int8.json`` (else
-``~/.cache/lightning_perf``), JSON written atomically: a later run, in any process, builds the chosen back-end only.
-The onnxruntime back-end's int8 model itself is kept in ``dynamic_int8_onnx/`` beside it, with the size and hash of
-its bytes and a hash of the float weights: a later run with the same weights loads it instead of exporting and
-quantizing again, the seconds a conversion takes (a file that is foreign, truncated or altered is refused with one
-warning and rebuilt; one that disagrees with the float module is rebuilt once, with a warning).
+Entry point: :func:`quantize_dynamic` (``backend="auto"``: the fastest of ``"eager"``, ``"onnxruntime"`` and
+``"torchao"`` measured on the module that agrees with it, cached per machine; :func:`clear_cache`). The back-ends'
+measured speed and error, ``reduce_range``, the tie rule and the caches: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

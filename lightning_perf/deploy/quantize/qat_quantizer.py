@@ -1,17 +1,8 @@
 """Quantization-aware training of one submodule: prepared before training, converted after it.
 
-:class:`QATQuantizer` carries out :class:`~lightning_perf.deploy.quantize.quantizer.X86QATRecipe` and
-:class:`~lightning_perf.deploy.quantize.quantizer.TorchaoQATRecipe`. It swaps the submodule for its prepared version
-(:func:`lightning_perf.functional.qat.prepare`), runs the observer / batch-norm / fake-quant schedules, puts the plain
-float submodule back at the end of every run (same parameters, trained) while it keeps the quantization state (and,
-for ``x86``, the prepared graph, which holds the float module's own tensors, so putting it back is instant), moves that
-state in and out of checkpoints, and at the end converts, validates, saves and times the model
-(:func:`~lightning_perf.deploy.quantize.save.export_quantized`).
-
-The x86 graph is captured on the CPU (:func:`~lightning_perf.functional.qat.prepare`): torchao's
-``X86InductorQuantizer`` annotates CPU graphs only. A submodule whose parameters live on CUDA is captured from a CPU
-copy and the prepared graph is given the original parameters back, so it fine-tunes on the GPU with fake quantization;
-conversion and the int8 artifact happen on the CPU, where the int8 model runs.
+Entry point: :class:`QATQuantizer`, which carries out the x86 and torchao QAT recipes for
+:class:`~lightning_perf.callbacks.QATCallback`. What it does across a run, and why the x86 graph is captured on the CPU:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations
