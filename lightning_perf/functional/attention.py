@@ -1,72 +1,9 @@
 """Swap a model's attention modules for fused kernels: flash-attn 2 where it applies, else PyTorch's SDPA.
 
-:func:`swap_attention` walks the model, asks each :class:`AttentionAdapter` whether it knows a module, builds the
-swapped module, checks on random inputs that it computes what the original computes (forward and backward, with a
-tolerance by dtype), and only then puts it in the model. A swapped module holds the original's parameters and buffers
-(the same objects, under the same names), so ``state_dict`` keys do not change and an optimizer built before or after
-stays valid; :func:`restore_attention` puts the originals back.
-
-Training mode is honoured: a swapped module takes over the original's ``training`` flag and follows every later
-``train()`` / ``eval()`` (:func:`~lightning_perf.functional.surgery.replace_modules` sees to it for every swap), and
-the parity check runs in eval mode, in training mode with dropout off, and in training mode with dropout on from the
-same RNG state. On the CPU the fused kernel draws the same dropout masks as the eager code; CUDA's fused kernels draw
-them from their own random stream, so there a swap changes *which* units dropout drops (same rate, same expectation):
-the check then only asks that dropout is applied exactly when the original applies it, and the decision's reason says
-so. That is the one sense in which the swap is not bit-exact.
-
-The code is split by job: kernels (:mod:`~lightning_perf.functional.attention_kernels`), the swapped modules
-(:mod:`~lightning_perf.functional.attention_modules`), recognising attention modules
-(:mod:`~lightning_perf.functional.attention_detect`) and the parity check
-(:mod:`~lightning_perf.functional.attention_parity`); import every public name from here.
-
-Kernels, decided per module and reported with the reason (:class:`AttentionDecision`):
-
-- ``"flash_attn"``: ``flash_attn.flash_attn_func`` (the optional ``flash`` extra), when it is installed and the model
-  runs on a CUDA GPU of compute capability 8.0 or newer, in fp16/bf16 (autocast counts), with a head size of at most
-  256. Calls it cannot serve (an arbitrary attention mask, fp32 inputs, a non-square causal call) take SDPA instead.
-- ``"sdpa"``: :func:`torch.nn.functional.scaled_dot_product_attention`, whose dispatcher picks the best backend for
-  the device and inputs (flash / memory-efficient / cuDNN on CUDA, a fused flash kernel on CPU, math as last resort);
-  global backend flags are left alone.
-
-Built-in adapters, tried after the ones you register (:func:`register_attention_adapter`):
-
-- :class:`MultiheadAttentionAdapter`: ``nn.MultiheadAttention`` (also inside ``nn.TransformerEncoderLayer`` /
-  ``nn.TransformerDecoderLayer``) becomes a :class:`FusedMultiheadAttention` with the same packed ``in_proj_weight``,
-  ``in_proj_bias`` and ``out_proj``. Calls with ``need_weights=True`` (the default of ``nn.MultiheadAttention``!),
-  unbatched or nested inputs take the original code path, so callers that read the weights keep working. Note that
-  torch already runs SDPA inside ``nn.MultiheadAttention`` when called with ``need_weights=False``, and that
-  ``nn.TransformerEncoderLayer`` has its own fused inference fast path (eval mode, no grad), which bypasses the swap.
-- :class:`FusedQKVAttentionAdapter`: the common hand-written pattern (one ``Linear`` making q, k and v, one output
-  ``Linear``, an eager ``softmax(q @ k^T * scale) @ v`` in between, optionally causal, optionally with dropout modules:
-  timm's ViT ``Attention``, MONAI's ``SABlock``, nanoGPT), recognised by structure and then by behaviour: among the
-  standard variants (head count, q/k/v layout, causal or not) the one whose output matches the module's own is used;
-  a module no variant reproduces (rotary embeddings, a different scale) is left unchanged with that reason. The
-  swapped module takes the original's signature (:class:`ArgumentPlan`): arguments at their default value
-  (``attn_mask=None, is_causal=False``, as timm's and MONAI's blocks pass them) run the kernel, so do masks and causal
-  flags whose meaning was learned from the original by probe calls (MONAI's key padding ``attn_mask``, timm's
-  additive one, ``is_causal=True``); a call with any other argument runs the original code, reported once by the
-  argument's name (:class:`~lightning_perf.FallbackWarning`) and counted in the module's ``fallbacks``.
-
-Not swapped, reported (:class:`AttentionDecision` ``action``):
-
-- modules that already call SDPA (:meth:`AttentionAdapter.already_fused`: one traced call sees
-  :func:`torch.nn.functional.scaled_dot_product_attention`; timm with ``fused_attn=True``, MONAI with
-  ``use_flash_attention=True``): ``"already fused"``, left alone and never counted as a swap;
-- models that pick their attention from a configuration (Hugging Face ``transformers``, found by capability:
-  ``config._attn_implementation`` and ``set_attn_implementation``): ``"eager"`` is switched to ``"sdpa"`` after a
-  parity check of the whole model (``"switched config"``, undone by :meth:`SwapResult.undo`), ``"sdpa"`` is
-  ``"already fused"``; the attention modules named are those that call SDPA in a traced forward.
-
-:class:`SDPACalls` counts the SDPA calls per module while active: the tests use it to check that swapped modules run
-the kernel during training.
-
-Example::
-
-    from lightning_perf.functional.attention import swap_attention
-
-    result = swap_attention(model, device="cuda", compute_dtype=torch.bfloat16)
-    for name, (kernel, reason) in result.decisions.items():
-        print(name, kernel, reason)
+Entry points (import every public name of the attention family from here): :func:`swap_attention`, which checks each
+swapped module against the original before putting it in the model and reports an :class:`AttentionDecision` per module,
+:func:`restore_attention`, :func:`register_attention_adapter` and :class:`SDPACalls`. The kernels, the built-in
+adapters, what is not swapped and the one sense in which a swap is not bit-exact: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

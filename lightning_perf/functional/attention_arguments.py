@@ -1,21 +1,8 @@
 """The arguments a swapped attention module honours: the original's signature, and what its masks and flags mean.
 
-Part of :mod:`lightning_perf.functional.attention` (import the public names from there).
-
-A swapped module takes every call its original takes (:class:`ArgumentPlan`, built from the original's ``forward``
-signature). An argument given its default value (``attn_mask=None``, ``is_causal=False``: how timm's ViT blocks and
-MONAI's ``TransformerBlock`` call their attention) is the same as no argument and goes to the fused kernel. Other
-values go to the kernel when their meaning was learned from the original at swap time (:meth:`ArgumentPlan.learn`):
-
-- a mask argument (a parameter whose name contains ``mask``), per dtype (boolean or float) and layout (a key padding
-  mask ``(batch, keys)``, or a full mask broadcastable to ``(batch, heads, queries, keys)``): which reading of it
-  (``True``/non-zero takes part, ``True``/non-zero is blocked, or an additive float) makes the kernel reproduce the
-  original on a probe mask;
-- a causal flag (``is_causal`` / ``causal``) whose ``True`` makes the original compute causal attention.
-
-Anything else (an argument the probes could not explain, ``**kwargs``, a mask of another dtype or layout, a mask
-shaped both ways at once) makes only that call run the original code, and is reported once by name
-(:class:`~lightning_perf.FallbackWarning`) and counted in the swapped module's ``fallbacks``.
+Part of :mod:`lightning_perf.functional.attention` (import the public names from there). Entry point:
+:class:`ArgumentPlan`, built from the original's ``forward`` signature and taught by probe calls
+(:meth:`ArgumentPlan.learn`). Which arguments reach the kernel and which fall back: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Models that choose their attention code from a configuration: switch Hugging Face eager attention to SDPA.
 
-Part of :mod:`lightning_perf.functional.attention` (import the public names from there).
-
-A Hugging Face ``transformers`` model reads ``config._attn_implementation`` on every call (``"eager"``, ``"sdpa"``,
-``"flash_attention_2"``...) and exposes ``set_attn_implementation`` to change it (transformers 4.48+, and 5). Such a
-model, found by capability (a ``config`` with ``_attn_implementation`` and a ``set_attn_implementation`` method, no
-import of ``transformers``), is not swapped module by module:
-
-- with ``"eager"`` it is switched to ``"sdpa"`` (the model's own SDPA code, masks and caches included), after the
-  parity check of the whole model on its ``dummy_inputs`` (eval and training mode, dropout off and on from the same
-  RNG); a mismatch or a refusal switches it back, with the reason. :func:`restore_attention_implementations` undoes
-  the switch;
-- with ``"sdpa"`` (or any other fused implementation) it is reported as already fused and left alone.
-
-The attention modules inside are named in the decisions: those that call SDPA in one traced forward
-(:class:`~lightning_perf.functional.attention_trace.SDPACalls`).
+Part of :mod:`lightning_perf.functional.attention` (import the public names from there). Entry points:
+:func:`configurable_attention_models`, :func:`switch_attention_implementation`,
+:func:`restore_attention_implementations`. How such a model is found and switched: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

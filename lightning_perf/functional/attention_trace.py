@@ -1,15 +1,8 @@
 """Which modules call PyTorch's fused attention entry, and how often: :class:`SDPACalls`.
 
-Part of :mod:`lightning_perf.functional.attention` (import the public names from there). It serves two jobs: telling
-that a module already computes its attention with :func:`torch.nn.functional.scaled_dot_product_attention` (timm's
-``Attention`` with ``fused_attn=True``, MONAI's ``SABlock(use_flash_attention=True)``, Hugging Face's ``"sdpa"``
-implementation), so that it is reported as already fused instead of swapped, and checking that a swapped module really
-runs the fused kernel during training (the tests count calls per module over training steps).
-
-The calls are seen through a :class:`~torch.overrides.TorchFunctionMode`, so they are counted whatever name the
-caller imported the function under (``F.scaled_dot_product_attention``, ``torch.nn.functional...``, a ``from``
-import). Calls to ``flash_attn.flash_attn_func`` (the CUDA-only flash-attn kernel) are not Python-dispatched and not
-counted: count on CPU, or on CUDA in fp32, where every swapped call goes through SDPA.
+Part of :mod:`lightning_perf.functional.attention` (import the public names from there): it tells that a module is
+already fused, and lets tests check that a swapped module runs the fused kernel. What it sees and what it does not:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

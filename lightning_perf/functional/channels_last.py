@@ -1,14 +1,8 @@
 """Channels-last memory format for convolution weights and inputs, as plain functions on modules and tensors.
 
-Convolutions in oneDNN (CPU) and cuDNN (tensor cores) run fastest on NHWC / NDHWC data. A model opts in by holding
-its convolution weights in ``torch.channels_last`` (2D) or ``torch.channels_last_3d`` (3D) and receiving its inputs in
-the same format; the layout then flows through the network and into the gradients. Values never change, only strides,
-so ``state_dict`` keys and contents are the same as without it.
-
-Sharded weights (FSDP2's ``fully_shard``: DTensor parameters) keep their layout: FSDP2 all-gathers every shard into a
-contiguous weight before each forward (and copies a shard whose layout changed back into its own flat buffer), so
-converting a shard would change nothing the convolution sees. The inputs still go channels-last, and the convolution
-kernels (oneDNN, cuDNN) then run in channels-last, reordering the gathered weight per call.
+Entry points: :func:`apply_channels_last` (a :class:`ChannelsLastReport`), :func:`find_conv_layers`,
+:func:`tensor_to_channels_last`, :func:`batch_to_channels_last`. Values never change, only strides. Why it pays and why
+sharded (FSDP2) weights keep their layout: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,43 +1,8 @@
 """Which blocks activation checkpointing wraps when asked for ``"auto"``: repeated blocks that hold real work.
 
-:func:`~lightning_perf.functional.surgery.find_repeated_blocks` (shared with regional compilation) finds the biggest
-group of repeated same-class siblings. For checkpointing that is not enough: a checkpointed block keeps its input (and
-its output lives on as the next block's input) and drops what it keeps inside, so a block saves memory only when it
-keeps much more inside than its input and output. A conv-norm-activation sub-block keeps two or three tensors the size
-of its output: wrapping it saves next to nothing and still recomputes it. On MONAI's SwinUNETR the biggest group by
-that rule was 26 such sub-blocks, while the Swin stages and the decoder blocks went unwrapped.
-
-:func:`find_checkpoint_blocks` scores candidates by structure alone (no forward, no example input needed), in three
-steps:
-
-1. **Candidates**: groups of at least ``min_repeats`` same-class sibling blocks, pooled across parents (the
-   :func:`~lightning_perf.functional.surgery.repeated_block_groups` of regional compilation).
-2. **Size of a block**: its *layers*, the submodules that compute something and keep activations for backward: every
-   leaf module but ``nn.Identity`` and zero-probability dropout, plus any module holding parameters of its own
-   (``nn.MultiheadAttention``'s ``in_proj_weight``). Each layer keeps about one tensor of the block's width, the block
-   keeps one (its input), so checkpointing saves about ``layers - 1`` of them per block. A group whose blocks hold fewer
-   than :data:`MIN_LAYERS` layers (conv + norm + activation) is never chosen.
-3. **Choice**: the group covering the most layers wins; a group of more, smaller blocks (the Swin blocks inside a Swin
-   stage, whose patch merging is left out; the residual blocks of a custom ResNet stage) wins over it when it covers
-   at least three quarters as many layers (finer blocks keep the recompute's peak lower). Then every other eligible
-   group that is neither inside nor around a chosen block and covers at least a quarter of the winner's layers joins:
-   the decoder blocks of a U-Net next to its encoder blocks, the decoder layers of an encoder-decoder transformer next
-   to the encoder's.
-
-**U-Nets built by nesting** (MONAI's ``UNet`` and ``AttentionUnet``, pix2pix-style ``UnetSkipConnectionBlock``) hold
-no repeated siblings: each resolution level is a module of one class (MONAI's ``SkipConnection``) nested inside the
-level above, between that level's encoder part and its decoder part. :func:`unet_level_blocks` finds them by that
-structure alone: a class with an instance inside another instance of itself is a *level* class; along the chain of
-levels (the *spine*), the parts of each level beside the nested level (its down-sampling encoder block, its up-sampling
-decoder block, a plain ``nn.Sequential`` on one side counted as one part) and the bottleneck of the innermost level
-are the blocks. A part needs only :data:`MIN_LEVEL_LAYERS` layers: at full resolution even a conv-norm-activation
-part keeps two tensors that checkpointing drops, and the levels are where a U-Net's activations are. These blocks
-join the repeated groups above when neither lies inside the other; when they cover more layers they come first.
-
-The result: the layers of a transformer (GPT-2's ``GPT2Block``, ``nn.TransformerEncoderLayer``), the blocks of a Swin
-transformer (on MONAI's SwinUNETR with them its residual encoder and up-sampling decoder blocks, 18 in all instead of
-26 conv sub-blocks), the residual blocks of a ResNet, the encoder and decoder stages of a U-Net, whether its levels are
-siblings (``ModuleList``s of encoder and decoder blocks, MONAI's ``BasicUNet``) or nested (MONAI's ``UNet``).
+Entry points: :func:`find_checkpoint_blocks` (by structure alone, no forward), :func:`unet_level_blocks` (U-Nets built
+by nesting), :func:`count_layers`. The scoring rules, the thresholds and what they choose on real models:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,43 +1,8 @@
 """Activation checkpointing to a memory budget: measure what each block keeps for backward, then checkpoint the least.
 
-``memory_budget=0.5`` asks for at most half the activation memory that training without checkpointing keeps, at the
-least recompute time. Three steps, each usable alone in a plain training loop:
-
-1. :class:`ActivationRecorder` (or :func:`profile_activations`) watches one forward pass: saved-tensor hooks
-   (``torch.autograd.graph.saved_tensors_hooks``) size every tensor autograd keeps for backward, deduplicated by
-   storage and attributed to the candidate block it was first saved in; a ``TorchDispatchMode`` records each op a
-   block runs, its output storages and its time (CPU time of the process on CPU, so that a busy machine does not
-   inflate it; wall time of synchronized ops on CUDA). Parameters are not activations and are left out.
-2. :func:`plan_checkpointing` chooses, per block, one of: no checkpointing; recomputing only the outputs of its norms
-   and activations whose inputs stay saved anyway (the GELU output that the MLP's second linear saves, the
-   ``LayerNorm`` outputs: :mod:`~lightning_perf.functional.checkpoint_cheap`, one elementwise op per output in
-   backward); *selective* checkpointing that keeps the outputs of expensive ops (matmuls, convolutions, attention
-   kernels, the CPU one ``aten._scaled_dot_product_flash_attention_for_cpu`` included) and recomputes the cheap
-   elementwise and normalization ops (``torch.utils.checkpoint.create_selective_checkpoint_contexts``, charged what its
-   per-op Python dispatch costs); selective checkpointing that keeps attention outputs only; checkpointing some of the
-   block's *parts* (its children of two layers or more: attention, MLP), each fully, with or without the norm and
-   activation recomputes outside them; or full checkpointing (only the block's inputs are kept). The choice is a
-   multiple-choice knapsack solved exactly: the least recompute time whose kept memory is within the budget, so the
-   plan lands just under the budget, not far below it.
-3. :func:`apply_plan` patches the chosen blocks with
-   :class:`~lightning_perf.functional.grad_checkpoint.CheckpointedForward` (the norm and activation recomputes with
-   its subclass :class:`~lightning_perf.functional.checkpoint_cheap.RecomputeCheapForward`; names, ``state_dict``
-   keys and gradients unchanged);
-   :func:`~lightning_perf.functional.grad_checkpoint.remove_activation_checkpointing` undoes it.
-
-The expected figures are a model: a selective block keeps its inputs plus the outputs of the kept ops; a fully
-checkpointed one its inputs; recompute time is the time of the ops not kept, as measured in the profiled forward (on a
-CPU ViT block the MLP's GELU output is a quarter of what the block saves and takes 1 to 2 ms to make again, while
-every checkpointed part or selective policy frees its bytes only by running a matmul or the attention again). Check
-them against the allocator (CUDA ``memory_allocated``, CPU glibc ``mallinfo2`` through
-:class:`~lightning_perf.profiling.memory.MemoryProbe`): the recorder samples it around the forward, and
-:class:`CheckpointPlan` carries both.
-
-Under ``torch.compile`` the compiler has its own budget (``torch._functorch.config.activation_memory_budget``, a
-knapsack over the compiled graph's saved tensors): :func:`set_compiler_memory_budget` sets it and returns the old
-value to restore. That setting is read when a graph compiles, so a class compiled earlier in the process keeps
-its old graph: :func:`apply_compiler_budget` patches the modules so that the budget is part of what dynamo guards, and
-a new budget compiles them again.
+Three steps, each usable alone: :class:`ActivationRecorder` / :func:`profile_activations` (what each block keeps),
+:func:`plan_checkpointing` (a :class:`CheckpointPlan`: the least recompute within the budget) and :func:`apply_plan`.
+The choices per block, the model behind the figures and the compiler's own budget: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

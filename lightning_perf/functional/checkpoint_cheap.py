@@ -1,18 +1,7 @@
 """Recompute the outputs of a block's norms and activations in backward instead of keeping them, and nothing else.
 
-In a pre-norm transformer block most of what autograd keeps that is cheap to make again is the output of an
-elementwise or normalization module that the next matmul saves: the GELU output of the MLP (``4 x dim`` wide, saved by
-the second linear), the ``LayerNorm`` outputs (saved by the attention input projection and the first linear). Their
-inputs are kept anyway (the GELU saves its input, the ``LayerNorm`` its input), so dropping the output and running the
-module again in backward frees its bytes for the time of one elementwise op. Checkpointing a whole part for the same
-bytes also runs its matmuls again; selective checkpointing (``create_selective_checkpoint_contexts``) keeps every
-matmul's output, needed or not, and runs each op of the block through a Python dispatch mode twice.
-
-:class:`RecomputeCheapForward` does only the first: while the block's forward runs, forward hooks note the outputs of
-the chosen modules, and a ``saved_tensors_hooks`` pair replaces a saved tensor that is (a view of) such an output by a
-recipe (the module and its input); backward runs the module again on that input, under ``no_grad``. Only modules
-without randomness or running statistics qualify (:data:`CHEAP_MODULES`, not in place); the recipe checks the input was
-not modified in place since (as autograd does for saved tensors) and that the output is laid out as before.
+Entry points: :class:`RecomputeCheapForward`, :func:`cheap_modules`, :func:`is_cheap` (:data:`CHEAP_MODULES`). Why these
+outputs, and how a saved tensor becomes a recipe: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,41 +1,8 @@
 """``torch.compile`` applied in place, to a whole model or to its repeated blocks, with a fallback to eager.
 
-Compiling in place (the module's ``_compiled_call_impl``, what ``nn.Module.compile()`` sets) keeps the module
-object, its parameters and its ``state_dict`` keys: no ``_orig_mod.`` prefix, so a checkpoint written while compiled
-loads into a plain model and the other way round. :meth:`CompiledModules.remove` puts every module back as it was;
-compiled code stays in torch's caches, so compiling the same modules again later costs no recompilation.
-
-Regional compilation compiles each of a model's repeated blocks (the layers of a transformer, the residual blocks of
-a ResNet) instead of the whole model. Identical blocks share one compiled code object: torch guards on the code and
-treats parameters as graph inputs, so the second and later blocks reuse the first one's graph without recompiling,
-which cuts cold-start time roughly by the number of blocks (the "regional compilation" recipe in PyTorch's docs).
-On a CPU most of a cold start is building inductor's C++ kernels, which neither way shares with a later process (see
-:mod:`lightning_perf.functional.compile_cache` for warm starts); a regional compile there builds one library per graph
-instead of one per kernel (inductor's ``cpp_wrapper``, when no ``mode`` or ``options`` are given:
-:mod:`lightning_perf.functional.compile_startup`).
-
-What the plain ``nn.Module.compile()`` of torch 2.13 does not handle, and this module does:
-
-- For a built-in layer (``nn.TransformerEncoderLayer``, ``nn.Linear``...) both ``Module._call_impl`` and its
-  ``forward`` live in files torch's compiler skips, so ``module.compile()`` captures nothing and runs eager
-  (pytorch/pytorch#150915). Such modules get the extra frame ``torch.compile(module)`` itself adds
-  (``torch._dynamo.external_utils.wrap_inline``).
-- Compilation is lazy: a compiler failure surfaces at the first call, deep inside a training step. Each compiled
-  call is wrapped so that a failure of the compiler (any ``torch._dynamo.exc.TorchDynamoException``:
-  ``BackendCompilerFailed``, ``Unsupported``, ``InternalTorchDynamoError``...) re-runs the call eagerly and, if that
-  succeeds, turns compilation off for every compiled module of that class with a
-  :class:`~lightning_perf.FallbackWarning` carrying the cause (``strict=True`` raises the compiler's error instead).
-  If the eager call fails too, the error is the model's own and propagates exactly as it would without compilation.
-  Work done before the failure in the same call (an earlier graph of a call split by a graph break) is done again
-  by the eager re-run. A failure while compiling the backward pass (torch compiles it lazily, at the first
-  ``backward``) is not caught.
-- A call made while the module's ``forward`` is swapped for another function runs eagerly: Lightning's forward
-  redirection (DDP, FSDP) routes ``training_step`` through the LightningModule's ``__call__`` that way, and
-  compiling it would compile the whole step, logging and metrics included; the step's own ``self(x)`` still runs
-  compiled.
-
-:class:`CompileMonitor` counts what the compiler did in a window: time spent compiling, graphs, graph breaks and
-recompilations. The counters it reads are process-global, so it reports everything compiled in the window.
+Entry points: :func:`compile_regions` and :func:`select_regions` (a :class:`CompiledModules`, undone by
+:meth:`CompiledModules.remove`), :class:`CompileMonitor`. ``state_dict`` keys are unchanged. Regional compilation, and
+what torch's ``nn.Module.compile()`` does not handle that this module does: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,34 +1,8 @@
 """Warm starts for ``torch.compile``: carry a run's compiled code to the next process, keyed, in one file.
 
-:func:`save_compile_cache` writes, atomically (a temporary file in the same folder, then ``os.replace``), one file:
-
-- a first line naming the format, a line with the HMAC-SHA256 of everything after it made with your own secret key
-  (:func:`signing_key`), then one line of JSON: the key (:func:`compile_cache_key`: torch and Python
-  versions, device type and name, a hash of the compiled modules' structure, the compile options) and the name,
-  size and SHA-256 of each section that follows;
-- the bytes of ``torch.compiler.save_cache_artifacts()`` ("Mega-Cache": the FX-graph, AOTAutograd, autotuning and
-  dynamo-PGO cache entries this process made or used).
-
-:func:`load_compile_cache` checks the signature first: torch unpickles its artifacts and runs the generated Python
-they hold, so a file is code, and only one signed with your key (written by your own runs, on any machine that shares
-the key through your home folder) is loaded; any other (unsigned, another user's, altered) is refused before anything
-in it is parsed, unless you name it as trusted (``trusted=True``, ``CompileCallback(trust_cache=True)``: that **runs
-code from that file**). Then the format, each section's size and hash and the key (a file of another torch, device,
-model or set of options is refused, naming what differed), then the artifact bytes go to
-``torch.compiler.load_cache_artifacts()``. Any refusal is one :class:`~lightning_perf.NoEffectWarning` and the run
-compiles from cold. The SHA-256 of each section catches corruption in a trusted file; the HMAC, whose key never
-travels with the cache, is what stops a file crafted by someone else. On the CPU, inductor's C++ kernels are not in
-torch's artifacts and are built again in the warm run (most of a CPU cold start); on CUDA, Triton kernels are.
-
-:func:`use_inductor_cache_dir` is the other kind of warm start: it points torch's own on-disk compile cache
-(``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``) at a folder of the run's, beside its
-checkpoints, so a later run *on the same machine, as the same user* finds the compiled C++ kernels there and loads
-them as it loads its default cache. That folder holds native code built by torch and loaded by torch: it is trusted
-exactly as torch's default cache folder is, so it must be writable by you alone. A folder that is not (it, an entry
-in it or a parent folder owned by another user, or writable by group or others; a parent such as ``/tmp`` with the
-sticky bit may be) is not used, with a warning. It is not portable: another machine
-or CPU finds no match in it and compiles again (torch's cache keys include the compiler, the CPU's instruction set
-and torch's version).
+Entry points: :func:`save_compile_cache`, :func:`load_compile_cache` (only a file signed with your key
+(:func:`signing_key`) is loaded unless named trusted), :func:`compile_cache_key`, :func:`use_inductor_cache_dir`. The
+file format, the checks and the trust rules: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

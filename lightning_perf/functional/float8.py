@@ -1,24 +1,8 @@
 """Float8 training with torchao, layer by layer where it pays: eligibility, a measured shape filter, convert and undo.
 
-torchao's :func:`torchao.float8.convert_to_float8_training` swaps ``nn.Linear`` layers for its ``Float8Linear``, whose
-matrix products run in float8 on GPUs of compute capability 8.9+ (Ada, Hopper and newer). It pays for large products
-only (torchao's own table: 0.80x at M,K,N = 1024,2048,1024; 1.39x at 4096,8192,16384; pytorch/ao #1297: a 1.5B GPT
-ran 2x slower), and only under ``torch.compile``. This module decides per layer:
-
-- :func:`plan_float8` lists every ``nn.Linear`` with a decision and its reason: both dimensions divisible by 16 (the
-  float8 matmul needs it), the model's output layer skipped (``skip_last``: the last ``nn.Linear`` registered, and any
-  whose weight is tied to another module), a user ``filter_fn(module, fqn) -> bool`` overriding everything, or, with
-  ``filter="auto"``, a measurement: each distinct shape is timed once on the device (forward and backward, bf16
-  against float8, paired and interleaved through :mod:`lightning_perf.profiling.latency`) and kept only when its
-  speed-up's 95% interval lies above 1. Figures are cached per GPU model and shape in
-  ``$LIGHTNING_PERF_CACHE/float8_shapes.json`` (else ``~/.cache/lightning_perf``), JSON written atomically.
-- :func:`convert_to_float8` applies a plan through :mod:`lightning_perf.functional.surgery`: each ``Float8Linear``
-  holds the original ``weight`` and ``bias`` Parameters, so ``state_dict`` keys, dtypes and an existing optimizer are
-  unchanged, and :meth:`Float8Conversion.undo` puts the ``nn.Linear`` layers back holding the trained weights.
-
-Under FSDP2 torchao's order is convert, then ``fully_shard`` (call :func:`convert_to_float8` in ``configure_model``
-before sharding; ``fsdp_float8_all_gather=True`` all-gathers weights in float8). A layer whose parameters are already
-sharded (:func:`sharded_linears`) cannot be swapped: FSDP keeps a reference to the module it sharded.
+Entry points: :func:`plan_float8` (a :class:`Float8Plan`, one :class:`LayerDecision` per ``nn.Linear``),
+:func:`convert_to_float8` (undone by :meth:`Float8Conversion.undo`), :func:`sharded_linears`. When float8 pays, the
+rules per layer and the order under FSDP2: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

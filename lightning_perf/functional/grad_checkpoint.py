@@ -1,39 +1,9 @@
 """Activation (gradient) checkpointing: drop a block's intermediate activations in forward, recompute them in backward.
 
-Each chosen block's ``forward`` is patched in place (:class:`~lightning_perf.functional.surgery.ForwardPatch`) to run
-under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. Nothing is wrapped in a new module, so module
-names, ``isinstance`` checks and ``state_dict`` keys stay exactly those of the plain model (torch's
-``checkpoint_wrapper`` adds ``_checkpoint_wrapped_module.`` to every name and needs state-dict hooks to hide it; its
-parameters' names stay prefixed).
-
-What the non-reentrant checkpoint keeps right by itself: the RNG state (dropout masks are the same in the recompute),
-the autocast state, gradients (identical to the plain model's up to float reassociation, usually bit-identical). What
-it does not: a module that updates a buffer in forward does it again in the recompute. For BatchNorm (any
-``_NormBase`` with running statistics) that would apply the momentum update twice and count the batch twice;
-:class:`CheckpointedForward` saves those buffers before the recompute and puts them back after it, so running
-statistics match the plain model's exactly. Under ``torch.compile`` the recompute is part of the compiled backward
-graph, which does not repeat buffer mutations, so nothing needs restoring there.
-
-Under no_grad (validation, prediction) a patched block runs its plain forward: there is nothing to save memory on.
-
-Key/value caches (Hugging Face ``Cache`` objects passed as ``past_key_values``/``cache`` with ``use_cache=True``): the
-recompute would write this step's keys and values into the cache a second time (GPT-2: 32 tokens after forward, 64
-after backward; with eager attention the recompute then fails on a 64-vs-32 mask). :class:`CheckpointedForward`
-records what each cache's ``update`` returns in the forward and hands the same tensors back in the recompute, writing
-nothing (:class:`_CacheReplay`). Keyword arguments, masks, tuple and dataclass (``ModelOutput``) outputs go through
-torch's non-reentrant checkpoint unchanged.
-
-What full checkpointing costs (CPU, 1 thread, thread CPU time so that other processes do not count, medians of
-interleaved rounds): the ``lm`` default network (6 blocks, d=128, T=128,
-batch 16) 1.28-1.31x the step of no checkpointing, ``vit`` (8 blocks, d=128, 65 tokens, batch 32) 1.31-1.32x, both
-below the step plus one plain forward of the blocks (1.42x and 1.38x). What torch's checkpoint adds around the
-recompute was measured apart and is small at these sizes: saving and restoring the CPU RNG state 7 us per block call,
-the shape/dtype/device check 0.5 us per saved tensor, the BatchNorm-statistics lookup a few us; turning the RNG replay
-and the determinism check off changed no step time beyond the noise. The rest of the fixed cost (about 1.4 ms per
-block call on this machine, visible only on tiny blocks) is torch's Python hooks per saved tensor. So the RNG replay
-(dropout masks) and the determinism check stay on: they cost nothing measurable and keep gradients exact. The cost
-that remains is the recompute itself, in particular eager attention's ``T x T`` softmax; selective checkpointing
-(``context_fn=``, ``GradCheckpointCallback(memory_budget=...)``) keeps such outputs instead of recomputing them.
+Entry points: :func:`apply_activation_checkpointing`, :func:`remove_activation_checkpointing`,
+:func:`checkpointed_modules`, :class:`CheckpointedForward` (names and ``state_dict`` keys unchanged; BatchNorm
+statistics and key/value caches kept right in the recompute). What the checkpoint keeps right, what it costs (measured):
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """PowerSGD gradient compression for ``DistributedDataParallel`` on any backend, with checkpointable state.
 
-PowerSGD (Vogels et al., NeurIPS 2019) replaces each gradient matrix ``M`` (n x m) by a rank-r approximation
-``P Q^T`` found by one step of power iteration; workers all-reduce ``P`` (n x r) and ``Q`` (m x r) instead of ``M``,
-and keep the approximation error as a residual ("error feedback") added to the next step's gradient. torch ships the
-algorithm as the DDP communication hooks ``powerSGD_hook`` and ``batched_powerSGD_hook``; this module adds what they
-lack, around the unmodified torch hooks:
-
-- **Any backend.** On gloo the stock hook enqueues its P and Q all-reduces from future callbacks, in an order that
-  can differ between ranks, and deadlocks (mostly with several buckets). :func:`register_powersgd_hook` wraps the
-  hook so that, on every backend but NCCL, each bucket's collectives finish before the hook returns; on NCCL the
-  asynchronous hook runs unchanged.
-- **CPU tensors on a machine with CUDA.** The stock hook calls ``torch.cuda.synchronize(device)`` whenever CUDA is
-  available, which raises for a CPU device. For CPU buckets that call is skipped while the hook runs.
-- **The batched variant.** In torch >= 1.12 ``batched_powerSGD_hook`` hands 2-D matrices to an orthogonalization
-  that only accepts batches (an ``AssertionError`` at the first compression step, on every backend); it runs here
-  with an adapter that adds the batch dimension.
-- **State that survives a resume.** :meth:`PowerSGDHook.state_dict` holds only tensors, ints, floats, strings,
-  lists and dicts (``torch.load(weights_only=True)`` accepts it; the NumPy RNG becomes a tensor). Residuals and
-  warm-start matrices are keyed by parameter name, not by bucket index: DDP's buckets change after the first
-  iteration of every new ``DistributedDataParallel`` (one bucket, then buckets in gradient-ready order), so a bucket
-  index means different parameters before and after a resume. See :class:`PowerSGDHook`.
-- **Accounting.** Elements before and after compression and bytes handed to all-reduce, per step.
-
-Plain PyTorch; no Lightning. :class:`lightning_perf.strategies.PowerSGDDDPStrategy` is the Lightning adapter.
+Entry points: :func:`register_powersgd_hook` (a :class:`PowerSGDHook` around torch's unmodified hooks),
+:class:`CommunicationStats`, :func:`gather_state_dict`. Plain PyTorch;
+:class:`lightning_perf.strategies.PowerSGDDDPStrategy` is the Lightning adapter. What it adds to torch's hooks, and why:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

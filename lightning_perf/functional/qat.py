@@ -1,28 +1,9 @@
 """Quantization-aware training (QAT) of a plain ``nn.Module`` with torchao: the training-time half.
 
-Two backends:
-
-- ``"x86"``, for CNNs and general models deployed on CPUs: PT2E. The module is captured with ``torch.export``
-  (batch dimension dynamic) and prepared with torchao's ``X86InductorQuantizer`` (``prepare_qat_pt2e``, or
-  ``prepare_pt2e`` for PTQ).
-- ``"torchao"``, for Linear-heavy models (transformers): ``quantize_(model, QATConfig(base_config, step="prepare"))``
-  swaps ``nn.Linear`` for fake-quantized linears in place (parameter names unchanged). ``base_config`` is a torchao
-  PTQ config object or its YAML-able spec (:func:`~lightning_perf.functional.qat_config.resolve_base_config`).
-
-A :class:`QuantizationRecipe` records what was done (backend, mode, base config, per-sample input shapes and dtypes)
-as plain data, so a checkpoint can carry it and the same preparation can be repeated before weights are loaded.
-
-Exported modules refuse ``.train()`` / ``.eval()``; the x86 prepared model is a :class:`PreparedGraphModule`, whose
-graph follows its ``training`` flag (set by ``train()`` / ``eval()`` or assigned directly, as Lightning does after
-validation): batch-norm and dropout nodes switch between training and inference behaviour (batch norm stays in
-inference behaviour once :func:`freeze_batchnorm_stats` was called) and observers pause in eval mode. Its
-``state_dict`` keys are the float module's plus the observer and fake-quantize state
-(``activation_post_process_<i>.*``), which :func:`quantization_state_keys` names. The schedules
-(:func:`set_observers`, :func:`set_fake_quant`, :func:`freeze_batchnorm_stats`) switch that state during training.
-
-After training, :mod:`lightning_perf.deploy.quantize` converts, calibrates, validates, saves and times the model.
-torchao is imported only inside the functions that need it; a missing torchao raises ``ModuleNotFoundError`` naming
-the ``qat`` extra.
+Entry points: :func:`prepare` (``"x86"``: PT2E; ``"torchao"``: ``QATConfig``), :class:`QuantizationRecipe`,
+:class:`PreparedGraphModule`, the schedules :func:`set_observers`, :func:`set_fake_quant`,
+:func:`freeze_batchnorm_stats`, and :func:`quantization_state_keys`. The back-ends and the prepared graph's modes:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Recognising FSDP2-sharded models (``fully_shard``): their wrapped blocks and their DTensor parameters.
 
-A model that shards itself calls ``torch.distributed.fsdp.fully_shard`` on each block and then on its root. Afterwards
-each such module is an ``FSDPModule`` (a subclass made on the fly) whose parameters are ``DTensor`` shards; FSDP2
-all-gathers them into plain tensors in the module's pre-forward hook and frees them again after its forward. So:
-
-- a transform that calls a sharded module outside a training step (a probe, a parity check) meets DTensor parameters
-  and plain inputs, which torch refuses ("got mixed torch.Tensor and DTensor"): :func:`plain_parameters` gives such a
-  call plain stand-in tensors of the full shapes, with no collective call;
-- a transform that changes a sharded parameter's layout or storage is undone by FSDP2 (it copies every shard into its
-  own flat buffer at its lazy initialisation) or, later, breaks the link between the parameter and that buffer: leave
-  sharded parameters alone;
-- what runs inside a block's forward (activation checkpointing, per-block compilation) goes *inside* the wrapper: patch
-  the block's ``forward``, never its ``__call__`` (that would wrap FSDP2's hooks too).
-
-Detection is by capability (``FSDPModule``, ``DTensor``), never by class name; everything is a no-op without
-``torch.distributed``.
+Entry points: :func:`is_sharded`, :func:`is_fsdp_module`, :func:`is_sharded_parameter`, :func:`plain_parameters`.
+Detection by capability; no-ops without ``torch.distributed``. What a transform must do around sharded modules:
+docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
 """Sliding-window inference over inputs larger than a network's patch, through MONAI's ``sliding_window_inference``.
 
-MONAI's function holds the whole contract (window placement, padding, Gaussian or constant blending, devices,
-buffering); this module wraps it rather than re-writing it:
-
-- :func:`validate_sliding_window` checks every argument once, before anything runs, with errors naming the argument,
-  the value and what is expected (MONAI itself checks some of them only when the first volume arrives).
-- :class:`SlidingWindowForward` is a :class:`~lightning_perf.functional.surgery.ForwardPatch`: installed on a module
-  with :func:`apply_sliding_window`, its ``forward(x)`` runs MONAI's function with the module's own forward as the
-  predictor, so code that calls ``model(x)`` (a LightningModule's ``predict_step``) needs no change.
-  :func:`remove_sliding_window` puts the plain forward back.
-- ``sw_batch_size="auto"`` (:func:`choose_sw_batch_size`): on the first input that needs the window, sizes 1, 2, 4, 8,
-  ... that fit in the memory headroom are timed against the best so far, paired and interleaved
-  (:func:`lightning_perf.profiling.latency.paired_blocks`); a larger size is kept only when it is faster with its whole
-  95% interval above 1, so a difference inside the noise keeps the smaller size. MONAI has no automatic size (its
-  issue #6628: the time stops improving as the size grows while the blending cost grows with it).
-
-Which inputs go through the window: an input whose spatial shape equals ``roi_size`` is exactly one window, so the
-patch calls the plain forward for it (MONAI would give the same values, up to rounding, at the cost of the blending
-buffers). Every other input of the right rank goes to MONAI: larger in some dimension, it is covered by windows;
-smaller in some dimension, MONAI pads it to ``roi_size`` (``padding_mode``, ``cval``) and crops the output back,
-so a network that needs its patch size (a U-Net whose side must divide by its pooling) still gets it. An input that
-is not a tensor of rank ``2 + len(roi_size)`` (channels and batch first) is passed to the plain forward.
-
-No Lightning here; MONAI is imported only when a window runs (the ``monai`` extra).
+Entry points: :func:`validate_sliding_window`, :func:`apply_sliding_window` / :func:`remove_sliding_window` (a
+:class:`SlidingWindowForward`), :func:`choose_sw_batch_size` (``sw_batch_size="auto"``, measured). No Lightning; MONAI
+is imported only when a window runs. Which inputs go through the window: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Module surgery: find submodules, replace them or wrap their ``forward`` in place, keeping ``state_dict`` keys.
 
-Every optimization that changes a model's modules (activation checkpointing, attention swaps, quantization-aware
-training, regional compilation) finds its targets and installs its changes through this file, so that they all follow
-the same rules:
-
-- Targets are chosen by a ``filter_fn(module, name) -> bool`` (``name`` is the fully qualified name, as in
-  ``model.named_modules()``), or by a list of names. The root module itself is never a target.
-- A replacement keeps the ``state_dict`` keys of what it replaces (:func:`replace_modules` checks it), so a checkpoint
-  saved with the change loads into the plain model and the other way round.
-- Surgery runs before optimizers and DDP exist (Lightning callbacks call it from ``setup`` through
-  :func:`lightning_perf.callbacks._model_hooks.run_after_configure_model`). Unlike Composer's
-  ``module_surgery.replace_module_classes``, nothing here swaps parameters held by an optimizer: call these functions
-  before you build the optimizer, or build it again afterwards. A replacement that reuses the replaced module's
-  ``Parameter`` objects (what every lightning_perf replacement does) keeps an existing optimizer valid anyway.
-- Applying the same change twice changes nothing the second time: callers skip what they already replaced, and
-  :func:`patch_forward` refuses to stack a second patch of the same kind.
+Entry points: :func:`find_modules`, :func:`replace_modules`, :func:`restore_modules`, :func:`patch_forward`,
+:func:`unpatch_forward` (:class:`ForwardPatch`), :func:`find_repeated_blocks`. The rules every model-changing
+optimization follows through this file: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations
