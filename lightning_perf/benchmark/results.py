@@ -2,7 +2,7 @@
 (:class:`BenchReport`) and a finished run's progress event (:class:`RunEvent`).
 
 Measured by :mod:`lightning_perf.benchmark.runner`, formatted and written by :mod:`lightning_perf.benchmark.report`;
-the keys are described in the runner's module docstring.
+the keys are described in the runner's module notes (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ spread (the largest source of noise here), so there is no interval and no verdic
 
 @dataclass
 class ConfigSummary:
-    """One configuration's figures, aggregated over repeats (the keys are described in the module docstring)."""
+    """One configuration's figures, aggregated over repeats (the keys are described in the module notes)."""
 
     config: str
     runs: int = 0

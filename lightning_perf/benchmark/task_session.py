@@ -160,7 +160,7 @@ class _Run:
 
 
 def run_tasks(spec: TaskSpec, runner: Callable[[BenchCall], BenchOutcome] | None = None) -> int:
-    """Run every task on each of its refs, then write and print the summary; see the module docstring.
+    """Run every task on each of its refs, then write and print the summary; see the module notes.
 
     Args:
         spec: what to run.

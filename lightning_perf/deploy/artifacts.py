@@ -87,7 +87,7 @@ def committed_set(dirpath: str | os.PathLike[str], name: str) -> Path | None:
 
 
 class StagedSet:
-    """A set of files being written in a staging directory of ``dirpath``; see the module docstring.
+    """A set of files being written in a staging directory of ``dirpath``; see the module notes.
 
     Use as a context manager: files are written under :attr:`path` (by name, flat), :meth:`commit` makes them visible
     as one set; leaving the block without a commit (or with an exception) removes the staging directory. An

@@ -136,7 +136,7 @@ def swap_attention(
 
     Call it before building the optimizer (the swapped modules reuse the original parameters, so an existing optimizer
     also stays valid). Modules swapped already or already fused are left alone, configured (Hugging Face) models are
-    switched to SDPA instead (nothing inside them is swapped): each is reported, as the module docstring says.
+    switched to SDPA instead (nothing inside them is swapped): each is reported, as the module notes say.
 
     Args:
         model: the model.

@@ -83,7 +83,7 @@ class ChannelsLastReport:
         dims: the spatial ranks that apply to this model (batches of these ranks should be converted too).
         layers: qualified names of the convolution layers now in channels-last format, by rank.
         changed: how many of their weights changed layout (1x1 kernels and weights converted before already match).
-        sharded: layers whose weights are DTensor shards (FSDP2), left in their layout (see the module's docstring);
+        sharded: layers whose weights are DTensor shards (FSDP2), left in their layout (see the module notes);
             their inputs are still converted.
         skipped_reason: why nothing applies, when ``dims`` is empty.
     """

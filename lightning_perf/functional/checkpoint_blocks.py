@@ -32,12 +32,12 @@ def _is_layer(module: nn.Module) -> bool:
 
 
 def count_layers(module: nn.Module) -> int:
-    """The layers of ``module`` (itself included): modules that compute and keep activations, see the module doc."""
+    """The layers of ``module`` (itself included): modules that compute and keep activations, see the module notes."""
     return sum(1 for m in module.modules() if _is_layer(m))
 
 
 def find_checkpoint_blocks(model: nn.Module, *, min_repeats: int = 2) -> list[tuple[str, nn.Module]]:
-    """The blocks worth checkpointing in ``model``, outermost only, in ``named_modules`` order (see the module doc).
+    """The blocks worth checkpointing in ``model``, outermost only, in ``named_modules`` order (see the module notes).
 
     Args:
         model: the model to search.
@@ -64,7 +64,7 @@ def find_checkpoint_blocks(model: nn.Module, *, min_repeats: int = 2) -> list[tu
 
 
 def _repeated_blocks(model: nn.Module, min_repeats: int) -> list[nn.Module]:
-    """Steps 1 to 3 of the module doc: the chosen groups of repeated sibling blocks."""
+    """Steps 1 to 3 of the module notes: the chosen groups of repeated sibling blocks."""
     groups = []
     for members in repeated_block_groups(model, min_repeats=min_repeats).values():
         sizes = [count_layers(m) for m in members]

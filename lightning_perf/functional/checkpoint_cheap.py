@@ -85,7 +85,7 @@ def _pop_hooks(*_: Any) -> None:
 
 
 class RecomputeCheapForward(CheckpointedForward):
-    """A block's forward that keeps the given modules' outputs out of autograd's saved tensors (see the module doc).
+    """A block's forward that keeps the given modules' outputs out of autograd's saved tensors (see the module notes).
 
     A :class:`~lightning_perf.functional.grad_checkpoint.CheckpointedForward` kind, so
     :func:`~lightning_perf.functional.grad_checkpoint.remove_activation_checkpointing` removes it too. Parts of the

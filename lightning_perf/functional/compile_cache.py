@@ -297,7 +297,7 @@ def use_inductor_cache_dir(folder: str | os.PathLike[str]) -> Iterator[bool]:
     """Point ``TORCHINDUCTOR_CACHE_DIR`` at ``folder`` (made, private to this user, if missing) while the block runs.
 
     Yields whether the folder is used: ``False``, with a :class:`~lightning_perf.NoEffectWarning`, when it cannot be
-    made or is not private (see the module's docstring: it holds native code that torch loads). The previous setting
+    made or is not private (see the module notes: it holds native code that torch loads). The previous setting
     is restored on exit. Torch reads the variable at each cache access, so it applies to what is compiled from then on.
     """
     target = Path(folder)

@@ -236,7 +236,7 @@ def _spatial_roi(roi_size: int | tuple[int, ...], spatial_dims: int) -> tuple[in
 
 def needs_window(inputs: Any, roi_size: int | tuple[int, ...]) -> bool:
     """Whether ``inputs`` goes through the sliding window: a tensor ``(N, C, *spatial)`` of the rank ``roi_size``
-    implies whose spatial shape differs from ``roi_size`` (see the module docstring)."""
+    implies whose spatial shape differs from ``roi_size`` (see the module notes)."""
     if not isinstance(inputs, Tensor) or inputs.dim() < 3:
         return False
     roi = _spatial_roi(roi_size, inputs.dim() - 2)
@@ -458,7 +458,7 @@ def _tensors(output: Any) -> list[Tensor]:
 
 
 class SlidingWindowForward(ForwardPatch):
-    """A module's forward that runs MONAI's sliding window over inputs unlike its patch (see the module docstring).
+    """A module's forward that runs MONAI's sliding window over inputs unlike its patch (see the module notes).
 
     Extra positional and keyword arguments of ``forward`` go to every window's call of the plain forward.
 

@@ -466,7 +466,7 @@ _RULES = (
 
 
 def recommend(breakdown: StepBreakdown) -> list[Recommendation]:
-    """Apply every rule (see the module docstring) to ``breakdown``; the most severe recommendations come first.
+    """Apply every rule (see the module notes) to ``breakdown``; the most severe recommendations come first.
 
     Returns:
         The recommendations, empty when nothing stands out or no steady-state step was measured.

@@ -75,7 +75,7 @@ def on_out_of_memory(listener: OomListener) -> Any:
     if not torch.cuda.is_available():
         raise RuntimeError("`on_out_of_memory()` needs CUDA: there is no CUDA allocator to observe.")
     if not _attached:
-        torch.cuda.init()  # the observer must meet an initialized allocator (see the module docstring)
+        torch.cuda.init()  # the observer must meet an initialized allocator (see the module notes)
         torch._C._cuda_attach_out_of_memory_observer(_dispatch)  # type: ignore[attr-defined]
         _attached = True
     _listeners.append(listener)

@@ -236,7 +236,7 @@ def measure_latency(
     names: tuple[str, str] = ("baseline", "candidate"),
     warmup_s: tuple[float | None, float | None] = (None, None),
 ) -> LatencyRow:
-    """Time ``baseline`` against ``candidate`` (paired, interleaved; see the module docstring) into one row.
+    """Time ``baseline`` against ``candidate`` (paired, interleaved; see the module notes) into one row.
 
     Example::
 

@@ -137,7 +137,7 @@ def sen_slope_interval(xs: Sequence[float], ys: Sequence[float], max_points: int
     ``M1, M2 = (N -+ z * sqrt(Var S)) / 2``, ``z = 1.96`` and ``Var S`` is the variance of Kendall's S with the
     correction for tied ``y`` values, ``(n(n-1)(2n+5) - sum t(t-1)(2t+5)) / 18``. Ranks are rounded outwards, so the
     interval is never narrower than 95%. It assumes independent deviations from the line; the callers guard against
-    correlated noise with the steadiness and noise-floor rules (see the module docstring).
+    correlated noise with the steadiness and noise-floor rules (see the module notes).
 
     Args:
         xs: positions (e.g. step indices), increasing.
@@ -226,7 +226,7 @@ class LeakTrend:
         last_bytes: memory at the last sample.
         leaking: significant (lower bound above zero), steady (significant in every segment) and reaching the noise
             floor within :data:`NOISE_FLOOR_STEPS` steps, over at least the minimum number of samples (see the
-            module docstring).
+            module notes).
         slope_low: lower bound of the slope's 95% interval (Sen), bytes per step.
         slope_high: upper bound of the slope's 95% interval, bytes per step.
         noise_floor: robust scatter of the samples around the fitted line, in bytes.
@@ -286,7 +286,7 @@ def trend_of(
     min_samples: int = 30,
     threshold: float | None = None,
 ) -> LeakTrend:
-    """Judge one point's samples (see the module docstring); :func:`detect_leaks` does it for every point."""
+    """Judge one point's samples (see the module notes); :func:`detect_leaks` does it for every point."""
     n = len(steps)
     if n < 2:
         first, last = (int(steps[0]), int(steps[-1])) if n else (-1, -1)
@@ -342,7 +342,7 @@ def detect_leaks(
 
     A point is flagged when, over at least ``min_samples`` samples, the Theil-Sen slope's 95% interval lies above
     zero, the readings rise steadily in each of :data:`SEGMENTS` consecutive parts of the samples, and the growth over
-    :data:`NOISE_FLOOR_STEPS` steps reaches the noise floor of the readings (the module docstring says why).
+    :data:`NOISE_FLOOR_STEPS` steps reaches the noise floor of the readings (the module notes say why).
 
     Args:
         series: ``{point: (steps, bytes)}``, steps increasing, warm-up already left out.

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 TRUTHFUL_CPU_MEMORY_ENV: dict[str, str] = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-"""Environment for a subprocess whose CPU peak RSS must equal its peak memory in use (see the module docstring): every
+"""Environment for a subprocess whose CPU peak RSS must equal its peak memory in use (see the module notes): every
 large allocation it makes pays for it in time; :func:`truthful_cpu_peak` switches it off for what is timed next."""
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, <malloc.h>
@@ -224,7 +224,7 @@ def _status_kib(buf: bytes, key: bytes) -> int:
 
 
 class MemoryProbe:
-    """Sample memory in use and peak memory on a device; see the module docstring for what each figure means.
+    """Sample memory in use and peak memory on a device; see the module notes for what each figure means.
 
     Args:
         device: the device to measure; ``None`` means CUDA when available, else CPU.

@@ -161,7 +161,7 @@ def mann_whitney_u(old: Sequence[float], new: Sequence[float]) -> MannWhitneyRes
         new: the second sample (finite numbers, at least one).
 
     Returns:
-        U of ``old``, z and the p-value. Exact enough for 8 or more values a side (see the module docstring).
+        U of ``old``, z and the p-value. Exact enough for 8 or more values a side (see the module notes).
 
     Raises:
         ValueError: if a sample is empty or holds NaN or an infinite value.

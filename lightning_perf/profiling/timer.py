@@ -64,7 +64,7 @@ class PhaseTimer:
             CUDA events recorded on the current stream, anything else with ``clock``.
         warmup_steps: number of leading steps reported apart as warm-up.
         clock: a monotonic clock in integer nanoseconds; it times CPU phases and the timer's own overhead.
-        max_pending_steps: on CUDA, how many closed steps may wait unresolved (see the module docstring).
+        max_pending_steps: on CUDA, how many closed steps may wait unresolved (see the module notes).
 
     Raises:
         ValueError: if ``warmup_steps`` is not an int >= 0 or ``max_pending_steps`` is not an int >= 1.

@@ -251,7 +251,7 @@ def quantize_dynamic_onnxruntime(
     refresh: bool = False,
 ) -> OnnxRuntimeModule:
     """An int8 ONNX Runtime copy of ``module``: ONNX export (dynamic batch) and ``onnxruntime``'s dynamic
-    quantization. ``reduce_range=None`` means ``True`` on CPUs without VNNI/AMX int8 (see the module docstring).
+    quantization. ``reduce_range=None`` means ``True`` on CPUs without VNNI/AMX int8 (see the module notes).
 
     With ``cache_dir``, the int8 model's bytes are kept there (:func:`read_int8_onnx`), one file per machine
     (:func:`machine_key`), module structure and input shapes (:func:`model_key`) and options, recording a hash of the

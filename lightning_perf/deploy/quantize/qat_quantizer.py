@@ -59,7 +59,7 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
 
 @register_quantizer(X86QATRecipe, TorchaoQATRecipe)
 class QATQuantizer(Quantizer):
-    """Quantization-aware training of one submodule of ``root`` (see the module docstring)."""
+    """Quantization-aware training of one submodule of ``root`` (see the module notes)."""
 
     trains = True
 
