@@ -108,8 +108,7 @@ class CompileCallback(UndoOnExit):
     and reshard hooks stay eager around the compiled code, as when each block is compiled before ``fully_shard``
     (torchtitan's order). Activation checkpointing patched in by
     :class:`~lightning_perf.callbacks.GradCheckpointCallback` runs inside the compiled region. Identical blocks share
-    one compiled graph. Gradients are those of the eager run (tested on 2 CPU processes). To measure a cold start,
-    fit inside :func:`~lightning_perf.functional.compile.fresh_compile_cache`.
+    one compiled graph. Gradients are those of the eager run (tested on 2 CPU processes).
 
     A compiler failure (raised lazily, at a module's first call) re-runs that call eagerly and turns compilation off
     for that module class, with a :class:`~lightning_perf.FallbackWarning` carrying the cause; ``strict=True`` raises
