@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_perf._validation import check_bool
+from lightning_perf._validation import check_bool, check_int
 from lightning_perf._warnings import NoEffectWarning, warn_once
 from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.compile import (
@@ -202,15 +202,8 @@ class CompileCallback(UndoOnExit):
         self.backend = backend
         self.regions = validate_regions(regions, owner)
         self.stages = _validate_stages(stages, owner)
-        if not isinstance(strict, bool):
-            raise TypeError(f"`{owner}(strict={strict!r})` is not valid. Expected True or False.")
-        self.strict = strict
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(
-                f"`{owner}(warmup_steps={warmup_steps!r})` is not valid. Expected an int >= 1 (the first training "
-                "steps, which include compilation)."
-            )
-        self.warmup_steps = warmup_steps
+        self.strict = check_bool(owner, "strict", strict)
+        self.warmup_steps = check_int(owner, "warmup_steps", warmup_steps, 1)  # the first steps: compilation
         if cache is not None and (not isinstance(cache, (str, os.PathLike)) or not os.fspath(cache)):
             raise TypeError(
                 f"`{owner}(cache={cache!r})` is not valid. Expected None or a file or folder path (str or "

@@ -18,6 +18,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from lightning_perf._validation import check_choice
 from lightning_perf.demos._base import (
     SPLITS,
     DemoModule,
@@ -303,11 +304,7 @@ class ConvNetModule(DemoModule):
 
     @override
     def check_config(self, config: Mapping[str, Any]) -> None:
-        if config["stem_stride"] not in STEM_STRIDES:
-            raise ValueError(
-                f"`ConvNetModule(stem_stride={config['stem_stride']!r})` is not valid. Expected one of "
-                f"{', '.join(map(str, STEM_STRIDES))}."
-            )
+        check_choice("ConvNetModule", "stem_stride", config["stem_stride"], STEM_STRIDES)
 
     @override
     def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
