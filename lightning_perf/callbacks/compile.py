@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_perf._validation import check_bool, check_int
+from lightning_perf._validation import check_bool, check_int, check_str_sequence
 from lightning_perf._warnings import NoEffectWarning, warn_once
 from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.compile import (
@@ -201,7 +201,7 @@ class CompileCallback(UndoOnExit):
         self.mode = mode
         self.backend = backend
         self.regions = validate_regions(regions, owner)
-        self.stages = _validate_stages(stages, owner)
+        self.stages = check_str_sequence(owner, "stages", stages, STAGES)
         self.strict = check_bool(owner, "strict", strict)
         self.warmup_steps = check_int(owner, "warmup_steps", warmup_steps, 1)  # the first steps: compilation
         if cache is not None and (not isinstance(cache, (str, os.PathLike)) or not os.fspath(cache)):
@@ -444,18 +444,3 @@ class CompileCallback(UndoOnExit):
         state.update(_compiled=None, _timer=None, _entry_check=None, _cudagraph_steps=False, _monitor=CompileMonitor())
         state.update(_cache_key=None, _cache_tried=False, _cache_loaded=False, _cache_dir_stack=contextlib.ExitStack())
         return state
-
-
-def _validate_stages(stages: Any, owner: str) -> tuple[str, ...]:
-    items = [stages] if isinstance(stages, str) else stages
-    if not isinstance(items, Iterable):
-        raise TypeError(f"`{owner}(stages={stages!r})` is not valid. Expected a list of: {', '.join(STAGES)}.")
-    items = list(items)
-    unknown = [item for item in items if item not in STAGES]
-    if unknown or not items:
-        raise ValueError(
-            f"`{owner}(stages={stages!r})` is not valid"
-            + (f": unknown stage {unknown[0]!r}" if unknown else ": no stage")
-            + f". Expected a non-empty list of: {', '.join(STAGES)}."
-        )
-    return tuple(dict.fromkeys(items))
