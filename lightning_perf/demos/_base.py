@@ -53,6 +53,11 @@ def mix_seed(*parts: int) -> int:
     return state >> 1  # torch.Generator.manual_seed takes any int, but a non-negative 63-bit one is portable
 
 
+def data_sizes(batch_size: int, train: int, val: int, test: int, predict: int, **shape: int) -> dict[str, int]:
+    """One preset's :attr:`SyntheticDataModule.SIZES` entry: the batch size, the samples of each split, the shape."""
+    return {"batch_size": batch_size, "train": train, "val": val, "test": test, "predict": predict, **shape}
+
+
 def check_seed(owner: str, seed: Any) -> int:
     """Return ``seed`` if it is an integer (any sign: :func:`mix_seed` takes it), else raise ``ValueError``."""
     if not is_int(seed):
@@ -87,6 +92,26 @@ def resolve_preset(
             check_number(owner, key, value, 0)
         config[key] = config[key] if value is None else value
     return config
+
+
+class SeededDataset(Dataset):
+    """A dataset of ``num_samples`` whose sample ``i`` is :meth:`sample` of a generator seeded from
+    ``(seed, split, i)`` alone (``split``: a tag mixed in so that the splits do not share samples)."""
+
+    def __init__(self, num_samples: int, seed: int = 0, split: int = 0) -> None:
+        self.num_samples, self.seed, self.split = num_samples, seed, split
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"index {index} is out of range for a dataset of {self.num_samples} samples")
+        return self.sample(generator_for(self.seed, self.split, index))
+
+    def sample(self, g: torch.Generator) -> Any:
+        """One sample, drawn from ``g`` only."""
+        raise NotImplementedError
 
 
 class EpochSeededRandomSampler(Sampler[int]):

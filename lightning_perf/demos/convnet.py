@@ -22,6 +22,7 @@ from lightning_perf._validation import check_choice
 from lightning_perf.demos._base import (
     SPLITS,
     DemoModule,
+    SeededDataset,
     SyntheticDataModule,
     generator_for,
     model_presets,
@@ -52,7 +53,7 @@ def class_templates(num_classes: int, channels: int, size: int) -> Tensor:
     return flat.view_as(fine).contiguous()
 
 
-class TemplateImageDataset(Dataset):
+class TemplateImageDataset(SeededDataset):
     """Sample ``i`` is ``(image, label)``: a shifted, noisy copy of a class pattern, generated from ``(seed, i)``.
 
     Args:
@@ -77,24 +78,15 @@ class TemplateImageDataset(Dataset):
         max_shift: int | None = None,
         noise_std: float = NOISE_STD,
     ) -> None:
-        self.num_samples = num_samples
-        self.image_size = image_size
-        self.num_classes = num_classes
-        self.seed = seed
-        self.split = split
-        self.channels = channels
+        super().__init__(num_samples, seed, split)
+        self.image_size, self.num_classes, self.channels = image_size, num_classes, channels
         self.max_shift = image_size // 8 if max_shift is None else max_shift
         self.noise_std = noise_std
         # Patterns are drawn on a larger canvas; a shift is a crop at an offset, so no wrap-around seams appear.
         self.templates = class_templates(num_classes, channels, image_size + 2 * self.max_shift)
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"index {index} is out of range for a dataset of {self.num_samples} samples")
-        g = generator_for(self.seed, self.split, index)
+    @override
+    def sample(self, g: torch.Generator) -> tuple[Tensor, Tensor]:
         label = int(torch.randint(self.num_classes, (), generator=g))
         dy, dx = torch.randint(2 * self.max_shift + 1, (2,), generator=g).tolist()
         size = self.image_size
