@@ -53,6 +53,11 @@ def mix_seed(*parts: int) -> int:
     return state >> 1  # torch.Generator.manual_seed takes any int, but a non-negative 63-bit one is portable
 
 
+def build_from(cls: Callable[..., Any], config: Mapping[str, Any]) -> Any:
+    """``cls`` built from the settings of a resolved preset that its constructor takes (by name)."""
+    return cls(**{key: config[key] for key in inspect.signature(cls).parameters if key in config})
+
+
 def data_sizes(batch_size: int, train: int, val: int, test: int, predict: int, **shape: int) -> dict[str, int]:
     """One preset's :attr:`SyntheticDataModule.SIZES` entry: the batch size, the samples of each split, the shape."""
     return {"batch_size": batch_size, "train": train, "val": val, "test": test, "predict": predict, **shape}

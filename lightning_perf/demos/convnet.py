@@ -24,6 +24,7 @@ from lightning_perf.demos._base import (
     DemoModule,
     SeededDataset,
     SyntheticDataModule,
+    build_from,
     generator_for,
     model_presets,
 )
@@ -300,12 +301,6 @@ class ConvNetModule(DemoModule):
 
     @override
     def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
-        net = ResNet(
-            config["num_classes"],
-            config["width"],
-            config["num_stages"],
-            config["blocks_per_stage"],
-            stem_stride=config["stem_stride"],
-        )
+        net = build_from(ResNet, config)
         size = config["image_size"]
         return net, lambda: MulticlassAccuracy(config["num_classes"], average="micro"), torch.zeros(1, 3, size, size)

@@ -30,6 +30,7 @@ from lightning_perf.demos._base import (
     DemoModule,
     SeededDataset,
     SyntheticDataModule,
+    build_from,
     data_sizes,
     generator_for,
     model_presets,
@@ -293,14 +294,7 @@ class LMModule(DemoModule):
     @override
     def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
         self.vocab_size: int = config["vocab_size"]
-        net = TransformerLM(
-            config["vocab_size"],
-            config["seq_len"],
-            config["dim"],
-            config["depth"],
-            config["num_heads"],
-            config["mlp_ratio"],
-        )
+        net = build_from(TransformerLM, config)
         example = torch.zeros(1, config["seq_len"], dtype=torch.long)
         return net, lambda: MulticlassAccuracy(config["vocab_size"], average="micro"), example
 

@@ -28,6 +28,7 @@ from lightning_perf.demos._base import (
     DemoModule,
     SeededDataset,
     SyntheticDataModule,
+    build_from,
     data_sizes,
     model_presets,
 )
@@ -275,7 +276,7 @@ class UNet3DModule(DemoModule):
     def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
         size = config["volume_size"]
         self.roi_size: tuple[int, int, int] = (size, size, size)
-        return UNet3D(config["width"], config["levels"]), BinaryF1Score, torch.zeros(1, 1, size, size, size)
+        return build_from(UNet3D, config), BinaryF1Score, torch.zeros(1, 1, size, size, size)
 
     @override
     def compute(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:
