@@ -9,9 +9,7 @@ SlidingWindowInferenceCallback`` (or any other callback or strategy) imports onl
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from lightning_perf._lazy import lazy_exports
 from lightning_perf._warnings import (
     FallbackWarning,
     LightningPerfWarning,
@@ -32,10 +30,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # `from lightning_perf import ChannelsLastCallback` works without importing every callback up front.
-    for sub in ("callbacks", "strategies"):
-        module = importlib.import_module(f"lightning_perf.{sub}")
-        if name in getattr(module, "__all__", ()):
-            return getattr(module, name)
-    raise AttributeError(f"module 'lightning_perf' has no attribute {name!r}")
+# `from lightning_perf import ChannelsLastCallback` works without importing every callback up front.
+__getattr__, __dir__ = lazy_exports(globals(), {}, ("lightning_perf.callbacks", "lightning_perf.strategies"))

@@ -15,11 +15,21 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
+def is_int(value: Any, minimum: int | None = None) -> bool:
+    """Whether ``value`` is an integer (not a bool) and, with ``minimum``, at least that."""
+    return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+
+
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_int(owner: str, name: str, value: Any, minimum: int, allow_none: bool = False) -> Any:
     """Return ``value`` if it is an integer >= ``minimum`` (or None when allowed), else raise ``ValueError``."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value, minimum):
         expected = f"an integer >= {minimum}" + (" or None" if allow_none else "")
         raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected {expected}.")
     return value
@@ -30,7 +40,7 @@ def check_number(
 ) -> float:
     """Return ``value`` as a float if it is a finite number >= ``minimum`` (> with ``exclusive``) and <= ``maximum``,
     else raise ``ValueError``."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = is_number(value)
     if ok:
         ok = value > minimum if exclusive else value >= minimum
     if ok and maximum is not None:
@@ -78,17 +88,13 @@ def _short_repr(value: Any) -> str:
     return text if "\n" not in text and len(text) <= 200 else f"<{type(value).__name__}>"
 
 
-def _is_int(value: Any, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
 def check_int_sequence(owner: str, name: str, value: Any, minimum: int = 1) -> tuple[int, ...]:
     """Return ``value`` as a tuple if it is a non-empty list or tuple of integers >= ``minimum``, else raise
     ``ValueError``; a bare integer is refused with the list it probably meant (``[8]`` for ``8``)."""
     is_list = isinstance(value, Sequence) and not isinstance(value, (str, bytes))
-    if is_list and value and all(_is_int(v, minimum) for v in value):
+    if is_list and value and all(is_int(v, minimum) for v in value):
         return tuple(value)
-    hint = f" Did you mean {name}=[{value!r}]?" if _is_int(value, minimum) else ""
+    hint = f" Did you mean {name}=[{value!r}]?" if is_int(value, minimum) else ""
     expected = f"a non-empty list of integers >= {minimum}"
     raise ValueError(f"`{owner}({name}={_short_repr(value)})` is not valid. Expected {expected}.{hint}")
 

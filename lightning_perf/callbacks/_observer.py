@@ -22,26 +22,15 @@ from torch import nn
 
 from lightning_perf._device import has_fast_cpu_bf16, is_sm_at_least, supports_tf32
 from lightning_perf._imports import install_hint, is_matplotlib_available
+from lightning_perf._validation import check_instance
 from lightning_perf.profiling.report import write_json
 from lightning_perf.profiling.step_phases import usable_cpus
 
 
 def check_dirpath(owner: str, dirpath: Any) -> str | None:
     """Return ``dirpath`` as a string (None stays None), else raise ``TypeError``."""
-    if dirpath is None:
-        return None
-    if not isinstance(dirpath, (str, os.PathLike)):
-        raise TypeError(f"`{owner}(dirpath={dirpath!r})` is not valid. Expected a path or None.")
-    return os.fspath(dirpath)
-
-
-def check_filename(owner: str, filename: Any) -> str:
-    """Return ``filename`` if it is a plain file stem, else raise ``ValueError``."""
-    if not isinstance(filename, str) or not filename or os.sep in filename or filename in (".", ".."):
-        raise ValueError(
-            f"`{owner}(filename={filename!r})` is not valid. Expected a file name without a directory, e.g. 'report'."
-        )
-    return filename
+    check_instance(owner, "dirpath", dirpath, (type(None), str, os.PathLike), "a path or None")
+    return None if dirpath is None else os.fspath(dirpath)
 
 
 def report_dir(trainer: pl.Trainer, dirpath: str | None) -> Path:

@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_perf._validation import check_bool, check_int
+from lightning_perf._validation import check_bool, check_file_stem, check_int
 from lightning_perf.callbacks import _observer as obs
 from lightning_perf.callbacks._model_hooks import add_batch_transform, remove_batch_transform
 from lightning_perf.callbacks._undo import UndoOnExit
@@ -114,7 +114,7 @@ class BottleneckCallback(UndoOnExit):
         self.min_timed_steps: int = check_int(name, "min_timed_steps", min_timed_steps, 0)
         self.thresholds = sp.check_settings(name, warmup_steps, sync_check_steps, thresholds)
         self.dirpath = obs.check_dirpath(name, dirpath)
-        self.filename = obs.check_filename(name, filename)
+        self.filename = check_file_stem(name, "filename", filename)
         self.progress_bar = check_bool(name, "progress_bar", progress_bar)
         self.plot = check_bool(name, "plot", plot)
         self.verbose = check_bool(name, "verbose", verbose)

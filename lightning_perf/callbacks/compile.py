@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_perf._validation import check_bool
+from lightning_perf._validation import check_bool, check_int, check_str_sequence
 from lightning_perf._warnings import NoEffectWarning, warn_once
 from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.compile import (
@@ -108,8 +108,7 @@ class CompileCallback(UndoOnExit):
     and reshard hooks stay eager around the compiled code, as when each block is compiled before ``fully_shard``
     (torchtitan's order). Activation checkpointing patched in by
     :class:`~lightning_perf.callbacks.GradCheckpointCallback` runs inside the compiled region. Identical blocks share
-    one compiled graph. Gradients are those of the eager run (tested on 2 CPU processes). To measure a cold start,
-    fit inside :func:`~lightning_perf.functional.compile.fresh_compile_cache`.
+    one compiled graph. Gradients are those of the eager run (tested on 2 CPU processes).
 
     A compiler failure (raised lazily, at a module's first call) re-runs that call eagerly and turns compilation off
     for that module class, with a :class:`~lightning_perf.FallbackWarning` carrying the cause; ``strict=True`` raises
@@ -202,16 +201,9 @@ class CompileCallback(UndoOnExit):
         self.mode = mode
         self.backend = backend
         self.regions = validate_regions(regions, owner)
-        self.stages = _validate_stages(stages, owner)
-        if not isinstance(strict, bool):
-            raise TypeError(f"`{owner}(strict={strict!r})` is not valid. Expected True or False.")
-        self.strict = strict
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(
-                f"`{owner}(warmup_steps={warmup_steps!r})` is not valid. Expected an int >= 1 (the first training "
-                "steps, which include compilation)."
-            )
-        self.warmup_steps = warmup_steps
+        self.stages = check_str_sequence(owner, "stages", stages, STAGES)
+        self.strict = check_bool(owner, "strict", strict)
+        self.warmup_steps = check_int(owner, "warmup_steps", warmup_steps, 1)  # the first steps: compilation
         if cache is not None and (not isinstance(cache, (str, os.PathLike)) or not os.fspath(cache)):
             raise TypeError(
                 f"`{owner}(cache={cache!r})` is not valid. Expected None or a file or folder path (str or "
@@ -452,18 +444,3 @@ class CompileCallback(UndoOnExit):
         state.update(_compiled=None, _timer=None, _entry_check=None, _cudagraph_steps=False, _monitor=CompileMonitor())
         state.update(_cache_key=None, _cache_tried=False, _cache_loaded=False, _cache_dir_stack=contextlib.ExitStack())
         return state
-
-
-def _validate_stages(stages: Any, owner: str) -> tuple[str, ...]:
-    items = [stages] if isinstance(stages, str) else stages
-    if not isinstance(items, Iterable):
-        raise TypeError(f"`{owner}(stages={stages!r})` is not valid. Expected a list of: {', '.join(STAGES)}.")
-    items = list(items)
-    unknown = [item for item in items if item not in STAGES]
-    if unknown or not items:
-        raise ValueError(
-            f"`{owner}(stages={stages!r})` is not valid"
-            + (f": unknown stage {unknown[0]!r}" if unknown else ": no stage")
-            + f". Expected a non-empty list of: {', '.join(STAGES)}."
-        )
-    return tuple(dict.fromkeys(items))

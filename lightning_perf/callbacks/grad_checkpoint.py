@@ -143,10 +143,7 @@ class GradCheckpointCallback(UndoOnExit):
                 _check_class_names(names)
             except (TypeError, ValueError) as err:
                 raise type(err)(f"`GradCheckpointCallback(modules={modules!r})` is not valid. {err}") from err
-        try:
-            validate_portion(every_n, fraction)
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"`GradCheckpointCallback(every_n={every_n!r}, fraction={fraction!r})`: {err}") from err
+        validate_portion(every_n, fraction, "GradCheckpointCallback")
         check_bool("GradCheckpointCallback", "preserve_rng_state", preserve_rng_state)
         if memory_budget is not None:
             validate_memory_budget("GradCheckpointCallback", memory_budget)

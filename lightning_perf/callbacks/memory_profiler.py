@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_perf._validation import check_bool, check_int
+from lightning_perf._validation import check_bool, check_file_stem, check_int
 from lightning_perf._warnings import MeasurementWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks import _observer as obs
 from lightning_perf.callbacks._undo import UndoOnExit
@@ -128,7 +128,7 @@ class MemoryProfilerCallback(UndoOnExit):
         self.record_history = check_bool(name, "record_history", record_history)
         self.oom_snapshot = check_bool(name, "oom_snapshot", oom_snapshot)
         self.dirpath = obs.check_dirpath(name, dirpath)
-        self.filename = obs.check_filename(name, filename)
+        self.filename = check_file_stem(name, "filename", filename)
         self.plot = check_bool(name, "plot", plot)
         self.verbose = check_bool(name, "verbose", verbose)
         self.overwrite = check_bool(name, "overwrite", overwrite)

@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_perf._validation import check_str_sequence
 from lightning_perf.callbacks._undo import UndoOnExit
 from lightning_perf.functional.sliding_window import (
     SLIDING_WINDOW_STAGES,
@@ -127,7 +128,7 @@ class SlidingWindowInferenceCallback(UndoOnExit):
             buffer_steps=buffer_steps,
             buffer_dim=buffer_dim,
         )
-        self.stages = _validate_stages(stages)
+        self.stages = check_str_sequence(_OWNER, "stages", stages, SLIDING_WINDOW_STAGES)
         self.choice: SwBatchSizeChoice | None = None
         self._patched: pl.LightningModule | None = None
 
@@ -183,20 +184,3 @@ class SlidingWindowInferenceCallback(UndoOnExit):
     def active(self) -> bool:
         """Whether a LightningModule's forward currently runs through the window."""
         return self._patched is not None and sliding_window_patch(self._patched) is not None
-
-
-def _validate_stages(stages: Any) -> tuple[str, ...]:
-    items = [stages] if isinstance(stages, str) else stages
-    if not isinstance(items, Iterable):
-        raise TypeError(
-            f"`{_OWNER}(stages={stages!r})` is not valid. Expected a list of: {', '.join(SLIDING_WINDOW_STAGES)}."
-        )
-    items = list(items)
-    unknown = [item for item in items if not isinstance(item, str) or item not in SLIDING_WINDOW_STAGES]
-    if unknown or not items:
-        raise ValueError(
-            f"`{_OWNER}(stages={stages!r})` is not valid"
-            + (f": unknown stage {unknown[0]!r}" if unknown else ": no stage")
-            + f". Expected a non-empty list of: {', '.join(SLIDING_WINDOW_STAGES)} (fit is never windowed)."
-        )
-    return tuple(dict.fromkeys(items))

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_perf._io import load_checkpoint
-from lightning_perf._validation import check_bool, check_file_stem
+from lightning_perf._validation import check_bool, check_file_stem, check_instance, is_int
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, refuse_sharded, run_after_configure_model
 from lightning_perf.callbacks._trainer_data import default_dirpath, run_metadata, step_call, val_dataloader
@@ -131,8 +131,8 @@ class TensorRTExportCallback(Callback):
         owner = type(self).__name__
         check_file_stem(owner, "filename", filename)
         check_bool(owner, "use_best_checkpoint", use_best_checkpoint)
-        _check_optional(owner, "dirpath", dirpath, (str, os.PathLike), "None or a directory path")
-        _check_optional(owner, "input_key", input_key, str, "None or the model input's key in dict batches")
+        check_instance(owner, "dirpath", dirpath, (type(None), str, os.PathLike), "None or a directory path")
+        check_instance(owner, "input_key", input_key, (type(None), str), "None or the input's key in dict batches")
         if input_key == "":
             raise ValueError(f"`{owner}(input_key='')` is not valid. Expected None or a non-empty key.")
         self.dirpath = None if dirpath is None else Path(dirpath)
@@ -267,17 +267,13 @@ class TensorRTExportCallback(Callback):
 
 def _check_input_shapes(owner: str, shapes: Any) -> None:
     """A list of shapes, one per model input, each a non-empty sequence of positive ints (no batch dimension)."""
-
-    def positive(size: Any) -> bool:
-        return isinstance(size, int) and not isinstance(size, bool) and size >= 1
-
     expected = (
         "Expected a list of shapes, one per model input, each without the batch dimension: e.g. [(3, 32)] for one "
         "input of 3x32 samples, [(3, 224, 224), (10,)] for two inputs"
     )
     if isinstance(shapes, (str, bytes, Mapping)) or not isinstance(shapes, Sequence) or not shapes:
         raise ValueError(f"`{owner}(input_shapes={shapes!r})` is not valid. {expected}.")
-    if all(positive(size) for size in shapes):  # one shape given flat, the commonest slip
+    if all(is_int(size, 1) for size in shapes):  # one shape given flat, the commonest slip
         raise ValueError(
             f"`{owner}(input_shapes={shapes!r})` is not valid: that is one shape, not a list of shapes. {expected}; "
             f"did you mean input_shapes=[{tuple(shapes)!r}]?"
@@ -287,17 +283,12 @@ def _check_input_shapes(owner: str, shapes: Any) -> None:
             isinstance(shape, (str, bytes, Mapping))
             or not isinstance(shape, Sequence)
             or not shape
-            or not all(positive(size) for size in shape)
+            or not all(is_int(size, 1) for size in shape)
         ):
             raise ValueError(
                 f"`{owner}(input_shapes={shapes!r})` is not valid: input {i}'s shape {shape!r} is not a sequence of "
                 f"positive sizes. {expected}."
             )
-
-
-def _check_optional(owner: str, name: str, value: Any, types: Any, expected: str) -> None:
-    if value is not None and not isinstance(value, types):
-        raise TypeError(f"`{owner}({name}={value!r})` is not valid. Expected {expected}.")
 
 
 def _detached_copy(pl_module: pl.LightningModule, trainer: pl.Trainer) -> pl.LightningModule:

@@ -12,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_perf._validation import check_choice
 from lightning_perf.demos._base import PRESETS, EpochSeededRandomSampler, SyntheticDataModule
 from lightning_perf.demos.convnet import ConvNetDataModule, ConvNetModule
 from lightning_perf.demos.lm import LMDataModule, LMModule
@@ -133,14 +134,8 @@ def make_workload(
 
         model, data = make_workload("lm", "tiny", batch_size=8, depth=1)
     """
-    if name not in WORKLOADS:
-        raise ValueError(
-            f"`make_workload(name={name!r})` is not a known workload. Expected one of: {', '.join(WORKLOADS)}."
-        )
-    if preset not in PRESETS:
-        raise ValueError(
-            f"`make_workload(preset={preset!r})` is not a known preset. Expected one of: {', '.join(PRESETS)}."
-        )
+    check_choice("make_workload", "name", name, tuple(WORKLOADS))
+    check_choice("make_workload", "preset", preset, PRESETS)
     workload = WORKLOADS[name]
     shape = {key: model_overrides[key] for key in workload.datamodule_cls.SHAPE_KEYS if key in model_overrides}
     datamodule = workload.datamodule_cls(  # type: ignore[call-arg]  # the base reads its subclass's own arguments

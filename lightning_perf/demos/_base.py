@@ -8,7 +8,6 @@ from a checkpoint at an epoch boundary sees exactly the batches an uninterrupted
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -18,6 +17,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchmetrics import Metric
 from typing_extensions import override
+
+from lightning_perf._validation import check_choice, check_int, check_number, is_int
 
 PRESETS: tuple[str, ...] = ("tiny", "default", "gpu")
 """Size presets every workload offers: ``tiny`` for tests (milliseconds per step), ``default`` for benchmarks on a
@@ -52,15 +53,26 @@ def mix_seed(*parts: int) -> int:
     return state >> 1  # torch.Generator.manual_seed takes any int, but a non-negative 63-bit one is portable
 
 
+def build_from(cls: Callable[..., Any], config: Mapping[str, Any]) -> Any:
+    """``cls`` built from the settings of a resolved preset that its constructor takes (by name)."""
+    return cls(**{key: config[key] for key in inspect.signature(cls).parameters if key in config})
+
+
+def data_sizes(batch_size: int, train: int, val: int, test: int, predict: int, **shape: int) -> dict[str, int]:
+    """One preset's :attr:`SyntheticDataModule.SIZES` entry: the batch size, the samples of each split, the shape."""
+    return {"batch_size": batch_size, "train": train, "val": val, "test": test, "predict": predict, **shape}
+
+
+def check_seed(owner: str, seed: Any) -> int:
+    """Return ``seed`` if it is an integer (any sign: :func:`mix_seed` takes it), else raise ``ValueError``."""
+    if not is_int(seed):
+        raise ValueError(f"`{owner}(seed={seed!r})` is not valid. Expected an integer.")
+    return int(seed)
+
+
 def generator_for(*parts: int) -> torch.Generator:
     """A CPU ``torch.Generator`` seeded from ``mix_seed(*parts)``."""
     return torch.Generator().manual_seed(mix_seed(*parts))
-
-
-def check_preset(preset: str, owner: str) -> None:
-    """Raise ``ValueError`` naming ``preset`` and the valid ones unless it is one of :data:`PRESETS`."""
-    if preset not in PRESETS:
-        raise ValueError(f"`{owner}(preset={preset!r})` is not a known preset. Expected one of: {', '.join(PRESETS)}.")
 
 
 def resolve_preset(
@@ -77,21 +89,34 @@ def resolve_preset(
     Raises:
         ValueError: if ``preset`` is unknown, or an integer setting is not a positive integer, or a float is negative.
     """
-    check_preset(preset, owner)
-    config = dict(table[preset])
+    config = dict(table[check_choice(owner, "preset", preset, PRESETS)])
     for key, value in overrides.items():
-        if value is None:
-            continue
-        expected = config[key]
-        if isinstance(expected, int):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{owner}({key}={value!r})` is not valid. Expected a positive integer.")
-        elif isinstance(expected, float) and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
-        ):
-            raise ValueError(f"`{owner}({key}={value!r})` is not valid. Expected a non-negative number.")
-        config[key] = value
+        if isinstance(config[key], int):
+            check_int(owner, key, value, 1, allow_none=True)
+        elif isinstance(config[key], float) and value is not None:
+            check_number(owner, key, value, 0)
+        config[key] = config[key] if value is None else value
     return config
+
+
+class SeededDataset(Dataset):
+    """A dataset of ``num_samples`` whose sample ``i`` is :meth:`sample` of a generator seeded from
+    ``(seed, split, i)`` alone (``split``: a tag mixed in so that the splits do not share samples)."""
+
+    def __init__(self, num_samples: int, seed: int = 0, split: int = 0) -> None:
+        self.num_samples, self.seed, self.split = num_samples, seed, split
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"index {index} is out of range for a dataset of {self.num_samples} samples")
+        return self.sample(generator_for(self.seed, self.split, index))
+
+    def sample(self, g: torch.Generator) -> Any:
+        """One sample, drawn from ``g`` only."""
+        raise NotImplementedError
 
 
 class EpochSeededRandomSampler(Sampler[int]):
@@ -116,14 +141,8 @@ class EpochSeededRandomSampler(Sampler[int]):
     """
 
     def __init__(self, num_samples: int, seed: int = 0) -> None:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(
-                f"`EpochSeededRandomSampler(num_samples={num_samples!r})` is not valid. Expected a positive integer."
-            )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"`EpochSeededRandomSampler(seed={seed!r})` is not valid. Expected an integer.")
-        self.num_samples = num_samples
-        self.seed = seed
+        self.num_samples = check_int("EpochSeededRandomSampler", "num_samples", num_samples, 1)
+        self.seed = check_seed("EpochSeededRandomSampler", seed)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -174,23 +193,15 @@ class SyntheticDataModule(pl.LightningDataModule):
         self.save_hyperparameters(frame=caller.f_back if caller is not None else None)
         owner, preset, batch_size = type(self).__name__, self.hparams["preset"], self.hparams["batch_size"]
         num_workers, seed = self.hparams["num_workers"], self.hparams["seed"]
-        check_preset(preset, owner)
-        if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-        ):
-            raise ValueError(f"`{owner}(batch_size={batch_size!r})` is not valid. Expected a positive integer or None.")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"`{owner}(num_workers={num_workers!r})` is not valid. Expected an integer >= 0.")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"`{owner}(seed={seed!r})` is not valid. Expected an integer.")
-        sizes = self.SIZES[preset]
+        sizes = self.SIZES[check_choice(owner, "preset", preset, PRESETS)]
         self.preset = preset
+        check_int(owner, "batch_size", batch_size, 1, allow_none=True)
         self.batch_size: int = batch_size if batch_size is not None else int(sizes["batch_size"])
         self.num_samples: dict[str, int] = {split: int(sizes[split]) for split in SPLITS}
-        self.num_workers = num_workers
+        self.num_workers = check_int(owner, "num_workers", num_workers, 0)
         self.pin_memory = bool(self.hparams["pin_memory"])
         self.persistent_workers = bool(self.hparams["persistent_workers"])
-        self.seed = seed
+        self.seed = check_seed(owner, seed)
         self.datasets: dict[str, Dataset] = {}
         shape_keys = [key for key in sizes if key != "batch_size" and key not in SPLITS]
         shape = resolve_preset(self.SIZES, preset, {key: self.hparams[key] for key in shape_keys}, owner)
@@ -303,9 +314,11 @@ class DemoModule(pl.LightningModule):
         self.save_hyperparameters(frame=caller.f_back if caller is not None else None)
         config = self.resolve_hparams(self.MODEL_PRESETS)
         self.check_config(config)
-        self.use_optimizer_settings(config)
+        self.lr, self.weight_decay = float(config["lr"]), float(config["weight_decay"])
+        self.schedule_epochs = int(config["schedule_epochs"])
         self.net, metric, self.example_input_array = self.build(config)
-        self.init_metrics(metric)
+        # Each stage its own metric.
+        self.train_metric, self.val_metric, self.test_metric = metric(), metric(), metric()
 
     def check_config(self, config: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` naming the argument when the resolved settings do not fit together (default: none)."""
@@ -330,20 +343,9 @@ class DemoModule(pl.LightningModule):
     def resolve_hparams(self, table: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         """The preset saved as ``hparams["preset"]`` with the other saved constructor arguments on top
         (:func:`resolve_preset`); only the settings the table knows count, so a subclass's own arguments stay out."""
-        preset = self.hparams["preset"]
-        check_preset(preset, type(self).__name__)
+        preset = check_choice(type(self).__name__, "preset", self.hparams["preset"], PRESETS)
         overrides = {key: self.hparams[key] for key in table[preset] if key in self.hparams}
         return resolve_preset(table, preset, overrides, type(self).__name__)
-
-    def use_optimizer_settings(self, config: Mapping[str, Any]) -> None:
-        """Take ``lr``, ``weight_decay`` and ``schedule_epochs`` from a resolved preset."""
-        self.lr = float(config["lr"])
-        self.weight_decay = float(config["weight_decay"])
-        self.schedule_epochs = int(config["schedule_epochs"])
-
-    def init_metrics(self, factory: Callable[[], Metric]) -> None:
-        """Give the train, validation and test stages each their own metric from ``factory``."""
-        self.train_metric, self.val_metric, self.test_metric = factory(), factory(), factory()
 
     def split_batch(self, batch: Any) -> tuple[Tensor, Tensor]:
         """The network input and the target of a batch (default: an ``(inputs, targets)`` pair)."""

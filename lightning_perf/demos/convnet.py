@@ -18,10 +18,13 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from lightning_perf._validation import check_choice
 from lightning_perf.demos._base import (
     SPLITS,
     DemoModule,
+    SeededDataset,
     SyntheticDataModule,
+    build_from,
     generator_for,
     model_presets,
 )
@@ -51,7 +54,7 @@ def class_templates(num_classes: int, channels: int, size: int) -> Tensor:
     return flat.view_as(fine).contiguous()
 
 
-class TemplateImageDataset(Dataset):
+class TemplateImageDataset(SeededDataset):
     """Sample ``i`` is ``(image, label)``: a shifted, noisy copy of a class pattern, generated from ``(seed, i)``.
 
     Args:
@@ -76,24 +79,15 @@ class TemplateImageDataset(Dataset):
         max_shift: int | None = None,
         noise_std: float = NOISE_STD,
     ) -> None:
-        self.num_samples = num_samples
-        self.image_size = image_size
-        self.num_classes = num_classes
-        self.seed = seed
-        self.split = split
-        self.channels = channels
+        super().__init__(num_samples, seed, split)
+        self.image_size, self.num_classes, self.channels = image_size, num_classes, channels
         self.max_shift = image_size // 8 if max_shift is None else max_shift
         self.noise_std = noise_std
         # Patterns are drawn on a larger canvas; a shift is a crop at an offset, so no wrap-around seams appear.
         self.templates = class_templates(num_classes, channels, image_size + 2 * self.max_shift)
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"index {index} is out of range for a dataset of {self.num_samples} samples")
-        g = generator_for(self.seed, self.split, index)
+    @override
+    def sample(self, g: torch.Generator) -> tuple[Tensor, Tensor]:
         label = int(torch.randint(self.num_classes, (), generator=g))
         dy, dx = torch.randint(2 * self.max_shift + 1, (2,), generator=g).tolist()
         size = self.image_size
@@ -303,20 +297,10 @@ class ConvNetModule(DemoModule):
 
     @override
     def check_config(self, config: Mapping[str, Any]) -> None:
-        if config["stem_stride"] not in STEM_STRIDES:
-            raise ValueError(
-                f"`ConvNetModule(stem_stride={config['stem_stride']!r})` is not valid. Expected one of "
-                f"{', '.join(map(str, STEM_STRIDES))}."
-            )
+        check_choice("ConvNetModule", "stem_stride", config["stem_stride"], STEM_STRIDES)
 
     @override
     def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
-        net = ResNet(
-            config["num_classes"],
-            config["width"],
-            config["num_stages"],
-            config["blocks_per_stage"],
-            stem_stride=config["stem_stride"],
-        )
+        net = build_from(ResNet, config)
         size = config["image_size"]
         return net, lambda: MulticlassAccuracy(config["num_classes"], average="micro"), torch.zeros(1, 3, size, size)

@@ -28,7 +28,10 @@ from typing_extensions import override
 from lightning_perf.demos._base import (
     SPLITS,
     DemoModule,
+    SeededDataset,
     SyntheticDataModule,
+    build_from,
+    data_sizes,
     generator_for,
     model_presets,
 )
@@ -51,7 +54,7 @@ def _markov_successors(vocab_size: int, num_successors: int) -> Tensor:
     return torch.stack([torch.randperm(vocab_size, generator=g)[:num_successors] for _ in range(vocab_size)])
 
 
-class MarkovTokenDataset(Dataset):
+class MarkovTokenDataset(SeededDataset):
     """Sample ``i`` is ``{"input_ids", "labels"}``: a walk on the Markov chain generated from ``(seed, i)``.
 
     ``labels`` is ``input_ids`` shifted left by one, i.e. the next token at every position.
@@ -67,21 +70,13 @@ class MarkovTokenDataset(Dataset):
     def __init__(self, num_samples: int, seq_len: int, vocab_size: int, seed: int = 0, split: int = 0) -> None:
         if vocab_size < len(SUCCESSOR_PROBS):
             raise ValueError(f"vocab_size={vocab_size!r} is too small. Expected at least {len(SUCCESSOR_PROBS)}.")
-        self.num_samples = num_samples
-        self.seq_len = seq_len
-        self.vocab_size = vocab_size
-        self.seed = seed
-        self.split = split
+        super().__init__(num_samples, seed, split)
+        self.seq_len, self.vocab_size = seq_len, vocab_size
         self._successors: list[list[int]] = markov_successors(vocab_size).tolist()
         self._cdf = list(accumulate(SUCCESSOR_PROBS))
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"index {index} is out of range for a dataset of {self.num_samples} samples")
-        g = generator_for(self.seed, self.split, index)
+    @override
+    def sample(self, g: torch.Generator) -> dict[str, Tensor]:
         token = int(torch.randint(self.vocab_size, (), generator=g))
         last = len(self._cdf) - 1
         tokens = [token]
@@ -94,27 +89,11 @@ class MarkovTokenDataset(Dataset):
 
 
 _DATA_SIZES: dict[str, dict[str, int]] = {
-    "tiny": {"batch_size": 32, "train": 512, "val": 128, "test": 128, "predict": 64, "seq_len": 32, "vocab_size": 64},
-    "default": {
-        "batch_size": 16,
-        "train": 2048,
-        "val": 256,
-        "test": 256,
-        "predict": 256,
-        "seq_len": 128,
-        "vocab_size": 512,
-    },
+    "tiny": data_sizes(32, 512, 128, 128, 64, seq_len=32, vocab_size=64),
+    "default": data_sizes(16, 2048, 256, 256, 256, seq_len=128, vocab_size=512),
     # GPT-2 small's context of 512 tokens at the batch of 16 sequences; a vocabulary of 8192 (GPT-2: 50257) keeps
     # the synthetic chain quick to build and the head a sixth of the model instead of a third.
-    "gpu": {
-        "batch_size": 16,
-        "train": 2048,
-        "val": 128,
-        "test": 128,
-        "predict": 128,
-        "seq_len": 512,
-        "vocab_size": 8192,
-    },
+    "gpu": data_sizes(16, 2048, 128, 128, 128, seq_len=512, vocab_size=8192),
 }
 
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -315,14 +294,7 @@ class LMModule(DemoModule):
     @override
     def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
         self.vocab_size: int = config["vocab_size"]
-        net = TransformerLM(
-            config["vocab_size"],
-            config["seq_len"],
-            config["dim"],
-            config["depth"],
-            config["num_heads"],
-            config["mlp_ratio"],
-        )
+        net = build_from(TransformerLM, config)
         example = torch.zeros(1, config["seq_len"], dtype=torch.long)
         return net, lambda: MulticlassAccuracy(config["vocab_size"], average="micro"), example
 

@@ -26,8 +26,10 @@ from typing_extensions import override
 from lightning_perf.demos._base import (
     SPLITS,
     DemoModule,
+    SeededDataset,
     SyntheticDataModule,
-    generator_for,
+    build_from,
+    data_sizes,
     model_presets,
 )
 
@@ -37,7 +39,7 @@ RADIUS_RANGE = (0.15, 0.3)
 """Smallest and largest sphere radius as fractions of the volume side."""
 
 
-class SphereVolumeDataset(Dataset):
+class SphereVolumeDataset(SeededDataset):
     """Sample ``i`` is ``(volume, mask)`` generated from ``(seed, i)``: float ``(1, S, S, S)``, long ``(1, S, S, S)``.
 
     Args:
@@ -60,21 +62,12 @@ class SphereVolumeDataset(Dataset):
         noise_std: float = NOISE_STD,
         radius_range: tuple[float, float] = RADIUS_RANGE,
     ) -> None:
-        self.num_samples = num_samples
-        self.volume_size = volume_size
-        self.seed = seed
-        self.split = split
-        self.max_spheres = max_spheres
-        self.noise_std = noise_std
-        self.radius_range = radius_range
+        super().__init__(num_samples, seed, split)
+        self.volume_size, self.max_spheres = volume_size, max_spheres
+        self.noise_std, self.radius_range = noise_std, radius_range
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"index {index} is out of range for a dataset of {self.num_samples} samples")
-        g = generator_for(self.seed, self.split, index)
+    @override
+    def sample(self, g: torch.Generator) -> tuple[Tensor, Tensor]:
         size = self.volume_size
         axis = torch.arange(size, dtype=torch.float32)
         z, y, x = axis.view(-1, 1, 1), axis.view(1, -1, 1), axis.view(1, 1, -1)
@@ -94,35 +87,11 @@ class SphereVolumeDataset(Dataset):
 
 
 _DATA_SIZES: dict[str, dict[str, int]] = {
-    "tiny": {
-        "batch_size": 4,
-        "train": 128,
-        "val": 32,
-        "test": 32,
-        "predict": 16,
-        "volume_size": 16,
-        "predict_volume_size": 32,
-    },
-    "default": {
-        "batch_size": 4,
-        "train": 256,
-        "val": 32,
-        "test": 32,
-        "predict": 32,
-        "volume_size": 32,
-        "predict_volume_size": 64,
-    },
+    "tiny": data_sizes(4, 128, 32, 32, 16, volume_size=16, predict_volume_size=32),
+    "default": data_sizes(4, 256, 32, 32, 32, volume_size=32, predict_volume_size=64),
     # 128^3 patches at batch 2 (476 GMACs per patch forward; roughly 10-15 GB of float32 activations by estimate,
     # far below an 80 GB GPU); whole 192^3 volumes to predict (3.4 patches: sliding-window inference has to tile).
-    "gpu": {
-        "batch_size": 2,
-        "train": 128,
-        "val": 8,
-        "test": 8,
-        "predict": 8,
-        "volume_size": 128,
-        "predict_volume_size": 192,
-    },
+    "gpu": data_sizes(2, 128, 8, 8, 8, volume_size=128, predict_volume_size=192),
 }
 
 _MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -307,7 +276,7 @@ class UNet3DModule(DemoModule):
     def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
         size = config["volume_size"]
         self.roi_size: tuple[int, int, int] = (size, size, size)
-        return UNet3D(config["width"], config["levels"]), BinaryF1Score, torch.zeros(1, 1, size, size, size)
+        return build_from(UNet3D, config), BinaryF1Score, torch.zeros(1, 1, size, size, size)
 
     @override
     def compute(self, batch: Any) -> tuple[Tensor, Tensor, Tensor]:

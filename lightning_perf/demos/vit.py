@@ -15,7 +15,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from lightning_perf.demos._base import DemoModule, model_presets
+from lightning_perf.demos._base import DemoModule, build_from, model_presets
 from lightning_perf.demos.convnet import TemplateImageDataModule
 
 _DATA_SIZES: dict[str, dict[str, int]] = {
@@ -175,14 +175,6 @@ class ViTModule(DemoModule):
 
     @override
     def build(self, config: Mapping[str, Any]) -> tuple[nn.Module, Callable[[], Metric], Tensor]:
-        net = VisionTransformer(
-            config["image_size"],
-            config["patch_size"],
-            config["dim"],
-            config["depth"],
-            config["num_heads"],
-            config["mlp_ratio"],
-            config["num_classes"],
-        )
+        net = build_from(VisionTransformer, config)
         size = config["image_size"]
         return net, lambda: MulticlassAccuracy(config["num_classes"], average="micro"), torch.zeros(1, 3, size, size)

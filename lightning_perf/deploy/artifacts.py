@@ -18,6 +18,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from lightning_perf._validation import check_file_stem
+
 __all__ = ["ArtifactWriteError", "StagedSet", "committed_set", "stage_set", "write_set"]
 
 _STAGING_PREFIX = ".staging-"
@@ -55,11 +57,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _check_name(name: str, what: str) -> None:
-    if not isinstance(name, str) or not name or name.startswith(".") or "/" in name or os.sep in name:
-        raise ValueError(f"{what} {name!r} is not valid. Expected a plain, non-hidden file name.")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -115,7 +112,7 @@ class StagedSet:
 
     def file(self, filename: str) -> Path:
         """Where to write ``filename`` of the set."""
-        _check_name(filename, "Artifact file name")
+        check_file_stem("StagedSet.file", "filename", filename)
         return self.path / filename
 
     def write_bytes(self, filename: str, data: bytes) -> Path:
@@ -140,7 +137,7 @@ class StagedSet:
             ArtifactWriteError: for a full disk, quota or read-only target (the old set stays).
             FileExistsError: if ``<dirpath>/<name>`` exists and is not a set pointer (it is never overwritten).
         """
-        _check_name(name, "Artifact set name")
+        check_file_stem("StagedSet.commit", "name", name)
         if self.committed is not None:
             raise RuntimeError(f"This staged set was already committed as {str(self.committed)!r}.")
         pointer = self.dirpath / name

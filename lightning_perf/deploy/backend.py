@@ -20,7 +20,15 @@ from torch import Tensor, nn
 
 from lightning_perf._device import as_device
 from lightning_perf._imports import is_available
-from lightning_perf._validation import check_bool, check_int, check_int_sequence, check_mapping, check_str_sequence
+from lightning_perf._validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_int_sequence,
+    check_mapping,
+    check_str_sequence,
+    is_int,
+)
 from lightning_perf.deploy.inputs import DimRange, Inputs, InputSpec
 from lightning_perf.deploy.validate import DEFAULT_TOLERANCES, Tolerance
 from lightning_perf.functional.inputs import export_shapes
@@ -178,8 +186,7 @@ def validate_options(
     The callback and the CLI call this at construction, so a bad option fails before any training time is spent.
     """
     names = check_str_sequence(owner, "backends", backends, BACKENDS)
-    if precision not in PRECISIONS:
-        raise ValueError(f"`{owner}(precision={precision!r})` is not valid. Expected one of: {', '.join(PRECISIONS)}.")
+    check_choice(owner, "precision", precision, tuple(PRECISIONS))
     rng = DimRange.parse(batch_range, owner, "batch_range")
     dims = _dynamic_dims(owner, dynamic_dims)
     sizes = None if validation_batch_sizes is None else _batch_sizes(owner, validation_batch_sizes, rng)
@@ -188,8 +195,7 @@ def validate_options(
     check_int(owner, "latency_iterations", latency_iterations, 0)
     check_int(owner, "latency_warmup", latency_warmup, 0)
     dev = _device(owner, device)
-    if opset is not None and (isinstance(opset, bool) or not isinstance(opset, int) or opset < 18):
-        raise ValueError(f"`{owner}(opset={opset!r})` is not valid. Expected None (the exporter's default) or >= 18.")
+    check_int(owner, "opset", opset, 18, allow_none=True)  # None: the exporter's default
     if onnx_providers is not None:
         _check_onnx_providers(owner, onnx_providers)
     _check_precision(owner, precision, names, dev, onnx_providers)
@@ -230,12 +236,12 @@ def _dynamic_dims(owner: str, dynamic_dims: Any) -> list[dict[int, DimRange]]:
 def _dim_problem(dim: Any, value: Any) -> str | None:
     if dim == 0 and not isinstance(dim, bool):
         return "dimension 0 is the batch, already dynamic: its range is batch_range"
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+    if not is_int(dim, 1):
         return f"dimension {dim!r} is not an int >= 1"
     if isinstance(value, DimRange):
         return None
     parts = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else []
-    if len(parts) != 3 or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in parts):
+    if len(parts) != 3 or not all(is_int(p, 1) for p in parts):
         return f"dimension {dim} has {value!r}, not (min, opt, max): three integers"
     if not parts[0] <= parts[1] <= parts[2]:
         return f"dimension {dim} has {value!r}, where min <= opt <= max does not hold"

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from lightning_perf._device import as_device
+from lightning_perf._validation import is_int
 from lightning_perf.functional.inputs import CapturedCall, as_input_tuple, call_of, split_inputs
 
 __all__ = [
@@ -57,7 +58,7 @@ class DimRange:
             parts = value
         else:
             parts = ()
-        if len(parts) != 3 or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in parts):
+        if len(parts) != 3 or not all(is_int(p, 1) for p in parts):
             raise ValueError(
                 f"`{owner}({name}={value!r})` is not valid. Expected (min, opt, max): three positive integers."
             )
@@ -123,7 +124,7 @@ def example_inputs_from_shapes(
     out = []
     for shape in shapes:
         dims = tuple(shape)
-        if not dims or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in dims):
+        if not dims or not all(is_int(s, 1) for s in dims):
             raise ValueError(f"Input shape {tuple(shape)!r} is not valid. Expected positive integer sizes.")
         out.append(torch.randn((batch_size, *dims), generator=generator, dtype=torch.float32).to(dtype))
     if not out:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from lightning_perf._device import module_device
+from lightning_perf._validation import check_number
 from lightning_perf.deploy.inputs import cast_inputs
 from lightning_perf.functional.inputs import split_inputs
 
@@ -53,11 +54,7 @@ class Tolerance:
 
     def __post_init__(self) -> None:
         for name in ("atol", "rtol", "min_cosine"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"`Tolerance({name}={value!r})` is not valid. Expected a finite number >= 0.")
-        if self.min_cosine > 1:
-            raise ValueError(f"`Tolerance(min_cosine={self.min_cosine!r})` is not valid. Expected at most 1.")
+            check_number("Tolerance", name, getattr(self, name), 0, 1 if name == "min_cosine" else None)
 
 
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_perf._validation import check_choice, check_int
 from lightning_perf._warnings import FallbackWarning, warn_once
 from lightning_perf.functional.attention_arguments import ArgumentNotHonoured, ArgumentPlan, combine_masks
 from lightning_perf.functional.attention_kernels import SDPA, AttentionNotSwappable, attention
@@ -190,10 +191,8 @@ class FusedQKVSpec:
     scale: float | None = None
 
     def __post_init__(self) -> None:
-        if self.layout not in ("qkv", "head"):
-            raise ValueError(f"`FusedQKVSpec(layout={self.layout!r})` is not valid. Expected 'qkv' or 'head'.")
-        if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int) or self.num_heads < 1:
-            raise ValueError(f"`FusedQKVSpec(num_heads={self.num_heads!r})` is not valid. Expected an int >= 1.")
+        check_choice("FusedQKVSpec", "layout", self.layout, ("qkv", "head"))
+        check_int("FusedQKVSpec", "num_heads", self.num_heads, 1)
 
 
 class FusedQKVAttention(SwappedAttention):

@@ -80,10 +80,8 @@ class BackendFlags:
     def __post_init__(self) -> None:
         for name in ("cudnn_benchmark", "matmul_tf32", "cudnn_tf32"):
             check_optional_bool("BackendFlags", name, getattr(self, name))
-        if self.float32_matmul_precision is not None:
-            check_choice(
-                "BackendFlags", "float32_matmul_precision", self.float32_matmul_precision, FLOAT32_MATMUL_PRECISIONS
-            )
+        precision = self.float32_matmul_precision
+        check_choice("BackendFlags", "float32_matmul_precision", precision, (None, *FLOAT32_MATMUL_PRECISIONS))
         table = self.fp32_precision
         if table is not None and (
             not isinstance(table, tuple)
@@ -95,14 +93,8 @@ class BackendFlags:
                 f"`BackendFlags(fp32_precision={table!r})` is not valid. Expected None or a tuple of "
                 "(backend, operation, value) string triples, as `capture()` returns."
             )
-        if self.float32_matmul_precision not in (None, *FLOAT32_MATMUL_PRECISIONS):
-            raise ValueError(
-                f"`BackendFlags(float32_matmul_precision={self.float32_matmul_precision!r})` is not valid. "
-                f"Expected one of {', '.join(map(repr, FLOAT32_MATMUL_PRECISIONS))} or None."
-            )
         if self.sdpa_backends is not None:
             object.__setattr__(self, "sdpa_backends", validate_sdpa_backends(self.sdpa_backends, "BackendFlags"))
-        precision = self.float32_matmul_precision
         # torch keeps one setting for both: "highest" is matmul TF32 off, "high"/"medium" is on.
         if self.matmul_tf32 is not None and precision is not None and self.matmul_tf32 != (precision != "highest"):
             raise ValueError(

@@ -15,6 +15,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
+from lightning_perf._validation import check_choice
 from lightning_perf.functional.sharding import is_sharded_parameter
 
 Dims = Literal["auto", 2, 3]
@@ -29,9 +30,7 @@ def validate_dims(dims: Any, owner: str = "apply_channels_last") -> Dims:
     Raises:
         ValueError: naming ``owner``, the value given and the valid ones.
     """
-    if isinstance(dims, bool) or dims not in ("auto", 2, 3):
-        raise ValueError(f"`{owner}(dims={dims!r})` is not valid. Expected 'auto', 2 or 3.")
-    return dims  # type: ignore[no-any-return]
+    return check_choice(owner, "dims", dims, ("auto", 2, 3))  # type: ignore[no-any-return]
 
 
 def conv_spatial_dims(module: nn.Module) -> int | None:

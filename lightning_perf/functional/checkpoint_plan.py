@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from lightning_perf._validation import check_number
+
 # The selective policies tried per block, by name: which op classes they keep.
 _POLICIES: dict[str, tuple[str, ...]] = {
     "matmul+conv+attention": ("matmul", "conv", "attention"),
@@ -24,23 +26,13 @@ _POLICIES: dict[str, tuple[str, ...]] = {
 
 
 def validate_memory_budget(owner: str, budget: Any) -> float:
-    """Return ``budget`` as a float if it is a number in ``(0, 1]``.
+    """Return ``budget`` as a float if it is a number in ``(0, 1]``: the fraction of the activation memory of training
+    without checkpointing to keep (1.0 means no checkpointing).
 
     Raises:
-        TypeError: for a bool or anything not a number.
-        ValueError: for NaN, infinities, zero, negatives and numbers above 1.
+        ValueError: for anything else (a bool, NaN, infinities, zero, negatives, numbers above 1).
     """
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(
-            f"`{owner}(memory_budget={budget!r})` is not valid. Expected a number in (0, 1]: the fraction of the "
-            "activation memory of training without checkpointing to keep (1.0 means no checkpointing)."
-        )
-    if not math.isfinite(budget) or not 0 < budget <= 1:
-        raise ValueError(
-            f"`{owner}(memory_budget={budget!r})` is not valid. Expected a finite number in (0, 1]: the fraction of "
-            "the activation memory of training without checkpointing to keep (1.0 means no checkpointing)."
-        )
-    return float(budget)
+    return check_number(owner, "memory_budget", budget, 0, 1, exclusive=True)
 
 
 @dataclass(frozen=True)

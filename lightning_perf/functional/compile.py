@@ -7,16 +7,14 @@ what torch's ``nn.Module.compile()`` does not handle that this module does: docs
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import os
-import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_perf._validation import check_bool, check_choice, check_optional_bool
 from lightning_perf._warnings import FallbackWarning, warn_once
 from lightning_perf.functional.compile_monitor import CompileMonitor, CompileStats
 from lightning_perf.functional.compile_startup import startup_options
@@ -36,10 +34,8 @@ __all__ = [
     "CompileMonitor",
     "CompileStats",
     "CompiledModules",
-    "compile_modules",
     "compile_options",
     "compile_regions",
-    "fresh_compile_cache",
     "inside_wrappers",
     "is_compiler_error",
     "select_regions",
@@ -83,15 +79,9 @@ def compile_options(
         TypeError: if an argument has the wrong type.
         ValueError: if ``mode`` or a ``backend`` name is unknown, or ``mode`` and ``options`` are both given.
     """
-    if mode is not None and (not isinstance(mode, str) or mode not in COMPILE_MODES):
-        raise ValueError(
-            f"`{owner}(mode={mode!r})` is not a torch.compile mode. "
-            f"Expected None or one of: {', '.join(COMPILE_MODES)}."
-        )
-    if not isinstance(fullgraph, bool):
-        raise TypeError(f"`{owner}(fullgraph={fullgraph!r})` is not valid. Expected True or False.")
-    if dynamic is not None and not isinstance(dynamic, bool):
-        raise TypeError(f"`{owner}(dynamic={dynamic!r})` is not valid. Expected None, True or False.")
+    check_choice(owner, "mode", mode, (None, *COMPILE_MODES))
+    check_bool(owner, "fullgraph", fullgraph)
+    check_optional_bool(owner, "dynamic", dynamic)
     if isinstance(backend, str):
         known = torch._dynamo.list_backends(exclude_tags=())
         if backend not in known:
@@ -384,7 +374,7 @@ def _function_of(method: Any) -> Any:
 
 
 class CompiledModules:
-    """Modules compiled in place by :func:`compile_modules`; :meth:`remove` makes them plain modules again.
+    """Modules compiled in place by :func:`compile_regions`; :meth:`remove` makes them plain modules again.
 
     Attributes:
         names: qualified names of the compiled modules, in order (``""`` is the model itself).
@@ -451,16 +441,6 @@ def _summary(error: BaseException) -> str:
     return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
-def compile_modules(
-    modules: Iterable[tuple[str, nn.Module]], *, strict: bool = False, **compile_kwargs: Any
-) -> CompiledModules:
-    """Compile each ``(name, module)`` in place with ``torch.compile(**compile_kwargs)``.
-
-    ``compile_kwargs`` are checked by :func:`compile_options`. Compilation happens at each module's first call.
-    """
-    return CompiledModules(modules, compile_options(**compile_kwargs, owner="compile_modules"), strict=strict)
-
-
 def compile_regions(
     model: nn.Module,
     regions: Regions = None,
@@ -496,47 +476,8 @@ def compile_regions(
     kwargs = compile_options(
         mode=mode, fullgraph=fullgraph, dynamic=dynamic, backend=backend, options=options, owner="compile_regions"
     )
-    if not isinstance(strict, bool):
-        raise TypeError(f"`compile_regions(strict={strict!r})` is not valid. Expected True or False.")
+    check_bool("compile_regions", "strict", strict)
     regions = validate_regions(regions)
     selected = inside_wrappers(model, select_regions(model, regions))
     kwargs = startup_options(model, selected, kwargs)  # on a CPU: a quicker cold start (compile_startup)
     return CompiledModules(selected, kwargs, strict=strict)
-
-
-@contextlib.contextmanager
-def fresh_compile_cache(directory: str | os.PathLike[str] | None = None) -> Iterator[str]:
-    """Compile cold inside the block: torch's in-memory caches cleared, inductor's on-disk caches in a new folder.
-
-    For measuring cold-start compile time (the first steps of a fit, ``CompileCallback.report["warmup_time_s"]`` and
-    ``"compile_time_s"``): ``torch._dynamo.reset()`` and inductor's ``clear_caches()`` on entry and exit, and
-    ``TORCHINDUCTOR_CACHE_DIR`` pointed at ``directory`` (default: a new temporary folder, removed afterwards) while
-    the block runs; the previous setting is restored on exit. Yields the folder used.
-
-    Example::
-
-        with fresh_compile_cache():
-            trainer.fit(model)  # compiles from scratch, as a new process on a new machine would
-    """
-    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with contextlib.ExitStack() as stack:
-        folder = str(directory) if directory is not None else stack.enter_context(tempfile.TemporaryDirectory())
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
-        _clear_compile_caches()
-        try:
-            yield folder
-        finally:
-            _clear_compile_caches()
-            if previous is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
-
-
-def _clear_compile_caches() -> None:
-    torch._dynamo.reset()
-    try:
-        from torch._inductor.utils import clear_caches
-    except ImportError:  # pragma: no cover - torch without inductor, or a later torch that moved it
-        return
-    clear_caches()

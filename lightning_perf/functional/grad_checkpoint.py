@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_perf._validation import check_int, check_number
 from lightning_perf.functional.checkpoint_blocks import find_checkpoint_blocks
 from lightning_perf.functional.surgery import (
     FilterFn,
@@ -279,27 +280,17 @@ def select_blocks(
     )
 
 
-def validate_portion(every_n: int | None, fraction: float | None) -> None:
-    """Check ``every_n`` / ``fraction`` arguments.
+def validate_portion(every_n: Any, fraction: Any, owner: str = "apply_activation_checkpointing") -> None:
+    """Check ``every_n`` (an int >= 1) / ``fraction`` (a number in ``(0, 1]``), at most one of them given.
 
     Raises:
-        ValueError: if both are given, ``every_n < 1`` or ``fraction`` is outside ``(0, 1]``.
-        TypeError: for values of the wrong type.
+        ValueError: naming ``owner``, for a bad value or both given.
     """
     if every_n is not None and fraction is not None:
-        raise ValueError(f"Give `every_n` or `fraction`, not both (got every_n={every_n!r}, fraction={fraction!r}).")
-    if every_n is not None:
-        if isinstance(every_n, bool) or not isinstance(every_n, int):
-            raise TypeError(f"`every_n={every_n!r}` is not valid. Expected an int >= 1.")
-        if every_n < 1:
-            raise ValueError(f"`every_n={every_n!r}` is not valid. Expected an int >= 1 (1 checkpoints every block).")
+        raise ValueError(f"`{owner}(every_n={every_n!r}, fraction={fraction!r})`: give one of them, not both.")
+    check_int(owner, "every_n", every_n, 1, allow_none=True)
     if fraction is not None:
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-            raise TypeError(f"`fraction={fraction!r}` is not valid. Expected a number in (0, 1].")
-        if not (0 < fraction <= 1) or math.isnan(fraction):
-            raise ValueError(
-                f"`fraction={fraction!r}` is not valid. Expected a number in (0, 1] (1 means every block)."
-            )
+        check_number(owner, "fraction", fraction, 0, 1, exclusive=True)
 
 
 def take_portion(blocks: list[Any], every_n: int | None = None, fraction: float | None = None) -> list[Any]:

@@ -257,8 +257,7 @@ class PowerSGDHook:
         guard_cpu_synchronize: bool,
         random_seed: int = 0,
     ) -> None:
-        if variant not in HOOK_VARIANTS:
-            raise ValueError(f"hook={variant!r} is not valid. Expected one of {', '.join(HOOK_VARIANTS)}.")
+        check_choice("PowerSGDHook", "hook", variant, HOOK_VARIANTS)
         self.state = state
         self.variant = variant
         self.synchronous = synchronous

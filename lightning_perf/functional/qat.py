@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._imports import require
+from lightning_perf._validation import check_choice
 from lightning_perf.functional.inputs import as_input_tuple
 from lightning_perf.functional.qat_config import SUPPORTED_BASE_CONFIGS, base_config_spec, resolve_base_config
 from lightning_perf.functional.qat_device import cache_off, cpu_copy, parameter_device, take_tensors_of
@@ -133,11 +134,6 @@ class QuantizationRecipe:
             raise ValueError(f"Not a quantization recipe: {dict(data)!r} ({type(exc).__name__}: {exc}).") from None
 
 
-def _check_choice(name: str, value: Any, choices: Sequence[str], owner: str) -> None:
-    if value not in choices:
-        raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected one of: {', '.join(map(repr, choices))}.")
-
-
 def make_recipe(
     backend: str = "x86",
     mode: str = "qat",
@@ -162,8 +158,8 @@ def make_recipe(
         ValueError: for an unknown backend or mode, a base config given to ``x86`` or invalid for ``torchao``, or
             missing/invalid inputs.
     """
-    _check_choice("backend", backend, BACKENDS, owner)
-    _check_choice("mode", mode, MODES, owner)
+    check_choice(owner, "backend", backend, BACKENDS)
+    check_choice(owner, "mode", mode, MODES)
     spec: dict[str, Any] | None = None
     if backend == "torchao":
         spec = base_config_spec(resolve_base_config(base_config, owner))

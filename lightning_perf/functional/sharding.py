@@ -15,10 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_perf.functional.surgery import find_modules
-
 __all__ = [
-    "fsdp_blocks",
     "is_fsdp_module",
     "is_sharded",
     "is_sharded_parameter",
@@ -58,26 +55,6 @@ def is_fsdp_module(module: nn.Module) -> bool:
 def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter of ``model`` is a DTensor, or any of its modules an ``FSDPModule``."""
     return any(is_sharded_parameter(p) for p in model.parameters()) or any(is_fsdp_module(m) for m in model.modules())
-
-
-def fsdp_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost ``FSDPModule`` sub-modules of ``model`` below its sharded root: the blocks ``fully_shard`` wrapped.
-
-    The root itself (``model``, or the outermost ``FSDPModule`` inside it when the LightningModule holds the sharded
-    model as a child) is not a block: it wraps everything. A model sharded only at its root has no blocks.
-    """
-    sharded = ([("", model)] if is_fsdp_module(model) else []) + find_modules(model, lambda m, n: is_fsdp_module(m))
-    roots = [(name, m) for name, m in sharded if not any(_inside(name, outer) for outer, _ in sharded)]
-    blocks: list[tuple[str, nn.Module]] = []
-    for name, module in sharded:
-        if any(name == root for root, _ in roots) or any(_inside(name, outer) for outer, _ in blocks):
-            continue
-        blocks.append((name, module))
-    return blocks
-
-
-def _inside(name: str, outer: str) -> bool:
-    return name != outer and (outer == "" or name.startswith(f"{outer}."))
 
 
 def _stand_in(param: torch.Tensor, generator: torch.Generator) -> nn.Parameter:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._imports import require
+from lightning_perf._validation import is_int, is_number
 from lightning_perf.functional.surgery import ForwardPatch, find_forward_patch, patch_forward, unpatch_forward
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
 from lightning_perf.profiling.machine import installed_version
@@ -88,18 +89,6 @@ class SlidingWindowSettings:
         return dataclasses.replace(self, roi_size=roi_size)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_count(value: Any) -> bool:
-    return _is_int(value) and value >= 1
-
-
 def _one_of(options: tuple[str, ...]) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, str) and value in options
 
@@ -160,7 +149,7 @@ def validate_sliding_window(owner: str = "sliding_window_inference", **kwargs: A
     args = {**vars(SlidingWindowSettings(roi_size=ROI_FROM_MODEL)), **kwargs}
     if not (isinstance(args["roi_size"], str) and args["roi_size"] == ROI_FROM_MODEL):
         expected = f"a positive integer or {ROI_FROM_MODEL!r}"
-        args["roi_size"] = _per_dim(owner, "roi_size", args["roi_size"], lambda v: _is_int(v) and v > 0, expected)
+        args["roi_size"] = _per_dim(owner, "roi_size", args["roi_size"], lambda v: is_int(v, 1), expected)
     for name, check, error, expected in _ARGUMENT_CHECKS:
         if name in _PER_DIM_ARGUMENTS:
             args[name] = _per_dim(owner, name, args[name], check, expected)
@@ -178,12 +167,12 @@ def validate_sliding_window(owner: str = "sliding_window_inference", **kwargs: A
 
 _PER_DIM_ARGUMENTS = ("overlap", "sigma_scale")
 _ARGUMENT_CHECKS: tuple[tuple[str, Callable[[Any], bool], type[Exception], str], ...] = (
-    ("sw_batch_size", lambda v: v == "auto" or _is_count(v), ValueError, "an integer >= 1 or 'auto'"),
-    ("overlap", lambda v: _is_number(v) and 0 <= v < 1, ValueError, "a number in [0, 1)"),
+    ("sw_batch_size", lambda v: v == "auto" or is_int(v, 1), ValueError, "an integer >= 1 or 'auto'"),
+    ("overlap", lambda v: is_number(v) and 0 <= v < 1, ValueError, "a number in [0, 1)"),
     ("mode", _one_of(BLEND_MODES), ValueError, f"one of {', '.join(map(repr, BLEND_MODES))}"),
-    ("sigma_scale", lambda v: _is_number(v) and v > 0, ValueError, "a number > 0"),
+    ("sigma_scale", lambda v: is_number(v) and v > 0, ValueError, "a number > 0"),
     ("padding_mode", _one_of(PADDING_MODES), ValueError, f"one of {', '.join(map(repr, PADDING_MODES))}"),
-    ("cval", _is_number, ValueError, "a finite number"),
+    ("cval", is_number, ValueError, "a finite number"),
     ("progress", lambda v: isinstance(v, bool), TypeError, "True or False"),
     (
         "roi_weight_map",
@@ -197,8 +186,8 @@ _ARGUMENT_CHECKS: tuple[tuple[str, Callable[[Any], bool], type[Exception], str],
         TypeError,
         "None or a function `process_fn(outputs, window, importance_map) -> (outputs, importance_map)`",
     ),
-    ("buffer_steps", lambda v: v is None or _is_count(v), ValueError, "None or an integer >= 1"),
-    ("buffer_dim", _is_int, TypeError, "an integer (a spatial dimension)"),
+    ("buffer_steps", lambda v: v is None or is_int(v, 1), ValueError, "None or an integer >= 1"),
+    ("buffer_dim", is_int, TypeError, "an integer (a spatial dimension)"),
 )
 """Each argument after ``roi_size``: its name, the check it must pass, the error otherwise, and what is expected."""
 
@@ -223,7 +212,7 @@ def resolve_roi_size(model: nn.Module, owner: str = "sliding_window_inference") 
         owner,
         f"roi_size={ROI_FROM_MODEL!r} -> model.roi_size",
         roi,
-        lambda v: _is_int(v) and v > 0,
+        lambda v: is_int(v, 1),
         "a positive integer",
     )
 

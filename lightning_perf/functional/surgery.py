@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from lightning_perf._validation import check_int
+
 FilterFn = Callable[[nn.Module, str], bool]
 ModuleFactory = Callable[[nn.Module, str], "nn.Module | None"]
 
@@ -205,8 +207,7 @@ def repeated_block_groups(model: nn.Module, min_repeats: int = 2) -> dict[type, 
     Raises:
         ValueError: if ``min_repeats`` is not an int >= 2.
     """
-    if isinstance(min_repeats, bool) or not isinstance(min_repeats, int) or min_repeats < 2:
-        raise ValueError(f"`min_repeats={min_repeats!r}` is not valid. Expected an int >= 2.")
+    check_int("repeated_block_groups", "min_repeats", min_repeats, 2)
     pooled: dict[type, dict[int, nn.Module]] = defaultdict(dict)
     for parent in model.modules():
         if type(parent) in _CONTAINERS and parent is not model:

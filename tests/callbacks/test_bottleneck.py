@@ -153,7 +153,7 @@ def steady_records(callback: BottleneckCallback) -> list[dict[str, float]]:
         ({"thresholds": {"forward": 0.5}}, r"thresholds=\{'forward': 0.5\}\)` is not valid: 'forward' not a phase"),
         ({"thresholds": {"data": 1.5}}, "strictly between 0 and 1"),
         ({"thresholds": {"data": 0}}, "strictly between 0 and 1"),
-        ({"filename": "sub/report"}, "without a directory"),
+        ({"filename": "sub/report"}, "plain, non-hidden file stem"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs: dict[str, Any], match: str) -> None:

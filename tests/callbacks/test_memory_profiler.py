@@ -64,7 +64,7 @@ def fit_convnet(root: Path, callback: MemoryProfilerCallback, model: pl.Lightnin
         ({"leak_min_samples": 17}, "leak_min_samples=17"),
         ({"leak_threshold": float("nan")}, "leak_threshold=nan"),
         ({"log_every_n_steps": 0}, "log_every_n_steps=0"),
-        ({"filename": "../memory"}, "without a directory"),
+        ({"filename": "../memory"}, "plain, non-hidden file stem"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs: dict[str, Any], match: str) -> None:

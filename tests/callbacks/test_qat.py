@@ -56,10 +56,10 @@ def _convnet(seed: int = 0) -> tuple[pl.LightningModule, pl.LightningDataModule]
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"backend": "fbgemm"}, r"QATCallback\(backend='fbgemm'\)` is not valid. Expected one of: x86, torchao"),
+        ({"backend": "fbgemm"}, r"QATCallback\(backend='fbgemm'\)` is not valid. Expected one of 'x86', 'torchao'"),
         ({"base_config": "IntxWeightOnlyConfig"}, r"x86 backend .* takes no base config"),
         ({"backend": "torchao", "base_config": "Int8DynamicActivationInt8WeightConfig"}, r"cannot train"),
-        ({"schedule_unit": "batch"}, r"schedule_unit='batch'.*epoch, step"),
+        ({"schedule_unit": "batch"}, r"schedule_unit='batch'.*'epoch', 'step'"),
         ({"mode": "ptq", "freeze_bn_after": 1}, r"apply to QAT only"),
         ({"mode": "ptq", "export": False}, r"would do nothing"),
         ({"export": "yes"}, r"export='yes'.*True or False"),

@@ -408,9 +408,9 @@ def test_stacks_with_compile_of_the_blocks() -> None:
         ({"roi_size": 8, "buffer_dim": 1.0}, TypeError, r"buffer_dim=1.0"),
         ({"roi_size": 8, "sw_device": "gpu0"}, ValueError, r"sw_device='gpu0'"),
         ({"roi_size": 8, "device": 3}, TypeError, r"device=3"),
-        ({"roi_size": 8, "stages": ["fit"]}, ValueError, r"stages=\['fit'\].*unknown stage 'fit'"),
-        ({"roi_size": 8, "stages": []}, ValueError, r"stages=\[\].*no stage"),
-        ({"roi_size": 8, "stages": 3}, TypeError, r"stages=3"),
+        ({"roi_size": 8, "stages": ["fit"]}, ValueError, r"stages=\['fit'\].*'fit' is not one of them"),
+        ({"roi_size": 8, "stages": []}, ValueError, r"stages=\[\].*non-empty list"),
+        ({"roi_size": 8, "stages": 3}, ValueError, r"stages=3"),
     ],
 )
 def test_bad_arguments_raise_at_construction(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:

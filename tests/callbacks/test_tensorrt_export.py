@@ -258,7 +258,7 @@ def test_input_shapes_stand_in_for_a_missing_example() -> None:
     ("kwargs", "message"),
     [
         ({"backends": ["tensorrt", "tflite"]}, r"TensorRTExportCallback\(backends=\['tensorrt', 'tflite'\]\)"),
-        ({"precision": "fp8"}, r"TensorRTExportCallback\(precision='fp8'\).*fp32, fp16, bf16"),
+        ({"precision": "fp8"}, r"TensorRTExportCallback\(precision='fp8'\).*'fp32', 'fp16', 'bf16'"),
         ({"batch_range": (16, 8, 32)}, "min <= opt <= max, got min=16, opt=8, max=32"),
         ({"batch_range": (1, 64, 32)}, "got min=1, opt=64, max=32"),
         (

@@ -302,24 +302,24 @@ def test_shape_overrides_reach_the_data_module() -> None:
 
 
 def test_unknown_workload_and_preset() -> None:
-    with pytest.raises(ValueError, match=r"name='resnet9'.*Expected one of: convnet, unet3d, vit, lm"):
+    with pytest.raises(ValueError, match=r"name='resnet9'.*Expected one of 'convnet', 'unet3d', 'vit', 'lm'"):
         make_workload("resnet9")
-    with pytest.raises(ValueError, match=r"preset='huge'.*Expected one of: tiny, default"):
+    with pytest.raises(ValueError, match=r"preset='huge'.*Expected one of 'tiny', 'default'"):
         make_workload("convnet", "huge")
     for workload in WORKLOADS.values():
-        with pytest.raises(ValueError, match=rf"{workload.module_cls.__name__}\(preset='huge'\).*tiny, default"):
+        with pytest.raises(ValueError, match=rf"{workload.module_cls.__name__}\(preset='huge'\).*'tiny', 'default'"):
             workload.module_cls("huge")
-        with pytest.raises(ValueError, match=rf"{workload.datamodule_cls.__name__}\(preset='huge'\).*tiny, default"):
+        with pytest.raises(ValueError, match=rf"{workload.datamodule_cls.__name__}\(preset='huge'\).*'tiny'"):
             workload.datamodule_cls("huge")
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"depth": 0}, r"ViTModule\(depth=0\).*positive integer"),
-        ({"lr": -1.0}, r"ViTModule\(lr=-1.0\).*non-negative"),
+        ({"depth": 0}, r"ViTModule\(depth=0\).*integer >= 1"),
+        ({"lr": -1.0}, r"ViTModule\(lr=-1.0\).*number >= 0"),
         ({"num_heads": 3}, r"ViTModule\(num_heads=3\).*divide"),
-        ({"batch_size": 0}, r"ViTDataModule\(batch_size=0\).*positive integer"),
+        ({"batch_size": 0}, r"ViTDataModule\(batch_size=0\).*integer >= 1"),
     ],
 )
 def test_bad_arguments_name_the_value(kwargs: dict[str, Any], message: str) -> None:
@@ -366,7 +366,7 @@ def test_unet3d_trains_on_patches_and_predicts_whole_volumes() -> None:
     _, custom = make_workload("unet3d", "tiny", batch_size=1)
     custom_data = type(custom)("tiny", batch_size=1, predict_volume_size=24)
     assert tuple(_first_batch(custom_data, "predict")[0].shape) == (1, 1, 24, 24, 24)
-    with pytest.raises(ValueError, match=r"predict_volume_size=0.*positive integer"):
+    with pytest.raises(ValueError, match=r"predict_volume_size=0.*integer >= 1"):
         type(custom)("tiny", predict_volume_size=0)
 
 

@@ -443,7 +443,7 @@ def test_validation_data_that_does_not_fit_the_example_fails_before_exporting(tm
         ({"backends": ["tensorrt", "openvino"]}, "backends=\\['tensorrt', 'openvino'\\]"),
         ({"backends": []}, "non-empty list"),
         ({"backends": ["onnx", "onnx"]}, "distinct"),
-        ({"precision": "int8"}, "precision='int8'.*fp32, fp16, bf16"),
+        ({"precision": "int8"}, "precision='int8'.*'fp32', 'fp16', 'bf16'"),
         ({"batch_range": (8, 4, 32)}, "min <= opt <= max, got min=8, opt=4, max=32"),
         ({"batch_range": (1, 64, 32)}, "min=1, opt=64, max=32"),
         ({"batch_range": (1, 8)}, "three positive integers"),

@@ -83,7 +83,7 @@ def test_restore_is_exact_from_states_set_through_the_new_api() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"float32_matmul_precision": "low"}, r"float32_matmul_precision='low'.*Expected one of 'highest'"),
+        ({"float32_matmul_precision": "low"}, r"float32_matmul_precision='low'.*Expected one of None, 'highest'"),
         ({"sdpa_backends": ["flash", "fast"]}, r"sdpa_backends=\['flash', 'fast'\].*'fast'.*Expected a non-empty list"),
         ({"sdpa_backends": []}, r"sdpa_backends=\[\]"),
         ({"matmul_tf32": True, "float32_matmul_precision": "highest"}, "contradict each other"),

@@ -91,7 +91,7 @@ def test_conv_subclasses_count() -> None:
 
 @pytest.mark.parametrize("bad", [4, 1, "2", True, None])
 def test_dims_validation_names_the_value(bad: object) -> None:
-    with pytest.raises(ValueError, match=rf"apply_channels_last\(dims={bad!r}\).*Expected 'auto', 2 or 3"):
+    with pytest.raises(ValueError, match=rf"apply_channels_last\(dims={bad!r}\).*Expected one of 'auto', 2, 3"):
         validate_dims(bad)
     with pytest.raises(ValueError):
         apply_channels_last(nn.Conv2d(1, 1, 1), dims=bad)  # type: ignore[arg-type]

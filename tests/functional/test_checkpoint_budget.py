@@ -194,15 +194,9 @@ def test_plan_describe_and_measurement() -> None:
     assert measured.measured_ratio == 0.45 and "measured" in measured.describe()
 
 
-@pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.5, math.nan, math.inf, -math.inf])
-def test_bad_budgets_raise_value_error(bad: float) -> None:
-    with pytest.raises(ValueError, match=r"memory_budget=.*\(0, 1\]"):
-        validate_memory_budget("X", bad)
-
-
-@pytest.mark.parametrize("bad", [True, "0.5", None, [0.5]])
-def test_wrong_types_raise_type_error(bad: object) -> None:
-    with pytest.raises(TypeError, match=r"X\(memory_budget=.*Expected a number in \(0, 1\]"):
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.5, math.nan, math.inf, -math.inf, True, "0.5", None, [0.5]])
+def test_bad_budgets_raise_value_error(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"X\(memory_budget=.*Expected a finite number > 0 and <= 1"):
         validate_memory_budget("X", bad)
 
 

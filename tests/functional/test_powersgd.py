@@ -211,7 +211,7 @@ def test_load_reports_what_it_could_not_restore(process_group) -> None:
 
 
 def test_unknown_hook_variant_is_rejected(process_group) -> None:
-    with pytest.raises(ValueError, match=r"hook='qsgd' is not valid\. Expected one of powersgd, batched"):
+    with pytest.raises(ValueError, match=r"PowerSGDHook\(hook='qsgd'\)` is not valid\. Expected one of 'powersgd'"):
         PowerSGDHook(torch_powersgd.PowerSGDState(None), "qsgd", {}, True, False)  # type: ignore[arg-type]
 
 

@@ -21,7 +21,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lightning_perf._validation import check_bool, check_file_stem, check_int, check_int_sequence, check_number
+from lightning_perf._validation import (
+    check_bool,
+    check_choice,
+    check_file_stem,
+    check_instance,
+    check_int,
+    check_int_sequence,
+    check_number,
+)
 
 __all__ = [
     "SCHEDULE_UNITS",
@@ -296,11 +304,7 @@ def check_options(owner: str, mode: str, options: Mapping[str, Any]) -> Quantize
     for name, minimum in (("fake_quant_after", 0), ("calibration_batches", 1), ("latency_iterations", 1)):
         check_int(owner, name, o[name], minimum, False)
     check_int(owner, "latency_warmup", o["latency_warmup"], 0, False)
-    if o["schedule_unit"] not in SCHEDULE_UNITS:
-        raise ValueError(
-            f"`{owner}(schedule_unit={o['schedule_unit']!r})` is not valid. Expected one of: "
-            f"{', '.join(SCHEDULE_UNITS)}."
-        )
+    check_choice(owner, "schedule_unit", o["schedule_unit"], SCHEDULE_UNITS)
     for name in ("export", "benchmark", "onnx", "strict", "refresh"):
         check_bool(owner, name, o[name])
     if mode == "ptq" and not o["export"]:
@@ -333,8 +337,7 @@ def check_options(owner: str, mode: str, options: Mapping[str, Any]) -> Quantize
                 )
     sizes = check_int_sequence(owner, "benchmark_batch_sizes", o["benchmark_batch_sizes"])
     check_file_stem(owner, "filename", o["filename"])
-    if o["dirpath"] is not None and not isinstance(o["dirpath"], (str, os.PathLike)):
-        raise TypeError(f"`{owner}(dirpath={o['dirpath']!r})` is not valid. Expected None or a directory path.")
+    check_instance(owner, "dirpath", o["dirpath"], (type(None), str, os.PathLike), "None or a directory path")
     if o["input_key"] is not None and (not isinstance(o["input_key"], str) or not o["input_key"]):
         raise ValueError(f"`{owner}(input_key={o['input_key']!r})` is not valid. Expected None or a non-empty key.")
     names = set(QuantizeOptions.__dataclass_fields__) - {"benchmark_batch_sizes", "owner", "min_cosine"}

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_perf._imports import require
+from lightning_perf._validation import check_choice
 from lightning_perf._warnings import NoEffectWarning, warn_once
 from lightning_perf.deploy.quantize.convert import calibrate
 from lightning_perf.deploy.quantize.dynamic import DynamicQuantization, check_dynamic_backend, quantize_dynamic
@@ -58,13 +59,11 @@ def recipe_for(mode: Any, backend: Any, base_config: Any, owner: str) -> Any:
         ValueError: for an unknown mode, a back-end the mode does not have, or a base config it cannot take.
         ModuleNotFoundError: if torchao is missing for QAT or PTQ.
     """
-    if mode not in ALL_MODES:
-        raise ValueError(f"`{owner}(mode={mode!r})` is not valid. Expected one of: {', '.join(ALL_MODES)}.")
+    check_choice(owner, "mode", mode, ALL_MODES)
     if mode == "dynamic":
         return DynamicInt8Recipe(check_dynamic_backend(owner, "auto" if backend is None else backend))
     backend = "x86" if backend is None else backend
-    if backend not in BACKENDS:
-        raise ValueError(f"`{owner}(backend={backend!r})` is not valid. Expected one of: {', '.join(BACKENDS)}.")
+    check_choice(owner, "backend", backend, BACKENDS)
     require("torchao", f"{owner}(backend={backend!r})")
     spec = base_config_spec(resolve_base_config(base_config, owner)) if backend == "torchao" else None
     if backend == "x86" and base_config is not None:
