@@ -55,11 +55,10 @@ from lightning_perf.benchmark.sources import (
     init_parameters,
 )
 from lightning_perf.benchmark.spec import RunSpec, check_preset, check_workload, resolve_device
-from lightning_perf.benchmark.structure import structure_of
+from lightning_perf.benchmark.structure import ModelStructure, structure_of
 from lightning_perf.benchmark.threads import ThreadChoice, decide_for_run, sample_other_cores
 from lightning_perf.optimizations import tuner_alternatives
 from lightning_perf.profiling.machine import describe_machine
-from lightning_perf.tuning.capabilities import ModelCapabilities, model_capabilities
 from lightning_perf.tuning.conditions import TrialWatch
 from lightning_perf.tuning.inference import NO_DATA_STAGE, check_stage, search_plan, too_few_batches, trial_skip_reason
 from lightning_perf.tuning.recommend import bench_command, long_warmup, recommend
@@ -262,7 +261,7 @@ class AutoTuner(Remeasuring):
         self._base_runs: list[list[float]] = []
         self._base_label = "baseline"
         self._unreliable: list[str] = []  # why the reference measurement cannot be trusted (then: no recommendation)
-        self._capabilities = ModelCapabilities()
+        self._structure = ModelStructure()
         self._probes: Any = None  # the condition watcher's counters (None: the real ones)
         self._watch = TrialWatch(self.device)
 
@@ -280,10 +279,10 @@ class AutoTuner(Remeasuring):
         holder = batch_size_holder(model, datamodule)
         dm_params, model_params = sorted(init_parameters(datamodule)), sorted(init_parameters(model))
         own_loader = {k: getattr(datamodule, k) for k in LOADER_SETTINGS if hasattr(datamodule, k)}
-        self._capabilities = model_capabilities(model)  # counted once, here: no trial needed to know
-        structure = structure_of(model, datamodule)  # the same facts decide the bench's default set
+        # Probed once, here (no trial needed to know); the same facts decide the bench's default set.
+        self._structure = structure_of(model, datamodule)
         self._plan = search_plan(
-            self.stage, self.precisions, self.optimizations, device=self.device, structure=structure
+            self.stage, self.precisions, self.optimizations, device=self.device, structure=self._structure
         )
         del model, datamodule
         isolation = resolve_isolation(self.isolation, self.source)
@@ -413,7 +412,7 @@ class AutoTuner(Remeasuring):
             candidate = start[0].with_(f"+{precision}", "precision", configs=(*start[0].configs, precision))
             explicit = self.precisions is not None
             why = plan.left_out.get(precision) or trial_skip_reason(
-                precision, self._capabilities, self.device, explicit=explicit
+                precision, self._structure, self.device, explicit=explicit
             )
             if why is not None:
                 self._skip(candidate, why)
@@ -431,7 +430,7 @@ class AutoTuner(Remeasuring):
                 configs = tuple(c for c in configs if c != replaced)
                 label = f"{name} instead of {replaced}"
             candidate = incumbent[0].with_(label, "optimization", configs=(*configs, name))
-            reason = self._plan.left_out.get(name) or trial_skip_reason(name, self._capabilities, self.device)
+            reason = self._plan.left_out.get(name) or trial_skip_reason(name, self._structure, self.device)
             if reason is not None:
                 self._skip(candidate, reason)
                 continue
