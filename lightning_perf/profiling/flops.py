@@ -133,10 +133,6 @@ class FlopCount:
     total: int
     by_operator: dict[str, int] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, Any]:
-        """Plain values for a results file."""
-        return {"flops": self.total, "flops_by_operator": dict(self.by_operator)}
-
 
 def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> FlopCount:
     """Run ``fn(*args, **kwargs)`` once and count its FLOPs (the CPU attention kernel included).

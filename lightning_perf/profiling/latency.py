@@ -26,7 +26,7 @@ from lightning_perf._device import synchronize
 from lightning_perf.profiling.intervals import METHOD_SINGLE, NO_CLEAR_DIFFERENCE, RatioEstimate, paired_ratio
 from lightning_perf.profiling.stats import Stats, summarize
 
-__all__ = ["LatencyRow", "measure_latency", "paired_blocks", "paired_latency", "speedup_estimate"]
+__all__ = ["LatencyRow", "measure_latency", "paired_blocks", "speedup_estimate"]
 
 Blocks = list[list[float]]
 METHOD_NO_TIME = "a call took no measurable time: no interval"
@@ -164,7 +164,7 @@ def _has_interval(estimate: RatioEstimate) -> bool:
 
 def _check_count(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`paired_latency({name}={value!r})` is not valid. Expected an int >= {minimum}.")
+        raise ValueError(f"`paired_blocks({name}={value!r})` is not valid. Expected an int >= {minimum}.")
 
 
 def paired_blocks(
@@ -199,24 +199,6 @@ def paired_blocks(
             block.append((time.perf_counter_ns() - started) * 1e-9)
         blocks[name].append(block)
     return blocks["baseline"], blocks["candidate"]
-
-
-def paired_latency(
-    baseline: Callable[[], Any],
-    candidate: Callable[[], Any],
-    *,
-    iterations: int,
-    warmup: int = 0,
-    device: Any = None,
-) -> tuple[Stats, Stats]:
-    """The statistics of :func:`paired_blocks` over all calls of each side (for a ratio with its interval use
-    :func:`paired_blocks` and :meth:`LatencyRow.from_blocks`).
-
-    Raises:
-        ValueError: if ``iterations < 1`` or ``warmup < 0``.
-    """
-    base, cand = paired_blocks(baseline, candidate, iterations=iterations, warmup=warmup, device=device)
-    return summarize([t for b in base for t in b]), summarize([t for b in cand for t in b])
 
 
 def speedup_estimate(baseline: Blocks, candidate: Blocks) -> RatioEstimate:

@@ -37,7 +37,6 @@ __all__ = [
     "NO_CLEAR_DIFFERENCE",
     "SIGNIFICANCE_LEVEL",
     "SLOWER",
-    "VERDICTS",
     "MannWhitneyResult",
     "Sample",
     "SampleComparison",
@@ -51,8 +50,6 @@ __all__ = [
 FASTER = "faster"
 SLOWER = "slower"
 NO_CLEAR_DIFFERENCE = "no clear difference"
-VERDICTS: tuple[str, ...] = (FASTER, SLOWER, NO_CLEAR_DIFFERENCE)
-"""The three verdicts, worded as for a time or a speed (``slower`` is the regression)."""
 
 SIGNIFICANCE_LEVEL = 0.01
 """A change is significant when the Mann-Whitney p-value is below this (or the interval clears the threshold)."""

@@ -63,7 +63,6 @@ def test_mlp_training_step_matches_the_hand_formula() -> None:
     assert count.total == expected
     assert sum(count.by_operator.values()) == count.total
     assert set(count.by_operator) == {"aten.addmm", "aten.mm"}
-    assert count.as_dict() == {"flops": expected, "flops_by_operator": count.by_operator}
 
 
 def test_forward_only_counts_the_forward() -> None:
