@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lightning_perf._io import CACHE_ENV, cache_file, read_cache_entries, write_cache_entries
+from lightning_perf._io import CACHE_ENV, DecisionCache
 from lightning_perf._validation import check_instance, check_int, check_number
 from lightning_perf.profiling.stats import median as median_of
 
@@ -59,8 +59,7 @@ aten = torch.ops.aten
 
 """Environment variable naming the folder of lightning_perf's caches (default ``~/.cache/lightning_perf``)."""
 
-_CACHE_FILE = "peak_flops.json"
-_CACHE_SCHEMA = 1
+_CACHE = DecisionCache("peak_flops.json", "peak FLOP/s cache")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -264,7 +263,7 @@ def dtype_of_precision(precision: str) -> torch.dtype:
 
 def default_cache_path() -> Path:
     """``$LIGHTNING_PERF_CACHE/peak_flops.json``, else ``~/.cache/lightning_perf/peak_flops.json``."""
-    return cache_file(_CACHE_FILE)
+    return _CACHE.path()
 
 
 def machine_key(dtype: torch.dtype, threads: int, size: int) -> str:
@@ -272,12 +271,9 @@ def machine_key(dtype: torch.dtype, threads: int, size: int) -> str:
 
     Any change among these (another machine, a new torch with other kernels, another thread count) measures anew.
     """
-    from lightning_perf.profiling.machine import cpu_key
+    from lightning_perf.profiling.machine import decision_key
 
-    return (
-        f"{cpu_key()}; threads={threads}; dtype={_SHORT_DTYPE.get(dtype, str(dtype))}; matmul={size}; "
-        f"torch={torch.__version__}"
-    )
+    return decision_key(threads=threads, dtype=_SHORT_DTYPE.get(dtype, str(dtype)), matmul=size)
 
 
 def _time_matmuls(size: int, dtype: torch.dtype, threads: int, repeats: int) -> list[float]:
@@ -363,15 +359,8 @@ def _probes() -> Any:
     return Probes.system()
 
 
-def _read_cache(path: Path, *, quiet: bool = False) -> dict[str, Any]:
-    """The cache's valid entries (key -> entry); a missing file is empty, a corrupt one warns (unless ``quiet``, as
-    from the caller of peak_flops) and counts as empty."""
-    entries = read_cache_entries(path, _CACHE_SCHEMA, "peak FLOP/s cache", stacklevel=5, quiet=quiet)
-    return {key: entry for key, entry in entries.items() if _valid_entry(entry)}
-
-
-def _valid_entry(entry: Any) -> bool:
-    value = entry.get("flops_per_second") if isinstance(entry, dict) else None
+def _valid_entry(entry: dict[str, Any]) -> bool:
+    value = entry.get("flops_per_second")
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
@@ -379,26 +368,17 @@ def _cpu_peak(
     dtype: torch.dtype, threads: int, size: int, repeats: int, max_matmul_s: float, cache_path: Path, refresh: bool
 ) -> PeakFlops:
     key = machine_key(dtype, threads, size)
-    entries = _read_cache(cache_path)
-    if not refresh and key in entries:
-        entry = entries[key]
+    entry = {} if refresh else _CACHE.entry(cache_path, key)
+    if _valid_entry(entry):
         source = entry.get("source") if isinstance(entry.get("source"), str) else _label(size, dtype, threads)
         return PeakFlops(float(entry["flops_per_second"]), f"{source} (cached)")
     peak = measure_cpu_peak_flops(dtype, threads, size, repeats, max_matmul_s)
     if peak.causes:
         # Too low a peak would stay in the cache and inflate every later MFU: measure again next time.
         return PeakFlops(peak.flops_per_second, f"{peak.source} (disturbed, not cached)", peak.causes)
-    # Re-read just before writing, so a peak another process cached meanwhile (another dtype) is kept.
-    entries = {
-        **_read_cache(cache_path, quiet=True),
-        key: {
-            "flops_per_second": peak.flops_per_second,
-            "source": peak.source,
-            "repeats": repeats,
-            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        },
-    }
-    write_cache_entries(cache_path, _CACHE_SCHEMA, entries, "peak FLOP/s cache", stacklevel=4)
+    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    _CACHE.store(cache_path, key, {"flops_per_second": peak.flops_per_second, "source": peak.source,
+                                   "repeats": repeats, "measured_at": measured_at})  # fmt: skip
     return peak
 
 
@@ -471,7 +451,7 @@ def peak_flops(
         return PeakFlops(None, f"unknown: no peak known for {device.type} devices; pass given=")
     if dtype not in _SHORT_DTYPE:
         return PeakFlops(None, f"unknown: no CPU measurement in {dtype}")
-    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    path = _CACHE.path(cache_path)
     return _cpu_peak(dtype, threads or torch.get_num_threads(), size, repeats, max_matmul_s, path, refresh)
 
 
