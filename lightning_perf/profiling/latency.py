@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_perf._device import synchronize
+from lightning_perf._validation import check_int
 from lightning_perf.profiling.intervals import METHOD_SINGLE, NO_CLEAR_DIFFERENCE, RatioEstimate, paired_ratio
 from lightning_perf.profiling.stats import Stats, summarize
 
@@ -162,11 +163,6 @@ def _has_interval(estimate: RatioEstimate) -> bool:
     return estimate.has_interval and estimate.method != METHOD_NO_TIME
 
 
-def _check_count(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`paired_blocks({name}={value!r})` is not valid. Expected an int >= {minimum}.")
-
-
 def paired_blocks(
     baseline: Callable[[], Any],
     candidate: Callable[[], Any],
@@ -182,8 +178,8 @@ def paired_blocks(
     Raises:
         ValueError: if ``iterations < 1`` or ``warmup < 0``.
     """
-    _check_count("iterations", iterations, 1)
-    _check_count("warmup", warmup, 0)
+    check_int("paired_blocks", "iterations", iterations, 1)
+    check_int("paired_blocks", "warmup", warmup, 0)
     per_block = math.ceil(iterations / 2)
     blocks: dict[str, Blocks] = {"baseline": [], "candidate": []}
     for name in ("baseline", "candidate", "candidate", "baseline"):

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from lightning_perf._device import as_device
+from lightning_perf._validation import check_int
 from lightning_perf.profiling.stats import Stats, summarize
 
 __all__ = ["HookCost", "PhaseLedger", "PhaseTimer"]
@@ -104,15 +105,8 @@ class PhaseTimer:
         clock: Clock = time.perf_counter_ns,
         max_pending_steps: int = 16,
     ) -> None:
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(
-                f"`PhaseTimer(warmup_steps={warmup_steps!r})` is not valid. Expected an int >= 0 (steps to report "
-                "apart as warm-up)."
-            )
-        if isinstance(max_pending_steps, bool) or not isinstance(max_pending_steps, int) or max_pending_steps < 1:
-            raise ValueError(
-                f"`PhaseTimer(max_pending_steps={max_pending_steps!r})` is not valid. Expected an int >= 1."
-            )
+        check_int("PhaseTimer", "warmup_steps", warmup_steps, 0)
+        check_int("PhaseTimer", "max_pending_steps", max_pending_steps, 1)
         if not callable(clock):
             raise TypeError(
                 f"`PhaseTimer(clock={clock!r})` is not callable. Expected a function returning nanoseconds as int, "
