@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from lightning_perf._io import CACHE_ENV, DecisionCache
-from lightning_perf._validation import check_instance, check_int, check_number
+from lightning_perf._validation import check_bool, check_instance, check_int, check_number
 from lightning_perf.profiling.stats import median as median_of
 
 __all__ = [
@@ -437,13 +437,11 @@ def peak_flops(
         raise ValueError(f"`peak_flops(given_source={given_source!r})` is not valid. Expected a non-empty string.")
     if given is not None:
         return PeakFlops(check_number("peak_flops", "given", given, 0.0, exclusive=True), given_source)
-    if threads is not None:
-        check_int("peak_flops", "threads", threads, 1)
+    check_int("peak_flops", "threads", threads, 1, allow_none=True)
     check_int("peak_flops", "size", size, 1)
     check_int("peak_flops", "repeats", repeats, 1)
     check_number("peak_flops", "max_matmul_s", max_matmul_s, 0.0, exclusive=True)
-    if not isinstance(refresh, bool):
-        raise TypeError(f"`peak_flops(refresh={refresh!r})` is not valid. Expected True or False.")
+    check_bool("peak_flops", "refresh", refresh)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return gpu_peak_flops(name, dtype, torch.get_float32_matmul_precision())

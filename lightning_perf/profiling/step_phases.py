@@ -42,7 +42,6 @@ from lightning_perf.profiling.advice import (
     validate_thresholds,
 )
 from lightning_perf.profiling.intervals import t_critical_95
-from lightning_perf.profiling.machine import usable_cpu_count
 from lightning_perf.profiling.report import format_seconds, plot_stacked_steps, text_table
 from lightning_perf.profiling.stats import Stats, summarize
 from lightning_perf.profiling.syncs import HostSyncRecorder
@@ -74,7 +73,6 @@ __all__ = [
     "share_intervals",
     "step_report",
     "summarize_steps",
-    "usable_cpus",
 ]
 
 MEASURED = PHASES[:-1]  # timed directly; "other" is the step minus these
@@ -728,6 +726,3 @@ def first_dataloader(loaders: Any) -> Any:
         if found is not None:
             return found
     return None
-
-
-usable_cpus = usable_cpu_count  # one definition, in profiling/machine.py

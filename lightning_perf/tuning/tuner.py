@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_perf._validation import check_bool, check_int, check_number
+from lightning_perf._validation import check_bool, check_choice, check_int, check_number
 from lightning_perf.benchmark.settle import Settling
 from lightning_perf.benchmark.sources import (
     LOADER_SETTINGS,
@@ -149,12 +149,8 @@ def _check_settings(settings: dict[str, Any]) -> None:
     check_number("AutoTuner", "loss_rtol", settings["loss_rtol"], 0.0, exclusive=True)
     check_number("AutoTuner", "confirm_below", settings["confirm_below"], 1.0)
     for name, minimum in (("max_batch_size", 1), ("max_num_workers", 0), ("threads", 1)):
-        if settings[name] is not None:
-            check_int("AutoTuner", name, settings[name], minimum)
-    if settings["isolation"] not in ISOLATION:
-        raise ValueError(
-            f"`AutoTuner(isolation={settings['isolation']!r})` is not valid. Expected one of: {', '.join(ISOLATION)}."
-        )
+        check_int("AutoTuner", name, settings[name], minimum, allow_none=True)
+    check_choice("AutoTuner", "isolation", settings["isolation"], ISOLATION)
     for flag in ("tune_batch_size", "tune_data_loading", "noise_check", "progress"):
         check_bool("AutoTuner", flag, settings[flag])
     if isinstance(settings["seed"], bool) or not isinstance(settings["seed"], int):
