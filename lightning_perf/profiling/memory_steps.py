@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_perf._validation import check_number
+from lightning_perf._validation import check_number, check_str_sequence
 from lightning_perf.profiling.leaks import (
     MIN_LEAK_SAMPLES,
     NOISE_FLOOR_STEPS,
@@ -107,16 +107,8 @@ def check_points(owner: str, points: Sequence[str] | None) -> tuple[str, ...]:
     """``points`` in step order without duplicates (``None``: all of :data:`POINTS`), else raise."""
     if points is None:
         return POINTS
-    if isinstance(points, str) or not isinstance(points, Sequence):
-        raise TypeError(f"`{owner}(points={points!r})` is not valid. Expected a list of names from {POINTS}.")
-    unknown = [p for p in points if p not in POINTS]
-    if unknown or not points:
-        raise ValueError(
-            f"`{owner}(points={list(points)!r})` is not valid: "
-            + (f"unknown point(s) {unknown}. " if unknown else "no point given. ")
-            + f"Expected names from: {', '.join(POINTS)}."
-        )
-    return tuple(p for p in POINTS if p in points)
+    chosen = check_str_sequence(owner, "points", points, POINTS, single=False)
+    return tuple(p for p in POINTS if p in chosen)
 
 
 def check_leak_threshold(owner: str, leak_threshold: Any) -> float | None:

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_perf.profiling.advice import (
-    DEFAULT_THRESHOLDS,
     PHASES,
     LoaderSettings,
     StepBreakdown,
@@ -687,12 +686,6 @@ def check_settings(
         raise ValueError(
             f"`{owner}(sync_check_steps={sync_check_steps!r}, warmup_steps={warmup_steps!r})`: the checked steps "
             "are the last warm-up steps, so sync_check_steps must be at most warmup_steps."
-        )
-    unknown = sorted(set(thresholds) - set(DEFAULT_THRESHOLDS)) if isinstance(thresholds, Mapping) else []
-    if unknown:
-        raise ValueError(
-            f"`{owner}(thresholds={thresholds!r})` is not valid: {', '.join(map(repr, unknown))} not a phase with "
-            f"a threshold. Expected phases from: {', '.join(DEFAULT_THRESHOLDS)}."
         )
     return validate_thresholds(thresholds, owner)
 
