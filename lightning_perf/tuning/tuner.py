@@ -59,19 +59,14 @@ from lightning_perf.benchmark.structure import ModelStructure, structure_of
 from lightning_perf.benchmark.threads import ThreadChoice, decide_for_run, sample_other_cores
 from lightning_perf.optimizations import tuner_alternatives
 from lightning_perf.profiling.machine import describe_machine
+from lightning_perf.profiling.stats import median
 from lightning_perf.tuning.conditions import TrialWatch
 from lightning_perf.tuning.inference import NO_DATA_STAGE, check_stage, search_plan, too_few_batches, trial_skip_reason
 from lightning_perf.tuning.recommend import bench_command, long_warmup, recommend
 from lightning_perf.tuning.remeasure import Remeasuring
 from lightning_perf.tuning.results import Trial, TuningResult
 from lightning_perf.tuning.trials import check_search_lists, memory_problem, resolve_isolation, run_in_process
-from lightning_perf.tuning.verdicts import (
-    compare,
-    loss_deviation,
-    median,
-    per_sample_times,
-    speedup_estimate,
-)
+from lightning_perf.tuning.verdicts import compare, loss_deviation, per_sample_times, speedup_estimate
 
 ISOLATION = ("auto", "process", "in-process")
 # Data wait below this share of the step leaves nothing for more loader workers to win.
@@ -406,14 +401,7 @@ class AutoTuner(Remeasuring):
         plan, start, best = self._plan, incumbent, incumbent
         for precision in plan.precisions:
             candidate = start[0].with_(f"+{precision}", "precision", configs=(*start[0].configs, precision))
-            explicit = self.precisions is not None
-            why = plan.left_out.get(precision) or trial_skip_reason(
-                precision, self._structure, self.device, explicit=explicit
-            )
-            if why is not None:
-                self._skip(candidate, why)
-                continue
-            best = self._challenge(candidate, start, best, base)
+            best = self._unless_skipped(precision, candidate, start, best, base, explicit=self.precisions is not None)
         return best
 
     def _optimization_stage(self, incumbent: tuple[Candidate, Trial, Any], base: Any) -> tuple[Candidate, Trial, Any]:
@@ -426,12 +414,19 @@ class AutoTuner(Remeasuring):
                 configs = tuple(c for c in configs if c != replaced)
                 label = f"{name} instead of {replaced}"
             candidate = incumbent[0].with_(label, "optimization", configs=(*configs, name))
-            reason = self._plan.left_out.get(name) or trial_skip_reason(name, self._structure, self.device)
-            if reason is not None:
-                self._skip(candidate, reason)
-                continue
-            incumbent = self._challenge(candidate, incumbent, incumbent, base)
+            incumbent = self._unless_skipped(name, candidate, incumbent, incumbent, base)
         return incumbent
+
+    def _unless_skipped(
+        self, name: str, candidate: Candidate, start: Any, best: Any, base: Any, explicit: bool = False
+    ) -> Any:
+        """``best`` after ``candidate`` (the trial of ``name``) challenged ``start``, or as it was when the trial
+        cannot apply (then listed as skipped, with the reason)."""
+        why = self._plan.left_out.get(name) or trial_skip_reason(name, self._structure, self.device, explicit=explicit)
+        if why is not None:
+            self._skip(candidate, why)
+            return best
+        return self._challenge(candidate, start, best, base)
 
     def _data_stage(
         self, incumbent: tuple[Candidate, Trial, Any], base: Any, own: dict[str, Any]
