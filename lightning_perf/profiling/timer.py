@@ -322,11 +322,7 @@ class PhaseTimer:
         Returns:
             ``{phase: Stats}`` in seconds, phases in order of first appearance; empty when no step was closed.
         """
-        values: dict[str, list[float]] = {}
-        for record in self._records(warmup):
-            for name, seconds in record.items():
-                values.setdefault(name, []).append(seconds)
-        return {name: summarize(v) for name, v in values.items()}
+        return _phase_stats(self._records(warmup))
 
     def step_totals(self, warmup: bool = False, phases: Sequence[str] | None = None) -> list[float]:
         """Per step, the sum of its phase durations in seconds.
@@ -501,11 +497,16 @@ class PhaseLedger:
 
     def summary(self, warmup: bool = False) -> dict[str, Stats]:
         """Statistics per phase over the steady-state steps (or the warm-up steps) in which it ran."""
-        values: dict[str, list[float]] = {}
-        for record in self.warmup_steps_records if warmup else self.steps:
-            for name, seconds in record.items():
-                values.setdefault(name, []).append(seconds)
-        return {name: summarize(v) for name, v in values.items()}
+        return _phase_stats(self.warmup_steps_records if warmup else self.steps)
+
+
+def _phase_stats(records: Sequence[dict[str, float]]) -> dict[str, Stats]:
+    """Statistics per phase over the step records in which it ran, phases in order of first appearance."""
+    values: dict[str, list[float]] = {}
+    for record in records:
+        for name, seconds in record.items():
+            values.setdefault(name, []).append(seconds)
+    return {name: summarize(v) for name, v in values.items()}
 
 
 class _Flag:
