@@ -1,4 +1,4 @@
-"""Atomic file writes and safe checkpoint reads (DESIGN.md, Errors and safety).
+"""Atomic file writes, safe checkpoint reads and the per-machine decision cache (DESIGN.md, Errors and safety).
 
 A reader never sees a half-written file under its final name; a set of files that must change together goes through
 :mod:`lightning_perf.deploy.artifacts`. :func:`load_checkpoint` reads a file with ``torch.load(weights_only=True)``
