@@ -57,7 +57,6 @@ __all__ = [
     "LinearShape",
     "ShapeTimer",
     "convert_to_float8",
-    "default_cache_path",
     "float8_unsupported_reason",
     "is_sm_at_least_89",
     "linear_rows",
@@ -247,7 +246,7 @@ def plan_float8(
             (:func:`linear_rows`); a name missing from the mapping takes :data:`DEFAULT_ROWS`.
         timer: ``timer(shape) -> (bf16 blocks, float8 blocks)``, per-call seconds in paired blocks; needed for
             ``"auto"`` (:func:`time_linear_shape` bound to a device, or a scripted one in tests).
-        cache_path: the JSON cache of measured shapes (default :func:`default_cache_path`).
+        cache_path: the JSON cache of measured shapes (default: ``float8_shapes.json`` in the user's cache folder).
         cache_key: the machine the figures hold for (default :func:`machine_key` of the current CUDA device).
         refresh: measure again even when the cache holds a shape.
 
@@ -284,11 +283,6 @@ def plan_float8(
 # The measured filter
 
 ShapeTimer = Callable[[LinearShape], tuple[Blocks, Blocks]]
-
-
-def default_cache_path() -> Path:
-    """``$LIGHTNING_PERF_CACHE/float8_shapes.json``, else ``~/.cache/lightning_perf/float8_shapes.json``."""
-    return _CACHE.path()
 
 
 def machine_key(device: torch.device | str | None = None, recipe: str = "tensorwise", compiled: bool = True) -> str:

@@ -44,7 +44,6 @@ __all__ = [
     "count_flops",
     "cpu_sdpa_backward_flops",
     "cpu_sdpa_flops",
-    "default_cache_path",
     "dtype_of_precision",
     "flop_mapping",
     "format_flops",
@@ -261,11 +260,6 @@ def dtype_of_precision(precision: str) -> torch.dtype:
     return dtypes[head]
 
 
-def default_cache_path() -> Path:
-    """``$LIGHTNING_PERF_CACHE/peak_flops.json``, else ``~/.cache/lightning_perf/peak_flops.json``."""
-    return _CACHE.path()
-
-
 def machine_key(dtype: torch.dtype, threads: int, size: int) -> str:
     """The cache key of a CPU peak: CPU model, its instruction-set flags, threads, dtype, matmul size, torch version.
 
@@ -400,7 +394,8 @@ def peak_flops(
     In order: ``given`` when not None; on CUDA the dense datasheet figure of :data:`GPU_PEAK_FLOPS` (fp32 counts as
     TF32 unless ``torch.get_float32_matmul_precision()`` is ``"highest"``); on CPU a ``size``-cubed matmul in
     ``dtype`` on ``threads`` threads (default: torch's current count), measured once per machine and cached in
-    ``cache_path`` (default :func:`default_cache_path`) under :func:`machine_key`. Other devices: unknown.
+    ``cache_path`` (default: ``peak_flops.json`` in the user's cache folder, :func:`lightning_perf._io.cache_file`)
+    under :func:`machine_key`. Other devices: unknown.
 
     On a GPU without a table entry, pass Lightning's figure:
     ``given=get_available_flops(device, dtype), given_source="given: Lightning get_available_flops"``. Not before the

@@ -80,7 +80,6 @@ __all__ = [
     "check_dynamic_backend",
     "choose",
     "clear_cache",
-    "default_cache_path",
     "dynamic_candidates",
     "eager_latency",
     "figure_line",
@@ -485,11 +484,6 @@ def choose(candidates: Sequence[DynamicCandidate]) -> DynamicCandidate | None:
 # ---------------------------------------------------------------------------------------------------- the cache
 
 
-def default_cache_path() -> Path:
-    """``$LIGHTNING_PERF_CACHE/dynamic_int8.json``, else ``~/.cache/lightning_perf/dynamic_int8.json``."""
-    return _CACHE.path()
-
-
 def machine_key(flags: dict[str, bool] | None = None) -> str:
     """The machine a choice holds for: CPU model and flags, torch's threads, torch, torchao and onnxruntime versions."""
     return decision_key("cpu", ("torchao", "onnxruntime"), flags=flags, threads=torch.get_num_threads())
@@ -506,14 +500,14 @@ def model_key(module: nn.Module, example: Sequence[Tensor]) -> str:
 
 def onnx_cache_dir(cache_path: str | os.PathLike[str] | None = None) -> Path:
     """Where the int8 ONNX models are kept beside the cache file ``cache_path``: ``<its stem>_onnx/``."""
-    path = Path(cache_path or default_cache_path())
+    path = _CACHE.path(cache_path or None)
     return path.with_name(f"{path.stem}_onnx")
 
 
 def clear_cache(cache_path: str | os.PathLike[str] | None = None) -> None:
     """Forget the back-ends chosen so far and the int8 ONNX models kept (the next ``"auto"`` measures again): removes
     the cache file and its ``_onnx`` folder."""
-    Path(cache_path or default_cache_path()).unlink(missing_ok=True)
+    _CACHE.path(cache_path or None).unlink(missing_ok=True)
     shutil.rmtree(onnx_cache_dir(cache_path), ignore_errors=True)
 
 
@@ -579,13 +573,13 @@ def quantize_dynamic(
     Each candidate is checked against ``module`` on ``example_inputs`` (cosine at least ``min_cosine``, top-1 agreement
     over the last output dimension at least ``min_agreement`` when the output has one); with ``"auto"`` the correct
     ones are timed against ``module`` (``iterations`` calls each, paired and interleaved, at equal threads) and one is
-    kept by :data:`TIE_RULE`. The choice and the figures are cached (``cache_path``, default
-    :func:`default_cache_path`) per :func:`machine_key` and :func:`model_key`: with a cached choice only that back-end
-    is built and checked, nothing is timed (``refresh=True`` measures again; a cached back-end that no longer passes
-    the checks is measured again too). The onnxruntime back-end's int8 model is kept beside the cache file
-    (:func:`onnx_cache_dir`) with a hash of the weights: with the same weights a later call, in any process, loads it
-    instead of exporting and quantizing again (:func:`quantize_dynamic_onnxruntime`; ``refresh=True`` converts again).
-    ``module`` is left as it is (its copies are on the CPU, in eval mode).
+    kept by :data:`TIE_RULE`. The choice and the figures are cached (``cache_path``, default ``dynamic_int8.json``
+    in the user's cache folder) per :func:`machine_key` and :func:`model_key`: with a cached choice only that
+    back-end is built and checked, nothing is timed (``refresh=True`` measures again; a cached back-end that no
+    longer passes the checks is measured again too). The onnxruntime back-end's int8 model is kept beside the cache
+    file (:func:`onnx_cache_dir`) with a hash of the weights: with the same weights a later call, in any process,
+    loads it instead of exporting and quantizing again (:func:`quantize_dynamic_onnxruntime`; ``refresh=True``
+    converts again). ``module`` is left as it is (its copies are on the CPU, in eval mode).
 
     Raises:
         ValueError: for an unknown backend or an invalid threshold.
