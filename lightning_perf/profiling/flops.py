@@ -32,12 +32,11 @@ from typing import Any
 
 import torch
 
-from lightning_perf._io import CACHE_ENV, DecisionCache
+from lightning_perf._io import DecisionCache
 from lightning_perf._validation import check_bool, check_instance, check_int, check_number
 from lightning_perf.profiling.stats import median as median_of
 
 __all__ = [
-    "CACHE_ENV",
     "GPU_PEAK_FLOPS",
     "FlopCount",
     "PeakFlops",
@@ -55,9 +54,6 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
-
-"""Environment variable naming the folder of lightning_perf's caches (default ``~/.cache/lightning_perf``)."""
-
 _CACHE = DecisionCache("peak_flops.json", "peak FLOP/s cache")
 
 

@@ -19,10 +19,10 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_perf._io import CACHE_ENV
 from lightning_perf._warnings import MeasurementWarning
 from lightning_perf.profiling import flops
 from lightning_perf.profiling.flops import (
-    CACHE_ENV,
     GPU_PEAK_FLOPS,
     FlopCount,
     PeakFlops,
