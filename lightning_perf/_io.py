@@ -1,4 +1,4 @@
-"""Atomic file writes and safe checkpoint reads (DESIGN.md, Errors and safety).
+"""Atomic file writes, safe checkpoint reads and the per-machine decision cache (DESIGN.md, Errors and safety).
 
 A reader never sees a half-written file under its final name (:func:`atomic_path`, :func:`atomic_write_bytes`,
 :func:`atomic_write_text`); :func:`load_checkpoint` reads with ``torch.load(weights_only=True)`` only and raises
@@ -18,6 +18,7 @@ import struct
 import warnings
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -228,39 +229,59 @@ def cache_file(name: str) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "lightning_perf" / name
 
 
-def read_cache_entries(
-    path: Path, schema: int, what: str, stacklevel: int = 3, *, quiet: bool = False
-) -> dict[str, Any]:
-    """The entries of a cache file ``{"schema": schema, "entries": {...}}`` (read with ``json`` only): a missing file
-    is empty; an unreadable or invalid one warns (``MeasurementWarning``, unless ``quiet``) and counts as empty, so the
-    caller measures again (and rewrites it)."""
-    from lightning_perf._warnings import MeasurementWarning
+@dataclass(frozen=True)
+class DecisionCache:
+    """A JSON file of measured decisions, ``{"schema": n, "entries": {key: {...}}}``, each entry under a key naming
+    all that decides it (:func:`lightning_perf.profiling.machine.decision_key`). JSON only: nothing in it runs.
 
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        problem = f"Could not read the {what} {str(path)!r} ({exc}); measuring again."
-    else:
+    A missing file is empty; an unreadable or invalid one warns (``MeasurementWarning``) and counts as empty, so the
+    caller measures again and rewrites it. A store re-reads the file, keeping what another process stored meanwhile,
+    and writes it atomically; a failure to write warns (the decision stays valid for this run).
+
+    Attributes:
+        name: the file's name in the user's cache folder (:func:`cache_file`).
+        what: the cache in words, for the warnings.
+        schema: the layout's version; a file of another version counts as invalid.
+    """
+
+    name: str
+    what: str
+    schema: int = 1
+
+    def path(self, given: str | os.PathLike[str] | None = None) -> Path:
+        """``given``, else the file in the user's cache folder."""
+        return Path(given) if given is not None else cache_file(self.name)
+
+    def entry(self, path: Path, key: str) -> dict[str, Any]:
+        """A copy of the entry under ``key`` (``{}``: none, or not an object)."""
+        found = self._entries(path).get(key)
+        return dict(found) if isinstance(found, dict) else {}
+
+    def store(self, path: Path, key: str, values: dict[str, Any]) -> None:
+        """Merge ``values`` into the entry under ``key`` and write the file."""
+        from lightning_perf._warnings import MeasurementWarning
+
+        entries = self._entries(path, quiet=True)
+        entries[key] = {**(entries[key] if isinstance(entries.get(key), dict) else {}), **values}
         try:
-            data = json.loads(text)
-            entries = data.get("entries") if isinstance(data, dict) and data.get("schema") == schema else None
+            atomic_write_text(path, json.dumps({"schema": self.schema, "entries": entries}, indent=2) + "\n")
+        except OSError as exc:
+            warnings.warn(f"Could not write the {self.what} {str(path)!r}: {exc}.", MeasurementWarning, stacklevel=4)
+
+    def _entries(self, path: Path, quiet: bool = False) -> dict[str, Any]:
+        from lightning_perf._warnings import MeasurementWarning
+
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            entries = data.get("entries") if isinstance(data, dict) and data.get("schema") == self.schema else None
             if isinstance(entries, dict):
                 return entries
-            raise ValueError(f"expected an object with 'schema': {schema} and 'entries'")
-        except ValueError as exc:
-            problem = f"The {what} {str(path)!r} is not valid ({exc}); ignoring it, measuring again and rewriting it."
-    if not quiet:
-        warnings.warn(problem, MeasurementWarning, stacklevel=stacklevel)
-    return {}
-
-
-def write_cache_entries(path: Path, schema: int, entries: dict[str, Any], what: str, stacklevel: int = 3) -> None:
-    """Write a cache file atomically; a failure to write warns (the decision stays valid for this run)."""
-    from lightning_perf._warnings import MeasurementWarning
-
-    try:
-        atomic_write_text(path, json.dumps({"schema": schema, "entries": entries}, indent=2) + "\n")
-    except OSError as exc:
-        warnings.warn(f"Could not write the {what} {str(path)!r}: {exc}.", MeasurementWarning, stacklevel=stacklevel)
+            problem = f"expected an object with 'schema': {self.schema} and 'entries'"
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+            problem = str(exc)
+        if not quiet:
+            message = f"The {self.what} {str(path)!r} is not valid or readable ({problem}); measuring again"
+            warnings.warn(message + " and rewriting it.", MeasurementWarning, stacklevel=5)
+        return {}

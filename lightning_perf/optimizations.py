@@ -87,7 +87,7 @@ MODEL_FEATURES: Mapping[str, str] = MappingProxyType(
     }
 )
 """What a model may hold that an optimization acts on (an entry's ``model_needs``), each with the words the tools
-print. Counted by :func:`lightning_perf.tuning.capabilities.model_capabilities`; the advice reads ``convolutions``."""
+print. Found by :func:`lightning_perf.benchmark.structure.probe_structure`; the advice reads ``convolutions``."""
 
 ADVICE_FACTS: Mapping[str, str] = MappingProxyType(
     {

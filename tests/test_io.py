@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightning_perf._io import (
+    DecisionCache,
     NotACheckpointError,
     UnsafeCheckpointError,
     atomic_path,
@@ -17,6 +18,7 @@ from lightning_perf._io import (
     checkpoint_problem,
     load_checkpoint,
 )
+from lightning_perf._warnings import MeasurementWarning
 
 
 def test_write_text_creates_parents_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -135,3 +137,20 @@ def test_real_checkpoints_load_and_only_a_disallowed_global_gets_the_add_safe_gl
 
 class _Opaque:
     """A class torch's weights-only unpickler does not allow."""
+
+
+def test_a_decision_cache_merges_what_another_process_stored_and_ignores_a_corrupt_file(tmp_path: Path) -> None:
+    cache, path = DecisionCache("d.json", "test cache"), tmp_path / "d.json"
+    assert cache.path() == cache.path(None) != path and cache.path(path) == path
+    assert cache.entry(path, "m") == {}  # no file: empty, silently
+    cache.store(path, "m", {"a": 1})
+    other = DecisionCache("d.json", "test cache")  # another process, between this one's read and its store
+    other.store(path, "m", {"b": 2})
+    other.store(path, "n", {"c": 3})
+    cache.store(path, "m", {"a": 4})
+    assert cache.entry(path, "m") == {"a": 4, "b": 2} and cache.entry(path, "n") == {"c": 3}
+    path.write_text("{not json")
+    with pytest.warns(MeasurementWarning, match="test cache .* is not valid or readable"):
+        assert cache.entry(path, "m") == {}
+    cache.store(path, "m", {"a": 5})  # rewritten: the stored decision counts again
+    assert cache.entry(path, "m") == {"a": 5}

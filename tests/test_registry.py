@@ -134,9 +134,10 @@ def test_an_entry_carries_its_own_requirements_needs_conditions_and_dtype() -> N
     import torch
 
     from lightning_perf.benchmark.configs import get_config
+    from lightning_perf.benchmark.structure import ModelStructure
     from lightning_perf.benchmark.utilization import matmul_setting
     from lightning_perf.profiling.advice import StepBreakdown, recommend
-    from lightning_perf.tuning.capabilities import ModelCapabilities, skip_reason
+    from lightning_perf.tuning.inference import trial_skip_reason
     from lightning_perf.tuning.recommend import long_warmup
 
     entry = optimizations.register(
@@ -158,9 +159,9 @@ def test_an_entry_carries_its_own_requirements_needs_conditions_and_dtype() -> N
         assert matmul_setting("channels_last+dummy_fusion", "32-true") == ("32-true", True)
         assert matmul_setting("channels_last", "32-true") == ("32-true", False)
         assert long_warmup(["baseline", "channels_last", "dummy_fusion"]) == ["dummy_fusion"]
-        reason = skip_reason("dummy_fusion", ModelCapabilities(), torch.device("cpu"))
+        reason = trial_skip_reason("dummy_fusion", ModelStructure(), "cpu")
         assert reason == "the model has no 2D or 3D convolution layer: dummy_fusion changes nothing"
-        assert skip_reason("dummy_fusion", ModelCapabilities(convolutions=("conv",)), torch.device("cpu")) is None
+        assert trial_skip_reason("dummy_fusion", ModelStructure(convolutions=("conv",)), "cpu") == "needs a CUDA device"
 
         shares = {"data": 0.02, "transfer": 0.02, "forward": 0.4, "backward": 0.45, "optimizer": 0.05, "other": 0.06}
         medians = {p: 0.01 for p in shares}
@@ -193,10 +194,10 @@ def test_every_fact_and_feature_the_list_names_is_evaluated() -> None:
     import torch
 
     from lightning_perf.benchmark import configs
+    from lightning_perf.benchmark.structure import ModelStructure
     from lightning_perf.profiling.advice import StepBreakdown
-    from lightning_perf.tuning.capabilities import ModelCapabilities
 
-    assert {f.name for f in dataclasses.fields(ModelCapabilities)} == set(optimizations.MODEL_FEATURES)
+    assert set(optimizations.MODEL_FEATURES) <= {f.name for f in dataclasses.fields(ModelStructure)}
     step = StepBreakdown(shares={}, medians={}, step_median_s=0.1, steps=1)
     assert set(optimizations.ADVICE_FACTS) | set(optimizations.MODEL_FEATURES) == set(step.facts())
     assert set(configs.device_capabilities(torch.device("cpu"))) == set(optimizations.DEVICE_CAPABILITIES)

@@ -236,10 +236,10 @@ class _Runs:
         """Why other processes disturbed this one run (the cause's name), judged by itself as it ends; None if not."""
         import torch
 
-        from lightning_perf.profiling.step_phases import usable_cpus
+        from lightning_perf.profiling.machine import usable_cpu_count
 
         cores = 1 if self.spec.device.startswith("cuda") else self.spec.threads or torch.get_num_threads()
-        verdict = assess([conditions], {}, cores_used=cores, cpu_count=usable_cpus(), **self.started)
+        verdict = assess([conditions], {}, cores_used=cores, cpu_count=usable_cpu_count(), **self.started)
         return verdict.causes[0].split(":")[0] if verdict.disturbed_runs else None
 
     def why_disturbed(self, result: RunResult) -> str | None:

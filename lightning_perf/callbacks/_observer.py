@@ -23,8 +23,8 @@ from torch import nn
 from lightning_perf._device import has_fast_cpu_bf16, is_sm_at_least, supports_tf32
 from lightning_perf._imports import install_hint, is_matplotlib_available
 from lightning_perf._validation import check_instance
+from lightning_perf.profiling.machine import usable_cpu_count
 from lightning_perf.profiling.report import write_json
-from lightning_perf.profiling.step_phases import usable_cpus
 
 
 def check_dirpath(owner: str, dirpath: Any) -> str | None:
@@ -176,7 +176,7 @@ def run_facts(trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.
     batches = trainer.num_training_batches
     return {
         "device_type": device.type,
-        "cpu_count": usable_cpus(),
+        "cpu_count": usable_cpu_count(),
         "processes_per_node": max(1, int(trainer.num_devices)),
         "steps_per_epoch": float(batches) if math.isfinite(batches) else None,
         "precision": str(trainer.precision),

@@ -22,11 +22,11 @@ from torch import nn
 
 from lightning_perf._device import as_device, cuda_capability, is_sm_at_least
 from lightning_perf._imports import require
-from lightning_perf._io import cache_file, read_cache_entries, write_cache_entries
+from lightning_perf._io import DecisionCache
 from lightning_perf.functional.surgery import restore_modules
 from lightning_perf.profiling.intervals import RatioEstimate
 from lightning_perf.profiling.latency import Blocks, paired_blocks, speedup_estimate
-from lightning_perf.profiling.machine import installed_version
+from lightning_perf.profiling.machine import decision_key
 
 __all__ = [
     "CACHE_FILE",
@@ -41,7 +41,6 @@ __all__ = [
     "LinearShape",
     "ShapeTimer",
     "convert_to_float8",
-    "default_cache_path",
     "float8_unsupported_reason",
     "is_sm_at_least_89",
     "linear_rows",
@@ -63,7 +62,7 @@ MIN_CAPABILITY = (8, 9)
 DEFAULT_ROWS = 8192
 """Rows of the timed input (tokens per micro-batch) when the model's own cannot be found: 16 sequences of 512."""
 CACHE_FILE = "float8_shapes.json"
-_CACHE_SCHEMA = 1
+_CACHE = DecisionCache(CACHE_FILE, "float8 shape cache")
 
 # Decisions (LayerDecision.reason) that no measurement changes.
 ELIGIBLE = "eligible"
@@ -231,7 +230,7 @@ def plan_float8(
             (:func:`linear_rows`); a name missing from the mapping takes :data:`DEFAULT_ROWS`.
         timer: ``timer(shape) -> (bf16 blocks, float8 blocks)``, per-call seconds in paired blocks; needed for
             ``"auto"`` (:func:`time_linear_shape` bound to a device, or a scripted one in tests).
-        cache_path: the JSON cache of measured shapes (default :func:`default_cache_path`).
+        cache_path: the JSON cache of measured shapes (default: ``float8_shapes.json`` in the user's cache folder).
         cache_key: the machine the figures hold for (default :func:`machine_key` of the current CUDA device).
         refresh: measure again even when the cache holds a shape.
 
@@ -260,7 +259,7 @@ def plan_float8(
         plan.decisions[name] = LayerDecision(name, shape, why_not is None, why_not or ELIGIBLE)
     if filter == "auto":
         assert timer is not None
-        _measure(plan, timer, Path(cache_path) if cache_path else default_cache_path(), cache_key, refresh)
+        _measure(plan, timer, _CACHE.path(cache_path or None), cache_key, refresh)
     return plan
 
 
@@ -270,24 +269,9 @@ def plan_float8(
 ShapeTimer = Callable[[LinearShape], tuple[Blocks, Blocks]]
 
 
-def default_cache_path() -> Path:
-    """``$LIGHTNING_PERF_CACHE/float8_shapes.json``, else ``~/.cache/lightning_perf/float8_shapes.json``."""
-    return cache_file(CACHE_FILE)
-
-
 def machine_key(device: torch.device | str | None = None, recipe: str = "tensorwise", compiled: bool = True) -> str:
     """The cache key of shape timings: GPU model and compute capability, torch and torchao versions, recipe, compile."""
-    dev = as_device(device)
-    capability = cuda_capability(dev)
-    gpu = dev.type if capability is None else f"{torch.cuda.get_device_name(dev)} (sm {capability[0]}{capability[1]})"
-    return (
-        f"gpu={gpu}; torch={torch.__version__}; torchao={installed_version('torchao') or 'none'}; recipe={recipe}; "
-        f"compiled={'yes' if compiled else 'no'}"
-    )
-
-
-def _read_cache(path: Path) -> dict[str, Any]:
-    return read_cache_entries(path, _CACHE_SCHEMA, "float8 shape cache", stacklevel=4)
+    return decision_key(as_device(device), ("torchao",), recipe=recipe, compiled="yes" if compiled else "no")
 
 
 def _estimate_from(entry: Any) -> RatioEstimate | None:
@@ -306,8 +290,7 @@ def _estimate_from(entry: Any) -> RatioEstimate | None:
 
 def _measure(plan: Float8Plan, timer: ShapeTimer, path: Path, cache_key: str | None, refresh: bool) -> None:
     key = cache_key if cache_key is not None else machine_key()
-    entries = _read_cache(path)
-    known: dict[str, Any] = dict(entries.get(key, {})) if isinstance(entries.get(key), dict) else {}
+    known = _CACHE.entry(path, key)
     shapes = sorted({d.shape for d in plan.decisions.values() if d.convert})
     fresh = False
     for shape in shapes:
@@ -329,8 +312,7 @@ def _measure(plan: Float8Plan, timer: ShapeTimer, path: Path, cache_key: str | N
             decision.convert = est.low > 1.0
             decision.reason = FASTER if decision.convert else NOT_FASTER
     if fresh:
-        entries = {**_read_cache(path), key: known}  # re-read: keep what another process cached meanwhile
-        write_cache_entries(path, _CACHE_SCHEMA, entries, "float8 shape cache")
+        _CACHE.store(path, key, known)
 
 
 def float8_config(recipe: str = "tensorwise", *, emulate: bool = False, fsdp_float8_all_gather: bool = False) -> Any:

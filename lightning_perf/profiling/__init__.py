@@ -56,7 +56,6 @@ _EXPORTS = {
     "truthful_cpu_peak": "lightning_perf.profiling.memory",
     "utilization": "lightning_perf.profiling.flops",
     "write_json": "lightning_perf.profiling.report",
-    "write_markdown": "lightning_perf.profiling.report",
 }
 
 __all__ = [
@@ -100,7 +99,6 @@ __all__ = [
     "truthful_cpu_peak",
     "utilization",
     "write_json",
-    "write_markdown",
 ]
 
 if TYPE_CHECKING:
@@ -135,7 +133,6 @@ if TYPE_CHECKING:
         print_table,
         rich_table,
         write_json,
-        write_markdown,
     )
     from lightning_perf.profiling.stats import Stats, median, percentile, summarize
     from lightning_perf.profiling.syncs import HostSyncRecorder, SyncSite

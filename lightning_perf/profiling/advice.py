@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import lightning_perf.optimizations as optimizations
+from lightning_perf._validation import check_mapping
 from lightning_perf.profiling.report import format_seconds
 from lightning_perf.profiling.syncs import SyncSite
 
@@ -45,27 +46,19 @@ def validate_thresholds(thresholds: Mapping[str, float] | None, owner: str) -> d
         ValueError: for a phase not in :data:`DEFAULT_THRESHOLDS` or a share outside (0, 1).
         TypeError: if ``thresholds`` is not a mapping.
     """
-    merged = dict(DEFAULT_THRESHOLDS)
     if thresholds is None:
-        return merged
-    if not isinstance(thresholds, Mapping):
-        raise TypeError(
-            f"`{owner}(thresholds={thresholds!r})` is not valid. Expected a dict from phase name to a share of the "
-            f"step, e.g. {{'data': 0.2}}."
-        )
-    for name, value in thresholds.items():
+        return dict(DEFAULT_THRESHOLDS)
+
+    def problem(name: Any, value: Any) -> str | None:
         if name not in DEFAULT_THRESHOLDS:
-            raise ValueError(
-                f"`{owner}(thresholds={{{name!r}: ...}})`: {name!r} is not a phase with a threshold. Expected one of: "
-                f"{', '.join(DEFAULT_THRESHOLDS)}."
-            )
+            return f"{name!r} not a phase with a threshold"
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
-            raise ValueError(
-                f"`{owner}(thresholds={{{name!r}: {value!r}}})` is out of range. Expected a share of the step "
-                "strictly between 0 and 1."
-            )
-        merged[name] = float(value)
-    return merged
+            return f"{name!r}: {value!r} is not a share of the step strictly between 0 and 1"
+        return None
+
+    expected = f"a dict from phase name ({', '.join(DEFAULT_THRESHOLDS)}) to a share of the step, e.g. {{'data': 0.2}}"
+    check_mapping(owner, "thresholds", thresholds, problem, expected)
+    return {**DEFAULT_THRESHOLDS, **{name: float(value) for name, value in thresholds.items()}}
 
 
 @dataclass(frozen=True)

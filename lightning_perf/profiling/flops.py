@@ -18,19 +18,17 @@ from typing import Any
 
 import torch
 
-from lightning_perf._io import CACHE_ENV, cache_file, read_cache_entries, write_cache_entries
-from lightning_perf._validation import check_instance, check_int, check_number
+from lightning_perf._io import DecisionCache
+from lightning_perf._validation import check_bool, check_instance, check_int, check_number
 from lightning_perf.profiling.stats import median as median_of
 
 __all__ = [
-    "CACHE_ENV",
     "GPU_PEAK_FLOPS",
     "FlopCount",
     "PeakFlops",
     "count_flops",
     "cpu_sdpa_backward_flops",
     "cpu_sdpa_flops",
-    "default_cache_path",
     "dtype_of_precision",
     "flop_mapping",
     "format_flops",
@@ -42,11 +40,7 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
-
-"""Environment variable naming the folder of lightning_perf's caches (default ``~/.cache/lightning_perf``)."""
-
-_CACHE_FILE = "peak_flops.json"
-_CACHE_SCHEMA = 1
+_CACHE = DecisionCache("peak_flops.json", "peak FLOP/s cache")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -118,10 +112,6 @@ class FlopCount:
 
     total: int
     by_operator: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain values for a results file."""
-        return {"flops": self.total, "flops_by_operator": dict(self.by_operator)}
 
 
 def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> FlopCount:
@@ -252,22 +242,14 @@ def dtype_of_precision(precision: str) -> torch.dtype:
     return dtypes[head]
 
 
-def default_cache_path() -> Path:
-    """``$LIGHTNING_PERF_CACHE/peak_flops.json``, else ``~/.cache/lightning_perf/peak_flops.json``."""
-    return cache_file(_CACHE_FILE)
-
-
 def machine_key(dtype: torch.dtype, threads: int, size: int) -> str:
     """The cache key of a CPU peak: CPU model, its instruction-set flags, threads, dtype, matmul size, torch version.
 
     Any change among these (another machine, a new torch with other kernels, another thread count) measures anew.
     """
-    from lightning_perf.profiling.machine import cpu_key
+    from lightning_perf.profiling.machine import decision_key
 
-    return (
-        f"{cpu_key()}; threads={threads}; dtype={_SHORT_DTYPE.get(dtype, str(dtype))}; matmul={size}; "
-        f"torch={torch.__version__}"
-    )
+    return decision_key(threads=threads, dtype=_SHORT_DTYPE.get(dtype, str(dtype)), matmul=size)
 
 
 def _time_matmuls(size: int, dtype: torch.dtype, threads: int, repeats: int) -> list[float]:
@@ -353,15 +335,8 @@ def _probes() -> Any:
     return Probes.system()
 
 
-def _read_cache(path: Path, *, quiet: bool = False) -> dict[str, Any]:
-    """The cache's valid entries (key -> entry); a missing file is empty, a corrupt one warns (unless ``quiet``, as
-    from the caller of peak_flops) and counts as empty."""
-    entries = read_cache_entries(path, _CACHE_SCHEMA, "peak FLOP/s cache", stacklevel=5, quiet=quiet)
-    return {key: entry for key, entry in entries.items() if _valid_entry(entry)}
-
-
-def _valid_entry(entry: Any) -> bool:
-    value = entry.get("flops_per_second") if isinstance(entry, dict) else None
+def _valid_entry(entry: dict[str, Any]) -> bool:
+    value = entry.get("flops_per_second")
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
@@ -369,26 +344,17 @@ def _cpu_peak(
     dtype: torch.dtype, threads: int, size: int, repeats: int, max_matmul_s: float, cache_path: Path, refresh: bool
 ) -> PeakFlops:
     key = machine_key(dtype, threads, size)
-    entries = _read_cache(cache_path)
-    if not refresh and key in entries:
-        entry = entries[key]
+    entry = {} if refresh else _CACHE.entry(cache_path, key)
+    if _valid_entry(entry):
         source = entry.get("source") if isinstance(entry.get("source"), str) else _label(size, dtype, threads)
         return PeakFlops(float(entry["flops_per_second"]), f"{source} (cached)")
     peak = measure_cpu_peak_flops(dtype, threads, size, repeats, max_matmul_s)
     if peak.causes:
         # Too low a peak would stay in the cache and inflate every later MFU: measure again next time.
         return PeakFlops(peak.flops_per_second, f"{peak.source} (disturbed, not cached)", peak.causes)
-    # Re-read just before writing, so a peak another process cached meanwhile (another dtype) is kept.
-    entries = {
-        **_read_cache(cache_path, quiet=True),
-        key: {
-            "flops_per_second": peak.flops_per_second,
-            "source": peak.source,
-            "repeats": repeats,
-            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        },
-    }
-    write_cache_entries(cache_path, _CACHE_SCHEMA, entries, "peak FLOP/s cache", stacklevel=4)
+    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    _CACHE.store(cache_path, key, {"flops_per_second": peak.flops_per_second, "source": peak.source,
+                                   "repeats": repeats, "measured_at": measured_at})  # fmt: skip
     return peak
 
 
@@ -410,7 +376,8 @@ def peak_flops(
     In order: ``given`` when not None; on CUDA the dense datasheet figure of :data:`GPU_PEAK_FLOPS` (fp32 counts as
     TF32 unless ``torch.get_float32_matmul_precision()`` is ``"highest"``); on CPU a ``size``-cubed matmul in
     ``dtype`` on ``threads`` threads (default: torch's current count), measured once per machine and cached in
-    ``cache_path`` (default :func:`default_cache_path`) under :func:`machine_key`. Other devices: unknown.
+    ``cache_path`` (default: ``peak_flops.json`` in the user's cache folder, :func:`lightning_perf._io.cache_file`)
+    under :func:`machine_key`. Other devices: unknown.
 
     On a GPU without a table entry, pass Lightning's figure:
     ``given=get_available_flops(device, dtype), given_source="given: Lightning get_available_flops"``. Not before the
@@ -447,13 +414,11 @@ def peak_flops(
         raise ValueError(f"`peak_flops(given_source={given_source!r})` is not valid. Expected a non-empty string.")
     if given is not None:
         return PeakFlops(check_number("peak_flops", "given", given, 0.0, exclusive=True), given_source)
-    if threads is not None:
-        check_int("peak_flops", "threads", threads, 1)
+    check_int("peak_flops", "threads", threads, 1, allow_none=True)
     check_int("peak_flops", "size", size, 1)
     check_int("peak_flops", "repeats", repeats, 1)
     check_number("peak_flops", "max_matmul_s", max_matmul_s, 0.0, exclusive=True)
-    if not isinstance(refresh, bool):
-        raise TypeError(f"`peak_flops(refresh={refresh!r})` is not valid. Expected True or False.")
+    check_bool("peak_flops", "refresh", refresh)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return gpu_peak_flops(name, dtype, torch.get_float32_matmul_precision())
@@ -461,7 +426,7 @@ def peak_flops(
         return PeakFlops(None, f"unknown: no peak known for {device.type} devices; pass given=")
     if dtype not in _SHORT_DTYPE:
         return PeakFlops(None, f"unknown: no CPU measurement in {dtype}")
-    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    path = _CACHE.path(cache_path)
     return _cpu_peak(dtype, threads or torch.get_num_threads(), size, repeats, max_matmul_s, path, refresh)
 
 

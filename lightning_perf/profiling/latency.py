@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_perf._device import synchronize
+from lightning_perf._validation import check_int
 from lightning_perf.profiling.intervals import METHOD_SINGLE, NO_CLEAR_DIFFERENCE, RatioEstimate, paired_ratio
 from lightning_perf.profiling.stats import Stats, summarize
 
-__all__ = ["LatencyRow", "measure_latency", "paired_blocks", "paired_latency", "speedup_estimate"]
+__all__ = ["LatencyRow", "measure_latency", "paired_blocks", "speedup_estimate"]
 
 Blocks = list[list[float]]
 METHOD_NO_TIME = "a call took no measurable time: no interval"
@@ -153,11 +154,6 @@ def _has_interval(estimate: RatioEstimate) -> bool:
     return estimate.has_interval and estimate.method != METHOD_NO_TIME
 
 
-def _check_count(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`paired_latency({name}={value!r})` is not valid. Expected an int >= {minimum}.")
-
-
 def paired_blocks(
     baseline: Callable[[], Any],
     candidate: Callable[[], Any],
@@ -173,8 +169,8 @@ def paired_blocks(
     Raises:
         ValueError: if ``iterations < 1`` or ``warmup < 0``.
     """
-    _check_count("iterations", iterations, 1)
-    _check_count("warmup", warmup, 0)
+    check_int("paired_blocks", "iterations", iterations, 1)
+    check_int("paired_blocks", "warmup", warmup, 0)
     per_block = math.ceil(iterations / 2)
     blocks: dict[str, Blocks] = {"baseline": [], "candidate": []}
     for name in ("baseline", "candidate", "candidate", "baseline"):
@@ -190,24 +186,6 @@ def paired_blocks(
             block.append((time.perf_counter_ns() - started) * 1e-9)
         blocks[name].append(block)
     return blocks["baseline"], blocks["candidate"]
-
-
-def paired_latency(
-    baseline: Callable[[], Any],
-    candidate: Callable[[], Any],
-    *,
-    iterations: int,
-    warmup: int = 0,
-    device: Any = None,
-) -> tuple[Stats, Stats]:
-    """The statistics of :func:`paired_blocks` over all calls of each side (for a ratio with its interval use
-    :func:`paired_blocks` and :meth:`LatencyRow.from_blocks`).
-
-    Raises:
-        ValueError: if ``iterations < 1`` or ``warmup < 0``.
-    """
-    base, cand = paired_blocks(baseline, candidate, iterations=iterations, warmup=warmup, device=device)
-    return summarize([t for b in base for t in b]), summarize([t for b in cand for t in b])
 
 
 def speedup_estimate(baseline: Blocks, candidate: Blocks) -> RatioEstimate:

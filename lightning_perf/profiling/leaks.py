@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_perf._validation import check_int, check_number
+
 __all__ = [
     "MAX_TREND_POINTS",
     "MIN_LEAK_SAMPLES",
@@ -73,8 +75,7 @@ def _thin(xs: Sequence[float], ys: Sequence[float], max_points: int) -> tuple[np
 def _check_series(name: str, xs: Sequence[float], ys: Sequence[float], max_points: int) -> None:
     if len(xs) != len(ys):
         raise ValueError(f"`{name}()` needs one y per x: got {len(xs)} xs and {len(ys)} ys.")
-    if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 2:
-        raise ValueError(f"`{name}(max_points={max_points!r})` is not valid. Expected an int >= 2.")
+    check_int(name, "max_points", max_points, 2)
 
 
 def _pair_slopes(px: np.ndarray, py: np.ndarray) -> np.ndarray:
@@ -362,10 +363,8 @@ def detect_leaks(
         >>> detect_leaks({"after_optimizer": (steps, [10_000 + 1024 * s for s in steps])})["after_optimizer"].leaking
         True
     """
-    if threshold is not None and (
-        isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf
-    ):
-        raise ValueError(f"`detect_leaks(threshold={threshold!r})` is not valid. Expected None or bytes per step > 0.")
+    if threshold is not None:
+        check_number("detect_leaks", "threshold", threshold, 0.0, exclusive=True)
     min_samples = _check_samples("detect_leaks", min_samples)
     return {
         point: trend_of(point, steps, values, min_samples, None if threshold is None else float(threshold))
@@ -403,17 +402,13 @@ class LeakSeries:
     def __init__(self, points: Sequence[str], capacity: int = 2048, stride: int = 1) -> None:
         if not points:
             raise ValueError("`LeakSeries(points=[])` is not valid. Expected at least one point name.")
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 2 * MIN_LEAK_SAMPLES:
-            raise ValueError(
-                f"`LeakSeries(capacity={capacity!r})` is not valid. Expected an int >= {2 * MIN_LEAK_SAMPLES}."
-            )
+        check_int("LeakSeries", "capacity", capacity, 2 * MIN_LEAK_SAMPLES)
+        check_int("LeakSeries", "stride", stride, 1)
         self.points = tuple(points)
         self._column = {p: i for i, p in enumerate(self.points)}
         self._values = np.full((capacity, len(self.points)), self._MISSING, dtype=np.int64)
         self._steps = np.zeros(capacity, dtype=np.int64)
         self._epochs = np.zeros(capacity, dtype=np.int64)
-        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
-            raise ValueError(f"`LeakSeries(stride={stride!r})` is not valid. Expected an int >= 1.")
         self.rows = 0
         self.stride = stride
         self.stopped_at: int | None = None

@@ -23,6 +23,7 @@ __all__ = [
     "CPU_FLAGS",
     "cpu_flags",
     "cpu_key",
+    "decision_key",
     "describe_machine",
     "finish_run",
     "git_state",
@@ -95,6 +96,22 @@ def cpu_key(flags: dict[str, bool] | None = None) -> str:
     flags = cpu_flags(cpuinfo) if flags is None and cpuinfo else flags
     present = ",".join(sorted(name for name, on in flags.items() if on)) if flags is not None else "unknown"
     return f"cpu={_cpu_model(cpuinfo) or 'unknown'}; flags={present or 'none'}"
+
+
+def decision_key(
+    device: Any = "cpu", packages: Sequence[str] = (), *, flags: dict[str, bool] | None = None, **decides: object
+) -> str:
+    """The key of a measured decision (:class:`lightning_perf._io.DecisionCache`): the machine (a CUDA device's model
+    and compute capability, else :func:`cpu_key` with ``flags``), what else decides it (``decides``, in order), and
+    the versions of torch and of ``packages``. Any change among these measures anew."""
+    import torch
+
+    from lightning_perf._device import cuda_capability
+
+    capability = cuda_capability(device)
+    head = f"gpu={torch.cuda.get_device_name(device)} (sm {capability[0]}{capability[1]})" if capability else None
+    versions = [f"torch={torch.__version__}"] + [f"{name}={installed_version(name) or 'none'}" for name in packages]
+    return "; ".join([head or cpu_key(flags), *(f"{k}={v}" for k, v in decides.items()), *versions])
 
 
 def installed_version(*distributions: str) -> str | None:

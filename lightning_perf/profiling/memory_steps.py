@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_perf._validation import check_number, check_str_sequence
 from lightning_perf.profiling.leaks import (
     MIN_LEAK_SAMPLES,
     NOISE_FLOOR_STEPS,
@@ -86,32 +87,15 @@ def check_points(owner: str, points: Sequence[str] | None) -> tuple[str, ...]:
     """``points`` in step order without duplicates (``None``: all of :data:`POINTS`), else raise."""
     if points is None:
         return POINTS
-    if isinstance(points, str) or not isinstance(points, Sequence):
-        raise TypeError(f"`{owner}(points={points!r})` is not valid. Expected a list of names from {POINTS}.")
-    unknown = [p for p in points if p not in POINTS]
-    if unknown or not points:
-        raise ValueError(
-            f"`{owner}(points={list(points)!r})` is not valid: "
-            + (f"unknown point(s) {unknown}. " if unknown else "no point given. ")
-            + f"Expected names from: {', '.join(POINTS)}."
-        )
-    return tuple(p for p in POINTS if p in points)
+    chosen = check_str_sequence(owner, "points", points, POINTS, single=False)
+    return tuple(p for p in POINTS if p in chosen)
 
 
 def check_leak_threshold(owner: str, leak_threshold: Any) -> float | None:
     """``leak_threshold`` as a float (None stays None) if it is a positive finite number, else raise ``ValueError``."""
-    if leak_threshold is None:
-        return None
-    if (
-        isinstance(leak_threshold, bool)
-        or not isinstance(leak_threshold, (int, float))
-        or not 0 < leak_threshold < math.inf
-    ):
-        raise ValueError(
-            f"`{owner}(leak_threshold={leak_threshold!r})` is not valid. Expected None (no absolute bound) or a "
-            "growth in bytes per step > 0, e.g. 16384."
-        )
-    return float(leak_threshold)
+    return (
+        None if leak_threshold is None else check_number(owner, "leak_threshold", leak_threshold, 0.0, exclusive=True)
+    )
 
 
 class MemorySteps:

@@ -48,7 +48,6 @@ __all__ = [
     "to_jsonable",
     "wrap_lines",
     "write_json",
-    "write_markdown",
 ]
 
 SCHEMA_VERSION = 1
@@ -310,11 +309,6 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]], tit
     if title:
         lines = [f"**{escape(title)}**", "", *lines]
     return "\n".join(lines)
-
-
-def write_markdown(text: str, path: PathLike) -> Path:
-    """Write Markdown ``text`` at ``path`` atomically, ending with a newline; returns the path."""
-    return atomic_write_text(path, text if text.endswith("\n") else text + "\n")
 
 
 def rich_table(columns: Sequence[str], rows: Sequence[Sequence[object]], title: str | None = None) -> Table:

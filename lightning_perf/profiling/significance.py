@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lightning_perf._validation import check_int, check_number
+
 __all__ = [
     "FASTER",
     "NO_CLEAR_DIFFERENCE",
     "SIGNIFICANCE_LEVEL",
     "SLOWER",
-    "VERDICTS",
     "MannWhitneyResult",
     "Sample",
     "SampleComparison",
@@ -32,8 +33,6 @@ __all__ = [
 FASTER = "faster"
 SLOWER = "slower"
 NO_CLEAR_DIFFERENCE = "no clear difference"
-VERDICTS: tuple[str, ...] = (FASTER, SLOWER, NO_CLEAR_DIFFERENCE)
-"""The three verdicts, worded as for a time or a speed (``slower`` is the regression)."""
 
 SIGNIFICANCE_LEVEL = 0.01
 """A change is significant when the Mann-Whitney p-value is below this (or the interval clears the threshold)."""
@@ -139,9 +138,8 @@ def mann_whitney_p_value(u: float, n_old: int, n_new: int, tie_term: float = 0.0
 
     Usable on its own when only the ordering is known, e.g. two samples whose ranges do not overlap (``u = 0``).
     """
-    for name, value in (("n_old", n_old), ("n_new", n_new)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`mann_whitney_p_value({name}={value!r})` is not valid. Expected an integer >= 1.")
+    check_int("mann_whitney_p_value", "n_old", n_old, 1)
+    check_int("mann_whitney_p_value", "n_new", n_new, 1)
     n = n_old + n_new
     mean = n_old * n_new / 2.0
     variance = n_old * n_new / 12.0 * ((n + 1) - tie_term / (n * (n - 1)))
@@ -250,12 +248,10 @@ def ratio_of_medians_ci(
     Raises:
         ValueError: on fewer than two values a side, a value <= 0, NaN, inf, or an out-of-range setting.
     """
-    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
-        raise ValueError(f"`ratio_of_medians_ci(confidence={confidence!r})` is not valid. Expected a number in (0, 1).")
-    if not isinstance(resamples, int) or isinstance(resamples, bool) or resamples < 100:
-        raise ValueError(f"`ratio_of_medians_ci(resamples={resamples!r})` is not valid. Expected an integer >= 100.")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"`ratio_of_medians_ci(seed={seed!r})` is not valid. Expected an integer >= 0.")
+    if check_number("ratio_of_medians_ci", "confidence", confidence, 0.0, 1.0, exclusive=True) == 1.0:
+        raise ValueError("`ratio_of_medians_ci(confidence=1.0)` is not valid. Expected a number in (0, 1).")
+    check_int("ratio_of_medians_ci", "resamples", resamples, 100)
+    check_int("ratio_of_medians_ci", "seed", seed, 0)
     a, b = _flat(old, "old", minimum=2), _flat(new, "new", minimum=2)
     _check_positive(a, "old")
     _check_positive(b, "new")
@@ -289,12 +285,8 @@ def verdict(
     Returns:
         ``"slower"``, ``"faster"`` or ``"no clear difference"``.
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (math.isfinite(threshold)):
-        raise ValueError(f"`verdict(threshold={threshold!r})` is not valid. Expected a finite number >= 0.")
-    if threshold < 0:
-        raise ValueError(f"`verdict(threshold={threshold!r})` is not valid. Expected a finite number >= 0.")
-    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 0):
-        raise ValueError(f"`verdict(ratio={ratio!r})` is not valid. Expected a finite number > 0.")
+    check_number("verdict", "threshold", threshold, 0.0)
+    check_number("verdict", "ratio", ratio, 0.0, exclusive=True)
     # Work on the "time" scale: > 1 is worse. A speed's ratio is inverted (its interval too, ends swapped).
     worse = 1.0 / ratio if higher_is_better else ratio
     interval = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_perf.profiling.advice import (
-    DEFAULT_THRESHOLDS,
     PHASES,
     LoaderSettings,
     StepBreakdown,
@@ -26,7 +25,6 @@ from lightning_perf.profiling.advice import (
     validate_thresholds,
 )
 from lightning_perf.profiling.intervals import t_critical_95
-from lightning_perf.profiling.machine import usable_cpu_count
 from lightning_perf.profiling.report import format_seconds, plot_stacked_steps, text_table
 from lightning_perf.profiling.stats import Stats, summarize
 from lightning_perf.profiling.syncs import HostSyncRecorder
@@ -58,7 +56,6 @@ __all__ = [
     "share_intervals",
     "step_report",
     "summarize_steps",
-    "usable_cpus",
 ]
 
 MEASURED = PHASES[:-1]  # timed directly; "other" is the step minus these
@@ -269,13 +266,6 @@ class StepPhases:
         self.batch_sizes.append(-1 if batch_size is None else batch_size)
         self.flags.append(self._flags)
         self._flags = 0
-
-    def quiet_call(self) -> bool:
-        """A hook called on a step not timed (:attr:`sampler` not live): counted in ``cost.quiet_calls``, True."""
-        if self.sampler.live:
-            return False
-        self.cost.quiet_calls += 1
-        return True
 
     # The loop's calls, each counted on `cost` (timed on its timed steps), or as a quiet call on a step not timed.
 
@@ -674,12 +664,6 @@ def check_settings(
             f"`{owner}(sync_check_steps={sync_check_steps!r}, warmup_steps={warmup_steps!r})`: the checked steps "
             "are the last warm-up steps, so sync_check_steps must be at most warmup_steps."
         )
-    unknown = sorted(set(thresholds) - set(DEFAULT_THRESHOLDS)) if isinstance(thresholds, Mapping) else []
-    if unknown:
-        raise ValueError(
-            f"`{owner}(thresholds={thresholds!r})` is not valid: {', '.join(map(repr, unknown))} not a phase with "
-            f"a threshold. Expected phases from: {', '.join(DEFAULT_THRESHOLDS)}."
-        )
     return validate_thresholds(thresholds, owner)
 
 
@@ -692,26 +676,18 @@ def batch_size_of(batch: Any) -> int | None:
     kind = type(batch)
     if (kind is list or kind is tuple) and batch and type(batch[0]) is torch.Tensor and batch[0].dim() > 0:
         return int(batch[0].shape[0])  # the common batch, (inputs, targets), without the ABC checks below
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else None
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for item in items:
-        size = batch_size_of(item)
-        if size is not None:
-            return size
-    return None
+    return _first_in(batch, lambda b: int(b.shape[0]) if isinstance(b, torch.Tensor) and b.dim() > 0 else None)
 
 
 def first_dataloader(loaders: Any) -> Any:
     """The first object with ``num_workers`` in a loader or a nest of mappings and sequences of them."""
-    if loaders is None or hasattr(loaders, "num_workers"):
-        return loaders
-    items = loaders.values() if isinstance(loaders, Mapping) else loaders if isinstance(loaders, (list, tuple)) else ()
-    for item in items:
-        found = first_dataloader(item)
-        if found is not None:
-            return found
-    return None
+    return _first_in(loaders, lambda loader: loader if hasattr(loader, "num_workers") else None)
 
 
-usable_cpus = usable_cpu_count  # one definition, in profiling/machine.py
+def _first_in(nest: Any, pick: Callable[[Any], Any]) -> Any:
+    """The first ``pick(item)`` that is not None, depth first through ``nest``'s mappings, lists and tuples."""
+    found = pick(nest)
+    if found is not None:
+        return found
+    items = nest.values() if isinstance(nest, Mapping) else nest if isinstance(nest, (list, tuple)) else ()
+    return next((f for f in (_first_in(item, pick) for item in items) if f is not None), None)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from lightning_perf._device import as_device
+from lightning_perf._validation import check_int
 from lightning_perf.profiling.stats import Stats, summarize
 
 __all__ = ["HookCost", "PhaseLedger", "PhaseTimer"]
@@ -89,15 +90,8 @@ class PhaseTimer:
         clock: Clock = time.perf_counter_ns,
         max_pending_steps: int = 16,
     ) -> None:
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(
-                f"`PhaseTimer(warmup_steps={warmup_steps!r})` is not valid. Expected an int >= 0 (steps to report "
-                "apart as warm-up)."
-            )
-        if isinstance(max_pending_steps, bool) or not isinstance(max_pending_steps, int) or max_pending_steps < 1:
-            raise ValueError(
-                f"`PhaseTimer(max_pending_steps={max_pending_steps!r})` is not valid. Expected an int >= 1."
-            )
+        check_int("PhaseTimer", "warmup_steps", warmup_steps, 0)
+        check_int("PhaseTimer", "max_pending_steps", max_pending_steps, 1)
         if not callable(clock):
             raise TypeError(
                 f"`PhaseTimer(clock={clock!r})` is not callable. Expected a function returning nanoseconds as int, "
@@ -313,11 +307,7 @@ class PhaseTimer:
         Returns:
             ``{phase: Stats}`` in seconds, phases in order of first appearance; empty when no step was closed.
         """
-        values: dict[str, list[float]] = {}
-        for record in self._records(warmup):
-            for name, seconds in record.items():
-                values.setdefault(name, []).append(seconds)
-        return {name: summarize(v) for name, v in values.items()}
+        return _phase_stats(self._records(warmup))
 
     def step_totals(self, warmup: bool = False, phases: Sequence[str] | None = None) -> list[float]:
         """Per step, the sum of its phase durations in seconds.
@@ -492,11 +482,16 @@ class PhaseLedger:
 
     def summary(self, warmup: bool = False) -> dict[str, Stats]:
         """Statistics per phase over the steady-state steps (or the warm-up steps) in which it ran."""
-        values: dict[str, list[float]] = {}
-        for record in self.warmup_steps_records if warmup else self.steps:
-            for name, seconds in record.items():
-                values.setdefault(name, []).append(seconds)
-        return {name: summarize(v) for name, v in values.items()}
+        return _phase_stats(self.warmup_steps_records if warmup else self.steps)
+
+
+def _phase_stats(records: Sequence[dict[str, float]]) -> dict[str, Stats]:
+    """Statistics per phase over the step records in which it ran, phases in order of first appearance."""
+    values: dict[str, list[float]] = {}
+    for record in records:
+        for name, seconds in record.items():
+            values.setdefault(name, []).append(seconds)
+    return {name: summarize(v) for name, v in values.items()}
 
 
 class _Flag:

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_perf.optimizations import INFERENCE_STAGES, STAGES, optimizations, tuner_search_list
-from lightning_perf.tuning.capabilities import ModelCapabilities, skip_reason
 
 if TYPE_CHECKING:
     from lightning_perf.benchmark.structure import ModelStructure
@@ -152,21 +151,32 @@ def _requires(name: str) -> tuple[str, ...]:
     return optimization.requires if optimization is not None else ()
 
 
-def trial_skip_reason(name: str, capabilities: ModelCapabilities, device: Any, *, explicit: bool = False) -> str | None:
+def trial_skip_reason(name: str, structure: ModelStructure, device: Any, *, explicit: bool = False) -> str | None:
     """Why the trial of ``name`` (a precision or an optimization) cannot apply to this model on ``device``, or None.
 
-    The model's own structure first (:func:`~lightning_perf.tuning.capabilities.skip_reason`), then the device
-    (bf16 support, fp16 autocast outside CUDA, the configuration's requirements).
+    A trial that cannot change anything (an entry's ``model_needs`` the model lacks) or that would measure an
+    emulation is skipped with its reason instead of costing a trial and a chance for noise to look like a win.
+
+    Args:
+        name: the precision or optimization (bench configuration) name.
+        structure: the model's (:func:`~lightning_perf.benchmark.structure.probe_structure`).
+        device: where the trials run.
+        explicit: the user named it: an emulated bf16 is measured anyway (what it costs is then the question).
     """
     import torch
 
     from lightning_perf._device import supports_bf16
-    from lightning_perf.benchmark.configs import get_config
+    from lightning_perf.benchmark.configs import device_capabilities, get_config
+    from lightning_perf.optimizations import MODEL_FEATURES, find
 
     device = torch.device(device)
-    why = skip_reason(name, capabilities, device, explicit=explicit)
-    if why is not None:
-        return why
+    optimization = find(name)
+    for need in optimization.model_needs if optimization is not None else ():
+        if not getattr(structure, need):
+            return f"the model has no {MODEL_FEATURES[need]}: {name} changes nothing"
+    emulated = device.type == "cpu" and "bf16" in _requires(name) and not device_capabilities(device)["fast_bf16"]
+    if emulated and not explicit:
+        return "this CPU has no bf16 instructions (avx512_bf16, AMX): bf16 would be emulated, slower than fp32"
     precision = str(get_config(name).trainer_kwargs.get("precision", ""))
     if precision.startswith("bf16") and not supports_bf16(device):
         return f"{device} does not support bfloat16"

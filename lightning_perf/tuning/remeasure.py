@@ -14,9 +14,10 @@ import time
 from typing import Any
 
 from lightning_perf.benchmark.settle import Settling
+from lightning_perf.profiling.stats import median
 from lightning_perf.tuning.conditions import TrialWatch, baseline_spread_cause
 from lightning_perf.tuning.results import Trial
-from lightning_perf.tuning.verdicts import median, per_sample_times
+from lightning_perf.tuning.verdicts import per_sample_times
 
 __all__ = ["MAX_MEASUREMENTS", "Remeasuring"]
 

@@ -56,7 +56,8 @@ class Trial:
 
     def fill(self, result: Any) -> None:
         """Take the figures of a successful run (a worker's ``RunResult``: a training or an inference stage)."""
-        from lightning_perf.tuning.verdicts import median, quartiles
+        from lightning_perf.profiling.stats import median
+        from lightning_perf.tuning.verdicts import quartiles
 
         times = result.step_times_s
         self.step_median_s = median(times)

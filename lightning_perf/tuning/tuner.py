@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_perf._validation import check_bool, check_int, check_number
+from lightning_perf._validation import check_bool, check_choice, check_int, check_number
 from lightning_perf.benchmark.settle import Settling
 from lightning_perf.benchmark.sources import (
     LOADER_SETTINGS,
@@ -27,24 +27,18 @@ from lightning_perf.benchmark.sources import (
     init_parameters,
 )
 from lightning_perf.benchmark.spec import RunSpec, check_preset, check_workload, resolve_device
-from lightning_perf.benchmark.structure import structure_of
+from lightning_perf.benchmark.structure import ModelStructure, structure_of
 from lightning_perf.benchmark.threads import ThreadChoice, decide_for_run, sample_other_cores
 from lightning_perf.optimizations import tuner_alternatives
 from lightning_perf.profiling.machine import describe_machine
-from lightning_perf.tuning.capabilities import ModelCapabilities, model_capabilities
+from lightning_perf.profiling.stats import median
 from lightning_perf.tuning.conditions import TrialWatch
 from lightning_perf.tuning.inference import NO_DATA_STAGE, check_stage, search_plan, too_few_batches, trial_skip_reason
 from lightning_perf.tuning.recommend import bench_command, long_warmup, recommend
 from lightning_perf.tuning.remeasure import Remeasuring
 from lightning_perf.tuning.results import Trial, TuningResult
 from lightning_perf.tuning.trials import check_search_lists, memory_problem, resolve_isolation, run_in_process
-from lightning_perf.tuning.verdicts import (
-    compare,
-    loss_deviation,
-    median,
-    per_sample_times,
-    speedup_estimate,
-)
+from lightning_perf.tuning.verdicts import compare, loss_deviation, per_sample_times, speedup_estimate
 
 ISOLATION = ("auto", "process", "in-process")
 # Data wait below this share of the step leaves nothing for more loader workers to win.
@@ -122,12 +116,8 @@ def _check_settings(settings: dict[str, Any]) -> None:
     check_number("AutoTuner", "loss_rtol", settings["loss_rtol"], 0.0, exclusive=True)
     check_number("AutoTuner", "confirm_below", settings["confirm_below"], 1.0)
     for name, minimum in (("max_batch_size", 1), ("max_num_workers", 0), ("threads", 1)):
-        if settings[name] is not None:
-            check_int("AutoTuner", name, settings[name], minimum)
-    if settings["isolation"] not in ISOLATION:
-        raise ValueError(
-            f"`AutoTuner(isolation={settings['isolation']!r})` is not valid. Expected one of: {', '.join(ISOLATION)}."
-        )
+        check_int("AutoTuner", name, settings[name], minimum, allow_none=True)
+    check_choice("AutoTuner", "isolation", settings["isolation"], ISOLATION)
     for flag in ("tune_batch_size", "tune_data_loading", "noise_check", "progress"):
         check_bool("AutoTuner", flag, settings[flag])
     if isinstance(settings["seed"], bool) or not isinstance(settings["seed"], int):
@@ -234,7 +224,7 @@ class AutoTuner(Remeasuring):
         self._base_runs: list[list[float]] = []
         self._base_label = "baseline"
         self._unreliable: list[str] = []  # why the reference measurement cannot be trusted (then: no recommendation)
-        self._capabilities = ModelCapabilities()
+        self._structure = ModelStructure()
         self._probes: Any = None  # the condition watcher's counters (None: the real ones)
         self._watch = TrialWatch(self.device)
 
@@ -252,10 +242,10 @@ class AutoTuner(Remeasuring):
         holder = batch_size_holder(model, datamodule)
         dm_params, model_params = sorted(init_parameters(datamodule)), sorted(init_parameters(model))
         own_loader = {k: getattr(datamodule, k) for k in LOADER_SETTINGS if hasattr(datamodule, k)}
-        self._capabilities = model_capabilities(model)  # counted once, here: no trial needed to know
-        structure = structure_of(model, datamodule)  # the same facts decide the bench's default set
+        # Probed once, here (no trial needed to know); the same facts decide the bench's default set.
+        self._structure = structure_of(model, datamodule)
         self._plan = search_plan(
-            self.stage, self.precisions, self.optimizations, device=self.device, structure=structure
+            self.stage, self.precisions, self.optimizations, device=self.device, structure=self._structure
         )
         del model, datamodule
         isolation = resolve_isolation(self.isolation, self.source)
@@ -383,14 +373,7 @@ class AutoTuner(Remeasuring):
         plan, start, best = self._plan, incumbent, incumbent
         for precision in plan.precisions:
             candidate = start[0].with_(f"+{precision}", "precision", configs=(*start[0].configs, precision))
-            explicit = self.precisions is not None
-            why = plan.left_out.get(precision) or trial_skip_reason(
-                precision, self._capabilities, self.device, explicit=explicit
-            )
-            if why is not None:
-                self._skip(candidate, why)
-                continue
-            best = self._challenge(candidate, start, best, base)
+            best = self._unless_skipped(precision, candidate, start, best, base, explicit=self.precisions is not None)
         return best
 
     def _optimization_stage(self, incumbent: tuple[Candidate, Trial, Any], base: Any) -> tuple[Candidate, Trial, Any]:
@@ -403,12 +386,19 @@ class AutoTuner(Remeasuring):
                 configs = tuple(c for c in configs if c != replaced)
                 label = f"{name} instead of {replaced}"
             candidate = incumbent[0].with_(label, "optimization", configs=(*configs, name))
-            reason = self._plan.left_out.get(name) or trial_skip_reason(name, self._capabilities, self.device)
-            if reason is not None:
-                self._skip(candidate, reason)
-                continue
-            incumbent = self._challenge(candidate, incumbent, incumbent, base)
+            incumbent = self._unless_skipped(name, candidate, incumbent, incumbent, base)
         return incumbent
+
+    def _unless_skipped(
+        self, name: str, candidate: Candidate, start: Any, best: Any, base: Any, explicit: bool = False
+    ) -> Any:
+        """``best`` after ``candidate`` (the trial of ``name``) challenged ``start``, or as it was when the trial
+        cannot apply (then listed as skipped, with the reason)."""
+        why = self._plan.left_out.get(name) or trial_skip_reason(name, self._structure, self.device, explicit=explicit)
+        if why is not None:
+            self._skip(candidate, why)
+            return best
+        return self._challenge(candidate, start, best, base)
 
     def _data_stage(
         self, incumbent: tuple[Candidate, Trial, Any], base: Any, own: dict[str, Any]

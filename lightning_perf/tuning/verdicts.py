@@ -12,7 +12,6 @@ from lightning_perf.profiling.stats import median, percentile
 __all__ = [
     "compare",
     "loss_deviation",
-    "median",
     "per_sample_times",
     "quartiles",
     "speedup_estimate",

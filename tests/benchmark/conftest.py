@@ -28,7 +28,7 @@ def _no_real_peak_measurement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         measured.append((dtype, threads or torch.get_num_threads()))
         return flops.PeakFlops(FAKE_PEAK_FLOPS, f"fake matmul {dtype} (tests)")
 
-    monkeypatch.setenv(flops.CACHE_ENV, str(tmp_path / "lightning-perf-cache"))
+    monkeypatch.setenv("LIGHTNING_PERF_CACHE", str(tmp_path / "lightning-perf-cache"))
     monkeypatch.setattr(flops, "measure_cpu_peak_flops", fake)
     return measured
 

@@ -181,14 +181,13 @@ def _bench_beside(monkeypatch: pytest.MonkeyPatch, others: Callable[[int], float
     """A scripted bench on a scripted two-core machine: ``others(run)`` cores busy with other work during run ``n``
     (run 0: the starting sample); each run takes 10 s and keeps its threads' cores busy."""
     import lightning_perf.profiling.machine as machine_module
-    import lightning_perf.profiling.step_phases as step_phases
     from tests.profiling.test_reliability_start import Machine
 
     monkeypatch.setattr(thread_rules, "load_average", lambda: 0.2)  # lagging: the load began seconds ago
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     described = machine_module.describe_machine()
     monkeypatch.setattr(machine_module, "describe_machine", lambda: {**described, "cpu_count_usable": 2})
-    monkeypatch.setattr(step_phases, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(machine_module, "usable_cpu_count", lambda: 2)
     machine, count = Machine(cores=2), [0]
     machine.others = others(0)
 

@@ -55,8 +55,8 @@ def fit_convnet(root: Path, callback: MemoryProfilerCallback, model: pl.Lightnin
         ({"every_n_steps": 0}, "every_n_steps=0"),
         ({"every_n_steps": -3}, "every_n_steps=-3"),
         ({"warmup_steps": -1}, "warmup_steps=-1"),
-        ({"points": ["after_forward", "after_lunch"]}, r"unknown point\(s\) \['after_lunch'\]"),
-        ({"points": []}, "no point given"),
+        ({"points": ["after_forward", "after_lunch"]}, "'after_lunch' is not one of them"),
+        ({"points": []}, "Expected a non-empty list"),
         ({"leak_threshold": 0}, "leak_threshold=0"),
         ({"leak_threshold": -1.0}, "leak_threshold=-1.0"),
         ({"leak_threshold": float("inf")}, "leak_threshold=inf"),
@@ -73,7 +73,7 @@ def test_bad_arguments_are_refused_at_construction(kwargs: dict[str, Any], match
 
 
 def test_points_must_be_a_list_of_names() -> None:
-    with pytest.raises(TypeError, match="Expected a list of names"):
+    with pytest.raises(ValueError, match="Expected a non-empty list of distinct names"):
         MemoryProfilerCallback(points="after_forward")
     assert MemoryProfilerCallback(points=["after_optimizer", "after_data"]).points == ("after_data", "after_optimizer")
 

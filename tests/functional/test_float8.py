@@ -192,11 +192,6 @@ def test_a_corrupt_cache_warns_and_is_rewritten(tmp_path: Path) -> None:
     assert plan.names == ["0"] and json.loads(cache.read_text())["schema"] == 1
 
 
-def test_default_cache_path_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("LIGHTNING_PERF_CACHE", str(tmp_path))
-    assert f8.default_cache_path() == tmp_path / "float8_shapes.json"
-
-
 def test_time_linear_shape_returns_paired_blocks_and_restores_dynamo() -> None:
     import torch._dynamo.config as dynamo_config
 

@@ -19,17 +19,16 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_perf._io import CACHE_ENV
 from lightning_perf._warnings import MeasurementWarning
 from lightning_perf.profiling import flops
 from lightning_perf.profiling.flops import (
-    CACHE_ENV,
     GPU_PEAK_FLOPS,
     FlopCount,
     PeakFlops,
     count_flops,
     cpu_sdpa_backward_flops,
     cpu_sdpa_flops,
-    default_cache_path,
     dtype_of_precision,
     format_flops,
     gpu_peak_flops,
@@ -63,7 +62,6 @@ def test_mlp_training_step_matches_the_hand_formula() -> None:
     assert count.total == expected
     assert sum(count.by_operator.values()) == count.total
     assert set(count.by_operator) == {"aten.addmm", "aten.mm"}
-    assert count.as_dict() == {"flops": expected, "flops_by_operator": count.by_operator}
 
 
 def test_forward_only_counts_the_forward() -> None:
@@ -398,12 +396,13 @@ def test_cache_location_follows_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_timer: FakeTimer
 ) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "lp-cache"))
-    assert default_cache_path() == tmp_path / "lp-cache" / "peak_flops.json"
     peak_flops("cpu", torch.float32, threads=1)
     assert (tmp_path / "lp-cache" / "peak_flops.json").is_file()
     monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert default_cache_path() == tmp_path / "home" / ".cache" / "lightning_perf" / "peak_flops.json"
+    peak_flops("cpu", torch.float32, threads=1)
+    assert (tmp_path / "home" / ".cache" / "lightning_perf" / "peak_flops.json").is_file()
 
 
 @pytest.mark.parametrize(
@@ -447,7 +446,7 @@ def test_an_unwritable_cache_warns_and_still_gives_the_peak(tmp_path: Path, fake
     assert peak.flops_per_second == pytest.approx(1e11)
     messages = [str(w.message) for w in caught if issubclass(w.category, MeasurementWarning)]
     assert len(messages) == 2  # once for the read, once for the write; the re-read before writing is quiet
-    assert messages[0].startswith("Could not read") and messages[1].startswith("Could not write")
+    assert "not valid or readable" in messages[0] and messages[1].startswith("Could not write")
 
 
 def test_machine_key_names_what_decides_the_peak() -> None:

@@ -33,7 +33,6 @@ from lightning_perf.profiling import (
     write_json,
 )
 from lightning_perf.profiling import report as report_module
-from lightning_perf.profiling.report import write_markdown
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 needs_matplotlib = pytest.mark.skipif(not _imports.is_matplotlib_available(), reason="matplotlib is not installed")
@@ -142,11 +141,6 @@ def test_markdown_table_text() -> None:
 def test_markdown_table_rejects_ragged_rows() -> None:
     with pytest.raises(ValueError, match="row 1 has 1 cells, expected 2"):
         markdown_table(["a", "b"], [[1, 2], [3]])
-
-
-def test_write_markdown_ends_with_a_newline(tmp_path: Path) -> None:
-    target = write_markdown("| a |", tmp_path / "t.md")
-    assert target.read_text() == "| a |\n"
 
 
 def test_rich_table_shows_brackets_literally_and_right_aligns_numbers() -> None:

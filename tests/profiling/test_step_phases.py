@@ -11,7 +11,9 @@ from lightning_perf.profiling.step_phases import (
     LiveSchedule,
     StepPhases,
     StepSampler,
+    batch_size_of,
     binned,
+    first_dataloader,
     live_figures,
     merge_ranks,
     report_lines,
@@ -188,7 +190,8 @@ def _sampled_loop(phases: StepPhases, clock: Clock, steps: int, validation_after
         if phases.sampler.live:
             phases.switch("optimizer")
         clock.wait(2)
-        if phases.quiet_call():  # the post-hook on a skipped step: count it
+        if not phases.sampler.live:  # the post-hook on a skipped step: a quiet call that counts it
+            phases.cost.quiet_calls += 1
             phases.sampler.count()
         if phases.sampler.live:
             ended.append(step)
@@ -273,7 +276,8 @@ def _observed_loop(phases: StepPhases, clock: Clock, steps: int) -> list[bool]:
         clock.wait(3)
         phases.enter("optimizer")
         clock.wait(2)
-        if phases.quiet_call():  # the per-step counter (an optimizer's post-hook) on a skipped step
+        if not phases.sampler.live:  # the per-step counter (an optimizer's post-hook) on a skipped step
+            phases.cost.quiet_calls += 1
             phases.sampler.count()
         if phases.sampler.live:  # the end of a timed step, or of the one before it (just woken by the counter)
             closed.append(phases.end_batch([torch.zeros(4, 2)]))
@@ -400,3 +404,11 @@ def test_a_skipped_steps_counter_is_billed_at_its_timed_median_the_flag_checks_a
     figures = cost.figures(steps=32, step_s=1e-3)
     assert (figures["quiet_calls"], figures["quiet_counter_calls"], figures["quiet_counter_ns"]) == (42, 32, 3000.0)
     assert figures["hooks_ns_total"] == 32 * 3000.0 + 10 * 2.0
+
+
+def test_the_batch_size_and_the_loader_are_found_depth_first_through_nests() -> None:
+    scalar, images = torch.tensor(1.0), torch.zeros(6, 3)
+    assert batch_size_of({"step": scalar, "inputs": [scalar, {"x": images}], "y": torch.zeros(2)}) == 6
+    assert batch_size_of((scalar, "text")) is None
+    loader = torch.utils.data.DataLoader([1, 2])
+    assert first_dataloader({"a": [], "b": [{"c": loader}]}) is loader and first_dataloader([[], ()]) is None

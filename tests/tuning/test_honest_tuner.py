@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_perf.benchmark.structure import probe_structure
 from lightning_perf.profiling.reliability import Probes
-from lightning_perf.tuning.capabilities import model_capabilities, skip_reason
 from lightning_perf.tuning.conditions import BASELINE_SPREAD_MAX, TrialWatch
+from lightning_perf.tuning.inference import trial_skip_reason
 from lightning_perf.tuning.results import TuningResult, unused_output
 from lightning_perf.tuning.tuner import AutoTuner
 from tests.tuning._scripted import script_trials, scripted_result
@@ -122,17 +123,17 @@ def test_nothing_is_kept_inside_the_noise_bar_it_states(monkeypatch: pytest.Monk
 # --------------------------------------------------------------------------- trials that cannot apply
 
 
-def test_capabilities_are_counted_with_the_optimizations_own_detection() -> None:
-    conv, mlp, attention = (model_capabilities(m) for m in (SmallConvNet(), SmallMLP(), SmallAttentionNet()))
+def test_the_structure_probe_finds_what_the_optimizations_act_on() -> None:
+    conv, mlp, attention = (probe_structure(m) for m in (SmallConvNet(), SmallMLP(), SmallAttentionNet()))
     assert conv.convolutions == ("net.0",) and conv.attention == ()
     assert mlp.convolutions == () and mlp.attention == ()
     assert attention.attention == ("attention",)
     cpu = torch.device("cpu")
-    assert "no attention module" in skip_reason("flash_attention", mlp, cpu)
-    assert skip_reason("flash_attention", attention, cpu) is None
-    assert "no 2D or 3D convolution" in skip_reason("channels_last", mlp, cpu)
-    assert skip_reason("channels_last", conv, cpu) is None
-    assert skip_reason("fused_optimizer", mlp, cpu) is None
+    assert "no attention module" in trial_skip_reason("flash_attention", mlp, cpu)
+    assert trial_skip_reason("flash_attention", attention, cpu) is None
+    assert "no 2D or 3D convolution" in trial_skip_reason("channels_last", mlp, cpu)
+    assert trial_skip_reason("channels_last", conv, cpu) is None
+    assert trial_skip_reason("fused_optimizer", mlp, cpu) is None
 
 
 def test_trials_that_cannot_apply_are_skipped_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:

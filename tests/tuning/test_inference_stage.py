@@ -86,10 +86,10 @@ def test_an_inference_only_entry_of_the_registry_is_searched_for_inference_only(
 
 def test_bf16_weights_on_a_cpu_without_bf16_are_skipped_as_training_bf16_is(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_perf.benchmark import configs
-    from lightning_perf.tuning.capabilities import ModelCapabilities
+    from lightning_perf.benchmark.structure import ModelStructure
 
     monkeypatch.setattr(configs, "device_capabilities", lambda device: {"fast_bf16": False})
-    none = ModelCapabilities()
+    none = ModelStructure()
     for name in ("bf16-true", "bf16-mixed"):
         assert "no bf16 instructions" in trial_skip_reason(name, none, "cpu")
         assert trial_skip_reason(name, none, "cpu", explicit=True) is None  # named by the user: measured anyway

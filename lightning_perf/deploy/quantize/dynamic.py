@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._imports import is_available, require
-from lightning_perf._io import cache_file, read_cache_entries, write_cache_entries
+from lightning_perf._io import DecisionCache
 from lightning_perf._validation import check_bool
 from lightning_perf._warnings import MeasurementWarning
 from lightning_perf.deploy.backend import failure_reason
@@ -43,7 +43,7 @@ from lightning_perf.functional.inputs import as_input_tuple, export_shapes
 from lightning_perf.functional.qat import QuantizationError, with_batch
 from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
-from lightning_perf.profiling.machine import cpu_flags, cpu_key, installed_version
+from lightning_perf.profiling.machine import cpu_flags, decision_key
 
 __all__ = [
     "CACHE_FILE",
@@ -56,7 +56,6 @@ __all__ = [
     "check_dynamic_backend",
     "choose",
     "clear_cache",
-    "default_cache_path",
     "dynamic_candidates",
     "eager_latency",
     "figure_line",
@@ -81,7 +80,7 @@ TIE_RULE = (
     "is faster too and its interval overlaps the fastest's: within noise, the simplest is kept"
 )
 CACHE_FILE = "dynamic_int8.json"
-_CACHE_SCHEMA = 1
+_CACHE = DecisionCache(CACHE_FILE, "dynamic int8 cache")
 _EAGER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.LSTM, nn.GRU, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 
 
@@ -461,18 +460,9 @@ def choose(candidates: Sequence[DynamicCandidate]) -> DynamicCandidate | None:
 # ---------------------------------------------------------------------------------------------------- the cache
 
 
-def default_cache_path() -> Path:
-    """``$LIGHTNING_PERF_CACHE/dynamic_int8.json``, else ``~/.cache/lightning_perf/dynamic_int8.json``."""
-    return cache_file(CACHE_FILE)
-
-
 def machine_key(flags: dict[str, bool] | None = None) -> str:
     """The machine a choice holds for: CPU model and flags, torch's threads, torch, torchao and onnxruntime versions."""
-    return (
-        f"{cpu_key(flags)}; threads={torch.get_num_threads()}; torch={torch.__version__}; "
-        f"torchao={installed_version('torchao') or 'none'}; "
-        f"onnxruntime={installed_version('onnxruntime') or 'none'}"
-    )
+    return decision_key("cpu", ("torchao", "onnxruntime"), flags=flags, threads=torch.get_num_threads())
 
 
 def model_key(module: nn.Module, example: Sequence[Tensor]) -> str:
@@ -484,40 +474,16 @@ def model_key(module: nn.Module, example: Sequence[Tensor]) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
-def _read_cache(path: Path) -> dict[str, Any]:
-    return read_cache_entries(path, _CACHE_SCHEMA, "dynamic int8 cache", stacklevel=4)
-
-
-def _cached_entry(path: Path, machine: str, model: str) -> dict[str, Any] | None:
-    entry = (_read_cache(path).get(machine) or {}).get(model)
-    valid = (
-        isinstance(entry, dict)
-        and (entry.get("backend") is None or entry.get("backend") in SIMPLICITY)
-        and isinstance(entry.get("measured"), list)
-        and isinstance(entry.get("skipped"), dict)
-    )
-    return entry if valid else None
-
-
-def _store_entry(path: Path, machine: str, model: str, result: DynamicQuantization) -> None:
-    entries = _read_cache(path)  # read again: keep what another process cached meanwhile
-    known = entries.get(machine)
-    known = known if isinstance(known, dict) else {}
-    entry = {"backend": result.backend, "measured": result.measured, "skipped": result.skipped}
-    entries[machine] = {**known, model: entry}
-    write_cache_entries(path, _CACHE_SCHEMA, entries, "dynamic int8 cache", stacklevel=4)
-
-
 def onnx_cache_dir(cache_path: str | os.PathLike[str] | None = None) -> Path:
     """Where the int8 ONNX models are kept beside the cache file ``cache_path``: ``<its stem>_onnx/``."""
-    path = Path(cache_path or default_cache_path())
+    path = _CACHE.path(cache_path or None)
     return path.with_name(f"{path.stem}_onnx")
 
 
 def clear_cache(cache_path: str | os.PathLike[str] | None = None) -> None:
     """Forget the back-ends chosen so far and the int8 ONNX models kept (the next ``"auto"`` measures again): removes
     the cache file and its ``_onnx`` folder."""
-    Path(cache_path or default_cache_path()).unlink(missing_ok=True)
+    _CACHE.path(cache_path or None).unlink(missing_ok=True)
     shutil.rmtree(onnx_cache_dir(cache_path), ignore_errors=True)
 
 
@@ -583,13 +549,13 @@ def quantize_dynamic(
     Each candidate is checked against ``module`` on ``example_inputs`` (cosine at least ``min_cosine``, top-1 agreement
     over the last output dimension at least ``min_agreement`` when the output has one); with ``"auto"`` the correct
     ones are timed against ``module`` (``iterations`` calls each, paired and interleaved, at equal threads) and one is
-    kept by :data:`TIE_RULE`. The choice and the figures are cached (``cache_path``, default
-    :func:`default_cache_path`) per :func:`machine_key` and :func:`model_key`: with a cached choice only that back-end
-    is built and checked, nothing is timed (``refresh=True`` measures again; a cached back-end that no longer passes
-    the checks is measured again too). The onnxruntime back-end's int8 model is kept beside the cache file
-    (:func:`onnx_cache_dir`) with a hash of the weights: with the same weights a later call, in any process, loads it
-    instead of exporting and quantizing again (:func:`quantize_dynamic_onnxruntime`; ``refresh=True`` converts again).
-    ``module`` is left as it is (its copies are on the CPU, in eval mode).
+    kept by :data:`TIE_RULE`. The choice and the figures are cached (``cache_path``, default ``dynamic_int8.json``
+    in the user's cache folder) per :func:`machine_key` and :func:`model_key`: with a cached choice only that
+    back-end is built and checked, nothing is timed (``refresh=True`` measures again; a cached back-end that no
+    longer passes the checks is measured again too). The onnxruntime back-end's int8 model is kept beside the cache
+    file (:func:`onnx_cache_dir`) with a hash of the weights: with the same weights a later call, in any process,
+    loads it instead of exporting and quantizing again (:func:`quantize_dynamic_onnxruntime`; ``refresh=True``
+    converts again). ``module`` is left as it is (its copies are on the CPU, in eval mode).
 
     Raises:
         ValueError: for an unknown backend or an invalid threshold.
@@ -603,7 +569,7 @@ def quantize_dynamic(
     flags = cpu_flags()
     reference = copy.deepcopy(module).cpu().eval()
     disable_cache(reference)  # a Hugging Face model's int8 copy is built, checked and timed without its cache
-    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    path = _CACHE.path(cache_path)
     checks = (reference, example, min_cosine, min_agreement, onnx_cache_dir(path))
     if backend != "auto":
         result = DynamicQuantization(None, None, backend, cpu_flags=flags)
@@ -613,8 +579,9 @@ def quantize_dynamic(
         result.backend, result.module = next(iter(built.items()))
         return result
     keys = (machine_key(flags), model_key(reference, example))
-    entry = None if refresh else _cached_entry(path, *keys)
-    if entry is not None:
+    entry: Any = {} if refresh else _CACHE.entry(path, keys[0]).get(keys[1])
+    valid = isinstance(entry, dict) and entry.get("backend", "") in (None, *SIMPLICITY)
+    if valid and isinstance(entry.get("measured"), list) and isinstance(entry.get("skipped"), dict):
         result = DynamicQuantization(None, None, "auto", skipped=entry["skipped"], cached=True, cpu_flags=flags)
         result.measured = entry["measured"]
         built = _try(result, [entry["backend"]], *checks) if entry["backend"] else {}
@@ -641,7 +608,9 @@ def quantize_dynamic(
     if best is not None:
         result.backend, result.module = best.backend, built[best.backend]
     result.measured = [c.figures() for c in result.candidates]
-    _store_entry(path, *keys, result)
+    _CACHE.store(
+        path, keys[0], {keys[1]: {"backend": result.backend, "measured": result.measured, "skipped": result.skipped}}
+    )
     return result
 
 
