@@ -46,9 +46,9 @@ time under ``step_..._s``; memory in bytes under ``_bytes``; ratios are plain nu
         step_times_s: [[...] per repeat, in repeat order]   raw steady-state step times, to rebuild any interval
         speedup: baseline step time / step time (> 1: faster), geometric mean of the paired per-repeat ratios;
             speedup_ci95: [low, high] (low <= speedup <= high), speedup_verdict: "faster" | "slower" |
-            "no clear difference" | "one repeat: no interval" (every ratio of a one-repeat bench), speedup_method:
-            "t interval over paired repeats" | "bootstrap over paired steps"
-            | "one paired repeat: no interval", speedup_n (paired repeats), speedup_min / speedup_max (per-repeat)
+            "no clear difference" | "one repeat: no interval" (every ratio of a one-repeat bench; a verdict needs the
+            interval beyond 1 and the ratio beyond compare.DEFAULT_THRESHOLD, 5%), speedup_method: "t interval over
+            paired repeats" | "one paired repeat: no interval", speedup_n (paired repeats), speedup_min / speedup_max
             (baseline's own row: speedup 1.0, the rest null)
         throughput (samples/s at the median step), warmup_s, model_init_s, first_batch_s, first_forward_s,
             first_step_s (the first step of the configuration's first process: cold, where its processes share one
@@ -94,6 +94,7 @@ from lightning_perf.benchmark.answer import (
     recommendation_record,
     settling_record,
 )
+from lightning_perf.benchmark.compare import DEFAULT_THRESHOLD
 from lightning_perf.benchmark.isolation import run_isolated
 from lightning_perf.benchmark.results import ONE_REPEAT, BenchReport, ConfigSummary, ProgressFn, RunEvent
 from lightning_perf.benchmark.rounds import run_rounds
@@ -217,6 +218,7 @@ def _report_notes(spec: BenchSpec, reliability: Reliability, runs: _Runs, summar
         + _paired_baseline_notes(summaries)
         + _no_effect_notes(runs.results)
         + _decision_notes(runs.decided)
+        + _shortened_notes(spec, runs.steps)
         + _predict_skipped_notes(runs.results)
     )
 
@@ -274,6 +276,7 @@ class _Runs:
         self.set_aside: list[tuple[str, int, str]] = []  # disturbed runs measured again, kept out of the figures
         self.started: dict[str, Any] = {}  # the starting load the runs are judged against (assess's keywords)
         self.decided: dict[str, dict[str, Any]] = {}  # configuration -> its first run's RunResult.decided
+        self.steps: int | None = None  # timed steps of the runs after the first round (fewer where the budget asks)
         self.done = 0
         self.start = clock()
 
@@ -286,9 +289,16 @@ class _Runs:
         self.report_progress(
             f"repeat {repeat + 1}/{self.spec.repeats}" if self.spec.repeats else f"repeat {repeat + 1}"
         )
+        if self.settling is not None and repeat >= 1 and self.steps is None:  # at the first round's pace
+            paces = [r.step_median_s for runs in self.results.values() for r in runs if r.ok and r.step_median_s]
+            pace = sum(paces) / len(paces) if paces else 0.0
+            self.steps = self.settling.steps_within_budget(self.spec.steps, pace, self.spec.names, 1)
+        run_spec = replace(
+            self.spec.run_spec(name, repeat, self.decided.get(name)), steps=self.steps or self.spec.steps
+        )
         token = self.monitor.start()
         try:
-            result = self.run(self.spec.run_spec(name, repeat, self.decided.get(name)), self.tmp, self.spec.timeout_s)
+            result = self.run(run_spec, self.tmp, self.spec.timeout_s)
         except BaseException:
             getattr(self.monitor, "close", lambda: None)()  # its sampler thread ends with the run
             raise
@@ -347,8 +357,8 @@ def _measure(runs: _Runs, order: list[str], stack_phase: bool) -> tuple[Stack, l
     def estimates_of(so_far: Any) -> dict[str, RatioEstimate | None]:
         return estimates_from(summarize_runs(so_far))
 
-    def stack_reserve() -> float:  # two rounds of baseline and the stack, kept for the recommendation
-        return 2 * settling.round_s([BASELINE, BASELINE]) if settling is not None else 0.0
+    def stack_reserve() -> float:  # the least rounds of baseline and the stack, kept for the recommendation
+        return settling.min_repeats * settling.round_s([BASELINE, BASELINE]) if settling is not None else 0.0
 
     singles = run_rounds(order, runs, repeats=spec.repeats, settling=settling, estimates_of=estimates_of,
                          reserve_s=stack_reserve, results=runs.results, disturbed=runs.why_disturbed)  # fmt: skip
@@ -356,7 +366,7 @@ def _measure(runs: _Runs, order: list[str], stack_phase: bool) -> tuple[Stack, l
     stack = choose_stack(estimates_of(runs.results)) if stack_phase else Stack(())
     decisions, rounds = [singles.decision], singles.rounds
     if len(stack.names) > 1 and stack.name not in order:
-        runs.total = runs.done + (spec.repeats or 2) * 2
+        runs.total = runs.done + (spec.repeats or getattr(settling, "min_repeats", 2)) * 2
         measured = run_rounds([BASELINE, stack.name], runs, repeats=spec.repeats, settling=settling,
                               estimates_of=estimates_of, first_repeat=singles.rounds, results=runs.results,
                               disturbed=runs.why_disturbed)  # fmt: skip
@@ -386,7 +396,9 @@ def _judged_summaries(runs: _Runs, machine: dict[str, Any]) -> tuple[list[Config
 
 def _ratio(numerator: Any, denominator: Any, above_one: str = "faster", below_one: str = "slower") -> RatioEstimate:
     """:func:`paired_ratio`, except that a single repeat gives the ratio alone, with :data:`ONE_REPEAT`."""
-    estimate = paired_ratio(numerator, denominator, above_one=above_one, below_one=below_one)
+    estimate = paired_ratio(
+        numerator, denominator, above_one=above_one, below_one=below_one, threshold=DEFAULT_THRESHOLD
+    )
     if estimate.n == 1:
         return RatioEstimate(estimate.ratio, estimate.ratio, estimate.ratio, METHOD_SINGLE, ONE_REPEAT, 1)
     return estimate
@@ -411,6 +423,14 @@ def _decision_notes(decided: dict[str, dict[str, Any]]) -> list[str]:
         for owner, state in states.items()
         for t in state.get("first_batch", {}).get("timings", [])
     ]
+
+
+def _shortened_notes(spec: BenchSpec, steps: int | None) -> list[str]:
+    """The line that says the runs after the first round timed fewer steps, to fit the repeats into the budget."""
+    if steps is None or steps >= spec.steps:
+        return []
+    return [f"the runs after the first round timed {steps} steps, not {spec.steps}: the repeats an interval needs "
+            f"did not fit the {spec.time_budget_s:.0f} s budget at the first round's pace"]  # fmt: skip
 
 
 def _predict_skipped_notes(results: dict[str, list[RunResult]]) -> list[str]:
