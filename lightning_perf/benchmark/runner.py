@@ -366,7 +366,7 @@ def _measure(runs: _Runs, order: list[str], stack_phase: bool) -> tuple[Stack, l
     stack = choose_stack(estimates_of(runs.results)) if stack_phase else Stack(())
     decisions, rounds = [singles.decision], singles.rounds
     if len(stack.names) > 1 and stack.name not in order:
-        runs.total = runs.done + int(spec.repeats or getattr(settling, "min_repeats", 2)) * 2
+        runs.total = runs.done + (spec.repeats or (settling.min_repeats if settling is not None else 2)) * 2
         measured = run_rounds([BASELINE, stack.name], runs, repeats=spec.repeats, settling=settling,
                               estimates_of=estimates_of, first_repeat=singles.rounds, results=runs.results,
                               disturbed=runs.why_disturbed)  # fmt: skip
