@@ -101,7 +101,7 @@ from lightning_perf.benchmark.rounds import run_rounds
 from lightning_perf.benchmark.settle import Settling
 from lightning_perf.benchmark.spec import BenchSpec, RunSpec
 from lightning_perf.benchmark.stack import Stack, choose_stack
-from lightning_perf.benchmark.threads import decide_for_run, sample_other_cores
+from lightning_perf.benchmark.threads import decide_for_run, start_load_note, watch_start_load
 from lightning_perf.benchmark.utilization import PeakFn, add_utilization, machine_peak, matmul_setting
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.optimizations import BASELINE, INFERENCE_STAGES
@@ -139,6 +139,7 @@ def run_benchmark(
     run: Callable[[RunSpec, Path, float], RunResult] | None = None,
     clock: Callable[[], float] = time.perf_counter,
     stack_phase: bool = True,
+    say: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Run every configuration ``spec.repeats`` times, interleaved, each in a fresh process, and summarize.
 
@@ -156,6 +157,7 @@ def run_benchmark(
             a test passes scripted results.
         clock: seconds, for the time budget of ``--repeats auto`` (a test passes a scripted one).
         stack_phase: after the single configurations, measure the winners' stack and recommend it.
+        say: prints the one line that says a load present at the start is being watched (default: stderr).
 
     With ``spec.repeats`` None (``--repeats auto``) repeats are added until every speed-up's interval is within
     ``+-spec.target`` or ``spec.time_budget_s`` is spent (:class:`~lightning_perf.benchmark.settle.Settling`); the
@@ -169,7 +171,11 @@ def run_benchmark(
     monitor = monitor if monitor is not None else ConditionMonitor()
     # One count for every configuration, from what other processes keep busy now (benchmark.threads); the runs are
     # judged against that starting load (profiling.reliability.other_cores_limit).
-    threads = decide_for_run(spec.threads, machine, other_cores=sample_other_cores(monitor))
+    # A load present at the start is watched for up to a minute first: a burst that ends does not decide the run.
+    first, now, watched = watch_start_load(monitor, spec.threads, say)
+    threads = replace(
+        decide_for_run(spec.threads, machine, other_cores=now), start_other_cores=first, watched_s=watched
+    )
     spec = replace(spec, threads=threads.threads, wait_policy=spec.wait_policy or threads.wait_policy)
     settling = None if spec.repeats is not None else Settling(spec.target, spec.time_budget_s, clock=clock)
     order = list(spec.names)
@@ -178,6 +184,7 @@ def run_benchmark(
         runs.started = {"start_other_cores": threads.other_cores, "threads_set": threads.set_by_hand}
         stack, decisions, rounds = _measure(runs, order, stack_phase)
     runs.report_progress("done")
+    load_note = start_load_note(threads, monitor)
     summaries, reliability = _judged_summaries(runs, machine)
     if any(s.flops_per_step for s in summaries):
         runs.report_progress("peak FLOP/s")
@@ -204,7 +211,7 @@ def run_benchmark(
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
-        notes=_report_notes(spec, reliability, runs, summaries) + stack_notes,
+        notes=_report_notes(spec, reliability, runs, summaries) + stack_notes + list(filter(None, [load_note])),
     )
 
 
