@@ -16,12 +16,12 @@ sample is recorded beside the load average (:attr:`ThreadChoice.other_cores`); t
 against it (:func:`lightning_perf.profiling.reliability.other_cores_limit`).
 
 A load present at the start may be a burst (a package install, a browser starting): chosen from the first sample, it
-would leave the whole run at fewer threads on a machine quiet again a minute later (two busy loops that stopped after
-70 s: one thread, channels_last 1.11x [1.00-1.24], where the quiet run's two threads answer 1.40x [1.34-1.53]).
-:func:`watch_start_load` therefore samples such a load again every :data:`RECHECK_S` seconds for up to
-:data:`START_WATCH_S`, saying so in one line (:data:`WATCH_LINE`), and the threads are chosen from the last sample
-(the first quiet one ends the watch). :func:`start_load_note` says for how many threads the answer holds and, where the
-load present at the start is gone by the end, that a quiet re-run may differ.
+would leave the whole run at fewer threads on a machine quiet again a minute later, and answer as a one-thread run
+does (issue 48: a 70 s burst of two busy loops). :func:`watch_start_load` therefore samples such a load again every
+:data:`RECHECK_S` seconds for up to :data:`START_WATCH_S`, saying so in one line (:data:`WATCH_LINE`), and the
+threads are chosen from the last sample (the first quiet one ends the watch). :func:`start_load_note` says for how
+many threads the answer holds and, where the load present at the start is gone by the end, that a quiet re-run may
+differ.
 
 An explicit count (``--threads``, ``BenchSpec(threads=...)``) or an ``OMP_NUM_THREADS`` already set in the
 environment wins. The choice reaches each worker twice: in its environment before torch starts
