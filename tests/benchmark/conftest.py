@@ -33,14 +33,6 @@ def _no_real_peak_measurement(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     return measured
 
 
-@pytest.fixture(autouse=True)
-def _no_start_load_watch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bench test never waits up to a minute for the machine's other load to pass (tests of the watch turn it on)."""
-    from lightning_perf.benchmark import threads
-
-    monkeypatch.setattr(threads, "START_WATCH_S", 0.0)
-
-
 # Each loop ends itself after this many seconds even if the fixture's clean-up were never reached.
 BUSY_LIFETIME_S = 600
 BUSY_LOOP = f"import time\nend = time.monotonic() + {BUSY_LIFETIME_S}\nwhile time.monotonic() < end:\n    pass\n"
