@@ -12,10 +12,15 @@ Reported, each paired by round with a 95% interval (:func:`lightning_perf.profil
   whose busy ratio stays closest to its quiet one is the one a bench should use when the machine is shared;
 - 2 threads against 1, quiet and busy.
 
+``--burst-s N`` runs the other case instead: two busy loops that stop by themselves after N seconds, started just
+before the default ``lightning-perf bench`` (``--bench-args`` adds to its command line). With 70 s, the bench should
+say it is watching the start load, choose its threads once the burst is over, and answer as a quiet run does.
+
 Usage::
 
     python examples/threads_under_load.py                  # 4 rounds x 4 settings, one process each
     python examples/threads_under_load.py --rounds 6 --output threads.json
+    python examples/threads_under_load.py --burst-s 70 --bench-args="--output burst.json"
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -132,14 +138,31 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def burst_then_bench(seconds: float, bench_args: list[str]) -> int:
+    """The default bench started beside two busy loops that end after ``seconds``; its exit status."""
+    loop = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+    loops = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(2)]
+    bench = [sys.executable, "-c", "import sys; from lightning_perf.cli import main; sys.exit(main())", "bench"]
+    try:
+        return subprocess.run([*bench, *bench_args]).returncode
+    finally:
+        for process in loops:
+            process.kill()
+            process.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--output", type=Path, help="write every run's step times as JSON")
+    parser.add_argument("--burst-s", type=float, help="a burst of two busy loops this long, then the default bench")
+    parser.add_argument("--bench-args", default="", help="more `lightning-perf bench` arguments (with --burst-s)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.burst_s is not None:
+        raise SystemExit(burst_then_bench(args.burst_s, shlex.split(args.bench_args)))
     if args.child is not None:
         _child(args.child, args.steps, args.warmup)
         return

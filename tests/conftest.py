@@ -76,6 +76,15 @@ def _peak_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: py
 
 
 @pytest.fixture(autouse=True)
+def _no_start_load_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-process bench never waits up to a minute for a shared machine's other load to pass (the watch's own
+    tests turn it on)."""
+    from lightning_perf.benchmark import threads
+
+    monkeypatch.setattr(threads, "START_WATCH_S", 0.0)
+
+
+@pytest.fixture(autouse=True)
 def _environment_restored():
     """Put ``os.environ`` back after each test.
 

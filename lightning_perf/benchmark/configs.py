@@ -105,8 +105,14 @@ class BenchConfig:
 
 
 BASELINE_CONFIG = BenchConfig(BASELINE, "plain Lightning, fp32 (the reference every ratio is taken against)")
+AA_CONTROL = "aa_control"
+"""Baseline under another name, measured as any configuration (its own processes, interleaved): ``--configs
+baseline,aa_control`` checks the bench itself, whose answer should be "no clear difference" (never in the default set).
+"""
 # Configurations only the bench knows (tests, experiments); the optimizations' own are derived on lookup.
-_BENCH_ONLY: dict[str, BenchConfig] = {}
+_BENCH_ONLY: dict[str, BenchConfig] = {
+    AA_CONTROL: BenchConfig(AA_CONTROL, "baseline under another name: an A/A check of the bench (expect no difference)")
+}
 # name -> (the entry it was built from, the configuration): rebuilt when the list holds another entry by that name.
 _DERIVED: dict[str, tuple[Optimization, BenchConfig]] = {}
 

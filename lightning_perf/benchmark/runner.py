@@ -23,13 +23,14 @@ from lightning_perf.benchmark.answer import (
     recommendation_record,
     settling_record,
 )
+from lightning_perf.benchmark.compare import DEFAULT_THRESHOLD
 from lightning_perf.benchmark.isolation import run_isolated
 from lightning_perf.benchmark.results import ONE_REPEAT, BenchReport, ConfigSummary, ProgressFn, RunEvent
 from lightning_perf.benchmark.rounds import run_rounds
 from lightning_perf.benchmark.settle import Settling
 from lightning_perf.benchmark.spec import BenchSpec, RunSpec
 from lightning_perf.benchmark.stack import Stack, choose_stack
-from lightning_perf.benchmark.threads import decide_for_run, sample_other_cores
+from lightning_perf.benchmark.threads import decide_for_run, start_load_note, watch_start_load
 from lightning_perf.benchmark.utilization import PeakFn, add_utilization, machine_peak, matmul_setting
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.optimizations import BASELINE, INFERENCE_STAGES
@@ -67,6 +68,7 @@ def run_benchmark(
     run: Callable[[RunSpec, Path, float], RunResult] | None = None,
     clock: Callable[[], float] = time.perf_counter,
     stack_phase: bool = True,
+    say: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Run every configuration ``spec.repeats`` times, interleaved, each in a fresh process, and summarize.
 
@@ -84,6 +86,7 @@ def run_benchmark(
             a test passes scripted results.
         clock: seconds, for the time budget of ``--repeats auto`` (a test passes a scripted one).
         stack_phase: after the single configurations, measure the winners' stack and recommend it.
+        say: prints the one line that says a load present at the start is being watched (default: stderr).
 
     With ``spec.repeats`` None (``--repeats auto``) repeats are added until every speed-up's interval is within
     ``+-spec.target`` or ``spec.time_budget_s`` is spent (:class:`~lightning_perf.benchmark.settle.Settling`); the
@@ -97,7 +100,11 @@ def run_benchmark(
     monitor = monitor if monitor is not None else ConditionMonitor()
     # One count for every configuration, from what other processes keep busy now (benchmark.threads); the runs are
     # judged against that starting load (profiling.reliability.other_cores_limit).
-    threads = decide_for_run(spec.threads, machine, other_cores=sample_other_cores(monitor))
+    # A load present at the start is watched for up to a minute first: a burst that ends does not decide the run.
+    first, now, watched = watch_start_load(monitor, spec.threads, say)
+    threads = replace(
+        decide_for_run(spec.threads, machine, other_cores=now), start_other_cores=first, watched_s=watched
+    )
     spec = replace(spec, threads=threads.threads, wait_policy=spec.wait_policy or threads.wait_policy)
     settling = None if spec.repeats is not None else Settling(spec.target, spec.time_budget_s, clock=clock)
     order = list(spec.names)
@@ -106,6 +113,7 @@ def run_benchmark(
         runs.started = {"start_other_cores": threads.other_cores, "threads_set": threads.set_by_hand}
         stack, decisions, rounds = _measure(runs, order, stack_phase)
     runs.report_progress("done")
+    load_note = start_load_note(threads, monitor)
     summaries, reliability = _judged_summaries(runs, machine)
     if any(s.flops_per_step for s in summaries):
         runs.report_progress("peak FLOP/s")
@@ -132,7 +140,7 @@ def run_benchmark(
         run=finish_run(run_info),
         reliability=reliability.to_dict(),
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
-        notes=_report_notes(spec, reliability, runs, summaries) + stack_notes,
+        notes=_report_notes(spec, reliability, runs, summaries) + stack_notes + list(filter(None, [load_note])),
     )
 
 
@@ -146,6 +154,7 @@ def _report_notes(spec: BenchSpec, reliability: Reliability, runs: _Runs, summar
         + _paired_baseline_notes(summaries)
         + _no_effect_notes(runs.results)
         + _decision_notes(runs.decided)
+        + _shortened_notes(spec, runs.steps)
         + _predict_skipped_notes(runs.results)
     )
 
@@ -203,6 +212,7 @@ class _Runs:
         self.set_aside: list[tuple[str, int, str]] = []  # disturbed runs measured again, kept out of the figures
         self.started: dict[str, Any] = {}  # the starting load the runs are judged against (assess's keywords)
         self.decided: dict[str, dict[str, Any]] = {}  # configuration -> its first run's RunResult.decided
+        self.steps: int | None = None  # timed steps of the runs after the first round (fewer where the budget asks)
         self.done = 0
         self.start = clock()
 
@@ -215,9 +225,16 @@ class _Runs:
         self.report_progress(
             f"repeat {repeat + 1}/{self.spec.repeats}" if self.spec.repeats else f"repeat {repeat + 1}"
         )
+        if self.settling is not None and repeat >= 1 and self.steps is None:  # at the first round's pace
+            paces = [r.step_median_s for runs in self.results.values() for r in runs if r.ok and r.step_median_s]
+            pace = sum(paces) / len(paces) if paces else 0.0
+            self.steps = self.settling.steps_within_budget(self.spec.steps, pace, self.spec.names, 1)
+        run_spec = replace(
+            self.spec.run_spec(name, repeat, self.decided.get(name)), steps=self.steps or self.spec.steps
+        )
         token = self.monitor.start()
         try:
-            result = self.run(self.spec.run_spec(name, repeat, self.decided.get(name)), self.tmp, self.spec.timeout_s)
+            result = self.run(run_spec, self.tmp, self.spec.timeout_s)
         except BaseException:
             getattr(self.monitor, "close", lambda: None)()  # its sampler thread ends with the run
             raise
@@ -276,8 +293,8 @@ def _measure(runs: _Runs, order: list[str], stack_phase: bool) -> tuple[Stack, l
     def estimates_of(so_far: Any) -> dict[str, RatioEstimate | None]:
         return estimates_from(summarize_runs(so_far))
 
-    def stack_reserve() -> float:  # two rounds of baseline and the stack, kept for the recommendation
-        return 2 * settling.round_s([BASELINE, BASELINE]) if settling is not None else 0.0
+    def stack_reserve() -> float:  # the least rounds of baseline and the stack, kept for the recommendation
+        return settling.min_repeats * settling.round_s([BASELINE, BASELINE]) if settling is not None else 0.0
 
     singles = run_rounds(order, runs, repeats=spec.repeats, settling=settling, estimates_of=estimates_of,
                          reserve_s=stack_reserve, results=runs.results, disturbed=runs.why_disturbed)  # fmt: skip
@@ -285,7 +302,7 @@ def _measure(runs: _Runs, order: list[str], stack_phase: bool) -> tuple[Stack, l
     stack = choose_stack(estimates_of(runs.results)) if stack_phase else Stack(())
     decisions, rounds = [singles.decision], singles.rounds
     if len(stack.names) > 1 and stack.name not in order:
-        runs.total = runs.done + (spec.repeats or 2) * 2
+        runs.total = runs.done + (spec.repeats or (settling.min_repeats if settling is not None else 2)) * 2
         measured = run_rounds([BASELINE, stack.name], runs, repeats=spec.repeats, settling=settling,
                               estimates_of=estimates_of, first_repeat=singles.rounds, results=runs.results,
                               disturbed=runs.why_disturbed)  # fmt: skip
@@ -315,7 +332,9 @@ def _judged_summaries(runs: _Runs, machine: dict[str, Any]) -> tuple[list[Config
 
 def _ratio(numerator: Any, denominator: Any, above_one: str = "faster", below_one: str = "slower") -> RatioEstimate:
     """:func:`paired_ratio`, except that a single repeat gives the ratio alone, with :data:`ONE_REPEAT`."""
-    estimate = paired_ratio(numerator, denominator, above_one=above_one, below_one=below_one)
+    estimate = paired_ratio(
+        numerator, denominator, above_one=above_one, below_one=below_one, threshold=DEFAULT_THRESHOLD
+    )
     if estimate.n == 1:
         return RatioEstimate(estimate.ratio, estimate.ratio, estimate.ratio, METHOD_SINGLE, ONE_REPEAT, 1)
     return estimate
@@ -340,6 +359,14 @@ def _decision_notes(decided: dict[str, dict[str, Any]]) -> list[str]:
         for owner, state in states.items()
         for t in state.get("first_batch", {}).get("timings", [])
     ]
+
+
+def _shortened_notes(spec: BenchSpec, steps: int | None) -> list[str]:
+    """The line that says the runs after the first round timed fewer steps, to fit the repeats into the budget."""
+    if steps is None or steps >= spec.steps:
+        return []
+    return [f"the runs after the first round timed {steps} steps, not {spec.steps}: the repeats an interval needs "
+            f"did not fit the {spec.time_budget_s:.0f} s budget at the first round's pace"]  # fmt: skip
 
 
 def _predict_skipped_notes(results: dict[str, list[RunResult]]) -> list[str]:

@@ -15,6 +15,14 @@ disturbed), and one that ended seconds ago still inflates it for a minute (the b
 sample is recorded beside the load average (:attr:`ThreadChoice.other_cores`); the disturbance check judges the runs
 against it (:func:`lightning_perf.profiling.reliability.other_cores_limit`).
 
+A load present at the start may be a burst (a package install, a browser starting): chosen from the first sample, it
+would leave the whole run at fewer threads on a machine quiet again a minute later, and answer as a one-thread run
+does (issue 48: a 70 s burst of two busy loops). :func:`watch_start_load` therefore samples such a load again every
+:data:`RECHECK_S` seconds for up to :data:`START_WATCH_S`, saying so in one line (:data:`WATCH_LINE`), and the
+threads are chosen from the last sample (the first quiet one ends the watch). :func:`start_load_note` says for how
+many threads the answer holds and, where the load present at the start is gone by the end, that a quiet re-run may
+differ.
+
 An explicit count (``--threads``, ``BenchSpec(threads=...)``) or an ``OMP_NUM_THREADS`` already set in the
 environment wins. The choice reaches each worker twice: in its environment before torch starts
 (:func:`thread_env` of ``RunSpec.threads`` and ``RunSpec.wait_policy``: ``OMP_NUM_THREADS``, and
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -45,14 +54,22 @@ __all__ = [
     "decide_threads",
     "load_average",
     "sample_other_cores",
+    "start_load_note",
     "thread_env",
     "threads_line",
+    "watch_start_load",
 ]
 
 PASSIVE = "PASSIVE"
 SAMPLE_S = 1.0
 """The starting sample of other processes' busy cores: a second holds a hundred scheduler ticks per core, enough to
 tell a busy core from an idle one, and adds one second to a bench's start."""
+START_WATCH_S = 60.0
+"""The longest a load present at the start is watched before the threads are chosen: a burst that ends within it no
+longer decides the whole run (read at call time, so a test may set it)."""
+RECHECK_S = 5.0
+"""The window of each later sample while watching: the wait between checks is the sample itself."""
+WATCH_LINE = f"other load at start: sampling up to {START_WATCH_S:.0f} s before choosing threads"
 
 
 def load_average() -> float | None:
@@ -74,8 +91,10 @@ class ThreadChoice:
         wait_policy: ``OMP_WAIT_POLICY`` given to the workers: the environment's; else ``PASSIVE`` where other
             processes kept a core busy at the start (the count left one out for it); else ``None``: OpenMP's default.
         reason: where the count came from (``"auto"``, ``"asked for"``, ``"OMP_NUM_THREADS"``).
-        other_cores: other processes' busy cores sampled when the run started (``None``: not sampled; the load
+        other_cores: other processes' busy cores the count was chosen from (``None``: not sampled; the load
             average decided).
+        start_other_cores: other processes' busy cores in the first sample, before any watching.
+        watched_s: seconds the load present at the start was watched before the choice (0: none was).
     """
 
     threads: int
@@ -84,6 +103,8 @@ class ThreadChoice:
     wait_policy: str | None
     reason: str
     other_cores: float | None = None
+    start_other_cores: float | None = None
+    watched_s: float = 0.0
 
     @property
     def set_by_hand(self) -> bool:
@@ -144,8 +165,7 @@ def decide_threads(
     elif _positive_int(environ.get("OMP_NUM_THREADS")):
         threads, reason = int(environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
     else:
-        now = other_cores if other_cores is not None and math.isfinite(other_cores) else load
-        busy = math.floor(now + 0.5) if now is not None and math.isfinite(now) and now > 0 else 0
+        busy = _busy(other_cores if other_cores is not None and math.isfinite(other_cores) else load)
         threads, reason = max(1, usable - busy), "auto"
     # Threads that spin between parallel regions would compete with a load there at the start (guide).
     policy = environ.get("OMP_WAIT_POLICY") or (PASSIVE if busy else None)
@@ -158,6 +178,11 @@ def thread_env(threads: int | None, wait_policy: str | None = None) -> dict[str,
     ``OMP_NUM_THREADS`` for ``None`` (torch's default)."""
     policy = wait_policy or os.environ.get("OMP_WAIT_POLICY")
     return {**({"OMP_NUM_THREADS": str(threads)} if threads else {}), **({"OMP_WAIT_POLICY": policy} if policy else {})}
+
+
+def _busy(cores: float | None) -> int:
+    """Whole cores busy with other work, as the count leaves them out (half a core or more counts as one)."""
+    return math.floor(cores + 0.5) if cores is not None and math.isfinite(cores) and cores > 0 else 0
 
 
 def _positive_int(text: str | None) -> bool:
@@ -190,6 +215,52 @@ def sample_other_cores(monitor: Any, window_s: float = SAMPLE_S) -> float | None
     except Exception:  # no counters on this platform: the load average decides
         return None
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def watch_start_load(
+    monitor: Any, asked: int | None = None, say: Callable[[str], None] | None = None
+) -> tuple[float | None, float | None, float]:
+    """Other processes' busy cores at the start, watched while they keep a core busy (the count is chosen
+    automatically: no ``asked``, no ``OMP_NUM_THREADS``): ``(first sample, sample to choose from, seconds watched)``.
+
+    The first sample takes :data:`SAMPLE_S`; where it finds a busy core, ``say`` (default: stderr) gets
+    :data:`WATCH_LINE` once and ``monitor`` samples again over :data:`RECHECK_S` windows, up to
+    :data:`START_WATCH_S` in all, until a sample is quiet. The samples' windows are the only waiting, so a scripted
+    monitor runs it without a clock.
+    """
+    first = now = sample_other_cores(monitor)
+    checks = (
+        int(START_WATCH_S // RECHECK_S) if asked is None and not _positive_int(os.environ.get("OMP_NUM_THREADS")) else 0
+    )
+    if not _busy(first) or checks < 1:
+        return first, first, 0.0
+    (say or (lambda line: print(line, file=sys.stderr, flush=True)))(WATCH_LINE)
+    watched = 0.0
+    for _ in range(checks):
+        later = sample_other_cores(monitor, RECHECK_S)
+        watched += RECHECK_S
+        if later is None:  # the counters failed: the last good sample decides
+            break
+        now = later
+        if not _busy(now):
+            break
+    return first, now, watched
+
+
+def start_load_note(choice: ThreadChoice, monitor: Any) -> str | None:
+    """Where a load was present at the start: how long it was watched, for how many threads the figures hold, and,
+    where it cost the run threads but is gone by the end (``monitor`` samples once more), that a quiet re-run would
+    use every core and may answer differently. ``None`` for a quiet start or a count set by hand."""
+    if choice.set_by_hand or not _busy(choice.start_other_cores):
+        return None
+    watched = f", watched {choice.watched_s:.0f} s" if choice.watched_s else ""
+    text = (
+        f"other load at start ({choice.start_other_cores:.1f} cores busy{watched}): the figures hold for "
+        f"{choice.threads} thread{'s' if choice.threads != 1 else ''} per worker"
+    )
+    if choice.threads < choice.cores and not _busy(end := sample_other_cores(monitor)) and end is not None:
+        text += f"; that load was gone by the end: a quiet re-run would use {choice.cores} threads and may differ"
+    return text
 
 
 def threads_line(machine: Mapping[str, Any]) -> str | None:

@@ -1,22 +1,32 @@
 """Paired ratios with a 95% interval and a verdict: how a comparison says "faster", "slower" or "no clear difference".
 
 A ratio compares two configurations measured in the same session, repeat by repeat (repeat ``i`` of the numerator is
-paired with repeat ``i`` of the denominator, so a drift of the machine falls on both). Two methods, chosen by the
-number of paired repeats:
+paired with repeat ``i`` of the denominator, so a drift of the machine falls on both). The method follows the number
+of paired repeats:
 
-- ``t interval over paired repeats`` (:data:`MIN_REPEATS_FOR_T` or more repeats, or only one figure per repeat):
-  one ratio per repeat (of the per-repeat medians when steps are given), a Student t interval on the logarithms of
-  those ratios, transformed back. The point estimate is their geometric mean, which always lies inside the interval.
-- ``bootstrap over paired steps`` (fewer repeats, with step samples): in two stages, the repeats are drawn with
-  replacement and steps are resampled with replacement within each drawn repeat (a seeded NumPy generator, so the
-  same samples always give the same interval); the per-repeat median ratios are combined by geometric mean, and the
-  interval is the 2.5th-97.5th percentile of :data:`BOOTSTRAP_RESAMPLES` resamples. With few repeats it sees the
-  variation between processes only as far as those repeats show it: the method is written next to every interval so
-  the reader knows.
+- ``t interval over paired repeats`` (two or more): one ratio per repeat (of the per-repeat medians when steps are
+  given), a Student t interval on the logarithms of those ratios, transformed back; the point estimate is their
+  geometric mean. Each repeat is its own process (in the bench), so the spread between them holds the variation
+  between processes (20-50% between processes of one configuration on a shared 2-core machine) as well as the steps'
+  noise inside each: a bootstrap over steps, or over two or three repeats, sees little of it (with two repeats its
+  interval is about the span of the two ratios, which misses 1 half the time in an A/A comparison). The price:
+  with 2 repeats the t quantile is 12.7, with 3 it is 4.3, so few repeats give wide intervals.
+- ``bootstrap over the steps of one repeat`` (one repeat with step samples): the steps resampled with replacement
+  (a seeded NumPy generator); it sees only the noise inside that one process, and says so in its name. The bench
+  gives one repeat no interval at all.
 
-The verdict is the side of 1 on which the whole interval lies: above 1 gives ``above_one`` (``"faster"`` for a
-speed-up, baseline time / candidate time), below 1 gives ``below_one`` (``"slower"``); an interval that contains 1
-gives ``"no clear difference"``. Plain NumPy: no SciPy.
+The verdict is the side of 1 on which the whole interval lies, and a ratio at least ``threshold`` away from 1 (the
+bench passes :data:`lightning_perf.benchmark.compare.DEFAULT_THRESHOLD`, 5%): above gives ``above_one`` (``"faster"``
+for a speed-up, baseline time / candidate time), below gives ``below_one`` (``"slower"``); else ``"no clear
+difference"``.
+
+False verdicts: when the per-repeat log-ratios are independent and normal (processes that vary log-normally), a
+comparison of two identical configurations (A/A) gets a verdict with probability at most 5% (2.5% per side) at every
+number of repeats: close to 5% when the spread between processes is large against the threshold (simulated, 10% or
+30% per process: 4.5-5.5% at 2, 3 and 5 repeats), lower when it is small (2% per process: 0.5-1%). At 5%, 20 A/A runs
+give at most one false verdict with probability 74%; at 2%, 94%. The power is what the spread allows: a real 1.5x is
+found at 5 repeats 99% of the time with 10% per process, 35% with 30% (then 8 repeats: 64%).
+Plain NumPy: no SciPy.
 """
 
 from __future__ import annotations
@@ -33,21 +43,17 @@ __all__ = [
     "METHOD_BOOTSTRAP",
     "METHOD_SINGLE",
     "METHOD_T",
-    "MIN_REPEATS_FOR_T",
     "NO_CLEAR_DIFFERENCE",
     "RatioEstimate",
     "paired_ratio",
     "t_critical_95",
 ]
 
-MIN_REPEATS_FOR_T = 5
-"""From this many paired repeats on, the interval comes from the spread between repeats (a t interval): with fewer,
-the t quantile (4.3 for 3 repeats) and a two- or three-point spread make the interval mostly noise."""
 BOOTSTRAP_RESAMPLES = 2000
 """Resamples of the bootstrap: enough for stable 2.5th/97.5th percentiles (about 50 resamples lie beyond each)."""
 NO_CLEAR_DIFFERENCE = "no clear difference"
 METHOD_T = "t interval over paired repeats"
-METHOD_BOOTSTRAP = "bootstrap over paired steps"
+METHOD_BOOTSTRAP = "bootstrap over the steps of one repeat"
 METHOD_SINGLE = "one paired repeat: no interval"
 
 # Two-sided 95% quantiles of Student's t distribution, t_{0.975}(df), for df = 1..30 (standard tables).
@@ -86,8 +92,8 @@ class RatioEstimate:
         low: lower end of the 95% interval (``low <= ratio``); equal to ``ratio`` when there is no interval.
         high: upper end (``ratio <= high``).
         method: how the interval was obtained (:data:`METHOD_T`, :data:`METHOD_BOOTSTRAP` or :data:`METHOD_SINGLE`).
-        verdict: ``above_one`` / ``below_one`` of :func:`paired_ratio` when the interval excludes 1, else
-            :data:`NO_CLEAR_DIFFERENCE`.
+        verdict: ``above_one`` / ``below_one`` of :func:`paired_ratio` when the interval excludes 1 and the ratio
+            is beyond the threshold, else :data:`NO_CLEAR_DIFFERENCE`.
         n: the number of paired repeats.
     """
 
@@ -134,10 +140,10 @@ def _as_repeats(samples: Samples, name: str) -> list[np.ndarray]:
     return repeats
 
 
-def _verdict(low: float, high: float, above_one: str, below_one: str) -> str:
-    if low > 1.0:
+def _verdict(ratio: float, low: float, high: float, threshold: float, above_one: str, below_one: str) -> str:
+    if low > 1.0 and ratio >= 1.0 + threshold:
         return above_one
-    if high < 1.0:
+    if high < 1.0 and ratio <= 1.0 / (1.0 + threshold):
         return below_one
     return NO_CLEAR_DIFFERENCE
 
@@ -148,7 +154,7 @@ def paired_ratio(
     *,
     above_one: str = "faster",
     below_one: str = "slower",
-    min_repeats_for_t: int = MIN_REPEATS_FOR_T,
+    threshold: float = 0.0,
     resamples: int = BOOTSTRAP_RESAMPLES,
     seed: int = 0,
 ) -> RatioEstimate:
@@ -158,18 +164,18 @@ def paired_ratio(
         numerator: per repeat, either one figure or the step samples of that repeat (their median is the figure).
             For a speed-up pass the baseline's step times here and the candidate's as ``denominator``.
         denominator: per repeat, the same; repeat ``i`` is paired with ``numerator``'s repeat ``i``.
-        above_one: the verdict when the whole interval lies above 1.
-        below_one: the verdict when it lies below 1.
-        min_repeats_for_t: from this many repeats on, the t interval over repeats; below, the bootstrap over steps.
-        resamples: bootstrap resamples.
+        above_one: the verdict when the whole interval lies above 1 (and the ratio is beyond ``threshold``).
+        below_one: the verdict when it lies below 1 (and the ratio is below ``1 / (1 + threshold)``).
+        threshold: the smallest change worth a verdict, a fraction >= 0 (0.05: 5%).
+        resamples: bootstrap resamples (one repeat with steps).
         seed: the bootstrap generator's seed.
 
     Returns:
         The estimate, with ``low <= ratio <= high``.
 
     Raises:
-        ValueError: for no repeats, a different number of repeats on each side, or a value that is not a positive
-            finite number.
+        ValueError: for no repeats, a different number of repeats on each side, a value that is not a positive
+            finite number, or a bad ``threshold`` or ``resamples``.
 
     Example::
 
@@ -185,26 +191,22 @@ def paired_ratio(
         )
     if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 100:
         raise ValueError(f"`paired_ratio(resamples={resamples!r})` is not valid. Expected an integer >= 100.")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < math.inf:
+        raise ValueError(f"`paired_ratio(threshold={threshold!r})` is not valid. Expected a finite fraction >= 0.")
     n = len(num)
     logs = np.array([math.log(np.median(a) / np.median(b)) for a, b in zip(num, den)])
     ratio = float(math.exp(logs.mean()))
-    with_steps = any(a.size > 1 for a in num) and any(b.size > 1 for b in den)
-    if n >= min_repeats_for_t or (not with_steps and n >= 2):
+    if n >= 2:
         half = t_critical_95(n - 1) * float(logs.std(ddof=1)) / math.sqrt(n)
         low, high, method = math.exp(logs.mean() - half), math.exp(logs.mean() + half), METHOD_T
-    elif with_steps:
+    elif num[0].size > 1 and den[0].size > 1:
         rng = np.random.default_rng(seed)
-        per_repeat = np.empty((n, resamples))
-        for i, (a, b) in enumerate(zip(num, den)):
-            ma = np.median(rng.choice(a, size=(resamples, a.size), replace=True), axis=1)
-            mb = np.median(rng.choice(b, size=(resamples, b.size), replace=True), axis=1)
-            per_repeat[i] = np.log(ma) - np.log(mb)
-        # Two stages: repeats drawn with replacement, then steps within each. Resampling steps alone would ignore that
-        # one process's steps vary together: three repeats 3x apart would get an interval a few percent wide.
-        drawn = rng.integers(0, n, size=(n, resamples))
-        boot = np.exp(per_repeat[drawn, np.arange(resamples)].mean(axis=0))
+        (a,), (b,) = num, den
+        ma = np.median(rng.choice(a, size=(resamples, a.size), replace=True), axis=1)
+        mb = np.median(rng.choice(b, size=(resamples, b.size), replace=True), axis=1)
+        boot = ma / mb
         low, high, method = float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5)), METHOD_BOOTSTRAP
     else:
         return RatioEstimate(ratio, ratio, ratio, METHOD_SINGLE, NO_CLEAR_DIFFERENCE, n)
     low, high = min(low, ratio), max(high, ratio)  # a percentile interval can miss a skewed point estimate
-    return RatioEstimate(ratio, low, high, method, _verdict(low, high, above_one, below_one), n)
+    return RatioEstimate(ratio, low, high, method, _verdict(ratio, low, high, threshold, above_one, below_one), n)

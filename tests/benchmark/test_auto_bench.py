@@ -120,3 +120,23 @@ def test_a_disturbed_winner_is_measured_again_and_never_recommended_from_the_dis
     assert report.recommendation["stack"] == "channels_last"
     assert any(n.startswith("1 repeat re-run (disturbed, kept out of the figures): other processes' load")
                for n in report.notes)  # fmt: skip
+
+
+def test_a_short_budget_buys_the_minimum_repeats_with_shorter_runs() -> None:
+    # Each run takes 10 s: the first round (30 s) already spends a 30 s budget, the two more rounds an interval needs
+    # would overrun it by 60 s, so their runs time the fewest steps; every configuration still gets 3 paired repeats.
+    clock, ran, steps = [0.0], [], {}
+    quiet = scripted(0.005, clock, ran)
+
+    def run(spec: RunSpec, tmp: Path, timeout_s: float) -> RunResult:
+        steps[(spec.config, spec.repeat)] = spec.steps
+        return quiet(spec, tmp, timeout_s)
+
+    spec = BenchSpec(configs="channels_last,fused_optimizer", device="cpu", preset="tiny", time_budget_s=30,
+                     predict_batches=0)  # fmt: skip
+    report = run_benchmark(spec, run=run, clock=lambda: clock[0], monitor=Quiet(),
+                           peak=lambda *a: PeakFlops(None, "unknown: test"), stack_phase=False)  # fmt: skip
+    assert {s for (_, r), s in steps.items() if r == 0} == {20}
+    assert {s for (_, r), s in steps.items() if r > 0} == {5}
+    assert all(s.speedup_n == 3 for s in report.summaries if s.config != BASELINE)
+    assert any(n.startswith("the runs after the first round timed 5 steps, not 20") for n in report.notes)

@@ -97,3 +97,16 @@ def test_a_stack_with_a_factory_only_part_has_no_specs(registry: None) -> None:
     assert get_config("a+channels_last").callback_specs is None
     with pytest.raises(ValueError, match="give `callbacks` or `callback_specs`, not both"):
         BenchConfig("both", "x", callbacks=lambda: [_A()], callback_specs=(("x.Y", {}),))
+
+
+def test_the_a_a_control_is_baseline_by_another_name_listed_but_never_a_default(capsys: pytest.CaptureFixture) -> None:
+    from lightning_perf.benchmark.session import list_configs
+    from lightning_perf.benchmark.structure import ModelStructure
+
+    control = get_config(configs.AA_CONTROL)
+    assert control.callbacks() == [] and dict(control.trainer_kwargs) == {} and control.strategy is None
+    assert control.stages == get_config("baseline").stages and control.why_not(torch.device("cpu")) is None
+    for structure in (None, ModelStructure(model="M", convolutions=("c",), conv_flop_share=0.9)):
+        chosen, left_out = configs.default_configs(torch.device("cpu"), structure=structure)
+        assert configs.AA_CONTROL not in chosen and configs.AA_CONTROL not in dict(left_out)
+    assert list_configs() == 0 and configs.AA_CONTROL in capsys.readouterr().out

@@ -211,3 +211,30 @@ def test_the_attention_swap_is_decided_by_a_configurations_first_run_and_replaye
     assert any(n.startswith("flash_attention: FlashAttentionCallback decided at the first run, every repeat ran the "
                             "same code: own code for net.blocks.0.attn, net.blocks.1.attn (first batch: own 1.00 ms, "
                             "swapped 2.00 ms)") for n in report.notes)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_baseline_against_the_a_a_control_end_to_end_finds_no_clear_difference() -> None:
+    """``--configs baseline,aa_control`` on the tiny preset: the control runs as any configuration does (a fresh
+    process per repeat, interleaved with baseline) and its speed-up's interval holds 1. Two repeats, so the rotation
+    puts each first once: an order effect widens the interval instead of moving it (nominal false verdicts: <= 5%)."""
+    from lightning_perf.benchmark import runner
+    from lightning_perf.benchmark.configs import AA_CONTROL
+    from lightning_perf.profiling import PeakFlops
+    from lightning_perf.profiling.intervals import METHOD_T, NO_CLEAR_DIFFERENCE
+    from tests.benchmark.test_auto_bench import Quiet
+
+    order: list[tuple[str, int]] = []
+
+    def run(spec: Any, tmp: Any, timeout_s: float) -> RunResult:
+        order.append((spec.config, spec.repeat))
+        return runner._run_in_subprocess(spec, tmp, timeout_s)
+
+    spec = BenchSpec(configs=f"baseline,{AA_CONTROL}", preset="tiny", device="cpu", repeats=2, steps=4,
+                     warmup_steps=1, predict_batches=0, threads=1, timeout_s=300.0)  # fmt: skip
+    report = runner.run_benchmark(spec, run=run, monitor=Quiet(), peak=lambda *a: PeakFlops(None, "unknown: test"))
+    assert order == [("baseline", 0), (AA_CONTROL, 0), (AA_CONTROL, 1), ("baseline", 1)]
+    row = next(s for s in report.summaries if s.config == AA_CONTROL)
+    assert row.runs == 2 and row.speedup_method == METHOD_T and row.speedup_n == 2, row.error
+    low, high = row.speedup_ci95
+    assert low <= 1.0 <= high and row.speedup_verdict == NO_CLEAR_DIFFERENCE

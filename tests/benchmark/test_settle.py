@@ -15,7 +15,7 @@ from lightning_perf.benchmark.settle import (
     unsettled_text,
 )
 from lightning_perf.benchmark.stack import MIN_EVIDENCE_REPEATS
-from lightning_perf.profiling.intervals import METHOD_BOOTSTRAP, METHOD_SINGLE, METHOD_T, RatioEstimate, paired_ratio
+from lightning_perf.profiling.intervals import METHOD_SINGLE, METHOD_T, RatioEstimate, paired_ratio
 
 
 class ScriptedClock:
@@ -58,10 +58,23 @@ def test_projection_follows_one_over_sqrt_n() -> None:
     assert need is not None and 24 <= need <= 34
 
 
-def test_bootstrap_interval_projects_past_the_switch_to_t() -> None:
-    boot = estimate(1.5, 0.20, 3, METHOD_BOOTSTRAP)
-    need = repeats_to_settle(boot)
-    assert need is not None and need > 3
+def test_repeats_are_bought_with_fewer_steps_where_the_budget_asks() -> None:
+    # 3 configurations, first round 3 x 20 s (20 steps of 0.5 s and 10 s of start-up): 60 s of a 100 s budget spent,
+    # 2 more rounds (120 s) would overrun by 80 s: each of their 6 runs drops ceil(80 / (6 * 0.5)) = 27 steps: floor 5.
+    clock = ScriptedClock()
+    settling = Settling(time_budget_s=100, clock=clock)
+    assert settling.min_repeats == 3 == MIN_EVIDENCE_REPEATS
+    run_round(settling, clock, ["baseline", "a", "b"], seconds=20.0)
+    assert settling.steps_within_budget(20, 0.5, ["baseline", "a", "b"], 1) == 5
+    # A 200 s budget: 60 + 120 = 180 s fits, the steps stay.
+    roomy = Settling(time_budget_s=200, clock=clock)
+    run_round(roomy, clock, ["baseline", "a", "b"], seconds=20.0)
+    assert roomy.steps_within_budget(20, 0.5, ["baseline", "a", "b"], 1) == 20
+    # A 150 s budget: 30 s over, 6 runs: 10 steps fewer each.
+    mid = Settling(time_budget_s=150, clock=clock)
+    run_round(mid, clock, ["baseline", "a", "b"], seconds=20.0)
+    assert mid.steps_within_budget(20, 0.5, ["baseline", "a", "b"], 1) == 10
+    assert mid.steps_within_budget(20, 0.5, ["baseline", "a", "b"], 3) == 20  # the minimum done: nothing to buy
 
 
 def test_stops_when_every_ratio_settles() -> None:
@@ -71,14 +84,14 @@ def test_stops_when_every_ratio_settles() -> None:
     first = settling.decide({"a": estimate(1.5, 0.03, 1), "b": estimate(1.2, 0.2, 1)}, repeats=1)
     assert not first.stop and first.active == ("baseline", "a", "b")  # the minimum, settled or not
     run_round(settling, clock, first.active)
-    second = settling.decide({"a": estimate(1.5, 0.03, 2), "b": estimate(1.2, 0.2, 2, METHOD_BOOTSTRAP)}, repeats=2)
+    second = settling.decide({"a": estimate(1.5, 0.03, 2), "b": estimate(1.2, 0.2, 2)}, repeats=2)
     assert not second.stop
     # a is narrow, but a speed-up needs MIN_EVIDENCE_REPEATS (3) repeats to be recommended: it runs once more.
     assert second.active == ("baseline", "a", "b")
     assert (second.unsettled[0].config, second.unsettled[0].repeats_needed) == ("a", MIN_EVIDENCE_REPEATS)
     assert "a recommendation needs 3 repeats" in unsettled_text(second.unsettled[0])
     run_round(settling, clock, second.active)
-    third = settling.decide({"a": estimate(1.5, 0.03, 3), "b": estimate(1.2, 0.2, 3, METHOD_BOOTSTRAP)}, repeats=3)
+    third = settling.decide({"a": estimate(1.5, 0.03, 3), "b": estimate(1.2, 0.2, 3)}, repeats=3)
     assert not third.stop and third.active == ("baseline", "b")  # a settled: only baseline and b run again
     run_round(settling, clock, third.active)
     fourth = settling.decide({"a": estimate(1.5, 0.03, 3), "b": estimate(1.2, 0.045, 4)}, repeats=4)
@@ -95,7 +108,7 @@ def test_stops_at_the_budget_and_reports_unsettled() -> None:
     settling = Settling(target=0.05, time_budget_s=100, min_repeats=2, clock=clock)
     for repeat in (1, 2, 3):
         run_round(settling, clock, ["baseline", "a"], seconds=15.0)
-        decision = settling.decide({"a": estimate(1.1, 0.15, repeat, METHOD_BOOTSTRAP)}, repeats=repeat)
+        decision = settling.decide({"a": estimate(1.1, 0.15, repeat)}, repeats=repeat)
         if decision.stop:
             break
     # 3 rounds of 30 s: 90 s spent, the next round (30 s) would end past 100 s.

@@ -224,3 +224,100 @@ def test_a_load_that_comes_after_the_start_disturbs_the_runs(monkeypatch: pytest
     assert data["reliability"]["reliable"] is False
     assert data["reliability"]["causes"][0].startswith("other processes' load")
     assert any("re-run" in note for note in report.notes)
+
+
+# ------------------------------------------------------------------ a load present at the start is watched first
+
+
+class ScriptedLoad(Quiet):
+    """A monitor whose samples read ``load(t)`` on a scripted clock that each sample's window advances (no sleep)."""
+
+    def __init__(self, load: Callable[[float], float]) -> None:
+        self.load, self.t, self.windows = load, 0.0, []
+
+    def other_cores_now(self, window_s: float) -> float:
+        self.t += window_s
+        self.windows.append(window_s)
+        return self.load(self.t)
+
+
+@pytest.fixture
+def watching(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(thread_rules, "START_WATCH_S", 60.0)  # the bench tests' conftest turns watching off
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
+@pytest.mark.usefixtures("watching")
+@pytest.mark.parametrize(
+    ("load", "threads", "watched"),
+    [
+        (lambda t: 2.0 if t < 40 else 0.0, 2, 40.0),  # a burst that ends within the minute: the quiet choice
+        (lambda t: 2.0, 1, 60.0),  # a steady load: the loaded choice, after the whole minute
+        (lambda t: 0.2, 2, 0.0),  # quiet at the start: one sample, nothing watched, nothing said
+    ],
+)
+def test_a_load_at_the_start_is_watched_for_up_to_a_minute_before_the_threads_are_chosen(
+    load: Callable[[float], float], threads: int, watched: float
+) -> None:
+    said: list[str] = []
+    monitor = ScriptedLoad(load)
+    first, now, seconds = thread_rules.watch_start_load(monitor, None, said.append)
+    choice = decide_for_run(None, {"cpu_count_usable": 2}, probe=lambda: 1.9, other_cores=now)  # a lagging average
+    assert (choice.threads, seconds, first) == (threads, watched, load(1.0))
+    assert said == ([thread_rules.WATCH_LINE] if watched else [])
+    assert said[:1] in ([], ["other load at start: sampling up to 60 s before choosing threads"])
+    assert monitor.windows == [1.0] + [5.0] * int(watched // 5)  # checked every 5 s, stopped at the first quiet one
+
+
+@pytest.mark.usefixtures("watching")
+def test_a_count_set_by_hand_is_not_watched_for() -> None:
+    said: list[str] = []
+    assert thread_rules.watch_start_load(ScriptedLoad(lambda t: 2.0), 2, said.append) == (2.0, 2.0, 0.0)
+    assert said == []
+
+
+@pytest.mark.usefixtures("watching")
+@pytest.mark.parametrize(
+    ("load", "threads", "note"),
+    [
+        # A burst that ended within the minute: two threads, the answer holds for them.
+        (
+            lambda t: 2.0 if t < 40 else 0.0,
+            2,
+            "other load at start (2.0 cores busy, watched 40 s): the figures hold for 2 threads per worker",
+        ),
+        # A load that outlasted the minute and was gone by the end: a quiet re-run may differ.
+        (
+            lambda t: 2.0 if t < 100 else 0.0,
+            1,
+            "other load at start (2.0 cores busy, watched 60 s): the figures hold "
+            "for 1 thread per worker; that load was gone by the end: a quiet re-run would use 2 threads and may differ",
+        ),
+        (
+            lambda t: 2.0,
+            1,
+            "other load at start (2.0 cores busy, watched 60 s): the figures hold for 1 thread per worker",
+        ),
+    ],
+)
+def test_the_bench_chooses_after_watching_and_says_for_how_many_threads_its_answer_holds(
+    monkeypatch: pytest.MonkeyPatch, load: Callable[[float], float], threads: int, note: str
+) -> None:
+    import lightning_perf.profiling.machine as machine_module
+
+    described = machine_module.describe_machine()
+    monkeypatch.setattr(machine_module, "describe_machine", lambda: {**described, "cpu_count_usable": 2})
+    monitor, said, used = ScriptedLoad(load), [], []
+
+    def scripted(spec: RunSpec, tmp: Path, timeout_s: float) -> RunResult:
+        monitor.t += 10.0  # each run takes 10 s
+        used.append(spec.threads)
+        steps = [0.2 if spec.config == "baseline" else 0.1] * 6
+        return RunResult(spec={"config": spec.config, "repeat": spec.repeat}, batch_size=4, step_median_s=steps[0],
+                         step_times_s=steps, threads=spec.threads)  # fmt: skip
+
+    spec = BenchSpec(configs="channels_last", device="cpu", preset="tiny", repeats=2, predict_batches=0)
+    report = run_benchmark(spec, run=scripted, monitor=monitor, say=said.append,
+                           peak=lambda *a: PeakFlops(None, "unknown: test"))  # fmt: skip
+    assert said == [thread_rules.WATCH_LINE] and set(used) == {threads}
+    assert [n for n in report.notes if n.startswith("other load at start")] == [note]
