@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from lightning_perf.callbacks import TensorRTExportCallback
 from lightning_perf.demos import WORKLOADS, make_workload
 from tests import _device, _multiproc
 from tests.callback_settings import (
@@ -25,6 +26,7 @@ from tests.callback_settings import (
     params,
     public_classes,
 )
+from tests.deploy._sets import visible_files
 
 
 def _trainer(setting: Setting, root: Path, extra: Any = None, **overrides: Any) -> pl.Trainer:
@@ -189,6 +191,10 @@ class SharedLaunch:
             pytest.fail(f"no result for this job from the shared launch (exit status {self.returncode}):\n{tail}")
         return json.loads(path.read_text())
 
+    def root(self, mode: str, setting: Setting) -> Path:
+        """The job's ``default_root_dir`` (``tests/_multiproc.py``): what its callback wrote is there."""
+        return self.out / "roots" / Path(_multiproc.result_name(mode, setting.id)).stem
+
 
 def _jobs(items: list[pytest.Item]) -> list[dict[str, Any]]:
     """The jobs of the selected 2-process tests (after -k/-m): DDP first, then each sharded model's plain run."""
@@ -261,6 +267,9 @@ def test_ddp_two_processes(setting: Setting, shared_launch: SharedLaunch) -> Non
         assert rank["global_step"] == 3
         assert len(rank["losses"]) == 3 and all(math.isfinite(x) for x in rank["losses"])
     assert report["ranks_agree"], f"parameters differ between ranks after DDP training: {report['checksums']}"
+    if setting.cls is TensorRTExportCallback:  # rank zero alone exports: one artifact set, not one per rank
+        files = ["model/model.export.json", "model/model.onnx", "model/model.onnx.data"]
+        assert visible_files(shared_launch.root("ddp", setting) / "export") == files
 
 
 def _fsdp2_params() -> list[Any]:
