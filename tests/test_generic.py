@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from lightning_perf.callbacks import TensorRTExportCallback
 from lightning_perf.demos import WORKLOADS, make_workload
 from tests import _device, _multiproc
 from tests.callback_settings import (
@@ -25,6 +26,7 @@ from tests.callback_settings import (
     params,
     public_classes,
 )
+from tests.deploy._sets import visible_files
 
 
 def _trainer(setting: Setting, root: Path, extra: Any = None, **overrides: Any) -> pl.Trainer:
@@ -69,39 +71,37 @@ def test_every_public_class_has_a_setting() -> None:
 
 
 @pytest.mark.parametrize("setting", params())
-def test_short_fit(setting: Setting, tmp_path: Path) -> None:
-    model, data = _workload(setting)
-    trainer = _trainer(setting, tmp_path)
-    trainer.fit(model, datamodule=data)
-    assert trainer.state.finished
-    assert trainer.global_step == 3
-    loss = trainer.callback_metrics["train_loss"]
-    assert math.isfinite(float(loss))
-
-
-@pytest.mark.parametrize("setting", params())
-def test_fit_twice(setting: Setting, tmp_path: Path) -> None:
-    """The same callback instance drives two fits, on the same model, one after the other."""
-    model, data = _workload(setting)
+def test_fit_evaluate_checkpoint_pickle_and_fit_again(setting: Setting, tmp_path: Path) -> None:
+    """One instance pickles before and after a short fit; fit, validate, test and predict give finite figures; the
+    checkpoint has the plain model's keys and loads without the callback; the same instance drives a second fit."""
     instance = setting.build()
-    for _ in range(2):
-        # A strategy belongs to one Trainer (Lightning sets its accelerator): each fit gets its own.
-        trainer = _trainer(setting, tmp_path, extra=setting.build() if setting.is_strategy else instance)
-        trainer.fit(model, datamodule=data)
-        assert trainer.global_step == 3
-        assert math.isfinite(float(trainer.callback_metrics["train_loss"]))
-
-
-@pytest.mark.parametrize("setting", params())
-def test_fit_validate_test_predict(setting: Setting, tmp_path: Path) -> None:
+    assert type(pickle.loads(pickle.dumps(instance))) is setting.cls
     model, data = _workload(setting)
-    trainer = _trainer(setting, tmp_path)
+    trainer = _trainer(setting, tmp_path, extra=instance)
     trainer.fit(model, datamodule=data)
+    assert trainer.state.finished and trainer.global_step == 3
+    assert math.isfinite(float(trainer.callback_metrics["train_loss"]))
+    ckpt = tmp_path / "with.ckpt"
+    trainer.save_checkpoint(ckpt)
     (val,) = trainer.validate(model, datamodule=data, verbose=False)
     (test,) = trainer.test(model, datamodule=data, verbose=False)
     predictions: list[Any] = list(trainer.predict(model, datamodule=data) or [])
     assert math.isfinite(val["val_loss"]) and math.isfinite(test["test_loss"])
     assert predictions and all(torch.isfinite(p).all() for p in predictions)
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    assert set(state) == set(_workload(setting)[0].state_dict())
+    loaded = WORKLOADS[setting.workload].module_cls.load_from_checkpoint(ckpt, map_location="cpu")
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, state[key], atol=0, rtol=0, msg=key)
+
+    if not setting.is_strategy:  # a strategy holds its trainer's process state after fit; the DDP test covers it
+        clone = pickle.loads(pickle.dumps(instance))
+        assert type(clone) is setting.cls and clone.state_dict().keys() == instance.state_dict().keys()
+    # A strategy belongs to one Trainer (Lightning sets its accelerator): the second fit gets its own.
+    again = _trainer(setting, tmp_path, extra=setting.build() if setting.is_strategy else instance)
+    again.fit(model, datamodule=data)
+    assert again.global_step == 3 and math.isfinite(float(again.callback_metrics["train_loss"]))
 
 
 @pytest.mark.parametrize("setting", params())
@@ -141,24 +141,6 @@ def _resume_equals_uninterrupted(setting: Setting, tmp_path: Path, how: str) -> 
 
 
 @pytest.mark.parametrize("setting", params())
-def test_checkpoint_loads_into_plain_model(setting: Setting, tmp_path: Path) -> None:
-    """A checkpoint written with the callback has the plain model's keys and loads without the callback."""
-    model, data = _workload(setting)
-    trainer = _trainer(setting, tmp_path)
-    trainer.fit(model, datamodule=data)
-    ckpt = tmp_path / "with.ckpt"
-    trainer.save_checkpoint(ckpt)
-
-    plain_cls = WORKLOADS[setting.workload].module_cls
-    plain, _ = _workload(setting)
-    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
-    assert set(state) == set(plain.state_dict())
-    loaded = plain_cls.load_from_checkpoint(ckpt, map_location="cpu")
-    for key, value in loaded.state_dict().items():
-        torch.testing.assert_close(value, state[key], atol=0, rtol=0, msg=key)
-
-
-@pytest.mark.parametrize("setting", params())
 def test_built_from_lightning_cli_yaml(setting: Setting, tmp_path: Path) -> None:
     from lightning.pytorch.cli import LightningCLI
 
@@ -187,20 +169,6 @@ def test_built_from_lightning_cli_yaml(setting: Setting, tmp_path: Path) -> None
         assert any(isinstance(cb, setting.cls) for cb in cli.trainer.callbacks)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("setting", params())
-def test_pickles_before_and_after_fit(setting: Setting, tmp_path: Path) -> None:
-    instance = setting.build()
-    clone = pickle.loads(pickle.dumps(instance))
-    assert type(clone) is setting.cls
-    if setting.is_strategy:
-        return  # a strategy holds its trainer's process state after fit; the DDP test covers it
-    model, data = _workload(setting)
-    _trainer(setting, tmp_path, extra=instance).fit(model, datamodule=data)
-    clone = pickle.loads(pickle.dumps(instance))
-    assert type(clone) is setting.cls
-    assert clone.state_dict().keys() == instance.state_dict().keys()
-
-
 # ------------------------------------------------------------------- 2 processes: DDP and FSDP2, in one shared launch
 
 DDP_TEST, FSDP2_TEST = "test_ddp_two_processes", "test_fsdp2_two_processes"
@@ -222,6 +190,10 @@ class SharedLaunch:
             tail = self.log.read_text(errors="replace")[-4000:] if self.log.exists() else "(no log)"
             pytest.fail(f"no result for this job from the shared launch (exit status {self.returncode}):\n{tail}")
         return json.loads(path.read_text())
+
+    def root(self, mode: str, setting: Setting) -> Path:
+        """The job's ``default_root_dir`` (``tests/_multiproc.py``): what its callback wrote is there."""
+        return self.out / "roots" / Path(_multiproc.result_name(mode, setting.id)).stem
 
 
 def _jobs(items: list[pytest.Item]) -> list[dict[str, Any]]:
@@ -295,6 +267,9 @@ def test_ddp_two_processes(setting: Setting, shared_launch: SharedLaunch) -> Non
         assert rank["global_step"] == 3
         assert len(rank["losses"]) == 3 and all(math.isfinite(x) for x in rank["losses"])
     assert report["ranks_agree"], f"parameters differ between ranks after DDP training: {report['checksums']}"
+    if setting.cls is TensorRTExportCallback:  # rank zero alone exports: one artifact set, not one per rank
+        files = ["model/model.export.json", "model/model.onnx", "model/model.onnx.data"]
+        assert visible_files(shared_launch.root("ddp", setting) / "export") == files
 
 
 def _fsdp2_params() -> list[Any]:

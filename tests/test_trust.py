@@ -363,21 +363,18 @@ def _acts_in(setting: Setting, loop: str) -> bool:
     return any(getattr(setting.cls, h) is not getattr(Callback, h) for h in hooks)
 
 
-EXITS = [
-    pytest.param("fit", RuntimeError, id="fit-RuntimeError"),
-    pytest.param("fit", KeyboardInterrupt, id="fit-KeyboardInterrupt"),
-    pytest.param("validate", RuntimeError, id="validate-RuntimeError"),
-    pytest.param("predict", RuntimeError, id="predict-RuntimeError"),
+# The fit exits first, the first with a fresh instance; each later exit reuses the instance the earlier ones left.
+EXITS: list[tuple[str, type[BaseException]]] = [
+    ("fit", RuntimeError),
+    ("fit", KeyboardInterrupt),
+    ("validate", RuntimeError),
+    ("predict", RuntimeError),
 ]
 
 
-@pytest.mark.parametrize(("where", "exception"), EXITS)
 @pytest.mark.parametrize("setting", params())
-def test_undone_on_every_exit(setting: Setting, where: str, exception: type[BaseException], tmp_path: Path) -> None:
-    if setting.is_strategy and where == "predict":
-        pytest.skip("a DDP strategy predicts as plain DDP; its fit and validate are covered")
-    if where != "fit" and not _acts_in(setting, where):
-        pytest.skip(f"{setting.id} has no hook that runs in {where}")
+def test_undone_on_every_exit(setting: Setting, tmp_path: Path) -> None:
+    """One instance fails in turn at each exit that concerns it, then drives a clean fit from the same start."""
     model_name = UNDO_MODEL[setting.workload]
     model = _model(model_name)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -385,43 +382,40 @@ def test_undone_on_every_exit(setting: Setting, where: str, exception: type[Base
     before = _structure(model)
     instance = setting.build()
     first = Capture(names)
-    sigint = signal.getsignal(signal.SIGINT)
-    raised = SystemExit if exception is KeyboardInterrupt else exception  # Lightning exits on Ctrl+C
-    failing = [first, Raise(exception, where, 3 if where == "fit" else 0)]
-    trainer = _trainer(setting, tmp_path, instance, failing, limit_train_batches=4)  # batch 3 is reached
-    try:
-        pl.seed_everything(0, verbose=False)
-        with pytest.raises(raised):
-            if where == "fit":
-                trainer.fit(model)
-            elif where == "validate":
-                trainer.validate(model, verbose=False)
-            else:
-                trainer.predict(model)
-    finally:
-        signal.signal(signal.SIGINT, sigint)  # Lightning ignores SIGINT from a Ctrl+C on
+    for where, exception in EXITS:
+        if (setting.is_strategy and where == "predict") or (where != "fit" and not _acts_in(setting, where)):
+            continue  # a DDP strategy predicts as plain DDP; a callback without a hook in that loop has nothing to undo
+        model.load_state_dict(initial)
+        model.train()  # Lightning leaves the modules in the mode of the loop that failed, plain or not
+        raised = SystemExit if exception is KeyboardInterrupt else exception  # Lightning exits on Ctrl+C
+        failing = [first if not first.losses else Capture(names), Raise(exception, where, 3 if where == "fit" else 0)]
+        sigint = signal.getsignal(signal.SIGINT)
+        again = setting.build() if setting.is_strategy and first.losses else instance  # a strategy: one per Trainer
+        trainer = _trainer(setting, tmp_path / where, again, failing, limit_train_batches=4)  # batch 3 is reached
+        try:
+            pl.seed_everything(0, verbose=False)
+            with pytest.raises(raised):
+                getattr(trainer, where)(model, **({"verbose": False} if where == "validate" else {}))
+        finally:
+            signal.signal(signal.SIGINT, sigint)  # Lightning ignores SIGINT from a Ctrl+C on
+        problems = _diff(before, _structure(model))
+        said = f"{setting.id} left the model changed after {exception.__name__} in {where}:\n"
+        assert not problems, said + "\n".join(problems)
+        for optimizer, flags in model.built:
+            assert _optimizer_flags(optimizer) == flags, (
+                f"{setting.id} left the optimizer's fused/foreach flags changed"
+            )
 
-    problems = _diff(before, _structure(model))
-    assert not problems, f"{setting.id} left the model changed after {exception.__name__} in {where}:\n" + "\n".join(
-        problems
-    )
-    for optimizer, flags in model.built:
-        assert _optimizer_flags(optimizer) == flags, f"{setting.id} left the optimizer's fused/foreach flags changed"
-
-    # The same callback instance drives a second fit from the same start as the first: the same losses.
+    # The same instance drives a fit from the same start as the first failing one: its losses, as the plain run's.
     model.load_state_dict(initial)
-    # Lightning leaves the modules in the mode of the loop that failed (eval after validate/predict), plain or not.
     model.train()
     second = Capture(names)
-    again = setting.build() if setting.is_strategy else instance
     pl.seed_everything(0, verbose=False)
-    _trainer(setting, tmp_path / "again", again, [second]).fit(model)
-    if where == "fit":
-        assert first.losses == second.losses[: len(first.losses)] and len(first.losses) == 3
-    else:  # the instance's first fit: as the plain run, in the terms of its numerics
-        _, plain_run = _plain(model_name, tmp_path / "plain")
-        assert len(second.losses) == len(plain_run.losses)
-        for step, (loss, reference) in enumerate(zip(second.losses, plain_run.losses)):
-            _compare_loss(setting, step, loss, reference)
+    _trainer(setting, tmp_path / "again", setting.build() if setting.is_strategy else instance, [second]).fit(model)
+    assert first.losses == second.losses[: len(first.losses)] and len(first.losses) == 3
+    _, plain_run = _plain(model_name, tmp_path / "plain")
+    assert len(second.losses) == len(plain_run.losses)
+    for step, (loss, reference) in enumerate(zip(second.losses, plain_run.losses)):
+        _compare_loss(setting, step, loss, reference)
     problems = _diff(before, _structure(model))
     assert not problems, f"{setting.id}: the model is not plain after the second fit:\n" + "\n".join(problems[:5])

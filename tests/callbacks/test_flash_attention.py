@@ -90,25 +90,8 @@ def test_hand_written_attention_trains_like_the_plain_model(tmp_path: Path) -> N
         torch.testing.assert_close(results[1][key], results[0][key], atol=1e-5, rtol=1e-4, msg=key)
 
 
-def test_resume_equals_an_uninterrupted_run_and_checkpoints_are_plain(tmp_path: Path) -> None:
-    def fit(max_epochs: int, ckpt: Path | None = None, save: Path | None = None) -> GPTModule:
-        torch.manual_seed(0)
-        model = GPTModule()
-        run = trainer(tmp_path, callbacks=[FlashAttentionCallback()], max_steps=-1, max_epochs=max_epochs)
-        run.fit(model, ckpt_path=ckpt)
-        if save is not None:
-            run.save_checkpoint(save)
-        return model
-
-    straight = fit(2)
-    fit(1, save=tmp_path / "one.ckpt")
-    resumed = fit(2, ckpt=tmp_path / "one.ckpt")
-    for key, value in straight.state_dict().items():
-        torch.testing.assert_close(resumed.state_dict()[key], value, atol=0, rtol=0, msg=key)
-    state = torch.load(tmp_path / "one.ckpt", weights_only=True)["state_dict"]
-    plain = GPTModule()
-    assert set(state) == set(plain.state_dict())
-    plain.load_state_dict(state)
+# Resume equal to an uninterrupted run and plain checkpoint keys: the registry's generic tests (tests/test_generic.py)
+# for FlashAttentionCallback on the vit and lm workloads' hand-written attention.
 
 
 class NanoGPTAdapter(AttentionAdapter):

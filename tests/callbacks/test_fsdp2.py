@@ -20,7 +20,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # FlashAttention, FusedOptimizer and Compile are seen at work in "stack"; every registry setting's loss under FSDP2 is
 # also checked by tests/test_generic.py::test_fsdp2_two_processes (MemoryProfiler, Bottleneck, BackendFlags there).
-SCENARIOS = "plain,grad_checkpoint,grad_checkpoint_budget,plain_conv,channels_last,sliding_window,stack,stack_failing"
+SCENARIOS = "plain,grad_checkpoint,grad_checkpoint_budget,plain_conv,channels_last_window,stack,stack_failing"
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -88,16 +88,14 @@ def test_grad_checkpoint_memory_budget_checkpoints_every_block_under_fsdp2(repor
     _undone(run)
 
 
-def test_channels_last_runs_the_convolutions_channels_last(report: dict[str, Any]) -> None:
-    run = _same_training(report, "channels_last", plain="plain_conv", rel=1e-5)
+def test_channels_last_runs_the_convolutions_channels_last_and_the_window_predicts_through_monai(
+    report: dict[str, Any],
+) -> None:
+    run = _same_training(report, "channels_last_window", plain="plain_conv", rel=1e-5)
     assert run["during"]["conv_output_channels_last"] == [True]
-    _undone(run)
-
-
-def test_sliding_window_predicts_through_monai(report: dict[str, Any]) -> None:
-    run = _same_training(report, "sliding_window", plain="plain_conv")
     assert run["predict_shape"] == [2, 3, 16, 16]
     assert run["predict_matches_monai"] is True
+    _undone(run)
 
 
 def test_stacked_callbacks_train_as_plain_with_compile_inside_the_wrappers(report: dict[str, Any]) -> None:

@@ -52,34 +52,8 @@ def test_training_equals_the_plain_model(tmp_path: Path) -> None:
         torch.testing.assert_close(results[1][key], results[0][key], atol=0, rtol=0, msg=key)
 
 
-def test_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
-    def fit(max_epochs: int, ckpt: Path | None = None, save: Path | None = None) -> SequenceModule:
-        torch.manual_seed(0)
-        model = SequenceModule(encoder(depth=2))  # no dropout: Lightning does not restore the global RNG on resume
-        run = trainer(tmp_path, callbacks=[GradCheckpointCallback()], max_steps=-1, max_epochs=max_epochs)
-        run.fit(model, ckpt_path=ckpt)
-        if save is not None:
-            run.save_checkpoint(save)
-        return model
-
-    straight = fit(2)
-    fit(1, save=tmp_path / "one.ckpt")
-    resumed = fit(2, ckpt=tmp_path / "one.ckpt")
-    for key, value in straight.state_dict().items():
-        torch.testing.assert_close(resumed.state_dict()[key], value, atol=0, rtol=0, msg=key)
-
-
-def test_checkpoint_loads_into_the_plain_model_and_back(tmp_path: Path) -> None:
-    model = SequenceModule(encoder(depth=2))
-    run = trainer(tmp_path, callbacks=[GradCheckpointCallback()])
-    run.fit(model)
-    run.save_checkpoint(tmp_path / "with.ckpt")
-    state = torch.load(tmp_path / "with.ckpt", weights_only=True)["state_dict"]
-    plain = SequenceModule(encoder(depth=2))
-    assert set(state) == set(plain.state_dict())
-    plain.load_state_dict(state)
-    again = SequenceModule(encoder(depth=2))
-    trainer(tmp_path, callbacks=[GradCheckpointCallback()], max_steps=4).fit(again, ckpt_path=tmp_path / "with.ckpt")
+# Resume equal to an uninterrupted run, checkpoint keys, loading without the callback: the registry's generic tests
+# (tests/test_generic.py) for each GradCheckpointCallback entry, the memory budget's included.
 
 
 def test_layers_built_in_configure_model_are_found(tmp_path: Path) -> None:
@@ -268,29 +242,12 @@ def test_memory_budget_trains_as_the_plain_model(tmp_path: Path) -> None:
         torch.testing.assert_close(results[1][key], results[0][key], msg=key)
 
 
-def test_memory_budget_fit_twice_and_resume(tmp_path: Path) -> None:
+def test_memory_budget_fit_twice(tmp_path: Path) -> None:
     model = budget_model()
     callback = Spy(memory_budget=0.5)
     for _ in range(2):
         trainer(tmp_path, callbacks=[callback], max_steps=3).fit(model)
         assert callback.seen and checkpointed_modules(model) == []
-
-    def fit(max_epochs: int, ckpt: Path | None = None, save: Path | None = None) -> SequenceModule:
-        torch.manual_seed(0)
-        model = budget_model()
-        run = trainer(
-            tmp_path, callbacks=[GradCheckpointCallback(memory_budget=0.5)], max_steps=-1, max_epochs=max_epochs
-        )
-        run.fit(model, ckpt_path=ckpt)
-        if save is not None:
-            run.save_checkpoint(save)
-        return model
-
-    straight = fit(2)
-    fit(1, save=tmp_path / "one.ckpt")
-    resumed = fit(2, ckpt=tmp_path / "one.ckpt")
-    for key, value in straight.state_dict().items():
-        torch.testing.assert_close(resumed.state_dict()[key], value, msg=key)
 
 
 def test_memory_budget_one_checkpoints_nothing_and_says_so(tmp_path: Path, caplog) -> None:

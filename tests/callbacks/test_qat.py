@@ -185,12 +185,21 @@ def test_export_false_trains_without_converting(tmp_path: Path) -> None:
     assert not (tmp_path / "quantized").exists()
 
 
-def test_fit_twice_goes_on_from_the_state_the_first_fit_reached(tmp_path: Path) -> None:
+def test_after_a_fit_a_failure_keeps_its_state_a_clone_prepares_again_and_a_second_fit_goes_on(tmp_path: Path) -> None:
+    """One trained callback: a failed second fit gives back the state the fit reached; a second fit starts from it and
+    trains it on; a failed validate keeps the state; a pickled clone prepares the float module again from it."""
     model, data = _convnet()
     float_net = model.net
     callback = QATCallback(**QUICK)
     _trainer(tmp_path, [callback]).fit(model, datamodule=data)
     first = callback.quantization_state
+    with pytest.raises(RuntimeError, match="failed at step 2"):
+        _trainer(tmp_path, [callback, _FailAtStep(RuntimeError, step=2)], max_steps=5).fit(model, datamodule=data)
+    assert not qat.is_prepared(model.net)
+    after = callback.quantization_state
+    assert after.keys() == first.keys()
+    for key, value in first.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
 
     class AtStart(Callback):
         state: dict[str, torch.Tensor] = {}
@@ -208,42 +217,16 @@ def test_fit_twice_goes_on_from_the_state_the_first_fit_reached(tmp_path: Path) 
     assert any(not torch.equal(v, first[k]) for k, v in callback.quantization_state.items())
     assert model.net is float_net and not qat.is_prepared(model.net)
 
-
-def test_a_failed_second_fit_gives_back_the_state_it_started_from(tmp_path: Path) -> None:
-    model, data = _convnet()
-    callback = QATCallback(**QUICK)
-    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
-    first = callback.quantization_state
-    with pytest.raises(RuntimeError, match="failed at step 2"):
-        _trainer(tmp_path, [callback, _FailAtStep(RuntimeError, step=2)], max_steps=5).fit(model, datamodule=data)
-    assert not qat.is_prepared(model.net)
-    after = callback.quantization_state
-    assert after.keys() == first.keys()
-    for key, value in first.items():
-        torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
-
-
-def test_a_failed_validate_after_fit_keeps_the_state_and_the_plain_model(tmp_path: Path) -> None:
-    model, data = _convnet()
-    float_net = model.net
-    callback = QATCallback(**QUICK)
-    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
-    first = callback.quantization_state
-
     class FailInValidation(Callback):
         def on_validation_batch_start(self, *args: Any) -> None:
             raise RuntimeError("failed in validation")
 
+    trained = callback.quantization_state
     with pytest.raises(RuntimeError, match="failed in validation"):
         _trainer(tmp_path, [callback, FailInValidation()]).validate(model, datamodule=data, verbose=False)
     assert model.net is float_net and not qat.is_prepared(model.net)
-    assert callback.quantization_state.keys() == first.keys() and callback.recipe is not None
+    assert callback.quantization_state.keys() == trained.keys() and callback.recipe is not None
 
-
-def test_a_pickled_callback_prepares_the_float_module_again_from_its_state(tmp_path: Path) -> None:
-    model, data = _convnet()
-    callback = QATCallback(**QUICK)
-    _trainer(tmp_path, [callback]).fit(model, datamodule=data)
     clone = pickle.loads(pickle.dumps(callback))  # without the prepared graph: it does not pickle
     x = torch.randn(4, 3, 16, 16)
     model.eval()
@@ -259,9 +242,16 @@ def test_a_pickled_callback_prepares_the_float_module_again_from_its_state(tmp_p
         pass
 
 
-def _checkpoint(tmp_path: Path, **callback_kwargs: Any) -> tuple[pl.LightningModule, Path, QATCallback]:
+Trained = tuple[pl.LightningModule, Path, QATCallback]  # the model, its checkpoint, the callback
+
+
+@pytest.fixture(scope="module")
+def qat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """One QAT fit and its checkpoint, shared by the tests that only read them (each fit prepares, converts and
+    exports: seconds)."""
+    tmp_path = tmp_path_factory.mktemp("qat")
     model, data = _convnet()
-    callback = QATCallback(**{**QUICK, **callback_kwargs})
+    callback = QATCallback(**QUICK)
     trainer = _trainer(tmp_path / "run", [callback])
     trainer.fit(model, datamodule=data)
     path = tmp_path / "qat.ckpt"
@@ -269,8 +259,8 @@ def _checkpoint(tmp_path: Path, **callback_kwargs: Any) -> tuple[pl.LightningMod
     return model, path, callback
 
 
-def test_checkpoint_has_plain_keys_and_the_quantization_state_in_the_callback_entry(tmp_path: Path) -> None:
-    model, path, callback = _checkpoint(tmp_path)
+def test_checkpoint_has_plain_keys_and_the_quantization_state_in_the_callback_entry(qat_checkpoint: Trained) -> None:
+    model, path, callback = qat_checkpoint
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     plain, _ = _convnet()
     assert set(checkpoint["state_dict"]) == set(plain.state_dict()) == set(model.state_dict())
@@ -280,8 +270,8 @@ def test_checkpoint_has_plain_keys_and_the_quantization_state_in_the_callback_en
     assert set(entry["quantization_state"]) == expected and expected
 
 
-def test_resume_reprepares_before_the_weights_load(tmp_path: Path) -> None:
-    model, path, trained = _checkpoint(tmp_path)
+def test_resume_reprepares_before_the_weights_load(qat_checkpoint: Trained, tmp_path: Path) -> None:
+    model, path, trained = qat_checkpoint
     fresh, data = _convnet(seed=1)
     callback = QATCallback(**QUICK)
     # max_steps equal to the checkpoint's: the run restores everything and stops, so the state is the checkpoint's.
@@ -298,8 +288,8 @@ def test_resume_reprepares_before_the_weights_load(tmp_path: Path) -> None:
         torch.testing.assert_close(value, expected_state[key], rtol=0, atol=0, msg=key)
 
 
-def test_test_with_ckpt_path_on_a_fresh_model(tmp_path: Path) -> None:
-    model, path, callback = _checkpoint(tmp_path)
+def test_test_with_ckpt_path_on_a_fresh_model(qat_checkpoint: Trained, tmp_path: Path) -> None:
+    model, path, callback = qat_checkpoint
     _, data = _convnet()
     (trained,) = _trainer(tmp_path / "a", [callback]).test(model, datamodule=data, verbose=False)
     fresh, _ = _convnet(seed=3)
@@ -325,8 +315,8 @@ def test_checkpoint_recipe_wins_over_the_callback_settings(tmp_path: Path) -> No
     assert list(fresh.state_dict()) == keys and not any(qat.is_prepared(m) for m in fresh.modules())
 
 
-def test_load_checkpoint_into_a_fresh_model(tmp_path: Path) -> None:
-    model, path, callback = _checkpoint(tmp_path)
+def test_load_checkpoint_into_a_fresh_model(qat_checkpoint: Trained) -> None:
+    model, path, callback = qat_checkpoint
     fresh, _ = _convnet(seed=7)
     recipe = QATCallback.load_checkpoint(fresh, path)
     assert recipe == callback.recipe and qat.is_prepared(fresh.net)

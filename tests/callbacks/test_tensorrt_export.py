@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +23,6 @@ from lightning_perf.deploy.export import ExportError
 from tests.callbacks._sharded import ShardsItself, one_process_group  # noqa: F401  (a fixture)
 from tests.deploy._sets import visible_files
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 needs_onnx = pytest.mark.skipif(
     not (is_onnx_available() and is_onnxruntime_available()), reason="needs the `onnx` extra"
 )
@@ -168,34 +164,7 @@ def test_only_rank_zero_exports(tmp_path: Path, monkeypatch) -> None:
     assert callback.report is None and list(tmp_path.iterdir()) == []
 
 
-@needs_onnx
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_two_process_ddp_writes_one_artifact_set(tmp_path: Path) -> None:
-    result = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "tests" / "_ddp_fit.py"),
-            "TensorRTExportCallback",
-            str(result),
-            str(tmp_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert json.loads(result.read_text())["world_size"] == 2
-    assert visible_files(tmp_path / "export") == [
-        "model/model.export.json",
-        "model/model.onnx",
-        "model/model.onnx.data",
-    ]
+# Under 2-process DDP one artifact set is written: tests/test_generic.py::test_ddp_two_processes.
 
 
 # --------------------------------------------------------------------------------------------- early errors

@@ -6,7 +6,7 @@ process group stays up between fits, so one launch serves every fit below. Rank 
 
 Fits (convnet ``tiny``: 16 batches per epoch over 2 ranks, so 8 optimizer steps per epoch):
 
-1. ``plain``: Lightning's DDPStrategy, 10 epochs; ``powersgd``: the same with PowerSGD at rank 4 (default start
+1. ``plain``: Lightning's DDPStrategy, 5 epochs; ``powersgd``: the same with PowerSGD at rank 4 (default start
    iteration), logging to a CSVLogger: convergence parity, compression statistics, logging.
 2. ``straight``: PowerSGD, 2 epochs, small buckets, a checkpoint at the end of epoch 1 (ModelCheckpoint, during
    the fit); ``resumed``: epoch 2 from that checkpoint, from other initial weights: resume equals uninterrupted,
@@ -82,7 +82,7 @@ def _metrics(trainer: pl.Trainer) -> dict[str, float]:
 
 
 def parity(root: Path) -> dict[str, Any]:
-    epochs = 10
+    epochs = 5
     out: dict[str, Any] = {"steps": epochs * STEPS_PER_EPOCH}
     for name in ("plain", "powersgd"):
         pl.seed_everything(0, verbose=False)

@@ -163,8 +163,8 @@ def ddp_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_hook_is_registered_on_gloo_and_compresses(ddp_report: dict[str, Any]) -> None:
     report = ddp_report["parity"]
     assert report["synchronous"]  # gloo: each bucket finishes before the hook returns
-    assert report["start_powerSGD_iter"] == 8  # 10% of 80 optimizer steps
-    assert report["iter"] == report["powersgd_global_step"] == 80
+    assert report["start_powerSGD_iter"] == 4  # 10% of 40 optimizer steps
+    assert report["iter"] == report["powersgd_global_step"] == 40
     metrics = report["metrics"]
     assert metrics["powersgd/compression_rate"] > 1
     assert metrics["powersgd/allreduce_bytes"] < metrics["powersgd/uncompressed_bytes"]
@@ -172,23 +172,23 @@ def test_hook_is_registered_on_gloo_and_compresses(ddp_report: dict[str, Any]) -
         p.numel() for p in make_workload("convnet", "tiny")[0].parameters()
     )
     rates = report["csv_compression_rates"]  # written by the Trainer's logger, one row per step
-    assert len(rates) == 80
-    assert rates[:8] == [1.0] * 8 and min(rates[8:]) > 1
+    assert len(rates) == 40
+    assert rates[:4] == [1.0] * 4 and min(rates[4:]) > 1
     assert report["ranks_agree"]
 
 
 @pytest.mark.distributed
 def test_converges_like_plain_ddp(ddp_report: dict[str, Any]) -> None:
-    """Validation loss after 80 steps (10 epochs, cosine schedule to zero) at rank 4, against plain DDP.
+    """Validation loss after 40 steps (5 epochs) at rank 4, against plain DDP.
 
-    From ln(10) = 2.30 at the start, plain DDP reaches 0.40; PowerSGD 0.48. The tolerance, 0.15, is about the
-    spread between two initial seeds of plain DDP on this workload (0.40 and 0.51): a compression error that
+    From ln(10) = 2.30 at the start, plain DDP reaches 0.47; PowerSGD 0.61. The tolerance, 0.2, is about the spread
+    between initial seeds of plain DDP on this workload at that point (0.47, 0.60 and 0.67): a compression error that
     mattered more than the choice of seed would fail it.
     """
     report = ddp_report["parity"]
-    assert report["plain_global_step"] == report["powersgd_global_step"] == 80
+    assert report["plain_global_step"] == report["powersgd_global_step"] == 40
     assert report["plain_val_loss"] < 1.0  # the workload learns: the comparison means something
-    assert abs(report["powersgd_val_loss"] - report["plain_val_loss"]) <= 0.15
+    assert abs(report["powersgd_val_loss"] - report["plain_val_loss"]) <= 0.2
 
 
 @pytest.mark.distributed
