@@ -7,19 +7,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from tests._models import trainer
+
 
 def quiet_trainer(root: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
     """A Trainer writing under ``root``; ``kwargs`` override the quiet defaults (e.g. ``logger=CSVLogger(...)``)."""
-    defaults: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-        "limit_val_batches": 0,
-        "default_root_dir": root,
-    }
-    defaults.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **defaults)
+    return trainer(root, callbacks=callbacks, **{"max_steps": -1, "limit_val_batches": 0, **kwargs})

@@ -20,6 +20,7 @@ from lightning_perf.callbacks import BottleneckCallback, MemoryProfilerCallback
 from lightning_perf.demos import make_workload
 from lightning_perf.profiling import step_phases as sp
 from lightning_perf.profiling.advice import PHASES
+from tests.callbacks._interrupt import LossRecorder
 from tests.callbacks._quiet import quiet_trainer
 
 MS = 1_000_000
@@ -392,18 +393,13 @@ def test_a_failing_step_leaves_no_mode_or_hook_behind(tmp_path: Path) -> None:
 
 
 def _fit_convnet(tmp_path: Path, callbacks: list[pl.Callback]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    losses: list[float] = []
-
-    class Record(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *args: Any) -> None:
-            losses.append(float(outputs["loss"]))
-
+    record = LossRecorder()
     pl.seed_everything(0, verbose=False)
     model, data = make_workload("convnet", "tiny", seed=0)
-    quiet_trainer(tmp_path, [*callbacks, Record()], max_steps=6, limit_val_batches=2, val_check_interval=3).fit(
+    quiet_trainer(tmp_path, [*callbacks, record], max_steps=6, limit_val_batches=2, val_check_interval=3).fit(
         model, datamodule=data
     )
-    return losses, model.state_dict()
+    return record.losses, model.state_dict()
 
 
 def test_observing_does_not_change_training(tmp_path: Path) -> None:

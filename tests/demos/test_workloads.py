@@ -9,13 +9,14 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import SequentialSampler
 
 from lightning_perf.demos import PRESETS, WORKLOADS, EpochSeededRandomSampler, make_workload, workload_names
 from lightning_perf.demos.lm import CausalSelfAttention, LMBlock, LMModule
 from lightning_perf.demos.vit import ViTBlock, ViTModule
+from tests.callbacks._interrupt import LossRecorder
+from tests.callbacks._quiet import quiet_trainer
 
 NAMES = ["convnet", "unet3d", "vit", "lm"]
 
@@ -55,28 +56,6 @@ def _assert_batches_equal(a: Any, b: Any) -> None:
         a, b = list(a.values()), list(b.values())
     for x, y in zip(a, b):
         assert torch.equal(x, y)
-
-
-def _trainer(**overrides: Any) -> pl.Trainer:
-    kwargs: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    kwargs.update(overrides)
-    return pl.Trainer(**kwargs)
-
-
-class _LossRecorder(Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
 
 
 def test_registry() -> None:
@@ -186,15 +165,14 @@ def test_checkpointed_data_seed_wins() -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_tiny_is_learnable(name: str) -> None:
+def test_tiny_is_learnable(name: str, tmp_path: Path) -> None:
     model, data = make_workload(name, "tiny", seed=0)
-    recorder = _LossRecorder()
-    trainer = _trainer(max_steps=LEARN_STEPS, limit_val_batches=0, callbacks=[recorder])
-    trainer.fit(model, datamodule=data)
+    recorder = LossRecorder()
+    quiet_trainer(tmp_path, [recorder], max_steps=LEARN_STEPS).fit(model, datamodule=data)
     assert len(recorder.losses) == LEARN_STEPS
     assert sum(recorder.losses[-5:]) / 5 < MAX_LOSS_RATIO * recorder.losses[0], recorder.losses
 
-    (metrics,) = _trainer().validate(model, datamodule=data, verbose=False)
+    (metrics,) = quiet_trainer(tmp_path, [], limit_val_batches=1.0).validate(model, datamodule=data, verbose=False)
     metric_name = "val_dice" if name == "unet3d" else "val_acc"
     assert metrics[metric_name] > MIN_METRIC[name], metrics
     if name == "lm":
@@ -205,7 +183,7 @@ def test_tiny_is_learnable(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_load_from_checkpoint_round_trip(name: str, tmp_path: Path) -> None:
     model, data = make_workload(name, "tiny", seed=0, lr=2e-3)
-    trainer = _trainer(max_steps=2, limit_val_batches=1, default_root_dir=tmp_path)
+    trainer = quiet_trainer(tmp_path, [], max_steps=2, limit_val_batches=1)
     trainer.fit(model, datamodule=data)
     path = tmp_path / "model.ckpt"
     trainer.save_checkpoint(path)
@@ -231,15 +209,15 @@ def test_resume_at_epoch_boundary_is_bit_identical(name: str, tmp_path: Path) ->
     """One epoch, a checkpoint, a resumed second epoch (fresh objects, other seed) equal two epochs in one go."""
     limits = {"limit_train_batches": 2, "limit_val_batches": 1, "max_epochs": 2}
     straight_model, straight_data = make_workload(name, "tiny", seed=0)
-    _trainer(**limits).fit(straight_model, datamodule=straight_data)
+    quiet_trainer(tmp_path, [], **limits).fit(straight_model, datamodule=straight_data)
 
     first_model, first_data = make_workload(name, "tiny", seed=0)
-    first = _trainer(**{**limits, "max_epochs": 1})
+    first = quiet_trainer(tmp_path, [], **{**limits, "max_epochs": 1})
     first.fit(first_model, datamodule=first_data)
     first.save_checkpoint(tmp_path / "epoch1.ckpt")
 
     resumed_model, resumed_data = make_workload(name, "tiny", seed=1)  # the checkpoint's weights and data seed win
-    resumed = _trainer(**limits)
+    resumed = quiet_trainer(tmp_path, [], **limits)
     resumed.fit(resumed_model, datamodule=resumed_data, ckpt_path=tmp_path / "epoch1.ckpt")
     assert resumed.global_step == 4
     expected = straight_model.state_dict()

@@ -203,12 +203,8 @@ def test_precision_alternatives_compete(monkeypatch: pytest.MonkeyPatch) -> None
     tuner = _tune(precisions=None, device="cuda")
     result = tuner.run()
     verdicts = {t.label: t.verdict for t in result.trials}
-    assert verdicts == {
-        "baseline": "baseline",
-        "baseline (repeat)": "baseline",
-        "+bf16-mixed": "rejected",
-        "+16-mixed": "kept",
-    }
+    expected = {"baseline": "baseline", "baseline (repeat)": "baseline", "+bf16-mixed": "rejected", "+16-mixed": "kept"}
+    assert verdicts == expected
     assert result.recommendation.trainer_kwargs == {"precision": "16-mixed"}
 
 
@@ -294,11 +290,17 @@ def test_import_source_names_the_bad_path() -> None:
 # --------------------------------------------------------------------------- real trials
 
 
-def test_real_trials_in_process_leave_the_users_objects_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    quiet_machine(monkeypatch)  # real trials; the watcher's verdict on this machine's load is tested on its own
+@pytest.fixture
+def real_trials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real trials on a machine taken as quiet (the watcher's verdict on this machine's load is tested on its own)."""
+    quiet_machine(monkeypatch)
     # Two real 3-step baselines of a tiny model can land 1.5x apart on a busy machine, which ends the search by design
-    # (tests/tuning/test_honest_tuner.py tests that rule); here the CLI's path through every trial is what is checked.
+    # (tests/tuning/test_honest_tuner.py tests that rule); here the path through every trial is what is checked.
     monkeypatch.setattr(remeasure, "baseline_spread_cause", lambda first_s, second_s: None)
+
+
+@pytest.mark.usefixtures("real_trials")
+def test_real_trials_in_process_leave_the_users_objects_alone() -> None:
     model, data = SmallConvNet(), PlainDataModule(batch_size=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tuner = AutoTuner(
@@ -338,39 +340,17 @@ def test_real_failure_in_a_spawned_trial_reports_the_models_traceback() -> None:
     assert len(tuner._trials) == 1
 
 
-def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("real_trials")
+def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from lightning_perf.cli import main
 
-    quiet_machine(monkeypatch)  # real trials; the watcher's verdict on this machine's load is tested on its own
-    # Two real 3-step baselines of a tiny model can land 1.5x apart on a busy machine, which ends the search by design
-    # (tests/tuning/test_honest_tuner.py tests that rule); here the CLI's path through every trial is what is checked.
-    monkeypatch.setattr(remeasure, "baseline_spread_cause", lambda first_s, second_s: None)
     output = tmp_path / "tuned.yaml"
-    code = main(
-        [
-            "autotune",
-            "--model",
-            "tests.tuning._user_models:SmallConvNet",
-            "--datamodule",
-            "tests.tuning._user_models:PlainDataModule",
-            "--datamodule-args",
-            '{"batch_size": 8}',
-            "--optimizations",
-            "channels_last",
-            "--precisions",
-            "",
-            "--no-batch-size",
-            "--no-data-loading",
-            "--steps",
-            "3",
-            "--warmup-steps",
-            "1",
-            "--time-budget",
-            "300",
-            "--output",
-            str(output),
-        ]
+    args = "--model tests.tuning._user_models:SmallConvNet --datamodule tests.tuning._user_models:PlainDataModule"
+    options = (
+        "--optimizations channels_last --no-batch-size --no-data-loading --steps 3 --warmup-steps 1 --time-budget 300"
     )
+    code = main(["autotune", *args.split(), "--datamodule-args", '{"batch_size": 8}', "--precisions", "",
+                 *options.split(), "--output", str(output)])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
     assert "Recommended" in out and f"wrote {output}" in out
