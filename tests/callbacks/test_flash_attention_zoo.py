@@ -205,19 +205,26 @@ def assert_trains_like(swapped: tuple, plain: tuple) -> None:
         torch.testing.assert_close(grad, plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def swap_and_train(model: nn.Module, names: list[str], lm: bool = False) -> Any:
+    """Swaps ``model``'s attention (``names`` swapped), trains it and an un-swapped copy two steps: same losses and
+    gradients, the kernel run once per forward in each swapped module and never in the plain copy."""
+    loss_fn, batch_fn = (lm_loss, lm_batch) if lm else (vision_loss, vision_batch)
+    plain = copy.deepcopy(model)
+    result = swap_attention(model)
+    assert result.swapped == names, result.decisions
+    swapped_run, plain_run = train_two_steps(model, loss_fn, batch_fn), train_two_steps(plain, loss_fn, batch_fn)
+    assert {n: swapped_run[2].counts[n] for n in names} == {n: 2 for n in names} and plain_run[2].total == 0
+    assert_trains_like(swapped_run, plain_run)
+    return result
+
+
 def test_timm_attention_called_with_default_keywords_runs_the_kernel() -> None:
     torch.manual_seed(0)
     model = TinyViT()
-    plain = copy.deepcopy(model)
-    result = swap_attention(model)
     names = ["blocks.0.attn", "blocks.1.attn"]
-    assert result.swapped == names and all(result.decisions[n].action == SWAPPED for n in names)
+    result = swap_and_train(model, names)
+    assert all(result.decisions[n].action == SWAPPED for n in names)
     assert all(isinstance(model.blocks[i].attn, FusedQKVAttention) for i in range(2))
-    swapped_run = train_two_steps(model, vision_loss, vision_batch)
-    assert {n: swapped_run[2].counts[n] for n in names} == {n: 2 for n in names}  # one per forward, every step
-    plain_run = train_two_steps(plain, vision_loss, vision_batch)
-    assert plain_run[2].total == 0
-    assert_trains_like(swapped_run, plain_run)
     assert model.blocks[0].attn.fallbacks == {}
 
 
@@ -264,31 +271,31 @@ def test_an_argument_the_kernel_cannot_serve_falls_back_for_that_call_only() -> 
     assert calls.total == 1 and swapped.fallbacks == {"temperature": 2}
 
 
-def test_timm_attention_with_fused_attn_is_already_fused() -> None:
-    model = TinyViT(fused_attn=True)
+@pytest.mark.parametrize("zoo", ["timm", "monai", "gpt2"])
+def test_attention_that_already_runs_the_kernel_is_left_alone(zoo: str, request: Any) -> None:
+    """timm with ``fused_attn``, MONAI's SABlock with ``use_flash_attention``, GPT-2 configured for SDPA."""
+    if zoo == "gpt2":
+        model, prefix = gpt2("sdpa"), "transformer.h"
+    else:
+        blocks = request.getfixturevalue("monai_blocks") if zoo == "monai" else None
+        model, prefix = TinyViT(fused_attn=True) if blocks is None else MonaiViT(blocks, flash=True), "blocks"
+    kinds = [type(m) for m in model.modules()]
     result = swap_attention(model)
-    assert result.swapped == [] and result.replaced == {}
+    assert result.swapped == [] and result.replaced == {} and result.switched == {}
     assert {n: (d.kernel, d.action) for n, d in result.decisions.items()} == {
-        "blocks.0.attn": (UNCHANGED, ALREADY_FUSED),
-        "blocks.1.attn": (UNCHANGED, ALREADY_FUSED),
+        f"{prefix}.{i}.attn": (UNCHANGED, ALREADY_FUSED) for i in range(2)
     }
-    assert type(model.blocks[0].attn) is TimmAttention
+    assert [type(m) for m in model.modules()] == kinds
 
 
 def test_monai_transformer_blocks_run_the_kernel(monai_blocks: Any) -> None:
     torch.manual_seed(0)
     model = MonaiViT(monai_blocks)
-    plain = copy.deepcopy(model)
-    result = swap_attention(model)
-    names = ["blocks.0.attn", "blocks.1.attn"]
-    assert result.swapped == names, result.decisions
+    swap_and_train(model, ["blocks.0.attn", "blocks.1.attn"])
     swapped = model.blocks[0].attn
     assert isinstance(swapped, FusedQKVAttention) and isinstance(swapped.original, monai_blocks.SABlock)
     # MONAI's attn_mask is a key padding mask (batch, keys): 0 / False is blocked.
     assert swapped.arguments.masks["attn_mask"] == {("bool", "padding"): "keep", ("float", "padding"): "keep"}
-    swapped_run = train_two_steps(model, vision_loss, vision_batch)
-    assert {n: swapped_run[2].counts[n] for n in names} == {n: 2 for n in names}
-    assert_trains_like(swapped_run, train_two_steps(plain, vision_loss, vision_batch))
     x, padding = torch.randn(2, 6, 16), torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     with SDPACalls() as calls:
         out = swapped(x, attn_mask=padding)
@@ -296,45 +303,20 @@ def test_monai_transformer_blocks_run_the_kernel(monai_blocks: Any) -> None:
     torch.testing.assert_close(out, swapped.original(x, attn_mask=padding), rtol=1e-4, atol=1e-5)
 
 
-def test_monai_sablock_with_flash_attention_is_already_fused(monai_blocks: Any) -> None:
-    result = swap_attention(MonaiViT(monai_blocks, flash=True))
-    assert [d.action for d in result.decisions.values()] == [ALREADY_FUSED, ALREADY_FUSED] and not result.swapped
-
-
 def test_gpt2_eager_is_switched_to_sdpa_and_back() -> None:
     model = gpt2("eager")
-    plain = copy.deepcopy(model)
-    result = swap_attention(model)
     names = ["transformer.h.0.attn", "transformer.h.1.attn"]
-    assert result.swapped == names, result.decisions
+    result = swap_and_train(model, names, lm=True)
     assert all(result.decisions[n] == (SDPA, result.decisions[n].reason) for n in names)
     assert all(result.decisions[n].action == SWITCHED_CONFIG for n in names)
     assert model.config._attn_implementation == "sdpa"
-    swapped_run = train_two_steps(model, lm_loss, lm_batch)
-    assert {n: swapped_run[2].counts[n] for n in names} == {n: 2 for n in names}
-    assert_trains_like(swapped_run, train_two_steps(plain, lm_loss, lm_batch))
     result.undo(model)
     assert model.config._attn_implementation == "eager" and result.switched == {}
 
 
-def test_gpt2_sdpa_is_already_fused() -> None:
-    model = gpt2("sdpa")
-    result = swap_attention(model)
-    assert result.swapped == [] and result.switched == {}
-    assert {n: d.action for n, d in result.decisions.items()} == {
-        "transformer.h.0.attn": ALREADY_FUSED,
-        "transformer.h.1.attn": ALREADY_FUSED,
-    }
-
-
 def test_multihead_attention_runs_the_kernel() -> None:
     torch.manual_seed(0)
-    model = MHAModel()
-    plain = copy.deepcopy(model)
-    assert swap_attention(model).swapped == ["attn"]
-    swapped_run = train_two_steps(model, vision_loss, vision_batch)
-    assert swapped_run[2].counts["attn"] == 2
-    assert_trains_like(swapped_run, train_two_steps(plain, vision_loss, vision_batch))
+    swap_and_train(MHAModel(), ["attn"])
 
 
 class ZooModule(SequenceModule):
