@@ -16,23 +16,11 @@ from lightning_perf import LightningPerfWarning, NoEffectWarning
 from lightning_perf.callbacks import BackendFlagsCallback
 from lightning_perf.functional import backend_flags as bf
 from lightning_perf.functional.backend_flags import BackendFlags, capture
+from tests._models import trainer
 
 
 def _trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_steps": 2,
-        "limit_val_batches": 1,
-        "num_sanity_val_steps": 0,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": tmp_path,
-    }
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
+    return trainer(tmp_path, callbacks=callbacks, **{"max_steps": 2, **kwargs})
 
 
 class Probe(pl.Callback):

@@ -16,28 +16,16 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_perf import NoEffectWarning, PartialEffectWarning
 from lightning_perf.callbacks import ChannelsLastCallback
 from lightning_perf.demos import ConvNetModule, UNet3DModule, make_workload
+from tests._models import trainer
 from tests.callbacks._sharded import one_process_group  # noqa: F401  (a fixture)
 
 CL, CL3 = torch.channels_last, torch.channels_last_3d
 
 
 def _trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_steps": 2,
-        "limit_val_batches": 1,
-        "limit_test_batches": 1,
-        "limit_predict_batches": 1,
-        "num_sanity_val_steps": 0,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": tmp_path,
-    }
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
+    return trainer(
+        tmp_path, callbacks=callbacks, **{"max_steps": 2, "limit_test_batches": 1, "limit_predict_batches": 1, **kwargs}
+    )
 
 
 class Seen(pl.Callback):

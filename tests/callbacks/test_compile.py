@@ -24,6 +24,7 @@ from lightning_perf import FallbackWarning, NoEffectWarning
 from lightning_perf.callbacks.compile import CompileCallback
 from lightning_perf.demos import make_workload
 from tests._compiling import CountingBackend, Tower, failing_backend
+from tests._models import trainer
 
 
 @pytest.fixture(autouse=True)
@@ -94,21 +95,11 @@ def _loader() -> DataLoader:
 
 
 def _trainer(root: Path, *callbacks: pl.Callback, **overrides: Any) -> pl.Trainer:
-    kwargs: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_steps": 6,
-        "limit_val_batches": 0,
-        "limit_predict_batches": 2,
-        "num_sanity_val_steps": 0,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": root,
-    }
-    kwargs.update(overrides)
-    return pl.Trainer(callbacks=list(callbacks), **kwargs)
+    return trainer(
+        root,
+        callbacks=list(callbacks),
+        **{"max_steps": 6, "limit_val_batches": 0, "limit_predict_batches": 2, **overrides},
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- construction

@@ -15,24 +15,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_perf import NoEffectWarning
 from lightning_perf.callbacks import FusedOptimizerCallback
 from lightning_perf.demos import make_workload
+from tests._models import trainer
 
 
 def _trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_steps": -1,
-        "limit_train_batches": 2,
-        "limit_val_batches": 0,
-        "num_sanity_val_steps": 0,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": tmp_path,
-    }
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
+    return trainer(
+        tmp_path, callbacks=callbacks, **{"max_steps": -1, "limit_train_batches": 2, "limit_val_batches": 0, **kwargs}
+    )
 
 
 class Probe(pl.Callback):

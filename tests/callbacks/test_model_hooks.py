@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
+from tests._models import trainer as make_trainer
 
 
 class Eager(pl.LightningModule):
@@ -62,15 +63,7 @@ def test_surgery_sees_layers_built_in_configure_model_during_fit(tmp_path) -> No
             run_after_configure_model(pl_module, lambda m: seen.append(m.layer))
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 2)), batch_size=2)
-    trainer = pl.Trainer(
-        max_steps=1,
-        callbacks=[Surgery()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = make_trainer(tmp_path, max_steps=1, callbacks=[Surgery()], limit_val_batches=1.0, num_sanity_val_steps=2)
     model = Model()
     trainer.fit(model, data)
     assert len(seen) == 1 and isinstance(seen[0], nn.Linear) and seen[0] is model.layer
@@ -149,14 +142,8 @@ def test_batch_transform_keeps_lightnings_view_of_which_hook_is_overridden(tmp_p
             remove_batch_transform(pl_module, times_ten)
 
     data = Data()
-    trainer = pl.Trainer(
-        max_steps=1,
-        callbacks=[Transform()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
+    trainer = make_trainer(
+        tmp_path, max_steps=1, callbacks=[Transform()], limit_val_batches=1.0, num_sanity_val_steps=2
     )
     trainer.fit(Model(), datamodule=data)
     assert torch.equal(seen[0], torch.full((2, 2), 20.0))  # the datamodule's hook first, then the transform

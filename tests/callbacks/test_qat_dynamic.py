@@ -17,6 +17,7 @@ from torch import nn
 from lightning_perf.callbacks import QATCallback
 from lightning_perf.deploy.quantize import dynamic
 from lightning_perf.profiling.latency import LatencyRow
+from tests._models import trainer
 
 QUICK = {"backend": "eager", "benchmark": False, "validation_batches": 2}
 
@@ -71,19 +72,9 @@ class Classifier(pl.LightningModule):
 
 
 def _trainer(root: Path, callbacks: list[Any], **overrides: Any) -> pl.Trainer:
-    kwargs: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_epochs": 8,
-        "num_sanity_val_steps": 0,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": root,
-        **overrides,
-    }
-    return pl.Trainer(callbacks=callbacks, **kwargs)
+    return trainer(
+        root, callbacks=callbacks, **{"max_epochs": 8, "max_steps": -1, "limit_val_batches": 1.0, **overrides}
+    )
 
 
 def _int8(types: set[str]) -> bool:
@@ -100,7 +91,7 @@ def _fresh_cache() -> None:
     [
         ({"backend": "x86"}, r"QATCallback\(backend='x86'\)` is not valid for mode 'dynamic'"),
         ({"backend": "fbgemm"}, r"backend='fbgemm'"),
-        ({"mode": "int8"}, r"mode='int8'.*qat, ptq, dynamic"),
+        ({"mode": "int8"}, r"mode='int8'.*'qat', 'ptq', 'dynamic'"),
         ({"min_agreement": 1.5}, r"min_agreement=1.5"),
         ({"min_agreement": float("nan")}, r"min_agreement=nan"),
         ({"base_config": "Int8DynamicActivationInt8WeightConfig"}, r"mode='dynamic', base_config="),

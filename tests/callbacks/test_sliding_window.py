@@ -23,6 +23,7 @@ from lightning_perf.functional.sliding_window import (
     sliding_window_patch,
     validate_sliding_window,
 )
+from tests._models import trainer
 
 monai_inferers = pytest.importorskip("monai.inferers")
 sliding_window_inference = monai_inferers.sliding_window_inference
@@ -64,17 +65,7 @@ class TinySegNet(pl.LightningModule):
 
 
 def _trainer(callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
-        **kwargs,
-    )
+    return trainer(None, callbacks=callbacks, **{"max_steps": -1, "limit_val_batches": 1.0, **kwargs})
 
 
 def _volumes(dims: int, count: int = 2, seed: int = 0) -> DataLoader:
