@@ -13,7 +13,6 @@ result as one line on stderr and exits with status 2::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -21,10 +20,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from lightning_perf.benchmark.spec import SpecError, parse_setting
 from lightning_perf.benchmark.tasks import one_line  # the one definition, shared with the task session
 
-_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
-_MODULE_CLASS = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 
 
@@ -212,15 +210,24 @@ def _float(text: str, minimum: float, exclusive: bool, expected: str) -> float:
     return value
 
 
-def json_object(text: str) -> dict[str, Any]:
-    """A JSON object, e.g. ``'{"depth": 4}'``."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _invalid(text, f'a JSON object such as {{"name": 1}} ({exc.msg} at column {exc.colno})') from None
-    if not isinstance(value, dict):
-        raise _invalid(text, f'a JSON object such as {{"name": 1}}, not a JSON {type(value).__name__}')
-    return value
+def setting(name: str) -> Callable[[str], Any]:
+    """The validator of the bench setting ``name``: :func:`~lightning_perf.benchmark.spec.parse_setting`, whose
+    :class:`~lightning_perf.benchmark.spec.SpecError` becomes argparse's one-line error."""
+
+    def parse(text: str) -> Any:
+        try:
+            return parse_setting(name, text)
+        except SpecError as exc:
+            raise _invalid(text, exc.expected) from None
+
+    parse.__name__ = name
+    return parse
+
+
+json_object = setting("model_args")
+"""A JSON object, e.g. ``'{"depth": 4}'``."""
+module_class_spec = setting("model")
+"""``package.module:ClassName`` (the syntax only; nothing is imported); ``package.module.ClassName`` is accepted."""
 
 
 def existing_file(text: str) -> Path:
@@ -230,18 +237,6 @@ def existing_file(text: str) -> Path:
         what = "a directory" if path.is_dir() else "missing"
         raise _invalid(text, f"the path of an existing file ({what})")
     return path
-
-
-def module_class_spec(text: str) -> str:
-    """``package.module:ClassName`` (the syntax only; nothing is imported). ``package.module.ClassName`` is accepted
-    and returned as ``package.module:ClassName``."""
-    spec = text.strip()
-    if ":" not in spec and "." in spec:
-        module, _, name = spec.rpartition(".")
-        spec = f"{module}:{name}"
-    if not _MODULE_CLASS.match(spec):
-        raise _invalid(text, "MODULE:CLASS, e.g. my_pkg.models:Net")
-    return spec
 
 
 def device(text: str) -> str:
@@ -302,12 +297,6 @@ WORKLOAD_NAMES: tuple[str, ...] = ("convnet", "unet3d", "vit", "lm")
 PRESET_NAMES: tuple[str, ...] = ("tiny", "default", "gpu")
 """The workload sizes named in ``--help`` (:mod:`lightning_perf.demos` ``PRESETS``, read at run time, is the check;
 ``gpu``: the GPU-sized preset, the default on a CUDA device)."""
-
-STAGE_NAMES: tuple[str, ...] = ("fit", "predict", "validate", "test")
-"""The Trainer stages the bench measures (``--stage``): training steps, or an inference stage's per-batch latency."""
-
-TRAINER_PRECISIONS: tuple[str, ...] = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
-"""The ``Trainer(precision=...)`` values the bench accepts."""
 
 
 def add_source_arguments(parser: argparse.ArgumentParser, what_runs: str, workload_help: str) -> None:

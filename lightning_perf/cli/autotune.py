@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf.cli._common import (
-    STAGE_NAMES,
     UsageError,
     add_command,
     add_device_argument,
@@ -39,6 +38,7 @@ from lightning_perf.cli._common import (
     positive_int,
     spec_error,
 )
+from lightning_perf.optimizations import STAGES
 
 
 def _search_lists() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -71,7 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_device_argument(parser)
     parser.add_argument(
         "--stage",
-        choices=STAGE_NAMES,
+        choices=STAGES,
         default="fit",
         help="what to tune: fit (training step time) or an inference stage (per-batch latency, throughput) "
         "(default: %(default)s)",
