@@ -45,7 +45,6 @@ _EXPORTS = {
     "print_table": "lightning_perf.profiling.report",
     "recommend": "lightning_perf.profiling.advice",
     "Recommendation": "lightning_perf.profiling.advice",
-    "rich_table": "lightning_perf.profiling.report",
     "SCHEMA_VERSION": "lightning_perf.profiling.report",
     "Stats": "lightning_perf.profiling.stats",
     "StepBreakdown": "lightning_perf.profiling.advice",
@@ -92,7 +91,6 @@ __all__ = [
     "plot_stacked_steps",
     "print_table",
     "recommend",
-    "rich_table",
     "rises_steadily",
     "sen_slope_interval",
     "summarize",
@@ -133,7 +131,6 @@ if TYPE_CHECKING:
         plot_lines,
         plot_stacked_steps,
         print_table,
-        rich_table,
         write_json,
         write_markdown,
     )

@@ -30,7 +30,6 @@ from lightning_perf.profiling.machine import _cpu_model, _read_cpuinfo, installe
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.table import Table
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -43,7 +42,6 @@ __all__ = [
     "plot_lines",
     "plot_stacked_steps",
     "print_table",
-    "rich_table",
     "text_table",
     "to_jsonable",
     "wrap_lines",
@@ -317,40 +315,6 @@ def write_markdown(text: str, path: PathLike) -> Path:
     return atomic_write_text(path, text if text.endswith("\n") else text + "\n")
 
 
-def rich_table(columns: Sequence[str], rows: Sequence[Sequence[object]], title: str | None = None) -> Table:
-    """The same table as :func:`markdown_table`, as a :class:`rich.table.Table` for the terminal.
-
-    Cells are plain text: square brackets in a configuration name are shown, not read as rich markup.
-
-    Raises:
-        ValueError: if a row does not have one cell per column.
-    """
-    from rich.table import Table
-    from rich.text import Text
-
-    numeric = _check_rows(columns, rows)
-    table = Table(title=title)
-    for column, num in zip(columns, numeric):
-        table.add_column(Text(str(column)), justify="right" if num else "left")
-    for row in rows:
-        table.add_row(*(Text(_cell_text(cell)) for cell in row))
-    return table
-
-
-def print_table(
-    columns: Sequence[str],
-    rows: Sequence[Sequence[object]],
-    title: str | None = None,
-    console: Console | None = None,
-) -> None:
-    """Print :func:`rich_table` to ``console`` (a default :class:`rich.console.Console` on stdout if None)."""
-    if console is None:
-        from rich.console import Console
-
-        console = Console()
-    console.print(rich_table(columns, rows, title=title))
-
-
 CONSOLE_WIDTH = 80
 """The width every console line of the bench, compare and the tuner fits in: nothing is cut, long text is wrapped."""
 
@@ -433,6 +397,21 @@ def text_table(
     for row in body:
         lines += render(row, numeric)
     return "\n".join(lines)
+
+
+def print_table(
+    columns: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    title: str | None = None,
+    console: Console | None = None,
+    width: int = CONSOLE_WIDTH,
+) -> None:
+    """Print :func:`text_table` on ``console`` (a :class:`rich.console.Console`; stdout if None), as plain text."""
+    text = text_table(columns, rows, title=title, width=width)
+    if console is None:
+        print(text)
+    else:  # no markup: square brackets in a configuration name are shown as they are
+        console.print(text, markup=False, highlight=False)
 
 
 # ----------------------------------------------------------------------------------------------------------- charts

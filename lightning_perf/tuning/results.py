@@ -333,6 +333,7 @@ class TuningResult:
             self.table_rows(),
             title=f"autotune ({self.stage}): {self.source} on {self.device} ({self.elapsed_s:.0f} s)",
             console=console,
+            width=console.width,
         )
         rec = self.recommendation
         lines = [f"  {t.label}: {t.verdict}, {t.reason}" for t in self.ranked() if t.reason]
