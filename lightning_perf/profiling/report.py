@@ -22,8 +22,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lightning_perf._imports import require
 from lightning_perf._io import atomic_path, atomic_write_text
 from lightning_perf.profiling.machine import _cpu_model, _read_cpuinfo, installed_version
@@ -70,6 +68,8 @@ def environment_info() -> dict[str, Any]:
         (versions, the platform, the CPU model, the libc) is read once per process: reading it costs tens of
         milliseconds (package metadata, the libc's version from the interpreter's binary).
     """
+    import torch
+
     from lightning_perf.profiling.machine import usable_cpu_count
 
     info: dict[str, Any] = {
@@ -94,6 +94,8 @@ def environment_info() -> dict[str, Any]:
 
 @functools.cache
 def _fixed_environment() -> dict[str, Any]:
+    import torch
+
     from lightning_perf import __version__
 
     return {
@@ -123,6 +125,8 @@ def to_jsonable(obj: Any, where: str = "report") -> Any:
     Raises:
         TypeError: for anything else, naming where in ``obj`` it sits.
     """
+    import torch  # here: the formatters and tables of this module serve `compare`, which needs no torch
+
     if obj is None or isinstance(obj, (bool, int, str)):
         return obj
     if isinstance(obj, float):
