@@ -16,7 +16,6 @@ _EXPORTS = {
     "benchmark_training_steps": "lightning_perf.benchmark.pytest_helpers",
     "get_config": "lightning_perf.benchmark.configs",
     "register_config": "lightning_perf.benchmark.configs",
-    "resolve_configs": "lightning_perf.benchmark.configs",
 }
 
 __all__ = [
@@ -26,7 +25,6 @@ __all__ = [
     "benchmark_training_steps",
     "get_config",
     "register_config",
-    "resolve_configs",
     "run_bench",
 ]
 
@@ -36,7 +34,6 @@ if TYPE_CHECKING:
         available_configs,
         get_config,
         register_config,
-        resolve_configs,
     )
     from lightning_perf.benchmark.pytest_helpers import benchmark_training_steps
     from lightning_perf.benchmark.session import run_bench

@@ -162,19 +162,6 @@ def get_config(name: str) -> BenchConfig:
     return configs[0] if len(configs) == 1 else stack_configs(configs)
 
 
-def resolve_configs(names: str | Iterable[str]) -> list[BenchConfig]:
-    """Parse a comma-separated list (or an iterable) of names into configurations, keeping order, no duplicates."""
-    items = [n.strip() for n in names.split(",")] if isinstance(names, str) else [n.strip() for n in names]
-    items = [n for n in items if n]
-    if not items:
-        raise ValueError("No benchmark configuration given: expected a comma-separated list of names.")
-    seen: dict[str, BenchConfig] = {}
-    for item in items:
-        config = get_config(item)
-        seen.setdefault(config.name, config)
-    return list(seen.values())
-
-
 def stack_configs(configs: list[BenchConfig]) -> BenchConfig:
     """Combine configurations into one: callbacks in order, Trainer arguments merged, at most one strategy."""
     if any(len(c.parts) > 1 for c in configs):  # a stack of stacks: flatten to registered single configurations

@@ -110,26 +110,6 @@ def check_output(parser: argparse.ArgumentParser, option: str, output: Path | No
         fail(parser, option, str(output), f"a path in a folder that can be written ({parent}: {exc.strerror})")
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    return _int_at_least(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    return _int_at_least(text, 0)
-
-
-def _int_at_least(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise _invalid(text, f"an integer >= {minimum}") from None
-    if value < minimum:
-        raise _invalid(text, f"an integer >= {minimum}")
-    return value
-
-
 def load_user_source(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """The model source of ``--model``/``--datamodule`` (JSON arguments) and/or ``--config`` files, built once here
     so that a class that does not import, a constructor that refuses its arguments or a file LightningCLI refuses is
@@ -172,42 +152,13 @@ def load_user_source(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 def positive_int_list(text: str) -> list[int]:
     """A comma-separated list of distinct integers >= 1, e.g. ``1,8,32`` (kept in the order given)."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    expected = "comma-separated distinct integers >= 1, e.g. 1,8,32"
-    if not items:
-        raise _invalid(text, expected)
-    values = []
-    for item in items:
-        try:
-            value = int(item)
-        except ValueError:
-            raise _invalid(text, expected) from None
-        if value < 1 or value in values:
-            raise _invalid(text, expected)
-        values.append(value)
-    return values
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    return _float(text, 0.0, True, "a finite number > 0")
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    return _float(text, 0.0, False, "a finite number >= 0")
-
-
-def _float(text: str, minimum: float, exclusive: bool, expected: str) -> float:
     try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise _invalid(text, expected) from None
-    if not math.isfinite(value):
-        raise _invalid(text, expected)
-    if (value <= minimum) if exclusive else (value < minimum):
-        raise _invalid(text, expected)
-    return value
+        values = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1 or len(set(values)) < len(values):
+        raise _invalid(text, "comma-separated distinct integers >= 1, e.g. 1,8,32")
+    return values
 
 
 def setting(name: str) -> Callable[[str], Any]:
@@ -279,14 +230,24 @@ def choice_list(
     return parse
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """A validator of an integer >= ``minimum``."""
+def at_least(minimum: float, kind: Callable[[str], float] = int, above: bool = False) -> Callable[[str], Any]:
+    """A validator of a finite number (``kind``: ``int`` or ``float``) >= ``minimum`` (> with ``above``)."""
+    expected = f"{'an integer' if kind is int else 'a finite number'} {'>' if above else '>='} {minimum:g}"
 
-    def parse(text: str) -> int:
-        return _int_at_least(text, minimum)
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise _invalid(text, expected) from None
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise _invalid(text, expected)
+        return value
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = expected
     return parse
+
+
+positive_int, non_negative_int = at_least(1), at_least(0)
 
 
 # Names the parsers offer without importing the registries behind them (which import torch and Lightning);

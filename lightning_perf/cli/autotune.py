@@ -26,16 +26,15 @@ from lightning_perf.cli._common import (
     add_device_argument,
     add_preset_argument,
     add_source_arguments,
+    at_least,
     check_output,
     check_source_options,
     choice_list,
     fail,
-    int_at_least,
     load_user_source,
-    non_negative_float,
     non_negative_int,
-    positive_float,
     positive_int,
+    setting,
     spec_error,
 )
 from lightning_perf.optimizations import STAGES
@@ -77,9 +76,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     parser.add_argument(
-        "--time-budget", type=positive_float, default=300.0, help="seconds for the whole search (default: %(default)s)"
+        "--time-budget",
+        type=setting("time_budget_s"),
+        default=300.0,
+        help="seconds for the whole search (default: %(default)s)",
     )
-    parser.add_argument("--steps", type=int_at_least(3), default=10, help="measured steps per trial, >= 3 (default 10)")
+    parser.add_argument("--steps", type=at_least(3), default=10, help="measured steps per trial, >= 3 (default 10)")
     parser.add_argument("--warmup-steps", type=positive_int, default=3, help="excluded steps per trial (default 3)")
     parser.add_argument(
         "--precisions",
@@ -97,7 +99,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--no-data-loading", action="store_true", help="keep the DataLoader settings")
     parser.add_argument("--max-num-workers", type=non_negative_int, help="default: the CPU count")
     parser.add_argument(
-        "--min-gain", type=non_negative_float, default=0.03, help="smallest speed-up kept (default 0.03)"
+        "--min-gain", type=at_least(0, float), default=0.03, help="smallest speed-up kept (default 0.03)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

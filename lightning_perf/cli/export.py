@@ -20,12 +20,12 @@ from typing import Any
 from lightning_perf.cli._common import (
     UsageError,
     add_command,
+    at_least,
     choice_list,
     comma_names,
     device,
     existing_file,
     fail,
-    int_at_least,
     module_class_spec,
     non_negative_int,
     one_line,
@@ -164,7 +164,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--latency-warmup", type=non_negative_int, default=3, help="default: 3")
     parser.add_argument("--device", type=device, help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--onnx-providers", type=comma_names, help="comma-separated ORT providers")
-    parser.add_argument("--opset", type=int_at_least(18), help="ONNX opset >= 18 (default: exporter's)")
+    parser.add_argument("--opset", type=at_least(18), help="ONNX opset >= 18 (default: exporter's)")
     parser.add_argument("--dirpath", type=Path, help="output directory (default: the checkpoint's)")
     parser.add_argument("--filename", type=_stem, help="artifact stem (default: the checkpoint's stem)")
     parser.add_argument("--strict", action="store_true", help="stop at the first backend that fails, no fallback")

@@ -5,7 +5,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_perf.benchmark import configs
-from lightning_perf.benchmark.configs import BenchConfig, available_configs, get_config, resolve_configs
+from lightning_perf.benchmark.configs import BenchConfig, available_configs, get_config
 
 
 class _A(Callback):
@@ -62,12 +62,6 @@ def test_applicability_of_a_stack_names_the_part(registry: None) -> None:
     stacked = get_config("a+gpu_only")
     assert stacked.why_not(torch.device("cuda")) is None
     assert stacked.why_not(torch.device("cpu")) == "gpu_only: needs a CUDA device"
-
-
-def test_resolve_keeps_order_and_drops_duplicates() -> None:
-    assert [c.name for c in resolve_configs("bf16-mixed, baseline,bf16-mixed")] == ["bf16-mixed", "baseline"]
-    with pytest.raises(ValueError, match="No benchmark configuration given"):
-        resolve_configs(" , ")
 
 
 @pytest.mark.parametrize("bad", ["", "a+b", "with space", "x,y"])
