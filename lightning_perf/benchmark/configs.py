@@ -317,7 +317,7 @@ def _why_left_out(
     return f"left out on {where} because {because}; `--configs ...,{optimization.name}` to include it"
 
 
-MEASURED_TOGETHER_ON_CPU = (("bf16-mixed", "flash_attention"),)
+MEASURED_TOGETHER_ON_CPU = ((optimizations.BF16_MIXED, optimizations.FLASH_ATTENTION),)
 """Pairs the default set on a CPU also measures as one configuration where it has both: under bf16 the attention swap
 computes SDPA in float32 where that is faster (:mod:`lightning_perf.functional.attention_kernels`), which neither shows
 alone, and the winners' stack is built from single winners (the default ``vit`` on a 2-core AVX-512 CPU: bf16-mixed
@@ -325,7 +325,7 @@ alone, and the winners' stack is built from single winners (the default ``vit`` 
 1.52x, one process each). A pair that wins with a higher speed-up than the winners' stack is the recommendation
 (:func:`lightning_perf.benchmark.answer.prefer_measured_stack`)."""
 
-COMPILE_VARIANTS = ("compile", "compile_regional")
+COMPILE_VARIANTS = (optimizations.COMPILE, optimizations.COMPILE_REGIONAL)
 """The compile configurations the default set picks one of by the model's structure: ``compile_regional`` where the
 model has repeated blocks, else ``compile``."""
 
@@ -361,7 +361,7 @@ def structural_verdict(
     if optimization.name not in COMPILE_VARIANTS:
         return None
     blocks = structure.repeated_blocks
-    regional = optimization.name == "compile_regional"
+    regional = optimization.name == optimizations.COMPILE_REGIONAL
     if not (device.type == "cuda" or blocks or structure.conv_heavy):
         return False, (
             f"{model} has neither repeated blocks nor convolutions carrying {CONV_SHARE_MIN:.0%} of the FLOPs: a "

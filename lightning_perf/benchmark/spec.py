@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from lightning_perf.optimizations import BASELINE, STAGES
+from lightning_perf.optimizations import BASELINE, COMPILE_REGIONAL, STAGES
 
 __all__ = [
     "DEVICE_CHOICES",
@@ -417,7 +417,7 @@ def _compile_within_budget(
     if not device.startswith("cpu") or repeats is not None or budget >= CPU_COMPILE_MIN_BUDGET_S:
         return configs, left_out
     facts = structure or {}
-    once = ("compile_regional",) if facts.get("block_shapes") == 1 else ()  # one block's shape: compiled once
+    once = (COMPILE_REGIONAL,) if facts.get("block_shapes") == 1 else ()  # one block's shape: compiled once
     dropped = [name for name in configs if name in COMPILE_VARIANTS and name not in once]
     if not dropped:
         return configs, left_out
