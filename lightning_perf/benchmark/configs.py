@@ -6,7 +6,7 @@ boundary. Names joined with ``+`` form a stack (``channels_last+compile``): call
 arguments merged (a conflict is an error).
 
 The configurations are derived from the one list of optimizations, :mod:`lightning_perf.optimizations`, plus
-``baseline``; :func:`register_config` adds a configuration that only the bench knows (tests, experiments).
+``baseline``: a new configuration is an entry there.
 """
 
 from __future__ import annotations
@@ -105,30 +105,14 @@ class BenchConfig:
 
 
 BASELINE_CONFIG = BenchConfig(BASELINE, "plain Lightning, fp32 (the reference every ratio is taken against)")
-# Configurations only the bench knows (tests, experiments); the optimizations' own are derived on lookup.
-_BENCH_ONLY: dict[str, BenchConfig] = {}
 # name -> (the entry it was built from, the configuration): rebuilt when the list holds another entry by that name.
 _DERIVED: dict[str, tuple[Optimization, BenchConfig]] = {}
-
-
-def register_config(config: BenchConfig, *, replace: bool = False) -> BenchConfig:
-    """Add a configuration that only the bench knows; a second registration of a name is an error unless ``replace``.
-
-    An optimization that the auto-tuner and the advice should know too is registered in
-    :mod:`lightning_perf.optimizations` instead: its configuration is derived from there.
-    """
-    if (config.name == BASELINE or _lookup(config.name) is not None) and not replace:
-        raise ValueError(f"A benchmark configuration named {config.name!r} is already registered.")
-    _BENCH_ONLY[config.name] = config
-    return config
 
 
 def _lookup(name: str) -> BenchConfig | None:
     """The single configuration called ``name``, or ``None``."""
     if name == BASELINE:
         return BASELINE_CONFIG
-    if name in _BENCH_ONLY:
-        return _BENCH_ONLY[name]
     optimization = optimizations.find(name)
     if optimization is None:
         return None
@@ -140,8 +124,7 @@ def _lookup(name: str) -> BenchConfig | None:
 
 def available_configs() -> list[str]:
     """The registered configuration names, ``baseline`` first."""
-    names = {*optimizations.names(), *_BENCH_ONLY} - {BASELINE}
-    return [BASELINE, *sorted(names)]
+    return [BASELINE, *sorted(set(optimizations.names()) - {BASELINE})]
 
 
 def get_config(name: str) -> BenchConfig:
