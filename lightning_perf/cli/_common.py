@@ -30,7 +30,8 @@ class UsageError(ValueError):
     """A bad command-line value found after parsing (e.g. a class that does not import); the CLI exits 2 with it."""
 
 
-def _invalid(text: str, expected: str) -> argparse.ArgumentTypeError:
+def invalid(text: str, expected: str) -> argparse.ArgumentTypeError:
+    """The error of a validator: ``'<text>' is not valid. Expected <expected>.``"""
     return argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.")
 
 
@@ -82,11 +83,16 @@ def spec_error(parser: argparse.ArgumentParser, exc: Any) -> NoReturn:
 def check_source_options(parser: argparse.ArgumentParser, args: argparse.Namespace, workload_config: str) -> None:
     """The model options of ``bench`` and ``autotune`` that contradict each other, refused before any import: a
     ``--model`` without its ``--datamodule`` (and no ``--config`` to give one), a ``--workload`` with ``--config``
-    (``workload_config`` says what to use instead)."""
+    (``workload_config`` says what to use instead), a datamodule or arguments with neither ``--model`` nor
+    ``--config``."""
     if args.model is not None and args.datamodule is None and not args.config:
         fail(parser, "--model", args.model, "--datamodule as well (the LightningDataModule class, pkg.mod:Class)")
     if args.workload is not None and args.config:
         fail(parser, "--config", str(args.config[0]), f"no --config with --workload ({workload_config})")
+    for option in ("--datamodule", "--model-args", "--datamodule-args"):
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value is not None and args.model is None and not args.config:
+            fail(parser, option, value, f"{option} together with --model or --config")
 
 
 def check_output(parser: argparse.ArgumentParser, option: str, output: Path | None, what: str) -> None:
@@ -157,7 +163,7 @@ def positive_int_list(text: str) -> list[int]:
     except ValueError:
         values = []
     if not values or min(values) < 1 or len(set(values)) < len(values):
-        raise _invalid(text, "comma-separated distinct integers >= 1, e.g. 1,8,32")
+        raise invalid(text, "comma-separated distinct integers >= 1, e.g. 1,8,32")
     return values
 
 
@@ -169,7 +175,7 @@ def setting(name: str) -> Callable[[str], Any]:
         try:
             return parse_setting(name, text)
         except SpecError as exc:
-            raise _invalid(text, exc.expected) from None
+            raise invalid(text, exc.expected) from None
 
     parse.__name__ = name
     return parse
@@ -186,7 +192,7 @@ def existing_file(text: str) -> Path:
     path = Path(text)
     if not text or not path.is_file():
         what = "a directory" if path.is_dir() else "missing"
-        raise _invalid(text, f"the path of an existing file ({what})")
+        raise invalid(text, f"the path of an existing file ({what})")
     return path
 
 
@@ -194,7 +200,7 @@ def device(text: str) -> str:
     """``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps`` (the syntax only; whether the device exists is checked
     later)."""
     if not _DEVICE.match(text.strip()):
-        raise _invalid(text, "auto, cpu, cuda, cuda:N or mps")
+        raise invalid(text, "auto, cpu, cuda, cuda:N or mps")
     return text.strip()
 
 
@@ -202,7 +208,7 @@ def comma_names(text: str) -> list[str]:
     """A non-empty comma-separated list of names (blanks dropped)."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise _invalid(text, "one or more comma-separated names")
+        raise invalid(text, "one or more comma-separated names")
     return names
 
 
@@ -238,9 +244,9 @@ def at_least(minimum: float, kind: Callable[[str], float] = int, above: bool = F
         try:
             value = kind(text)
         except (TypeError, ValueError):
-            raise _invalid(text, expected) from None
+            raise invalid(text, expected) from None
         if not math.isfinite(value) or value < minimum or (above and value == minimum):
-            raise _invalid(text, expected)
+            raise invalid(text, expected)
         return value
 
     parse.__name__ = expected

@@ -126,14 +126,6 @@ def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParse
     if args.workload is None and args.model is None and not args.config:
         parser.error("one of the arguments --workload --model --config is required")
     check_source_options(parser, args, "--config goes with your model")
-    if args.workload is not None:
-        for option, value in (
-            ("--datamodule", args.datamodule),
-            ("--model-args", args.model_args),
-            ("--datamodule-args", args.datamodule_args),
-        ):
-            if value is not None:
-                fail(parser, option, value, f"no {option} with --workload ({option} goes with --model)")
     check_output(parser, "--output", args.output, "the YAML")
     if args.no_batch_size and args.max_batch_size is not None:
         fail(parser, "--max-batch-size", args.max_batch_size, "no --max-batch-size with --no-batch-size")

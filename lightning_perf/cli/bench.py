@@ -172,12 +172,6 @@ def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParse
     check_source_options(
         parser, args, "the file builds your model; use --model/--datamodule or the file's model: and data: sections"
     )
-    if args.datamodule is not None and args.model is None and not args.config:
-        fail(parser, "--datamodule", args.datamodule, "--model as well (the LightningModule class, pkg.mod:Class)")
-    if args.model is None and not args.config:
-        for option, value in (("--model-args", args.model_args), ("--datamodule-args", args.datamodule_args)):
-            if value is not None:
-                fail(parser, option, value, f"{option} together with --model or --config")
     if args.batch_size is not None and args.batch_sizes is not None:
         fail(parser, "--batch-sizes", ",".join(map(str, args.batch_sizes)), "no --batch-sizes with --batch-size")
 

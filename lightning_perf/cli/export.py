@@ -26,6 +26,7 @@ from lightning_perf.cli._common import (
     device,
     existing_file,
     fail,
+    invalid,
     module_class_spec,
     non_negative_int,
     one_line,
@@ -41,18 +42,14 @@ EXPORT_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 """The keys of ``lightning_perf.deploy.PRECISIONS``."""
 
 
-def _invalid(text: str, expected: str) -> argparse.ArgumentTypeError:
-    return argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.")
-
-
 def _positive_ints(text: str, separator: str, expected: str) -> list[int]:
     parts = [part.strip() for part in text.split(separator)]
     try:
         values = [int(part) for part in parts]
     except ValueError:
-        raise _invalid(text, expected) from None
+        raise invalid(text, expected) from None
     if not values or any(v < 1 for v in values):
-        raise _invalid(text, expected)
+        raise invalid(text, expected)
     return values
 
 
@@ -60,7 +57,7 @@ def _range(text: str) -> tuple[int, int, int]:
     expected = "MIN,OPT,MAX: three positive integers with min <= opt <= max, e.g. 1,8,32"
     values = _positive_ints(text, ",", expected)
     if len(values) != 3 or not values[0] <= values[1] <= values[2]:
-        raise _invalid(text, expected)
+        raise invalid(text, expected)
     return values[0], values[1], values[2]
 
 
@@ -69,7 +66,7 @@ def _shape(text: str) -> list[int]:
     try:
         return _positive_ints(text.replace(",", "x"), "x", expected)
     except argparse.ArgumentTypeError:
-        raise _invalid(text, expected) from None  # the value as typed ('3,x'), not as rewritten
+        raise invalid(text, expected) from None  # the value as typed ('3,x'), not as rewritten
 
 
 def _sizes(text: str) -> list[int]:
@@ -85,15 +82,15 @@ def _dynamic_dim(text: str) -> tuple[int, int, tuple[int, int, int]]:
         index, dimension = int(input_index or 0), int(dim)
         rng = _range(values)
     except (ValueError, argparse.ArgumentTypeError):
-        raise _invalid(text, expected) from None
+        raise invalid(text, expected) from None
     if not sep or index < 0 or dimension < 1:
-        raise _invalid(text, expected)
+        raise invalid(text, expected)
     return index, dimension, rng
 
 
 def _stem(text: str) -> str:
     if not text or "/" in text or "\\" in text or text.startswith("."):
-        raise _invalid(text, "a plain, non-hidden file stem, e.g. model")
+        raise invalid(text, "a plain, non-hidden file stem, e.g. model")
     return text
 
 
