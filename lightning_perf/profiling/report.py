@@ -34,6 +34,7 @@ __all__ = [
     "bar_figure",
     "environment_info",
     "format_bytes",
+    "format_number",
     "format_seconds",
     "markdown_table",
     "plot_bars",
@@ -240,6 +241,11 @@ def format_seconds(s: float | None) -> str:
     if total < 3600:
         return f"{sign}{total // 60} min {total % 60:02d} s"
     return f"{sign}{total // 3600} h {total % 3600 // 60:02d} min"
+
+
+def format_number(value: float | None, spec: str, suffix: str = "") -> str:
+    """``value`` formatted with ``spec`` and ``suffix`` (``format_number(0.5, ".1f", "%")``), or ``"n/a"``."""
+    return "n/a" if value is None else f"{format(value, spec)}{suffix}"
 
 
 # ----------------------------------------------------------------------------------------------------------- tables
