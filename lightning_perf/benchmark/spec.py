@@ -131,15 +131,18 @@ def parse_setting(name: str, text: str) -> Any:
     return check_setting(name, value, text)
 
 
+def _one_of(setting: str, value: str, known: list[str], owner: str) -> str:
+    if value not in known:
+        hint = did_you_mean(value, known)
+        raise SpecError(setting, value, f"one of {', '.join(known)}" + (f" ({hint})" if hint else ""), owner)
+    return value
+
+
 def check_workload(workload: str, owner: str = "BenchSpec") -> str:
     """``workload`` when it names a reference workload, else :class:`SpecError` with the nearest name."""
     from lightning_perf.demos import workload_names
 
-    known = workload_names()
-    if workload not in known:
-        hint = did_you_mean(workload, known)
-        raise SpecError("workload", workload, f"one of {', '.join(known)}" + (f" ({hint})" if hint else ""), owner)
-    return workload
+    return _one_of("workload", workload, workload_names(), owner)
 
 
 def check_preset(preset: str | None, device_type: str, owner: str = "BenchSpec") -> str:
@@ -149,10 +152,7 @@ def check_preset(preset: str | None, device_type: str, owner: str = "BenchSpec")
 
     if preset is None:
         return "gpu" if device_type == "cuda" and "gpu" in PRESETS else "default"
-    if preset not in PRESETS:
-        hint = did_you_mean(preset, PRESETS)
-        raise SpecError("preset", preset, f"one of {', '.join(PRESETS)}" + (f" ({hint})" if hint else ""), owner)
-    return preset
+    return _one_of("preset", preset, list(PRESETS), owner)
 
 
 def resolve_device(text: str, owner: str = "BenchSpec", what: str = "the bench") -> tuple[str, str]:
