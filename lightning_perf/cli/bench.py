@@ -52,7 +52,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_source_arguments(parser, "configuration", "a reference workload (default: convnet)")
     _add_what_arguments(parser)
-    _add_repeat_arguments(parser)
     _add_run_arguments(parser)
     _add_output_arguments(parser)
     return parser
@@ -76,70 +75,42 @@ def _add_what_arguments(parser: argparse.ArgumentParser) -> None:
     add_preset_argument(parser)
 
 
-def _add_repeat_arguments(parser: argparse.ArgumentParser) -> None:
-    """How long each run is and how many repeats settle a speed-up."""
-    parser.add_argument(
-        "--steps", type=setting("steps"), default=DEFAULT_STEPS, help="steady-state steps per run (default %(default)s)"
-    )
-    parser.add_argument(
-        "--warmup-steps",
-        type=setting("warmup_steps"),
-        default=DEFAULT_WARMUP_STEPS,
-        help="excluded warm-up steps (default %(default)s)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=setting("repeats"),
-        default="auto",
-        help="runs per configuration: auto (default) adds interleaved repeats until every speed-up's 95%% interval "
-        "is within --target or --time-budget is spent; N runs exactly N (from 5 on the interval comes from the spread "
-        "between repeats, below from a bootstrap over steps)",
-    )
-    parser.add_argument(
-        "--target",
-        type=setting("target"),
-        default="5%",
-        help="with --repeats auto: a speed-up "
-        "is settled when its 95%% interval is within +-TARGET (default %(default)s)",
-    )
-    parser.add_argument(
-        "--time-budget",
-        type=setting("time_budget_s"),
-        default=DEFAULT_TIME_BUDGET_S,
-        metavar="SECONDS",
-        help="with --repeats auto: seconds of measuring, single configurations and the winners' stack together "
-        "(default %(default)g: the default bench ends within about 3 minutes on a 2-core CPU)",
-    )
+# The options that are settings of the bench's spec, each --NAME (its unit suffix dropped), parsed and checked by the
+# spec's own table (benchmark.spec.parse_setting): (setting, default, help).
+_SETTINGS: tuple[tuple[str, Any, str], ...] = (
+    ("steps", DEFAULT_STEPS, "steady-state steps per run (default %(default)s)"),
+    ("warmup_steps", DEFAULT_WARMUP_STEPS, "excluded warm-up steps (default %(default)s)"),
+    ("repeats", "auto", "runs per configuration: auto (default) adds interleaved repeats until every speed-up's 95%% "
+     "interval is within --target or --time-budget is spent; N runs exactly N (from 5 on the interval comes from "
+     "the spread between repeats, below from a bootstrap over steps)"),
+    ("target", "5%", "with --repeats auto: a speed-up is settled when its 95%% interval is within +-TARGET "
+     "(default %(default)s)"),
+    ("time_budget_s", DEFAULT_TIME_BUDGET_S, "with --repeats auto: seconds of measuring, single configurations and "
+     "the winners' stack together (default %(default)g: the default bench ends within about 3 minutes on 2 cores)"),
+    ("batch_size", None, "default: the preset's (the model's)"),
+    ("precision", None, "precision of every configuration that does not set its own (default: the --config file's, "
+     "else 32-true)"),
+    ("predict_batches", DEFAULT_PREDICT_BATCHES, "timed inference batches (default %(default)s); 0 skips inference "
+     "timing"),
+    ("num_workers", 0, "DataLoader workers (default 0)"),
+    ("threads", None, "intra-op threads of every run (default: the usable cores less the load seen at the start, at "
+     "least 1)"),
+)  # fmt: skip
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The Trainer and data settings every configuration runs with."""
-    parser.add_argument("--batch-size", type=setting("batch_size"), help="default: the preset's (the model's)")
+    """How long each run is, how many repeats settle a speed-up, and the Trainer and data settings of every run."""
+    for name, default, text in _SETTINGS:
+        parser.add_argument("--" + name.removesuffix("_s").replace("_", "-"), type=setting(name), default=default,
+                            help=text)  # fmt: skip
     parser.add_argument(
         "--batch-sizes",
         type=positive_int_list,
         metavar="N,N,...",
         help="sweep the batch size: one section per size and a batch-scaling table (e.g. 1,8,32)",
     )
-    parser.add_argument(
-        "--precision",
-        type=setting("precision"),
-        help="precision of every configuration that does not set its own (default: the --config file's, else 32-true)",
-    )
     add_device_argument(parser)
-    parser.add_argument(
-        "--predict-batches",
-        type=setting("predict_batches"),
-        default=DEFAULT_PREDICT_BATCHES,
-        help="timed inference batches (default %(default)s); 0 skips inference timing",
-    )
-    parser.add_argument("--num-workers", type=setting("num_workers"), default=0, help="DataLoader workers (default 0)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads",
-        type=setting("threads"),
-        help="intra-op threads of every run (default: the usable cores less the load seen at the start, at least 1)",
-    )
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
