@@ -253,7 +253,7 @@ def at_least(minimum: float, kind: Callable[[str], float] = int, above: bool = F
     return parse
 
 
-positive_int, non_negative_int = at_least(1), at_least(0)
+non_negative_int = at_least(0)
 
 
 # Names the parsers offer without importing the registries behind them (which import torch and Lightning);

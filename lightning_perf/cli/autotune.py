@@ -32,8 +32,6 @@ from lightning_perf.cli._common import (
     choice_list,
     fail,
     load_user_source,
-    non_negative_int,
-    positive_int,
     setting,
     spec_error,
 )
@@ -82,7 +80,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="seconds for the whole search (default: %(default)s)",
     )
     parser.add_argument("--steps", type=at_least(3), default=10, help="measured steps per trial, >= 3 (default 10)")
-    parser.add_argument("--warmup-steps", type=positive_int, default=3, help="excluded steps per trial (default 3)")
+    parser.add_argument(
+        "--warmup-steps", type=setting("warmup_steps"), default=3, help="excluded steps per trial (default 3)"
+    )
     parser.add_argument(
         "--precisions",
         type=choice_list(precisions, what="precision", allow_empty=True),
@@ -94,17 +94,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=choice_list(stackable, what="optimization", allow_empty=True),
         help=f"configurations to try stacking, in order, '' for none (default: {','.join(default_search)})",
     )
-    parser.add_argument("--max-batch-size", type=positive_int, help="default: 4x the model's own")
+    parser.add_argument("--max-batch-size", type=setting("batch_size"), help="default: 4x the model's own")
     parser.add_argument("--no-batch-size", action="store_true", help="keep the model's batch size")
     parser.add_argument("--no-data-loading", action="store_true", help="keep the DataLoader settings")
-    parser.add_argument("--max-num-workers", type=non_negative_int, help="default: the CPU count")
+    parser.add_argument("--max-num-workers", type=setting("num_workers"), help="default: the CPU count")
     parser.add_argument(
         "--min-gain", type=at_least(0, float), default=0.03, help="smallest speed-up kept (default 0.03)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads",
-        type=positive_int,
+        type=setting("threads"),
         help="intra-op threads of every trial (default: the usable cores less the load seen at the start, at least 1)",
     )
     parser.add_argument(
