@@ -4,10 +4,10 @@ the Markdown report."""
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from lightning_perf.benchmark.compare import METHOD, FileComparison
-from lightning_perf.profiling.report import format_bytes, format_seconds
+from lightning_perf.profiling.report import format_bytes, format_seconds, text_table
 from lightning_perf.profiling.significance import SIGNIFICANCE_LEVEL
 
 __all__ = ["format_table", "format_value", "interval_text", "markdown_report", "percent_change"]
@@ -31,17 +31,6 @@ def interval_text(ci: Sequence[float] | None) -> str:
     return "-" if ci is None else f"{percent_change(ci[0])[:-1]}..{percent_change(ci[1])}"
 
 
-TABLE_HEADER = ("", "old", "new", "change", "95% interval", "verdict")
-_WIDTHS = (14, 9, 9, 7, 14)
-
-
-def _line(cells: Iterable[str]) -> str:
-    cells = list(cells)
-    first = cells[0].ljust(_WIDTHS[0])
-    middle = [cell.rjust(width) for cell, width in zip(cells[1:5], _WIDTHS[1:])]
-    return " ".join([first, *middle, cells[5]]).rstrip()
-
-
 def format_table(comparison: FileComparison, width: int = 80) -> str:
     """The comparison as plain text within ``width`` columns (80 by default): one block per configuration, one row
     per figure, then what is missing, the notes and the regressions."""
@@ -51,26 +40,18 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
         f"new: {comparison.new.path} ({comparison.new.description})",
         *(f"warning: {w}" for w in (*comparison.old.warnings, *comparison.new.warnings)),
         "",
-        _line(("configuration", *TABLE_HEADER[1:])),
     ]
-    current = None
-    for row in comparison.rows:
-        if row.config != current:
-            current = row.config
-            lines.append(row.config)
-        marker = "*" if row.note else ""
-        lines.append(
-            _line(
-                (
-                    f"  {row.metric}{marker}",
-                    format_value(row.old_median, row.unit),
-                    format_value(row.new_median, row.unit),
-                    percent_change(row.ratio) if row.ratio is not None else "-",
-                    interval_text(row.ratio_ci95),
-                    row.verdict,
-                )
-            )
+    rows: list[list[str] | str] = []
+    for i, row in enumerate(comparison.rows):
+        if i == 0 or row.config != comparison.rows[i - 1].config:
+            rows.append(row.config)  # a heading line across the table
+        change = percent_change(row.ratio) if row.ratio is not None else "-"
+        old, new = format_value(row.old_median, row.unit), format_value(row.new_median, row.unit)
+        rows.append(
+            [f"  {row.metric}{'*' if row.note else ''}", old, new, change, interval_text(row.ratio_ci95), row.verdict]
         )
+    header = ["configuration", "old", "new", "change", "95% interval", "verdict"]
+    lines += text_table(header, rows, width=width).splitlines()
     if not comparison.rows:
         lines.append("(no configuration measured in both files)")
     lines.append("")

@@ -356,7 +356,7 @@ def _words_width(text: str) -> int:
 
 def text_table(
     columns: Sequence[str],
-    rows: Sequence[Sequence[object]],
+    rows: Sequence[Sequence[object] | str],
     title: str | None = None,
     width: int = CONSOLE_WIDTH,
     gap: int = 2,
@@ -366,15 +366,15 @@ def text_table(
     Columns start at their natural width; while the table is too wide, the widest column that can still wrap
     without breaking a word gives up one character. Only when even the longest words do not fit are words broken
     (never shortened with an ellipsis). Cells may hold line breaks; numbers are formatted as in
-    :func:`markdown_table` and right-aligned.
+    :func:`markdown_table` and right-aligned. A row given as a string is a heading line across the table (wrapped).
 
     Raises:
         ValueError: if a row does not have one cell per column, or ``width`` leaves no room for them.
     """
-    numeric = _check_rows(columns, rows)
+    numeric = _check_rows(columns, [row for row in rows if not isinstance(row, str)])
     header = [str(c) for c in columns]
-    body = [[_cell_text(cell) for cell in row] for row in rows]
-    cells = [header, *body]
+    body = [row if isinstance(row, str) else [_cell_text(cell) for cell in row] for row in rows]
+    cells = [header, *(row for row in body if not isinstance(row, str))]
     count = len(columns)
     if width < count * (1 + gap):
         raise ValueError(f"`text_table(width={width!r})` is too narrow for {count} columns.")
@@ -405,7 +405,7 @@ def text_table(
     lines += render(header, [False] * count)
     lines.append((" " * gap).join("-" * w for w in widths))
     for row in body:
-        lines += render(row, numeric)
+        lines += wrap_lines(row, width) if isinstance(row, str) else render(row, numeric)
     return "\n".join(lines)
 
 

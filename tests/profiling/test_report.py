@@ -273,6 +273,16 @@ def test_text_table_breaks_words_only_when_they_cannot_fit() -> None:
         text_table(["a", "b", "c"], [[1, 2, 3]], width=5)
 
 
+def test_text_table_heading_rows_span_the_table_and_set_no_width() -> None:
+    from lightning_perf.profiling.report import text_table
+
+    heading = "channels_last+compile @ batch 4, a heading wider than every column"
+    lines = text_table(["figure", "ms"], [heading, ["step", 1.5]], width=40).splitlines()
+    assert lines[:2] == ["figure  ms", "------  ---"]  # the heading widened no column
+    assert lines[2:4] == ["channels_last+compile @ batch 4, a", "  heading wider than every column"]
+    assert lines[4] == "step    1.5"
+
+
 def test_wrap_lines_keeps_every_word_within_80_columns() -> None:
     from lightning_perf.profiling.report import wrap_lines
 
