@@ -45,6 +45,11 @@ BASELINE = "baseline"
 """The bench's reference configuration (plain Lightning, fp32): every ratio is taken against it. Not an optimization,
 so no entry may take the name."""
 
+COMPILE, COMPILE_REGIONAL = "compile", "compile_regional"
+"""The whole-model and the per-block compile entries: the bench's default set picks one by the model's structure."""
+BF16_MIXED, FLASH_ATTENTION = "bf16-mixed", "flash_attention"
+"""Entries the bench's default set on a CPU also measures together (``benchmark.configs.MEASURED_TOGETHER_ON_CPU``)."""
+
 SYMPTOMS: tuple[str, ...] = ("compute_bound", "device_idle", "optimizer_step")
 """Advice rules of :mod:`lightning_perf.profiling.advice` that recommend optimizations from this list."""
 
@@ -397,7 +402,7 @@ _TIME_FOR_MEMORY = "it trades step time for activation memory: slower by design,
 
 _BUILTIN_OPTIMIZATIONS: tuple[Optimization, ...] = (
     _precision(
-        "bf16-mixed",
+        BF16_MIXED,
         "Lightning's own bf16 autocast (Trainer(precision='bf16-mixed'))",
         tuner_stage="precision",
         tuner_order=10,
@@ -453,7 +458,7 @@ _BUILTIN_OPTIMIZATIONS: tuple[Optimization, ...] = (
         ),
     ),
     _compile(
-        "compile",
+        COMPILE,
         "CompileCallback(): torch.compile of the LightningModule's forward, in place (inductor, default mode)",
         tuner_stage="optimization",
         tuner_order=50,
@@ -469,12 +474,12 @@ _BUILTIN_OPTIMIZATIONS: tuple[Optimization, ...] = (
         slowdown_causes=_COMPILE_SLOWDOWN,
     ),
     _compile(
-        "compile_regional",
+        COMPILE_REGIONAL,
         "CompileCallback(regions='auto'): each repeated block compiled once and reused by its copies (regional "
         "compilation: a shorter cold compile than the whole model's)",
         callback_kwargs={"regions": "auto"},
         tuner_order=55,  # not searched by the tuner (one compile trial is enough there); ordered for a stack
-        replaces="compile",
+        replaces=COMPILE,
         slowdown_causes=_COMPILE_SLOWDOWN,
         left_out_because=_COLD_COMPILE,
     ),
@@ -484,7 +489,7 @@ _BUILTIN_OPTIMIZATIONS: tuple[Optimization, ...] = (
         callback_kwargs={"mode": "reduce-overhead"},
         tuner_stage="optimization",
         tuner_order=60,
-        replaces="compile",
+        replaces=COMPILE,
         left_out_because="CUDA graphs need a CUDA device; on a GPU it is the compile variant to try after compile",
         requires=("cuda",),
         slowdown_causes=(
@@ -562,7 +567,7 @@ _BUILTIN_OPTIMIZATIONS: tuple[Optimization, ...] = (
         for budget in (0.75, 0.5, 0.25)
     ),
     Optimization(
-        "flash_attention",
+        FLASH_ATTENTION,
         "FlashAttentionCallback(): attention through flash-attn 2 (CUDA, fp16/bf16) or fused SDPA kernels",
         callback=_callback("FlashAttentionCallback"),
         changes_numerics=True,

@@ -15,8 +15,6 @@ _EXPORTS = {
     "run_bench": "lightning_perf.benchmark.session",
     "benchmark_training_steps": "lightning_perf.benchmark.pytest_helpers",
     "get_config": "lightning_perf.benchmark.configs",
-    "register_config": "lightning_perf.benchmark.configs",
-    "resolve_configs": "lightning_perf.benchmark.configs",
 }
 
 __all__ = [
@@ -25,8 +23,6 @@ __all__ = [
     "available_configs",
     "benchmark_training_steps",
     "get_config",
-    "register_config",
-    "resolve_configs",
     "run_bench",
 ]
 
@@ -35,8 +31,6 @@ if TYPE_CHECKING:
         BenchConfig,
         available_configs,
         get_config,
-        register_config,
-        resolve_configs,
     )
     from lightning_perf.benchmark.pytest_helpers import benchmark_training_steps
     from lightning_perf.benchmark.session import run_bench

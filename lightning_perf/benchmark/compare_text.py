@@ -4,56 +4,31 @@ the Markdown report."""
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Sequence
 
-from lightning_perf.benchmark.compare import METHOD, FileComparison, MetricRow
+from lightning_perf.benchmark.compare import METHOD, FileComparison
+from lightning_perf.profiling.report import format_bytes, format_seconds, text_table
 from lightning_perf.profiling.significance import SIGNIFICANCE_LEVEL
 
-__all__ = ["format_table", "format_value", "markdown_report"]
+__all__ = ["format_table", "format_value", "interval_text", "markdown_report", "percent_change"]
 
 
 def format_value(value: float | None, unit: str) -> str:
     """A figure in a readable unit: ``412 ms``, ``71.6/s``, ``99.8 MiB``."""
     if value is None:
         return "-"
-    if unit == "s":
-        for scale, suffix in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
-            if value >= scale:
-                return f"{value / scale:.3g} {suffix}"
-        return f"{value * 1e9:.3g} ns"
-    if unit == "bytes":
-        for scale, suffix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-            if value >= scale:
-                return f"{value / scale:.3g} {suffix}"
-        return f"{value:.0f} B"
-    return f"{value:.3g}/s"
+    return format_seconds(value) if unit == "s" else format_bytes(value) if unit == "bytes" else f"{value:.3g}/s"
 
 
-def _percent(ratio: float) -> str:
+def percent_change(ratio: float) -> str:
+    """The change a ratio new/old means: ``+48%``, ``-3.2%``."""
     change = (ratio - 1.0) * 100.0
     return f"{change:+.0f}%" if abs(change) >= 10 else f"{change:+.1f}%"
 
 
-def _interval(row: MetricRow) -> str:
-    if row.ratio_ci95 is None:
-        return "-"
-    low, high = ((r - 1.0) * 100.0 for r in row.ratio_ci95)
-    return f"{_signed(low)}..{_signed(high)}%"
-
-
-def _signed(percent: float) -> str:
-    return f"{percent:+.0f}" if abs(percent) >= 10 else f"{percent:+.1f}"
-
-
-TABLE_HEADER = ("", "old", "new", "change", "95% interval", "verdict")
-_WIDTHS = (14, 9, 9, 7, 14)
-
-
-def _line(cells: Iterable[str]) -> str:
-    cells = list(cells)
-    first = cells[0].ljust(_WIDTHS[0])
-    middle = [cell.rjust(width) for cell, width in zip(cells[1:5], _WIDTHS[1:])]
-    return " ".join([first, *middle, cells[5]]).rstrip()
+def interval_text(ci: Sequence[float] | None) -> str:
+    """A ratio's 95% interval as changes: ``-3.2..+1.0%``."""
+    return "-" if ci is None else f"{percent_change(ci[0])[:-1]}..{percent_change(ci[1])}"
 
 
 def format_table(comparison: FileComparison, width: int = 80) -> str:
@@ -65,26 +40,18 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
         f"new: {comparison.new.path} ({comparison.new.description})",
         *(f"warning: {w}" for w in (*comparison.old.warnings, *comparison.new.warnings)),
         "",
-        _line(("configuration", *TABLE_HEADER[1:])),
     ]
-    current = None
-    for row in comparison.rows:
-        if row.config != current:
-            current = row.config
-            lines.append(row.config)
-        marker = "*" if row.note else ""
-        lines.append(
-            _line(
-                (
-                    f"  {row.metric}{marker}",
-                    format_value(row.old_median, row.unit),
-                    format_value(row.new_median, row.unit),
-                    _percent(row.ratio) if row.ratio is not None else "-",
-                    _interval(row),
-                    row.verdict,
-                )
-            )
+    rows: list[list[str] | str] = []
+    for i, row in enumerate(comparison.rows):
+        if i == 0 or row.config != comparison.rows[i - 1].config:
+            rows.append(row.config)  # a heading line across the table
+        change = percent_change(row.ratio) if row.ratio is not None else "-"
+        old, new = format_value(row.old_median, row.unit), format_value(row.new_median, row.unit)
+        rows.append(
+            [f"  {row.metric}{'*' if row.note else ''}", old, new, change, interval_text(row.ratio_ci95), row.verdict]
         )
+    header = ["configuration", "old", "new", "change", "95% interval", "verdict"]
+    lines += text_table(header, rows, width=width).splitlines()
     if not comparison.rows:
         lines.append("(no configuration measured in both files)")
     lines.append("")
@@ -96,7 +63,7 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
     )
     regressions = comparison.regressions
     if regressions:
-        named = ", ".join(f"{row.config} ({row.metric} {_percent(row.ratio or 1.0)})" for row in regressions)
+        named = ", ".join(f"{row.config} ({row.metric} {percent_change(row.ratio or 1.0)})" for row in regressions)
         lines.append(f"REGRESSION beyond {pct} and the noise: {named}")
     else:
         lines.append(f"no regression beyond {pct} and the noise")
@@ -134,8 +101,8 @@ def markdown_report(comparison: FileComparison) -> str:
         verdict_text = f"**{row.verdict}**" if row.regression else row.verdict
         out.append(
             f"| {row.config} | {row.metric} | {format_value(row.old_median, row.unit)} | "
-            f"{format_value(row.new_median, row.unit)} | {_percent(row.ratio) if row.ratio else '-'} | "
-            f"{_interval(row)} | {p} | {row.n_old} / {row.n_new} | {verdict_text} |"
+            f"{format_value(row.new_median, row.unit)} | {percent_change(row.ratio) if row.ratio else '-'} | "
+            f"{interval_text(row.ratio_ci95)} | {p} | {row.n_old} / {row.n_new} | {verdict_text} |"
         )
     out.append("")
     extra = [*comparison.old.warnings, *comparison.new.warnings, *sorted({r.note for r in comparison.rows if r.note})]

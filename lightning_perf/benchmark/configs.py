@@ -6,7 +6,7 @@ boundary. Names joined with ``+`` form a stack (``channels_last+compile``): call
 arguments merged (a conflict is an error).
 
 The configurations are derived from the one list of optimizations, :mod:`lightning_perf.optimizations`, plus
-``baseline``; :func:`register_config` adds a configuration that only the bench knows (tests, experiments).
+``baseline``: a new configuration is an entry there.
 """
 
 from __future__ import annotations
@@ -117,18 +117,6 @@ _BENCH_ONLY: dict[str, BenchConfig] = {
 _DERIVED: dict[str, tuple[Optimization, BenchConfig]] = {}
 
 
-def register_config(config: BenchConfig, *, replace: bool = False) -> BenchConfig:
-    """Add a configuration that only the bench knows; a second registration of a name is an error unless ``replace``.
-
-    An optimization that the auto-tuner and the advice should know too is registered in
-    :mod:`lightning_perf.optimizations` instead: its configuration is derived from there.
-    """
-    if (config.name == BASELINE or _lookup(config.name) is not None) and not replace:
-        raise ValueError(f"A benchmark configuration named {config.name!r} is already registered.")
-    _BENCH_ONLY[config.name] = config
-    return config
-
-
 def _lookup(name: str) -> BenchConfig | None:
     """The single configuration called ``name``, or ``None``."""
     if name == BASELINE:
@@ -146,8 +134,7 @@ def _lookup(name: str) -> BenchConfig | None:
 
 def available_configs() -> list[str]:
     """The registered configuration names, ``baseline`` first."""
-    names = {*optimizations.names(), *_BENCH_ONLY} - {BASELINE}
-    return [BASELINE, *sorted(names)]
+    return [BASELINE, *sorted({*optimizations.names(), *_BENCH_ONLY} - {BASELINE})]
 
 
 def get_config(name: str) -> BenchConfig:
@@ -166,19 +153,6 @@ def get_config(name: str) -> BenchConfig:
         )
     configs = [config for config in found if config is not None]
     return configs[0] if len(configs) == 1 else stack_configs(configs)
-
-
-def resolve_configs(names: str | Iterable[str]) -> list[BenchConfig]:
-    """Parse a comma-separated list (or an iterable) of names into configurations, keeping order, no duplicates."""
-    items = [n.strip() for n in names.split(",")] if isinstance(names, str) else [n.strip() for n in names]
-    items = [n for n in items if n]
-    if not items:
-        raise ValueError("No benchmark configuration given: expected a comma-separated list of names.")
-    seen: dict[str, BenchConfig] = {}
-    for item in items:
-        config = get_config(item)
-        seen.setdefault(config.name, config)
-    return list(seen.values())
 
 
 def stack_configs(configs: list[BenchConfig]) -> BenchConfig:
@@ -336,7 +310,7 @@ def _why_left_out(
     return f"left out on {where} because {because}; `--configs ...,{optimization.name}` to include it"
 
 
-MEASURED_TOGETHER_ON_CPU = (("bf16-mixed", "flash_attention"),)
+MEASURED_TOGETHER_ON_CPU = ((optimizations.BF16_MIXED, optimizations.FLASH_ATTENTION),)
 """Pairs the default set on a CPU also measures as one configuration where it has both: under bf16 the attention swap
 computes SDPA in float32 where that is faster (:mod:`lightning_perf.functional.attention_kernels`), which neither shows
 alone, and the winners' stack is built from single winners (the default ``vit`` on a 2-core AVX-512 CPU: bf16-mixed
@@ -344,7 +318,7 @@ alone, and the winners' stack is built from single winners (the default ``vit`` 
 1.52x, one process each). A pair that wins with a higher speed-up than the winners' stack is the recommendation
 (:func:`lightning_perf.benchmark.answer.prefer_measured_stack`)."""
 
-COMPILE_VARIANTS = ("compile", "compile_regional")
+COMPILE_VARIANTS = (optimizations.COMPILE, optimizations.COMPILE_REGIONAL)
 """The compile configurations the default set picks one of by the model's structure: ``compile_regional`` where the
 model has repeated blocks, else ``compile``."""
 
@@ -380,7 +354,7 @@ def structural_verdict(
     if optimization.name not in COMPILE_VARIANTS:
         return None
     blocks = structure.repeated_blocks
-    regional = optimization.name == "compile_regional"
+    regional = optimization.name == optimizations.COMPILE_REGIONAL
     if not (device.type == "cuda" or blocks or structure.conv_heavy):
         return False, (
             f"{model} has neither repeated blocks nor convolutions carrying {CONV_SHARE_MIN:.0%} of the FLOPs: a "

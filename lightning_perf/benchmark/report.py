@@ -15,7 +15,7 @@ from lightning_perf.benchmark.payback import compile_costs
 from lightning_perf.benchmark.results import ONE_REPEAT
 from lightning_perf.benchmark.utilization import MFU_LEGEND, mfu_cell, utilization_lines, utilization_markdown
 from lightning_perf.optimizations import BASELINE
-from lightning_perf.profiling import format_bytes, markdown_table, plot_bars, write_json
+from lightning_perf.profiling import format_bytes, format_number, markdown_table, plot_bars, write_json
 from lightning_perf.profiling.intervals import NO_CLEAR_DIFFERENCE
 
 if TYPE_CHECKING:
@@ -103,14 +103,14 @@ def table_rows(report: BenchReport) -> list[list[str]]:
             _estimate_cell(s, "speedup") if s.config != BASELINE else "1.00x",
             _verdict_cell(s),
             s.speedup_method or "",
-            _num(s.throughput, ".1f"),
-            _num(s.warmup_s, ".2f"),
-            _num(s.first_step_s, ".2f"),
+            format_number(s.throughput, ".1f"),
+            format_number(s.warmup_s, ".2f"),
+            format_number(s.first_step_s, ".2f"),
             format_bytes(s.step_memory_bytes) if s.step_memory_bytes is not None else "n/a",
             _with_verdict(s, "memory_ratio"),
-            _num(s.predict_throughput, ".1f"),
+            format_number(s.predict_throughput, ".1f"),
             _with_verdict(s, "predict_speedup"),
-            _num(s.final_train_loss, ".4f"),
+            format_number(s.final_train_loss, ".4f"),
             s.likely_cause or "",
         ]
 
@@ -199,11 +199,11 @@ def inference_table_rows(report: BenchReport) -> list[list[str]]:
         return [
             *(_ms(s.get(f"latency_p{q}_s")) for q in ("50", "95", "99")),
             *("1.00x" if base else _with_verdict(s, f"latency_p{q}_speedup") for q in ("50", "95", "99")),
-            _num(s.predict_throughput, ".1f"),
+            format_number(s.predict_throughput, ".1f"),
             "1.00x" if base else _with_verdict(s, "predict_throughput_ratio"),
-            _num(s.first_batch_s, ".3f"),
+            format_number(s.first_batch_s, ".3f"),
             "1.00x" if base else _with_verdict(s, "first_batch_speedup"),
-            _num(s.warmup_s, ".3f"),
+            format_number(s.warmup_s, ".3f"),
             "1.00x" if base else _with_verdict(s, "warmup_speedup"),
             format_bytes(s.peak_memory_bytes) if s.peak_memory_bytes is not None else "n/a",
             "1.00x" if base else _with_verdict(s, "peak_memory_ratio"),
@@ -244,7 +244,7 @@ def scaling_markdown(reports: list[tuple[int, BenchReport]]) -> list[str]:
         for _, report in reports:
             s = next((x for x in report.summaries if x.config == config), None)
             value = None if s is None else (s.predict_throughput if inference else s.throughput)
-            cells.append(("? " if s is not None and s.disturbed else "") + _num(value, ".1f"))
+            cells.append(("? " if s is not None and s.disturbed else "") + format_number(value, ".1f"))
         rows.append(cells)
     return [f"### Batch scaling ({what}, median over repeats)", "", markdown_table(header, rows), ""]
 
@@ -263,10 +263,6 @@ def _repeats_text(report: BenchReport) -> str:
         return f"{report.options['repeats']} repeats"
     rounds = settling.get("rounds", "?")
     return f"{rounds} rounds of repeats (auto: until +-{settling.get('target', 0.05):.0%}, {settling.get('stopped')})"
-
-
-def _num(value: float | None, fmt: str) -> str:
-    return "n/a" if value is None else format(value, fmt)
 
 
 def _worker_threads(machine: dict[str, Any]) -> Any:

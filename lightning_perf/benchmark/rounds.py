@@ -49,15 +49,6 @@ class Rounds:
     decision: Decision | None = None
     set_aside: list[tuple[str, int, str]] = field(default_factory=list)
 
-    @property
-    def rerun_note(self) -> str:
-        """``"3 repeats re-run: other processes' load"`` (empty when nothing was disturbed)."""
-        if not self.set_aside:
-            return ""
-        causes = sorted({why for _, _, why in self.set_aside})
-        count = len(self.set_aside)
-        return f"{count} repeat{'s' if count != 1 else ''} re-run: {'; '.join(causes)}"
-
 
 def run_rounds(
     names: Sequence[str],

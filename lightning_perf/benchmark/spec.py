@@ -8,12 +8,14 @@ docs/architecture.md, Module notes.
 from __future__ import annotations
 
 import difflib
+import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from lightning_perf.optimizations import BASELINE, STAGES
+from lightning_perf.optimizations import BASELINE, COMPILE_REGIONAL, STAGES
 
 __all__ = [
     "DEVICE_CHOICES",
@@ -23,13 +25,30 @@ __all__ = [
     "SpecError",
     "check_config_names",
     "check_preset",
+    "check_setting",
     "check_workload",
     "did_you_mean",
+    "parse_setting",
     "resolve_device",
 ]
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_MODULE_CLASS = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
+PRECISIONS: tuple[str, ...] = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+"""The ``Trainer(precision=...)`` values a bench accepts by name."""
+_AT_LEAST = dict(steps=1, warmup_steps=1, repeats=1, batch_size=1, threads=1, predict_batches=0, num_workers=0)
+_CHOICES = {"stage": STAGES, "precision": PRECISIONS, "wait_policy": (None, "PASSIVE", "ACTIVE")}
+_EXPECTED = {
+    **{name: f"an integer >= {minimum}" for name, minimum in _AT_LEAST.items()},
+    **{name: "one of " + ", ".join(map(str, choices)) for name, choices in _CHOICES.items()},
+    "repeats": "auto or an integer >= 1",
+    "target": "a percentage such as 5% (or a fraction such as 0.05), above 0 and below 100%",
+    "time_budget_s": "a number of seconds > 0, e.g. 150",
+    "timeout_s": "a number of seconds > 0",
+    "model": "MODULE:CLASS, e.g. my_pkg.models:Net",
+}
 
 
 class SpecError(ValueError):
@@ -54,15 +73,70 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
     return f"did you mean {near[0]!r}?" if near else ""
 
 
+def check_setting(name: str, value: Any, as_given: Any = None) -> Any:
+    """``value`` when it is valid for the bench setting ``name``, else :class:`SpecError` (echoing ``as_given``, the
+    text it was parsed from, when given). The one check of each number and name a bench takes."""
+    if name in _AT_LEAST:
+        valid = isinstance(value, int) and not isinstance(value, bool) and value >= _AT_LEAST[name]
+    elif name in _CHOICES:
+        valid = value in _CHOICES[name]
+    else:  # seconds, or the target: a fraction
+        valid = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+        valid = valid and (name != "target" or value < 1)
+    if not valid:
+        raise SpecError(name, value if as_given is None else as_given, _EXPECTED[name])
+    return value
+
+
+def parse_setting(name: str, text: str) -> Any:
+    """The bench setting ``name`` from ``text`` as typed on the command line or in a task file, checked
+    (:func:`check_setting`; configuration and workload names as the spec checks them); :class:`SpecError` echoes
+    ``text``. ``repeats`` takes ``auto`` (None), ``target`` a percentage, ``model_args`` a JSON object."""
+    stripped = text.strip()
+    if name == "configs":
+        return check_config_names(text)
+    if name == "workload":
+        return check_workload(stripped)
+    if name in ("model", "datamodule"):
+        spec = stripped if ":" in stripped or "." not in stripped else ":".join(stripped.rsplit(".", 1))
+        if not _MODULE_CLASS.match(spec):
+            raise SpecError(name, text, _EXPECTED["model"])
+        return spec
+    if name in ("model_args", "datamodule_args"):
+        try:
+            found = json.loads(text)
+        except json.JSONDecodeError as exc:
+            expected = f'a JSON object such as {{"name": 1}} ({exc.msg} at column {exc.colno})'
+            raise SpecError(name, text, expected) from None
+        if not isinstance(found, dict):
+            raise SpecError(name, text, f'a JSON object such as {{"name": 1}}, not a JSON {type(found).__name__}')
+        return found
+    if name == "repeats" and stripped == "auto":
+        return None
+    try:
+        if name in _AT_LEAST:
+            value: Any = int(stripped)
+        elif name == "target":
+            value = float(stripped[:-1]) / 100.0 if stripped.endswith("%") else float(stripped)
+        else:
+            value = float(stripped) if name.endswith("_s") else stripped
+    except ValueError:
+        raise SpecError(name, text, _EXPECTED[name]) from None
+    return check_setting(name, value, text)
+
+
+def _one_of(setting: str, value: str, known: list[str], owner: str) -> str:
+    if value not in known:
+        hint = did_you_mean(value, known)
+        raise SpecError(setting, value, f"one of {', '.join(known)}" + (f" ({hint})" if hint else ""), owner)
+    return value
+
+
 def check_workload(workload: str, owner: str = "BenchSpec") -> str:
     """``workload`` when it names a reference workload, else :class:`SpecError` with the nearest name."""
     from lightning_perf.demos import workload_names
 
-    known = workload_names()
-    if workload not in known:
-        hint = did_you_mean(workload, known)
-        raise SpecError("workload", workload, f"one of {', '.join(known)}" + (f" ({hint})" if hint else ""), owner)
-    return workload
+    return _one_of("workload", workload, workload_names(), owner)
 
 
 def check_preset(preset: str | None, device_type: str, owner: str = "BenchSpec") -> str:
@@ -72,10 +146,7 @@ def check_preset(preset: str | None, device_type: str, owner: str = "BenchSpec")
 
     if preset is None:
         return "gpu" if device_type == "cuda" and "gpu" in PRESETS else "default"
-    if preset not in PRESETS:
-        hint = did_you_mean(preset, PRESETS)
-        raise SpecError("preset", preset, f"one of {', '.join(PRESETS)}" + (f" ({hint})" if hint else ""), owner)
-    return preset
+    return _one_of("preset", preset, list(PRESETS), owner)
 
 
 def resolve_device(text: str, owner: str = "BenchSpec", what: str = "the bench") -> tuple[str, str]:
@@ -174,12 +245,6 @@ class RunSpec(RunSettings):
     decided: dict[str, Any] = field(default_factory=dict)  # callback class -> state_dict: its first run's decision
 
 
-def _positive(spec: Any, name: str, minimum: int) -> None:
-    value = getattr(spec, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise SpecError(name, value, f"an integer >= {minimum}")
-
-
 @dataclass(frozen=True, kw_only=True)
 class BenchSpec(RunSettings):
     """One ``lightning-perf bench``: which configurations, on what, how often; validated and resolved on construction.
@@ -224,31 +289,14 @@ class BenchSpec(RunSettings):
     structure: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.stage not in STAGES:
-            raise SpecError("stage", self.stage, f"one of {', '.join(STAGES)}")
-        for name, minimum in (("steps", 1), ("warmup_steps", 1), ("predict_batches", 0)):
-            _positive(self, name, minimum)
-        if self.repeats is not None:
-            _positive(self, "repeats", 1)
-        if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0 < self.target < 1:
-            raise SpecError("target", self.target, "a fraction between 0 and 1 (0.05: +-5%)")
-        budget = self.time_budget_s
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-            raise SpecError("time_budget_s", budget, "a number of seconds > 0")
-        _positive(self, "num_workers", 0)
-        if self.threads is not None:
-            _positive(self, "threads", 1)
-        if self.wait_policy not in (None, "PASSIVE", "ACTIVE"):
-            raise SpecError("wait_policy", self.wait_policy, "None, 'PASSIVE' or 'ACTIVE' (OpenMP's OMP_WAIT_POLICY)")
-        if self.batch_size is not None:
-            _positive(self, "batch_size", 1)
+        for name in (*_AT_LEAST, "stage", "wait_policy", "target", "time_budget_s", "timeout_s"):
+            if name not in ("repeats", "threads", "batch_size") or getattr(self, name) is not None:
+                check_setting(name, getattr(self, name))
         sizes = tuple(self.batch_sizes)
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or len(set(sizes)) < len(sizes):
             raise SpecError("batch_sizes", self.batch_sizes, "distinct integers >= 1, e.g. (1, 8, 32)")
         if sizes and self.batch_size is not None:
             raise SpecError("batch_sizes", sizes, "no batch_sizes together with batch_size")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise SpecError("timeout_s", self.timeout_s, "a number of seconds > 0")
         device, why = resolve_device(self.device)
         if self.source is None:
             check_workload(self.workload)
@@ -363,7 +411,7 @@ def _compile_within_budget(
     if not device.startswith("cpu") or repeats is not None or budget >= CPU_COMPILE_MIN_BUDGET_S:
         return configs, left_out
     facts = structure or {}
-    once = ("compile_regional",) if facts.get("block_shapes") == 1 else ()  # one block's shape: compiled once
+    once = (COMPILE_REGIONAL,) if facts.get("block_shapes") == 1 else ()  # one block's shape: compiled once
     dropped = [name for name in configs if name in COMPILE_VARIANTS and name not in once]
     if not dropped:
         return configs, left_out

@@ -26,7 +26,7 @@ from lightning_perf.benchmark.compare import (
     ResultsFileError,
     compare_files,
 )
-from lightning_perf.benchmark.compare_text import format_value
+from lightning_perf.benchmark.compare_text import format_value, interval_text, percent_change
 from lightning_perf.benchmark.refs import (
     WORKING_TREE,
     Checkout,
@@ -412,10 +412,6 @@ def _is_baseline(config: Any) -> bool:
     return config == "baseline" or str(config).startswith("baseline (batch ")
 
 
-def _percent_change(ratio: float) -> str:
-    return f"{(ratio - 1.0) * 100.0:+.1f}"
-
-
 def _run_table(runs: Sequence[_Run]) -> str:
     rows = []
     for run in runs:
@@ -447,7 +443,6 @@ def _comparison_table(comparisons: Sequence[dict[str, Any]]) -> str | None:
         for row in entry["rows"]:
             unit = row["unit"]
             suffix = {"s": "_s", "bytes": "_bytes", "samples/s": "_samples_per_s"}[unit]
-            ci = row["ratio_ci95"]
             rows.append(
                 [
                     entry["task"],
@@ -455,8 +450,8 @@ def _comparison_table(comparisons: Sequence[dict[str, Any]]) -> str | None:
                     row["metric"],
                     f"{format_value(row[f'old_median{suffix}'], unit)} ({entry['reference']})",
                     f"{format_value(row[f'new_median{suffix}'], unit)} ({entry['candidate']})",
-                    "-" if row["ratio"] is None else f"{_percent_change(row['ratio'])}%",
-                    f"{_percent_change(ci[0])}..{_percent_change(ci[1])}%" if ci else "-",
+                    "-" if row["ratio"] is None else percent_change(row["ratio"]),
+                    interval_text(row["ratio_ci95"]),
                     row["verdict"] + (" (REGRESSION)" if row["regression"] else ""),
                 ]
             )

@@ -6,7 +6,6 @@ file format (columns, separators, comments): docs/architecture.md, Module notes.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import re
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_perf.benchmark.spec import SpecError, check_config_names, check_workload
+from lightning_perf.benchmark.spec import SpecError, parse_setting
 from lightning_perf.optimizations import STAGES
 
 __all__ = [
@@ -33,44 +32,16 @@ __all__ = [
 ]
 
 REQUIRED_COLUMNS: tuple[str, ...] = ("name", "config", "configs", "steps", "batch_size")
-OPTIONAL_COLUMNS: tuple[str, ...] = (
-    "workload",
-    "model",
-    "datamodule",
-    "model_args",
-    "datamodule_args",
-    "stage",
-    "precision",
-    "warmup_steps",
-    "repeats",
-    "ref",
-)
-COLUMN_OPTIONS: dict[str, str] = {
-    "config": "--config",
-    "configs": "--configs",
-    "steps": "--steps",
-    "batch_size": "--batch-size",
-    "workload": "--workload",
-    "model": "--model",
-    "datamodule": "--datamodule",
-    "model_args": "--model-args",
-    "datamodule_args": "--datamodule-args",
-    "stage": "--stage",
-    "precision": "--precision",
-    "warmup_steps": "--warmup-steps",
-    "repeats": "--repeats",
-}
-"""The bench option each column becomes (``name`` and ``ref`` are the task runner's, not the bench's)."""
 SOURCE_COLUMNS: tuple[str, ...] = ("config", "workload", "model", "datamodule", "model_args", "datamodule_args")
 """The columns that say which model a task measures."""
+OPTIONAL_COLUMNS: tuple[str, ...] = (*SOURCE_COLUMNS[1:], "stage", "precision", "warmup_steps", "repeats", "ref")
+COLUMN_OPTIONS = {c: "--" + c.replace("_", "-") for c in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS[:-1]) if c != "name"}
+"""The bench option each column becomes (``name`` and ``ref`` are the task runner's, not the bench's)."""
 WORKING_TREE = "."
 """The ``ref`` that means the working tree as it is (git refuses ``.`` as a ref name, so it cannot clash)."""
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
-_MODULE_CLASS = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
 _RESERVED_NAMES = ("summary",)  # the runner writes summary.json / summary.md beside the tasks' files
-_INT_COLUMNS = ("steps", "batch_size", "warmup_steps", "repeats")
 MAX_FILE_BYTES = 16 * 2**20
 
 
@@ -137,87 +108,30 @@ def _invalid(value: str, expected: str) -> str:
     return f"{value!r} is not valid. Expected {expected}."
 
 
-def _check_option(parser: argparse.ArgumentParser | None, option: str, text: str) -> str | None:
-    """Run the bench parser's own check of ``option`` on ``text``; the message when it fails, else None."""
-    if parser is None:
-        return None
-    action = next((a for a in parser._actions if option in a.option_strings), None)
-    if action is None:
-        return None
-    value: Any = text
-    if action.type is not None and callable(action.type):
-        try:
-            value = action.type(text)
-        except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
-            message = str(exc)
-            return message if message.startswith(repr(text)) else _invalid(text, message.rstrip("."))
-    if action.choices is not None and value not in action.choices:
-        return _invalid(text, "one of " + ", ".join(str(c) for c in action.choices))
-    return None
-
-
-def _int(text: str) -> int | None:
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return value if value >= 1 else None
-
-
-def _parse_cell(
-    column: str, text: str, path: Path, line: int, parser: argparse.ArgumentParser | None
-) -> tuple[Any, str | None]:
-    """The cell's value and an error message (None when valid)."""
-    if column in _INT_COLUMNS:
-        value = _int(text)
-        return value, None if value is not None else _invalid(text, "an integer >= 1")
-    if column in ("model", "datamodule"):
-        spec = text
-        if ":" not in spec and "." in spec:
-            module, _, name = spec.rpartition(".")
-            spec = f"{module}:{name}"
-        ok = _MODULE_CLASS.match(spec) is not None
-        return spec, None if ok else _invalid(text, "MODULE:CLASS, e.g. my_pkg.models:Net")
-    if column in ("model_args", "datamodule_args"):
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            return None, _invalid(text, f'a JSON object such as {{"name": 1}} ({exc.msg} at column {exc.colno})')
-        if not isinstance(value, dict):
-            return None, _invalid(text, f'a JSON object such as {{"name": 1}}, not a JSON {type(value).__name__}')
-        return json.dumps(value), None
-    if column == "stage":
-        return text, None if text in STAGES else _invalid(text, "one of " + ", ".join(STAGES))
+def _parse_cell(column: str, text: str, path: Path, check_names: bool) -> Any:
+    """The cell's value (:class:`SpecError` when it is not valid)."""
     if column == "config":
         files = [item.strip() for item in text.split(";") if item.strip()]
         if not files:
-            return None, _invalid(text, "the path of a LightningCLI YAML file (several separated by ';')")
-        resolved = tuple(p if p.is_absolute() else (path.parent / p).absolute() for p in map(Path, files))
-        return resolved, None
+            raise SpecError(column, text, "the path of a LightningCLI YAML file (several separated by ';')")
+        return tuple(p if p.is_absolute() else (path.parent / p).absolute() for p in map(Path, files))
     if column == "configs":
         items = tuple(item.strip() for item in text.split(";") if item.strip())
-        if not items:
-            return None, _invalid(text, "configuration names separated by ';' ('+' stacks them)")
-        if any("," in item for item in items):
-            return None, _invalid(text, "configuration names separated by ';', not ',' ('+' stacks them)")
-        return items, _spec_check(check_config_names, ",".join(items)) if parser is not None else None
+        if not items or any("," in item for item in items):
+            raise SpecError(column, text, "configuration names separated by ';', not ',' ('+' stacks them)")
+        if check_names:
+            parse_setting(column, ",".join(items))
+        return items
     if column == "ref":
         refs = tuple(item.strip() for item in text.split(";") if item.strip())
         if not refs or any(r.startswith("-") or any(c.isspace() for c in r) for r in refs):
-            return None, _invalid(text, "git refs separated by ';' (a branch, tag or commit; '.' is the working tree)")
-        return refs, None
-    if parser is not None and column == "workload":
-        return text, _spec_check(check_workload, text)
-    return text, _check_option(parser, COLUMN_OPTIONS[column], text) if column in COLUMN_OPTIONS else None
-
-
-def _spec_check(check: Callable[[str], Any], text: str) -> str | None:
-    """The bench spec's own check of a name (:mod:`lightning_perf.benchmark.spec`): its message, else None."""
-    try:
-        check(text)
-    except SpecError as exc:
-        return _invalid(text, exc.expected)
-    return None
+            expected = "git refs separated by ';' (a branch, tag or commit; '.' is the working tree)"
+            raise SpecError(column, text, expected)
+        return refs
+    if column in ("workload", "precision") and not check_names:
+        return text
+    value = parse_setting(column, text)
+    return json.dumps(value) if column.endswith("_args") else value
 
 
 def _check_source(task: dict[str, Any], path: Path, line: int) -> None:
@@ -262,13 +176,12 @@ def _rows(path: Path) -> Iterable[tuple[int, list[str]]]:
         raise _error(path, start, None, f"is not valid CSV ({exc})") from None
 
 
-def read_tasks(path: str | Path, parser: argparse.ArgumentParser | None = None) -> list[Task]:
+def read_tasks(path: str | Path, check_names: bool = False) -> list[Task]:
     """Read and check a task file; nothing runs.
 
     Args:
         path: the CSV file.
-        parser: the ``lightning-perf bench`` parser: when given, each option column is also checked with the
-            option's own validator and choices (configuration, precision and workload names).
+        check_names: check the configuration, precision and workload names too (they import the registries).
 
     Raises:
         TaskFileError: the file is missing, unreadable or malformed; the message names the file, the line and the
@@ -314,10 +227,10 @@ def read_tasks(path: str | Path, parser: argparse.ArgumentParser | None = None) 
                 continue
             if not text:
                 continue
-            value, message = _parse_cell(column, text, path, line, parser)
-            if message is not None:
-                raise _error(path, line, column, message)
-            values["refs" if column == "ref" else column] = value
+            try:
+                values["refs" if column == "ref" else column] = _parse_cell(column, text, path, check_names)
+            except SpecError as exc:
+                raise _error(path, line, column, _invalid(text, exc.expected)) from None
         _check_source(values, path, line)
         tasks.append(Task(line=line, **values))
     if not tasks:

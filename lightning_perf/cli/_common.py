@@ -13,7 +13,6 @@ result as one line on stderr and exits with status 2::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -21,10 +20,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from lightning_perf.benchmark.spec import SpecError, parse_setting
 from lightning_perf.benchmark.tasks import one_line  # the one definition, shared with the task session
 
-_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
-_MODULE_CLASS = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+|mps)$")
 
 
@@ -32,7 +30,8 @@ class UsageError(ValueError):
     """A bad command-line value found after parsing (e.g. a class that does not import); the CLI exits 2 with it."""
 
 
-def _invalid(text: str, expected: str) -> argparse.ArgumentTypeError:
+def invalid(text: str, expected: str) -> argparse.ArgumentTypeError:
+    """The error of a validator: ``'<text>' is not valid. Expected <expected>.``"""
     return argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.")
 
 
@@ -84,11 +83,16 @@ def spec_error(parser: argparse.ArgumentParser, exc: Any) -> NoReturn:
 def check_source_options(parser: argparse.ArgumentParser, args: argparse.Namespace, workload_config: str) -> None:
     """The model options of ``bench`` and ``autotune`` that contradict each other, refused before any import: a
     ``--model`` without its ``--datamodule`` (and no ``--config`` to give one), a ``--workload`` with ``--config``
-    (``workload_config`` says what to use instead)."""
+    (``workload_config`` says what to use instead), a datamodule or arguments with neither ``--model`` nor
+    ``--config``."""
     if args.model is not None and args.datamodule is None and not args.config:
         fail(parser, "--model", args.model, "--datamodule as well (the LightningDataModule class, pkg.mod:Class)")
     if args.workload is not None and args.config:
         fail(parser, "--config", str(args.config[0]), f"no --config with --workload ({workload_config})")
+    for option in ("--datamodule", "--model-args", "--datamodule-args"):
+        value = getattr(args, option[2:].replace("-", "_"))
+        if value is not None and args.model is None and not args.config:
+            fail(parser, option, value, f"{option} together with --model or --config")
 
 
 def check_output(parser: argparse.ArgumentParser, option: str, output: Path | None, what: str) -> None:
@@ -110,26 +114,6 @@ def check_output(parser: argparse.ArgumentParser, option: str, output: Path | No
         Path(tempfile.mkdtemp(prefix=".lightning-perf-check-", dir=parent)).rmdir()
     except OSError as exc:
         fail(parser, option, str(output), f"a path in a folder that can be written ({parent}: {exc.strerror})")
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    return _int_at_least(text, 1)
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    return _int_at_least(text, 0)
-
-
-def _int_at_least(text: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise _invalid(text, f"an integer >= {minimum}") from None
-    if value < minimum:
-        raise _invalid(text, f"an integer >= {minimum}")
-    return value
 
 
 def load_user_source(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -174,53 +158,33 @@ def load_user_source(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 def positive_int_list(text: str) -> list[int]:
     """A comma-separated list of distinct integers >= 1, e.g. ``1,8,32`` (kept in the order given)."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    expected = "comma-separated distinct integers >= 1, e.g. 1,8,32"
-    if not items:
-        raise _invalid(text, expected)
-    values = []
-    for item in items:
-        try:
-            value = int(item)
-        except ValueError:
-            raise _invalid(text, expected) from None
-        if value < 1 or value in values:
-            raise _invalid(text, expected)
-        values.append(value)
+    try:
+        values = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1 or len(set(values)) < len(values):
+        raise invalid(text, "comma-separated distinct integers >= 1, e.g. 1,8,32")
     return values
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    return _float(text, 0.0, True, "a finite number > 0")
+def setting(name: str) -> Callable[[str], Any]:
+    """The validator of the bench setting ``name``: :func:`~lightning_perf.benchmark.spec.parse_setting`, whose
+    :class:`~lightning_perf.benchmark.spec.SpecError` becomes argparse's one-line error."""
+
+    def parse(text: str) -> Any:
+        try:
+            return parse_setting(name, text)
+        except SpecError as exc:
+            raise invalid(text, exc.expected) from None
+
+    parse.__name__ = name
+    return parse
 
 
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    return _float(text, 0.0, False, "a finite number >= 0")
-
-
-def _float(text: str, minimum: float, exclusive: bool, expected: str) -> float:
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise _invalid(text, expected) from None
-    if not math.isfinite(value):
-        raise _invalid(text, expected)
-    if (value <= minimum) if exclusive else (value < minimum):
-        raise _invalid(text, expected)
-    return value
-
-
-def json_object(text: str) -> dict[str, Any]:
-    """A JSON object, e.g. ``'{"depth": 4}'``."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _invalid(text, f'a JSON object such as {{"name": 1}} ({exc.msg} at column {exc.colno})') from None
-    if not isinstance(value, dict):
-        raise _invalid(text, f'a JSON object such as {{"name": 1}}, not a JSON {type(value).__name__}')
-    return value
+json_object = setting("model_args")
+"""A JSON object, e.g. ``'{"depth": 4}'``."""
+module_class_spec = setting("model")
+"""``package.module:ClassName`` (the syntax only; nothing is imported); ``package.module.ClassName`` is accepted."""
 
 
 def existing_file(text: str) -> Path:
@@ -228,27 +192,15 @@ def existing_file(text: str) -> Path:
     path = Path(text)
     if not text or not path.is_file():
         what = "a directory" if path.is_dir() else "missing"
-        raise _invalid(text, f"the path of an existing file ({what})")
+        raise invalid(text, f"the path of an existing file ({what})")
     return path
-
-
-def module_class_spec(text: str) -> str:
-    """``package.module:ClassName`` (the syntax only; nothing is imported). ``package.module.ClassName`` is accepted
-    and returned as ``package.module:ClassName``."""
-    spec = text.strip()
-    if ":" not in spec and "." in spec:
-        module, _, name = spec.rpartition(".")
-        spec = f"{module}:{name}"
-    if not _MODULE_CLASS.match(spec):
-        raise _invalid(text, "MODULE:CLASS, e.g. my_pkg.models:Net")
-    return spec
 
 
 def device(text: str) -> str:
     """``auto``, ``cpu``, ``cuda``, ``cuda:N`` or ``mps`` (the syntax only; whether the device exists is checked
     later)."""
     if not _DEVICE.match(text.strip()):
-        raise _invalid(text, "auto, cpu, cuda, cuda:N or mps")
+        raise invalid(text, "auto, cpu, cuda, cuda:N or mps")
     return text.strip()
 
 
@@ -256,7 +208,7 @@ def comma_names(text: str) -> list[str]:
     """A non-empty comma-separated list of names (blanks dropped)."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise _invalid(text, "one or more comma-separated names")
+        raise invalid(text, "one or more comma-separated names")
     return names
 
 
@@ -284,14 +236,24 @@ def choice_list(
     return parse
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """A validator of an integer >= ``minimum``."""
+def at_least(minimum: float, kind: Callable[[str], float] = int, above: bool = False) -> Callable[[str], Any]:
+    """A validator of a finite number (``kind``: ``int`` or ``float``) >= ``minimum`` (> with ``above``)."""
+    expected = f"{'an integer' if kind is int else 'a finite number'} {'>' if above else '>='} {minimum:g}"
 
-    def parse(text: str) -> int:
-        return _int_at_least(text, minimum)
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise invalid(text, expected) from None
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise invalid(text, expected)
+        return value
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = expected
     return parse
+
+
+non_negative_int = at_least(0)
 
 
 # Names the parsers offer without importing the registries behind them (which import torch and Lightning);
@@ -302,12 +264,6 @@ WORKLOAD_NAMES: tuple[str, ...] = ("convnet", "unet3d", "vit", "lm")
 PRESET_NAMES: tuple[str, ...] = ("tiny", "default", "gpu")
 """The workload sizes named in ``--help`` (:mod:`lightning_perf.demos` ``PRESETS``, read at run time, is the check;
 ``gpu``: the GPU-sized preset, the default on a CUDA device)."""
-
-STAGE_NAMES: tuple[str, ...] = ("fit", "predict", "validate", "test")
-"""The Trainer stages the bench measures (``--stage``): training steps, or an inference stage's per-batch latency."""
-
-TRAINER_PRECISIONS: tuple[str, ...] = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
-"""The ``Trainer(precision=...)`` values the bench accepts."""
 
 
 def add_source_arguments(parser: argparse.ArgumentParser, what_runs: str, workload_help: str) -> None:

@@ -12,24 +12,21 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf.cli._common import (
-    STAGE_NAMES,
     UsageError,
     add_command,
     add_device_argument,
     add_preset_argument,
     add_source_arguments,
+    at_least,
     check_output,
     check_source_options,
     choice_list,
     fail,
-    int_at_least,
     load_user_source,
-    non_negative_float,
-    non_negative_int,
-    positive_float,
-    positive_int,
+    setting,
     spec_error,
 )
+from lightning_perf.optimizations import STAGES
 
 
 def _search_lists() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -62,16 +59,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_device_argument(parser)
     parser.add_argument(
         "--stage",
-        choices=STAGE_NAMES,
+        choices=STAGES,
         default="fit",
         help="what to tune: fit (training step time) or an inference stage (per-batch latency, throughput) "
         "(default: %(default)s)",
     )
     parser.add_argument(
-        "--time-budget", type=positive_float, default=300.0, help="seconds for the whole search (default: %(default)s)"
+        "--time-budget",
+        type=setting("time_budget_s"),
+        default=300.0,
+        help="seconds for the whole search (default: %(default)s)",
     )
-    parser.add_argument("--steps", type=int_at_least(3), default=10, help="measured steps per trial, >= 3 (default 10)")
-    parser.add_argument("--warmup-steps", type=positive_int, default=3, help="excluded steps per trial (default 3)")
+    parser.add_argument("--steps", type=at_least(3), default=10, help="measured steps per trial, >= 3 (default 10)")
+    parser.add_argument(
+        "--warmup-steps", type=setting("warmup_steps"), default=3, help="excluded steps per trial (default 3)"
+    )
     parser.add_argument(
         "--precisions",
         type=choice_list(precisions, what="precision", allow_empty=True),
@@ -83,17 +85,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=choice_list(stackable, what="optimization", allow_empty=True),
         help=f"configurations to try stacking, in order, '' for none (default: {','.join(default_search)})",
     )
-    parser.add_argument("--max-batch-size", type=positive_int, help="default: 4x the model's own")
+    parser.add_argument("--max-batch-size", type=setting("batch_size"), help="default: 4x the model's own")
     parser.add_argument("--no-batch-size", action="store_true", help="keep the model's batch size")
     parser.add_argument("--no-data-loading", action="store_true", help="keep the DataLoader settings")
-    parser.add_argument("--max-num-workers", type=non_negative_int, help="default: the CPU count")
+    parser.add_argument("--max-num-workers", type=setting("num_workers"), help="default: the CPU count")
     parser.add_argument(
-        "--min-gain", type=non_negative_float, default=0.03, help="smallest speed-up kept (default 0.03)"
+        "--min-gain", type=at_least(0, float), default=0.03, help="smallest speed-up kept (default 0.03)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads",
-        type=positive_int,
+        type=setting("threads"),
         help="intra-op threads of every trial (default: the usable cores less the load seen at the start, at least 1)",
     )
     parser.add_argument(
@@ -115,14 +117,6 @@ def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParse
     if args.workload is None and args.model is None and not args.config:
         parser.error("one of the arguments --workload --model --config is required")
     check_source_options(parser, args, "--config goes with your model")
-    if args.workload is not None:
-        for option, value in (
-            ("--datamodule", args.datamodule),
-            ("--model-args", args.model_args),
-            ("--datamodule-args", args.datamodule_args),
-        ):
-            if value is not None:
-                fail(parser, option, value, f"no {option} with --workload ({option} goes with --model)")
     check_output(parser, "--output", args.output, "the YAML")
     if args.no_batch_size and args.max_batch_size is not None:
         fail(parser, "--max-batch-size", args.max_batch_size, "no --max-batch-size with --no-batch-size")

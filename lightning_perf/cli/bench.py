@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf.cli._common import (
-    STAGE_NAMES,
-    TRAINER_PRECISIONS,
     add_command,
     add_device_argument,
     add_preset_argument,
@@ -27,49 +25,18 @@ from lightning_perf.cli._common import (
     check_source_options,
     fail,
     load_user_source,
-    non_negative_int,
-    positive_int,
     positive_int_list,
+    setting,
     spec_error,
 )
+from lightning_perf.optimizations import STAGES
 
 # The no-argument bench: sized to finish in about three minutes on a 2-core CPU (3 configurations x 3 repeats, each a
 # fresh process), with enough steps per repeat for the bootstrap interval to be informative.
 DEFAULT_STEPS = 15
 DEFAULT_WARMUP_STEPS = 3
-DEFAULT_REPEATS = "auto"
-DEFAULT_TARGET = "5%"
 DEFAULT_TIME_BUDGET_S = 150.0  # benchmark.settle's default (not imported: --help stays light)
 DEFAULT_PREDICT_BATCHES = 5
-
-
-def repeats_value(text: str) -> int | str:
-    """``--repeats``: ``auto`` or an integer >= 1."""
-    return "auto" if text.strip() == "auto" else positive_int(text)
-
-
-def target_value(text: str) -> float:
-    """``--target``: a percentage (``5%``) or a fraction (``0.05``) between 0 and 1, exclusive."""
-    expected = "a percentage such as 5% (or a fraction such as 0.05), above 0 and below 100%"
-    stripped = text.strip()
-    try:
-        value = float(stripped[:-1]) / 100.0 if stripped.endswith("%") else float(stripped)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.")
-    return value
-
-
-def seconds_value(text: str) -> float:
-    """``--time-budget``: a number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid. Expected a number of seconds > 0, e.g. 150.")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -85,7 +52,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_source_arguments(parser, "configuration", "a reference workload (default: convnet)")
     _add_what_arguments(parser)
-    _add_repeat_arguments(parser)
     _add_run_arguments(parser)
     _add_output_arguments(parser)
     return parser
@@ -96,7 +62,7 @@ def _add_what_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stage",
         default="fit",
-        choices=STAGE_NAMES,
+        choices=STAGES,
         help="what to measure: fit (training steps) or an inference stage (per-batch latency) (default: %(default)s)",
     )
     parser.add_argument(
@@ -109,70 +75,42 @@ def _add_what_arguments(parser: argparse.ArgumentParser) -> None:
     add_preset_argument(parser)
 
 
-def _add_repeat_arguments(parser: argparse.ArgumentParser) -> None:
-    """How long each run is and how many repeats settle a speed-up."""
-    parser.add_argument(
-        "--steps", type=positive_int, default=DEFAULT_STEPS, help="steady-state steps per run (default %(default)s)"
-    )
-    parser.add_argument(
-        "--warmup-steps",
-        type=positive_int,
-        default=DEFAULT_WARMUP_STEPS,
-        help="excluded warm-up steps (default %(default)s)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=repeats_value,
-        default=DEFAULT_REPEATS,
-        help="runs per configuration: auto (default) adds interleaved repeats until every speed-up's 95%% interval "
-        "is within --target or --time-budget is spent; N runs exactly N (from 5 on the interval comes from the spread "
-        "between repeats, below from a bootstrap over steps)",
-    )
-    parser.add_argument(
-        "--target",
-        type=target_value,
-        default=DEFAULT_TARGET,
-        help="with --repeats auto: a speed-up "
-        "is settled when its 95%% interval is within +-TARGET (default %(default)s)",
-    )
-    parser.add_argument(
-        "--time-budget",
-        type=seconds_value,
-        default=DEFAULT_TIME_BUDGET_S,
-        metavar="SECONDS",
-        help="with --repeats auto: seconds of measuring, single configurations and the winners' stack together "
-        "(default %(default)g: the default bench ends within about 3 minutes on a 2-core CPU)",
-    )
+# The options that are settings of the bench's spec, each --NAME (its unit suffix dropped), parsed and checked by the
+# spec's own table (benchmark.spec.parse_setting): (setting, default, help).
+_SETTINGS: tuple[tuple[str, Any, str], ...] = (
+    ("steps", DEFAULT_STEPS, "steady-state steps per run (default %(default)s)"),
+    ("warmup_steps", DEFAULT_WARMUP_STEPS, "excluded warm-up steps (default %(default)s)"),
+    ("repeats", "auto", "runs per configuration: auto (default) adds interleaved repeats until every speed-up's 95%% "
+     "interval is within --target or --time-budget is spent; N runs exactly N (from 5 on the interval comes from "
+     "the spread between repeats, below from a bootstrap over steps)"),
+    ("target", "5%", "with --repeats auto: a speed-up is settled when its 95%% interval is within +-TARGET "
+     "(default %(default)s)"),
+    ("time_budget_s", DEFAULT_TIME_BUDGET_S, "with --repeats auto: seconds of measuring, single configurations and "
+     "the winners' stack together (default %(default)g: the default bench ends within about 3 minutes on 2 cores)"),
+    ("batch_size", None, "default: the preset's (the model's)"),
+    ("precision", None, "precision of every configuration that does not set its own (default: the --config file's, "
+     "else 32-true)"),
+    ("predict_batches", DEFAULT_PREDICT_BATCHES, "timed inference batches (default %(default)s); 0 skips inference "
+     "timing"),
+    ("num_workers", 0, "DataLoader workers (default 0)"),
+    ("threads", None, "intra-op threads of every run (default: the usable cores less the load seen at the start, at "
+     "least 1)"),
+)  # fmt: skip
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The Trainer and data settings every configuration runs with."""
-    parser.add_argument("--batch-size", type=positive_int, help="default: the preset's (the model's)")
+    """How long each run is, how many repeats settle a speed-up, and the Trainer and data settings of every run."""
+    for name, default, text in _SETTINGS:
+        parser.add_argument("--" + name.removesuffix("_s").replace("_", "-"), type=setting(name), default=default,
+                            help=text)  # fmt: skip
     parser.add_argument(
         "--batch-sizes",
         type=positive_int_list,
         metavar="N,N,...",
         help="sweep the batch size: one section per size and a batch-scaling table (e.g. 1,8,32)",
     )
-    parser.add_argument(
-        "--precision",
-        choices=TRAINER_PRECISIONS,
-        help="precision of every configuration that does not set its own (default: the --config file's, else 32-true)",
-    )
     add_device_argument(parser)
-    parser.add_argument(
-        "--predict-batches",
-        type=non_negative_int,
-        default=DEFAULT_PREDICT_BATCHES,
-        help="timed inference batches (default %(default)s); 0 skips inference timing",
-    )
-    parser.add_argument("--num-workers", type=non_negative_int, default=0, help="DataLoader workers (default 0)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        help="intra-op threads of every run (default: the usable cores less the load seen at the start, at least 1)",
-    )
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -205,12 +143,6 @@ def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParse
     check_source_options(
         parser, args, "the file builds your model; use --model/--datamodule or the file's model: and data: sections"
     )
-    if args.datamodule is not None and args.model is None and not args.config:
-        fail(parser, "--datamodule", args.datamodule, "--model as well (the LightningModule class, pkg.mod:Class)")
-    if args.model is None and not args.config:
-        for option, value in (("--model-args", args.model_args), ("--datamodule-args", args.datamodule_args)):
-            if value is not None:
-                fail(parser, option, value, f"{option} together with --model or --config")
     if args.batch_size is not None and args.batch_sizes is not None:
         fail(parser, "--batch-sizes", ",".join(map(str, args.batch_sizes)), "no --batch-sizes with --batch-size")
 
@@ -239,8 +171,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             preset=args.preset,
             steps=args.steps,
             warmup_steps=args.warmup_steps,
-            repeats=None if args.repeats == "auto" else args.repeats,
-            target=args.target if isinstance(args.target, float) else target_value(args.target),
+            repeats=args.repeats,
+            target=args.target,
             time_budget_s=args.time_budget,
             batch_size=args.batch_size,
             batch_sizes=tuple(args.batch_sizes or ()),
@@ -285,6 +217,7 @@ def _own_model_settings(args: argparse.Namespace, parser: argparse.ArgumentParse
 
 
 _TASK_RUNNER_DESTS = frozenset({"tasks", "ref", "fail_fast", "output", "force", "quiet"})
+_FLAGS = frozenset({"--list", "--force", "--quiet", "--fail-fast"})  # the options that take no value
 
 
 def _run_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -296,7 +229,7 @@ def _run_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if args.output is not None and args.output.exists() and not args.output.is_dir():
         fail(parser, "--output", str(args.output), "a directory for the task results (with --tasks or --ref)")
     command = list(getattr(args, "argv", None) or ["bench"])
-    items = _option_items(parser, command[1:])
+    items = _option_items(command[1:])
     given = [tokens[0] for dest, tokens in items if dest in SOURCE_COLUMNS]
     if args.tasks is not None and given:
         expected = "the model in each task's columns (config, model and datamodule, or workload)"
@@ -305,7 +238,7 @@ def _run_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         (dest, tuple(tokens)) for dest, tokens in items if dest not in _TASK_RUNNER_DESTS | set(SOURCE_COLUMNS)
     ]
     try:
-        tasks = read_tasks(args.tasks, parser) if args.tasks is not None else [task_from_options(vars(args))]
+        tasks = read_tasks(args.tasks, check_names=True) if args.tasks is not None else [task_from_options(vars(args))]
         spec = TaskSpec(
             tuple(tasks),
             tuple(args.ref or ()),
@@ -322,15 +255,14 @@ def _run_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error(str(exc))
 
 
-def _option_items(parser: argparse.ArgumentParser, tokens: list[str]) -> list[tuple[str | None, list[str]]]:
+def _option_items(tokens: list[str]) -> list[tuple[str | None, list[str]]]:
     """The command line cut into (dest, tokens) items, each option with its value (``dest`` None: not an option)."""
-    by_string = {s: a for a in parser._actions for s in a.option_strings}
     items: list[tuple[str | None, list[str]]] = []
     i = 0
     while i < len(tokens):
         name, eq, _ = tokens[i].partition("=")
-        action = by_string.get(name) if tokens[i].startswith("-") else None
-        width = 1 if action is None or action.nargs == 0 or eq else 2
-        items.append((action.dest if action else None, tokens[i : i + width]))
+        option = tokens[i].startswith("--")
+        width = 1 if not option or name in _FLAGS or eq else 2
+        items.append((name[2:].replace("-", "_") if option else None, tokens[i : i + width]))
         i += width
     return items

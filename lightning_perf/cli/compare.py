@@ -13,11 +13,10 @@ is refused rather than guessed, since either reading (five percent, or a fractio
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any
 
-from lightning_perf.cli._common import UsageError, add_command, existing_file, fail
+from lightning_perf.cli._common import UsageError, add_command, at_least, existing_file, fail, invalid
 
 DEFAULT_THRESHOLD = "5%"
 OUTPUT_SUFFIXES = (".json", ".md")
@@ -27,22 +26,19 @@ def percentage(text: str) -> float:
     """``--threshold``: a percentage with its sign, ``0%`` or more (``5%`` gives 0.05)."""
     expected = "a percentage with its % sign, >= 0%, e.g. 5% or 2.5%"
     stripped = text.strip()
-    if not stripped.endswith("%"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.")
     try:
-        value = float(stripped[:-1])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.")
-    return value / 100.0
+        if stripped.endswith("%"):
+            return at_least(0, float)(stripped[:-1]) / 100.0
+    except argparse.ArgumentTypeError:
+        pass
+    raise invalid(text, expected)
 
 
 def output_path(text: str) -> Path:
     """``--output``: a path ending in ``.json`` or ``.md`` (not an existing directory)."""
     path = Path(text)
     if not text.strip() or path.suffix.lower() not in OUTPUT_SUFFIXES or path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid. Expected a file path ending in .json or .md.")
+        raise invalid(text, "a file path ending in .json or .md")
     return path
 
 

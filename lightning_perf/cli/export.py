@@ -14,12 +14,13 @@ from typing import Any
 from lightning_perf.cli._common import (
     UsageError,
     add_command,
+    at_least,
     choice_list,
     comma_names,
     device,
     existing_file,
     fail,
-    int_at_least,
+    invalid,
     module_class_spec,
     non_negative_int,
     one_line,
@@ -35,18 +36,14 @@ EXPORT_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 """The keys of ``lightning_perf.deploy.PRECISIONS``."""
 
 
-def _invalid(text: str, expected: str) -> argparse.ArgumentTypeError:
-    return argparse.ArgumentTypeError(f"{text!r} is not valid. Expected {expected}.")
-
-
 def _positive_ints(text: str, separator: str, expected: str) -> list[int]:
     parts = [part.strip() for part in text.split(separator)]
     try:
         values = [int(part) for part in parts]
     except ValueError:
-        raise _invalid(text, expected) from None
+        raise invalid(text, expected) from None
     if not values or any(v < 1 for v in values):
-        raise _invalid(text, expected)
+        raise invalid(text, expected)
     return values
 
 
@@ -54,7 +51,7 @@ def _range(text: str) -> tuple[int, int, int]:
     expected = "MIN,OPT,MAX: three positive integers with min <= opt <= max, e.g. 1,8,32"
     values = _positive_ints(text, ",", expected)
     if len(values) != 3 or not values[0] <= values[1] <= values[2]:
-        raise _invalid(text, expected)
+        raise invalid(text, expected)
     return values[0], values[1], values[2]
 
 
@@ -63,7 +60,7 @@ def _shape(text: str) -> list[int]:
     try:
         return _positive_ints(text.replace(",", "x"), "x", expected)
     except argparse.ArgumentTypeError:
-        raise _invalid(text, expected) from None  # the value as typed ('3,x'), not as rewritten
+        raise invalid(text, expected) from None  # the value as typed ('3,x'), not as rewritten
 
 
 def _sizes(text: str) -> list[int]:
@@ -79,15 +76,15 @@ def _dynamic_dim(text: str) -> tuple[int, int, tuple[int, int, int]]:
         index, dimension = int(input_index or 0), int(dim)
         rng = _range(values)
     except (ValueError, argparse.ArgumentTypeError):
-        raise _invalid(text, expected) from None
+        raise invalid(text, expected) from None
     if not sep or index < 0 or dimension < 1:
-        raise _invalid(text, expected)
+        raise invalid(text, expected)
     return index, dimension, rng
 
 
 def _stem(text: str) -> str:
     if not text or "/" in text or "\\" in text or text.startswith("."):
-        raise _invalid(text, "a plain, non-hidden file stem, e.g. model")
+        raise invalid(text, "a plain, non-hidden file stem, e.g. model")
     return text
 
 
@@ -158,7 +155,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--latency-warmup", type=non_negative_int, default=3, help="default: 3")
     parser.add_argument("--device", type=device, help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--onnx-providers", type=comma_names, help="comma-separated ORT providers")
-    parser.add_argument("--opset", type=int_at_least(18), help="ONNX opset >= 18 (default: exporter's)")
+    parser.add_argument("--opset", type=at_least(18), help="ONNX opset >= 18 (default: exporter's)")
     parser.add_argument("--dirpath", type=Path, help="output directory (default: the checkpoint's)")
     parser.add_argument("--filename", type=_stem, help="artifact stem (default: the checkpoint's stem)")
     parser.add_argument("--strict", action="store_true", help="stop at the first backend that fails, no fallback")

@@ -22,28 +22,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lightning_perf._imports import require
 from lightning_perf._io import atomic_path, atomic_write_text
 from lightning_perf.profiling.machine import _cpu_model, _read_cpuinfo, installed_version
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.table import Table
 
 __all__ = [
     "SCHEMA_VERSION",
     "bar_figure",
     "environment_info",
     "format_bytes",
+    "format_number",
     "format_seconds",
     "markdown_table",
     "plot_bars",
     "plot_lines",
     "plot_stacked_steps",
     "print_table",
-    "rich_table",
     "text_table",
     "to_jsonable",
     "wrap_lines",
@@ -71,6 +68,8 @@ def environment_info() -> dict[str, Any]:
         (versions, the platform, the CPU model, the libc) is read once per process: reading it costs tens of
         milliseconds (package metadata, the libc's version from the interpreter's binary).
     """
+    import torch
+
     from lightning_perf.profiling.machine import usable_cpu_count
 
     info: dict[str, Any] = {
@@ -95,6 +94,8 @@ def environment_info() -> dict[str, Any]:
 
 @functools.cache
 def _fixed_environment() -> dict[str, Any]:
+    import torch
+
     from lightning_perf import __version__
 
     return {
@@ -124,6 +125,8 @@ def to_jsonable(obj: Any, where: str = "report") -> Any:
     Raises:
         TypeError: for anything else, naming where in ``obj`` it sits.
     """
+    import torch  # here: the formatters and tables of this module serve `compare`, which needs no torch
+
     if obj is None or isinstance(obj, (bool, int, str)):
         return obj
     if isinstance(obj, float):
@@ -239,6 +242,11 @@ def format_seconds(s: float | None) -> str:
     return f"{sign}{total // 3600} h {total % 3600 // 60:02d} min"
 
 
+def format_number(value: float | None, spec: str, suffix: str = "") -> str:
+    """``value`` formatted with ``spec`` and ``suffix`` (``format_number(0.5, ".1f", "%")``), or ``"n/a"``."""
+    return "n/a" if value is None else f"{format(value, spec)}{suffix}"
+
+
 # ----------------------------------------------------------------------------------------------------------- tables
 
 
@@ -311,40 +319,6 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]], tit
     return "\n".join(lines)
 
 
-def rich_table(columns: Sequence[str], rows: Sequence[Sequence[object]], title: str | None = None) -> Table:
-    """The same table as :func:`markdown_table`, as a :class:`rich.table.Table` for the terminal.
-
-    Cells are plain text: square brackets in a configuration name are shown, not read as rich markup.
-
-    Raises:
-        ValueError: if a row does not have one cell per column.
-    """
-    from rich.table import Table
-    from rich.text import Text
-
-    numeric = _check_rows(columns, rows)
-    table = Table(title=title)
-    for column, num in zip(columns, numeric):
-        table.add_column(Text(str(column)), justify="right" if num else "left")
-    for row in rows:
-        table.add_row(*(Text(_cell_text(cell)) for cell in row))
-    return table
-
-
-def print_table(
-    columns: Sequence[str],
-    rows: Sequence[Sequence[object]],
-    title: str | None = None,
-    console: Console | None = None,
-) -> None:
-    """Print :func:`rich_table` to ``console`` (a default :class:`rich.console.Console` on stdout if None)."""
-    if console is None:
-        from rich.console import Console
-
-        console = Console()
-    console.print(rich_table(columns, rows, title=title))
-
-
 CONSOLE_WIDTH = 80
 """The width every console line of the bench, compare and the tuner fits in: nothing is cut, long text is wrapped."""
 
@@ -376,7 +350,7 @@ def _words_width(text: str) -> int:
 
 def text_table(
     columns: Sequence[str],
-    rows: Sequence[Sequence[object]],
+    rows: Sequence[Sequence[object] | str],
     title: str | None = None,
     width: int = CONSOLE_WIDTH,
     gap: int = 2,
@@ -386,15 +360,15 @@ def text_table(
     Columns start at their natural width; while the table is too wide, the widest column that can still wrap
     without breaking a word gives up one character. Only when even the longest words do not fit are words broken
     (never shortened with an ellipsis). Cells may hold line breaks; numbers are formatted as in
-    :func:`markdown_table` and right-aligned.
+    :func:`markdown_table` and right-aligned. A row given as a string is a heading line across the table (wrapped).
 
     Raises:
         ValueError: if a row does not have one cell per column, or ``width`` leaves no room for them.
     """
-    numeric = _check_rows(columns, rows)
+    numeric = _check_rows(columns, [row for row in rows if not isinstance(row, str)])
     header = [str(c) for c in columns]
-    body = [[_cell_text(cell) for cell in row] for row in rows]
-    cells = [header, *body]
+    body = [row if isinstance(row, str) else [_cell_text(cell) for cell in row] for row in rows]
+    cells = [header, *(row for row in body if not isinstance(row, str))]
     count = len(columns)
     if width < count * (1 + gap):
         raise ValueError(f"`text_table(width={width!r})` is too narrow for {count} columns.")
@@ -425,8 +399,23 @@ def text_table(
     lines += render(header, [False] * count)
     lines.append((" " * gap).join("-" * w for w in widths))
     for row in body:
-        lines += render(row, numeric)
+        lines += wrap_lines(row, width) if isinstance(row, str) else render(row, numeric)
     return "\n".join(lines)
+
+
+def print_table(
+    columns: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    title: str | None = None,
+    console: Console | None = None,
+    width: int = CONSOLE_WIDTH,
+) -> None:
+    """Print :func:`text_table` on ``console`` (a :class:`rich.console.Console`; stdout if None), as plain text."""
+    text = text_table(columns, rows, title=title, width=width)
+    if console is None:
+        print(text)
+    else:  # no markup: square brackets in a configuration name are shown as they are
+        console.print(text, markup=False, highlight=False)
 
 
 # ----------------------------------------------------------------------------------------------------------- charts

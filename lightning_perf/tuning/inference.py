@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning_perf.optimizations import INFERENCE_STAGES, STAGES, optimizations, tuner_search_list
+from lightning_perf.optimizations import (
+    COMPILE,
+    COMPILE_REGIONAL,
+    INFERENCE_STAGES,
+    STAGES,
+    optimizations,
+    tuner_search_list,
+)
 
 if TYPE_CHECKING:
     from lightning_perf.benchmark.structure import ModelStructure
@@ -133,7 +140,7 @@ def _by_structure(names: tuple[str, ...], device: Any, structure: ModelStructure
     where = torch.device(device if device is not None else "cpu")
     cuda = where.type == "cuda"
     if not cuda and structure.repeated_blocks:
-        names = tuple("compile_regional" if n == "compile" else n for n in names)
+        names = tuple(COMPILE_REGIONAL if n == COMPILE else n for n in names)
     left_out = {}
     for name in names:
         if cuda and name in COMPILE_VARIANTS:

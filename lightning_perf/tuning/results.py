@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_perf._io import numbered_path
 
-__all__ = ["Recommendation", "Trial", "TuningResult", "format_value", "ratio_text", "unused_output"]
+__all__ = ["Recommendation", "Trial", "TuningResult", "ratio_text", "unused_output"]
 
 
 @dataclass
@@ -183,7 +183,7 @@ class TuningResult:
         return measured + [t for t in self.trials if not t.measured]
 
     def table_rows(self) -> list[list[str]]:
-        from lightning_perf.profiling import format_bytes
+        from lightning_perf.profiling import format_bytes, format_number
 
         rows = []
         for t in self.ranked():
@@ -193,13 +193,13 @@ class TuningResult:
                     t.stage,
                     t.verdict,
                     _ms(t.step_median_s, t.step_p25_s, t.step_p75_s),
-                    format_value(t.throughput, ".1f"),
+                    format_number(t.throughput, ".1f"),
                     "reference" if t.verdict == "baseline" else t.speedup_text,
-                    format_value(t.p_faster, ".2f"),
-                    format_value(None if t.data_wait_share is None else 100 * t.data_wait_share, ".1f", "%"),
-                    format_value(t.loss_deviation, ".3f"),
+                    format_number(t.p_faster, ".2f"),
+                    format_number(None if t.data_wait_share is None else 100 * t.data_wait_share, ".1f", "%"),
+                    format_number(t.loss_deviation, ".3f"),
                     format_bytes(t.step_memory_bytes) if t.step_memory_bytes is not None else "n/a",
-                    format_value(t.wall_s, ".1f"),
+                    format_number(t.wall_s, ".1f"),
                 ]
             )
         return rows
@@ -334,6 +334,7 @@ class TuningResult:
             self.table_rows(),
             title=f"autotune ({self.stage}): {self.source} on {self.device} ({self.elapsed_s:.0f} s)",
             console=console,
+            width=console.width,
         )
         rec = self.recommendation
         lines = [f"  {t.label}: {t.verdict}, {t.reason}" for t in self.ranked() if t.reason]
@@ -366,11 +367,6 @@ def ratio_text(ratio: float | None, ci95: list[float] | None, verdict: str | Non
 def unused_output(yaml_path: str | os.PathLike[str], force: bool = False) -> Path:
     """``yaml_path``, or numbered (``tuned-2.yaml``...) when it or its JSON twin exists; as is with ``force``."""
     return numbered_path(Path(yaml_path), lambda p: (p, p.with_suffix(".json")), force)
-
-
-def format_value(value: float | None, spec: str, suffix: str = "") -> str:
-    """``value`` formatted with ``spec`` and ``suffix``, or ``n/a``."""
-    return "n/a" if value is None else f"{format(value, spec)}{suffix}"
 
 
 def _ms(med: float | None, lo: float | None, hi: float | None) -> str:

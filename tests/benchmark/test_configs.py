@@ -5,7 +5,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_perf.benchmark import configs
-from lightning_perf.benchmark.configs import BenchConfig, available_configs, get_config, resolve_configs
+from lightning_perf.benchmark.configs import BenchConfig, available_configs, get_config, stack_configs
 
 
 class _A(Callback):
@@ -20,14 +20,8 @@ def _needs_cuda(device: torch.device) -> str | None:
     return None if device.type == "cuda" else "needs a CUDA device"
 
 
-@pytest.fixture
-def registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two extra configurations, removed again after the test."""
-    monkeypatch.setattr(configs, "_BENCH_ONLY", dict(configs._BENCH_ONLY))
-    configs.register_config(BenchConfig("a", "adds A", callbacks=lambda: [_A()], trainer_kwargs={"benchmark": True}))
-    configs.register_config(BenchConfig("b", "adds B", callbacks=lambda: [_B()]))
-    configs.register_config(BenchConfig("no_bench", "unsets benchmark", trainer_kwargs={"benchmark": False}))
-    configs.register_config(BenchConfig("gpu_only", "needs cuda", applies_to=_needs_cuda))
+A = BenchConfig("a", "adds A", callbacks=lambda: [_A()], trainer_kwargs={"benchmark": True})
+B = BenchConfig("b", "adds B", callbacks=lambda: [_B()])
 
 
 def test_baseline_first_and_bf16_registered() -> None:
@@ -44,41 +38,30 @@ def test_unknown_name_lists_the_valid_ones() -> None:
         get_config("baseline+nope")
 
 
-def test_stack_keeps_callback_order_and_merges_kwargs(registry: None) -> None:
-    stacked = get_config("a+bf16-mixed")
+def test_stack_keeps_callback_order_and_merges_kwargs() -> None:
+    stacked = stack_configs([A, get_config("bf16-mixed")])
     assert stacked.name == "a+bf16-mixed"
     assert stacked.parts == ("a", "bf16-mixed")
     assert [type(cb) for cb in stacked.callbacks()] == [_A]
     assert dict(stacked.trainer_kwargs) == {"benchmark": True, "precision": "bf16-mixed"}
-    assert [type(cb) for cb in get_config("b+a").callbacks()] == [_B, _A]
+    assert [type(cb) for cb in stack_configs([B, A]).callbacks()] == [_B, _A]
 
 
-def test_conflicting_stack_is_an_error(registry: None) -> None:
+def test_conflicting_stack_is_an_error() -> None:
     with pytest.raises(ValueError, match=r"both set Trainer\(benchmark=...\)"):
-        get_config("a+no_bench")
+        stack_configs([A, BenchConfig("no_bench", "unsets benchmark", trainer_kwargs={"benchmark": False})])
 
 
-def test_applicability_of_a_stack_names_the_part(registry: None) -> None:
-    stacked = get_config("a+gpu_only")
+def test_applicability_of_a_stack_names_the_part() -> None:
+    stacked = stack_configs([A, BenchConfig("gpu_only", "needs cuda", applies_to=_needs_cuda)])
     assert stacked.why_not(torch.device("cuda")) is None
     assert stacked.why_not(torch.device("cpu")) == "gpu_only: needs a CUDA device"
-
-
-def test_resolve_keeps_order_and_drops_duplicates() -> None:
-    assert [c.name for c in resolve_configs("bf16-mixed, baseline,bf16-mixed")] == ["bf16-mixed", "baseline"]
-    with pytest.raises(ValueError, match="No benchmark configuration given"):
-        resolve_configs(" , ")
 
 
 @pytest.mark.parametrize("bad", ["", "a+b", "with space", "x,y"])
 def test_invalid_config_name(bad: str) -> None:
     with pytest.raises(ValueError, match="is not a valid name"):
         BenchConfig(bad, "desc")
-
-
-def test_duplicate_registration_is_an_error() -> None:
-    with pytest.raises(ValueError, match="already registered"):
-        configs.register_config(BenchConfig("baseline", "again"))
 
 
 def test_callback_specs_build_the_callbacks_and_stack() -> None:
@@ -93,8 +76,8 @@ def test_callback_specs_build_the_callbacks_and_stack() -> None:
     assert get_config("baseline").callback_specs == ()
 
 
-def test_a_stack_with_a_factory_only_part_has_no_specs(registry: None) -> None:
-    assert get_config("a+channels_last").callback_specs is None
+def test_a_stack_with_a_factory_only_part_has_no_specs() -> None:
+    assert stack_configs([A, get_config("channels_last")]).callback_specs is None
     with pytest.raises(ValueError, match="give `callbacks` or `callback_specs`, not both"):
         BenchConfig("both", "x", callbacks=lambda: [_A()], callback_specs=(("x.Y", {}),))
 

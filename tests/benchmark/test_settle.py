@@ -167,7 +167,7 @@ def test_the_spec_and_the_command_line_default_to_the_rule_s_defaults() -> None:
 
     fields = BenchSpec.__dataclass_fields__
     assert (fields["target"].default, fields["time_budget_s"].default) == (DEFAULT_TARGET, DEFAULT_TIME_BUDGET_S)
-    assert bench.DEFAULT_TIME_BUDGET_S == DEFAULT_TIME_BUDGET_S and bench.target_value(bench.DEFAULT_TARGET) == 0.05
+    assert bench.DEFAULT_TIME_BUDGET_S == DEFAULT_TIME_BUDGET_S and bench.setting("target")("5%") == 0.05
 
 
 def test_a_spread_too_wide_to_settle_says_so() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
@@ -108,10 +107,7 @@ def test_disturbed_rows_are_marked_and_never_printed_as_clean() -> None:
 
 
 def test_the_console_table_fits_80_columns() -> None:
-    from rich import box
-    from rich.console import Console
-
-    from lightning_perf.profiling import rich_table
+    from lightning_perf.profiling.report import text_table
 
     results = _results(2)
     results["channels_last+compile+fused_optimizer"] = [
@@ -121,13 +117,8 @@ def test_the_console_table_fits_80_columns() -> None:
     add_likely_causes(rows, {"cpu_bf16_instructions": False}, BenchSpec(preset="tiny"))
     for s in rows:
         s.disturbed = True
-    table = rich_table(list(CONSOLE_COLUMNS), console_rows(BenchReport(options={}, command="x", summaries=rows)))
-    table.box, table.pad_edge = box.SIMPLE_HEAD, False
-    console = Console(width=80, record=True, file=io.StringIO())
-    console.print(table)
-    lines = console.export_text().splitlines()
-    assert max(len(line.rstrip()) for line in lines) <= 80
-    text = "\n".join(lines)
+    text = text_table(list(CONSOLE_COLUMNS), console_rows(BenchReport(options={}, command="x", summaries=rows)))
+    assert max(len(line) for line in text.splitlines()) <= 80
     assert "faster" in text and "slower" in text and "(disturbed)" in text
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -10,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from lightning_perf.benchmark.tasks import Task, TaskFileError, read_tasks
-from lightning_perf.cli import build_parser
 
 HEADER = "name,config,configs,steps,batch_size,workload,model,datamodule,model_args,datamodule_args,stage,precision"
 
@@ -21,14 +19,7 @@ def _file(tmp_path: Path, text: str, name: str = "tasks.csv") -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def bench_parser() -> argparse.ArgumentParser:
-    parser = build_parser()
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return subparsers.choices["bench"]
-
-
-def test_a_valid_file_gives_its_tasks(tmp_path: Path, bench_parser: argparse.ArgumentParser) -> None:
+def test_a_valid_file_gives_its_tasks(tmp_path: Path) -> None:
     (tmp_path / "conf").mkdir()
     path = _file(
         tmp_path,
@@ -39,7 +30,7 @@ def test_a_valid_file_gives_its_tasks(tmp_path: Path, bench_parser: argparse.Arg
         'own,,,,64,,pkg.mod:Net,pkg.data.Data,"{""depth"": 2}",,,bf16-mixed,3,2,main;.\n'
         "ref_wl,,baseline,,,convnet,,,,,,,,,\n",
     )
-    tasks = read_tasks(path, bench_parser)
+    tasks = read_tasks(path, check_names=True)
     assert [t.name for t in tasks] == ["from_yaml", "own", "ref_wl"]
     first, own, workload = tasks
     assert first.line == 3 and own.line == 5 and workload.line == 6
@@ -131,13 +122,11 @@ def test_a_malformed_file_is_refused_naming_line_and_column(
         ("t,,,,,mnist,,,,,,", "workload", "'mnist' is not valid. Expected one of convnet"),
     ],
 )
-def test_the_bench_parser_checks_names(
-    tmp_path: Path, bench_parser: argparse.ArgumentParser, cells: str, column: str, words: str
-) -> None:
+def test_names_are_checked_on_request(tmp_path: Path, cells: str, column: str, words: str) -> None:
     path = _file(tmp_path, f"{HEADER}\n{cells}\n")
-    read_tasks(path)  # without the parser: names are not checked
+    read_tasks(path)  # names are not checked by default (their registries import torch)
     with pytest.raises(TaskFileError, match=f"line 2, column '{column}'") as caught:
-        read_tasks(path, bench_parser)
+        read_tasks(path, check_names=True)
     assert words in str(caught.value)
 
 

@@ -5,7 +5,6 @@ The peak's measurement is never real here (tests/benchmark/conftest.py)."""
 
 from __future__ import annotations
 
-import io
 from dataclasses import replace
 from typing import Any
 
@@ -152,10 +151,7 @@ def test_the_peak_is_asked_once_per_matmul_setting() -> None:
 
 
 def test_the_console_table_with_mfu_fits_80_columns() -> None:
-    from rich import box
-    from rich.console import Console
-
-    from lightning_perf.profiling import rich_table
+    from lightning_perf.profiling.report import text_table
 
     results = {
         BASELINE: [_run(BASELINE, r, 0.2) for r in range(2)],
@@ -170,13 +166,8 @@ def test_the_console_table_with_mfu_fits_80_columns() -> None:
         row.disturbed = True
         row.likely_cause = "compile warm-up not amortized" if row.config != BASELINE else None
     assert "MFU" in CONSOLE_COLUMNS
-    table = rich_table(list(CONSOLE_COLUMNS), console_rows(BenchReport(options={}, command="x", summaries=rows)))
-    table.box, table.pad_edge = box.SIMPLE_HEAD, False
-    console = Console(width=80, record=True, file=io.StringIO())
-    console.print(table)
-    lines = console.export_text().splitlines()
-    assert max(len(line.rstrip()) for line in lines) <= 80
-    text = "\n".join(lines)
+    text = text_table(list(CONSOLE_COLUMNS), console_rows(BenchReport(options={}, command="x", summaries=rows)))
+    assert max(len(line) for line in text.splitlines()) <= 80
     assert "MFU" in text and "(disturbed)" in text
     for row in rows:
         assert mfu_cell(row) in text and mfu_cell(row).startswith("?")

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from rich.console import Console
 
 from lightning_perf.benchmark import runner
 from lightning_perf.benchmark.configs import default_configs, get_config, split_by_stage
@@ -30,7 +29,7 @@ from lightning_perf.benchmark.spec import BenchSpec, RunSpec
 from lightning_perf.benchmark.worker import MEMORY_STEPS, SETTLE_STEPS, RunResult
 from lightning_perf.benchmark.worker import run as run_worker
 from lightning_perf.cli import main
-from lightning_perf.profiling import rich_table
+from lightning_perf.profiling.report import text_table
 
 OWN = "tests.benchmark._own_models"
 MODEL, DATA = f"{OWN}:Classifier", f"{OWN}:Points"
@@ -249,9 +248,7 @@ def test_an_inference_summary_has_every_latency_ratio_with_its_interval_and_fits
                  "warmup_steps": 1, "stage": "predict", "source": {"kind": "import", "model": MODEL}},
         command="lightning-perf bench ...", summaries=summaries,
     )  # fmt: skip
-    console = Console(width=80, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
-    console.print(rich_table(list(INFERENCE_CONSOLE_COLUMNS), inference_console_rows(report)))
-    lines = console.export_text().splitlines()
+    lines = text_table(list(INFERENCE_CONSOLE_COLUMNS), inference_console_rows(report)).splitlines()
     assert max(len(line) for line in lines) <= 80 and "compile_reduce" in "".join(lines)
     markdown = markdown_report(report)
     assert "p99 speed-up [95% CI]" in markdown and "faster" in markdown and f"`{MODEL}`" in markdown

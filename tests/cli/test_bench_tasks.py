@@ -353,3 +353,18 @@ def test_a_real_tiny_bench_per_task(
     assert [r["status"] for r in summary["runs"]] == ["ok", "failed"]
     assert "--device" in summary["runs"][1]["error"]
     assert summary["runs"][0]["rows"][0]["time_s"] > 0
+
+
+def test_the_options_cut_for_the_tasks_know_every_flag_of_bench() -> None:
+    """The command line is cut into options by name (no parser internals): its list of value-less flags must be the
+    parser's, or an option after a new flag would swallow the next token."""
+    import argparse
+
+    from lightning_perf.cli import bench, build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {s for a in subparsers.choices["bench"]._actions if a.nargs == 0 for s in a.option_strings}
+    assert flags - {"-h", "--help"} == bench._FLAGS
+    items = bench._option_items(["--quiet", "--steps", "3", "--configs=a,b", "--force", "x"])
+    assert items == [("quiet", ["--quiet"]), ("steps", ["--steps", "3"]), ("configs", ["--configs=a,b"]),
+                     ("force", ["--force"]), (None, ["x"])]  # fmt: skip

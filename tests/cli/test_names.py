@@ -11,9 +11,3 @@ def test_workload_and_preset_names_match_the_demos() -> None:
     # --help names every preset; the check itself reads PRESETS at run time. "gpu" is named ahead of the demos that
     # add it (the GPU-sized preset, the default on CUDA).
     assert set(PRESETS) <= set(_common.PRESET_NAMES) and set(_common.PRESET_NAMES) - set(PRESETS) <= {"gpu"}
-
-
-def test_stage_names_match_the_optimization_stages() -> None:
-    from lightning_perf.optimizations import STAGES
-
-    assert _common.STAGE_NAMES == STAGES

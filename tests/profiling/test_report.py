@@ -28,7 +28,6 @@ from lightning_perf.profiling import (
     plot_lines,
     plot_stacked_steps,
     print_table,
-    rich_table,
     summarize,
     write_json,
 )
@@ -143,9 +142,7 @@ def test_markdown_table_rejects_ragged_rows() -> None:
         markdown_table(["a", "b"], [[1, 2], [3]])
 
 
-def test_rich_table_shows_brackets_literally_and_right_aligns_numbers() -> None:
-    table = rich_table(["config", "step"], [["[bold]odd[/bold]", 0.5], ["b", 12]], title="Steps")
-    assert [c.justify for c in table.columns] == ["left", "right"]
+def test_print_table_shows_brackets_literally() -> None:
     console = Console(file=io.StringIO(), width=80, color_system=None)
     print_table(["config", "step"], [["[bold]odd[/bold]", 0.5]], title="Steps", console=console)
     out = console.file.getvalue()  # type: ignore[attr-defined]
@@ -268,6 +265,16 @@ def test_text_table_breaks_words_only_when_they_cannot_fit() -> None:
     assert text.count("x") == 60 and text.count("y") == 60  # broken, nothing lost
     with pytest.raises(ValueError, match="width"):
         text_table(["a", "b", "c"], [[1, 2, 3]], width=5)
+
+
+def test_text_table_heading_rows_span_the_table_and_set_no_width() -> None:
+    from lightning_perf.profiling.report import text_table
+
+    heading = "channels_last+compile @ batch 4, a heading wider than every column"
+    lines = text_table(["figure", "ms"], [heading, ["step", 1.5]], width=40).splitlines()
+    assert lines[:2] == ["figure  ms", "------  ---"]  # the heading widened no column
+    assert lines[2:4] == ["channels_last+compile @ batch 4, a", "  heading wider than every column"]
+    assert lines[4] == "step    1.5"
 
 
 def test_wrap_lines_keeps_every_word_within_80_columns() -> None:

@@ -372,7 +372,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         (["--model", "nope.mod:X", "--datamodule", "nope.mod:Y"], "cannot import module 'nope.mod'"),
         (
             ["--workload", "convnet", "--time-budget", "-1"],
-            "argument --time-budget: '-1' is not valid. Expected a finite number > 0",
+            "argument --time-budget: '-1' is not valid. Expected a number of seconds > 0",
         ),
         (
             ["--workload", "convnet", "--model-args", "[1]"],
