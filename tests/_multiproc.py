@@ -279,10 +279,7 @@ def main() -> int:
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        "nccl" if device == "cuda" else "gloo", rank=rank, world_size=2, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     )
     jobs = json.loads(jobs_file.read_text())
     start = time.perf_counter()

@@ -164,11 +164,7 @@ SETTINGS: list[Setting] = [
         numerics="close",
         numerics_reason=f"another SDPA kernel: {_FLOAT}",
     ),
-    Setting(
-        FusedOptimizerCallback,
-        numerics="close",
-        numerics_reason=f"one fused optimizer kernel: {_FLOAT}",
-    ),
+    Setting(FusedOptimizerCallback, numerics="close", numerics_reason=f"one fused optimizer kernel: {_FLOAT}"),
     # Exports at every fit end (about 2 s of ONNX export each): two validation batch sizes, no timing.
     Setting(
         TensorRTExportCallback,
@@ -232,12 +228,7 @@ SETTINGS: list[Setting] = [
     # A cheap backend: aot_eager still captures forward and backward graphs with dynamo and AOT autograd (guards,
     # caches, counters, state_dict keys), without inductor's 10-30 s cold compile per process. Inductor is covered by
     # one slow test in tests/callbacks/test_compile.py and by the `compile` bench configuration.
-    Setting(
-        CompileCallback,
-        {"backend": "aot_eager"},
-        numerics="close",
-        numerics_reason=f"traced graphs: {_FLOAT}",
-    ),
+    Setting(CompileCallback, {"backend": "aot_eager"}, numerics="close", numerics_reason=f"traced graphs: {_FLOAT}"),
     # Compresses from the third step on (the generic fits run 3-4 steps), on one process and, in the DDP test, two.
     Setting(
         PowerSGDDDPStrategy,

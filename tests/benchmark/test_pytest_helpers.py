@@ -88,10 +88,7 @@ def _script_clock(monkeypatch: pytest.MonkeyPatch, step_s: dict[str, Callable[[i
 def _run(**kwargs: Any) -> FakeBenchmark:
     bench = FakeBenchmark()
     benchmark_training_steps(
-        bench,
-        Tiny(),
-        train_dataloaders=_loader(),
-        **{"steps": 4, "warmup_steps": 2, "rounds": 3, **kwargs},
+        bench, Tiny(), train_dataloaders=_loader(), **{"steps": 4, "warmup_steps": 2, "rounds": 3, **kwargs}
     )
     return bench
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from lightning_perf.benchmark.stack import (
-    choose_stack,
-    is_winner,
-    recommendation_lines,
-    trainer_python,
-    trainer_yaml,
-)
+from lightning_perf.benchmark.stack import choose_stack, is_winner, recommendation_lines, trainer_python, trainer_yaml
 from lightning_perf.profiling.intervals import METHOD_SINGLE, METHOD_T, NO_CLEAR_DIFFERENCE, RatioEstimate
 
 
@@ -64,10 +58,7 @@ def test_python_and_yaml_lines_add_the_stack() -> None:
         python.replace("from lightning_perf.callbacks import", "# "),
         {
             "Trainer": lambda **kw: kw,
-            **{
-                "ChannelsLastCallback": lambda: "cl",
-                "CompileCallback": lambda **kw: ("compile", kw),
-            },
+            **{"ChannelsLastCallback": lambda: "cl", "CompileCallback": lambda **kw: ("compile", kw)},
         },
         namespace,
     )
@@ -81,10 +72,7 @@ def test_python_and_yaml_lines_add_the_stack() -> None:
             "precision": "16-mixed",
             "callbacks": [
                 {"class_path": "lightning_perf.callbacks.ChannelsLastCallback"},
-                {
-                    "class_path": "lightning_perf.callbacks.CompileCallback",
-                    "init_args": {"mode": "reduce-overhead"},
-                },
+                {"class_path": "lightning_perf.callbacks.CompileCallback", "init_args": {"mode": "reduce-overhead"}},
             ],
         }
     }

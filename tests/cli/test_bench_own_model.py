@@ -19,11 +19,7 @@ import pytest
 from lightning_perf.benchmark import runner
 from lightning_perf.benchmark.configs import default_configs, get_config, split_by_stage
 from lightning_perf.benchmark.lightning_config import load_lightning_config
-from lightning_perf.benchmark.report import (
-    INFERENCE_CONSOLE_COLUMNS,
-    inference_console_rows,
-    markdown_report,
-)
+from lightning_perf.benchmark.report import INFERENCE_CONSOLE_COLUMNS, inference_console_rows, markdown_report
 from lightning_perf.benchmark.results import BenchReport
 from lightning_perf.benchmark.spec import BenchSpec, RunSpec
 from lightning_perf.benchmark.worker import MEMORY_STEPS, SETTLE_STEPS, RunResult
@@ -246,7 +242,7 @@ def test_an_inference_summary_has_every_latency_ratio_with_its_interval_and_fits
     report = BenchReport(
         options={"workload": "Classifier", "preset": "default", "device": "cpu", "repeats": 3, "steps": 12,
                  "warmup_steps": 1, "stage": "predict", "source": {"kind": "import", "model": MODEL}},
-        command="lightning-perf bench ...", summaries=summaries,
+        command="lightning-perf bench ...", summaries=summaries
     )  # fmt: skip
     lines = text_table(list(INFERENCE_CONSOLE_COLUMNS), inference_console_rows(report)).splitlines()
     assert max(len(line) for line in lines) <= 80 and "compile_reduce" in "".join(lines)

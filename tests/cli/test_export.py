@@ -86,16 +86,10 @@ def test_export_a_checkpoint_with_its_datamodule(checkpoint: Path, tmp_path: Pat
         (["--batch-range", "1,8"], "argument --batch-range: '1,8' is not valid. Expected MIN,OPT,MAX"),
         (["--batch-range", "a,b,c"], "argument --batch-range: 'a,b,c' is not valid"),
         (["--precision", "int4"], "argument --precision: invalid choice: 'int4'"),
-        (
-            ["--dynamic-dim", "x=1,2,3"],
-            "argument --dynamic-dim: 'x=1,2,3' is not valid. Expected [INPUT:]DIM=",
-        ),
+        (["--dynamic-dim", "x=1,2,3"], "argument --dynamic-dim: 'x=1,2,3' is not valid. Expected [INPUT:]DIM="),
         (["--dynamic-dim", "0=1,2,3"], "argument --dynamic-dim: '0=1,2,3' is not valid"),
         (["--input-shape", "3x0"], "argument --input-shape: '3x0' is not valid. Expected D1xD2...: positive integer"),
-        (
-            ["--validation-batch-sizes", "64"],
-            "argument --validation-batch-sizes: 64 is not valid. Expected batch",
-        ),
+        (["--validation-batch-sizes", "64"], "argument --validation-batch-sizes: 64 is not valid. Expected batch"),
         (["--latency-iterations", "-1"], "argument --latency-iterations: '-1' is not valid. Expected an integer >= 0"),
         (["--latency-warmup", "two"], "argument --latency-warmup: 'two' is not valid"),
         (["--opset", "9"], "argument --opset: '9' is not valid. Expected an integer >= 18"),

@@ -34,13 +34,7 @@ from lightning_perf.functional.attention import (
     swap_attention,
 )
 from lightning_perf.functional.attention_parity import DROPOUT_STREAM_NOTE
-from tests._models import (
-    NanoGPTAttention,
-    PerHeadQKVAttention,
-    ScaledDifferentlyAttention,
-    TinyGPT,
-    encoder,
-)
+from tests._models import NanoGPTAttention, PerHeadQKVAttention, ScaledDifferentlyAttention, TinyGPT, encoder
 
 
 def grads(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:

@@ -10,10 +10,7 @@ from lightning_perf.functional.backend_flags import BackendFlags, apply, backend
 
 # Every setting away from torch's default.
 NON_DEFAULT = BackendFlags(
-    cudnn_benchmark=True,
-    cudnn_tf32=False,
-    float32_matmul_precision="medium",
-    sdpa_backends=frozenset({"math"}),
+    cudnn_benchmark=True, cudnn_tf32=False, float32_matmul_precision="medium", sdpa_backends=frozenset({"math"})
 )
 
 

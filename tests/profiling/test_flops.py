@@ -406,14 +406,7 @@ def test_cache_location_follows_the_environment(
 
 
 @pytest.mark.parametrize(
-    "content",
-    [
-        "{not json",
-        "[1, 2]",
-        '{"schema": 99, "entries": {}}',
-        '{"schema": 1, "entries": [1]}',
-        "",
-    ],
+    "content", ["{not json", "[1, 2]", '{"schema": 99, "entries": {}}', '{"schema": 1, "entries": [1]}', ""]
 )
 def test_a_corrupt_cache_is_ignored_with_a_warning_and_rewritten(
     tmp_path: Path, fake_timer: FakeTimer, content: str

@@ -8,12 +8,7 @@ import pytest
 
 from lightning_perf.profiling import latency
 from lightning_perf.profiling.intervals import METHOD_SINGLE, METHOD_T, NO_CLEAR_DIFFERENCE
-from lightning_perf.profiling.latency import (
-    LatencyRow,
-    measure_latency,
-    paired_blocks,
-    speedup_estimate,
-)
+from lightning_perf.profiling.latency import LatencyRow, measure_latency, paired_blocks, speedup_estimate
 from lightning_perf.profiling.stats import summarize
 
 

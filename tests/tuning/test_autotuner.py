@@ -451,8 +451,7 @@ def test_the_noise_between_two_baseline_runs_raises_the_bar(monkeypatch: pytest.
     # Without the check the bar is min_gain alone.
     monkeypatch.undo()
     ran = script_trials(
-        monkeypatch,
-        {"baseline": scripted_result(0.100, 8), "+channels_last": scripted_result(0.092, 8)},
+        monkeypatch, {"baseline": scripted_result(0.100, 8), "+channels_last": scripted_result(0.092, 8)}
     )
     result = _tune("channels_last", noise_check=False, confirm_below=1.0).run()
     assert ran == ["baseline", "+channels_last"] and result.trials[-1].verdict == "kept"
