@@ -386,6 +386,20 @@ class ShardedConvNet(_SelfShardingModule):
         self.example_input_array = x[:4]
 
 
+class ScriptedClock:
+    """Time that moves only when the test moves it: ``now`` (nanoseconds, or seconds where a test sets it so)."""
+
+    def __init__(self, now: float = 0) -> None:
+        self.now = now
+
+    def __call__(self) -> Any:
+        return self.now
+
+    def advance(self, ms: float) -> None:
+        """Moves ``now`` on by ``ms`` milliseconds, in nanoseconds."""
+        self.now += int(ms * 1_000_000)
+
+
 SHARDED_MODELS: dict[str, Callable[[], pl.LightningModule]] = {
     "lm": ShardedLM,
     "conv2d": lambda: ShardedConvNet(dims=2),

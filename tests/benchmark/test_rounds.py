@@ -7,14 +7,7 @@ import pytest
 from lightning_perf.benchmark.rounds import rotated, run_rounds
 from lightning_perf.benchmark.settle import STOP_BUDGET, STOP_SETTLED, Settling
 from lightning_perf.profiling.intervals import METHOD_T, RatioEstimate
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests._models import ScriptedClock
 
 
 def test_rotation() -> None:
@@ -30,7 +23,7 @@ def test_fixed_repeats_interleave_every_configuration() -> None:
 
 
 def test_auto_repeats_drop_settled_configurations_and_stop() -> None:
-    clock = Clock()
+    clock = ScriptedClock(0.0)
     ran = []
 
     def run_one(name: str, repeat: int):
@@ -53,7 +46,7 @@ def test_auto_repeats_drop_settled_configurations_and_stop() -> None:
 
 
 def test_a_later_phase_continues_the_numbering_within_the_budget() -> None:
-    clock = Clock()
+    clock = ScriptedClock(0.0)
 
     def run_one(name: str, repeat: int):
         clock.now += 20
@@ -77,7 +70,7 @@ def test_needs_one_way_to_stop() -> None:
 
 
 def test_a_disturbed_run_is_measured_again_at_the_round_end_and_the_budget_stretches() -> None:
-    clock = Clock()
+    clock = ScriptedClock(0.0)
     ran: list[tuple[str, int]] = []
     busy = {("a", 0)}  # a load that has passed by the round's end
 

@@ -16,14 +16,7 @@ from lightning_perf.benchmark.settle import (
 )
 from lightning_perf.benchmark.stack import MIN_EVIDENCE_REPEATS
 from lightning_perf.profiling.intervals import METHOD_SINGLE, METHOD_T, RatioEstimate, paired_ratio
-
-
-class ScriptedClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests._models import ScriptedClock
 
 
 def estimate(ratio: float, half: float, n: int, method: str = METHOD_T) -> RatioEstimate:
@@ -61,7 +54,7 @@ def test_projection_follows_one_over_sqrt_n() -> None:
 def test_repeats_are_bought_with_fewer_steps_where_the_budget_asks() -> None:
     # 3 configurations, first round 3 x 20 s (20 steps of 0.5 s and 10 s of start-up): 60 s of a 100 s budget spent,
     # 2 more rounds (120 s) would overrun by 80 s: each of their 6 runs drops ceil(80 / (6 * 0.5)) = 27 steps: floor 5.
-    clock = ScriptedClock()
+    clock = ScriptedClock(1000.0)
     settling = Settling(time_budget_s=100, clock=clock)
     assert settling.min_repeats == 3 == MIN_EVIDENCE_REPEATS
     run_round(settling, clock, ["baseline", "a", "b"], seconds=20.0)
@@ -78,7 +71,7 @@ def test_repeats_are_bought_with_fewer_steps_where_the_budget_asks() -> None:
 
 
 def test_stops_when_every_ratio_settles() -> None:
-    clock = ScriptedClock()
+    clock = ScriptedClock(1000.0)
     settling = Settling(target=0.05, time_budget_s=600, min_repeats=2, clock=clock)
     run_round(settling, clock, ["baseline", "a", "b"])
     first = settling.decide({"a": estimate(1.5, 0.03, 1), "b": estimate(1.2, 0.2, 1)}, repeats=1)
@@ -104,7 +97,7 @@ def test_a_slower_or_unclear_ratio_settles_on_its_width_alone() -> None:
 
 
 def test_stops_at_the_budget_and_reports_unsettled() -> None:
-    clock = ScriptedClock()
+    clock = ScriptedClock(1000.0)
     settling = Settling(target=0.05, time_budget_s=100, min_repeats=2, clock=clock)
     for repeat in (1, 2, 3):
         run_round(settling, clock, ["baseline", "a"], seconds=15.0)
@@ -123,11 +116,11 @@ def test_stops_at_the_budget_and_reports_unsettled() -> None:
 
 
 def test_the_budget_keeps_a_reserve_and_the_minimum_always_runs() -> None:
-    clock = ScriptedClock()
+    clock = ScriptedClock(1000.0)
     settling = Settling(time_budget_s=30, min_repeats=2, clock=clock)
     run_round(settling, clock, ["baseline", "a"], seconds=20.0)  # 40 s: past the budget already
     assert not settling.decide({"a": estimate(1.1, 0.3, 1)}, repeats=1).stop  # the minimum runs regardless
-    clock2 = ScriptedClock()
+    clock2 = ScriptedClock(1000.0)
     settling2 = Settling(time_budget_s=100, min_repeats=2, clock=clock2)
     for _ in (1, 2):
         run_round(settling2, clock2, ["baseline", "a"], seconds=10.0)
@@ -136,7 +129,7 @@ def test_the_budget_keeps_a_reserve_and_the_minimum_always_runs() -> None:
 
 
 def test_stops_at_max_repeats_and_skips_failed_configs() -> None:
-    clock = ScriptedClock()
+    clock = ScriptedClock(1000.0)
     settling = Settling(time_budget_s=10_000, min_repeats=1, max_repeats=2, clock=clock)
     run_round(settling, clock, ["baseline", "a", "broken"])
     decision = settling.decide({"a": estimate(1.1, 0.3, 1), "broken": None}, repeats=1)
@@ -179,7 +172,7 @@ def test_a_spread_too_wide_to_settle_says_so() -> None:
 
 
 def test_a_would_be_winner_gets_its_third_repeat_past_the_budget_up_to_the_stretch_cap() -> None:
-    clock = ScriptedClock()
+    clock = ScriptedClock(1000.0)
     settling = Settling(target=0.05, time_budget_s=100, min_repeats=2, clock=clock)
     for _ in (1, 2):
         run_round(settling, clock, ["baseline", "win", "unclear"], seconds=20.0)  # 120 s: the budget is spent
@@ -190,14 +183,14 @@ def test_a_would_be_winner_gets_its_third_repeat_past_the_budget_up_to_the_stret
     run_round(settling, clock, ["baseline", "win"], seconds=20.0)
     done = settling.decide({"win": estimate(1.5, 0.1, 3), "unclear": estimate(1.0, 0.2, 2)}, repeats=3)
     assert done.stop and done.reason == STOP_BUDGET  # it has its evidence; nothing else is worth the overrun
-    capped = Settling(target=0.05, time_budget_s=100, min_repeats=2, clock=(late := ScriptedClock()))
+    capped = Settling(target=0.05, time_budget_s=100, min_repeats=2, clock=(late := ScriptedClock(1000.0)))
     for _ in (1, 2):
         run_round(capped, late, ["baseline", "win"], seconds=45.0)  # 180 s: one more round would end at 270 s
     assert capped.decide({"win": estimate(1.5, 0.1, 2)}, repeats=2).reason == STOP_BUDGET
 
 
 def test_the_evidence_round_does_not_wait_on_the_stack_reserve() -> None:
-    clock = ScriptedClock()
+    clock = ScriptedClock(1000.0)
     settling = Settling(target=0.05, time_budget_s=150, min_repeats=2, clock=clock)
     for _ in (1, 2):
         run_round(settling, clock, ["baseline", "fused", "attention"], seconds=31.0)  # 186 s, as the lm main job

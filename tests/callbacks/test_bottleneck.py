@@ -20,23 +20,9 @@ from lightning_perf.callbacks import BottleneckCallback, MemoryProfilerCallback
 from lightning_perf.demos import make_workload
 from lightning_perf.profiling import step_phases as sp
 from lightning_perf.profiling.advice import PHASES
+from tests._models import ScriptedClock
 from tests.callbacks._interrupt import LossRecorder
 from tests.callbacks._quiet import quiet_trainer
-
-MS = 1_000_000
-
-
-class ScriptedClock:
-    """Time that moves only when the test's model, data or optimizer says so (nanoseconds)."""
-
-    def __init__(self) -> None:
-        self.now = 0
-
-    def __call__(self) -> int:
-        return self.now
-
-    def advance(self, ms: float) -> None:
-        self.now += int(ms * MS)
 
 
 class SlowData(Dataset):

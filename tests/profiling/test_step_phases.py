@@ -21,35 +21,25 @@ from lightning_perf.profiling.step_phases import (
     summarize_steps,
 )
 from lightning_perf.profiling.timer import HookCost, PhaseLedger
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.ns = 0
-
-    def __call__(self) -> int:
-        return self.ns
-
-    def wait(self, ms: float) -> None:
-        self.ns += int(ms * 1e6)
+from tests._models import ScriptedClock
 
 
 def test_a_hand_written_loop_gets_phases_shares_and_interrupted_steps() -> None:
-    clock = Clock()
+    clock = ScriptedClock()
     phases = StepPhases(PhaseLedger(MEASURED, warmup_steps=1, clock=clock))
     phases.open_gap()
     for step in range(5):
-        clock.wait(1)  # the wait for the batch: "data"
+        clock.advance(1)  # the wait for the batch: "data"
         phases.begin_step("forward")
-        clock.wait(2)
+        clock.advance(2)
         phases.switch("backward")
-        clock.wait(4)
+        clock.advance(4)
         phases.switch(None)
-        clock.wait(1)  # no phase: "other"
+        clock.advance(1)  # no phase: "other"
         phases.end_step(8)  # the wait for the next batch begins
         if step == 2:  # validation after the third step: the fourth one's wait is cut, and it is left out
             phases.interrupt()
-            clock.wait(50)
+            clock.advance(50)
             phases.open_gap()
     report = summarize_steps(phases)
     assert report["steps"] == {"total": 5, "warmup": 1, "steady": 4, "interrupted": 1}
@@ -69,17 +59,17 @@ def test_long_runs_are_binned_to_at_most_the_bars_asked_for() -> None:
 
 
 def test_validation_is_timed_apart_and_live_figures_feed_a_progress_bar() -> None:
-    clock = Clock()
+    clock = ScriptedClock()
     timer = PhaseLedger(MEASURED, clock=clock)
     phases = StepPhases(timer, validation=PhaseTimer(torch.device("cpu"), clock=clock))
     phases.begin_epoch()
     for _ in range(2):
-        clock.wait(1)
+        clock.advance(1)
         phases.begin_step("forward")
-        clock.wait(3)
+        clock.advance(3)
         phases.end_step(4)
         phases.pause()  # validation: the open wait for data is cut, the next step marked interrupted
-        clock.wait(20)
+        clock.advance(20)
         phases.resume()
     assert phases.validation.summary()["validation"].total == pytest.approx(40e-3)
     metrics, bar = live_figures(phases, window=2)
@@ -91,29 +81,29 @@ def test_a_phase_timer_gives_the_same_records_as_the_ledger() -> None:
     """The CUDA path (a PhaseTimer behind StepPhases) and the CPU ledger agree on the same scripted loop."""
     records = []
     for make in (lambda c: PhaseLedger(MEASURED, clock=c), lambda c: PhaseTimer(torch.device("cpu"), clock=c)):
-        clock = Clock()
+        clock = ScriptedClock()
         phases = StepPhases(make(clock))
         phases.open_gap()
         for _ in range(3):
-            clock.wait(1)
+            clock.advance(1)
             phases.begin_step("forward")
-            clock.wait(2)
+            clock.advance(2)
             phases.switch(None)
-            clock.wait(0.5)
+            clock.advance(0.5)
             phases.end_step(4)
         phases.interrupt()
         records.append(summarize_steps(phases)["per_step"]["records"])
     assert records[0] == records[1] and records[0][0]["other"] == pytest.approx(0.5e-3)
 
 
-class CountingClock(Clock):
+class CountingClock(ScriptedClock):
     def __init__(self) -> None:
         super().__init__()
         self.reads = 0
 
     def __call__(self) -> int:
         self.reads += 1
-        return self.ns
+        return self.now
 
 
 def test_one_clock_read_per_boundary_and_no_object_kept_per_step() -> None:
@@ -123,7 +113,7 @@ def test_one_clock_read_per_boundary_and_no_object_kept_per_step() -> None:
     phases = StepPhases(PhaseLedger(MEASURED, clock=clock), cost=HookCost(every=10**9, first=10**9))
 
     def step() -> None:
-        clock.wait(1)
+        clock.advance(1)
         phases.begin_step("transfer")
         phases.switch("forward")
         phases.switch("backward")
@@ -176,20 +166,22 @@ def test_hook_cost_times_heavy_steps_whole_and_bills_them_as_timed(monkeypatch: 
     assert figures["hooks_ns_total"] == 2000 + 14 * 10
 
 
-def _sampled_loop(phases: StepPhases, clock: Clock, steps: int, validation_after: int = -1) -> tuple[list, list]:
+def _sampled_loop(
+    phases: StepPhases, clock: ScriptedClock, steps: int, validation_after: int = -1
+) -> tuple[list, list]:
     """A loop that calls the observer the way Lightning does with silenced hooks: the step's hooks only while the
     sampler is live, a per-step counter (an optimizer's post-hook) only while it is not."""
     started, ended = [], []
     phases.begin_epoch()
     for step in range(steps):
-        clock.wait(1)  # data
+        clock.advance(1)  # data
         if phases.sampler.live:
             started.append(step)
             phases.begin_step("forward")
-        clock.wait(3)
+        clock.advance(3)
         if phases.sampler.live:
             phases.switch("optimizer")
-        clock.wait(2)
+        clock.advance(2)
         if not phases.sampler.live:  # the post-hook on a skipped step: a quiet call that counts it
             phases.cost.quiet_calls += 1
             phases.sampler.count()
@@ -198,7 +190,7 @@ def _sampled_loop(phases: StepPhases, clock: Clock, steps: int, validation_after
             phases.finish_batch(4)
         if step == validation_after:
             phases.pause()
-            clock.wait(50)
+            clock.advance(50)
             phases.resume()
     return started, ended
 
@@ -210,7 +202,7 @@ def test_a_sampler_times_warm_up_then_one_step_in_every() -> None:
 
 
 def test_sampled_phases_open_the_wait_at_the_end_of_the_step_before() -> None:
-    clock = Clock()
+    clock = ScriptedClock()
     phases = StepPhases(PhaseLedger(MEASURED, warmup_steps=2, clock=clock), sampler=StepSampler(every=4, first=2))
     started, ended = _sampled_loop(phases, clock, 40, validation_after=13)
     sampled = [0, 1, *range(2, 40, 4)]
@@ -229,7 +221,7 @@ def test_sampled_phases_open_the_wait_at_the_end_of_the_step_before() -> None:
 
 
 def test_sample_every_one_is_every_step() -> None:
-    clock = Clock()
+    clock = ScriptedClock()
     phases = StepPhases(PhaseLedger(MEASURED, warmup_steps=1, clock=clock))
     started, ended = _sampled_loop(phases, clock, 10)
     assert started == ended == list(range(10))
@@ -260,22 +252,22 @@ def test_hook_cost_bills_routine_calls_at_the_median_body_and_quiet_calls_a_flag
 # ------------------------------------------------------------------------------- an observer's calls, no Trainer
 
 
-def _observed_loop(phases: StepPhases, clock: Clock, steps: int) -> list[bool]:
+def _observed_loop(phases: StepPhases, clock: ScriptedClock, steps: int) -> list[bool]:
     """The calls an observer makes (Lightning's hooks in BottleneckCallback), from a plain loop: ``enter`` inside the
     step, a per-step counter on skipped steps, ``end_batch`` at a step's end while the sampler is live. Returns which
     of those ends closed a timed step."""
     closed = []
     phases.begin_epoch()
     for _ in range(steps):
-        clock.wait(1)
+        clock.advance(1)
         phases.enter("transfer", only_from="data")  # runs on every step, timed or not
-        clock.wait(0.5)
+        clock.advance(0.5)
         phases.enter(None, only_from="transfer")
         if phases.sampler.live:
             phases.begin_step("forward")
-        clock.wait(3)
+        clock.advance(3)
         phases.enter("optimizer")
-        clock.wait(2)
+        clock.advance(2)
         if not phases.sampler.live:  # the per-step counter (an optimizer's post-hook) on a skipped step
             phases.cost.quiet_calls += 1
             phases.sampler.count()
@@ -285,7 +277,7 @@ def _observed_loop(phases: StepPhases, clock: Clock, steps: int) -> list[bool]:
 
 
 def test_an_observer_loop_times_its_sampled_steps_and_counts_the_others_quietly() -> None:
-    clock = Clock()
+    clock = ScriptedClock()
     phases = StepPhases.for_device(torch.device("cpu"), warmup_steps=1, sample_every=3, clock=clock, dense_steps=0)
     assert isinstance(phases.timer, PhaseLedger) and phases.syncs.recorder is None
     closed = _observed_loop(phases, clock, 10)  # timed: 0 (warm-up), 1, 4, 7; their ends and the ends before them
@@ -301,7 +293,7 @@ def test_an_observer_loop_times_its_sampled_steps_and_counts_the_others_quietly(
 
 
 def test_enter_switches_only_from_the_phase_named_and_counts_every_call() -> None:
-    clock = Clock()
+    clock = ScriptedClock()
     phases = StepPhases(PhaseLedger(MEASURED, clock=clock), cost=HookCost(every=10**9, first=0))
     phases.enter("transfer", only_from="data")  # no step open: counted, nothing switched
     assert phases.current is None and phases.cost.warmup_calls == 1  # before any step: warm-up
@@ -331,13 +323,13 @@ def test_ranks_are_merged_with_the_world_throughput() -> None:
 
 
 def test_report_text_holds_the_table_and_the_lines() -> None:
-    clock = Clock()
+    clock = ScriptedClock()
     phases = StepPhases(PhaseLedger(MEASURED, clock=clock))
     phases.open_gap()
     for _ in range(3):
-        clock.wait(1)
+        clock.advance(1)
         phases.begin_step("forward")
-        clock.wait(2)
+        clock.advance(2)
         phases.end_step(8)
     report = {**summarize_steps(phases), "device": "cpu", "recommendations": [], "validation": {"runs": 0}}
     text = report_text(report, "Owner")
@@ -361,17 +353,17 @@ def test_a_paused_hook_cost_still_bills_a_heavy_call_as_heavy(monkeypatch: pytes
 
 
 def test_live_figures_from_the_ledger_totals_equal_those_from_its_records() -> None:
-    clock = Clock()
+    clock = ScriptedClock()
     phases = StepPhases(PhaseLedger(MEASURED, clock=clock))
     phases.open_gap()
     for step in range(6):
-        clock.wait(1 + step)
+        clock.advance(1 + step)
         phases.begin_step("forward")
-        clock.wait(2)
+        clock.advance(2)
         phases.switch(None)  # "other"
-        clock.wait(0.5)
+        clock.advance(0.5)
         phases.switch("optimizer")
-        clock.wait(1)
+        clock.advance(1)
         phases.end_step(8)
     totals, steps = phases.timer.recent_totals(3)
     records = phases.timer.recent_steps(3)
