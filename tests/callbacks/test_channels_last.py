@@ -23,9 +23,8 @@ CL, CL3 = torch.channels_last, torch.channels_last_3d
 
 
 def _trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    return trainer(
-        tmp_path, callbacks=callbacks, **{"max_steps": 2, "limit_test_batches": 1, "limit_predict_batches": 1, **kwargs}
-    )
+    defaults = {"max_steps": 2, "limit_test_batches": 1, "limit_predict_batches": 1}
+    return trainer(tmp_path, callbacks=callbacks, **{**defaults, **kwargs})
 
 
 class Seen(pl.Callback):

@@ -95,11 +95,8 @@ def _loader() -> DataLoader:
 
 
 def _trainer(root: Path, *callbacks: pl.Callback, **overrides: Any) -> pl.Trainer:
-    return trainer(
-        root,
-        callbacks=list(callbacks),
-        **{"max_steps": 6, "limit_val_batches": 0, "limit_predict_batches": 2, **overrides},
-    )
+    defaults = {"max_steps": 6, "limit_val_batches": 0, "limit_predict_batches": 2}
+    return trainer(root, callbacks=list(callbacks), **{**defaults, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------------- construction

@@ -19,9 +19,8 @@ from tests._models import trainer
 
 
 def _trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    return trainer(
-        tmp_path, callbacks=callbacks, **{"max_steps": -1, "limit_train_batches": 2, "limit_val_batches": 0, **kwargs}
-    )
+    defaults = {"max_steps": -1, "limit_train_batches": 2, "limit_val_batches": 0}
+    return trainer(tmp_path, callbacks=callbacks, **{**defaults, **kwargs})
 
 
 class Probe(pl.Callback):

@@ -72,9 +72,8 @@ class Classifier(pl.LightningModule):
 
 
 def _trainer(root: Path, callbacks: list[Any], **overrides: Any) -> pl.Trainer:
-    return trainer(
-        root, callbacks=callbacks, **{"max_epochs": 8, "max_steps": -1, "limit_val_batches": 1.0, **overrides}
-    )
+    defaults = {"max_epochs": 8, "max_steps": -1, "limit_val_batches": 1.0}
+    return trainer(root, callbacks=callbacks, **{**defaults, **overrides})
 
 
 def _int8(types: set[str]) -> bool:
