@@ -52,6 +52,8 @@ def test_one_phase_is_timed_exactly() -> None:
     timer.end_step()
     assert timer.steps == [{"forward": 0.003}]
     assert timer.num_steps == 1
+    timer.steps[0]["forward"] = 99.0  # results are copies
+    assert timer.steps == [{"forward": 0.003}]
 
 
 def test_warmup_steps_are_kept_apart() -> None:
@@ -60,22 +62,14 @@ def test_warmup_steps_are_kept_apart() -> None:
     for ms in (100, 90, 10, 20, 30):
         run_phase(timer, clock, "step", ms * MS)
         timer.end_step()
+        if ms == 90:  # all steps are warm-up until warm-up ends
+            assert timer.steps == [] and timer.summary() == {} and timer.step_totals() == []
     assert timer.warmup_steps_records == [{"step": 0.1}, {"step": 0.09}]
     assert timer.steps == [{"step": 0.01}, {"step": 0.02}, {"step": 0.03}]
     steady = timer.summary()["step"]
     assert steady.count == 3
     assert steady.median == pytest.approx(0.02)
     assert timer.summary(warmup=True)["step"].median == pytest.approx(0.095)
-
-
-def test_all_steps_are_warmup_until_warmup_ends() -> None:
-    clock = FakeClock()
-    timer = cpu_timer(clock, warmup_steps=3)
-    run_phase(timer, clock, "step", MS)
-    timer.end_step()
-    assert timer.steps == []
-    assert timer.summary() == {}
-    assert timer.step_totals() == []
 
 
 def test_a_phase_repeated_in_a_step_adds_up() -> None:
@@ -128,24 +122,14 @@ def test_add_refuses_impossible_durations(seconds: float) -> None:
         timer.add("x", seconds)
 
 
-def test_stop_without_start_is_a_clear_error() -> None:
-    timer = cpu_timer(FakeClock())
-    timer.start("forward")
-    with pytest.raises(RuntimeError, match=r"stop\('backward'\).*without a matching.*Running phases: 'forward'"):
-        timer.stop("backward")
-
-
-def test_starting_a_running_phase_is_an_error() -> None:
-    timer = cpu_timer(FakeClock())
-    timer.start("forward")
-    with pytest.raises(RuntimeError, match="already running"):
-        timer.start("forward")
-
-
-def test_end_step_with_a_running_phase_raises_and_changes_nothing() -> None:
+def test_misuse_is_a_clear_error_and_end_step_with_a_running_phase_changes_nothing() -> None:
     clock = FakeClock()
     timer = cpu_timer(clock)
     timer.start("forward")
+    with pytest.raises(RuntimeError, match=r"stop\('backward'\).*without a matching.*Running phases: 'forward'"):
+        timer.stop("backward")
+    with pytest.raises(RuntimeError, match="already running"):
+        timer.start("forward")
     clock.now += MS
     with pytest.raises(RuntimeError, match="still running: 'forward'"):
         timer.end_step()
@@ -156,21 +140,22 @@ def test_end_step_with_a_running_phase_raises_and_changes_nothing() -> None:
     assert timer.steps == [{"forward": pytest.approx(0.002)}]
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "2", None])
-def test_warmup_steps_must_be_a_non_negative_int(bad: object) -> None:
-    with pytest.raises(ValueError, match=rf"PhaseTimer\(warmup_steps={bad!r}\)"):
-        PhaseTimer(device="cpu", warmup_steps=bad)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("bad", [0, -3, 2.0])
-def test_max_pending_steps_must_be_a_positive_int(bad: object) -> None:
-    with pytest.raises(ValueError, match=rf"max_pending_steps={bad!r}"):
-        PhaseTimer(device="cpu", max_pending_steps=bad)  # type: ignore[arg-type]
-
-
-def test_clock_must_be_callable() -> None:
-    with pytest.raises(TypeError, match="clock=123"):
-        PhaseTimer(device="cpu", clock=123)  # type: ignore[arg-type]
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        (n, v)
+        for n, vs in {
+            "warmup_steps": (-1, 1.5, True, "2", None),
+            "max_pending_steps": (0, -3, 2.0),
+            "clock": (123,),
+        }.items()
+        for v in vs
+    ],
+)
+def test_bad_arguments_are_named(name: str, bad: object) -> None:
+    """warmup_steps: an int >= 0; max_pending_steps: an int >= 1; clock: a callable (TypeError)."""
+    with pytest.raises(TypeError if name == "clock" else ValueError, match=rf"PhaseTimer\({name}={bad!r}\)"):
+        PhaseTimer(device="cpu", **{name: bad})
 
 
 def test_phase_excludes_the_timers_own_bookkeeping_and_overhead_is_counted() -> None:
@@ -212,15 +197,6 @@ def test_to_dict_is_json_ready() -> None:
     assert data["warmup"] == [{"step": 0.005}]
     assert set(data["overhead"]) == {"total_ns", "per_step_ns"}
     json.dumps(to_jsonable(data), allow_nan=False)  # the empty-summary NaNs become null
-
-
-def test_results_are_copies() -> None:
-    clock = FakeClock()
-    timer = cpu_timer(clock)
-    run_phase(timer, clock, "a", MS)
-    timer.end_step()
-    timer.steps[0]["a"] = 99.0
-    assert timer.steps == [{"a": 0.001}]
 
 
 def test_cpu_timer_pickles() -> None:
