@@ -16,7 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.loggers.logger import DummyLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -360,21 +360,10 @@ def test_a_plain_checkpoint_resumes_with_the_callback(tmp_path: Path) -> None:
     assert list(state) == list(plain.state_dict())
 
 
-class RecordingLogger(Logger):
+class RecordingLogger(DummyLogger):
     def __init__(self) -> None:
         super().__init__()
         self.metrics: dict[str, float] = {}
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.metrics.update(metrics)
