@@ -9,6 +9,7 @@ the same on every machine.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,19 +46,13 @@ def verdict(values: np.ndarray, first_step: int = 0, **kwargs: object):
 # ------------------------------------------------------------------------------------------------------- slope
 
 
-def test_slope_of_a_line_is_exact() -> None:
+def test_slope_of_a_line_is_exact_wild_samples_do_not_move_it_and_flat_noise_has_none() -> None:
     assert theil_sen_slope([0, 1, 2, 3], [5, 8, 11, 14]) == 3.0
-
-
-def test_a_minority_of_wild_samples_does_not_move_the_slope() -> None:
     xs = list(range(20))
     ys = [1000 + 10 * x for x in xs]
     for i in (3, 9, 15):
-        ys[i] += 10**9  # garbage-collection pauses, one-off buffers
+        ys[i] += 10**9  # a minority of garbage-collection pauses, one-off buffers
     assert theil_sen_slope(xs, ys) == pytest.approx(10.0)
-
-
-def test_flat_noise_has_a_slope_near_zero() -> None:
     ys = [100, 104, 98, 101, 99, 103, 97, 102, 100, 101] * 3
     assert abs(theil_sen_slope(range(len(ys)), ys)) < 0.5
 
@@ -84,13 +79,10 @@ def test_degenerate_and_bad_inputs() -> None:
 # ---------------------------------------------------------------------------------------------- Sen's interval
 
 
-def test_sen_interval_of_a_line_is_the_line() -> None:
+def test_sen_interval_of_a_line_is_the_line_and_needs_six_samples_to_exclude_zero() -> None:
     r = sen_slope_interval(range(10), [3 * x for x in range(10)])
     assert (r.slope, r.low, r.high, r.samples) == (3.0, 3.0, 3.0, 10)
     assert r.grows
-
-
-def test_sen_interval_needs_six_samples_to_exclude_zero() -> None:
     # With five points even a perfect line leaves zero inside: Kendall's S cannot be significant at 95%.
     assert sen_slope_interval(range(5), range(5)).low == -math.inf
     assert sen_slope_interval(range(6), range(6)).low == 1.0
@@ -189,10 +181,17 @@ def test_a_kib_per_step_read_one_step_in_128_is_flagged_though_two_steps_are_bel
     assert below_two_steps >= 10  # the regime the rule's four steps are for
 
 
-def test_a_random_walk_is_never_flagged() -> None:
+@pytest.mark.parametrize(
+    "series",
+    [
+        lambda rng: 50_000_000 + np.cumsum(np.round(rng.normal(0.0, 512.0, 300))),
+        lambda rng: allocator_noise(rng, 300) + (np.arange(300) >= 140) * 300 * KIB,  # the first validation's caches
+    ],
+    ids=["random-walk", "one-time-jump"],
+)
+def test_a_random_walk_or_a_one_time_jump_is_never_flagged(series: Any) -> None:
     for seed in SEEDS:
-        rng = np.random.default_rng(seed)
-        trend = verdict(50_000_000 + np.cumsum(np.round(rng.normal(0.0, 512.0, 300))))
+        trend = verdict(series(np.random.default_rng(seed)))
         assert not trend.leaking, (seed, trend)
 
 
@@ -206,14 +205,6 @@ def test_a_cache_that_fills_up_and_stops_is_not_a_leak(churn: bool) -> None:
         assert trend.significant and not trend.leaking, (seed, trend)
         if not churn:  # the last third is flat: steadiness says no (with churn, the noise floor does as well)
             assert trend.segments_growing < 3
-
-
-def test_a_one_time_jump_is_not_a_leak() -> None:
-    for seed in SEEDS:
-        rng = np.random.default_rng(seed)
-        y = allocator_noise(rng, 300)
-        y[140:] += 300 * KIB  # the first validation run builds its caches
-        assert not verdict(y).leaking, seed
 
 
 def test_one_kib_per_step_is_flagged_within_300_samples() -> None:
