@@ -220,14 +220,26 @@ def test_peak_rss_bytes_is_in_bytes() -> None:
     assert peak_rss_bytes() >= _rss_from_statm() - 4 * MB
 
 
-_TRUTHFUL_SCRIPT = """
-import json, sys, types
+_PRELUDE = """
+import ctypes, json, sys, types
 # Load the measurement layer without running lightning_perf/__init__.py (which imports Lightning, seconds of
 # start-up): profiling/ itself must not need Lightning, and this checks that too.
 package = types.ModuleType("lightning_perf")
 package.__path__ = [PACKAGE_DIR]
 sys.modules["lightning_perf"] = package
 import torch
+"""
+
+
+def _run_truthful(script: str) -> dict:
+    """Runs ``script`` after the prelude in a child under the truthful environment; its last line, as JSON."""
+    env = {**os.environ, **TRUTHFUL_CPU_MEMORY_ENV, "PYTHONWARNINGS": "ignore"}
+    code = (_PRELUDE + script).replace("PACKAGE_DIR", repr(PACKAGE_DIR))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+_TRUTHFUL_SCRIPT = """
 from lightning_perf.profiling import MemoryProbe, peak_rss_bytes
 assert "lightning" not in sys.modules, "the profiling layer imported Lightning"
 MB = 1 << 20
@@ -251,16 +263,7 @@ print(json.dumps({"base_rss": base.reserved, "base_alloc": base.allocated, "peak
 def test_truthful_environment_makes_peak_rss_track_a_known_allocation() -> None:
     if not _clear_refs_permitted():
         pytest.skip("writing /proc/self/clear_refs is not permitted here: the CPU peak cannot be reset")
-    env = {**os.environ, **TRUTHFUL_CPU_MEMORY_ENV, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run(
-        [sys.executable, "-c", _TRUTHFUL_SCRIPT.replace("PACKAGE_DIR", repr(PACKAGE_DIR))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    r = json.loads(out.strip().splitlines()[-1])
+    r = _run_truthful(_TRUTHFUL_SCRIPT)
     assert abs((r["peak"] - r["base_rss"]) - 128 * MB) < 4 * MB
     assert abs(r["after_rss"] - r["base_rss"]) < 4 * MB  # freed memory really went back to the OS
     assert abs((r["during_alloc"] - r["base_alloc"]) - 128 * MB) < 2 * MB
@@ -269,11 +272,6 @@ def test_truthful_environment_makes_peak_rss_track_a_known_allocation() -> None:
 
 
 _SWITCH_SCRIPT = """
-import ctypes, json, sys, types
-package = types.ModuleType("lightning_perf")
-package.__path__ = [PACKAGE_DIR]
-sys.modules["lightning_perf"] = package
-import torch
 from lightning_perf.profiling.memory import _MallInfo2, truthful_cpu_peak
 info = ctypes.CDLL(None).mallinfo2
 info.restype = _MallInfo2
@@ -300,12 +298,7 @@ def test_the_truthful_setting_is_switched_off_and_on_within_a_process() -> None:
     is its own mmap under it, from the heap after it is switched off."""
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt and mallinfo2 are glibc's")
-    env = {**os.environ, **TRUTHFUL_CPU_MEMORY_ENV, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run(
-        [sys.executable, "-c", _SWITCH_SCRIPT.replace("PACKAGE_DIR", repr(PACKAGE_DIR))],
-        env=env, capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
-    found = json.loads(out.strip().splitlines()[-1])
+    found = _run_truthful(_SWITCH_SCRIPT)
     assert found["start"] >= 4 * MB and found["off"] is True and found["on"] is True
     assert found["after_off"] == 0  # served from the heap: no page faults of a fresh map per block
     assert found["after_on"] >= 8 * MB
