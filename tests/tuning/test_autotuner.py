@@ -171,19 +171,9 @@ def test_recommendation_loads_in_lightning_cli(monkeypatch: pytest.MonkeyPatch, 
     assert report["recommendation"]["datamodule_kwargs"] == {"batch_size": own * 2}
 
     workload = WORKLOADS["convnet"]
-    cli = LightningCLI(
-        workload.module_cls,
-        workload.datamodule_cls,
-        run=False,
-        args=[
-            "--config",
-            str(tmp_path / "tuned.yaml"),
-            "--model.preset=tiny",
-            "--data.preset=tiny",
-            "--trainer.logger=false",
-        ],
-        save_config_callback=None,
-    )
+    args = ["--config", str(tmp_path / "tuned.yaml"), "--model.preset=tiny", "--data.preset=tiny"]
+    args.append("--trainer.logger=false")
+    cli = LightningCLI(workload.module_cls, workload.datamodule_cls, run=False, args=args, save_config_callback=None)
     assert any(isinstance(cb, ChannelsLastCallback) for cb in cli.trainer.callbacks)
     assert cli.datamodule.batch_size == own * 2
 
@@ -303,19 +293,8 @@ def real_trials(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_real_trials_in_process_leave_the_users_objects_alone() -> None:
     model, data = SmallConvNet(), PlainDataModule(batch_size=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    tuner = AutoTuner(
-        model,
-        data,
-        precisions=[],
-        optimizations=["channels_last"],
-        max_batch_size=16,
-        steps=4,
-        warmup_steps=1,
-        isolation="in-process",
-        time_budget_s=300,
-        progress=False,
-    )
-    result = tuner.run()
+    options = {"max_batch_size": 16, "steps": 4, "warmup_steps": 1, "isolation": "in-process", "time_budget_s": 300}
+    result = AutoTuner(model, data, precisions=[], optimizations=["channels_last"], progress=False, **options).run()
     labels = [t.label for t in result.trials]
     assert labels[:3] == ["baseline", "baseline (repeat)", "+channels_last"] and "batch_size=16" in labels
     baseline = result.trials[0]
