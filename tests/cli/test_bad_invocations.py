@@ -9,6 +9,7 @@ import pytest
 from lightning_perf.cli import main
 
 MISSING = str(Path(__file__).parent / "no-such-dir" / "x.json")
+NET, DATA = "tests.tuning._user_models:SmallConvNet", "tests.tuning._user_models:PlainDataModule"
 
 BENCH = [
     (["--workload", "mnist"], "--workload", "mnist"),
@@ -41,34 +42,11 @@ AUTOTUNE = [
     (["--workload", "mnist"], "--workload", "mnist"),
     (["--workload", "convnet", "--model", "a.b:C"], "--model", "--workload"),  # argparse names both options
     (["--model", "not a spec", "--datamodule", "a:B"], "--model", "not a spec"),
-    (["--model", "tests.tuning._user_models:SmallConvNet"], "--model", "tests.tuning._user_models:SmallConvNet"),
-    (
-        ["--model", "no_such_pkg.models:Net", "--datamodule", "tests.tuning._user_models:PlainDataModule"],
-        "--model",
-        "no_such_pkg.models:Net",
-    ),
-    (
-        ["--model", "tests.tuning._user_models:Nope", "--datamodule", "tests.tuning._user_models:PlainDataModule"],
-        "--model",
-        "tests.tuning._user_models:Nope",
-    ),
-    (
-        ["--model", "tests.tuning._user_models:SmallConvNet", "--datamodule", "tests.tuning._user_models:SmallConvNet"],
-        "--datamodule",
-        "tests.tuning._user_models:SmallConvNet",
-    ),
-    (
-        [
-            "--model",
-            "tests.tuning._user_models:SmallConvNet",
-            "--datamodule",
-            "tests.tuning._user_models:PlainDataModule",
-            "--model-args",
-            '{"depth": 4}',
-        ],
-        "--model-args",
-        "depth",
-    ),
+    (["--model", NET], "--model", NET),
+    (["--model", "no_such_pkg.models:Net", "--datamodule", DATA], "--model", "no_such_pkg.models:Net"),
+    (["--model", "tests.tuning._user_models:Nope", "--datamodule", DATA], "--model", "tests.tuning._user_models:Nope"),
+    (["--model", NET, "--datamodule", NET], "--datamodule", NET),
+    (["--model", NET, "--datamodule", DATA, "--model-args", '{"depth": 4}'], "--model-args", "depth"),
     (["--workload", "convnet", "--model-args", "{bad json"], "--model-args", "{bad json"),
     (["--workload", "convnet", "--model-args", "[1, 2]"], "--model-args", "[1, 2]"),
     (["--workload", "convnet", "--datamodule", "a:B"], "--datamodule", "a:B"),
