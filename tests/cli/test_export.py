@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -15,6 +14,7 @@ from lightning_perf._imports import is_onnx_available, is_onnxruntime_available
 from lightning_perf.cli import export as export_command
 from lightning_perf.cli import main
 from lightning_perf.demos import ConvNetModule, make_workload
+from tests._models import trainer as make_trainer
 from tests.deploy._sets import visible_files
 
 CONVNET = "lightning_perf.demos:ConvNetModule"
@@ -25,16 +25,7 @@ CONVNET_DATA = "lightning_perf.demos:ConvNetDataModule"
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("trained")
     model, data = make_workload("convnet", "tiny", seed=0)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
+    trainer = make_trainer(root, max_steps=1, limit_val_batches=0)
     trainer.fit(model, datamodule=data)
     path = root / "convnet.ckpt"
     trainer.save_checkpoint(path)
@@ -44,24 +35,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 @pytest.mark.skipif(not (is_onnx_available() and is_onnxruntime_available()), reason="needs the `onnx` extra")
 def test_export_a_checkpoint_with_its_datamodule(checkpoint: Path, tmp_path: Path, capsys) -> None:
-    argv = [
-        "export",
-        str(checkpoint),
-        "--module-class",
-        CONVNET,
-        "--datamodule-class",
-        CONVNET_DATA,
-        "--batch-range",
-        "1,2,4",
-        "--latency-iterations",
-        "2",
-        "--latency-warmup",
-        "1",
-        "--device",
-        "cpu",
-        "--dirpath",
-        str(tmp_path),
-    ]
+    options = ["--batch-range", "1,2,4", "--latency-iterations", "2", "--latency-warmup", "1", "--device", "cpu"]
+    argv = ["export", str(checkpoint), "--module-class", CONVNET, "--datamodule-class", CONVNET_DATA, *options]
+    argv += ["--dirpath", str(tmp_path)]
     with pytest.warns(FallbackWarning, match="'tensorrt' is unavailable"):
         assert main(argv) == 0
     assert visible_files(tmp_path) == [
