@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -15,6 +14,7 @@ from lightning_perf.benchmark.spec import RunSpec
 from lightning_perf.benchmark.worker import run as run_worker
 from lightning_perf.callbacks import QATCallback, TensorRTExportCallback
 from tests import _real_clients as clients
+from tests._models import trainer as make_trainer
 
 pytestmark = [
     pytest.mark.skipif(not (is_onnx_available() and is_onnxruntime_available()), reason="needs the `onnx` extra"),
@@ -34,10 +34,9 @@ def _fit(name: str, callback: Any, root: Path) -> None:
     torch.manual_seed(0)
     model = getattr(clients, model_name)()
     assert model.example_input_array is None
-    trainer = pl.Trainer(
-        max_steps=2, limit_val_batches=2, num_sanity_val_steps=0, callbacks=[callback], default_root_dir=root,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )  # fmt: skip
+    trainer = make_trainer(
+        root, max_steps=2, limit_val_batches=2, callbacks=[callback], accelerator="auto", devices="auto"
+    )
     trainer.fit(model, datamodule=getattr(clients, data_name)())
 
 
