@@ -124,16 +124,10 @@ def test_predict_decisions_on_latency_and_throughput(monkeypatch: pytest.MonkeyP
             "batch_size=16": inference_result(0.009, 16),  # slower per batch, faster per sample: 1.33x throughput
         },
     )
-    tuner = AutoTuner(
-        SmallConvNet(),
-        PredictDataModule(),
-        stage="predict",
-        precisions=["bf16-true"],
-        optimizations=["channels_last", "fused_optimizer", "compile"],
-        max_batch_size=16,
-        confirm_below=1.0,  # single-pair wins: confirmation is tested with training
-        progress=False,
-    )
+    options = {"precisions": ["bf16-true"], "optimizations": ["channels_last", "fused_optimizer", "compile"]}
+    # confirm_below=1.0: single-pair wins (confirmation is tested with training)
+    tuner = AutoTuner(SmallConvNet(), PredictDataModule(), stage="predict", max_batch_size=16, confirm_below=1.0,
+                      progress=False, **options)  # fmt: skip
     assert tuner._spec(Candidate("x", "baseline")).stage == "predict"  # the worker runs the inference stage
     result = tuner.run()
     trials = {t.label: t for t in result.trials}
@@ -173,14 +167,9 @@ def test_a_run_whose_data_ran_out_is_not_compared(monkeypatch: pytest.MonkeyPatc
 def test_training_keeps_rejecting_a_run_without_losses(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loss check is skipped for inference only: a fit trial without losses is still rejected."""
     script_trials(monkeypatch, {"baseline": scripted_result(0.010, 8), "+channels_last": inference_result(0.006, 8)})
+    options = {"tune_batch_size": False, "tune_data_loading": False, "progress": False}
     result = AutoTuner(
-        SmallConvNet(),
-        PredictDataModule(),
-        precisions=[],
-        optimizations=["channels_last"],
-        tune_batch_size=False,
-        tune_data_loading=False,
-        progress=False,
+        SmallConvNet(), PredictDataModule(), precisions=[], optimizations=["channels_last"], **options
     ).run()
     assert [t.verdict for t in result.trials if t.label == "+channels_last"] == ["rejected"]
     assert result.stage == "fit" and result.recommendation.configs == ()
@@ -194,18 +183,9 @@ def test_a_tiny_model_tuned_for_predict_in_process(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(remeasure, "baseline_spread_cause", lambda first_s, second_s: None)  # a busy machine
     model, data = SmallConvNet(), PredictDataModule(batch_size=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = AutoTuner(
-        model,
-        data,
-        stage="predict",
-        precisions=[],
-        optimizations=["channels_last", "fused_optimizer"],
-        max_batch_size=16,
-        steps=4,
-        warmup_steps=1,
-        isolation="in-process",
-        progress=False,
-    ).run()
+    options = {"max_batch_size": 16, "steps": 4, "warmup_steps": 1, "isolation": "in-process", "progress": False}
+    result = AutoTuner(model, data, stage="predict", precisions=[], optimizations=["channels_last", "fused_optimizer"],
+                       **options).run()  # fmt: skip
     labels = [t.label for t in result.trials]
     assert labels[:3] == ["baseline", "baseline (repeat)", "+channels_last"], labels
     assert "+fused_optimizer" in labels and "num_workers" in labels and "batch_size=16" in labels
