@@ -86,16 +86,10 @@ def test_keeps_only_measurable_safe_wins(monkeypatch: pytest.MonkeyPatch) -> Non
             "batch_size=" + str(own * 2): scripted_result(0.140, own * 2),
         },
     )
-    tuner = AutoTuner(
-        workload="convnet",
-        preset="tiny",
-        time_budget_s=200,
-        precisions=["bf16-mixed"],
-        optimizations=["channels_last", "fused_optimizer", "compile"],
-        max_batch_size=own * 2,
-        confirm_below=1.0,  # single-pair wins: confirmation has its own test
-        progress=False,
-    )
+    options = {"precisions": ["bf16-mixed"], "optimizations": ["channels_last", "fused_optimizer", "compile"]}
+    # confirm_below=1.0: single-pair wins (confirmation has its own test)
+    tuner = AutoTuner(workload="convnet", preset="tiny", time_budget_s=200, max_batch_size=own * 2, confirm_below=1.0,
+                      progress=False, **options)  # fmt: skip
     monkeypatch.setattr("lightning_perf._device.supports_bf16", lambda device=None: True)
     result = tuner.run()
     verdicts = {t.label: (t.verdict, t.reason) for t in result.trials}
@@ -147,15 +141,10 @@ def test_recommendation_loads_in_lightning_cli(monkeypatch: pytest.MonkeyPatch, 
             f"batch_size={own * 2}": scripted_result(0.140, own * 2),
         },
     )
+    # confirm_below=1.0: single-pair wins (confirmation has its own test)
+    options = {"tune_data_loading": False, "max_batch_size": own * 2, "confirm_below": 1.0, "progress": False}
     result = AutoTuner(
-        workload="convnet",
-        preset="tiny",
-        precisions=[],
-        optimizations=["channels_last"],
-        tune_data_loading=False,
-        max_batch_size=own * 2,
-        confirm_below=1.0,  # single-pair wins: confirmation has its own test
-        progress=False,
+        workload="convnet", preset="tiny", precisions=[], optimizations=["channels_last"], **options
     ).run()
     paths = result.write(tmp_path / "tuned.yaml", tmp_path / "tuned.json")
     assert [p.name for p in paths] == ["tuned.yaml", "tuned.json"]
