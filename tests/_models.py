@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -384,6 +385,17 @@ class ShardedConvNet(_SelfShardingModule):
         x = torch.randn(samples, 3, *shape, generator=g)
         self.data = torch.utils.data.TensorDataset(x, torch.randint(0, classes, (samples, *shape), generator=g))
         self.example_input_array = x[:4]
+
+
+def run_result(config: str, repeat: int, steps: list[float], memory: int = 100, **fields: Any) -> Any:
+    """A benchmark run of batch 4 that ran: its step times, their median, the samples per second at it, 1 s of
+    warm-up, ``memory`` bytes a step and twice that at peak; ``fields`` add to or replace these."""
+    from lightning_perf.benchmark.worker import RunResult
+
+    median = float(statistics.median(steps))
+    return RunResult(**{"spec": {"config": config, "repeat": repeat}, "batch_size": 4, "step_median_s": median,
+                        "step_times_s": steps, "throughput": 4 / median, "warmup_s": 1.0, "step_memory_bytes": memory,
+                        "peak_memory_bytes": 2 * memory, **fields})  # fmt: skip
 
 
 class ScriptedClock:

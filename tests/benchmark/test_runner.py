@@ -11,22 +11,13 @@ from lightning_perf.benchmark.results import BenchReport
 from lightning_perf.benchmark.runner import summarize_runs
 from lightning_perf.benchmark.spec import BenchSpec
 from lightning_perf.benchmark.worker import RunResult
+from tests._models import run_result
 
 
 def _result(config: str, repeat: int, step: float, memory: int = 100, predict: float = 10.0) -> RunResult:
-    return RunResult(
-        spec={"config": config, "repeat": repeat},
-        batch_size=4,
-        step_median_s=step,
-        step_times_s=[step * 0.9, step, step * 1.1],
-        throughput=4 / step,
-        warmup_s=1.0,
-        step_memory_bytes=memory,
-        peak_memory_bytes=memory * 2,
-        predict_throughput=predict,
-        predict_step_median_s=4 / predict,
-        final_train_loss=0.5,
-    )
+    extra = {"step_median_s": step, "throughput": 4 / step, "final_train_loss": 0.5}  # exact, not a float's median
+    predict_fields = {"predict_throughput": predict, "predict_step_median_s": 4 / predict}
+    return run_result(config, repeat, [step * 0.9, step, step * 1.1], memory, **extra, **predict_fields)
 
 
 def test_ratios_are_paired_within_a_repeat() -> None:

@@ -18,6 +18,7 @@ from lightning_perf.benchmark.spec import BenchSpec, RunSettings, RunSpec, SpecE
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.optimizations import BASELINE
 from lightning_perf.profiling import PeakFlops
+from tests._models import run_result
 
 
 @pytest.fixture
@@ -99,18 +100,10 @@ def test_the_workers_spec_carries_every_shared_setting() -> None:
 
 def _result(config: str, repeat: int, step: float) -> RunResult:
     steps = (step * (1 + 0.02 * np.random.default_rng(repeat + len(config)).standard_normal(8))).tolist()
-    return RunResult(
-        spec={"config": config, "repeat": repeat},
-        batch_size=4,
-        step_median_s=float(np.median(steps)),
-        step_times_s=steps,
-        warmup_s=1.0,
-        step_memory_bytes=100 if config == BASELINE else 26,
-        peak_memory_bytes=200,
-        predict_step_median_s=step / 3,
-        predict_step_times_s=[step / 3] * 4,
-        flops_per_step=10**9 if repeat == 0 else None,
-    )
+    predict_fields = {"predict_step_median_s": step / 3, "predict_step_times_s": [step / 3] * 4}
+    memory = {"step_memory_bytes": 100 if config == BASELINE else 26, "peak_memory_bytes": 200}
+    return run_result(config, repeat, steps, throughput=None, flops_per_step=10**9 if repeat == 0 else None,
+                      **memory, **predict_fields)  # fmt: skip
 
 
 def test_one_repeat_says_it_has_no_interval_for_every_ratio() -> None:

@@ -14,26 +14,16 @@ from lightning_perf.benchmark.spec import BenchSpec
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.optimizations import BASELINE
 from lightning_perf.profiling.reliability import Reliability, RunConditions
+from tests._models import run_result
 
 
 def _run(config: str, repeat: int, step: float, seed: int, memory: int = 100, warmup: float = 1.0) -> RunResult:
     rng = np.random.default_rng(seed)
     steps = (step * (1 + 0.03 * rng.standard_normal(12))).tolist()
     predict = (step / 3 * (1 + 0.03 * rng.standard_normal(5))).tolist()
-    return RunResult(
-        spec={"config": config, "repeat": repeat},
-        batch_size=4,
-        step_median_s=float(np.median(steps)),
-        step_times_s=steps,
-        throughput=4 / float(np.median(steps)),
-        warmup_s=warmup,
-        step_memory_bytes=memory,
-        peak_memory_bytes=2 * memory,
-        predict_step_median_s=float(np.median(predict)),
-        predict_step_times_s=predict,
-        predict_throughput=4 / float(np.median(predict)),
-        final_train_loss=0.5,
-    )
+    predict_fields = {"predict_step_median_s": float(np.median(predict)), "predict_step_times_s": predict}
+    predict_fields["predict_throughput"] = 4 / float(np.median(predict))
+    return run_result(config, repeat, steps, memory, warmup_s=warmup, final_train_loss=0.5, **predict_fields)
 
 
 def _results(repeats: int) -> dict[str, list[RunResult]]:

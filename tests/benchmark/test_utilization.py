@@ -32,6 +32,7 @@ from lightning_perf.benchmark.utilization import (
 from lightning_perf.benchmark.worker import RunResult, run
 from lightning_perf.optimizations import BASELINE
 from lightning_perf.profiling import PeakFlops
+from tests._models import run_result
 from tests.benchmark.conftest import BusyBench
 
 FLOPS = 2_000_000_000
@@ -40,18 +41,8 @@ FLOPS = 2_000_000_000
 def _run(config: str, repeat: int, step: float, flops: int | None = FLOPS, error: str | None = None) -> RunResult:
     steps = (step * (1 + 0.03 * np.random.default_rng(repeat + 7 * len(config)).standard_normal(10))).tolist()
     counted = repeat == 0  # the bench counts on repeat 0 only
-    return RunResult(
-        spec={"config": config, "repeat": repeat},
-        batch_size=4,
-        step_median_s=float(np.median(steps)),
-        step_times_s=steps,
-        throughput=4 / step,
-        warmup_s=1.0,
-        step_memory_bytes=100,
-        peak_memory_bytes=200,
-        flops_per_step=flops if counted else None,
-        flops_error=error if counted else None,
-    )
+    counts = {"flops_per_step": flops if counted else None, "flops_error": error if counted else None}
+    return run_result(config, repeat, steps, throughput=4 / step, **counts)
 
 
 def _summaries(**kw: Any) -> list[ConfigSummary]:

@@ -18,21 +18,12 @@ from lightning_perf.benchmark.results import BenchReport, RunEvent
 from lightning_perf.benchmark.spec import BenchSpec
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.cli import main
+from tests._models import run_result
 
 
 def _result(config: str, repeat: int, step: float, flops_error: str | None = None) -> RunResult:
     steps = (step * (1 + 0.02 * np.random.default_rng(repeat).standard_normal(8))).tolist()
-    return RunResult(
-        spec={"config": config, "repeat": repeat},
-        batch_size=4,
-        step_median_s=float(np.median(steps)),
-        step_times_s=steps,
-        throughput=4 / step,
-        warmup_s=1.0,
-        step_memory_bytes=100,
-        peak_memory_bytes=200,
-        flops_error=flops_error,
-    )
+    return run_result(config, repeat, steps, throughput=4 / step, flops_error=flops_error)
 
 
 @pytest.fixture
