@@ -22,7 +22,7 @@ from lightning_perf.callbacks import float8 as float8_callback
 from lightning_perf.demos import make_workload
 from lightning_perf.functional.float8 import LinearShape, is_sm_at_least_89
 from tests._models import trainer
-from tests.callbacks._interrupt import RaiseAt, plain_model_signature
+from tests.callbacks._interrupt import LossRecorder, RaiseAt, plain_model_signature
 
 pytest.importorskip("torchao")
 
@@ -242,21 +242,9 @@ def test_float8_fit_on_the_gpu_tracks_bf16(tmp_path: Path) -> None:
     def losses(callbacks: list[Callback]) -> list[float]:
         torch.manual_seed(0)
         model, data = make_workload("lm", "default", seed=0, dim=256, depth=4)
-        recorder = _Losses()
-        pl.Trainer(
-            accelerator="cuda",
-            devices=1,
-            precision="bf16-mixed",
-            max_steps=300,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            default_root_dir=tmp_path,
-            callbacks=[*callbacks, CompileCallback(), recorder],
-        ).fit(model, data)
+        recorder = LossRecorder()
+        kwargs = {"accelerator": "cuda", "precision": "bf16-mixed", "max_steps": 300, "limit_val_batches": 0}
+        trainer(tmp_path, callbacks=[*callbacks, CompileCallback(), recorder], **kwargs).fit(model, data)
         return recorder.losses
 
     callback = Float8TrainingCallback(filter="all")
@@ -264,11 +252,3 @@ def test_float8_fit_on_the_gpu_tracks_bf16(tmp_path: Path) -> None:
     assert callback.plan is not None and callback.plan.names
     tail_bf16, tail_fp8 = sum(bf16[-30:]) / 30, sum(fp8[-30:]) / 30
     assert abs(tail_fp8 - tail_bf16) <= 0.05 * tail_bf16, (tail_bf16, tail_fp8)
-
-
-class _Losses(Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
-        self.losses.append(float(outputs["loss"]))
