@@ -20,33 +20,23 @@ def row(config: str, step_s: float, ratio: float | None, low: float = 0.0, high:
 
 
 def report() -> BenchReport:
+    cause = "recomputes part of the activations in the backward pass: time for memory"
     summaries = [
         row("baseline", 0.4252, None),
         row("fused_optimizer", 0.450, 0.94, 0.88, 1.01, disturbed=True),
         row("channels_last", 0.262, 1.62, 1.51, 1.82),
-        row(
-            "grad_checkpoint_budget75",
-            0.55,
-            0.77,
-            0.7,
-            0.85,
-            likely_cause="recomputes part of the activations in the backward pass: time for memory",
-        ),
+        row("grad_checkpoint_budget75", 0.55, 0.77, 0.7, 0.85, likely_cause=cause),
         row("channels_last+fused_optimizer", 0.25, 1.70, 1.6, 1.8),
     ]
+    load = ("load average 9.6 on 2 cores during baseline, repeat 2 (above 1.5 per core), with a long tail of "
+            "words that would go past eighty columns on any terminal")  # fmt: skip
+    runs = ["baseline, repeat 2", "fused_optimizer, repeat 3"]
+    reliability = {"reliable": False, "causes": [load], "disturbed_runs": runs, "disturbed_configs": []}
     return BenchReport(
         options={"workload": "convnet", "preset": "default", "device": "cpu", "repeats": None, "steps": 15},
         command="lightning-perf bench",
         summaries=summaries,
-        reliability={
-            "reliable": False,
-            "causes": [
-                "load average 9.6 on 2 cores during baseline, repeat 2 (above 1.5 per core), with a long tail of "
-                "words that would go past eighty columns on any terminal"
-            ],
-            "disturbed_runs": ["baseline, repeat 2", "fused_optimizer, repeat 3"],
-            "disturbed_configs": [],
-        },
+        reliability=reliability,
         notes=["fused_optimizer: precision 32-true overrides bf16-mixed (from --config), a note long enough to wrap"],
     )
 
