@@ -250,12 +250,11 @@ def test_nested_unet_picks_its_levels_encoder_and_decoder_parts_and_bottleneck()
     model = NestedUNet()
     assert all(count_layers(m) < MIN_LAYERS for _, m in find_repeated_blocks(model))  # no sibling group to pick
     assert names(select_blocks(model)) == NESTED_UNET_BLOCKS
+    inner = [f"model.1.submodule.1.submodule.{part}" for part in ("0", "1.submodule", "2")]
     assert names(select_blocks(NestedUNet((4, 8, 16, 32)))) == [
         "model.0",
         "model.1.submodule.0",
-        "model.1.submodule.1.submodule.0",
-        "model.1.submodule.1.submodule.1.submodule",
-        "model.1.submodule.1.submodule.2",
+        *inner,
         "model.1.submodule.2",
     ]
 
@@ -281,13 +280,8 @@ def test_monai_unet_and_attention_unet_levels() -> None:
     x = torch.randn(2, 1, 8, 8, 8)
     assert_same_grads(plain, wrapped, lambda m: m(x).square().mean())
     residual = nets.UNet(3, 1, 2, channels=(4, 8, 16), strides=(2, 2), num_res_units=2)
-    assert names(find_checkpoint_blocks(residual)) == [
-        "model.0",
-        "model.1.submodule.0",
-        "model.1.submodule.1.submodule",
-        "model.1.submodule.2",
-        "model.2",  # the top up-convolution and its residual unit: more than a lone conv
-    ]
+    # The top up-convolution and its residual unit are more than a lone conv: "model.2" too.
+    assert names(find_checkpoint_blocks(residual)) == [*NESTED_UNET_BLOCKS, "model.2"]
     attention = nets.AttentionUnet(spatial_dims=3, in_channels=1, out_channels=2, channels=(4, 8, 16), strides=(2, 2))
     chosen = names(find_checkpoint_blocks(attention))
     assert chosen[:2] == ["model.0", "model.1.attention"] and "model.1.submodule.1.submodule" in chosen
@@ -313,10 +307,7 @@ def test_gpt2_picks_its_layers(attn: str) -> None:
 def test_both_stacks_of_an_encoder_decoder_and_blocks_over_custom_stages() -> None:
     model = nn.Transformer(16, 2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32, batch_first=True)
     assert names(find_checkpoint_blocks(model)) == [
-        "encoder.layers.0",
-        "encoder.layers.1",
-        "decoder.layers.0",
-        "decoder.layers.1",
+        f"{side}.layers.{i}" for side in ("encoder", "decoder") for i in (0, 1)
     ]
     assert names(find_checkpoint_blocks(nn.Sequential(Stage(8, 2), Stage(8, 2)))) == [
         f"{s}.blocks.{b}" for s in (0, 1) for b in (0, 1)
