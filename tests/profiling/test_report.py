@@ -170,16 +170,9 @@ def test_format_seconds(s: float | None, text: str) -> None:
 @needs_matplotlib
 def test_charts_are_png_files_written_atomically(tmp_path: Path) -> None:
     before = set(sys.modules)
+    bars = {"errors": [None, (0.1, 0.2), 0.05], "title": "speed-up", "ylabel": "x", "reference": 1.0}
     written = [
-        plot_bars(
-            ["baseline", "compile", "failed"],
-            [1.0, 1.5, None],
-            errors=[None, (0.1, 0.2), 0.05],
-            title="speed-up",
-            ylabel="x",
-            path=tmp_path / "bars.png",
-            reference=1.0,
-        ),
+        plot_bars(["baseline", "compile", "failed"], [1.0, 1.5, None], path=tmp_path / "bars.png", **bars),
         plot_stacked_steps([{"forward": 0.01, "backward": 0.02}, {"forward": 0.012}], tmp_path / "steps.png", "t"),
         plot_lines({"allocated": [1.0, 3.0, 2.0], "peak": [1.0, 3.0, None]}, tmp_path / "mem.png", "m", "step", "B"),
     ]
