@@ -11,6 +11,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 
+from tests._models import trainer as make_trainer
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "observer_overhead.py"
 
 
@@ -67,9 +69,7 @@ def toggled_fit(example, root, observer, states):
     """A fit of ``len(states)`` short steps with ``observer`` switched as ``states`` says: (toggle, trainer)."""
     toggle = example.Toggle(observer, states)
     model, data = example.workload("short", len(states))
-    trainer = pl.Trainer(max_steps=len(states), accelerator="cpu", devices=1, callbacks=[observer, toggle],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=root)  # fmt: skip
+    trainer = make_trainer(root, max_steps=len(states), callbacks=[observer, toggle])  # the model has no validation
     trainer.fit(model, data)
     return toggle, trainer
 
@@ -109,9 +109,7 @@ def test_toggle_swaps_a_profiler_and_restores_it(example, tmp_path):
     profiler = SimpleProfiler(dirpath=tmp_path, filename="simple")
     toggle = example.Toggle(profiler, [True] + [False] * 3 + [True] * 20)
     model, data = example.workload("short", 24)
-    trainer = pl.Trainer(max_steps=24, accelerator="cpu", devices=1, callbacks=[toggle], profiler=profiler,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer = make_trainer(tmp_path, max_steps=24, callbacks=[toggle], profiler=profiler)
     trainer.fit(model, data)
     assert trainer.profiler is profiler
     assert toggle.on[:8] == [True] + [False] * 3 + [True] * 4
@@ -121,9 +119,7 @@ def test_toggle_without_observer_follows_the_schedule_and_switches_nothing(examp
     states = [True, False, False, True, True, False] * 4
     toggle = example.Toggle(None, states)
     model, data = example.workload("short", 24)
-    trainer = pl.Trainer(max_steps=24, accelerator="cpu", devices=1, callbacks=[toggle], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=tmp_path)  # fmt: skip
+    trainer = make_trainer(tmp_path, max_steps=24, callbacks=[toggle])
     callbacks = list(trainer.callbacks)
     trainer.fit(model, data)
     assert toggle.on == states and trainer.callbacks == callbacks
