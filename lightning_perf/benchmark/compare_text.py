@@ -7,7 +7,6 @@ import textwrap
 from collections.abc import Iterable
 
 from lightning_perf.benchmark.compare import METHOD, FileComparison, MetricRow
-from lightning_perf.profiling.significance import SIGNIFICANCE_LEVEL
 
 __all__ = ["format_table", "format_value", "markdown_report"]
 
@@ -35,10 +34,13 @@ def _percent(ratio: float) -> str:
 
 
 def _interval(row: MetricRow) -> str:
-    if row.ratio_ci95 is None:
+    """The interval between processes as ``-2.1..+3.0%``; one within a process in brackets (indicative); or ``-``."""
+    interval = row.ratio_ci95 or row.within_process_ci95
+    if interval is None:
         return "-"
-    low, high = ((r - 1.0) * 100.0 for r in row.ratio_ci95)
-    return f"{_signed(low)}..{_signed(high)}%"
+    low, high = ((r - 1.0) * 100.0 for r in interval)
+    text = f"{_signed(low)}..{_signed(high)}%"
+    return text if row.ratio_ci95 else f"({text})"
 
 
 def _signed(percent: float) -> str:
@@ -91,8 +93,8 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
     notes = sorted({row.note for row in comparison.rows if row.note})
     lines += [f"* {note}" for note in notes] + _unmatched(comparison)
     lines.append(
-        f"change: new/old of the medians, 95% bootstrap interval; a verdict needs a change beyond {pct} "
-        f"and p < {SIGNIFICANCE_LEVEL} (Mann-Whitney, interval excluding 0%) or the interval beyond {pct}."
+        f"change: new/old over the repeats, 95% interval between processes (Welch t); a verdict needs the interval "
+        f"excluding 0% and a change beyond {pct}."
     )
     regressions = comparison.regressions
     if regressions:
@@ -116,7 +118,7 @@ def _wrap(line: str, width: int) -> str:
 
 
 def markdown_report(comparison: FileComparison) -> str:
-    """The comparison as Markdown: a table with every figure, its interval, p-value and verdict."""
+    """The comparison as Markdown: a table with every figure, its interval and verdict."""
     pct = f"{comparison.threshold * 100:g}%"
     out = [
         "# lightning-perf compare",
@@ -126,16 +128,15 @@ def markdown_report(comparison: FileComparison) -> str:
         f"- threshold: {pct}",
         f"- method: {METHOD}",
         "",
-        "| configuration | figure | old | new | change | 95% interval | p-value | n old / new | verdict |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| configuration | figure | old | new | change | 95% interval | repeats old / new | verdict |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in comparison.rows:
-        p = "-" if row.p_value is None else f"{row.p_value:.2g}"
         verdict_text = f"**{row.verdict}**" if row.regression else row.verdict
         out.append(
             f"| {row.config} | {row.metric} | {format_value(row.old_median, row.unit)} | "
             f"{format_value(row.new_median, row.unit)} | {_percent(row.ratio) if row.ratio else '-'} | "
-            f"{_interval(row)} | {p} | {row.n_old} / {row.n_new} | {verdict_text} |"
+            f"{_interval(row)} | {row.n_old} / {row.n_new} | {verdict_text} |"
         )
     out.append("")
     extra = [*comparison.old.warnings, *comparison.new.warnings, *sorted({r.note for r in comparison.rows if r.note})]
