@@ -133,16 +133,14 @@ class RatioEstimate:
         return text + (f" [{self.low:.{digits}f}-{self.high:.{digits}f}]" if self.has_interval else "")
 
 
-def _as_repeats(samples: Samples, name: str) -> list[np.ndarray]:
+def _as_repeats(samples: Samples, name: str, owner: str = "paired_ratio") -> list[np.ndarray]:
     repeats = []
     for i, item in enumerate(samples):
         values = np.atleast_1d(np.asarray(item, dtype=np.float64))
         if values.ndim != 1 or values.size == 0:
-            raise ValueError(f"`paired_ratio`: {name}[{i}] has no values. Expected a number or a non-empty list.")
+            raise ValueError(f"`{owner}`: {name}[{i}] has no values. Expected a number or a non-empty list.")
         if not np.all(np.isfinite(values)) or np.any(values <= 0):
-            raise ValueError(
-                f"`paired_ratio`: {name}[{i}] holds {values.tolist()!r}. Expected positive finite numbers."
-            )
+            raise ValueError(f"`{owner}`: {name}[{i}] holds {values.tolist()!r}. Expected positive finite numbers.")
         repeats.append(values)
     return repeats
 
@@ -237,7 +235,7 @@ def unpaired_ratio(
             value that is not a positive finite number.
     """
     sides = [
-        np.log([np.median(r) for r in _as_repeats(s, name)])
+        np.log([np.median(r) for r in _as_repeats(s, name, "unpaired_ratio")])
         for s, name in ((numerator, "numerator"), (denominator, "denominator"))
     ]
     if min(len(s) for s in sides) < 2:

@@ -220,3 +220,5 @@ def test_unpaired_interval_is_welch_on_the_per_repeat_logarithms() -> None:
     assert est.verdict == "slower" and est.n == 2
     with pytest.raises(ValueError, match=r"1 numerator and 2 denominator repeats\. Expected at least 2"):
         unpaired_ratio([[1.0, 2.0, 3.0]], old, above_one="slower", below_one="faster")
+    with pytest.raises(ValueError, match=r"`unpaired_ratio`: denominator\[1\] holds \[0.0\]"):
+        unpaired_ratio(new, [1.0, 0.0], above_one="slower", below_one="faster")
