@@ -28,7 +28,6 @@ from lightning_perf._warnings import FallbackWarning
 from lightning_perf.deploy.artifacts import StagedSet
 from lightning_perf.deploy.backend import (
     BACKENDS,
-    PRECISIONS,
     BackendUnavailable,
     ExportBackend,
     ExportOptions,
@@ -50,17 +49,7 @@ from lightning_perf.functional.inputs import CapturedCall, as_input_tuple
 from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, measure_latency
 
-__all__ = [
-    "BACKENDS",
-    "EXPORT_BACKENDS",
-    "PRECISIONS",
-    "BackendAttempt",
-    "ExportError",
-    "ExportReport",
-    "export",
-    "export_model",
-    "validate_options",
-]
+__all__ = ["EXPORT_BACKENDS", "BackendAttempt", "ExportError", "ExportReport", "export_model"]
 
 #: The backends by name, in the order of :data:`BACKENDS`.
 EXPORT_BACKENDS: dict[str, ExportBackend] = {b.name: b for b in (TensorRTBackend(), OnnxBackend())}
@@ -341,10 +330,6 @@ def _new_report(
         versions=_versions(),
         metadata=dict(metadata or {}),
     )
-
-
-export = export_model
-"""Alias: ``lightning_perf.deploy.export.export(...)``."""
 
 
 class _Sets:

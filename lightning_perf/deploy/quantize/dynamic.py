@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_perf._imports import is_available, require
 from lightning_perf._io import DecisionCache
-from lightning_perf._validation import check_bool
+from lightning_perf._validation import check_bool, check_number
 from lightning_perf._warnings import MeasurementWarning
 from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.inputs import Inputs
@@ -490,12 +490,6 @@ def clear_cache(cache_path: str | os.PathLike[str] | None = None) -> None:
 # ---------------------------------------------------------------------------------------------------- the entry
 
 
-def _check(name: str, value: Any, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"`quantize_dynamic({name}={value!r})` is not valid. Expected a number in [{low}, {high}].")
-    return float(value)
-
-
 def _try(
     result: DynamicQuantization,
     names: Sequence[str],
@@ -562,8 +556,8 @@ def quantize_dynamic(
         QuantizationError: if an explicit ``backend`` fails or disagrees with the float module.
     """
     check_dynamic_backend("quantize_dynamic", backend)
-    min_cosine = _check("min_cosine", min_cosine, 0.0, 1.0)
-    min_agreement = _check("min_agreement", min_agreement, 0.0, 1.0)
+    min_cosine = check_number("quantize_dynamic", "min_cosine", min_cosine, 0.0, 1.0)
+    min_agreement = check_number("quantize_dynamic", "min_agreement", min_agreement, 0.0, 1.0)
     check_bool("quantize_dynamic", "refresh", refresh)
     example = tuple(t.detach().cpu() for t in as_input_tuple(example_inputs, "quantize_dynamic(example_inputs)"))
     flags = cpu_flags()
