@@ -284,7 +284,7 @@ def test_input_shapes_stand_in_for_a_missing_example() -> None:
         ({"input_key": ""}, r"input_key=''"),
         ({"input_key": 0}, r"input_key=0"),
         # Issue 28: each refused at construction, naming the argument, the value and what is valid.
-        ({"onnx_providers": ["NoSuchProvider"]}, r"onnx_providers=\['NoSuchProvider'\]: 'NoSuchProvider' is not one"),
+        ({"onnx_providers": ["NoSuchProvider"]}, r"providers=\['NoSuchProvider'\]\)` is not valid: 'NoSuch"),
         ({"onnx_providers": ["CUDAExecutionprovider"]}, r"did you mean 'CUDAExecutionProvider'\?"),
         ({"onnx_providers": []}, r"onnx_providers=\[\].*non-empty list"),
         (
