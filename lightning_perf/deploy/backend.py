@@ -40,7 +40,6 @@ __all__ = [
     "ExportOptions",
     "Runner",
     "dynamic_shapes",
-    "failure_reason",
     "known_onnx_providers",
     "validate_options",
 ]
@@ -63,13 +62,6 @@ def known_onnx_providers() -> tuple[str, ...]:
 
         return tuple(onnxruntime.get_all_providers())
     return tuple(f"{name}ExecutionProvider" for name in _ONNX_PROVIDERS.split())
-
-
-def failure_reason(exc: BaseException) -> str:
-    """``"<ExceptionType>: <first line of its message>"`` (at most 500 characters of it), for reports."""
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first[:500]}"
 
 
 class BackendUnavailable(Exception):
@@ -245,21 +237,11 @@ def _device(owner: str, device: torch.device | str | None) -> torch.device:
 
 
 def _tolerance(owner: str, tolerance: Any, precision: str) -> Tolerance:
+    if tolerance is None or isinstance(tolerance, Tolerance):
+        return tolerance or DEFAULT_TOLERANCES[precision]
     keys = tuple(f.name for f in fields(Tolerance))
-    expected = (
-        f"Expected a Tolerance or a dict with some of the keys {', '.join(map(repr, keys))} (finite numbers >= 0)."
-    )
-    if tolerance is None:
-        return DEFAULT_TOLERANCES[precision]
-    if isinstance(tolerance, Tolerance):
-        return tolerance
-    if not isinstance(tolerance, Mapping):
-        raise TypeError(f"`{owner}(tolerance={tolerance!r})` is not valid. {expected}")
-    unknown = [k for k in tolerance if k not in keys]
-    if unknown:
-        raise ValueError(
-            f"`{owner}(tolerance={tolerance!r})` is not valid: no key {', '.join(map(repr, unknown))}. {expected}"
-        )
+    expected = f"a Tolerance or a dict with some of the keys {', '.join(map(repr, keys))} (finite numbers >= 0)"
+    check_mapping(owner, "tolerance", tolerance, lambda k, v: None if k in keys else f"no key {k!r}", expected)
     try:
         return Tolerance(**{**asdict(DEFAULT_TOLERANCES[precision]), **tolerance})
     except ValueError as exc:
