@@ -199,7 +199,8 @@ def export_model(
     example, specs = _input_specs(example_inputs, opts, names)
     source, batches = _real_batches(validation_data, input_key, example, specs, opts)
     exportable, ref_outputs = _reference(model, batches, opts)
-    report = _new_report(opts, specs, source, metadata)
+    facts = (opts.precision, str(opts.device), specs, opts.output_names, source, opts.tolerance, _versions())
+    report = ExportReport(*facts, metadata=dict(metadata or {}))
     sets = _Sets(Path(dirpath), filename)
     try:
         failure = _attempts(report, exportable, _trace_example(example, opts), specs, batches, ref_outputs, opts, sets)
@@ -278,33 +279,14 @@ def _trace_example(example: tuple[Tensor, ...], opts: ExportOptions) -> tuple[Te
     return cast_inputs(take_batch(tuple(t.to(opts.device) for t in example), trace_batch), opts.dtype, opts.device)
 
 
-def _new_report(
-    opts: ExportOptions, specs: list[InputSpec], source: str, metadata: Mapping[str, Any] | None
-) -> ExportReport:
-    return ExportReport(
-        precision=opts.precision,
-        device=str(opts.device),
-        inputs=specs,
-        output_names=opts.output_names,
-        validation_source=source,
-        tolerance=opts.tolerance,
-        versions=_versions(),
-        metadata=dict(metadata or {}),
-    )
-
-
 class _Sets:
     """The two artifact sets of one export: the validated artifact (``<filename>``) and the failed ones
     (``<filename>.failed``), each staged until the report is written into it and committed."""
 
     def __init__(self, dirpath: Path, filename: str) -> None:
-        self.dirpath, self.filename = dirpath, filename
+        self.dirpath, self.filename, self.failed_name = dirpath, filename, f"{filename}.failed"
         self.good: StagedSet | None = None
         self.failed: StagedSet | None = None
-
-    @property
-    def failed_name(self) -> str:
-        return f"{self.filename}.failed"
 
     def failed_set(self) -> StagedSet:
         if self.failed is None:
