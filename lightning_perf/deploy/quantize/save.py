@@ -194,7 +194,7 @@ class ArtifactReport:
         """What happened, in a few lines for a log (``owner`` names the caller)."""
         kind, reference, timing, lines = self._facts()
         if not self.ok:
-            return f"{owner}: no {kind} model saved ({'; '.join(self.problems)}). Report: {self.report_path}"
+            return f"{owner}: no quantized model saved ({kind}): {'; '.join(self.problems)}. Report: {self.report_path}"
         lines = [f"{owner}: saved {self.artifact} ({kind})", *lines]
         if self.validation is not None:
             lines.append(f"  against the {reference} model: " + self.validation.describe(reference))
