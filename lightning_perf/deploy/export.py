@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 import os
 import time
 import warnings
@@ -193,6 +194,9 @@ def export_model(
         report = export_model(model, torch.randn(1, 3, 224, 224), backends=["onnx"], validation_data=val_loader)
         print(report.ok, report.backend, report.artifact, report.attempt.latency)
     """
+    known = inspect.signature(validate_options).parameters
+    if unknown := sorted(set(options) - set(known)):
+        raise TypeError(f"`export_model` got unknown option(s) {unknown}. Expected some of: {', '.join(known)}.")
     opts = validate_options(**options)
     _check_target(model, filename)
     model, example_inputs, names = _positional(model, example_inputs)
