@@ -190,7 +190,7 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", wha
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
         if found is None:  # the unpickler met bytes that are no pickle of torch's: corrupt, not unsafe
             detail = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(?:Check the documentation|$)", str(exc), re.S)
-            said = " ".join(detail.group(1).split())[:160] if detail else _reason(exc)
+            said = " ".join(detail.group(1).split())[:160] if detail else failure_reason(exc, 160)
             raise not_a_checkpoint(
                 f"its pickle is truncated or corrupt, or was not written by torch.save ({said})"
             ) from None
@@ -202,17 +202,18 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", wha
         ) from None
     except RuntimeError as exc:
         if "PytorchStreamReader" in str(exc) or "inline_container" in str(exc):
-            raise not_a_checkpoint(f"truncated or corrupt zip archive ({_reason(exc)})") from None
+            raise not_a_checkpoint(f"truncated or corrupt zip archive ({failure_reason(exc, 160)})") from None
         raise
     except (EOFError, IndexError, KeyError, struct.error, UnicodeDecodeError) as exc:
         # The legacy pickle path meeting bytes that end early or decode to nothing torch wrote.
-        raise not_a_checkpoint(f"its contents are truncated or corrupt ({_reason(exc)})") from None
+        raise not_a_checkpoint(f"its contents are truncated or corrupt ({failure_reason(exc, 160)})") from None
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException, limit: int = 500) -> str:
+    """``"<ExceptionType>: <first line of its message>"`` (at most ``limit`` characters of it), for reports."""
     lines = str(exc).strip().splitlines()
     first = lines[0] if lines else ""
-    return f"{type(exc).__name__}: {first[:160]}" if first else type(exc).__name__
+    return f"{type(exc).__name__}: {first[:limit]}" if first else type(exc).__name__
 
 
 # ------------------------------------------------------------------------------------ caches of measured decisions

@@ -6,27 +6,22 @@ pytest-benchmark's ``--benchmark-json`` output. Files are parsed as JSON and not
 What is compared, per configuration (matched by name) and per figure both files have:
 
 ==============  =====================================================================  ==============
-figure          samples (one value per ...)                                            better
+figure          a repeat's figure                                                      better
 ==============  =====================================================================  ==============
-step time       every steady-state step of every repeat (``runs[].step_times_s``),     lower
-                grouped by repeat
-throughput      every repeat (``runs[].throughput``, samples/s)                        higher
-step memory     every repeat (``runs[].step_memory_bytes``)                            lower
-predict time    every predict batch of every repeat (``runs[].predict_step_times_s``;  lower
-                older files: each repeat's median)
-time            pytest-benchmark: every round (``stats.data``, saved with              lower
-                ``--benchmark-save-data``; without it only the statistics exist)
+step time       the median of its steady-state steps (``runs[].step_times_s``;         lower
+                older files: ``step_median_s``)
+throughput      ``runs[].throughput`` (samples/s)                                      higher
+step memory     ``runs[].step_memory_bytes``                                           lower
+predict time    the median of its predict batches (``runs[].predict_step_times_s``)    lower
+time            pytest-benchmark: the median of its rounds (``stats.data``, saved      lower
+                with ``--benchmark-save-data``; without it only the median exists)
 ==============  =====================================================================  ==============
 
-Grouped by repeat: the interval resamples repeats, then steps within each (the variation between processes
-counts); older files without step samples give one median per repeat.
-
-Each figure's change is ``median(new) / median(old)`` with a 95% bootstrap interval and a Mann-Whitney test
-(:mod:`lightning_perf.profiling.significance`). Without raw rounds (pytest-benchmark without
-``--benchmark-save-data``) there is no interval: the ratio of the medians is reported, and a change is called only
-when the two ranges do not overlap at all (every new round slower than every old one), which the rank test can judge
-from the round counts alone. A file holding one value per figure (a summary without runs) gives a ratio and no
-verdict.
+The two files are independent runs, each repeat its own process: the change is new/old of the geometric means of
+the per-repeat figures with Welch's t interval on their logarithms
+(:func:`lightning_perf.profiling.intervals.unpaired_ratio`), so the variation between processes counts at every
+number of repeats. With one repeat on a side (a pytest-benchmark file, a summary without runs) there is no interval
+and no verdict: a bootstrap over that process's steps is kept as an indicative figure, labelled as such.
 
 Two files measured on different things are refused (:class:`IncompatibleResultsError`): a different kind of file,
 workload, stage (``--stage``: fit or an inference stage), workload size (preset), batch size, device, precision, or
@@ -46,16 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_perf.profiling.significance import (
-    FASTER,
-    NO_CLEAR_DIFFERENCE,
-    SIGNIFICANCE_LEVEL,
-    SLOWER,
-    SampleComparison,
-    compare_samples,
-    mann_whitney_p_value,
-    verdict,
-)
+from lightning_perf.profiling.intervals import NO_CLEAR_DIFFERENCE, paired_ratio, unpaired_ratio
 from lightning_perf.profiling.stats import median_of_repeats
 
 __all__ = [
@@ -83,10 +69,12 @@ MAX_FILE_BYTES = 512 * 2**20  # a results file is a few MB at most; refuse to re
 DEFAULT_THRESHOLD = 0.05
 """The smallest change worth a verdict (5%), as a fraction."""
 METHOD = (
-    f"change: new/old of the medians; 95% interval: percentile bootstrap of that ratio (2000 resamples, seed 0); "
-    f"verdict: beyond the threshold and significant (Mann-Whitney U p < {SIGNIFICANCE_LEVEL}, normal approximation "
-    f"with tie correction, with an interval that excludes no change; or the whole interval beyond the threshold)"
+    "change: new/old of the geometric means of the per-repeat figures (each repeat a process); 95% interval: Welch t "
+    "on their logarithms (the variation between processes counts); verdict: the interval excludes no change and the "
+    "change is beyond the threshold; one repeat on a side: no interval, no verdict"
 )
+ONE_REPEAT = "one repeat: no interval between processes, no verdict; (in brackets) within one process, indicative"
+FASTER, SLOWER = "faster", "slower"
 
 
 class ResultsFileError(ValueError):
@@ -125,9 +113,8 @@ class Entry:
     """One configuration (bench) or one benchmark (pytest-benchmark) of a file: its samples per metric key."""
 
     name: str
-    samples: dict[str, list[float]] = field(default_factory=dict)
-    groups: dict[str, list[list[float]]] = field(default_factory=dict)  # metric key -> one list per repeat
-    stats_only: dict[str, dict[str, float]] = field(default_factory=dict)  # metric key -> median/min/max/rounds
+    repeats: dict[str, list[list[float]]] = field(default_factory=dict)  # metric key -> per repeat: steps or [figure]
+    stats_only: dict[str, float] = field(default_factory=dict)  # metric key -> median, when no samples were saved
     status: str | None = None  # "skipped: ..." or "failed: ..." when nothing was measured
 
 
@@ -154,11 +141,11 @@ class MetricRow:
     unit: str
     old_median: float | None
     new_median: float | None
-    n_old: int
+    n_old: int  # repeats
     n_new: int
-    ratio: float | None = None  # new / old of the medians
-    ratio_ci95: tuple[float, float] | None = None
-    p_value: float | None = None
+    ratio: float | None = None  # new / old
+    ratio_ci95: tuple[float, float] | None = None  # between processes: >= 2 repeats a side
+    within_process_ci95: tuple[float, float] | None = None  # one repeat: indicative only
     verdict: str = NO_CLEAR_DIFFERENCE
     regression: bool = False
     note: str | None = None
@@ -175,7 +162,7 @@ class MetricRow:
             "n_new": self.n_new,
             "ratio": self.ratio,
             "ratio_ci95": list(self.ratio_ci95) if self.ratio_ci95 else None,
-            "p_value": self.p_value,
+            "within_process_ci95": list(self.within_process_ci95) if self.within_process_ci95 else None,
             "verdict": self.verdict,
             "regression": self.regression,
             "note": self.note,
@@ -455,20 +442,16 @@ def _bench_entry(
         memory = _numbers(row.get("step_memory_bytes"), f"summary {config!r}: step_memory_bytes", path)
     if inference:  # an inference stage's "step" is the per-batch latency: compared once, as predict time
         step, step_medians, throughput = [], [], []
-    for metric, groups in ((STEP_TIME, step), (PREDICT_TIME, predict)):
-        groups = [group for group in groups if group]
-        if groups:
-            entry.groups[metric.key] = groups
-            entry.samples[metric.key] = [value for group in groups for value in group]
-    for metric, values in (
-        (STEP_TIME, step_medians),
-        (THROUGHPUT, throughput),
-        (STEP_MEMORY, memory),
-        (PREDICT_TIME, predict_medians),
+    for metric, groups, figures in (
+        (STEP_TIME, step, step_medians),  # older files: one median per repeat, no steps
+        (PREDICT_TIME, predict, predict_medians),
+        (THROUGHPUT, [], throughput),
+        (STEP_MEMORY, [], memory),
     ):
-        if values and metric.key not in entry.samples:  # older files: one median per repeat
-            entry.samples[metric.key] = values
-    if not entry.samples:
+        repeats = [group for group in groups if group] or [[value] for value in figures]
+        if repeats:
+            entry.repeats[metric.key] = repeats
+    if not entry.repeats:
         skipped = row.get("skipped") or next((r.get("skipped") for r in records if r.get("skipped")), None)
         error = row.get("error") or next((r.get("error") for r in records if r.get("error")), None)
         if skipped:
@@ -503,13 +486,12 @@ def _load_pytest_benchmark(path: str, data: Mapping[str, Any]) -> ResultFile:
         where = f"benchmarks[{i}].stats"
         data_points = _numbers(stats.get("data") if "data" in stats else bench.get("data"), f"{where}.data", path)
         if data_points:
-            entry.samples[ROUND_TIME.key] = data_points
+            entry.repeats[ROUND_TIME.key] = [data_points]  # every round in one process: one repeat
         else:
-            figures = {k: stats.get(k) for k in ("median", "min", "max", "rounds")}
-            for k, v in figures.items():
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-                    raise _fail(path, f"{where}.{k} is {v!r}, expected a positive number")
-            entry.stats_only[ROUND_TIME.key] = {k: float(v) for k, v in figures.items() if v is not None}
+            value = stats.get("median")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise _fail(path, f"{where}.median is {value!r}, expected a positive number")
+            entry.stats_only[ROUND_TIME.key] = float(value)
         if key in entries:
             raise _fail(path, f"holds two benchmarks named {key!r}")
         entries[key] = entry
@@ -606,60 +588,26 @@ def compare_files(old_path: str | Path, new_path: str | Path, threshold: float =
     return compare_results(load_results(old_path), load_results(new_path), threshold)
 
 
-def _stats_of(entry: Entry, key: str) -> dict[str, float] | None:
-    if key in entry.stats_only:
-        return entry.stats_only[key]
-    values = entry.samples.get(key)
-    if not values:
-        return None
-    ordered = sorted(values)
-    # The bench's own figure: the median of the per-repeat medians (one function for both, so the same file gives
-    # the same number in `bench` and `compare`); samples without repeats are one group.
-    median = median_of_repeats(entry.groups.get(key) or [values])
-    return {"median": median, "min": ordered[0], "max": ordered[-1], "rounds": float(len(ordered))}
-
-
 def _compare_metric(name: str, metric: Metric, old: Entry, new: Entry, threshold: float) -> MetricRow | None:
-    sa, sb = _stats_of(old, metric.key), _stats_of(new, metric.key)
-    if sa is None or sb is None:
+    a, b = old.repeats.get(metric.key, []), new.repeats.get(metric.key, [])
+    # The bench's own figure, the median of the per-repeat medians, so a file gives the same number in both commands.
+    old_median = median_of_repeats(a) if a else old.stats_only.get(metric.key)
+    new_median = median_of_repeats(b) if b else new.stats_only.get(metric.key)
+    if old_median is None or new_median is None:
         return None
-    a, b = old.samples.get(metric.key), new.samples.get(metric.key)
-    if a and b:
-        if metric.key in old.groups and metric.key in new.groups:  # repeats resampled first, then their steps
-            a, b = old.groups[metric.key], new.groups[metric.key]  # type: ignore[assignment]
-        found = compare_samples(a, b, threshold, higher_is_better=metric.higher_is_better)
-        note = None if found.ratio_ci95 is not None else "one value a side: no interval, no verdict"
+    row = MetricRow(name, metric.label, metric.unit, old_median, new_median, len(a) or 1, len(b) or 1)
+    row.ratio = new_median / old_median
+    if not (a and b):
+        row.note = "statistics only (no raw samples; pytest --benchmark-save-data keeps them): no interval"
+    elif min(len(a), len(b)) >= 2:
+        above, below = (FASTER, SLOWER) if metric.higher_is_better else (SLOWER, FASTER)
+        found = unpaired_ratio(b, a, above_one=above, below_one=below, threshold=threshold)
+        row.ratio, row.ratio_ci95, row.verdict = found.ratio, (found.low, found.high), found.verdict
     else:
-        found = _statistics_only(sa, sb, threshold, metric)
-        note = "statistics only (no raw samples; pytest --benchmark-save-data keeps them): no interval"
-    row = MetricRow(
-        name,
-        metric.label,
-        metric.unit,
-        sa["median"],
-        sb["median"],
-        found.n_old,
-        found.n_new,
-        found.ratio,
-        found.ratio_ci95,
-        found.p_value,
-        found.verdict,
-        note=note,
-    )
+        pooled = paired_ratio([[v for r in b for v in r]], [[v for r in a for v in r]])
+        row.ratio, row.note = pooled.ratio, ONE_REPEAT
+        row.within_process_ci95 = (pooled.low, pooled.high) if pooled.has_interval else None
     row.regression = metric.speed and row.verdict == SLOWER
     if not metric.speed:
         row.verdict = _MEMORY_WORDS[row.verdict]
     return row
-
-
-def _statistics_only(sa: dict[str, float], sb: dict[str, float], threshold: float, metric: Metric) -> SampleComparison:
-    """The ratio of the medians; significance only when the ranges do not overlap (the rank test needs no data)."""
-    n_old, n_new = int(sa["rounds"]), int(sb["rounds"])
-    ratio = sb["median"] / sa["median"]
-    p_value = None
-    if sa["max"] < sb["min"]:
-        p_value = mann_whitney_p_value(0.0, n_old, n_new)[1]
-    elif sb["max"] < sa["min"]:
-        p_value = mann_whitney_p_value(float(n_old * n_new), n_old, n_new)[1]
-    call = verdict(ratio, None, p_value, threshold, higher_is_better=metric.higher_is_better)
-    return SampleComparison(ratio, None, p_value, call, call == SLOWER, n_old, n_new)

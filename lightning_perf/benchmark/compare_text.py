@@ -6,9 +6,8 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
-from lightning_perf.benchmark.compare import METHOD, FileComparison
+from lightning_perf.benchmark.compare import METHOD, FileComparison, MetricRow
 from lightning_perf.profiling.report import format_bytes, format_seconds, text_table
-from lightning_perf.profiling.significance import SIGNIFICANCE_LEVEL
 
 __all__ = ["format_table", "format_value", "interval_text", "markdown_report", "percent_change"]
 
@@ -24,6 +23,12 @@ def percent_change(ratio: float) -> str:
     """The change a ratio new/old means: ``+48%``, ``-3.2%``."""
     change = (ratio - 1.0) * 100.0
     return f"{change:+.0f}%" if abs(change) >= 10 else f"{change:+.1f}%"
+
+
+def _row_interval(row: MetricRow) -> str:
+    """The interval between processes; one within a process in brackets (indicative: one repeat a side); or ``-``."""
+    text = interval_text(row.ratio_ci95 or row.within_process_ci95)
+    return text if row.ratio_ci95 or text == "-" else f"({text})"
 
 
 def interval_text(ci: Sequence[float] | None) -> str:
@@ -47,9 +52,7 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
             rows.append(row.config)  # a heading line across the table
         change = percent_change(row.ratio) if row.ratio is not None else "-"
         old, new = format_value(row.old_median, row.unit), format_value(row.new_median, row.unit)
-        rows.append(
-            [f"  {row.metric}{'*' if row.note else ''}", old, new, change, interval_text(row.ratio_ci95), row.verdict]
-        )
+        rows.append([f"  {row.metric}{'*' if row.note else ''}", old, new, change, _row_interval(row), row.verdict])
     header = ["configuration", "old", "new", "change", "95% interval", "verdict"]
     lines += text_table(header, rows, width=width).splitlines()
     if not comparison.rows:
@@ -58,8 +61,8 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
     notes = sorted({row.note for row in comparison.rows if row.note})
     lines += [f"* {note}" for note in notes] + _unmatched(comparison)
     lines.append(
-        f"change: new/old of the medians, 95% bootstrap interval; a verdict needs a change beyond {pct} "
-        f"and p < {SIGNIFICANCE_LEVEL} (Mann-Whitney, interval excluding 0%) or the interval beyond {pct}."
+        f"change: new/old over the repeats, 95% interval between processes (Welch t); a verdict needs the interval "
+        f"excluding 0% and a change beyond {pct}."
     )
     regressions = comparison.regressions
     if regressions:
@@ -83,7 +86,7 @@ def _wrap(line: str, width: int) -> str:
 
 
 def markdown_report(comparison: FileComparison) -> str:
-    """The comparison as Markdown: a table with every figure, its interval, p-value and verdict."""
+    """The comparison as Markdown: a table with every figure, its interval and verdict."""
     pct = f"{comparison.threshold * 100:g}%"
     out = [
         "# lightning-perf compare",
@@ -93,16 +96,15 @@ def markdown_report(comparison: FileComparison) -> str:
         f"- threshold: {pct}",
         f"- method: {METHOD}",
         "",
-        "| configuration | figure | old | new | change | 95% interval | p-value | n old / new | verdict |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| configuration | figure | old | new | change | 95% interval | repeats old / new | verdict |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in comparison.rows:
-        p = "-" if row.p_value is None else f"{row.p_value:.2g}"
         verdict_text = f"**{row.verdict}**" if row.regression else row.verdict
         out.append(
             f"| {row.config} | {row.metric} | {format_value(row.old_median, row.unit)} | "
             f"{format_value(row.new_median, row.unit)} | {percent_change(row.ratio) if row.ratio else '-'} | "
-            f"{interval_text(row.ratio_ci95)} | {p} | {row.n_old} / {row.n_new} | {verdict_text} |"
+            f"{_row_interval(row)} | {row.n_old} / {row.n_new} | {verdict_text} |"
         )
     out.append("")
     extra = [*comparison.old.warnings, *comparison.new.warnings, *sorted({r.note for r in comparison.rows if r.note})]

@@ -32,8 +32,8 @@ from lightning_perf.callbacks._model_hooks import (
 )
 from lightning_perf.callbacks._trainer_data import default_dirpath, loop_data, step_call
 from lightning_perf.deploy.inputs import submodule_inputs
-from lightning_perf.deploy.quantize.quantizer import SCHEDULE_UNITS, LoopData, check_options
-from lightning_perf.deploy.quantize.recipes import load_qat_checkpoint, quantizer_for, recipe_for
+from lightning_perf.deploy.quantize.quantizer import SCHEDULE_UNITS, LoopData, check_options, quantizer_for
+from lightning_perf.deploy.quantize.recipes import load_qat_checkpoint, recipe_for
 from lightning_perf.functional.inputs import CallRecorder
 from lightning_perf.functional.qat import QuantizationError, QuantizationRecipe
 

@@ -51,10 +51,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "compare two results files and fail on a regression",
         "Compare two results files of `lightning-perf bench --output` (or of pytest --benchmark-json) configuration "
         "by configuration: old and new medians of step time, throughput, step memory and predict time, the change with "
-        "its 95%% interval (bootstrap) and a verdict (faster, slower, no clear difference). A change is called only "
-        "when it is beyond the threshold and significant (Mann-Whitney U p < 0.01 with an interval that excludes no "
-        "change, or the whole interval beyond the threshold). Exit status: 1 when something is slower, 0 otherwise, 2 "
-        "for bad arguments or files that cannot be read or compared.",
+        "its 95%% interval between processes (Welch t over the repeats) and a verdict (faster, slower, no clear "
+        "difference). A change is called only when it is beyond the threshold and its interval excludes no change; one "
+        "repeat on a side gives no verdict. Exit status: 1 when something is slower, 0 otherwise, 2 for bad arguments "
+        "or files that cannot be read or compared.",
     )
     parser.add_argument("old", type=existing_file, metavar="OLD.json", help="the reference results file")
     parser.add_argument("new", type=existing_file, metavar="NEW.json", help="the results file to check")
@@ -67,7 +67,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--output",
         type=output_path,
-        help="also write the comparison to this file: .json (every figure, interval and p-value) or .md",
+        help="also write the comparison to this file: .json (every figure and interval) or .md",
     )
     parser.add_argument("--force", action="store_true", help="overwrite --output when it exists")
     return parser

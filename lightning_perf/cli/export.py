@@ -190,7 +190,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
     from rich.console import Console
 
-    from lightning_perf.deploy.export import ExportError, export_model, validate_options
+    from lightning_perf.deploy.backend import validate_options
+    from lightning_perf.deploy.export import ExportError, export_model
     from lightning_perf.deploy.inputs import example_inputs_from_shapes, model_inputs
 
     options = _export_options(args)

@@ -20,7 +20,8 @@ from lightning_perf.deploy.inputs import (
     model_inputs,
     through_batch_hooks,
 )
-from lightning_perf.deploy.quantize import QuantizationReport, export_quantized, save_quantized
+from lightning_perf.deploy.quantize.dynamic import quantize_dynamic
+from lightning_perf.deploy.quantize.save import QuantizationReport, export_quantized, save_quantized
 from lightning_perf.deploy.validate import DEFAULT_TOLERANCES, OutputCheck, Tolerance, ValidationResult
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "export_model",
     "export_quantized",
     "model_inputs",
+    "quantize_dynamic",
     "save_quantized",
     "stage_set",
     "through_batch_hooks",

@@ -9,7 +9,6 @@ and the CLI fail at construction rather than after training.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -41,7 +40,6 @@ __all__ = [
     "ExportOptions",
     "Runner",
     "dynamic_shapes",
-    "failure_reason",
     "known_onnx_providers",
     "validate_options",
 ]
@@ -50,30 +48,10 @@ BACKENDS = ("tensorrt", "onnx")
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-# onnxruntime 1.31's `get_all_providers()`: the names checked against when onnxruntime is not installed here.
+# onnxruntime 1.31's `get_all_providers()` (less `ExecutionProvider`): the names checked when it is not installed.
 _ONNX_PROVIDERS = (
-    "TensorrtExecutionProvider",
-    "CUDAExecutionProvider",
-    "MIGraphXExecutionProvider",
-    "OpenVINOExecutionProvider",
-    "DnnlExecutionProvider",
-    "VitisAIExecutionProvider",
-    "QNNExecutionProvider",
-    "NnapiExecutionProvider",
-    "VSINPUExecutionProvider",
-    "JsExecutionProvider",
-    "CoreMLExecutionProvider",
-    "DmlExecutionProvider",
-    "RknpuExecutionProvider",
-    "WebNNExecutionProvider",
-    "WebGpuExecutionProvider",
-    "XnnpackExecutionProvider",
-    "CANNExecutionProvider",
-    "AzureExecutionProvider",
-    "ROCMExecutionProvider",
-    "ACLExecutionProvider",
-    "ArmNNExecutionProvider",
-    "CPUExecutionProvider",
+    "Tensorrt CUDA MIGraphX OpenVINO Dnnl VitisAI QNN Nnapi VSINPU Js CoreML Dml Rknpu WebNN WebGpu Xnnpack CANN Azure "
+    "ROCM ACL ArmNN CPU"
 )
 
 
@@ -83,14 +61,7 @@ def known_onnx_providers() -> tuple[str, ...]:
         import onnxruntime
 
         return tuple(onnxruntime.get_all_providers())
-    return _ONNX_PROVIDERS
-
-
-def failure_reason(exc: BaseException) -> str:
-    """``"<ExceptionType>: <first line of its message>"`` (at most 500 characters of it), for reports."""
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(exc).__name__}: {first[:500]}"
+    return tuple(f"{name}ExecutionProvider" for name in _ONNX_PROVIDERS.split())
 
 
 class BackendUnavailable(Exception):
@@ -197,7 +168,7 @@ def validate_options(
     dev = _device(owner, device)
     check_int(owner, "opset", opset, 18, allow_none=True)  # None: the exporter's default
     if onnx_providers is not None:
-        _check_onnx_providers(owner, onnx_providers)
+        check_str_sequence(owner, "onnx_providers", onnx_providers, known_onnx_providers(), single=False)
     _check_precision(owner, precision, names, dev, onnx_providers)
     return ExportOptions(
         backends=tuple(names),
@@ -238,13 +209,10 @@ def _dim_problem(dim: Any, value: Any) -> str | None:
         return "dimension 0 is the batch, already dynamic: its range is batch_range"
     if not is_int(dim, 1):
         return f"dimension {dim!r} is not an int >= 1"
-    if isinstance(value, DimRange):
-        return None
-    parts = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else []
-    if len(parts) != 3 or not all(is_int(p, 1) for p in parts):
-        return f"dimension {dim} has {value!r}, not (min, opt, max): three integers"
-    if not parts[0] <= parts[1] <= parts[2]:
-        return f"dimension {dim} has {value!r}, where min <= opt <= max does not hold"
+    try:
+        DimRange.parse(value, "", "")
+    except ValueError:
+        return f"dimension {dim} has {value!r}, not (min, opt, max): integers with 1 <= min <= opt <= max"
     return None
 
 
@@ -269,48 +237,15 @@ def _device(owner: str, device: torch.device | str | None) -> torch.device:
 
 
 def _tolerance(owner: str, tolerance: Any, precision: str) -> Tolerance:
+    if tolerance is None or isinstance(tolerance, Tolerance):
+        return tolerance or DEFAULT_TOLERANCES[precision]
     keys = tuple(f.name for f in fields(Tolerance))
-    expected = (
-        f"Expected a Tolerance or a dict with some of the keys {', '.join(map(repr, keys))} (finite numbers >= 0)."
-    )
-    if tolerance is None:
-        return DEFAULT_TOLERANCES[precision]
-    if isinstance(tolerance, Tolerance):
-        return tolerance
-    if not isinstance(tolerance, Mapping):
-        raise TypeError(f"`{owner}(tolerance={tolerance!r})` is not valid. {expected}")
-    unknown = [k for k in tolerance if k not in keys]
-    if unknown:
-        raise ValueError(
-            f"`{owner}(tolerance={tolerance!r})` is not valid: no key {', '.join(map(repr, unknown))}. {expected}"
-        )
+    expected = f"a Tolerance or a dict with some of the keys {', '.join(map(repr, keys))} (finite numbers >= 0)"
+    check_mapping(owner, "tolerance", tolerance, lambda k, v: None if k in keys else f"no key {k!r}", expected)
     try:
         return Tolerance(**{**asdict(DEFAULT_TOLERANCES[precision]), **tolerance})
     except ValueError as exc:
         raise ValueError(f"`{owner}(tolerance={tolerance!r})` is not valid: {exc}") from None
-
-
-def _check_onnx_providers(owner: str, providers: Any) -> None:
-    shown = f"`{owner}(onnx_providers={providers!r})` is not valid."
-    example = "e.g. ['CUDAExecutionProvider', 'CPUExecutionProvider']"
-    if (
-        isinstance(providers, (str, bytes))
-        or not isinstance(providers, Sequence)
-        or not providers
-        or not all(isinstance(p, str) for p in providers)
-    ):
-        raise ValueError(f"{shown} Expected a non-empty list of onnxruntime execution provider names, {example}.")
-    known = known_onnx_providers()
-    unknown = [p for p in providers if p not in known]
-    if unknown:
-        hints = [
-            f"{p!r}: did you mean {close[0]!r}?" for p in unknown if (close := difflib.get_close_matches(p, known, 1))
-        ]
-        raise ValueError(
-            f"{shown} {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not an onnxruntime "
-            f"execution provider{' (' + '; '.join(hints) + ')' if hints else ''}. Expected names from: "
-            f"{', '.join(known)}."
-        )
 
 
 # Which backend computes which precision where; checked at construction, so that a precision nothing here can export

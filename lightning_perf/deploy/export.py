@@ -10,30 +10,27 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib.metadata
 import inspect
 import os
 import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_perf._validation import check_file_stem
+from lightning_perf._io import failure_reason
+from lightning_perf._validation import check_file_stem, check_instance
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.deploy.artifacts import StagedSet
 from lightning_perf.deploy.backend import (
-    BACKENDS,
-    PRECISIONS,
     BackendUnavailable,
     ExportBackend,
     ExportOptions,
     Runner,
-    failure_reason,
     validate_options,
 )
 from lightning_perf.deploy.inputs import (
@@ -49,18 +46,10 @@ from lightning_perf.deploy.validate import Tolerance, ValidationResult, flat_out
 from lightning_perf.functional.inputs import CapturedCall, as_input_tuple
 from lightning_perf.functional.qat_device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, measure_latency
+from lightning_perf.profiling.machine import installed_version
+from lightning_perf.profiling.report import to_jsonable
 
-__all__ = [
-    "BACKENDS",
-    "EXPORT_BACKENDS",
-    "PRECISIONS",
-    "BackendAttempt",
-    "ExportError",
-    "ExportReport",
-    "export",
-    "export_model",
-    "validate_options",
-]
+__all__ = ["EXPORT_BACKENDS", "BackendAttempt", "ExportError", "ExportReport", "export_model"]
 
 #: The backends by name, in the order of :data:`BACKENDS`.
 EXPORT_BACKENDS: dict[str, ExportBackend] = {b.name: b for b in (TensorRTBackend(), OnnxBackend())}
@@ -87,12 +76,6 @@ class BackendAttempt:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["validation"] = [asdict(v) for v in self.validation]
-        data["latency"] = [row.to_dict() for row in self.latency]
-        return data
 
 
 @dataclass
@@ -143,32 +126,14 @@ class ExportReport:
         return None if self.attempt is None else Path(self.attempt.files[-1])
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "backend": self.backend,
-            "artifact": None if self.artifact is None else str(self.artifact),
-            "precision": self.precision,
-            "device": self.device,
-            "inputs": [spec.to_dict() for spec in self.inputs],
-            "output_names": list(self.output_names),
-            "validation_source": self.validation_source,
-            "tolerance": asdict(self.tolerance),
-            "attempts": [a.to_dict() for a in self.attempts],
-            "versions": dict(self.versions),
-            "torch_threads": self.torch_threads,
-            "metadata": dict(self.metadata),
-        }
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "report_path"}
+        return to_jsonable({"ok": self.ok, "backend": self.backend, "artifact": self.artifact, **data})  # type: ignore[no-any-return]
 
 
 def _versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {}
     # torch, lightning and the machine are in the report's `environment` (profiling.environment_info).
-    for dist in ("onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "tensorrt", "torch-tensorrt"):
-        try:
-            found[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            found[dist] = None
-    return found
+    dists = ("onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "tensorrt", "torch-tensorrt")
+    return {dist: installed_version(dist) for dist in dists}
 
 
 _STATUS_TEXT = dict(
@@ -181,23 +146,12 @@ def export_model(
     model: nn.Module,
     example_inputs: Any,
     *,
-    backends: Sequence[str] | str = BACKENDS,
-    precision: str = "fp32",
-    batch_range: Any = (1, 8, 32),
-    dynamic_dims: Any = None,
     dirpath: str | os.PathLike[str] = ".",
     filename: str = "model",
     validation_data: Iterable[Any] | None = None,
-    validation_batch_sizes: Sequence[int] | None = None,
     input_key: str | None = None,
-    tolerance: Tolerance | Mapping[str, float] | None = None,
-    latency_iterations: int = 20,
-    latency_warmup: int = 3,
-    device: torch.device | str | None = None,
-    onnx_providers: Sequence[str] | None = None,
-    opset: int | None = None,
-    strict: bool = False,
     metadata: Mapping[str, Any] | None = None,
+    **options: Any,
 ) -> ExportReport:
     """Export ``model`` for deployment, prove that the export computes what the model computes, and time it.
 
@@ -211,6 +165,8 @@ def export_model(
         example_inputs: tensor(s) with a batch dimension, or a :class:`~lightning_perf.functional.inputs.CapturedCall`
             (several, nested or keyword inputs: each batched tensor becomes a named input of the export, the other
             arguments stay as captured): every input's dtype and other sizes; traces the export.
+        options: the export options, checked by :func:`~lightning_perf.deploy.backend.validate_options` (its
+            keywords, defaults and errors):
         backends: tried in this order until one passes; ``"tensorrt"`` and/or ``"onnx"`` (one name alone: that one).
         precision: ``"fp32"``, ``"fp16"`` or ``"bf16"``. ONNX in fp16 needs a GPU execution provider; ONNX has no
             bf16 here (numpy has no bfloat16 to feed onnxruntime).
@@ -238,14 +194,17 @@ def export_model(
         report = export_model(model, torch.randn(1, 3, 224, 224), backends=["onnx"], validation_data=val_loader)
         print(report.ok, report.backend, report.artifact, report.attempt.latency)
     """
-    # The options are validate_options' parameters, each forwarded under its own name.
-    opts = validate_options(**{name: value for name, value in locals().items() if name in _OPTION_NAMES})
+    known = inspect.signature(validate_options).parameters
+    if unknown := sorted(set(options) - set(known)):
+        raise TypeError(f"`export_model` got unknown option(s) {unknown}. Expected some of: {', '.join(known)}.")
+    opts = validate_options(**options)
     _check_target(model, filename)
     model, example_inputs, names = _positional(model, example_inputs)
     example, specs = _input_specs(example_inputs, opts, names)
     source, batches = _real_batches(validation_data, input_key, example, specs, opts)
     exportable, ref_outputs = _reference(model, batches, opts)
-    report = _new_report(opts, specs, source, metadata)
+    facts = (opts.precision, str(opts.device), specs, opts.output_names, source, opts.tolerance, _versions())
+    report = ExportReport(*facts, metadata=dict(metadata or {}))
     sets = _Sets(Path(dirpath), filename)
     try:
         failure = _attempts(report, exportable, _trace_example(example, opts), specs, batches, ref_outputs, opts, sets)
@@ -267,9 +226,6 @@ def _positional(model: nn.Module, example_inputs: Any) -> tuple[nn.Module, Any, 
     return example_inputs.adapter(model), example_inputs.tensors, names
 
 
-_OPTION_NAMES = frozenset(inspect.signature(validate_options).parameters) - {"owner"}
-
-
 def _input_specs(example_inputs: Any, opts: Any, names: list[str] | None) -> tuple[tuple[Tensor, ...], list[Any]]:
     """The example as a tuple of tensors, and each input's spec (name, dtype, static sizes, dynamic ranges)."""
     example = as_input_tuple(example_inputs)
@@ -280,8 +236,7 @@ def _input_specs(example_inputs: Any, opts: Any, names: list[str] | None) -> tup
 
 def _check_target(model: Any, filename: Any) -> None:
     check_file_stem("export_model", "filename", filename)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"`export_model(model=...)` expects an nn.Module, got {type(model).__name__}.")
+    check_instance("export_model", "model", model, nn.Module, "an nn.Module")
 
 
 def _real_batches(
@@ -328,37 +283,14 @@ def _trace_example(example: tuple[Tensor, ...], opts: ExportOptions) -> tuple[Te
     return cast_inputs(take_batch(tuple(t.to(opts.device) for t in example), trace_batch), opts.dtype, opts.device)
 
 
-def _new_report(
-    opts: ExportOptions, specs: list[InputSpec], source: str, metadata: Mapping[str, Any] | None
-) -> ExportReport:
-    return ExportReport(
-        precision=opts.precision,
-        device=str(opts.device),
-        inputs=specs,
-        output_names=opts.output_names,
-        validation_source=source,
-        tolerance=opts.tolerance,
-        versions=_versions(),
-        metadata=dict(metadata or {}),
-    )
-
-
-export = export_model
-"""Alias: ``lightning_perf.deploy.export.export(...)``."""
-
-
 class _Sets:
     """The two artifact sets of one export: the validated artifact (``<filename>``) and the failed ones
     (``<filename>.failed``), each staged until the report is written into it and committed."""
 
     def __init__(self, dirpath: Path, filename: str) -> None:
-        self.dirpath, self.filename = dirpath, filename
+        self.dirpath, self.filename, self.failed_name = dirpath, filename, f"{filename}.failed"
         self.good: StagedSet | None = None
         self.failed: StagedSet | None = None
-
-    @property
-    def failed_name(self) -> str:
-        return f"{self.filename}.failed"
 
     def failed_set(self) -> StagedSet:
         if self.failed is None:

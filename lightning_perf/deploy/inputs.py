@@ -52,13 +52,9 @@ class DimRange:
         Raises:
             ValueError: unless ``1 <= min <= opt <= max`` are integers.
         """
-        if isinstance(value, DimRange):
-            parts: Sequence[Any] = (value.min, value.opt, value.max)
-        elif isinstance(value, Sequence) and not isinstance(value, str):
-            parts = value
-        else:
-            parts = ()
-        if len(parts) != 3 or not all(is_int(p, 1) for p in parts):
+        parts = (value.min, value.opt, value.max) if isinstance(value, DimRange) else value
+        listed = isinstance(parts, Sequence) and not isinstance(parts, str)
+        if not listed or len(parts) != 3 or not all(is_int(p, 1) for p in parts):
             raise ValueError(
                 f"`{owner}({name}={value!r})` is not valid. Expected (min, opt, max): three positive integers."
             )

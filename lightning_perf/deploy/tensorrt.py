@@ -5,7 +5,6 @@ tensorrt and torch-tensorrt are imported only inside the functions that need the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from lightning_perf.deploy.inputs import Inputs, InputSpec, cast_inputs
 from lightning_perf.deploy.onnx import traceable_causal_masks
 from lightning_perf.deploy.validate import flat_outputs
 
-__all__ = ["TensorRTBackend", "TensorRTBuild", "TensorRTRunner"]
+__all__ = ["TensorRTBackend", "TensorRTRunner"]
 
 
 class TensorRTRunner(Runner):
@@ -36,15 +35,6 @@ class TensorRTRunner(Runner):
         outputs, names = flat_outputs(self.run(inputs))
         self.output_names = names
         return outputs
-
-
-@dataclass
-class TensorRTBuild:
-    """A compiled TensorRT module with what saving it needs: the traced example and its dynamic shapes."""
-
-    module: Any
-    example: tuple[Tensor, ...]
-    dynamic_shapes: tuple[dict[int, Any] | None, ...]
 
 
 class TensorRTBackend(ExportBackend):
@@ -92,17 +82,14 @@ class TensorRTBackend(ExportBackend):
             disable_tf32=options.precision == "fp32",
             min_block_size=1,
         )
-        return TensorRTBuild(compiled, example, shapes)
+        return compiled, example, shapes  # what saving needs: the module, the traced example, its dynamic shapes
 
     def save(self, built: Any, path: Path, specs: list[InputSpec], options: ExportOptions) -> list[Path]:
         import torch_tensorrt
 
+        module, example, shapes = built
         torch_tensorrt.save(
-            built.module,
-            str(path),
-            output_format="exported_program",
-            arg_inputs=list(built.example),
-            dynamic_shapes=built.dynamic_shapes,
+            module, str(path), output_format="exported_program", arg_inputs=list(example), dynamic_shapes=shapes
         )
         return [path]
 

@@ -245,14 +245,15 @@ class ValidationSummary:
         }
         return {f"{prefix}{key}": float(value) for key, value in figures.items() if value is not None}
 
-    def describe(self) -> str:
-        """One line: cosine, max abs difference, top-1 agreement and the accuracies when known."""
+    def describe(self, reference: str = "fake-quantized") -> str:
+        """One line: cosine, max abs difference, top-1 agreement and the accuracies (``reference``'s and int8's) when
+        known."""
         text = f"cosine {self.cosine:.5f}, max abs diff {self.max_abs_diff:.3g}"
         if self.top1_agreement is not None:
             text += f", top-1 agreement {100 * self.top1_agreement:.1f}%"
         if self.accuracy_gap is not None:
             text += (
-                f", accuracy {100 * self.reference_accuracy:.2f}% (fake-quantized) vs "  # type: ignore[operator]
+                f", accuracy {100 * self.reference_accuracy:.2f}% ({reference}) vs "  # type: ignore[operator]
                 f"{100 * self.quantized_accuracy:.2f}% (int8), gap {self.accuracy_gap:+.2f} pp"  # type: ignore[operator]
             )
         return text

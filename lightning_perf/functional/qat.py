@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._imports import require
+from lightning_perf._io import failure_reason
 from lightning_perf._validation import check_choice
 from lightning_perf.functional.inputs import as_input_tuple
 from lightning_perf.functional.qat_config import SUPPORTED_BASE_CONFIGS, base_config_spec, resolve_base_config
@@ -527,8 +528,8 @@ def capture_module(module: nn.Module, example: tuple[Tensor, ...], training: boo
         program = export_dynamic_batch(module, example)
     except Exception as exc:
         raise QuantizationError(
-            f"torch.export could not capture {type(module).__name__} for quantization: {_reason(exc)}. The model "
-            "must be exportable (no data-dependent Python control flow, positional tensor inputs); see "
+            f"torch.export could not capture {type(module).__name__} for quantization: {failure_reason(exc)}. The "
+            "model must be exportable (no data-dependent Python control flow, positional tensor inputs); see "
             "https://pytorch.org/docs/stable/export.html."
         ) from exc
     finally:
@@ -536,11 +537,6 @@ def capture_module(module: nn.Module, example: tuple[Tensor, ...], training: boo
     gm = program.module()
     _distinguish_repeated_module_calls(gm)
     return gm
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:500] if text else ''}"
 
 
 def _unannotated_hint(graph_module: torch.fx.GraphModule) -> str:
@@ -626,7 +622,7 @@ def _prepare_x86(
             prepared = (prepare_qat_pt2e if qat else prepare_pt2e)(captured, quantizer)
     except Exception as exc:
         raise QuantizationError(
-            f"torchao's X86InductorQuantizer could not prepare {type(module).__name__}: {_reason(exc)}"
+            f"torchao's X86InductorQuantizer could not prepare {type(module).__name__}: {failure_reason(exc)}"
         ) from exc
     if _count_quantizers(prepared) == 0:
         raise NothingToQuantizeError(
@@ -658,7 +654,8 @@ def _prepare_torchao(
     try:
         torchao.quantization.quantize_(module, torchao.quantization.qat.QATConfig(base, step="prepare"))
     except Exception as exc:
-        raise QuantizationError(f"torchao could not prepare {type(module).__name__} for QAT: {_reason(exc)}") from exc
+        why = failure_reason(exc)
+        raise QuantizationError(f"torchao could not prepare {type(module).__name__} for QAT: {why}") from exc
     if not torchao_fake_quantizers(module):
         raise NothingToQuantizeError(
             f"torchao found nothing to quantize in {type(module).__name__}: {type(base).__name__} applies to "

@@ -28,7 +28,7 @@ from lightning_perf.benchmark.sources import (
 )
 from lightning_perf.benchmark.spec import RunSpec, check_preset, check_workload, resolve_device
 from lightning_perf.benchmark.structure import ModelStructure, structure_of
-from lightning_perf.benchmark.threads import ThreadChoice, decide_for_run, sample_other_cores
+from lightning_perf.benchmark.threads import ThreadChoice, decide_for_run, start_load_note, watch_start_load
 from lightning_perf.optimizations import tuner_alternatives
 from lightning_perf.profiling.machine import describe_machine
 from lightning_perf.profiling.stats import median
@@ -165,7 +165,8 @@ class AutoTuner(Remeasuring):
             global torch state restored after each trial), or ``"auto"`` (process unless the objects cannot travel).
         progress: print a line per trial as it runs.
         threads: every trial's intra-op threads; ``None``: decided at the start from the usable cores and the load
-            (:func:`~lightning_perf.benchmark.threads.decide_threads`), the same for every trial.
+            (:func:`~lightning_perf.benchmark.threads.decide_threads`), the same for every trial; a load present at
+            the start is watched for up to a minute first, as by the bench (not taken from ``time_budget_s``).
     """
 
     def __init__(
@@ -250,7 +251,12 @@ class AutoTuner(Remeasuring):
         del model, datamodule
         isolation = resolve_isolation(self.isolation, self.source)
         self._watch = TrialWatch(self.device, self._probes)  # samples the starting load the threads are chosen from
-        self._threads = decide_for_run(self.threads, describe_machine(), other_cores=sample_other_cores(self._watch))
+        # As the bench: a load present at the start is watched for up to a minute, so a burst that ends does not
+        # decide the whole search; the watching is not taken from the search's budget.
+        first, now, watched = watch_start_load(self._watch, self.threads, self._say)
+        self._deadline += watched
+        choice = decide_for_run(self.threads, describe_machine(), other_cores=now)
+        self._threads = replace(choice, start_other_cores=first, watched_s=watched)
         start_load = self._watch.judge_from(self._threads)
         self._say(
             f"autotune ({self.stage}): {self.source.describe()} on {self.device}, budget {self.time_budget_s:.0f} s, "
@@ -277,6 +283,7 @@ class AutoTuner(Remeasuring):
                 trial.reason = "; ".join(x for x in (trial.reason, f"{trial.speedup_text} vs baseline") if x)
         candidate, best, _ = incumbent
         recommendation = recommend(candidate, best, holder, dm_params, self._unreliable, self.stage)
+        recommendation.notes += filter(None, [start_load_note(self._threads, self._watch)])
         disturbed = [f"{t.label}: {'; '.join(t.disturbed)}" for t in self._trials if t.disturbed]
         result = TuningResult(
             source=self.source.describe(),

@@ -35,11 +35,10 @@ def test_bench_file_gives_every_figure_per_configuration(tmp_path: Path, new_for
     assert loaded.kind == BENCH_KIND
     assert set(loaded.entries) == {"baseline", "channels_last"}
     baseline = loaded.entries["baseline"]
-    assert len(baseline.samples["step_time"]) == 60  # 3 repeats x 20 steps
-    assert [len(g) for g in baseline.groups["step_time"]] == [20, 20, 20]
-    assert len(baseline.samples["throughput"]) == 3
-    assert len(baseline.samples["step_memory"]) == 3
-    assert len(baseline.samples["predict_time"]) == (24 if new_format else 3)
+    assert [len(g) for g in baseline.repeats["step_time"]] == [20, 20, 20]
+    assert [len(g) for g in baseline.repeats["throughput"]] == [1, 1, 1]
+    assert [len(g) for g in baseline.repeats["step_memory"]] == [1, 1, 1]
+    assert [len(g) for g in baseline.repeats["predict_time"]] == ([8] * 3 if new_format else [1] * 3)
     assert loaded.identity["workload"] == "convnet"
     assert loaded.identity["batch size"] == 32
     assert loaded.machine["CPU"] == "Test CPU"
@@ -53,7 +52,7 @@ def test_new_format_run_metadata_is_described(tmp_path: Path) -> None:
 def test_a_real_old_format_file_from_the_docs() -> None:
     loaded = load_results(DOCS_BENCH)
     assert "baseline" in loaded.entries
-    assert len(loaded.entries["baseline"].groups["step_time"]) == 3
+    assert len(loaded.entries["baseline"].repeats["step_time"]) == 3
     comparison = compare_results(loaded, load_results(DOCS_BENCH))
     assert comparison.rows and not comparison.regressions
     assert set(_verdicts(comparison).values()) == {"no clear difference"}
@@ -62,10 +61,10 @@ def test_a_real_old_format_file_from_the_docs() -> None:
 def test_pytest_benchmark_file_with_and_without_raw_data(tmp_path: Path) -> None:
     with_data = load_results(write(tmp_path / "a.json", pytest_benchmark_results()))
     assert with_data.kind == PYTEST_BENCHMARK_KIND
-    assert len(with_data.entries["my-model/test_steps[baseline]"].samples["time"]) == 30
+    assert [len(g) for g in with_data.entries["my-model/test_steps[baseline]"].repeats["time"]] == [30]
     stats_only = load_results(write(tmp_path / "b.json", pytest_benchmark_results(save_data=False)))
     entry = stats_only.entries["my-model/test_steps[baseline]"]
-    assert not entry.samples and entry.stats_only["time"]["rounds"] == 30
+    assert not entry.repeats and entry.stats_only["time"] == pytest.approx(0.01, rel=0.05)
 
 
 def test_a_failed_or_skipped_configuration_is_named_not_compared(tmp_path: Path) -> None:
@@ -152,24 +151,33 @@ def test_configurations_in_one_file_only_are_listed(tmp_path: Path) -> None:
     assert {row.config for row in comparison.rows} == {"baseline"}
 
 
-def test_pytest_benchmark_doubled(tmp_path: Path) -> None:
+def test_one_process_a_side_gives_an_indicative_interval_and_no_verdict(tmp_path: Path) -> None:
+    # Every round of a pytest-benchmark file ran in one process: its steps cannot show the swing between processes.
     old = write(tmp_path / "a.json", pytest_benchmark_results())
     new = write(tmp_path / "b.json", pytest_benchmark_results({"test_steps[baseline]": 0.02}, seed=5))
     comparison = compare_files(old, new)
-    assert _verdicts(comparison, "time") == {"my-model/test_steps[baseline]": "slower"}
-    assert comparison.only_in_old == ["my-model/test_steps[channels_last]"]
-    assert compare_files(old, old).regressions == []
+    (row,) = comparison.rows
+    assert row.verdict == "no clear difference" and not comparison.regressions
+    assert row.ratio == pytest.approx(2.0, rel=0.05) and row.ratio_ci95 is None and (row.n_old, row.n_new) == (1, 1)
+    assert 1.5 < row.within_process_ci95[0] <= row.ratio <= row.within_process_ci95[1] and "one repeat" in row.note
+    assert "(+" in format_table(comparison) and comparison.only_in_old == ["my-model/test_steps[channels_last]"]
+
+
+def test_bench_file_with_one_repeat_against_three_gets_no_verdict(tmp_path: Path) -> None:
+    data = bench_results()
+    comparison = compare_files(
+        write(tmp_path / "a.json", bench_results(repeats=1)), write(tmp_path / "b.json", scaled(data, 2.0))
+    )
+    assert _verdicts(comparison) == {"baseline": "no clear difference", "channels_last": "no clear difference"}
+    assert all(row.ratio_ci95 is None and row.n_old == 1 and row.n_new == 3 for row in comparison.rows)
 
 
 def test_pytest_benchmark_statistics_only(tmp_path: Path) -> None:
     old = write(tmp_path / "a.json", pytest_benchmark_results(save_data=False))
-    slower = {"test_steps[baseline]": 0.02, "test_steps[channels_last]": 0.0082}
-    new = write(tmp_path / "b.json", pytest_benchmark_results(slower, seed=5, save_data=False))
-    comparison = compare_files(old, new)
-    rows = {row.config: row for row in comparison.rows}
-    doubled, overlapping = rows["my-model/test_steps[baseline]"], rows["my-model/test_steps[channels_last]"]
-    assert doubled.verdict == "slower" and doubled.ratio_ci95 is None and "statistics only" in doubled.note
-    assert overlapping.verdict == "no clear difference"
+    new = write(tmp_path / "b.json", pytest_benchmark_results({"test_steps[baseline]": 0.02}, save_data=False))
+    (row,) = compare_files(old, new).rows
+    assert row.ratio == pytest.approx(2.0, rel=0.05) and row.verdict == "no clear difference"
+    assert row.ratio_ci95 is None and row.within_process_ci95 is None and "statistics only" in row.note
 
 
 def test_mixed_raw_and_statistics_only_files_use_the_statistics(tmp_path: Path) -> None:
@@ -319,6 +327,6 @@ def test_summary_with_per_repeat_step_times_and_no_runs(tmp_path: Path) -> None:
     for row in doubled["summary"]:
         row["step_times_s"] = [[2 * t for t in repeat] for repeat in row["step_times_s"]]
     loaded = load_results(write(tmp_path / "a.json", data))
-    assert [len(g) for g in loaded.entries["baseline"].groups["step_time"]] == [20, 20, 20]
+    assert [len(g) for g in loaded.entries["baseline"].repeats["step_time"]] == [20, 20, 20]
     comparison = compare_files(tmp_path / "a.json", write(tmp_path / "b.json", doubled))
     assert _verdicts(comparison) == {"baseline": "slower", "channels_last": "slower"}

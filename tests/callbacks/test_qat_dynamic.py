@@ -88,7 +88,7 @@ def _fresh_cache() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"backend": "x86"}, r"QATCallback\(backend='x86'\)` is not valid for mode 'dynamic'"),
+        ({"backend": "x86"}, r"QATCallback\(backend='x86'\)` is not valid. Expected one of 'auto', 'eager'"),
         ({"backend": "fbgemm"}, r"backend='fbgemm'"),
         ({"mode": "int8"}, r"mode='int8'.*'qat', 'ptq', 'dynamic'"),
         ({"min_agreement": 1.5}, r"min_agreement=1.5"),

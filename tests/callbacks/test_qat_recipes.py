@@ -25,7 +25,7 @@ from lightning_perf.deploy.quantize.quantizer import (
     StaticPTQRecipe,
     TorchaoQATRecipe,
     X86QATRecipe,
-    registered_quantizer,
+    quantizer_for,
 )
 from lightning_perf.functional import qat
 from tests.callbacks._quiet import quiet_trainer
@@ -48,10 +48,10 @@ def test_each_mode_is_a_recipe_carried_out_by_the_quantizer_registered_for_its_t
     }
     assert [type(r) for r in made.values()] == [X86QATRecipe, TorchaoQATRecipe, StaticPTQRecipe, DynamicInt8Recipe]
     assert made["dynamic", None].backend == "auto"
-    quantizers = {type(recipes.quantizer_for(r, QuantizeOptions())).__name__ for r in made.values()}
+    quantizers = {type(quantizer_for(r, QuantizeOptions())).__name__ for r in made.values()}
     assert quantizers == {"QATQuantizer", "StaticPTQQuantizer", "DynamicInt8Quantizer"}
     with pytest.raises(TypeError, match="No quantizer is registered for str"):
-        registered_quantizer("x86")
+        quantizer_for("x86", QuantizeOptions())
 
 
 @pytest.mark.parametrize(

@@ -253,7 +253,7 @@ def test_input_shapes_stand_in_for_a_missing_example() -> None:
         ({"input_key": ""}, r"input_key=''"),
         ({"input_key": 0}, r"input_key=0"),
         # Issue 28: each refused at construction, naming the argument, the value and what is valid.
-        ({"onnx_providers": ["NoSuchProvider"]}, r"onnx_providers=\['NoSuchProvider'\].*not an onnxruntime execution"),
+        ({"onnx_providers": ["NoSuchProvider"]}, r"providers=\['NoSuchProvider'\]\)` is not valid: 'NoSuch"),
         ({"onnx_providers": ["CUDAExecutionprovider"]}, r"did you mean 'CUDAExecutionProvider'\?"),
         ({"onnx_providers": []}, r"onnx_providers=\[\].*non-empty list"),
         (
@@ -295,7 +295,7 @@ def test_provider_names_are_checked_without_onnxruntime(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(backend, "is_available", lambda module: False)
     assert "CUDAExecutionProvider" in backend.known_onnx_providers()
-    with pytest.raises(ValueError, match="'Cuda' is not an onnxruntime execution provider"):
+    with pytest.raises(ValueError, match=r"'Cuda' is not one of them.*'CUDAExecutionProvider'"):
         TensorRTExportCallback(onnx_providers=["Cuda"])
 
 

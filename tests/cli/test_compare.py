@@ -69,8 +69,8 @@ def test_a_larger_threshold_lets_the_regression_pass(
 def test_pytest_benchmark_pair(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(capsys, files["pytest"], files["pytest"])[0] == 0
     code, out, _ = _run(capsys, files["pytest"], files["pytest_slow"])
-    assert code == 1
-    assert "my-model/test_steps[baseline] (time +" in out
+    assert code == 0  # one process a side: no verdict, said so
+    assert "one repeat: no interval between processes, no verdict" in out.replace("\n  ", " ")
     assert "only in old: my-model/test_steps[channels_last]" in out
 
 

@@ -76,7 +76,7 @@ def test_export_a_checkpoint_with_its_datamodule(checkpoint: Path, tmp_path: Pat
         (["--backend", "onnx"], "unrecognized arguments: --backend"),  # no abbreviation of --backends
         (["--precision", "fp16", "--device", "cpu"], "(precision='fp16')` cannot be exported with backends="),
         (["--precision", "bf16", "--backends", "onnx"], "bf16 needs TensorRT on a CUDA device"),
-        (["--onnx-providers", "NoSuchProvider"], "'NoSuchProvider' is not an onnxruntime execution provider"),
+        (["--onnx-providers", "NoSuchProvider"], "'NoSuchProvider' is not one of them"),
         (["--module-class", "lightning_perf.demos:NoSuchModule"], "has no attribute 'NoSuchModule'"),
         (["--module-class", "no_such_pkg.models:Net"], "cannot import module 'no_such_pkg.models'"),
         (["--module-class", "lightning_perf.demos:ConvNetDataModule"], "is not a subclass of LightningModule"),

@@ -456,7 +456,7 @@ def test_validation_data_that_does_not_fit_the_example_fails_before_exporting(tm
         ({"device": "tpu"}, "device='tpu'"),
         ({"opset": 9}, "opset=9"),
         ({"tolerance": {"nope": 1}}, r"tolerance=\{'nope': 1\}\)` is not valid: no key 'nope'"),
-        ({"onnx_providers": ["NoSuchProvider"]}, "'NoSuchProvider' is not an onnxruntime execution provider"),
+        ({"onnx_providers": ["NoSuchProvider"]}, "'NoSuchProvider' is not one of them.*CUDAExecutionProvider"),
         ({"precision": "bf16", "device": "cpu"}, "precision='bf16'"),
     ],
 )
@@ -470,3 +470,11 @@ def test_default_tolerances_follow_precision() -> None:
     assert validate_options(precision="fp32", tolerance={"atol": 1e-3}).tolerance.atol == 1e-3
     assert validate_options(precision="fp32").tolerance.atol == pytest.approx(1e-4)
     assert validate_options(batch_range=[2, 2, 2]).batch_range.sizes() == [2]
+
+
+def test_a_misspelt_export_option_is_named_with_the_function_the_user_called(tmp_path: Path) -> None:
+    with pytest.raises(
+        TypeError, match=r"`export_model` got unknown option\(s\) \['precison'\]\. Expected .*precision"
+    ):
+        export_model(nn.Linear(2, 2), torch.randn(1, 2), dirpath=tmp_path, precison="fp16")
+    assert not any(tmp_path.iterdir())  # refused before anything is written

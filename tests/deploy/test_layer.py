@@ -10,7 +10,7 @@ from tests._probes import Probes
 
 LIGHTNING_FREE = [
     "lightning_perf.deploy",
-    "lightning_perf.deploy.quantize",
+    "lightning_perf.deploy.quantize.recipes",
     "lightning_perf.profiling.latency",
     "lightning_perf.cli.export",
 ]

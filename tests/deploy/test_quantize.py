@@ -13,9 +13,11 @@ import torchao  # noqa: F401  (the `test` extra installs it: a missing install f
 from torch import nn
 
 from lightning_perf import FallbackWarning, _imports
-from lightning_perf.deploy import quantize as dq
 from lightning_perf.deploy.artifacts import committed_set
 from lightning_perf.deploy.quantize import save as save_module
+from lightning_perf.deploy.quantize.convert import calibrate, convert
+from lightning_perf.deploy.quantize.save import QuantizationReport, compiled_latency, export_quantized, save_quantized
+from lightning_perf.deploy.validate import compare_models
 from lightning_perf.functional import qat
 from lightning_perf.functional.qat import QuantizationError
 from lightning_perf.profiling.latency import LatencyRow
@@ -53,7 +55,7 @@ def test_convert_matches_the_fake_quantized_model_and_leaves_it_alone(
     _, prepared = prepared_conv
     state = {k: v.clone() for k, v in prepared.state_dict().items()}
     code = prepared.code
-    quantized = dq.convert(prepared)
+    quantized = convert(prepared)
     assert prepared.code == code and prepared.training
     for key, value in prepared.state_dict().items():
         torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)
@@ -64,7 +66,7 @@ def test_convert_matches_the_fake_quantized_model_and_leaves_it_alone(
     x, y = _images(32, seed=1)
     reference = copy.deepcopy(prepared)
     qat.set_observers(reference, False)
-    summary = dq.compare_models(reference, quantized, [(x, y)])
+    summary = compare_models(reference, quantized, [(x, y)])
     assert summary.passed, summary.problem
     assert summary.cosine > 0.99 and summary.top1_agreement > 0.8
     assert summary.reference_accuracy is not None and summary.accuracy_gap is not None
@@ -73,11 +75,11 @@ def test_convert_matches_the_fake_quantized_model_and_leaves_it_alone(
 def test_compare_models_fails_below_min_cosine() -> None:
     torch.manual_seed(0)
     a, b = TinyMLP(), TinyMLP()
-    summary = dq.compare_models(a, b, [torch.randn(8, 32)], min_cosine=0.999)
+    summary = compare_models(a, b, [torch.randn(8, 32)], min_cosine=0.999)
     assert not summary.passed and "cosine similarity" in summary.problem
     assert summary.reference_accuracy is None  # no labels
     with pytest.raises(ValueError, match="no batch"):
-        dq.compare_models(a, b, [])
+        compare_models(a, b, [])
 
 
 def test_ptq_calibrates_converts_and_saves(tmp_path: Path) -> None:
@@ -87,11 +89,11 @@ def test_ptq_calibrates_converts_and_saves(tmp_path: Path) -> None:
     recipe = qat.make_recipe("x86", "ptq", example_inputs=x[:1])
     prepared = qat.prepare(float_model, recipe)
     assert not prepared.training
-    assert dq.calibrate(prepared, [(x[:16], y[:16]), (x[16:], y[16:])]) == 32
-    quantized = dq.convert(prepared)
-    summary = dq.compare_models(float_model, quantized, [(x, y)])
+    assert calibrate(prepared, [(x[:16], y[:16]), (x[16:], y[16:])]) == 32
+    quantized = convert(prepared)
+    summary = compare_models(float_model, quantized, [(x, y)])
     assert summary.passed, summary.problem
-    path = dq.save_quantized(quantized, x[:1], tmp_path / "ptq.pt2")
+    path = save_quantized(quantized, x[:1], tmp_path / "ptq.pt2")
     assert path == tmp_path / "ptq" / "ptq.pt2"  # the artifact set `ptq`
     loaded = torch.export.load(path).module()
     torch.testing.assert_close(loaded(x[:5]), quantized(x[:5]))
@@ -106,7 +108,7 @@ def test_export_quantized_writes_artifact_and_report(
 ) -> None:
     float_model, prepared = prepared_conv
     x, y = _images(16, seed=2)
-    report = dq.export_quantized(
+    report = export_quantized(
         prepared, float_model=float_model, validation_data=[(x, y)], dirpath=tmp_path, benchmark=False
     )
     assert report.ok, report.problems
@@ -126,7 +128,7 @@ def test_export_quantized_to_onnx_too(prepared_conv: tuple[nn.Module, nn.Module]
     import onnxruntime
 
     _, prepared = prepared_conv
-    report = dq.export_quantized(prepared, dirpath=tmp_path, benchmark=False, onnx=True)
+    report = export_quantized(prepared, dirpath=tmp_path, benchmark=False, onnx=True)
     assert report.ok and report.onnx == tmp_path / "model_int8" / "model_int8.onnx"
     assert (tmp_path / "model_int8" / "model_int8.onnx.data").is_file()
     session = onnxruntime.InferenceSession(str(report.onnx), providers=["CPUExecutionProvider"])
@@ -147,13 +149,13 @@ def test_export_failure_warns_and_leaves_the_model(
 
     monkeypatch.setattr(save_module, "convert", broken)
     with pytest.warns(FallbackWarning, match="convert exploded"):
-        report = dq.export_quantized(prepared, dirpath=tmp_path, benchmark=False)
+        report = export_quantized(prepared, dirpath=tmp_path, benchmark=False)
     assert not report.ok and report.artifact is None
     assert _visible(tmp_path) == ["model_int8.failed/model_int8.json"]
     for key, value in prepared.state_dict().items():
         torch.testing.assert_close(value, state[key], rtol=0, atol=0)
     with pytest.raises(QuantizationError, match="convert exploded"):
-        dq.export_quantized(prepared, dirpath=tmp_path, benchmark=False, strict=True)
+        export_quantized(prepared, dirpath=tmp_path, benchmark=False, strict=True)
 
 
 def test_failed_validation_is_saved_under_a_failed_name(
@@ -161,15 +163,15 @@ def test_failed_validation_is_saved_under_a_failed_name(
 ) -> None:
     _, prepared = prepared_conv
     with pytest.warns(FallbackWarning, match="cosine similarity"):
-        report = dq.export_quantized(prepared, dirpath=tmp_path, benchmark=False, min_cosine=1.01)
+        report = export_quantized(prepared, dirpath=tmp_path, benchmark=False, min_cosine=1.01)
     assert not report.ok and report.artifact == tmp_path / "model_int8.failed" / "model_int8.failed.pt2"
 
 
 @pytest.mark.slow
 def test_compiled_latency_times_both_models(prepared_conv: tuple[nn.Module, nn.Module]) -> None:
     float_model, prepared = prepared_conv
-    quantized = dq.convert(prepared)
-    rows = dq.compiled_latency(float_model, quantized, torch.randn(1, 3, 8, 8), (1, 4), iterations=4, warmup=1)
+    quantized = convert(prepared)
+    rows = compiled_latency(float_model, quantized, torch.randn(1, 3, 8, 8), (1, 4), iterations=4, warmup=1)
     assert [r.batch_size for r in rows] == [1, 4]
     for row in rows:
         assert row.float_median_s > 0 and row.quantized_median_s > 0 and row.iterations == 4
@@ -185,7 +187,7 @@ def test_report_prints_and_writes_each_speedup_with_its_interval_and_verdict() -
         8, [[4e-3, 4.2e-3], [3.9e-3, 4.1e-3]], [[1e-3, 1.1e-3], [0.95e-3, 1.05e-3]], names=("float", "quantized")
     )
     recipe = qat.make_recipe("x86", "qat", input_shapes=[(3, 8, 8)])
-    report = dq.QuantizationReport(ok=True, recipe=recipe, artifact=Path("m.pt2"), latency=[row])
+    report = QuantizationReport(ok=True, recipe=recipe, artifact=Path("m.pt2"), latency=[row])
     low, high = row.speedup_ci95
     assert 1 < low <= row.speedup <= high and row.speedup_verdict == "faster"
     text = report.summary("QATCallback")

@@ -1,5 +1,5 @@
-"""Dynamic int8 (lightning_perf.deploy.quantize.dynamic, dynamic_save): back-ends, the parity filter, the measured
-choice and its cache, and the artifact set with its report."""
+"""Dynamic int8 (lightning_perf.deploy.quantize.dynamic, save.export_dynamic): back-ends, the parity filter, the
+measured choice and its cache, and the artifact set with its report."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from lightning_perf.deploy.quantize.dynamic import (
     quantize_dynamic_eager,
     quantize_dynamic_onnxruntime,
 )
-from lightning_perf.deploy.quantize.dynamic_save import export_dynamic
+from lightning_perf.deploy.quantize.save import export_dynamic
 from lightning_perf.functional.qat import QuantizationError
 from lightning_perf.profiling.latency import LatencyRow
 
@@ -68,7 +68,7 @@ def test_eager_backend_refuses_a_model_without_linear_layers() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"backend": "x86"}, r"quantize_dynamic\(backend='x86'\)` is not valid for mode 'dynamic'"),
+        ({"backend": "x86"}, r"quantize_dynamic\(backend='x86'\)` is not valid. Expected one of 'auto', 'eager'"),
         ({"min_cosine": 1.5}, r"min_cosine=1.5"),
         ({"min_agreement": float("nan")}, r"min_agreement=nan"),
         ({"min_agreement": True}, r"min_agreement=True"),

@@ -12,8 +12,8 @@ import torchao  # noqa: F401  (the `test` extra installs it: a missing install f
 from torch import nn
 
 from lightning_perf import _imports
-from lightning_perf.deploy import quantize as dq
-from lightning_perf.deploy.quantize.convert import restore_float
+from lightning_perf.deploy.quantize.convert import calibrate, convert, float_copy, restore_float
+from lightning_perf.deploy.validate import compare_models
 from lightning_perf.functional import qat
 
 BATCH_NORM = torch.ops.aten.batch_norm.default
@@ -341,12 +341,12 @@ def test_torchao_prepare_in_place_convert_and_float_copy() -> None:
     assert qat.set_fake_quant(model, False) >= 2
     assert not model.fc1.weight_fake_quantizer.enabled
     qat.set_fake_quant(model, True)
-    quantized = dq.convert(model)
+    quantized = convert(model)
     assert isinstance(model.fc1, FakeQuantizedLinear)  # the trainable model is untouched
     assert type(quantized.fc1.weight).__name__ != "Parameter" or quantized.fc1.weight.dtype != torch.float32
-    summary = dq.compare_models(model, quantized, [(x, y)])
+    summary = compare_models(model, quantized, [(x, y)])
     assert summary.passed, summary.problem
-    plain = dq.float_copy(model)
+    plain = float_copy(model)
     assert type(plain.fc1) is nn.Linear and not qat.is_prepared(plain)
     torch.testing.assert_close(plain.fc1.weight, model.fc1.weight)
 
@@ -355,9 +355,9 @@ def test_torchao_ptq_leaves_the_float_model_alone() -> None:
     model = TinyMLP()
     prepared = qat.prepare(model, qat.make_recipe("torchao", "ptq", example_inputs=torch.zeros(1, 32)))
     assert prepared is not model and type(model.fc1) is nn.Linear
-    assert dq.calibrate(prepared, [torch.randn(4, 32)]) == 4
-    quantized = dq.convert(prepared)
-    assert dq.compare_models(model, quantized, [torch.randn(8, 32)]).passed
+    assert calibrate(prepared, [torch.randn(4, 32)]) == 4
+    quantized = convert(prepared)
+    assert compare_models(model, quantized, [torch.randn(8, 32)]).passed
 
 
 def test_torchao_rejects_a_bare_linear() -> None:

@@ -64,7 +64,7 @@ def script_trials(monkeypatch: pytest.MonkeyPatch, script: dict[str, Any]) -> li
     monkeypatch.setattr("lightning_perf.tuning.tuner.describe_machine", lambda: {"cpu_count": 2, "cpu_count_usable": 2})
     monkeypatch.setattr("lightning_perf.benchmark.threads.load_average", lambda: 0.0)
     # Nor what other processes keep busy now (no one-second sample: the load average above decides).
-    monkeypatch.setattr("lightning_perf.tuning.tuner.sample_other_cores", lambda monitor, window_s=1.0: None)
+    monkeypatch.setattr("lightning_perf.benchmark.threads.sample_other_cores", lambda monitor, window_s=1.0: None)
     return ran
 
 

@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 import yaml
 
+import lightning_perf.tuning.tuner as tuner_module
 from lightning_perf.benchmark import threads as thread_rules
 from lightning_perf.cli import main
 from lightning_perf.cli.autotune import retry_command
+from lightning_perf.tuning.conditions import TrialWatch
 from lightning_perf.tuning.remeasure import MAX_MEASUREMENTS
 from tests.tuning._scripted import script_trials, scripted_result
 from tests.tuning.test_honest_tuner import LOAD, _disturbances, _tuner
@@ -65,8 +67,6 @@ def test_two_baselines_apart_get_a_third_run(monkeypatch: pytest.MonkeyPatch, th
 
 
 def test_the_trials_run_with_the_threads_decided_at_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_perf.tuning.tuner as tuner_module
-
     script_trials(monkeypatch, {"baseline": scripted_result(0.100, 8)})  # 2 usable cores
     monkeypatch.setattr(thread_rules, "load_average", lambda: 1.4)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -78,6 +78,47 @@ def test_the_trials_run_with_the_threads_decided_at_the_start(monkeypatch: pytes
     assert _tuner(optimizations=[], threads=2).threads == 2
     with pytest.raises(ValueError, match=r"AutoTuner\(threads=0\)"):
         _tuner(threads=0)
+
+
+@pytest.mark.parametrize(
+    ("load", "threads", "watched", "rerun"),
+    [
+        (lambda t: 2.0 if t < 40 else 0.0, 2, 40.0, False),  # a burst that ends within the minute: the quiet choice
+        (lambda t: 2.0, 1, 60.0, False),  # a steady load: the loaded choice, after the whole minute
+        (lambda t: 2.0 if t < 61.5 else 0.0, 1, 60.0, True),  # outlasted the watch, gone by the end: said
+    ],
+)
+def test_a_load_at_the_start_is_watched_before_the_trials_threads_are_chosen(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    load: Any,
+    threads: int,
+    watched: float,
+    rerun: bool,
+) -> None:
+    real_sample = thread_rules.sample_other_cores
+    script_trials(monkeypatch, {"baseline": scripted_result(0.100, 8)})  # 2 usable cores, load average 0
+    monkeypatch.setattr(thread_rules, "sample_other_cores", real_sample)
+    monkeypatch.setattr(thread_rules, "START_WATCH_S", 60.0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    clock = [0.0]
+
+    def other_cores_now(self: TrialWatch, window_s: float = 1.0) -> float:  # a scripted load read on a scripted clock
+        clock[0] += window_s
+        return load(clock[0])
+
+    monkeypatch.setattr(TrialWatch, "other_cores_now", other_cores_now)
+    tuner = _tuner(optimizations=[], progress=True)
+    result = tuner.run()
+    record = result.to_dict()["threads"]
+    assert (record["threads"], record["watched_s"], record["start_other_cores"]) == (threads, watched, 2.0)
+    assert (
+        tuner._watch.threads == threads
+        and tuner._spec(tuner_module.Candidate("baseline", "baseline")).threads == threads
+    )
+    assert capsys.readouterr().out.count(thread_rules.WATCH_LINE) == 1
+    (note,) = [n for n in result.recommendation.notes if n.startswith("other load at start")]
+    assert f"watched {watched:.0f} s" in note and ("a quiet re-run would use 2 threads" in note) is rerun
 
 
 def test_an_undecided_run_ends_with_the_command_and_an_explained_empty_yaml(

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_perf._imports import require
-from lightning_perf.deploy.backend import failure_reason
+from lightning_perf._io import failure_reason
 from lightning_perf.deploy.quantize.pt2e_x86 import calibrate, convert_x86
 from lightning_perf.deploy.quantize.torchao import convert_torchao, float_linear_layers
 from lightning_perf.functional.qat import (

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from lightning_perf._imports import is_available, require
-from lightning_perf._io import DecisionCache
-from lightning_perf._validation import check_bool
+from lightning_perf._io import DecisionCache, failure_reason
+from lightning_perf._validation import check_bool, check_choice, check_number
 from lightning_perf._warnings import MeasurementWarning
-from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.inputs import Inputs
 from lightning_perf.deploy.onnx import _onnx_export, equal_thread_options
 from lightning_perf.deploy.quantize.dynamic_cache import (
@@ -42,8 +42,9 @@ from lightning_perf.deploy.validate import ValidationSummary, compare_models, ev
 from lightning_perf.functional.inputs import as_input_tuple, export_shapes
 from lightning_perf.functional.qat import QuantizationError, with_batch
 from lightning_perf.functional.qat_device import disable_cache
-from lightning_perf.profiling.latency import LatencyRow, paired_blocks
+from lightning_perf.profiling.latency import LatencyRow, measure_latency
 from lightning_perf.profiling.machine import cpu_flags, decision_key
+from lightning_perf.profiling.report import to_jsonable
 
 __all__ = [
     "CACHE_FILE",
@@ -53,14 +54,12 @@ __all__ = [
     "DynamicCandidate",
     "DynamicQuantization",
     "OnnxRuntimeModule",
-    "check_dynamic_backend",
     "choose",
     "clear_cache",
     "dynamic_candidates",
     "eager_latency",
     "figure_line",
     "has_int8_dot_product",
-    "int8_size_bytes",
     "machine_key",
     "model_key",
     "onnx_cache_dir",
@@ -68,6 +67,7 @@ __all__ = [
     "quantize_dynamic_eager",
     "quantize_dynamic_onnxruntime",
     "quantize_dynamic_torchao",
+    "size_bytes",
 ]
 
 DYNAMIC_BACKENDS: tuple[str, ...] = ("auto", "eager", "onnxruntime", "torchao")
@@ -82,16 +82,6 @@ TIE_RULE = (
 CACHE_FILE = "dynamic_int8.json"
 _CACHE = DecisionCache(CACHE_FILE, "dynamic int8 cache")
 _EAGER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.LSTM, nn.GRU, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
-
-
-def check_dynamic_backend(owner: str, backend: Any) -> str:
-    """Return ``backend`` if it is one of :data:`DYNAMIC_BACKENDS`; raise ``ValueError`` naming ``owner`` else."""
-    if not isinstance(backend, str) or backend not in DYNAMIC_BACKENDS:
-        raise ValueError(
-            f"`{owner}(backend={backend!r})` is not valid for mode 'dynamic'. Expected one of: "
-            f"{', '.join(map(repr, DYNAMIC_BACKENDS))}."
-        )
-    return backend
 
 
 def has_int8_dot_product(flags: dict[str, bool] | None) -> bool:
@@ -188,7 +178,7 @@ class OnnxRuntimeModule(nn.Module):
 
     from_cache = False  # loaded from the int8 ONNX cache (quantize_dynamic_onnxruntime), not converted in this call
 
-    def __init__(self, onnx_bytes: bytes, output_spec: tuple[str, tuple[Any, ...]], threads: int | None = None) -> None:
+    def __init__(self, onnx_bytes: bytes, output_spec: pytree.TreeSpec, threads: int | None = None) -> None:
         super().__init__()
         self.onnx_bytes = onnx_bytes
         self.output_spec = output_spec
@@ -207,13 +197,7 @@ class OnnxRuntimeModule(nn.Module):
     def forward(self, *inputs: Tensor) -> Any:
         session = self._get_session()
         feed = {i.name: t.detach().cpu().contiguous().numpy() for i, t in zip(session.get_inputs(), inputs)}
-        outputs = [torch.from_numpy(a) for a in session.run(None, feed)]
-        kind, keys = self.output_spec
-        if kind == "tensor":
-            return outputs[0]
-        if kind == "dict":
-            return dict(zip(keys, outputs))
-        return tuple(outputs) if kind == "tuple" else outputs
+        return pytree.tree_unflatten([torch.from_numpy(a) for a in session.run(None, feed)], self.output_spec)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_session": None}
@@ -224,19 +208,15 @@ class OnnxRuntimeModule(nn.Module):
         return copied
 
 
-def _output_spec(output: Any) -> tuple[str, tuple[Any, ...]]:
-    """How to rebuild the float module's output from the session's flat list (a tensor, or a flat tuple, list or dict
-    of tensors)."""
-    if isinstance(output, Tensor):
-        return ("tensor", ())
-    if isinstance(output, (tuple, list)) and all(isinstance(t, Tensor) for t in output):
-        return (type(output).__name__ if type(output) in (tuple, list) else "tuple", ())
-    if isinstance(output, dict) and all(isinstance(t, Tensor) for t in output.values()):
-        return ("dict", tuple(output))
-    raise QuantizationError(
-        f"the onnxruntime back-end rebuilds a tensor or a flat tuple, list or dict of tensors; the module returns a "
-        f"{type(output).__name__} holding other things"
-    )
+def _output_spec(output: Any) -> pytree.TreeSpec:
+    """How to rebuild the float module's output (tensors in tuples, lists and dicts) from the session's flat list."""
+    leaves, spec = pytree.tree_flatten(output)
+    if not leaves or not all(isinstance(t, Tensor) for t in leaves):
+        raise QuantizationError(
+            f"the onnxruntime back-end rebuilds tensors in tuples, lists and dicts; the module returns a "
+            f"{type(output).__name__} holding other things"
+        )
+    return spec
 
 
 @torch.no_grad()
@@ -357,14 +337,6 @@ class DynamicCandidate:
     latency: LatencyRow | None = None
     problem: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "validation": None if self.validation is None else self.validation.to_dict(),
-            "latency": None if self.latency is None else self.latency.to_dict(),
-            "problem": self.problem,
-        }
-
     def figures(self) -> dict[str, Any]:
         """What the choice rests on, as cached and reported: times, speed-up, its 95% interval, verdict, problem."""
         row = self.latency
@@ -423,7 +395,7 @@ class DynamicQuantization:
             "threads": self.threads,
             "cpu_flags": self.cpu_flags,
             "measured": [dict(f) for f in self.measured],
-            "candidates": [c.to_dict() for c in self.candidates],
+            "candidates": to_jsonable(self.candidates),
             "skipped": dict(self.skipped),
         }
 
@@ -488,12 +460,6 @@ def clear_cache(cache_path: str | os.PathLike[str] | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the entry
-
-
-def _check(name: str, value: Any, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"`quantize_dynamic({name}={value!r})` is not valid. Expected a number in [{low}, {high}].")
-    return float(value)
 
 
 def _try(
@@ -561,9 +527,9 @@ def quantize_dynamic(
         ValueError: for an unknown backend or an invalid threshold.
         QuantizationError: if an explicit ``backend`` fails or disagrees with the float module.
     """
-    check_dynamic_backend("quantize_dynamic", backend)
-    min_cosine = _check("min_cosine", min_cosine, 0.0, 1.0)
-    min_agreement = _check("min_agreement", min_agreement, 0.0, 1.0)
+    check_choice("quantize_dynamic", "backend", backend, DYNAMIC_BACKENDS)
+    min_cosine = check_number("quantize_dynamic", "min_cosine", min_cosine, 0.0, 1.0)
+    min_agreement = check_number("quantize_dynamic", "min_agreement", min_agreement, 0.0, 1.0)
     check_bool("quantize_dynamic", "refresh", refresh)
     example = tuple(t.detach().cpu() for t in as_input_tuple(example_inputs, "quantize_dynamic(example_inputs)"))
     flags = cpu_flags()
@@ -630,13 +596,13 @@ def eager_latency(
         for size in batch_sizes:
             batch = with_batch(example, size)
             run = (functools.partial(reference, *batch), functools.partial(quantized, *batch))
-            base, cand = paired_blocks(*run, iterations=iterations, warmup=warmup)
-            rows.append(LatencyRow.from_blocks(size, base, cand, names=("float", name)))
+            timing: dict[str, Any] = {"iterations": iterations, "warmup": warmup, "names": ("float", name)}
+            rows.append(measure_latency(*run, batch_size=size, **timing))
     return rows
 
 
-def int8_size_bytes(module: nn.Module) -> int:
-    """Bytes of the int8 module's weights as it is saved (ONNX bytes, else its ``state_dict`` tensors)."""
+def size_bytes(module: nn.Module) -> int:
+    """Bytes of a float or int8 module's weights as it is saved (ONNX bytes, else its ``state_dict`` tensors)."""
     if isinstance(module, OnnxRuntimeModule):
         return len(module.onnx_bytes)
     total = 0

@@ -20,6 +20,7 @@ from lightning_perf.deploy.quantize import save
 from lightning_perf.deploy.quantize.convert import convert, float_copy, restore_float
 from lightning_perf.deploy.quantize.quantizer import (
     LoopData,
+    QuantizeOptions,
     Quantizer,
     TorchaoQATRecipe,
     X86QATRecipe,
@@ -358,7 +359,7 @@ def export_with_options(
     validation: list[Any],
     example: Any,
     data: LoopData,
-    options: Any,
+    options: QuantizeOptions,
     name: str,
 ) -> save.QuantizationReport:
     """:func:`~lightning_perf.deploy.quantize.save.export_quantized` with a quantizer's options."""
@@ -367,15 +368,6 @@ def export_with_options(
         float_model=float_module,
         validation_data=validation,
         example_inputs=example,
-        validation_batches=options.validation_batches,
-        min_cosine=options.min_cosine,
-        dirpath=data.dirpath,
-        filename=options.filename,
-        benchmark=options.benchmark,
-        batch_sizes=options.benchmark_batch_sizes,
-        latency_iterations=options.latency_iterations,
-        latency_warmup=options.latency_warmup,
         onnx=options.onnx,
-        strict=options.strict,
-        metadata={**data.metadata, "submodule": name},
+        **options.export_settings(data, name),
     )

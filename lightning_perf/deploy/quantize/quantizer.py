@@ -3,7 +3,7 @@
 A recipe (:class:`X86QATRecipe`, :class:`TorchaoQATRecipe`, :class:`StaticPTQRecipe`, :class:`DynamicInt8Recipe`) is
 plain, frozen data. :func:`register_quantizer` maps a recipe type to the :class:`Quantizer` class that carries it out
 (as torchao's ``quantize_`` dispatches on its config's type), and
-:func:`~lightning_perf.deploy.quantize.recipes.quantizer_for` builds one. A quantizer has the same methods whatever its
+:func:`quantizer_for` builds one. A quantizer has the same methods whatever its
 mode (prepare before training, schedules, runs of their own, finish with the artifact set, undo, checkpoint state), so
 the training-loop adapter (:class:`~lightning_perf.callbacks.QATCallback`) only calls them from its hooks; what it
 cannot know without a trainer (example inputs, validation batches) it hands over as a :class:`LoopData`.
@@ -41,8 +41,8 @@ __all__ = [
     "TorchaoQATRecipe",
     "X86QATRecipe",
     "check_options",
+    "quantizer_for",
     "register_quantizer",
-    "registered_quantizer",
     "resolve_submodule",
 ]
 
@@ -121,6 +121,13 @@ class QuantizeOptions:
     refresh: bool = False
     owner: str = "QATCallback"
 
+    def export_settings(self, data: LoopData, name: str | None) -> dict[str, Any]:
+        """The keywords :func:`~lightning_perf.deploy.quantize.save.export_quantized` and ``export_dynamic`` share."""
+        same = ("validation_batches", "min_cosine", "filename", "benchmark", "latency_iterations", "latency_warmup")
+        settings = {key: getattr(self, key) for key in (*same, "strict")}
+        metadata = {**data.metadata, "submodule": name}
+        return {**settings, "batch_sizes": self.benchmark_batch_sizes, "dirpath": data.dirpath, "metadata": metadata}
+
 
 @dataclass
 class LoopData:
@@ -155,19 +162,6 @@ def register_quantizer(*recipe_types: type) -> Callable[[type[Quantizer]], type[
         return cls
 
     return register
-
-
-def registered_quantizer(recipe: Any) -> type[Quantizer]:
-    """The quantizer class registered for ``type(recipe)``.
-
-    Raises:
-        TypeError: for a recipe type nothing is registered for.
-    """
-    cls = _QUANTIZERS.get(type(recipe))
-    if cls is None:
-        known = ", ".join(sorted(t.__name__ for t in _QUANTIZERS))
-        raise TypeError(f"No quantizer is registered for {type(recipe).__name__}; registered: {known}.")
-    return cls
 
 
 class Quantizer:
@@ -259,6 +253,20 @@ class Quantizer:
 # ------------------------------------------------------------------------------------------------------ helpers
 
 
+def quantizer_for(recipe: Any, options: QuantizeOptions) -> Quantizer:
+    """The quantizer registered for ``type(recipe)`` (:mod:`~lightning_perf.deploy.quantize.recipes` registers them
+    all), built for ``options``.
+
+    Raises:
+        TypeError: for a recipe type nothing is registered for.
+    """
+    cls = _QUANTIZERS.get(type(recipe))
+    if cls is None:
+        known = ", ".join(sorted(t.__name__ for t in _QUANTIZERS))
+        raise TypeError(f"No quantizer is registered for {type(recipe).__name__}; registered: {known}.")
+    return cls(recipe, options)
+
+
 def resolve_submodule(owner: str, root: nn.Module, name: str | None) -> tuple[str, nn.Module]:
     """The submodule called ``name``, or by default the root's only child holding parameters."""
     if name is not None:
@@ -289,9 +297,9 @@ def check_options(owner: str, mode: str, options: Mapping[str, Any]) -> Quantize
         TypeError: for a ``dirpath`` that is not a path.
     """
     o = dict(options)
-    submodule = o["submodule"]
-    if submodule is not None and (not isinstance(submodule, str) or not submodule):
-        raise ValueError(f"`{owner}(submodule={submodule!r})` is not valid. Expected a dotted module name.")
+    for name in ("submodule", "input_key"):  # a dotted module name; a key of dict batches
+        if o[name] is not None and (not isinstance(o[name], str) or not o[name]):
+            raise ValueError(f"`{owner}({name}={o[name]!r})` is not valid. Expected None or a non-empty string.")
     for name in ("disable_observers_after", "freeze_bn_after"):
         check_int(owner, name, o[name], 0, True)
     check_int(owner, "eval_converted_every_n_epochs", o["eval_converted_every_n_epochs"], 1, True)
@@ -338,8 +346,6 @@ def check_options(owner: str, mode: str, options: Mapping[str, Any]) -> Quantize
     sizes = check_int_sequence(owner, "benchmark_batch_sizes", o["benchmark_batch_sizes"])
     check_file_stem(owner, "filename", o["filename"])
     check_instance(owner, "dirpath", o["dirpath"], (type(None), str, os.PathLike), "None or a directory path")
-    if o["input_key"] is not None and (not isinstance(o["input_key"], str) or not o["input_key"]):
-        raise ValueError(f"`{owner}(input_key={o['input_key']!r})` is not valid. Expected None or a non-empty key.")
     names = set(QuantizeOptions.__dataclass_fields__) - {"benchmark_batch_sizes", "owner", "min_cosine"}
     return QuantizeOptions(
         **{k: o[k] for k in names},

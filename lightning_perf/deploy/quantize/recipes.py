@@ -1,8 +1,8 @@
-"""The recipes after training (static PTQ, dynamic int8), and :func:`recipe_for` / :func:`quantizer_for`.
+"""The recipes after training (static PTQ, dynamic int8), and :func:`recipe_for`.
 
 :func:`recipe_for` turns an adapter's ``mode`` / ``backend`` / ``base_config`` options into one recipe object
-(:mod:`~lightning_perf.deploy.quantize.quantizer`); :func:`quantizer_for` builds the quantizer registered for the
-recipe's type: :class:`~lightning_perf.deploy.quantize.qat_quantizer.QATQuantizer` (QAT, ``x86`` and ``torchao``),
+(:mod:`~lightning_perf.deploy.quantize.quantizer`, whose ``quantizer_for`` builds the quantizer registered for the
+recipe's type): :class:`~lightning_perf.deploy.quantize.qat_quantizer.QATQuantizer` (QAT, ``x86`` and ``torchao``),
 :class:`StaticPTQQuantizer`, :class:`DynamicInt8Quantizer`. No Lightning here.
 """
 
@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_perf._device import module_device
 from lightning_perf._imports import require
 from lightning_perf._validation import check_choice
 from lightning_perf._warnings import NoEffectWarning, warn_once
 from lightning_perf.deploy.quantize.convert import calibrate
-from lightning_perf.deploy.quantize.dynamic import DynamicQuantization, check_dynamic_backend, quantize_dynamic
-from lightning_perf.deploy.quantize.dynamic_save import DynamicReport, export_dynamic
+from lightning_perf.deploy.quantize.dynamic import DYNAMIC_BACKENDS, DynamicQuantization, quantize_dynamic
 from lightning_perf.deploy.quantize.qat_quantizer import QATQuantizer, export_with_options
 from lightning_perf.deploy.quantize.quantizer import (
     DynamicInt8Recipe,
@@ -30,11 +30,12 @@ from lightning_perf.deploy.quantize.quantizer import (
     StaticPTQRecipe,
     TorchaoQATRecipe,
     X86QATRecipe,
+    quantizer_for,
     register_quantizer,
-    registered_quantizer,
     resolve_submodule,
 )
-from lightning_perf.deploy.quantize.save import QuantizationReport
+from lightning_perf.deploy.quantize.save import DynamicReport, QuantizationReport, export_dynamic
+from lightning_perf.deploy.validate import eval_mode
 from lightning_perf.functional.inputs import CapturedCall, PositionalCall
 from lightning_perf.functional.qat import BACKENDS, MODES, QuantizationRecipe, is_prepared, make_recipe, prepare
 from lightning_perf.functional.qat_config import base_config_spec, resolve_base_config
@@ -45,7 +46,6 @@ __all__ = [
     "QATQuantizer",
     "StaticPTQQuantizer",
     "load_qat_checkpoint",
-    "quantizer_for",
     "recipe_for",
 ]
 
@@ -60,9 +60,9 @@ def recipe_for(mode: Any, backend: Any, base_config: Any, owner: str) -> Any:
         ModuleNotFoundError: if torchao is missing for QAT or PTQ.
     """
     check_choice(owner, "mode", mode, ALL_MODES)
+    backend = ("auto" if mode == "dynamic" else "x86") if backend is None else backend
     if mode == "dynamic":
-        return DynamicInt8Recipe(check_dynamic_backend(owner, "auto" if backend is None else backend))
-    backend = "x86" if backend is None else backend
+        return DynamicInt8Recipe(check_choice(owner, "backend", backend, DYNAMIC_BACKENDS))
     check_choice(owner, "backend", backend, BACKENDS)
     require("torchao", f"{owner}(backend={backend!r})")
     spec = base_config_spec(resolve_base_config(base_config, owner)) if backend == "torchao" else None
@@ -71,11 +71,6 @@ def recipe_for(mode: Any, backend: Any, base_config: Any, owner: str) -> Any:
     if mode == "ptq":
         return StaticPTQRecipe(backend, spec)
     return X86QATRecipe() if backend == "x86" else TorchaoQATRecipe(spec)
-
-
-def quantizer_for(recipe: Any, options: QuantizeOptions) -> Quantizer:
-    """The quantizer registered for ``type(recipe)``, built for ``options``."""
-    return registered_quantizer(recipe)(recipe, options)
 
 
 def load_qat_checkpoint(root: nn.Module, checkpoint: dict[str, Any], owner: str = "QATCallback") -> QuantizationRecipe:
@@ -182,7 +177,7 @@ class DynamicInt8Quantizer(Quantizer):
         if self._declined is module:
             return None
         self._declined = module
-        device = next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
+        device = module_device(module)
         if device.type != "cpu":
             warn_once(
                 f"`{self.owner}(mode='dynamic')` runs int8 on the CPU only; the model is on {device}: "
@@ -229,14 +224,11 @@ class DynamicInt8Quantizer(Quantizer):
     def finish(self, root: nn.Module, data: LoopData) -> DynamicReport:
         o = self.options
         name, module = self.target(root)
-        device = next(itertools.chain(module.parameters(), module.buffers()), torch.empty(0)).device
-        if device.type != "cpu":
+        if module_device(module).type != "cpu":
             module = copy.deepcopy(module).cpu()
         found = data.validation(module)
         batches = list(itertools.islice(found, o.validation_batches)) if found is not None else []
-        was_training = module.training
-        module.eval()
-        try:
+        with eval_mode(module):
             example = batches[0][0] if batches else data.example(module, "train")
             choice, _ = self._quantize(module, example)
             if isinstance(example, CapturedCall):  # validated and timed as the int8 copy was built: positionally
@@ -247,20 +239,9 @@ class DynamicInt8Quantizer(Quantizer):
                 choice,
                 example_inputs=example,
                 validation_data=batches or None,
-                validation_batches=o.validation_batches,
-                min_cosine=o.min_cosine,
                 min_agreement=o.min_agreement,
-                dirpath=data.dirpath,
-                filename=o.filename,
-                benchmark=o.benchmark,
-                batch_sizes=o.benchmark_batch_sizes,
-                latency_iterations=o.latency_iterations,
-                latency_warmup=o.latency_warmup,
-                strict=o.strict,
-                metadata={**data.metadata, "submodule": name or None},
+                **o.export_settings(data, name or None),
             )
-        finally:
-            module.train(was_training)
 
     def __getstate__(self) -> dict[str, Any]:
         # The int8 copies and the swapped modules belong to this process's model.

@@ -1,9 +1,10 @@
 """The end of a quantization: convert, validate, save as an artifact set with its report, and time it.
 
-:func:`export_quantized` does it for a trained (QAT) or calibrated (PTQ) model; :class:`ArtifactRun` holds what it and
-:func:`~lightning_perf.deploy.quantize.dynamic_save.export_dynamic` share: the steps' failures, the model file and the
-report, committed as one artifact set (:mod:`lightning_perf.deploy.artifacts`): ``<dirpath>/<filename>/`` for a model
-that passed, ``<dirpath>/<filename>.failed/`` otherwise, so a failed run never replaces a good set.
+:func:`export_quantized` does it for a trained (QAT) or calibrated (PTQ) model, :func:`export_dynamic` for a dynamic
+int8 one; :class:`ArtifactRun` holds what they share: the steps' failures, the model file and the report
+(:class:`ArtifactReport`), committed as one artifact set (:mod:`lightning_perf.deploy.artifacts`):
+``<dirpath>/<filename>/`` for a model that passed, ``<dirpath>/<filename>.failed/`` otherwise, so a failed run never
+replaces a good set.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,12 +24,19 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._device import module_device
+from lightning_perf._io import failure_reason
 from lightning_perf._validation import check_file_stem
 from lightning_perf._warnings import FallbackWarning
 from lightning_perf.deploy.artifacts import StagedSet
-from lightning_perf.deploy.backend import failure_reason
 from lightning_perf.deploy.onnx import save_program_onnx
 from lightning_perf.deploy.quantize.convert import convert, float_copy
+from lightning_perf.deploy.quantize.dynamic import (
+    DynamicQuantization,
+    OnnxRuntimeModule,
+    eager_latency,
+    figure_line,
+    size_bytes,
+)
 from lightning_perf.deploy.validate import ValidationSummary, compare_models
 from lightning_perf.functional.inputs import as_input_tuple, split_inputs
 from lightning_perf.functional.qat import (
@@ -41,12 +49,16 @@ from lightning_perf.functional.qat import (
     with_batch,
 )
 from lightning_perf.functional.qat_device import cache_off
-from lightning_perf.profiling.latency import LatencyRow, paired_blocks
+from lightning_perf.profiling.latency import LatencyRow, measure_latency
+from lightning_perf.profiling.report import to_jsonable
 
 __all__ = [
+    "ArtifactReport",
     "ArtifactRun",
+    "DynamicReport",
     "QuantizationReport",
     "compiled_latency",
+    "export_dynamic",
     "export_quantized",
     "save_quantized",
     "write_program",
@@ -89,27 +101,15 @@ def compiled_latency(
         compiled = {name: torch.compile(m, dynamic=False) for name, m in models.items()}
         for b in batch_sizes:
             batch = tuple(t.to(device) for t in with_batch(example, b))
-            compile_s = {}
-            for name, fn in compiled.items():
+            calls = [functools.partial(compiled[name], *batch) for name in ("float", "quantized")]
+            compile_s = []
+            for call in calls:
                 started = time.perf_counter()
-                fn(*batch)
-                compile_s[name] = time.perf_counter() - started
-            float_blocks, quantized_blocks = paired_blocks(
-                functools.partial(compiled["float"], *batch),
-                functools.partial(compiled["quantized"], *batch),
-                iterations=iterations,
-                warmup=warmup,
-                device=device,
-            )
-            rows.append(
-                LatencyRow.from_blocks(
-                    b,
-                    float_blocks,
-                    quantized_blocks,
-                    names=("float", "quantized"),
-                    warmup_s=(compile_s["float"], compile_s["quantized"]),
-                )
-            )
+                call()
+                compile_s.append(time.perf_counter() - started)
+            kw: dict[str, Any] = {"iterations": iterations, "warmup": warmup, "device": device, "batch_size": b}
+            kw["warmup_s"] = (compile_s[0], compile_s[1])
+            rows.append(measure_latency(*calls, names=("float", "quantized"), **kw))
     return rows
 
 
@@ -157,25 +157,21 @@ def save_quantized(quantized: nn.Module, example_inputs: Any, path: str | os.Pat
         return staged.commit(target.stem) / target.name
 
 
-@dataclass
-class QuantizationReport:
-    """What :func:`export_quantized` did: the artifact, its validation against the reference and its latency.
+@dataclass(kw_only=True)
+class ArtifactReport:
+    """What an export into an artifact set did; the fields both quantized-model reports share.
 
     Attributes:
-        ok: whether the quantized model was converted, passed validation and was saved.
-        artifact: the ``torch.export`` program (``.pt2``) in the committed set, or ``None``.
-        onnx: the ONNX file, when asked for and successful.
-        validation: the comparison with the fake-quantized (QAT) or calibrated (PTQ) model.
-        latency: float vs quantized, both compiled, per batch size (empty when not timed or timing failed).
+        ok: whether the quantized model was built, passed validation and was saved.
+        artifact: the model file in the committed set, or ``None``.
+        validation: the comparison with the reference model.
+        latency: reference vs quantized, per batch size (empty when not timed or timing failed).
         problems: what failed, in order (conversion, validation, saving, ONNX, timing).
         report_path: the JSON report, in the same set as the artifact.
     """
 
-    ok: bool
-    recipe: QuantizationRecipe
+    ok: bool = False
     artifact: Path | None = None
-    onnx: Path | None = None
-    convert_s: float | None = None
     validation: ValidationSummary | None = None
     latency: list[LatencyRow] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -183,36 +179,88 @@ class QuantizationReport:
     report_path: Path | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "recipe": self.recipe.to_dict(),
-            "artifact": None if self.artifact is None else str(self.artifact),
-            "onnx": None if self.onnx is None else str(self.onnx),
-            "convert_s": self.convert_s,
-            "validation": None if self.validation is None else self.validation.to_dict(),
-            "latency": [row.to_dict() for row in self.latency],
-            "problems": list(self.problems),
-            "metadata": dict(self.metadata),
-            "load_with": "torch.export.load(path).module(), then torch.compile under "
-            "torch._inductor.config.patch(freezing=True)",
-        }
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "report_path"}
+        return to_jsonable({**data, **self._more()})  # type: ignore[no-any-return]
+
+    def _more(self) -> dict[str, Any]:
+        """Entries of the JSON report beyond the fields."""
+        return {}
+
+    def _facts(self) -> tuple[str, str, str, list[str]]:
+        """What was saved, the reference's name, how it was timed, and lines of its own for :meth:`summary`."""
+        raise NotImplementedError
 
     def summary(self, owner: str) -> str:
         """What happened, in a few lines for a log (``owner`` names the caller)."""
+        kind, reference, timing, lines = self._facts()
         if not self.ok:
-            return f"{owner}: no quantized model ({'; '.join(self.problems)}). Report: {self.report_path}"
-        lines = [f"{owner}: saved {self.artifact} ({self.recipe.backend}, {self.recipe.mode})"]
+            return f"{owner}: no quantized model saved ({kind}): {'; '.join(self.problems)}. Report: {self.report_path}"
+        lines = [f"{owner}: saved {self.artifact} ({kind})", *lines]
         if self.validation is not None:
-            reference = "fake-quantized" if self.recipe.mode == "qat" else "float"
-            lines.append(f"  against the {reference} model: " + self.validation.describe())
+            lines.append(f"  against the {reference} model: " + self.validation.describe(reference))
         for row in self.latency:
             lines.append(
-                f"  batch {row.batch_size}: {1e3 * row.candidate_median_s:.2f} ms quantized vs "
-                f"{1e3 * row.baseline_median_s:.2f} ms float, both compiled: {row.format_speedup()} "
+                f"  batch {row.batch_size}: {1e3 * row.candidate_median_s:.3g} ms quantized vs "
+                f"{1e3 * row.baseline_median_s:.3g} ms float, {timing}: {row.format_speedup()} "
                 f"(95% interval, {row.speedup_method})"
             )
-        lines.append(f"  report: {self.report_path}")
-        return "\n".join(lines)
+        return "\n".join([*lines, f"  report: {self.report_path}"])
+
+
+@dataclass(kw_only=True)
+class QuantizationReport(ArtifactReport):
+    """What :func:`export_quantized` did (``onnx``: the ONNX file, when asked for and successful)."""
+
+    recipe: QuantizationRecipe
+    onnx: Path | None = None
+    convert_s: float | None = None
+
+    def _more(self) -> dict[str, Any]:
+        return {
+            "load_with": "torch.export.load(path).module(), then torch.compile under "
+            "torch._inductor.config.patch(freezing=True)"
+        }
+
+    def _facts(self) -> tuple[str, str, str, list[str]]:
+        reference = "fake-quantized" if self.recipe.mode == "qat" else "float"
+        return f"{self.recipe.backend}, {self.recipe.mode}", reference, "both compiled", []
+
+
+LOAD_WITH = {
+    "eager": "torch.ao.quantization.quantize_dynamic(float_model, {nn.Linear, nn.LSTM, nn.GRU, nn.LSTMCell, "
+    "nn.GRUCell, nn.RNNCell}, dtype=torch.qint8).load_state_dict(torch.load(path, weights_only=True))",
+    "onnxruntime": "onnxruntime.InferenceSession(path, providers=['CPUExecutionProvider'])",
+    "torchao": "torch.export.load(path).module()",
+}
+SUFFIXES = {"eager": ".pt", "onnxruntime": ".onnx", "torchao": ".pt2"}
+
+
+@dataclass(kw_only=True)
+class DynamicReport(ArtifactReport):
+    """What :func:`export_dynamic` did (``backend`` built the int8 model), with the sizes and the measured choice."""
+
+    backend: str | None
+    float_bytes: int | None = None
+    int8_bytes: int | None = None
+    choice: dict[str, Any] = field(default_factory=dict)
+
+    def _more(self) -> dict[str, Any]:
+        sizes = (self.float_bytes, self.int8_bytes)
+        return {
+            "mode": "dynamic",
+            "size_ratio": sizes[0] / sizes[1] if all(sizes) else None,  # type: ignore[operator]
+            "load_with": LOAD_WITH.get(self.backend or ""),
+        }
+
+    def _facts(self) -> tuple[str, str, str, list[str]]:
+        lines = []
+        if self.choice.get("measured"):
+            cached = ", cached" if self.choice.get("cached") else ""
+            lines.append(f"  chosen by: {self.choice.get('rule')} ({self.choice.get('threads')} threads{cached})")
+            lines += [f"    {figure_line(f)}" for f in self.choice["measured"]]
+        if self.float_bytes and self.int8_bytes:
+            lines.append(f"  size {self.int8_bytes / 1e6:.2f} MB int8 vs {self.float_bytes / 1e6:.2f} MB fp32")
+        return f"dynamic int8, {self.backend}", "fp32", "eager", lines
 
 
 class ArtifactRun:
@@ -325,7 +373,7 @@ def export_quantized(
     if recipe is None:
         raise ValueError("export_quantized() needs a module returned by prepare().")
     check_file_stem("export_quantized", "filename", filename)
-    report = QuantizationReport(ok=False, recipe=recipe, metadata=dict(metadata or {}))
+    report = QuantizationReport(recipe=recipe, metadata=dict(metadata or {}))
     batches = list(itertools.islice(validation_data, validation_batches)) if validation_data is not None else []
     example = as_input_tuple(example_inputs) if example_inputs is not None else None
     if example is None:
@@ -378,3 +426,69 @@ def _save_onnx(run: ArtifactRun, quantized: Any, example: tuple[Tensor, ...]) ->
             leftover.unlink()
         raise
     return run.final(files[-1].name)
+
+
+def _write_model(backend: str, module: nn.Module, example: tuple[torch.Tensor, ...], path: Path) -> None:
+    if isinstance(module, OnnxRuntimeModule):
+        path.write_bytes(module.onnx_bytes)
+    elif backend == "eager":
+        buffer = io.BytesIO()
+        torch.save(getattr(module, "module", module).state_dict(), buffer)
+        path.write_bytes(buffer.getvalue())
+    else:
+        write_program(module, example, path)
+
+
+@torch.no_grad()
+def export_dynamic(
+    float_module: nn.Module,
+    choice: DynamicQuantization,
+    *,
+    example_inputs: Any,
+    validation_data: Iterable[Any] | None = None,
+    validation_batches: int | None = 4,
+    min_cosine: float = 0.99,
+    min_agreement: float = 0.95,
+    dirpath: str | os.PathLike[str] = ".",
+    filename: str = "model_int8",
+    benchmark: bool = True,
+    batch_sizes: Sequence[int] = (1, 32),
+    latency_iterations: int = 20,
+    latency_warmup: int = 3,
+    strict: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+) -> DynamicReport:
+    """Validate, time and save the int8 module ``choice.module`` against ``float_module``; one artifact set.
+
+    Validation runs both on up to ``validation_batches`` of ``validation_data`` (``(inputs, labels)`` batches give
+    the accuracy gap; else on ``example_inputs``): it passes with cosine at least ``min_cosine`` and top-1 agreement
+    at least ``min_agreement``. A failure warns with a :class:`~lightning_perf.FallbackWarning` (``strict=True``
+    raises :class:`QuantizationError`); a timing failure only warns.
+
+    Raises:
+        ValueError: for an invalid file name.
+        QuantizationError: with ``strict=True``, when there is no int8 model, or validation or saving fails.
+    """
+    check_file_stem("export_dynamic", "filename", filename)
+    example = tuple(t.detach().cpu() for t in as_input_tuple(example_inputs, "export_dynamic(example_inputs)"))
+    report = DynamicReport(backend=choice.backend, choice=choice.to_dict(), metadata=dict(metadata or {}))
+    report.float_bytes = size_bytes(float_module)
+    batches = list(itertools.islice(validation_data, validation_batches)) if validation_data is not None else []
+    quantized, backend = choice.module, choice.backend
+    with cache_off(float_module), StagedSet(dirpath) as staged:
+        run = ArtifactRun(report, staged, filename)
+        if quantized is None or backend is None:
+            report.problems.append("no back-end built a correct int8 model faster than fp32 (see `choice`)")
+        else:
+            report.int8_bytes = size_bytes(quantized)
+            passed = run.validate(
+                float_module, quantized, batches or [(example,)], min_cosine, min_agreement=min_agreement
+            )
+            run.save_model(passed, SUFFIXES[backend], functools.partial(_write_model, backend, quantized, example))
+        if report.ok and benchmark and batch_sizes and quantized is not None:
+            steps = functools.partial(eager_latency, iterations=latency_iterations, warmup=latency_warmup)
+            timing = functools.partial(steps, float_module, quantized, example, batch_sizes)
+            report.latency = run.optional("timing", "Timing the int8 model", timing) or []
+        run.commit()
+    run.finish(strict, "dynamic int8 model")
+    return report
