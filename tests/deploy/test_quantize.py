@@ -192,7 +192,7 @@ def test_report_prints_and_writes_each_speedup_with_its_interval_and_verdict() -
     assert 1 < low <= row.speedup <= high and row.speedup_verdict == "faster"
     text = report.summary("QATCallback")
     assert f"batch 8: 1.02 ms quantized vs 4.05 ms float, both compiled: {row.format_speedup()}" in text
-    assert f"[{low:.2f}-{high:.2f}], faster (95% interval, t interval over paired repeats)" in text
+    assert f"[{low:.2f}-{high:.2f}], faster (95% interval, bootstrap over the steps of one repeat)" in text
     (saved,) = json.loads(json.dumps(report.to_dict()))["latency"]
     assert saved["speedup_ci95"] == [low, high] and saved["speedup_verdict"] == "faster"
     assert saved["float_median_s"] == pytest.approx(4.05e-3) and "quantized_blocks_s" not in saved

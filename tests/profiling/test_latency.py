@@ -7,7 +7,7 @@ import math
 import pytest
 
 from lightning_perf.profiling import latency
-from lightning_perf.profiling.intervals import METHOD_SINGLE, METHOD_T, NO_CLEAR_DIFFERENCE
+from lightning_perf.profiling.intervals import METHOD_BOOTSTRAP, METHOD_SINGLE, NO_CLEAR_DIFFERENCE
 from lightning_perf.profiling.latency import LatencyRow, measure_latency, paired_blocks, speedup_estimate
 from lightning_perf.profiling.stats import summarize
 
@@ -104,7 +104,7 @@ def test_speedup_has_a_95_interval_and_a_verdict(
     )
     low, high = row.speedup_ci95
     assert low <= row.speedup <= high
-    assert row.speedup_verdict == verdict and row.speedup_method == METHOD_T and row.speedup_n == 2
+    assert row.speedup_verdict == verdict and row.speedup_method == METHOD_BOOTSTRAP and row.speedup_n == 1
     if verdict == "faster":
         assert low > 1 and row.speedup == pytest.approx(4.0, rel=0.05)
     elif verdict == "slower":
