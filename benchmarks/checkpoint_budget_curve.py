@@ -1,7 +1,7 @@
 """The (activation memory, step time) curve of eager activation checkpointing on a reference workload.
 
 Variants, all eager: ``none``; ``none-again`` (a second plain model: the A/A check, whose interval must cover 1);
-``budget-0.25`` / ``budget-0.5`` / ``budget-0.75`` (the planner of :mod:`lightning_perf.functional.checkpoint_budget`,
+``budget-0.25`` / ``budget-0.5`` / ``budget-0.75`` (the planner of :mod:`lightning_perf.functional.checkpoint.budget`,
 profiled on a warm step of the plain model, as ``GradCheckpointCallback(memory_budget=...)`` does); ``full`` (every
 ``"auto"`` block checkpointed); ``per-op`` (torchtitan's selective policy on every block: keep the matmul, convolution
 and attention outputs, recompute the rest).
@@ -86,8 +86,8 @@ def plan_on_warm_step(
 
     Returns the profile and ``{"budget-B": plan}``. No optimizer step: the weights are left as they were.
     """
-    from lightning_perf.functional.checkpoint_budget import plan_checkpointing, profile_activations
-    from lightning_perf.functional.grad_checkpoint import select_blocks
+    from lightning_perf.functional.checkpoint.apply import select_blocks
+    from lightning_perf.functional.checkpoint.budget import plan_checkpointing, profile_activations
 
     blocks = select_blocks(model)
     for _ in range(warmup):
@@ -104,8 +104,8 @@ def build_runner(name: str, base: Any, plans: dict[str, Any], lr: float = 1e-4) 
     """A copy of the plain ``base`` model with variant ``name``'s checkpointing applied, and its own AdamW."""
     import torch
 
-    from lightning_perf.functional.checkpoint_budget import apply_plan, selective_context_fn
-    from lightning_perf.functional.grad_checkpoint import apply_activation_checkpointing
+    from lightning_perf.functional.checkpoint.apply import apply_activation_checkpointing
+    from lightning_perf.functional.checkpoint.budget import apply_plan, selective_context_fn
 
     model = copy.deepcopy(base)
     if name in PLAIN:
@@ -170,7 +170,7 @@ def ratios(runners: list[Runner], clock: str) -> dict[str, Any]:
 def explain(profile: Any, plans: dict[str, Any]) -> str:
     """Per block, each option the planner weighs (memory kept, recompute ms, MiB freed per ms) and each plan's
     choice for it."""
-    from lightning_perf.functional.checkpoint_plan import _block_options, pool_identical_blocks
+    from lightning_perf.functional.checkpoint.plan import _block_options, pool_identical_blocks
 
     lines = [
         f"profile: {profile.total_saved_bytes / 2**20:.1f} MiB saved for backward, "

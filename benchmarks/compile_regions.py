@@ -6,7 +6,7 @@ line. The variants are interleaved round by round, so a load change on a shared 
 
 Variants: ``eager``; ``whole`` (``compile_regions(model)``, the LightningModule's forward); ``blocks``
 (``regions="auto"``: the repeated blocks only, the rest eager; on a CPU with inductor's ``cpp_wrapper``, one C++
-build per graph, see :mod:`lightning_perf.functional.compile_startup`); ``blocks-py`` (the same with
+build per graph, see :mod:`lightning_perf.functional.compile.startup`); ``blocks-py`` (the same with
 ``options={"cpp_wrapper": False}``: inductor's Python wrapper, one C++ build per fused kernel). ``libraries`` counts
 the C++ libraries built (``.so`` files in the cache folder).
 
@@ -42,7 +42,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     import torch
 
     from lightning_perf.demos import make_workload
-    from lightning_perf.functional.compile import CompileMonitor, compile_regions
+    from lightning_perf.functional.compile.regions import CompileMonitor, compile_regions
 
     torch.set_num_threads(args.threads)
     overrides = {"depth": args.depth} if args.depth else {}
@@ -90,7 +90,7 @@ def measure_steady(args: argparse.Namespace) -> None:
     import torch
 
     from lightning_perf.demos import make_workload
-    from lightning_perf.functional.compile import compile_regions
+    from lightning_perf.functional.compile.regions import compile_regions
 
     torch.set_num_threads(args.threads)
     overrides = {"depth": args.depth} if args.depth else {}

@@ -29,7 +29,7 @@ from torch import nn
 from lightning_perf.callbacks import FlashAttentionCallback
 from lightning_perf.demos import make_workload
 from lightning_perf.demos.lm import CausalSelfAttention
-from lightning_perf.functional.attention import (
+from lightning_perf.functional.attention.swap import (
     AttentionAdapter,
     FusedQKVAttention,
     FusedQKVSpec,

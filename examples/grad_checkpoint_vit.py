@@ -11,7 +11,7 @@ Usage::
     python examples/grad_checkpoint_vit.py --memory-budget 0.5 --workload lm   # plan, memory and step time
 
 With ``--memory-budget`` it profiles one step, plans none/selective/part/full checkpointing per block to that budget
-(:mod:`lightning_perf.functional.checkpoint_budget`), prints the plan, the activation memory the allocator measures
+(:mod:`lightning_perf.functional.checkpoint.budget`), prints the plan, the activation memory the allocator measures
 with and without it (one forward each, exact bytes), and the step time ratio of the two from paired, interleaved
 repeats with its 95% interval and verdict.
 """
@@ -26,7 +26,7 @@ import torch
 
 from lightning_perf.callbacks import GradCheckpointCallback
 from lightning_perf.demos import make_workload
-from lightning_perf.functional.grad_checkpoint import apply_activation_checkpointing
+from lightning_perf.functional.checkpoint.apply import apply_activation_checkpointing
 
 
 def saved_activation_bytes(model: pl.LightningModule, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
@@ -47,8 +47,8 @@ def saved_activation_bytes(model: pl.LightningModule, batch: tuple[torch.Tensor,
 
 def budget_report(workload: str, preset: str, budget: float, repeats: int) -> None:
     """Plan to ``budget``; measure kept activation memory and step time against no checkpointing."""
-    from lightning_perf.functional.checkpoint_budget import apply_plan, plan_checkpointing, profile_activations
-    from lightning_perf.functional.grad_checkpoint import select_blocks
+    from lightning_perf.functional.checkpoint.apply import select_blocks
+    from lightning_perf.functional.checkpoint.budget import apply_plan, plan_checkpointing, profile_activations
     from lightning_perf.profiling.intervals import paired_ratio
     from lightning_perf.profiling.latency import paired_blocks
     from lightning_perf.profiling.memory import MemoryProbe

@@ -312,7 +312,7 @@ def _why_left_out(
 
 MEASURED_TOGETHER_ON_CPU = ((optimizations.BF16_MIXED, optimizations.FLASH_ATTENTION),)
 """Pairs the default set on a CPU also measures as one configuration where it has both: under bf16 the attention swap
-computes SDPA in float32 where that is faster (:mod:`lightning_perf.functional.attention_kernels`), which neither shows
+computes SDPA in float32 where that is faster (:mod:`lightning_perf.functional.attention.kernels`), which neither shows
 alone, and the winners' stack is built from single winners (the default ``vit`` on a 2-core AVX-512 CPU: bf16-mixed
 1.00x and flash_attention 1.00x alone in its default bench; together 131-135 ms a step against baseline's 201-205 ms,
 1.52x, one process each). A pair that wins with a higher speed-up than the winners' stack is the recommendation

@@ -106,9 +106,9 @@ def probe_structure(
 ) -> ModelStructure:
     """The structure of ``model`` (its parameters are only read; attention modules are called on small random inputs
     to see whether they already use SDPA), with the FLOP shares taken from ``flops_by_operator`` when given."""
-    from lightning_perf.functional.attention import SwappedAttention, attention_adapters
+    from lightning_perf.functional.attention.swap import SwappedAttention, attention_adapters
     from lightning_perf.functional.channels_last import find_conv_layers
-    from lightning_perf.functional.compile import select_regions
+    from lightning_perf.functional.compile.regions import select_regions
 
     found = find_conv_layers(model)
     blocks = select_regions(model, "auto")

@@ -17,7 +17,13 @@ from typing_extensions import override
 from lightning_perf._validation import check_bool, check_int, check_str_sequence
 from lightning_perf._warnings import NoEffectWarning, warn_once
 from lightning_perf.callbacks._undo import UndoOnExit
-from lightning_perf.functional.compile import (
+from lightning_perf.functional.compile.cache import (
+    compile_cache_key,
+    load_compile_cache,
+    save_compile_cache,
+    use_inductor_cache_dir,
+)
+from lightning_perf.functional.compile.regions import (
     STAGES,
     CompiledModules,
     CompileMonitor,
@@ -27,13 +33,7 @@ from lightning_perf.functional.compile import (
     top_level_blocks,
     validate_regions,
 )
-from lightning_perf.functional.compile_cache import (
-    compile_cache_key,
-    load_compile_cache,
-    save_compile_cache,
-    use_inductor_cache_dir,
-)
-from lightning_perf.functional.compile_startup import startup_options
+from lightning_perf.functional.compile.startup import startup_options
 from lightning_perf.profiling import PhaseTimer, format_seconds
 
 # The loop whose first batch shows whether the step method calls the compiled forward, per trainer entry point.
@@ -88,7 +88,7 @@ class CompileCallback(UndoOnExit):
       about as fast as one block: use it to cut cold-start time. The rest (embeddings, head) runs eager. On a CPU,
       with the inductor backend and no ``mode`` or ``options`` given, the blocks are compiled with inductor's
       ``cpp_wrapper`` (one C++ build per graph rather than per fused kernel, the cold start's largest part there; see
-      :mod:`~lightning_perf.functional.compile_startup`); ``options={"cpp_wrapper": False}`` turns that off.
+      :mod:`~lightning_perf.functional.compile.startup`); ``options={"cpp_wrapper": False}`` turns that off.
     - a list of module classes, or class paths as strings for YAML (``"torch.nn.TransformerEncoderLayer"``), or bare
       class names: their outermost instances are compiled.
 
@@ -123,7 +123,7 @@ class CompileCallback(UndoOnExit):
     code of the run to ``cache``, atomically, with a key (torch, Python, device, the
     compiled modules' classes and parameter shapes, the compile options); at the start of the next run, on every rank
     and before the first compiled step, the file is loaded into torch's compile caches if its key matches, so the first
-    steps skip most of the compiling (see :mod:`lightning_perf.functional.compile_cache` for the format and what it
+    steps skip most of the compiling (see :mod:`lightning_perf.functional.compile.cache` for the format and what it
     trusts). The file is code (torch runs what it holds), so it is signed with your own secret key and only a file
     signed with it is loaded: an unsigned, foreign, truncated or altered file is refused with one
     :class:`~lightning_perf.NoEffectWarning` saying why, and the run compiles from cold. Every rank must see the file
@@ -155,7 +155,7 @@ class CompileCallback(UndoOnExit):
         inductor_cache_dir: a folder, private to you, for torch's own on-disk compile cache while compiled (instead
             of ``/tmp/torchinductor_<user>``): a later run on the same machine loads the compiled C++ kernels from it,
             which ``cache`` does not carry (see
-            :func:`~lightning_perf.functional.compile_cache.use_inductor_cache_dir`).
+            :func:`~lightning_perf.functional.compile.cache.use_inductor_cache_dir`).
         trust_cache: load a ``cache`` file that is not signed with your key (another user's or machine's): this
             **runs code from that file**; only for a file you trust as you trust code.
 

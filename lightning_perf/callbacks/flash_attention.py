@@ -16,7 +16,8 @@ from lightning_perf._validation import check_bool
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.callbacks._undo import UndoOnExit
-from lightning_perf.functional.attention import (
+from lightning_perf.functional.attention.kernels import HALF_DTYPES
+from lightning_perf.functional.attention.swap import (
     ACTIONS,
     ALREADY_FUSED,
     KEPT,
@@ -29,7 +30,6 @@ from lightning_perf.functional.attention import (
     swap_attention,
     time_against_original,
 )
-from lightning_perf.functional.attention_kernels import HALF_DTYPES
 from lightning_perf.functional.surgery import restore_modules, take_over_modes
 from lightning_perf.profiling.step_phases import is_compiled
 
@@ -60,7 +60,8 @@ class FlashAttentionCallback(UndoOnExit):
     ``need_weights=False`` where you discard the weights), the common hand-written pattern (a fused q/k/v ``Linear``,
     eager softmax attention, an output ``Linear``; causal or not: timm's ViT ``Attention``, MONAI's ``SABlock``),
     Hugging Face models with eager attention (their configuration is switched to ``"sdpa"``, and back at teardown), and
-    whatever your own :class:`~lightning_perf.functional.attention.AttentionAdapter` knows. A swapped module takes the
+    whatever your own :class:`~lightning_perf.functional.attention.swap.AttentionAdapter` knows. A swapped module takes
+    the
     calls its original takes: default arguments (``attn_mask=None``, ``is_causal=False``) and masks whose meaning was
     learned from the original run the kernel; any other argument makes that call run the original code, reported once
     by name. Modules that already call SDPA (timm's ``fused_attn=True``, Hugging Face ``"sdpa"``) are reported as
@@ -78,7 +79,7 @@ class FlashAttentionCallback(UndoOnExit):
     comes from flash-attn on GPUs only.
 
     Args:
-        adapters: extra :class:`~lightning_perf.functional.attention.AttentionAdapter` instances, or class paths of
+        adapters: extra :class:`~lightning_perf.functional.attention.swap.AttentionAdapter` instances, or class paths of
             adapters built without arguments (YAML), tried before the registered and built-in ones.
         filter_fn: ``filter_fn(module, name) -> bool`` restricting which modules are considered.
         parity_check: compare each swapped module with its original before installing it. A mismatch keeps the

@@ -1,6 +1,7 @@
 """Train the model's large ``nn.Linear`` layers in float8 (torchao) on GPUs that have float8 tensor cores.
 
-The logic is :mod:`lightning_perf.functional.float8`; this callback checks the hardware and the stack, picks the layers
+The logic is :mod:`lightning_perf.functional.quantization.float8`; this callback checks the hardware and the stack,
+picks the layers
 (measured per shape by default), converts them before the optimizers exist and swaps them back at the end of the run.
 """
 
@@ -18,7 +19,7 @@ from lightning_perf._validation import check_bool, check_int
 from lightning_perf._warnings import LightningPerfWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.callbacks._undo import UndoOnExit
-from lightning_perf.functional.float8 import (
+from lightning_perf.functional.quantization.float8 import (
     DEFAULT_ROWS,
     FILTERS,
     RECIPES,
@@ -50,8 +51,8 @@ class Float8TrainingCallback(UndoOnExit):
     weights. The float8 layers hold the original Parameters: ``state_dict`` keys and the weights' dtype do not change,
     so a checkpoint saved with the callback loads without it and the other way round.
 
-    Which layers (:func:`~lightning_perf.functional.float8.plan_float8`): both dimensions divisible by 16; not the
-    output layer when ``skip_last`` (the last ``nn.Linear`` registered, or one tied to an embedding); with
+    Which layers (:func:`~lightning_perf.functional.quantization.float8.plan_float8`): both dimensions divisible by 16;
+    not the output layer when ``skip_last`` (the last ``nn.Linear`` registered, or one tied to an embedding); with
     ``filter="auto"`` each distinct shape (its rows: the tokens of the first training batch as the model sees them,
     found by a shape-only forward; else ``rows``) is timed once on the GPU, forward and backward, bf16 against float8,
     paired and interleaved, and converted only when the speed-up's 95% interval lies above 1. The figures are cached
@@ -62,7 +63,8 @@ class Float8TrainingCallback(UndoOnExit):
     Gates, checked in this order once ``configure_model`` has run, each said once on rank zero (a
     :class:`~lightning_perf.NoEffectWarning`) with training left unchanged: layers already sharded by FSDP2
     (``ModelParallelStrategy`` with ``fully_shard`` in ``configure_model``: torchao converts before sharding, so call
-    :func:`~lightning_perf.functional.float8.convert_to_float8` there, before ``fully_shard``; the message names the
+    :func:`~lightning_perf.functional.quantization.float8.convert_to_float8` there, before ``fully_shard``; the message
+    names the
     strategy), no CUDA GPU of compute capability 8.9+ (Ada, Hopper or newer), a precision other than ``"bf16-mixed"`` /
     ``"bf16-true"``, no layer chosen. ``validate``/``test``/``predict`` runs are left alone (float8 here is a training
     speed-up). Without a :class:`~lightning_perf.callbacks.CompileCallback` (or a module compiled in place) it warns
@@ -141,8 +143,8 @@ class Float8TrainingCallback(UndoOnExit):
                 f"{owner} leaves the model unchanged under {type(trainer.strategy).__name__}: {len(sharded)} "
                 f"nn.Linear layers (e.g. {sharded[0]}) are already sharded by `fully_shard` when callbacks run, and "
                 "torchao converts before sharding. Call "
-                "`lightning_perf.functional.float8.convert_to_float8(module, names)` in `configure_model` before "
-                "`fully_shard` instead.",
+                "`lightning_perf.functional.quantization.float8.convert_to_float8(module, names)` in `configure_model` "
+                "before `fully_shard` instead.",
                 NoEffectWarning,
             )
             return

@@ -16,7 +16,14 @@ from lightning_perf._validation import check_bool
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.callbacks._undo import UndoOnExit
-from lightning_perf.functional.checkpoint_budget import (
+from lightning_perf.functional.checkpoint.apply import (
+    CheckpointedForward,
+    apply_activation_checkpointing,
+    resolve_module_classes,
+    select_blocks,
+    validate_portion,
+)
+from lightning_perf.functional.checkpoint.budget import (
     ActivationProfile,
     ActivationRecorder,
     CheckpointPlan,
@@ -24,18 +31,11 @@ from lightning_perf.functional.checkpoint_budget import (
     plan_checkpointing,
     validate_memory_budget,
 )
-from lightning_perf.functional.compiler_budget import (
+from lightning_perf.functional.compile.budget import (
     CompilerBudgetForward,
     aot_compilations,
     apply_compiler_budget,
     set_compiler_memory_budget,
-)
-from lightning_perf.functional.grad_checkpoint import (
-    CheckpointedForward,
-    apply_activation_checkpointing,
-    resolve_module_classes,
-    select_blocks,
-    validate_portion,
 )
 from lightning_perf.functional.sharding import is_sharded
 from lightning_perf.functional.surgery import find_forward_patch, unpatch_forward
@@ -62,7 +62,7 @@ class GradCheckpointCallback(UndoOnExit):
     Args:
         modules: which blocks: ``"auto"`` (repeated blocks that hold real work, found by structure: the layers of a
             transformer, Swin blocks, the stages of a ResNet or U-Net; never conv-norm-activation sub-blocks; see
-            :func:`~lightning_perf.functional.checkpoint_blocks.find_checkpoint_blocks`), or block classes:
+            :func:`~lightning_perf.functional.checkpoint.blocks.find_checkpoint_blocks`), or block classes:
             ``nn.Module`` subclasses, dotted class paths (``"torch.nn.TransformerEncoderLayer"``, YAML-friendly) or
             bare class names (``"Block"``) matched against the classes in the model.
         filter_fn: ``filter_fn(module, name) -> bool`` choosing the blocks, instead of ``modules``. A block inside a
@@ -81,13 +81,13 @@ class GradCheckpointCallback(UndoOnExit):
             checkpointing (keep matmul/convolution/attention outputs, or attention outputs only, recompute the cheap
             ops), checkpointing of some of its parts (with or without those recomputes), or full checkpointing,
             chosen as the least recompute time within the budget (a knapsack, see
-            :mod:`lightning_perf.functional.checkpoint_budget`), so that the kept memory lands just under the budget.
+            :mod:`lightning_perf.functional.checkpoint.budget`), so that the kept memory lands just under the budget.
             The plan is reported once, with the memory the allocator measured in the first checkpointed step.
             ``1.0`` means no checkpointing. Under ``torch.compile`` (a
             :class:`~lightning_perf.callbacks.CompileCallback` in the trainer, or a module compiled in place) the
             compiler's own budget is used instead: ``torch._functorch.config.activation_memory_budget`` for the fit,
             and the same budget inside the traced forward
-            (:class:`~lightning_perf.functional.compiler_budget.CompilerBudgetForward`), so that a graph compiled
+            (:class:`~lightning_perf.functional.compile.budget.CompilerBudgetForward`), so that a graph compiled
             earlier in the process under another budget is compiled again under this one. After the first step it
             checks that a graph was compiled under the budget, and after the second it reports the activation memory;
             it warns once when the budget did not take effect (a backend without AOTAutograd, a fallback to eager, the
@@ -96,7 +96,7 @@ class GradCheckpointCallback(UndoOnExit):
     Attributes:
         wrapped: names of the modules this callback checkpointed in the last ``fit`` (blocks; with ``memory_budget``
             also parts of blocks).
-        plan: with ``memory_budget``, the :class:`~lightning_perf.functional.checkpoint_budget.CheckpointPlan` of the
+        plan: with ``memory_budget``, the :class:`~lightning_perf.functional.checkpoint.budget.CheckpointPlan` of the
             last ``fit`` (None before the second batch, under ``torch.compile`` and for ``memory_budget=1.0``).
         compiled_kept_bytes: with ``memory_budget`` under ``torch.compile``, the activation memory measured in the
             second step of the last ``fit`` (the allocator's growth over its forward), else None.

@@ -35,7 +35,7 @@ from lightning_perf.deploy.inputs import submodule_inputs
 from lightning_perf.deploy.quantize.quantizer import SCHEDULE_UNITS, LoopData, check_options, quantizer_for
 from lightning_perf.deploy.quantize.recipes import load_qat_checkpoint, recipe_for
 from lightning_perf.functional.inputs import CallRecorder
-from lightning_perf.functional.qat import QuantizationError, QuantizationRecipe
+from lightning_perf.functional.quantization.qat import QuantizationError, QuantizationRecipe
 
 __all__ = ["SCHEDULE_UNITS", "QATCallback"]
 

@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_perf._validation import check_str_sequence
 from lightning_perf.callbacks._undo import UndoOnExit
-from lightning_perf.functional.sliding_window import (
+from lightning_perf.functional.attention.sliding_window import (
     SLIDING_WINDOW_STAGES,
     SwBatchSizeChoice,
     apply_sliding_window,
@@ -75,7 +75,8 @@ class SlidingWindowInferenceCallback(UndoOnExit):
 
     Attributes:
         chosen_sw_batch_size: the size ``"auto"`` chose (``None`` before it measured; the fixed size otherwise).
-        choice: what ``"auto"`` measured (:class:`~lightning_perf.functional.sliding_window.SwBatchSizeChoice`).
+        choice: what ``"auto"`` measured
+        (:class:`~lightning_perf.functional.attention.sliding_window.SwBatchSizeChoice`).
 
     Raises:
         ValueError: at construction, for an empty, zero, negative or non-integer ``roi_size``, an ``overlap``

@@ -44,7 +44,7 @@ from lightning_perf.deploy.onnx import OnnxBackend
 from lightning_perf.deploy.tensorrt import TensorRTBackend
 from lightning_perf.deploy.validate import Tolerance, ValidationResult, flat_outputs, full_fp32, validate_runner
 from lightning_perf.functional.inputs import CapturedCall, as_input_tuple
-from lightning_perf.functional.qat_device import disable_cache
+from lightning_perf.functional.quantization.device import disable_cache
 from lightning_perf.profiling.latency import LatencyRow, measure_latency
 from lightning_perf.profiling.machine import installed_version
 from lightning_perf.profiling.report import to_jsonable

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_perf.demos import make_workload
-from lightning_perf.functional.grad_checkpoint import checkpointed_modules
+from lightning_perf.functional.checkpoint.apply import checkpointed_modules
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "checkpoint_budget_curve.py"
 

@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `tests` and `lightning_pe
 
 from examples.fsdp2_lm import Transformer, shard
 from lightning_perf import callbacks as cb
-from lightning_perf.functional.attention import SDPACalls, SwappedAttention
+from lightning_perf.functional.attention.swap import SDPACalls, SwappedAttention
 from lightning_perf.functional.sharding import is_sharded_parameter
 
 STEPS = 4

@@ -207,7 +207,7 @@ def test_auto_regions_compile_each_block_once(tmp_path: Path) -> None:
 def test_cpu_regions_compile_with_cpp_wrapper_by_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, regions: Any, options: Any, expected: Any
 ) -> None:
-    from lightning_perf.functional import compile_startup
+    from lightning_perf.functional.compile import startup as compile_startup
 
     monkeypatch.setattr(compile_startup, "_probe_started", True)  # no real ISA probe thread here
     seen: list[Any] = []
@@ -286,7 +286,7 @@ def test_forward_redirection_compiles_the_forward_not_the_step() -> None:
     """Under DDP and FSDP, Lightning sends `training_step` through the LightningModule's `__call__`."""
     from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
-    from lightning_perf.functional.compile import compile_regions
+    from lightning_perf.functional.compile.regions import compile_regions
 
     class SineStep(TinyModule):
         def sine_step(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_perf import FallbackWarning, NoEffectWarning
 from lightning_perf.callbacks import FlashAttentionCallback
-from lightning_perf.functional.attention import (
+from lightning_perf.functional.attention.swap import (
     SDPA,
     UNCHANGED,
     AttentionAdapter,
@@ -297,7 +297,7 @@ def test_on_a_cpu_in_bf16_the_first_batch_decides_between_the_swap_and_the_origi
 
 
 def test_the_timing_leaves_no_gradient_and_the_rng_as_it_was() -> None:
-    from lightning_perf.functional.attention import swap_attention, time_against_original
+    from lightning_perf.functional.attention.swap import swap_attention, time_against_original
 
     model = TinyGPT(depth=1).train()
     result = swap_attention(model, device="cpu", compute_dtype=torch.bfloat16)

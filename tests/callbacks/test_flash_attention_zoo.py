@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from lightning_perf import FallbackWarning
 from lightning_perf.callbacks import FlashAttentionCallback
-from lightning_perf.functional.attention import (
+from lightning_perf.functional.attention.swap import (
     ALREADY_FUSED,
     SDPA,
     SWAPPED,

@@ -20,7 +20,7 @@ from lightning_perf import LightningPerfWarning, NoEffectWarning
 from lightning_perf.callbacks import CompileCallback, Float8TrainingCallback
 from lightning_perf.callbacks import float8 as float8_callback
 from lightning_perf.demos import make_workload
-from lightning_perf.functional.float8 import LinearShape, is_sm_at_least_89
+from lightning_perf.functional.quantization.float8 import LinearShape, is_sm_at_least_89
 from tests._models import trainer
 from tests.callbacks._interrupt import LossRecorder, RaiseAt, plain_model_signature
 

@@ -14,8 +14,8 @@ from torch import nn
 
 from lightning_perf import NoEffectWarning
 from lightning_perf.callbacks import GradCheckpointCallback
-from lightning_perf.functional.compiler_budget import CompilerBudgetForward
-from lightning_perf.functional.grad_checkpoint import CheckpointedForward, checkpointed_modules
+from lightning_perf.functional.checkpoint.apply import CheckpointedForward, checkpointed_modules
+from lightning_perf.functional.compile.budget import CompilerBudgetForward
 from lightning_perf.functional.surgery import find_forward_patch
 from tests._models import SequenceModule, encoder, trainer
 from tests.callbacks._interrupt import fit_interrupted, fit_losses, plain_model_signature
@@ -80,7 +80,7 @@ def test_every_n_and_fit_twice(tmp_path: Path) -> None:
 
 
 def test_already_checkpointed_blocks_are_reported_and_left_to_their_owner(tmp_path: Path, caplog) -> None:
-    from lightning_perf.functional.grad_checkpoint import apply_activation_checkpointing
+    from lightning_perf.functional.checkpoint.apply import apply_activation_checkpointing
 
     model = SequenceModule(encoder(depth=2))
     apply_activation_checkpointing(model, filter_fn=lambda m, n: n == "net.layers.0")

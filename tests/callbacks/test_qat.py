@@ -21,7 +21,7 @@ from lightning_perf import FallbackWarning, NoEffectWarning, _imports
 from lightning_perf.callbacks import QATCallback
 from lightning_perf.demos import ConvNetModule, make_workload
 from lightning_perf.deploy.quantize import save as save_module
-from lightning_perf.functional import qat
+from lightning_perf.functional.quantization import qat
 
 QUICK = {"benchmark": False, "validation_batches": 1}
 

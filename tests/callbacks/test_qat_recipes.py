@@ -27,7 +27,7 @@ from lightning_perf.deploy.quantize.quantizer import (
     X86QATRecipe,
     quantizer_for,
 )
-from lightning_perf.functional import qat
+from lightning_perf.functional.quantization import qat
 from tests.callbacks._quiet import quiet_trainer
 
 QUICK = {"benchmark": False, "validation_batches": 1}

@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_perf import NoEffectWarning
 from lightning_perf.callbacks import QATCallback
-from lightning_perf.functional import qat
+from lightning_perf.functional.quantization import qat
 from lightning_perf.functional.sharding import is_fsdp_module
 from tests.callbacks._sharded import ShardsItself, one_process_group  # noqa: F401  (a fixture)
 

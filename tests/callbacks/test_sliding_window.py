@@ -1,4 +1,4 @@
-"""SlidingWindowInferenceCallback and lightning_perf.functional.sliding_window (issue 19, point 2)."""
+"""SlidingWindowInferenceCallback and lightning_perf.functional.attention.sliding_window (issue 19, point 2)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_perf.callbacks import ChannelsLastCallback, SlidingWindowInferenceCallback
-from lightning_perf.functional.sliding_window import (
+from lightning_perf.functional.attention.sliding_window import (
     SlidingWindowForward,
     apply_sliding_window,
     choose_sw_batch_size,
@@ -248,7 +248,7 @@ def test_auto_keeps_the_fastest_outside_the_noise(times: dict[int, float], chose
 
 
 def test_auto_respects_the_memory_headroom(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_perf.functional.sliding_window as sw
+    import lightning_perf.functional.attention.sliding_window as sw
 
     x = torch.randn(1, 1, 32, 32, 32)  # 64 windows of 8^3
     monkeypatch.setattr(sw, "memory_headroom_bytes", lambda device: 10 * 2**20)

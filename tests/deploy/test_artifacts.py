@@ -20,7 +20,7 @@ from lightning_perf.deploy.backend import Runner
 from lightning_perf.deploy.export import export_model
 from lightning_perf.deploy.onnx import OnnxBackend
 from lightning_perf.deploy.quantize import save as save_module
-from lightning_perf.functional import qat
+from lightning_perf.functional.quantization import qat
 from tests.deploy._sets import visible_files
 
 OLD = {"model.onnx": b"old graph", "model.onnx.data": b"old weights", "model.json": b'{"old": true}'}

@@ -14,7 +14,7 @@ LIGHTNING_FREE = [
     "lightning_perf.profiling.latency",
     "lightning_perf.cli.export",
 ]
-_FUNCTIONAL = "import sys, lightning_perf.functional, lightning_perf.functional.qat; " + (
+_FUNCTIONAL = "import sys, lightning_perf.functional, lightning_perf.functional.quantization.qat; " + (
     "print('lightning_perf.deploy' in sys.modules)"
 )
 

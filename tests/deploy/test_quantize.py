@@ -18,8 +18,8 @@ from lightning_perf.deploy.quantize import save as save_module
 from lightning_perf.deploy.quantize.convert import calibrate, convert
 from lightning_perf.deploy.quantize.save import QuantizationReport, compiled_latency, export_quantized, save_quantized
 from lightning_perf.deploy.validate import compare_models
-from lightning_perf.functional import qat
-from lightning_perf.functional.qat import QuantizationError
+from lightning_perf.functional.quantization import qat
+from lightning_perf.functional.quantization.qat import QuantizationError
 from lightning_perf.profiling.latency import LatencyRow
 from tests.functional.test_qat import TinyConvNet, TinyMLP, _images, _train
 

@@ -27,7 +27,7 @@ from lightning_perf.deploy.quantize.dynamic import (
     quantize_dynamic_onnxruntime,
 )
 from lightning_perf.deploy.quantize.save import export_dynamic
-from lightning_perf.functional.qat import QuantizationError
+from lightning_perf.functional.quantization.qat import QuantizationError
 from lightning_perf.profiling.latency import LatencyRow
 
 

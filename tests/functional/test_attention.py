@@ -14,9 +14,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_perf import FallbackWarning
-from lightning_perf.functional import attention_detect as detect_mod
-from lightning_perf.functional import attention_kernels as kernels_mod
-from lightning_perf.functional.attention import (
+from lightning_perf.functional.attention import detect as detect_mod
+from lightning_perf.functional.attention import kernels as kernels_mod
+from lightning_perf.functional.attention.parity import DROPOUT_STREAM_NOTE
+from lightning_perf.functional.attention.swap import (
     FLASH_ATTN,
     SDPA,
     UNCHANGED,
@@ -33,7 +34,6 @@ from lightning_perf.functional.attention import (
     restore_attention,
     swap_attention,
 )
-from lightning_perf.functional.attention_parity import DROPOUT_STREAM_NOTE
 from tests._models import NanoGPTAttention, PerHeadQKVAttention, ScaledDifferentlyAttention, TinyGPT, encoder
 
 

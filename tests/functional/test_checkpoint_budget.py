@@ -11,7 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_perf.functional.checkpoint_budget import (
+from lightning_perf.functional.checkpoint.apply import remove_activation_checkpointing, select_blocks
+from lightning_perf.functional.checkpoint.budget import (
     ActivationProfile,
     BlockChoice,
     BlockProfile,
@@ -22,8 +23,7 @@ from lightning_perf.functional.checkpoint_budget import (
     selective_context_fn,
     validate_memory_budget,
 )
-from lightning_perf.functional.compiler_budget import set_compiler_memory_budget
-from lightning_perf.functional.grad_checkpoint import remove_activation_checkpointing, select_blocks
+from lightning_perf.functional.compile.budget import set_compiler_memory_budget
 from lightning_perf.profiling.memory import MemoryProbe
 from tests._models import ResNet
 from tests.functional.test_grad_checkpoint_blocks import NestedUNet
@@ -136,7 +136,7 @@ class CountOps(TorchDispatchMode):
 
 def backward_op_counts(block: nn.Module, context_fn: Callable | bool | None) -> dict[str, int]:
     """Ops run in backward: plain (``context_fn=False``), fully checkpointed (None) or selective (a context_fn)."""
-    from lightning_perf.functional.grad_checkpoint import CheckpointedForward
+    from lightning_perf.functional.checkpoint.apply import CheckpointedForward
     from lightning_perf.functional.surgery import patch_forward, unpatch_forward
 
     if context_fn is not False:
@@ -231,7 +231,7 @@ def test_plan_lands_just_under_the_budget_at_the_least_recompute(budget: float) 
     # On 4 blocks: the least recompute time of every combination of the blocks' options within the budget.
     from itertools import product
 
-    from lightning_perf.functional.checkpoint_plan import _block_options
+    from lightning_perf.functional.checkpoint.plan import _block_options
 
     blocks = many[:4]
     profile = ActivationProfile(4000 + 200, 200, blocks)
@@ -268,7 +268,7 @@ def test_plan_checkpoints_parts_and_gradients_equal_no_checkpointing() -> None:
 def test_identical_blocks_are_planned_with_their_median_times() -> None:
     from dataclasses import replace
 
-    from lightning_perf.functional.checkpoint_plan import pool_identical_blocks
+    from lightning_perf.functional.checkpoint.plan import pool_identical_blocks
 
     def block(name: str, seconds: float, fingerprint: int | None = 7) -> BlockProfile:
         return BlockProfile(

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from lightning_perf.demos.vit import ViTBlock
-from lightning_perf.functional.checkpoint_budget import (
+from lightning_perf.functional.checkpoint.apply import remove_activation_checkpointing
+from lightning_perf.functional.checkpoint.budget import (
     ActivationProfile,
     BlockChoice,
     BlockProfile,
@@ -20,9 +21,8 @@ from lightning_perf.functional.checkpoint_budget import (
     plan_checkpointing,
     profile_activations,
 )
-from lightning_perf.functional.checkpoint_cheap import RecomputeCheapForward, cheap_modules
-from lightning_perf.functional.checkpoint_plan import _block_options
-from lightning_perf.functional.grad_checkpoint import remove_activation_checkpointing
+from lightning_perf.functional.checkpoint.cheap import RecomputeCheapForward, cheap_modules
+from lightning_perf.functional.checkpoint.plan import _block_options
 from lightning_perf.functional.surgery import patch_forward
 from lightning_perf.profiling.memory import MemoryProbe
 
@@ -174,7 +174,7 @@ def test_recompute_time_stops_where_torch_checkpoint_stops() -> None:
     model = blocks_model(depth=2, dim=64)
     x = torch.randn(8, 65, 64)
     blocks = [(n, m) for n, m in model.named_children()]
-    from lightning_perf.functional.checkpoint_budget import ActivationRecorder
+    from lightning_perf.functional.checkpoint.budget import ActivationRecorder
 
     recorder = ActivationRecorder(model, blocks)
     recorder.start()

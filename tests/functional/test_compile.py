@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_perf import FallbackWarning
-from lightning_perf.functional.compile import (
+from lightning_perf.functional.compile.regions import (
     CompileMonitor,
     compile_options,
     compile_regions,

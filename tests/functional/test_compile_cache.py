@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from lightning_perf import NoEffectWarning
-from lightning_perf.functional.compile import compile_regions
-from lightning_perf.functional.compile_cache import (
+from lightning_perf.functional.compile.cache import (
     CACHE_FILE_NAME,
     KEY_FILE_NAME,
     compile_cache_key,
@@ -28,6 +27,7 @@ from lightning_perf.functional.compile_cache import (
     signing_key,
     use_inductor_cache_dir,
 )
+from lightning_perf.functional.compile.regions import compile_regions
 from tests._compiling import Tower
 
 KEY = compile_cache_key([("layers.0", Tower(1).layers[0])], {"backend": "inductor", "mode": None}, torch.device("cpu"))

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch._inductor.utils import clear_caches
 
-from lightning_perf.functional import compile_startup
-from lightning_perf.functional.compile import compile_options, compile_regions, fresh_compile_cache
-from lightning_perf.functional.compile_startup import (
+from lightning_perf.functional.compile import startup as compile_startup
+from lightning_perf.functional.compile.regions import compile_options, compile_regions
+from lightning_perf.functional.compile.startup import (
     CPU_REGIONAL_OPTIONS,
     cpu_startup,
     on_cpu,
@@ -166,12 +167,17 @@ def test_regional_cpu_compile_builds_one_library_per_graph_and_matches_eager(
     model(x).sum().backward()
     expected = model(x), [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    with fresh_compile_cache(tmp_path / "inductor") as folder:
-        compiled = compile_regions(model, "auto", strict=True)
-        out = model(x)
-        out.sum().backward()
-        libraries = glob.glob(os.path.join(folder, "**", "*.so"), recursive=True)
-        compiled.remove()
+    folder = str(tmp_path / "inductor")  # cold: a new on-disk cache, torch's in-memory caches cleared
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", folder)
+    torch._dynamo.reset()
+    clear_caches()
+    compiled = compile_regions(model, "auto", strict=True)
+    out = model(x)
+    out.sum().backward()
+    libraries = glob.glob(os.path.join(folder, "**", "*.so"), recursive=True)
+    compiled.remove()
+    torch._dynamo.reset()
+    clear_caches()
     torch.testing.assert_close(out, expected[0])
     torch.testing.assert_close([p.grad for p in model.parameters()], expected[1])
     # forward and backward of the block (and the ISA probe's library): not one library per fused kernel

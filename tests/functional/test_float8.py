@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lightning_perf._warnings import MeasurementWarning
-from lightning_perf.functional import float8 as f8
-from lightning_perf.functional.float8 import (
+from lightning_perf.functional.quantization import float8 as f8
+from lightning_perf.functional.quantization.float8 import (
     FASTER,
     NOT_FASTER,
     LinearShape,

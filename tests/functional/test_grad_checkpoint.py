@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_perf.functional import grad_checkpoint as gc
-from lightning_perf.functional.grad_checkpoint import (
+from lightning_perf.functional.checkpoint import apply as gc
+from lightning_perf.functional.checkpoint.apply import (
     apply_activation_checkpointing,
     checkpointed_modules,
     remove_activation_checkpointing,

@@ -14,8 +14,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_perf.functional.checkpoint_blocks import MIN_LAYERS, count_layers, find_checkpoint_blocks
-from lightning_perf.functional.grad_checkpoint import CheckpointedForward, apply_activation_checkpointing, select_blocks
+from lightning_perf.functional.checkpoint.apply import (
+    CheckpointedForward,
+    apply_activation_checkpointing,
+    select_blocks,
+)
+from lightning_perf.functional.checkpoint.blocks import MIN_LAYERS, count_layers, find_checkpoint_blocks
 from lightning_perf.functional.surgery import find_repeated_blocks
 from tests._models import ResNet, Stage
 

@@ -14,7 +14,7 @@ from torch import nn
 from lightning_perf import _imports
 from lightning_perf.deploy.quantize.convert import calibrate, convert, float_copy, restore_float
 from lightning_perf.deploy.validate import compare_models
-from lightning_perf.functional import qat
+from lightning_perf.functional.quantization import qat
 
 BATCH_NORM = torch.ops.aten.batch_norm.default
 

@@ -13,11 +13,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from lightning_perf.functional.attention import SDPACalls, restore_attention, swap_attention
+from lightning_perf.functional.attention.swap import SDPACalls, restore_attention, swap_attention
 from lightning_perf.functional.channels_last import apply_channels_last
-from lightning_perf.functional.compile import CompileMonitor, compile_regions, inside_wrappers
+from lightning_perf.functional.checkpoint.apply import apply_activation_checkpointing
+from lightning_perf.functional.compile.regions import CompileMonitor, compile_regions, inside_wrappers
 from lightning_perf.functional.fused_optimizer import choose_implementation, switch_implementation
-from lightning_perf.functional.grad_checkpoint import apply_activation_checkpointing
 from lightning_perf.functional.sharding import (
     is_fsdp_module,
     is_sharded,

@@ -9,7 +9,8 @@ from lightning_perf._imports import require
 from lightning_perf._io import failure_reason
 from lightning_perf.deploy.quantize.pt2e_x86 import calibrate, convert_x86
 from lightning_perf.deploy.quantize.torchao import convert_torchao, float_linear_layers
-from lightning_perf.functional.qat import (
+from lightning_perf.functional.quantization.device import retarget_graph
+from lightning_perf.functional.quantization.qat import (
     INFO_KEY,
     QuantizationError,
     QuantizationRecipe,
@@ -17,7 +18,6 @@ from lightning_perf.functional.qat import (
     recipe_of,
     set_quantization_info,
 )
-from lightning_perf.functional.qat_device import retarget_graph
 
 __all__ = ["calibrate", "convert", "float_copy", "restore_float"]
 
@@ -31,8 +31,8 @@ def convert(prepared: nn.Module, recipe: QuantizationRecipe | None = None, *, ow
     step="convert")`` (QAT) or ``base_config`` itself (PTQ) applied to a copy.
 
     Raises:
-        ValueError: if ``prepared`` was not made by :func:`~lightning_perf.functional.qat.prepare` and no recipe is
-            given.
+        ValueError: if ``prepared`` was not made by :func:`~lightning_perf.functional.quantization.qat.prepare` and no
+        recipe is given.
         QuantizationError: if torchao's conversion fails.
     """
     recipe = recipe or recipe_of(prepared)
@@ -69,7 +69,8 @@ def float_copy(prepared: nn.Module) -> nn.Module:
 
 
 def restore_float(prepared: nn.Module, float_module: nn.Module | None = None) -> nn.Module:
-    """Undo :func:`~lightning_perf.functional.qat.prepare`: the plain float module to put back in the model.
+    """Undo :func:`~lightning_perf.functional.quantization.qat.prepare`: the plain float module to put back in the
+    model.
 
     ``x86``: ``float_module``, the module the graph was captured from (its parameters are the prepared graph's, so
     what was trained is kept), in the prepared model's train/eval mode. ``torchao``: ``prepared`` itself, its

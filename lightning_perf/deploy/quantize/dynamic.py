@@ -40,8 +40,8 @@ from lightning_perf.deploy.quantize.dynamic_cache import (
 )
 from lightning_perf.deploy.validate import ValidationSummary, compare_models, eval_mode
 from lightning_perf.functional.inputs import as_input_tuple, export_shapes
-from lightning_perf.functional.qat import QuantizationError, with_batch
-from lightning_perf.functional.qat_device import disable_cache
+from lightning_perf.functional.quantization.device import disable_cache
+from lightning_perf.functional.quantization.qat import QuantizationError, with_batch
 from lightning_perf.profiling.latency import LatencyRow, measure_latency
 from lightning_perf.profiling.machine import cpu_flags, decision_key
 from lightning_perf.profiling.report import to_jsonable

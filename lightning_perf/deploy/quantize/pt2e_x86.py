@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_perf._device import module_device
 from lightning_perf.functional.inputs import split_inputs
-from lightning_perf.functional.qat import allow_train_eval, counts_batches, fast_pattern_matching
+from lightning_perf.functional.quantization.qat import allow_train_eval, counts_batches, fast_pattern_matching
 
 __all__ = ["calibrate", "convert_x86"]
 

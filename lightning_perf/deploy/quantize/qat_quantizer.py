@@ -28,7 +28,7 @@ from lightning_perf.deploy.quantize.quantizer import (
     resolve_submodule,
 )
 from lightning_perf.deploy.validate import ValidationSummary, compare_models
-from lightning_perf.functional.qat import (
+from lightning_perf.functional.quantization.qat import (
     NothingToQuantizeError,
     QuantizationRecipe,
     batchnorm_modules,

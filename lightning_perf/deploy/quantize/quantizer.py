@@ -71,7 +71,7 @@ class X86QATRecipe:
 @dataclass(frozen=True)
 class TorchaoQATRecipe:
     """QAT of Linear-heavy models: ``quantize_(module, QATConfig(base_config, step="prepare"))``; ``base_config`` is
-    the torchao config's spec (:func:`~lightning_perf.functional.qat_config.base_config_spec`)."""
+    the torchao config's spec (:func:`~lightning_perf.functional.quantization.config.base_config_spec`)."""
 
     mode: ClassVar[str] = "qat"
     backend: ClassVar[str] = "torchao"
@@ -182,8 +182,8 @@ class Quantizer:
         self.options = options
         self.owner = options.owner
         self.recipe_used: Any = None
-        """The :class:`~lightning_perf.functional.qat.QuantizationRecipe` (with input shapes) of the prepared (QAT) or
-        last quantized (PTQ) model."""
+        """The :class:`~lightning_perf.functional.quantization.qat.QuantizationRecipe` (with input shapes) of the
+        prepared (QAT) or last quantized (PTQ) model."""
         self.name: str | None = None
         """The submodule it applies to."""
 

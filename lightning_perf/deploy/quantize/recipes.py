@@ -37,8 +37,15 @@ from lightning_perf.deploy.quantize.quantizer import (
 from lightning_perf.deploy.quantize.save import DynamicReport, QuantizationReport, export_dynamic
 from lightning_perf.deploy.validate import eval_mode
 from lightning_perf.functional.inputs import CapturedCall, PositionalCall
-from lightning_perf.functional.qat import BACKENDS, MODES, QuantizationRecipe, is_prepared, make_recipe, prepare
-from lightning_perf.functional.qat_config import base_config_spec, resolve_base_config
+from lightning_perf.functional.quantization.config import base_config_spec, resolve_base_config
+from lightning_perf.functional.quantization.qat import (
+    BACKENDS,
+    MODES,
+    QuantizationRecipe,
+    is_prepared,
+    make_recipe,
+    prepare,
+)
 from lightning_perf.functional.surgery import replace_modules
 
 __all__ = [

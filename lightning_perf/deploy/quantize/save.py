@@ -39,7 +39,8 @@ from lightning_perf.deploy.quantize.dynamic import (
 )
 from lightning_perf.deploy.validate import ValidationSummary, compare_models
 from lightning_perf.functional.inputs import as_input_tuple, split_inputs
-from lightning_perf.functional.qat import (
+from lightning_perf.functional.quantization.device import cache_off
+from lightning_perf.functional.quantization.qat import (
     QuantizationError,
     QuantizationRecipe,
     capture_module,
@@ -48,7 +49,6 @@ from lightning_perf.functional.qat import (
     recipe_of,
     with_batch,
 )
-from lightning_perf.functional.qat_device import cache_off
 from lightning_perf.profiling.latency import LatencyRow, measure_latency
 from lightning_perf.profiling.report import to_jsonable
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_perf._imports import require
-from lightning_perf.functional.qat import QuantizationRecipe, resolve_base_config
+from lightning_perf.functional.quantization.qat import QuantizationRecipe, resolve_base_config
 
 __all__ = ["convert_torchao", "float_linear_layers"]
 

@@ -1,7 +1,7 @@
 """Whether a swapped attention module computes what its original computes, in eval and in training mode.
 
-Part of :mod:`lightning_perf.functional.attention` (import :func:`check_parity` from there). The mode helpers here are
-shared with the adapters, which call a module to learn its layout.
+Part of :mod:`lightning_perf.functional.attention.swap` (import :func:`check_parity` from there). The mode helpers here
+are shared with the adapters, which call a module to learn its layout.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._device import as_device, module_device
-from lightning_perf.functional.attention_kernels import HALF_DTYPES, AttentionNotSwappable
+from lightning_perf.functional.attention.kernels import HALF_DTYPES, AttentionNotSwappable
 
 __all__ = [
     "DROPOUT_STREAM_NOTE",

@@ -1,6 +1,6 @@
 """Models that choose their attention code from a configuration: switch Hugging Face eager attention to SDPA.
 
-Part of :mod:`lightning_perf.functional.attention` (import the public names from there). Entry points:
+Part of :mod:`lightning_perf.functional.attention.swap` (import the public names from there). Entry points:
 :func:`configurable_attention_models`, :func:`switch_attention_implementation`,
 :func:`restore_attention_implementations`. How such a model is found and switched: docs/architecture.md, Module notes.
 """
@@ -14,15 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_perf.functional.attention_kernels import (
+from lightning_perf.functional.attention.kernels import (
     ALREADY_FUSED,
     SDPA,
     SWITCHED_CONFIG,
     UNCHANGED,
     AttentionDecision,
 )
-from lightning_perf.functional.attention_parity import check_parity, eval_without_dropout
-from lightning_perf.functional.attention_trace import SDPACalls
+from lightning_perf.functional.attention.parity import check_parity, eval_without_dropout
+from lightning_perf.functional.attention.trace import SDPACalls
 from lightning_perf.functional.sharding import is_sharded
 
 __all__ = ["configurable_attention_models", "restore_attention_implementations", "switch_attention_implementation"]

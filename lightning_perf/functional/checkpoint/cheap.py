@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from lightning_perf.functional.grad_checkpoint import CheckpointedForward
+from lightning_perf.functional.checkpoint.apply import CheckpointedForward
 from lightning_perf.functional.surgery import find_forward_patch
 
 CHEAP_MODULES: tuple[type[nn.Module], ...] = tuple(
@@ -87,8 +87,8 @@ def _pop_hooks(*_: Any) -> None:
 class RecomputeCheapForward(CheckpointedForward):
     """A block's forward that keeps the given modules' outputs out of autograd's saved tensors (see the module notes).
 
-    A :class:`~lightning_perf.functional.grad_checkpoint.CheckpointedForward` kind, so
-    :func:`~lightning_perf.functional.grad_checkpoint.remove_activation_checkpointing` removes it too. Parts of the
+    A :class:`~lightning_perf.functional.checkpoint.apply.CheckpointedForward` kind, so
+    :func:`~lightning_perf.functional.checkpoint.apply.remove_activation_checkpointing` removes it too. Parts of the
     block checkpointed on their own keep their own (innermost) saved-tensor hooks.
 
     Args:

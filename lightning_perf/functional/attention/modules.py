@@ -1,6 +1,6 @@
 """The modules put in place of attention modules: they hold the original's tensors and compute through a fused kernel.
 
-Part of :mod:`lightning_perf.functional.attention` (import the public names from there).
+Part of :mod:`lightning_perf.functional.attention.swap` (import the public names from there).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from torch.nn import functional as F
 
 from lightning_perf._validation import check_choice, check_int
 from lightning_perf._warnings import FallbackWarning, warn_once
-from lightning_perf.functional.attention_arguments import ArgumentNotHonoured, ArgumentPlan, combine_masks
-from lightning_perf.functional.attention_kernels import SDPA, AttentionNotSwappable, attention
-from lightning_perf.functional.attention_parity import eval_without_dropout, outputs_close
+from lightning_perf.functional.attention.arguments import ArgumentNotHonoured, ArgumentPlan, combine_masks
+from lightning_perf.functional.attention.kernels import SDPA, AttentionNotSwappable, attention
+from lightning_perf.functional.attention.parity import eval_without_dropout, outputs_close
 from lightning_perf.functional.surgery import adopt_tensors
 
 __all__ = [

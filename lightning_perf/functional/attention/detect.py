@@ -1,6 +1,6 @@
 """How attention modules are recognised: one :class:`AttentionAdapter` per kind of module, and the adapter registry.
 
-Part of :mod:`lightning_perf.functional.attention` (import the public names from there).
+Part of :mod:`lightning_perf.functional.attention.swap` (import the public names from there).
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._device import module_device
-from lightning_perf.functional.attention_kernels import AttentionNotSwappable
-from lightning_perf.functional.attention_modules import FusedMultiheadAttention, FusedQKVAttention, FusedQKVSpec
-from lightning_perf.functional.attention_parity import (
+from lightning_perf.functional.attention.kernels import AttentionNotSwappable
+from lightning_perf.functional.attention.modules import FusedMultiheadAttention, FusedQKVAttention, FusedQKVSpec
+from lightning_perf.functional.attention.parity import (
     eval_without_dropout,
     module_dtype,
     outputs_close,
     train_without_dropout,
 )
-from lightning_perf.functional.attention_trace import SDPACalls
+from lightning_perf.functional.attention.trace import SDPACalls
 
 __all__ = [
     "AttentionAdapter",

@@ -44,7 +44,8 @@ def startup_options(
 
 
 def cpu_startup(compile_kwargs: Mapping[str, Any], *, regional: bool, cpu: bool) -> dict[str, Any]:
-    """``compile_kwargs`` (from :func:`~lightning_perf.functional.compile.compile_options`) for a quicker cold start.
+    """``compile_kwargs`` (from :func:`~lightning_perf.functional.compile.regions.compile_options`) for a quicker cold
+    start.
 
     For a regional compile (``regional``: repeated blocks rather than a whole model's forward) on a CPU (``cpu``)
     with the ``inductor`` backend and neither ``mode`` nor ``options`` given, the options become

@@ -23,8 +23,8 @@ from lightning_perf._imports import require
 from lightning_perf._io import failure_reason
 from lightning_perf._validation import check_choice
 from lightning_perf.functional.inputs import as_input_tuple
-from lightning_perf.functional.qat_config import SUPPORTED_BASE_CONFIGS, base_config_spec, resolve_base_config
-from lightning_perf.functional.qat_device import cache_off, cpu_copy, parameter_device, take_tensors_of
+from lightning_perf.functional.quantization.config import SUPPORTED_BASE_CONFIGS, base_config_spec, resolve_base_config
+from lightning_perf.functional.quantization.device import cache_off, cpu_copy, parameter_device, take_tensors_of
 from lightning_perf.profiling.machine import installed_version
 
 __all__ = [

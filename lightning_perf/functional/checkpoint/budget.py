@@ -18,9 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_perf.functional.checkpoint_blocks import count_layers
-from lightning_perf.functional.checkpoint_cheap import RecomputeCheapForward, cheap_modules
-from lightning_perf.functional.checkpoint_plan import (
+from lightning_perf.functional.checkpoint.apply import CheckpointedForward
+from lightning_perf.functional.checkpoint.blocks import count_layers
+from lightning_perf.functional.checkpoint.cheap import RecomputeCheapForward, cheap_modules
+from lightning_perf.functional.checkpoint.plan import (
     _POLICIES,
     ActivationProfile,
     BlockChoice,
@@ -29,7 +30,6 @@ from lightning_perf.functional.checkpoint_plan import (
     plan_checkpointing,
     validate_memory_budget,
 )
-from lightning_perf.functional.grad_checkpoint import CheckpointedForward
 from lightning_perf.functional.surgery import patch_forward
 from lightning_perf.profiling.memory import MemoryProbe
 
@@ -498,7 +498,7 @@ def selective_context_fn(kept_ops: Sequence[str]) -> Callable[[], tuple[Any, Any
 def apply_plan(model: nn.Module, plan: CheckpointPlan, preserve_rng_state: bool = True) -> list[str]:
     """Checkpoint the blocks ``plan`` chooses, in place; returns the names patched (already checkpointed ones are left).
 
-    Undo with :func:`~lightning_perf.functional.grad_checkpoint.remove_activation_checkpointing`.
+    Undo with :func:`~lightning_perf.functional.checkpoint.apply.remove_activation_checkpointing`.
     """
     wrapped = []
     for choice in plan.checkpointed:

@@ -1,6 +1,6 @@
 """The arguments a swapped attention module honours: the original's signature, and what its masks and flags mean.
 
-Part of :mod:`lightning_perf.functional.attention` (import the public names from there). Entry point:
+Part of :mod:`lightning_perf.functional.attention.swap` (import the public names from there). Entry point:
 :class:`ArgumentPlan`, built from the original's ``forward`` signature and taught by probe calls
 (:meth:`ArgumentPlan.learn`). Which arguments reach the kernel and which fall back: docs/architecture.md, Module notes.
 """

@@ -1,6 +1,6 @@
 """Which modules call PyTorch's fused attention entry, and how often: :class:`SDPACalls`.
 
-Part of :mod:`lightning_perf.functional.attention` (import the public names from there): it tells that a module is
+Part of :mod:`lightning_perf.functional.attention.swap` (import the public names from there): it tells that a module is
 already fused, and lets tests check that a swapped module runs the fused kernel. What it sees and what it does not:
 docs/architecture.md, Module notes.
 """

@@ -1,7 +1,7 @@
 """Count what torch's compiler did in a window: compile time, graphs, graph breaks, recompilations.
 
 :class:`CompileMonitor` reads process-global counters, so it reports everything compiled in the window. Also
-importable from :mod:`lightning_perf.functional.compile`.
+importable from :mod:`lightning_perf.functional.compile.regions`.
 """
 
 from __future__ import annotations

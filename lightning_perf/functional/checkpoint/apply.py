@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_perf._validation import check_int, check_number
-from lightning_perf.functional.checkpoint_blocks import find_checkpoint_blocks
+from lightning_perf.functional.checkpoint.blocks import find_checkpoint_blocks
 from lightning_perf.functional.surgery import (
     FilterFn,
     ForwardPatch,
@@ -245,7 +245,7 @@ def select_blocks(
         model: the model.
         modules: ``"auto"`` (the repeated blocks that hold real work: transformer layers, Swin blocks, residual
             blocks, U-Net stages; never conv-norm-activation sub-blocks, see
-            :func:`~lightning_perf.functional.checkpoint_blocks.find_checkpoint_blocks`), or module classes: classes,
+            :func:`~lightning_perf.functional.checkpoint.blocks.find_checkpoint_blocks`), or module classes: classes,
             dotted class paths, or bare class names matched against the class names in ``model``.
         filter_fn: ``filter_fn(module, name) -> bool`` instead of ``modules``.
 

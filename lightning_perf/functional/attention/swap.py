@@ -16,20 +16,20 @@ from torch import nn
 
 from lightning_perf._device import as_device, module_device
 from lightning_perf._warnings import FallbackWarning, warn_once
-from lightning_perf.functional.attention_arguments import ArgumentNotHonoured, ArgumentPlan
-from lightning_perf.functional.attention_config import (
+from lightning_perf.functional.attention.arguments import ArgumentNotHonoured, ArgumentPlan
+from lightning_perf.functional.attention.config import (
     configurable_attention_models,
     restore_attention_implementations,
     switch_attention_implementation,
 )
-from lightning_perf.functional.attention_detect import (
+from lightning_perf.functional.attention.detect import (
     AttentionAdapter,
     FusedQKVAttentionAdapter,
     MultiheadAttentionAdapter,
     attention_adapters,
     register_attention_adapter,
 )
-from lightning_perf.functional.attention_kernels import (
+from lightning_perf.functional.attention.kernels import (
     ACTIONS,
     ALREADY_FUSED,
     FLASH_ATTN,
@@ -43,14 +43,14 @@ from lightning_perf.functional.attention_kernels import (
     attention,
     choose_kernel,
 )
-from lightning_perf.functional.attention_modules import (
+from lightning_perf.functional.attention.modules import (
     FusedMultiheadAttention,
     FusedQKVAttention,
     FusedQKVSpec,
     SwappedAttention,
 )
-from lightning_perf.functional.attention_parity import check_parity, time_against_original
-from lightning_perf.functional.attention_trace import SDPACalls
+from lightning_perf.functional.attention.parity import check_parity, time_against_original
+from lightning_perf.functional.attention.trace import SDPACalls
 from lightning_perf.functional.sharding import (
     is_fsdp_module,
     is_sharded_parameter,

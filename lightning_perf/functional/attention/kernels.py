@@ -1,6 +1,6 @@
 """The attention kernels a swapped module calls (flash-attn 2 or PyTorch's SDPA) and the choice between them.
 
-Part of :mod:`lightning_perf.functional.attention` (import the public names from there).
+Part of :mod:`lightning_perf.functional.attention.swap` (import the public names from there).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_perf.functional.checkpoint_budget import validate_memory_budget
+from lightning_perf.functional.checkpoint.budget import validate_memory_budget
 from lightning_perf.functional.surgery import ForwardPatch, patch_forward
 
 __all__ = ["CompilerBudgetForward", "aot_compilations", "apply_compiler_budget", "set_compiler_memory_budget"]

@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_perf._validation import check_bool, check_choice, check_optional_bool
 from lightning_perf._warnings import FallbackWarning, warn_once
-from lightning_perf.functional.compile_monitor import CompileMonitor, CompileStats
-from lightning_perf.functional.compile_startup import startup_options
+from lightning_perf.functional.compile.monitor import CompileMonitor, CompileStats
+from lightning_perf.functional.compile.startup import startup_options
 from lightning_perf.functional.sharding import is_fsdp_module
 from lightning_perf.functional.surgery import (
     ForwardPatch,
@@ -461,7 +461,7 @@ def compile_regions(
             or class names, whose outermost instances are compiled (the model itself never is).
         mode, fullgraph, dynamic, backend, options: passed to ``torch.compile`` (see :func:`compile_options`). Regions
             on a CPU with ``inductor`` and neither ``mode`` nor ``options`` get ``options={"cpp_wrapper": True}``
-            (:func:`~lightning_perf.functional.compile_startup.startup_options`).
+            (:func:`~lightning_perf.functional.compile.startup.startup_options`).
         strict: raise a compiler failure instead of falling back to eager with a ``FallbackWarning``.
 
     Returns:

@@ -1,10 +1,10 @@
 """Planning eager activation checkpointing to a memory budget: the profile a plan is made from, and the plan.
 
 :func:`plan_checkpointing` turns an :class:`ActivationProfile` (what
-:class:`~lightning_perf.functional.checkpoint_budget.ActivationRecorder` measured) into a :class:`CheckpointPlan`: per
+:class:`~lightning_perf.functional.checkpoint.budget.ActivationRecorder` measured) into a :class:`CheckpointPlan`: per
 block one option of none / recomputing its norm and activation outputs / selective / some parts / full, the least
 recompute time within the budget (an exact multiple-choice knapsack). See
-:mod:`lightning_perf.functional.checkpoint_budget` for the whole method.
+:mod:`lightning_perf.functional.checkpoint.budget` for the whole method.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class BlockProfile:
             name: ``(saved_bytes, kept_bytes, recompute_s)``, what the part saves, keeps checkpointed, and the time of
             the ops it runs again (those before the one that packs its last saved tensor: torch's early stop).
         cheap: the norms and activations whose output can be dropped and recomputed from an input kept anyway (see
-            :mod:`~lightning_perf.functional.checkpoint_cheap`), by qualified name: ``(part, bytes, seconds)``, the
+            :mod:`~lightning_perf.functional.checkpoint.cheap`), by qualified name: ``(part, bytes, seconds)``, the
             part the output is first saved in (None: outside the parts), the bytes dropping it frees, the time of
             making it again.
         full_recompute_s: the time of the ops a fully checkpointed block runs again (those before the one that packs
@@ -111,7 +111,7 @@ class BlockChoice:
         parts: for ``"parts"``, the qualified names of the children checkpointed.
         recomputed: for ``"cheap"`` and ``"parts"``, the norms and activations whose outputs are dropped and
             recomputed (the block runs under
-            :class:`~lightning_perf.functional.checkpoint_cheap.RecomputeCheapForward`).
+            :class:`~lightning_perf.functional.checkpoint.cheap.RecomputeCheapForward`).
     """
 
     name: str

@@ -1,0 +1,1 @@
+"""Attention: detecting attention modules and swapping them for fused kernels."""

@@ -1,0 +1,1 @@
+"""Activation checkpointing: which blocks, under which memory budget, and applying it."""

@@ -1,0 +1,1 @@
+"""torch.compile: regional compilation, its cache, start-up and recompile monitoring."""

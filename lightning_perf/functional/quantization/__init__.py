@@ -1,0 +1,1 @@
+"""Quantization: QAT and dynamic int8 preparation, float8 training."""
