@@ -98,13 +98,7 @@ def run_benchmark(
     run_info = run_metadata(list(argv) if argv is not None else shlex.split(command))
     machine = describe_machine()
     monitor = monitor if monitor is not None else ConditionMonitor()
-    # One count for every configuration, from what other processes keep busy now (benchmark.threads); the runs are
-    # judged against that starting load (profiling.reliability.other_cores_limit).
-    # A load present at the start is watched for up to a minute first: a burst that ends does not decide the run.
-    first, now, watched = watch_start_load(monitor, spec.threads, say)
-    threads = replace(
-        decide_for_run(spec.threads, machine, other_cores=now), start_other_cores=first, watched_s=watched
-    )
+    threads = _choose_threads(spec, machine, monitor, say)
     spec = replace(spec, threads=threads.threads, wait_policy=spec.wait_policy or threads.wait_policy)
     settling = None if spec.repeats is not None else Settling(spec.target, spec.time_budget_s, clock=clock)
     order = list(spec.names)
@@ -142,6 +136,15 @@ def run_benchmark(
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
         notes=_report_notes(spec, reliability, runs, summaries) + stack_notes + list(filter(None, [load_note])),
     )
+
+
+def _choose_threads(spec: BenchSpec, machine: dict[str, Any], monitor: Any, say: Any) -> Any:
+    """One count for every configuration, from what other processes keep busy (benchmark.threads); the runs are judged
+    against that starting load (profiling.reliability.other_cores_limit). A load present at the start is watched for
+    up to a minute first, so a burst that ends within it does not decide the run."""
+    first, now, watched = watch_start_load(monitor, spec.threads, say)
+    chosen = decide_for_run(spec.threads, machine, other_cores=now)
+    return replace(chosen, start_other_cores=first, watched_s=watched)
 
 
 def _report_notes(spec: BenchSpec, reliability: Reliability, runs: _Runs, summaries: list[ConfigSummary]) -> list[str]:
