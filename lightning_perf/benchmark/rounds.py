@@ -4,7 +4,9 @@ A round runs each configuration once, in an order that rotates from round to rou
 on every configuration alike); repeat ``i`` of a configuration pairs with baseline's repeat ``i``. With a
 :class:`~lightning_perf.benchmark.settle.Settling`, after each round the ratios measured so far decide whether another
 round runs and which configurations it holds (baseline and the ones not yet settled). The runs themselves and the
-ratios are the caller's (``run_one`` and ``estimates_of``), so this schedule is tested without processes.
+ratios are the caller's (``run_one`` and ``estimates_of``), so this schedule is tested without processes. Where the
+caller's ``rethink`` says after a round that the runs so far no longer count (the threads were chosen again), they
+are set aside and the rounds start again.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Rounds:
         results: configuration -> its results, in the order they ran.
         rounds: the rounds run.
         decision: the settling rule's last decision (None for a fixed number of repeats).
-        set_aside: ``(configuration, repeat, why)`` of each disturbed run measured again and kept out of the results.
+        set_aside: ``(configuration, repeat, why)`` of each run measured again and kept out of the results.
     """
 
     results: dict[str, list[Any]] = field(default_factory=dict)
@@ -61,6 +63,7 @@ def run_rounds(
     reserve_s: Callable[[], float] | None = None,
     results: dict[str, list[Any]] | None = None,
     disturbed: Callable[[Any], str | None] | None = None,
+    rethink: Callable[[int], str | None] | None = None,
 ) -> Rounds:
     """Run ``names`` in interleaved rounds: ``repeats`` rounds, or until ``settling`` stops.
 
@@ -78,6 +81,9 @@ def run_rounds(
             repeat measured once more at the end of the round (a transient load may have passed), the settling
             budget stretching by the time lost up to its cap; the second run is kept, disturbed or not (its row says
             so), so every repeat keeps its pair.
+        rethink: rounds done -> why the runs so far no longer count (None: they do), asked after each round while
+            the budget may stretch. Those runs are set aside and their time counted lost (as a disturbed run's), and
+            the rounds start again from ``first_repeat``.
     """
     if (repeats is None) == (settling is None):
         raise ValueError("`run_rounds` needs either `repeats` or `settling`, not both.")
@@ -86,7 +92,8 @@ def run_rounds(
     out = Rounds(results=results if results is not None else {})
     for name in names:
         out.results.setdefault(name, [])
-    active = list(names)
+    active, before = list(names), {name: len(out.results[name]) for name in names}
+    kept: list[tuple[str, int, float]] = []  # the runs in the results, for a restart
 
     def measure(name: str, repeat: int, again: bool) -> str | None:
         start = settling.clock() if settling is not None else 0.0
@@ -101,6 +108,7 @@ def run_rounds(
                 settling.lose(seconds)
             return why
         out.results[name].append(result)
+        kept.append((name, repeat, seconds))
         return None
 
     while True:
@@ -109,6 +117,16 @@ def run_rounds(
         for name in again:  # at the round's end: a transient load may have passed
             measure(name, repeat, True)
         out.rounds += 1
+        why = rethink(out.rounds) if rethink is not None and (settling is None or settling.can_stretch) else None
+        if why is not None:
+            out.set_aside += [(name, repeat, why) for name, repeat, _ in kept]
+            if settling is not None:
+                settling.lose(sum(seconds for *_, seconds in kept), pace=True)
+            for name in names:
+                del out.results[name][before[name] :]
+            kept.clear()
+            out.rounds, active = 0, list(names)
+            continue
         if settling is None:
             if out.rounds >= repeats:  # type: ignore[operator]
                 return out

@@ -30,7 +30,7 @@ from lightning_perf.benchmark.rounds import run_rounds
 from lightning_perf.benchmark.settle import Settling
 from lightning_perf.benchmark.spec import BenchSpec, RunSpec
 from lightning_perf.benchmark.stack import Stack, choose_stack
-from lightning_perf.benchmark.threads import decide_for_run, start_load_note, watch_start_load
+from lightning_perf.benchmark.threads import ThreadChoice, choose_threads, recheck_threads, start_load_note
 from lightning_perf.benchmark.utilization import PeakFn, add_utilization, machine_peak, matmul_setting
 from lightning_perf.benchmark.worker import RunResult
 from lightning_perf.optimizations import BASELINE, INFERENCE_STAGES
@@ -98,15 +98,15 @@ def run_benchmark(
     run_info = run_metadata(list(argv) if argv is not None else shlex.split(command))
     machine = describe_machine()
     monitor = monitor if monitor is not None else ConditionMonitor()
-    threads = _choose_threads(spec, machine, monitor, say)
-    spec = replace(spec, threads=threads.threads, wait_policy=spec.wait_policy or threads.wait_policy)
     settling = None if spec.repeats is not None else Settling(spec.target, spec.time_budget_s, clock=clock)
     order = list(spec.names)
     with tempfile.TemporaryDirectory(prefix="lightning-perf-bench-") as tmp:
         runs = _Runs(spec, run or _run_in_subprocess, Path(tmp), monitor, settling, progress, on_run, clock)
-        runs.started = {"start_other_cores": threads.other_cores, "threads_set": threads.set_by_hand}
+        runs.machine, runs.say = machine, say  # a load present at the start is watched first, up to a minute
+        runs.use(choose_threads(monitor, spec.threads, machine, say))
         stack, decisions, rounds = _measure(runs, order, stack_phase)
     runs.report_progress("done")
+    spec, threads = runs.spec, runs.choice  # the threads chosen last
     load_note = start_load_note(threads, monitor)
     summaries, reliability = _judged_summaries(runs, machine)
     if any(s.flops_per_step for s in summaries):
@@ -136,15 +136,6 @@ def run_benchmark(
         left_out=[{"config": name, "reason": why} for name, why in spec.left_out],
         notes=_report_notes(spec, reliability, runs, summaries) + stack_notes + list(filter(None, [load_note])),
     )
-
-
-def _choose_threads(spec: BenchSpec, machine: dict[str, Any], monitor: Any, say: Any) -> Any:
-    """One count for every configuration, from what other processes keep busy (benchmark.threads); the runs are judged
-    against that starting load (profiling.reliability.other_cores_limit). A load present at the start is watched for
-    up to a minute first, so a burst that ends within it does not decide the run."""
-    first, now, watched = watch_start_load(monitor, spec.threads, say)
-    chosen = decide_for_run(spec.threads, machine, other_cores=now)
-    return replace(chosen, start_other_cores=first, watched_s=watched)
 
 
 def _report_notes(spec: BenchSpec, reliability: Reliability, runs: _Runs, summaries: list[ConfigSummary]) -> list[str]:
@@ -218,6 +209,25 @@ class _Runs:
         self.steps: int | None = None  # timed steps of the runs after the first round (fewer where the budget asks)
         self.done = 0
         self.start = clock()
+        self.choice: ThreadChoice  # set by use(), before the first run
+        self.asked_policy, self.machine = spec.wait_policy, dict[str, Any]()
+        self.say: Callable[[str], None] | None = None
+
+    def use(self, choice: ThreadChoice) -> None:
+        """Run the workers at ``choice``'s threads, judged against the load it was chosen from."""
+        self.choice = choice
+        self.spec = replace(self.spec, threads=choice.threads, wait_policy=self.asked_policy or choice.wait_policy)
+        self.started = {"start_other_cores": choice.other_cores, "threads_set": choice.set_by_hand}
+
+    def rethink(self, rounds: int) -> str | None:
+        """After a round: the threads chosen again where the load present at the start that cost them is gone (once
+        per run, :func:`~lightning_perf.benchmark.threads.recheck_threads`); why the runs so far no longer count."""
+        choice = recheck_threads(self.choice, self.monitor, self.machine, rounds, self.say)
+        if choice is None:
+            return None
+        self.use(choice)
+        self.steps, self.decided = None, {}  # the pace and the per-model decisions are measured again at the new count
+        return choice.switch["why"]  # type: ignore[index]
 
     def report_progress(self, what: str) -> None:
         if self.progress is not None:
@@ -300,7 +310,8 @@ def _measure(runs: _Runs, order: list[str], stack_phase: bool) -> tuple[Stack, l
         return settling.min_repeats * settling.round_s([BASELINE, BASELINE]) if settling is not None else 0.0
 
     singles = run_rounds(order, runs, repeats=spec.repeats, settling=settling, estimates_of=estimates_of,
-                         reserve_s=stack_reserve, results=runs.results, disturbed=runs.why_disturbed)  # fmt: skip
+                         reserve_s=stack_reserve, results=runs.results, disturbed=runs.why_disturbed,
+                         rethink=runs.rethink)  # fmt: skip
     runs.forget(singles.set_aside)
     stack = choose_stack(estimates_of(runs.results)) if stack_phase else Stack(())
     decisions, rounds = [singles.decision], singles.rounds

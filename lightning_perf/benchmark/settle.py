@@ -236,9 +236,12 @@ class Settling:
         """Whether the budget may still grow for a run measured again."""
         return self._lost_s < (self.max_stretch - 1.0) * self.time_budget_s
 
-    def lose(self, seconds: float) -> None:
-        """A disturbed run took ``seconds`` that measured nothing usable: the budget grows by them (up to the cap)."""
+    def lose(self, seconds: float, pace: bool = False) -> None:
+        """A disturbed run took ``seconds`` that measured nothing usable: the budget grows by them (up to the cap);
+        ``pace``: the runs so far ran as later ones will not (other threads), so the projections forget them."""
         self._lost_s += max(0.0, float(seconds))
+        if pace:
+            self._durations.clear()
 
     @property
     def remaining_s(self) -> float:

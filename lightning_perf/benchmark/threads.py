@@ -1,40 +1,15 @@
-"""The worker processes' intra-op threads: decided once per bench or tuning run, the same for every configuration.
+"""The worker processes' intra-op threads, the same for every configuration of a bench or tuning run.
 
-On a small machine shared with other work, torch's default (one intra-op thread per core) makes the threads of one
-step wait on each other while another process holds a core, and a step can run many times slower than with fewer
-threads; which configuration suffers most depends on how many parallel regions its step has, so the ratios change
-too. :func:`decide_threads` takes the usable cores (``cpu_count_usable`` of
-:func:`lightning_perf.profiling.machine.describe_machine`: the process's CPU affinity) and what other processes keep
-busy when the run starts, and leaves out one core per busy core (rounded): ``cores - round(busy)``, at least 1.
-
-``busy`` is what the machine does now: other processes' busy cores sampled over about a second before the first run
-(:meth:`lightning_perf.profiling.reliability.ConditionMonitor.other_cores_now`: the system's busy CPU time minus this
-process's, while this process waits). Only where no sample could be taken is it the 1-minute load average, which lags
-both ways: a load that began seconds ago has not reached it yet (the bench would take every core and find each run
-disturbed), and one that ended seconds ago still inflates it for a minute (the bench would leave a core idle). The
-sample is recorded beside the load average (:attr:`ThreadChoice.other_cores`); the disturbance check judges the runs
-against it (:func:`lightning_perf.profiling.reliability.other_cores_limit`).
-
-A load present at the start may be a burst (a package install, a browser starting): chosen from the first sample, it
-would leave the whole run at fewer threads on a machine quiet again a minute later, and answer as a one-thread run
-does (issue 48: a 70 s burst of two busy loops). :func:`watch_start_load` therefore samples such a load again every
-:data:`RECHECK_S` seconds for up to :data:`START_WATCH_S`, saying so in one line (:data:`WATCH_LINE`), and the
-threads are chosen from the last sample (the first quiet one ends the watch). :func:`start_load_note` says for how
-many threads the answer holds and, where the load present at the start is gone by the end, that a quiet re-run may
-differ.
-
-An explicit count (``--threads``, ``BenchSpec(threads=...)``) or an ``OMP_NUM_THREADS`` already set in the
-environment wins. The choice reaches each worker twice: in its environment before torch starts
-(:func:`thread_env` of ``RunSpec.threads`` and ``RunSpec.wait_policy``: ``OMP_NUM_THREADS``, and
-``OMP_WAIT_POLICY=PASSIVE`` where other processes kept a core busy at the start, so an idle OpenMP thread sleeps
-instead of spinning against them; on a machine quiet at the start OpenMP's default, as a user's training runs: PASSIVE
-there slowed the default ``lm``'s bf16-mixed step from 93 to 132 ms, its speed-up from 1.7-1.8x to 1.4x) and by
-``torch.set_num_threads`` in the worker. Each run records the wait policy its process started with
-(``RunResult.wait_policy``), and the report's ``machine.threads.wait_policy`` is what the runs had. Figures behind the
-rule: docs/guide.md, "Worker threads on a shared machine".
-
-Pure logic over plain numbers; the probes (:func:`load_average`, the monitor's sample) are separate, so a test scripts
-cores, load and sample.
+:func:`decide_threads` leaves out of the usable cores one per core other processes keep busy (rounded), at least 1:
+sampled over a second when the run starts (:func:`sample_other_cores`), else the 1-minute load average. A load present
+at the start is watched (:func:`choose_threads`: every :data:`RECHECK_S` s for up to :data:`START_WATCH_S` s, saying
+:data:`WATCH_LINE`) and the count chosen from the last sample. Where it still cost the run threads, the bench samples
+again after each round and, once that load is gone, chooses again (:func:`recheck_threads`, once per run; the rounds
+measured before are set aside; the tuner keeps its first choice). :func:`start_load_note` says for how many threads the
+answer holds. A count set by hand (``--threads``, ``BenchSpec(threads=...)``, ``OMP_NUM_THREADS``) wins. Workers get
+the count and the wait policy in their environment (:func:`thread_env`). Why and the figures: docs/architecture.md
+(Module notes) and docs/guide.md, "Worker threads on a shared machine". Pure logic over plain numbers and a monitor's
+samples, so a test scripts them.
 """
 
 from __future__ import annotations
@@ -43,21 +18,22 @@ import math
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_perf._validation import check_int
 
 __all__ = [
     "ThreadChoice",
+    "choose_threads",
     "decide_for_run",
     "decide_threads",
     "load_average",
+    "recheck_threads",
     "sample_other_cores",
     "start_load_note",
     "thread_env",
     "threads_line",
-    "watch_start_load",
 ]
 
 PASSIVE = "PASSIVE"
@@ -95,6 +71,7 @@ class ThreadChoice:
             average decided).
         start_other_cores: other processes' busy cores in the first sample, before any watching.
         watched_s: seconds the load present at the start was watched before the choice (0: none was).
+        switch: ``{"from", "to", "after_round", "why"}`` where the bench chose again once that load was gone.
     """
 
     threads: int
@@ -105,6 +82,7 @@ class ThreadChoice:
     other_cores: float | None = None
     start_other_cores: float | None = None
     watched_s: float = 0.0
+    switch: dict[str, Any] | None = None
 
     @property
     def set_by_hand(self) -> bool:
@@ -217,34 +195,57 @@ def sample_other_cores(monitor: Any, window_s: float = SAMPLE_S) -> float | None
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def watch_start_load(
-    monitor: Any, asked: int | None = None, say: Callable[[str], None] | None = None
-) -> tuple[float | None, float | None, float]:
-    """Other processes' busy cores at the start, watched while they keep a core busy (the count is chosen
-    automatically: no ``asked``, no ``OMP_NUM_THREADS``): ``(first sample, sample to choose from, seconds watched)``.
+def choose_threads(
+    monitor: Any, asked: int | None, machine: Mapping[str, Any], say: Callable[[str], None] | None = None
+) -> ThreadChoice:
+    """:func:`decide_for_run` from other processes' busy cores at the start, watched while they keep a core busy and
+    the count is chosen automatically (no ``asked``, no ``OMP_NUM_THREADS``).
 
     The first sample takes :data:`SAMPLE_S`; where it finds a busy core, ``say`` (default: stderr) gets
     :data:`WATCH_LINE` once and ``monitor`` samples again over :data:`RECHECK_S` windows, up to
-    :data:`START_WATCH_S` in all, until a sample is quiet. The samples' windows are the only waiting, so a scripted
-    monitor runs it without a clock.
+    :data:`START_WATCH_S` in all, until a sample is quiet; the last one decides. The samples' windows are the only
+    waiting, so a scripted monitor runs it without a clock.
     """
     first = now = sample_other_cores(monitor)
     checks = (
         int(START_WATCH_S // RECHECK_S) if asked is None and not _positive_int(os.environ.get("OMP_NUM_THREADS")) else 0
     )
-    if not _busy(first) or checks < 1:
-        return first, first, 0.0
-    (say or (lambda line: print(line, file=sys.stderr, flush=True)))(WATCH_LINE)
     watched = 0.0
-    for _ in range(checks):
-        later = sample_other_cores(monitor, RECHECK_S)
-        watched += RECHECK_S
-        if later is None:  # the counters failed: the last good sample decides
-            break
-        now = later
-        if not _busy(now):
-            break
-    return first, now, watched
+    if _busy(first) and checks >= 1:
+        (say or _stderr)(WATCH_LINE)
+        for _ in range(checks):
+            later = sample_other_cores(monitor, RECHECK_S)
+            watched += RECHECK_S
+            if later is None:  # the counters failed: the last good sample decides
+                break
+            now = later
+            if not _busy(now):
+                break
+    return replace(decide_for_run(asked, machine, other_cores=now), start_other_cores=first, watched_s=watched)
+
+
+def recheck_threads(
+    choice: ThreadChoice, monitor: Any, machine: Mapping[str, Any], after_round: int, say: Callable[[str], None] | None
+) -> ThreadChoice | None:
+    """After round ``after_round``: where ``choice`` left cores out for a load present at the start and a fresh sample
+    finds it gone (the rule that ends the watch), the count chosen again from that sample, with its :attr:`switch`
+    said in one line; ``None`` otherwise: a count set by hand, every core used, a load still there, a second switch."""
+    if choice.set_by_hand or choice.switch or choice.threads >= choice.cores or not _busy(choice.other_cores):
+        return None
+    now = sample_other_cores(monitor)
+    new = None if now is None or _busy(now) else decide_for_run(None, machine, other_cores=now)
+    if new is None or new.threads == choice.threads:
+        return None
+    old = f"{choice.threads} thread{'s' if choice.threads != 1 else ''}"
+    why = f"measured at {old} while the load present at the start lasted"
+    gone = f"the load present at the start is gone after round {after_round}: threads {choice.threads} -> {new.threads}"
+    (say or _stderr)(f"{gone}, the rounds so far are measured again")
+    switch = {"from": choice.threads, "to": new.threads, "after_round": after_round, "why": why}
+    return replace(new, start_other_cores=choice.start_other_cores, watched_s=choice.watched_s, switch=switch)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def start_load_note(choice: ThreadChoice, monitor: Any) -> str | None:
@@ -258,7 +259,11 @@ def start_load_note(choice: ThreadChoice, monitor: Any) -> str | None:
         f"other load at start ({choice.start_other_cores:.1f} cores busy{watched}): the figures hold for "
         f"{choice.threads} thread{'s' if choice.threads != 1 else ''} per worker"
     )
-    if choice.threads < choice.cores and not _busy(end := sample_other_cores(monitor)) and end is not None:
+    if switch := choice.switch:
+        text += (
+            f" (from {switch['from']} after round {switch['after_round']}, when it was gone: those rounds set aside)"
+        )
+    elif choice.threads < choice.cores and not _busy(end := sample_other_cores(monitor)) and end is not None:
         text += f"; that load was gone by the end: a quiet re-run would use {choice.cores} threads and may differ"
     return text
 

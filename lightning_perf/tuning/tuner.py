@@ -28,7 +28,7 @@ from lightning_perf.benchmark.sources import (
 )
 from lightning_perf.benchmark.spec import RunSpec, check_preset, check_workload, resolve_device
 from lightning_perf.benchmark.structure import ModelStructure, structure_of
-from lightning_perf.benchmark.threads import ThreadChoice, decide_for_run, start_load_note, watch_start_load
+from lightning_perf.benchmark.threads import ThreadChoice, choose_threads, start_load_note
 from lightning_perf.optimizations import tuner_alternatives
 from lightning_perf.profiling.machine import describe_machine
 from lightning_perf.profiling.stats import median
@@ -252,11 +252,10 @@ class AutoTuner(Remeasuring):
         isolation = resolve_isolation(self.isolation, self.source)
         self._watch = TrialWatch(self.device, self._probes)  # samples the starting load the threads are chosen from
         # As the bench: a load present at the start is watched for up to a minute, so a burst that ends does not
-        # decide the whole search; the watching is not taken from the search's budget.
-        first, now, watched = watch_start_load(self._watch, self.threads, self._say)
-        self._deadline += watched
-        choice = decide_for_run(self.threads, describe_machine(), other_cores=now)
-        self._threads = replace(choice, start_other_cores=first, watched_s=watched)
+        # decide the whole search; the watching is not taken from the search's budget. Unlike the bench, the search
+        # keeps that count: every stage compares against a baseline measured at it.
+        self._threads = choose_threads(self._watch, self.threads, describe_machine(), self._say)
+        self._deadline += self._threads.watched_s
         start_load = self._watch.judge_from(self._threads)
         self._say(
             f"autotune ({self.stage}): {self.source.describe()} on {self.device}, budget {self.time_budget_s:.0f} s, "

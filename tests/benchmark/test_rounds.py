@@ -95,3 +95,33 @@ def test_a_disturbed_run_is_measured_again_at_the_round_end_and_the_budget_stret
     assert settling.budget_s == 200 and not settling.can_stretch
     always = run_rounds(["baseline", "a"], run_one, repeats=1, disturbed=lambda result: "steal")
     assert len(always.results["a"]) == 1 and len(always.set_aside) == 2  # each run tried twice, the second kept
+
+
+@pytest.mark.parametrize("stretch", [2.0, 1.0])
+def test_rounds_that_no_longer_count_are_set_aside_once_their_time_counted_lost(stretch: float) -> None:
+    clock, ran, asked = ScriptedClock(0.0), [], []
+
+    def run_one(name: str, repeat: int):
+        clock.now += 10 if len(ran) < 2 else 5  # the threads were chosen again after the first round: faster runs
+        ran.append((name, repeat))
+        return (name, repeat, len(ran))
+
+    def rethink(rounds: int) -> str | None:
+        asked.append(rounds)
+        return "measured at 1 thread" if len(asked) == 1 else None
+
+    wide = {"a": RatioEstimate(1.3, 1.0, 1.6, METHOD_T, "no clear difference", 2)}
+    settling = Settling(time_budget_s=30, min_repeats=2, clock=clock, max_stretch=stretch)
+    out = run_rounds(["baseline", "a"], run_one, settling=settling, estimates_of=lambda r: wide, rethink=rethink)
+    if stretch == 1.0:  # no time left to measure them again: the rounds are kept as they are
+        assert asked == [] and out.set_aside == [] and out.results["a"] == [("a", 0, 2), ("a", 1, 3)]
+        return
+    assert asked == [1, 1, 2, 3]
+    assert out.set_aside == [("baseline", 0, "measured at 1 thread"), ("a", 0, "measured at 1 thread")]
+    # The fresh rounds are numbered from 0 again and are the only ones in the results.
+    assert out.results["baseline"] == [("baseline", 0, 3), ("baseline", 1, 6), ("baseline", 2, 7)]
+    assert out.results["a"] == [("a", 0, 4), ("a", 1, 5), ("a", 2, 8)]
+    # 20 s lost to the set-aside round: the budget holds three fresh rounds of 10 s after it.
+    assert out.rounds == 3 and out.decision is not None and out.decision.reason == STOP_BUDGET
+    assert settling.budget_s == 50
+    assert settling.mean_run_s("a") == 5.0  # the projections start from the fresh rounds' pace
