@@ -7,9 +7,8 @@ at the start is watched (:func:`choose_threads`: every :data:`RECHECK_S` s for u
 again after each round and, once that load is gone, chooses again (:func:`recheck_threads`, once per run; the rounds
 measured before are set aside; the tuner keeps its first choice). :func:`start_load_note` says for how many threads the
 answer holds. A count set by hand (``--threads``, ``BenchSpec(threads=...)``, ``OMP_NUM_THREADS``) wins. Workers get
-the count and the wait policy in their environment (:func:`thread_env`). Why and the figures: docs/architecture.md
-(Module notes) and docs/guide.md, "Worker threads on a shared machine". Pure logic over plain numbers and a monitor's
-samples, so a test scripts them.
+the count and the wait policy in their environment (:func:`thread_env`). Why and the figures: docs/guide.md, "Worker
+threads on a shared machine". Pure logic over plain numbers and a monitor's samples, so a test scripts them.
 """
 
 from __future__ import annotations
