@@ -218,16 +218,14 @@ class _Runs:
         self.choice = choice
         self.spec = replace(self.spec, threads=choice.threads, wait_policy=self.asked_policy or choice.wait_policy)
         self.started = {"start_other_cores": choice.other_cores, "threads_set": choice.set_by_hand}
+        self.steps, self.decided = None, {}  # the pace and the per-model decisions are measured at this count
 
     def rethink(self, rounds: int) -> str | None:
         """After a round: the threads chosen again where the load present at the start that cost them is gone (once
         per run, :func:`~lightning_perf.benchmark.threads.recheck_threads`); why the runs so far no longer count."""
-        choice = recheck_threads(self.choice, self.monitor, self.machine, rounds, self.say)
-        if choice is None:
-            return None
-        self.use(choice)
-        self.steps, self.decided = None, {}  # the pace and the per-model decisions are measured again at the new count
-        return choice.switch["why"]  # type: ignore[index]
+        if (choice := recheck_threads(self.choice, self.monitor, self.machine, rounds, self.say)) is not None:
+            self.use(choice)
+        return None if choice is None else choice.switch["why"]  # type: ignore[index]
 
     def report_progress(self, what: str) -> None:
         if self.progress is not None:

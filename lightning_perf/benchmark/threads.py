@@ -184,12 +184,9 @@ def sample_other_cores(monitor: Any, window_s: float = SAMPLE_S) -> float | None
     """Other processes' busy cores over the next ``window_s`` seconds, read by ``monitor`` (a
     :class:`~lightning_perf.profiling.reliability.ConditionMonitor`: the same counters that judge the runs); ``None``
     for a monitor that cannot sample (a test's stand-in) or a failed reading."""
-    sample = getattr(monitor, "other_cores_now", None)
-    if not callable(sample):
-        return None
     try:
-        value = sample(window_s)
-    except Exception:  # no counters on this platform: the load average decides
+        value = monitor.other_cores_now(window_s)
+    except Exception:  # no such method (a test's stand-in) or no counters on this platform: the load average decides
         return None
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
@@ -206,20 +203,14 @@ def choose_threads(
     waiting, so a scripted monitor runs it without a clock.
     """
     first = now = sample_other_cores(monitor)
-    checks = (
-        int(START_WATCH_S // RECHECK_S) if asked is None and not _positive_int(os.environ.get("OMP_NUM_THREADS")) else 0
-    )
-    watched = 0.0
-    if _busy(first) and checks >= 1:
-        (say or _stderr)(WATCH_LINE)
-        for _ in range(checks):
-            later = sample_other_cores(monitor, RECHECK_S)
-            watched += RECHECK_S
-            if later is None:  # the counters failed: the last good sample decides
-                break
-            now = later
-            if not _busy(now):
-                break
+    auto, watched = asked is None and not _positive_int(os.environ.get("OMP_NUM_THREADS")), 0.0
+    while auto and _busy(now) and watched + RECHECK_S <= START_WATCH_S:
+        if not watched:
+            (say or _stderr)(WATCH_LINE)
+        watched += RECHECK_S
+        if (later := sample_other_cores(monitor, RECHECK_S)) is None:  # the counters failed: the last good one decides
+            break
+        now = later
     return replace(decide_for_run(asked, machine, other_cores=now), start_other_cores=first, watched_s=watched)
 
 
@@ -231,12 +222,10 @@ def recheck_threads(
     said in one line; ``None`` otherwise: a count set by hand, every core used, a load still there, a second switch."""
     if choice.set_by_hand or choice.switch or choice.threads >= choice.cores or not _busy(choice.other_cores):
         return None
-    now = sample_other_cores(monitor)
-    new = None if now is None or _busy(now) else decide_for_run(None, machine, other_cores=now)
-    if new is None or new.threads == choice.threads:
+    if (now := sample_other_cores(monitor)) is None or _busy(now):
         return None
-    old = f"{choice.threads} thread{'s' if choice.threads != 1 else ''}"
-    why = f"measured at {old} while the load present at the start lasted"
+    new = decide_for_run(None, machine, other_cores=now)  # every core: none is busy now
+    why = f"measured at {choice.threads} thread{'s' * (choice.threads > 1)} while the load present at the start lasted"
     gone = f"the load present at the start is gone after round {after_round}: threads {choice.threads} -> {new.threads}"
     (say or _stderr)(f"{gone}, the rounds so far are measured again")
     switch = {"from": choice.threads, "to": new.threads, "after_round": after_round, "why": why}
