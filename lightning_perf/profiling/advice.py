@@ -94,14 +94,7 @@ class LoaderSettings:
 
     def describe(self) -> str:
         """``"DataLoader(num_workers=0, pin_memory=False, ...)"``."""
-        return (
-            f"DataLoader(num_workers={self.num_workers}, pin_memory={self.pin_memory}, "
-            f"persistent_workers={self.persistent_workers}, batch_size={self.batch_size}, "
-            f"prefetch_factor={self.prefetch_factor})"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return f"DataLoader({', '.join(f'{name}={value}' for name, value in asdict(self).items())})"
 
 
 @dataclass(frozen=True)
@@ -197,9 +190,6 @@ class Recommendation:
     evidence: str
     actions: tuple[str, ...] = ()
     callbacks: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def format(self) -> str:
         """The recommendation as a few lines of text."""

@@ -159,12 +159,7 @@ class PeakFlops:
     causes: tuple[str, ...] = ()
 
 
-_SHORT_DTYPE = {
-    torch.float64: "fp64",
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-}
+_SHORT_DTYPE = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 # Dense (no 2:4 sparsity) peak FLOP/s per GPU, as NVIDIA's datasheets give them; "tf32" is fp32 matmuls on tensor
 # cores (torch.set_float32_matmul_precision("high"/"medium")). Datasheets print the sparse figure, marked with an

@@ -337,13 +337,6 @@ def wrap_lines(text: str, width: int = CONSOLE_WIDTH, indent: str = "  ") -> lis
     return lines
 
 
-def _wrap_cell(text: str, width: int) -> list[str]:
-    lines = []
-    for part in text.splitlines() or [""]:
-        lines += textwrap.wrap(part, width, break_on_hyphens=False, break_long_words=True) or [""]
-    return lines
-
-
 def _words_width(text: str) -> int:
     return max((len(word) for word in text.split()), default=0)
 
@@ -384,7 +377,7 @@ def text_table(
         widths[j] -= 1
 
     def render(row: Sequence[str], align: Sequence[bool]) -> list[str]:
-        wrapped = [_wrap_cell(cell, w) for cell, w in zip(row, widths)]
+        wrapped = [wrap_lines(cell, w, indent="") for cell, w in zip(row, widths)]
         height = max(len(w) for w in wrapped)
         out = []
         for i in range(height):
