@@ -93,12 +93,12 @@ class Trial:
 class Recommendation:
     """The configuration the tuner recommends: callbacks, Trainer and data settings, and how it measured."""
 
-    configs: tuple[str, ...]
-    callback_specs: list[tuple[str, dict[str, Any]]]
-    trainer_kwargs: dict[str, Any]
-    batch_size: int | None  # None: keep the model's own
-    loader: dict[str, Any]
-    speedup: float | None  # per-sample speed vs baseline, as the tuner measured it; None: nothing to change
+    configs: tuple[str, ...] = ()
+    callback_specs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    batch_size: int | None = None  # None: keep the model's own
+    loader: dict[str, Any] = field(default_factory=dict)
+    speedup: float | None = None  # per-sample speed vs baseline, as the tuner measured it; None: nothing to change
     speedup_ci95: list[float] | None = None
     speedup_verdict: str | None = None
     speedup_method: str | None = None

@@ -29,11 +29,11 @@ from lightning_perf.benchmark.sources import (
 from lightning_perf.benchmark.spec import RunSpec, check_preset, check_workload, resolve_device
 from lightning_perf.benchmark.structure import ModelStructure, structure_of
 from lightning_perf.benchmark.threads import ThreadChoice, decide_for_run, start_load_note, watch_start_load
-from lightning_perf.optimizations import tuner_alternatives
+from lightning_perf.optimizations import STAGES, tuner_alternatives
 from lightning_perf.profiling.machine import describe_machine
 from lightning_perf.profiling.stats import median
 from lightning_perf.tuning.conditions import TrialWatch
-from lightning_perf.tuning.inference import NO_DATA_STAGE, check_stage, search_plan, too_few_batches, trial_skip_reason
+from lightning_perf.tuning.inference import NO_DATA_STAGE, search_plan, too_few_batches, trial_skip_reason
 from lightning_perf.tuning.recommend import bench_command, long_warmup, recommend
 from lightning_perf.tuning.remeasure import Remeasuring
 from lightning_perf.tuning.results import Trial, TuningResult
@@ -201,7 +201,7 @@ class AutoTuner(Remeasuring):
         device, self.device_reason = resolve_device(device, "AutoTuner", "the tuner")
         self.source, self.preset = _model_source(model, datamodule, workload, source, preset, device, seed)
         _check_settings(locals())
-        self.stage = check_stage(stage)
+        self.stage = check_choice("AutoTuner", "stage", stage, STAGES)
         optimizations = check_search_lists(precisions, optimizations, self.stage)
         self.device = str(device)
         self.time_budget_s = float(time_budget_s)
