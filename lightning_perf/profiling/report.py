@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEMA_VERSION",
-    "bar_figure",
     "environment_info",
     "format_bytes",
     "format_number",
@@ -468,34 +467,6 @@ def plot_bars(
         ModuleNotFoundError: if matplotlib is not installed (the ``plot`` extra).
         ValueError: if the inputs are empty or of different lengths.
     """
-    return _save_png(bar_figure(labels, values, errors, title=title, ylabel=ylabel, reference=reference, marks=marks),
-                     path)  # fmt: skip
-
-
-_HATCHES = ("//", "xx", "..", "\\\\", "++")
-
-
-def _wrap_label(label: str, width: int) -> str:
-    """A tick label on several lines (after ``+`` and spaces), whole."""
-    return "\n".join(textwrap.wrap(label.replace("+", "+ "), width, break_long_words=False)).replace("+ ", "+")
-
-
-def bar_figure(
-    labels: Sequence[str],
-    values: Sequence[float | None],
-    errors: Sequence[float | tuple[float, float] | None] | None = None,
-    *,
-    title: str = "",
-    ylabel: str = "",
-    reference: float | None = None,
-    marks: Sequence[str | None] | None = None,
-) -> Any:
-    """The figure :func:`plot_bars` saves (a matplotlib ``Figure``), for a caller that adds to it or a test.
-
-    Raises:
-        ModuleNotFoundError: if matplotlib is not installed (the ``plot`` extra).
-        ValueError: if the inputs are empty or of different lengths.
-    """
     if not labels:
         raise ValueError("`plot_bars()` got no bars: `labels` is empty.")
     if (
@@ -521,18 +492,7 @@ def bar_figure(
         yerr = [below, above]
     positions = list(range(len(labels)))
     bars = ax.bar(positions, heights, yerr=yerr, capsize=4, color="tab:blue", alpha=0.85)
-    words = list(dict.fromkeys(m for m in (marks or ()) if m))
-    for bar, mark in zip(bars, marks or ()):
-        if mark:
-            bar.set_hatch(_HATCHES[words.index(mark) % len(_HATCHES)])
-            bar.set_edgecolor("black")
-    if words:
-        patch = importlib.import_module("matplotlib.patches").Patch
-        handles = [
-            patch(facecolor="tab:blue", alpha=0.85, edgecolor="black", hatch=_HATCHES[i % len(_HATCHES)], label=word)
-            for i, word in enumerate(words)
-        ]
-        ax.legend(handles=handles, fontsize="small", loc="best")
+    _hatch(ax, bars, marks or ())
     ax.bar_label(
         bars, labels=["" if math.isnan(h) else _signed_three_digits(h) for h in heights], padding=2, fontsize=8
     )
@@ -552,7 +512,31 @@ def bar_figure(
         ax.axhline(reference, color="gray", linestyle="--", linewidth=1)
     ax.set_title("\n".join(textwrap.wrap(title, max(30, int(fig.get_figwidth() * 11)))), fontsize=10)
     ax.set_ylabel("\n".join(textwrap.wrap(ylabel, 40)), fontsize=9)
-    return fig
+    return _save_png(fig, path)
+
+
+_HATCHES = ("//", "xx", "..", "\\\\", "++")
+
+
+def _hatch(ax: Any, bars: Any, marks: Sequence[str | None]) -> None:
+    """Each distinct mark word its hatch pattern on the bars it marks, and a legend entry."""
+    words = list(dict.fromkeys(m for m in marks if m))
+    for bar, mark in zip(bars, marks):
+        if mark:
+            bar.set_hatch(_HATCHES[words.index(mark) % len(_HATCHES)])
+            bar.set_edgecolor("black")
+    if words:
+        patch = importlib.import_module("matplotlib.patches").Patch
+        handles = [
+            patch(facecolor="tab:blue", alpha=0.85, edgecolor="black", hatch=_HATCHES[i % len(_HATCHES)], label=word)
+            for i, word in enumerate(words)
+        ]
+        ax.legend(handles=handles, fontsize="small", loc="best")
+
+
+def _wrap_label(label: str, width: int) -> str:
+    """A tick label on several lines (after ``+`` and spaces), whole."""
+    return "\n".join(textwrap.wrap(label.replace("+", "+ "), width, break_long_words=False)).replace("+ ", "+")
 
 
 def plot_stacked_steps(
