@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from lightning_perf._validation import check_int, check_number
+from lightning_perf.profiling.report import format_ratio
 
 __all__ = [
     "BOOTSTRAP_RESAMPLES",
@@ -130,8 +131,7 @@ class RatioEstimate:
 
     def format(self, digits: int = 2) -> str:
         """``"1.52x [1.40-1.65]"`` (or ``"1.52x"`` without an interval)."""
-        text = f"{self.ratio:.{digits}f}x"
-        return text + (f" [{self.low:.{digits}f}-{self.high:.{digits}f}]" if self.has_interval else "")
+        return format_ratio(self.ratio, [self.low, self.high] if self.has_interval else None, digits=digits)
 
 
 def _as_repeats(samples: Samples, name: str, owner: str = "paired_ratio") -> list[np.ndarray]:

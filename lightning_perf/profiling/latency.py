@@ -16,6 +16,7 @@ from typing import Any
 from lightning_perf._device import synchronize
 from lightning_perf._validation import check_int
 from lightning_perf.profiling.intervals import METHOD_SINGLE, NO_CLEAR_DIFFERENCE, RatioEstimate, paired_ratio
+from lightning_perf.profiling.report import format_ratio
 from lightning_perf.profiling.stats import Stats, summarize
 
 __all__ = ["LatencyRow", "measure_latency", "paired_blocks", "speedup_estimate"]
@@ -122,11 +123,7 @@ class LatencyRow:
 
     def format_speedup(self, digits: int = 2) -> str:
         """``"3.10x [2.95-3.22], faster"`` (the interval left out when there is none)."""
-        interval = ""
-        if self.speedup_ci95 is not None:
-            low, high = self.speedup_ci95
-            interval = f" [{low:.{digits}f}-{high:.{digits}f}]"
-        return f"{self.speedup:.{digits}f}x{interval}, {self.speedup_verdict}"
+        return format_ratio(self.speedup, self.speedup_ci95, self.speedup_verdict, digits, sep=", ")
 
     def __getattr__(self, name: str) -> Any:
         # Called only for names that are not fields: the side-named spellings (eager_median_s, float_compile_s...).

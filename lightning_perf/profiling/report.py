@@ -34,6 +34,7 @@ __all__ = [
     "environment_info",
     "format_bytes",
     "format_number",
+    "format_ratio",
     "format_seconds",
     "markdown_table",
     "plot_bars",
@@ -244,6 +245,19 @@ def format_seconds(s: float | None) -> str:
 def format_number(value: float | None, spec: str, suffix: str = "") -> str:
     """``value`` formatted with ``spec`` and ``suffix`` (``format_number(0.5, ".1f", "%")``), or ``"n/a"``."""
     return "n/a" if value is None else f"{format(value, spec)}{suffix}"
+
+
+def format_ratio(
+    ratio: float | None, ci95: Sequence[float] | None, verdict: str | None = None, digits: int = 2, sep: str = " "
+) -> str:
+    """``"1.52x [1.40-1.65] faster"``: a ratio, its 95% interval (left out when there is none) and its verdict after
+    ``sep``; ``"n/a"`` without a ratio. The one way every report writes a ratio."""
+    if ratio is None:
+        return "n/a"
+    text = f"{ratio:.{digits}f}x"
+    if ci95 is not None and ci95[0] != ci95[1]:
+        text += f" [{ci95[0]:.{digits}f}-{ci95[1]:.{digits}f}]"
+    return f"{text}{sep}{verdict}" if verdict else text
 
 
 # ----------------------------------------------------------------------------------------------------------- tables

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf._io import numbered_path
+from lightning_perf.profiling.report import format_ratio
 
-__all__ = ["Recommendation", "Trial", "TuningResult", "ratio_text", "unused_output"]
+__all__ = ["Recommendation", "Trial", "TuningResult", "unused_output"]
 
 
 @dataclass
@@ -81,12 +82,12 @@ class Trial:
     @property
     def speedup_text(self) -> str:
         """The speed-up vs baseline as the table prints it (and the reason quotes it)."""
-        return ratio_text(self.speedup, self.speedup_ci95, self.speedup_verdict)
+        return format_ratio(self.speedup, self.speedup_ci95, self.speedup_verdict)
 
     @property
     def gain_text(self) -> str:
         """The gain vs the incumbent, as the reasons quote it."""
-        return ratio_text(self.gain, self.gain_ci95, self.gain_verdict)
+        return format_ratio(self.gain, self.gain_ci95, self.gain_verdict)
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Recommendation:
             return f"Recommended: nothing: unreliable: {'; '.join(self.causes)}"
         if self.changes_nothing or self.speedup is None:
             return "Recommended: no change (no candidate was measurably faster than the model as given)"
-        ratio = ratio_text(self.speedup, self.speedup_ci95, self.speedup_verdict)
+        ratio = format_ratio(self.speedup, self.speedup_ci95, self.speedup_verdict)
         return f"Recommended ({ratio} vs the baseline's per-sample speed, 95% interval):"
 
     def callbacks(self) -> list[Any]:
@@ -352,16 +353,6 @@ class TuningResult:
         if self.bench_command:
             lines.append(f"  check it with: {self.bench_command}")
         print("\n".join(lines), flush=True)
-
-
-def ratio_text(ratio: float | None, ci95: list[float] | None, verdict: str | None) -> str:
-    """``"1.52x [1.40-1.65] faster"``: a ratio, its 95% interval and verdict (``n/a`` without a ratio)."""
-    if ratio is None:
-        return "n/a"
-    text = f"{ratio:.2f}x"
-    if ci95 is not None and ci95[0] != ci95[1]:
-        text += f" [{ci95[0]:.2f}-{ci95[1]:.2f}]"
-    return f"{text} {verdict}" if verdict else text
 
 
 def unused_output(yaml_path: str | os.PathLike[str], force: bool = False) -> Path:
