@@ -186,24 +186,22 @@ class TuningResult:
     def table_rows(self) -> list[list[str]]:
         from lightning_perf.profiling import format_bytes, format_number
 
-        rows = []
-        for t in self.ranked():
-            rows.append(
-                [
-                    t.label,
-                    t.stage,
-                    t.verdict,
-                    _ms(t.step_median_s, t.step_p25_s, t.step_p75_s),
-                    format_number(t.throughput, ".1f"),
-                    "reference" if t.verdict == "baseline" else t.speedup_text,
-                    format_number(t.p_faster, ".2f"),
-                    format_number(None if t.data_wait_share is None else 100 * t.data_wait_share, ".1f", "%"),
-                    format_number(t.loss_deviation, ".3f"),
-                    format_bytes(t.step_memory_bytes) if t.step_memory_bytes is not None else "n/a",
-                    format_number(t.wall_s, ".1f"),
-                ]
-            )
-        return rows
+        return [
+            [
+                t.label,
+                t.stage,
+                t.verdict,
+                _ms(t.step_median_s, t.step_p25_s, t.step_p75_s),
+                format_number(t.throughput, ".1f"),
+                "reference" if t.verdict == "baseline" else t.speedup_text,
+                format_number(t.p_faster, ".2f"),
+                format_number(None if t.data_wait_share is None else 100 * t.data_wait_share, ".1f", "%"),
+                format_number(t.loss_deviation, ".3f"),
+                format_bytes(t.step_memory_bytes),
+                format_number(t.wall_s, ".1f"),
+            ]
+            for t in self.ranked()
+        ]
 
     TABLE_COLUMNS = (
         "trial",
@@ -220,24 +218,10 @@ class TuningResult:
     )
 
     def to_dict(self) -> dict[str, Any]:
-        rec = asdict(self.recommendation)
-        rec["datamodule_kwargs"] = self.recommendation.datamodule_kwargs
-        return {
-            "kind": "lightning-perf-autotune",
-            "source": self.source,
-            "device": self.device,
-            "stage": self.stage,
-            "time_budget_s": self.time_budget_s,
-            "elapsed_s": self.elapsed_s,
-            "reliability": dict(self.reliability),
-            "recommendation": rec,
-            "lightning_cli": self.lightning_cli_config(),
-            "bench_command": self.bench_command,
-            "threads": self.threads,
-            "undecided": self.undecided,
-            "retry_command": self.retry_command,
-            "trials": [asdict(t) for t in self.trials],
-        }
+        """Every field (trials and recommendation as dicts), the LightningCLI config and what is left undecided."""
+        data = {"kind": "lightning-perf-autotune", **asdict(self)}
+        data["recommendation"]["datamodule_kwargs"] = self.recommendation.datamodule_kwargs
+        return data | {"lightning_cli": self.lightning_cli_config(), "undecided": self.undecided}
 
     def lightning_cli_config(self) -> dict[str, Any]:
         """The recommendation as a LightningCLI config: ``trainer`` callbacks and precision, ``data``/``model`` args.
