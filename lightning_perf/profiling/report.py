@@ -10,13 +10,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
-import functools
 import importlib
 import json
 import math
 import numbers
 import os
-import platform
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePath
@@ -24,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_perf._imports import require
 from lightning_perf._io import atomic_path, atomic_write_text
-from lightning_perf.profiling.machine import _cpu_model, _read_cpuinfo, installed_version
+from lightning_perf.profiling.machine import fixed_environment
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -73,7 +71,7 @@ def environment_info() -> dict[str, Any]:
     from lightning_perf.profiling.machine import usable_cpu_count
 
     info: dict[str, Any] = {
-        **_fixed_environment(),
+        **fixed_environment(),
         "cpu_count_usable": usable_cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
@@ -90,26 +88,6 @@ def environment_info() -> dict[str, Any]:
             cuda_device_count=torch.cuda.device_count(),
         )
     return info
-
-
-@functools.cache
-def _fixed_environment() -> dict[str, Any]:
-    import torch
-
-    from lightning_perf import __version__
-
-    return {
-        "lightning_perf": __version__,
-        "torch": torch.__version__,
-        "lightning": installed_version("lightning", "pytorch-lightning"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu": _cpu_model(_read_cpuinfo()),
-        "cpu_count": os.cpu_count(),
-        "libc": " ".join(part for part in platform.libc_ver() if part) or None,
-        "cuda": torch.version.cuda,
-    }
 
 
 # ------------------------------------------------------------------------------------------------------------- JSON
