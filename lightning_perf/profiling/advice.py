@@ -434,18 +434,9 @@ def _registered_advice(b: StepBreakdown, symptom: str) -> tuple[list[str], list[
     return actions, callbacks
 
 
-_RULES = (
-    _data_wait,
-    _host_syncs,
-    _device_idle,
-    _oversubscribed,
-    _persistent_workers,
-    _transfer,
-    _pin_memory,
-    _optimizer,
-    _other,
-    _compute_bound,
-)
+# In the order their findings are listed within one severity.
+_RULES = (_data_wait, _host_syncs, _device_idle, _oversubscribed, _persistent_workers, _transfer, _pin_memory,
+          _optimizer, _other, _compute_bound)  # fmt: skip
 
 
 def recommend(breakdown: StepBreakdown) -> list[Recommendation]:

@@ -35,18 +35,8 @@ __all__ = [
     "usable_cpu_count",
 ]
 
-CPU_FLAGS: tuple[str, ...] = (
-    "avx2",
-    "avx512f",
-    "avx512_vnni",
-    "avx_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "amx_fp16",
-)
+CPU_FLAGS: tuple[str, ...] = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
+                              "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")  # fmt: skip
 """The x86 flags that decide which oneDNN kernels a CPU gets: fp32 vector width, int8 dot products (VNNI, AMX-INT8),
 bf16 and fp16 math."""
 

@@ -203,19 +203,8 @@ class TuningResult:
             for t in self.ranked()
         ]
 
-    TABLE_COLUMNS = (
-        "trial",
-        "stage",
-        "verdict",
-        "step ms (IQR)",
-        "samples/s",
-        "vs baseline [95% CI]",
-        "P(faster)",
-        "data wait",
-        "loss dev",
-        "step memory",
-        "trial s",
-    )
+    TABLE_COLUMNS = ("trial", "stage", "verdict", "step ms (IQR)", "samples/s", "vs baseline [95% CI]", "P(faster)",
+                     "data wait", "loss dev", "step memory", "trial s")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         """Every field (trials and recommendation as dicts), the LightningCLI config and what is left undecided."""

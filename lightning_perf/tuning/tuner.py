@@ -428,8 +428,7 @@ class AutoTuner(Remeasuring):
         if not counts:
             self._skip(incumbent[0].with_("num_workers", "data"), f"already {current} workers (limit {limit})")
             return incumbent
-        start = incumbent
-        best = incumbent
+        start = best = incumbent
         cuda = self.device.startswith("cuda")
         for n in counts:
             loader = dict(start[0].loader) | {"num_workers": n, "persistent_workers": True}
@@ -462,8 +461,7 @@ class AutoTuner(Remeasuring):
         if not sizes:
             self._skip(incumbent[0].with_("batch_size", "batch_size"), f"max_batch_size={cap} leaves no larger size")
             return incumbent
-        start = incumbent
-        best = incumbent
+        start = best = incumbent
         for size in sizes:
             candidate = start[0].with_(f"batch_size={size}", "batch_size", batch_size=size)
             fits = memory_problem(self.device, start[2], own, size)
@@ -675,7 +673,7 @@ class AutoTuner(Remeasuring):
         self._say(f"[{self._count}] {candidate.label} ({candidate.stage}) ...", end="")
         started = time.monotonic()
         if self._isolation == "in-process":
-            result = self._measure_in_process(spec)
+            result = run_in_process(spec, self.source.build)
         else:
             result = self._measure_in_subprocess(spec, timeout)
         if result is not None:
@@ -688,22 +686,11 @@ class AutoTuner(Remeasuring):
         assert self._tmp is not None
         return run_isolated(spec, self._tmp, timeout, source=self.source, name=f"lightning-perf-autotune-{self._count}")
 
-    def _measure_in_process(self, spec: Any) -> Any:
-        return run_in_process(spec, self.source.build)
-
     def _record(
         self, candidate: Candidate, result: Any, disturbed: Sequence[str] = (), remeasured: Sequence[str] = ()
     ) -> Trial:
-        trial = Trial(
-            label=candidate.label,
-            stage=candidate.stage,
-            config=candidate.config_name,
-            batch_size=candidate.batch_size if result is None else result.batch_size,
-            loader=dict(candidate.loader),
-            verdict="failed",
-            disturbed=list(disturbed),
-            remeasured_because=list(remeasured),
-        )
+        batch_size = candidate.batch_size if result is None else result.batch_size
+        trial = self._row(candidate, "failed", batch_size, disturbed=[*disturbed], remeasured_because=[*remeasured])
         if result is not None:
             trial.wall_s = result.wall_s
             trial.error = result.error
@@ -712,7 +699,6 @@ class AutoTuner(Remeasuring):
                 if self._base_runs and candidate.stage != "baseline":
                     estimate = speedup_estimate(self._base_runs, [per_sample_times(result)], paired=False)
                     trial.set_ratio("speedup", estimate)
-        self._trials.append(trial)
         if result is None:
             self._say(" out of time")
         elif not result.ok:
@@ -723,18 +709,22 @@ class AutoTuner(Remeasuring):
             self._say(f" {trial.step_median_s * 1e3:.1f} ms/{unit}{vs} ({trial.wall_s:.1f} s)")  # type: ignore[operator]
         return trial
 
-    def _skip(self, candidate: Candidate, reason: str) -> None:
-        self._trials.append(
-            Trial(
-                label=candidate.label,
-                stage=candidate.stage,
-                config=candidate.config_name,
-                batch_size=candidate.batch_size,
-                loader=dict(candidate.loader),
-                verdict="skipped",
-                reason=reason,
-            )
+    def _row(self, candidate: Candidate, verdict: str, batch_size: int | None, **fields: Any) -> Trial:
+        """A new row of the trial list, for ``candidate``."""
+        trial = Trial(
+            label=candidate.label,
+            stage=candidate.stage,
+            config=candidate.config_name,
+            batch_size=batch_size,
+            loader=dict(candidate.loader),
+            verdict=verdict,
+            **fields,
         )
+        self._trials.append(trial)
+        return trial
+
+    def _skip(self, candidate: Candidate, reason: str) -> None:
+        self._row(candidate, "skipped", candidate.batch_size, reason=reason)
         self._say(f"[-] {candidate.label} ({candidate.stage}): skipped, {reason}")
 
     def _say(self, text: str, end: str = "\n") -> None:
