@@ -17,13 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_perf.profiling.advice import (
-    PHASES,
-    LoaderSettings,
-    StepBreakdown,
-    recommend,
-    validate_thresholds,
-)
+from lightning_perf.profiling.advice import PHASES, LoaderSettings, StepBreakdown, recommend, validate_thresholds
 from lightning_perf.profiling.intervals import t_critical_95
 from lightning_perf.profiling.report import format_seconds, plot_stacked_steps, text_table
 from lightning_perf.profiling.stats import Stats, summarize

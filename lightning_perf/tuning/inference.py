@@ -10,13 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning_perf.optimizations import (
-    COMPILE,
-    COMPILE_REGIONAL,
-    INFERENCE_STAGES,
-    optimizations,
-    tuner_search_list,
-)
+from lightning_perf.optimizations import COMPILE, COMPILE_REGIONAL, INFERENCE_STAGES, optimizations, tuner_search_list
 
 if TYPE_CHECKING:
     from lightning_perf.benchmark.structure import ModelStructure
