@@ -563,9 +563,7 @@ def plot_stacked_steps(
     heights = [[record.get(name, 0.0) * 1e3 for record in step_records] for name in phases]
     if heights:
         ax.stackplot(range(len(step_records)), *heights, labels=[str(n) for n in phases], step="mid", linewidth=0)
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel("time (ms)")
+    ax.set(title=title, xlabel="step", ylabel="time (ms)")
     if phases:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     return _save_png(fig, path)
@@ -600,8 +598,6 @@ def plot_lines(
     ax = fig.add_subplot()
     for name, values in series.items():
         ax.plot(range(len(values)), [_number(v) for v in values], label=str(name), linewidth=1.2)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     return _save_png(fig, path)

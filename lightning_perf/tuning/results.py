@@ -158,11 +158,8 @@ class TuningResult:
     def undecided(self) -> list[str]:
         """Why this run could not decide all it set out to (empty: it decided): a disturbed reference, trials disturbed
         every time they ran, trials the budget did not reach or could not confirm."""
-        why = (
-            []
-            if self.recommendation.reliable
-            else [f"the reference was disturbed ({'; '.join(self.recommendation.causes)})"]
-        )
+        rec = self.recommendation
+        why = [] if rec.reliable else [f"the reference was disturbed ({'; '.join(rec.causes)})"]
         disturbed = [t.label for t in self.trials if t.verdict == "unreliable"]
         late = [t.label for t in self.trials if "out of budget" in t.reason or "no budget left" in t.reason]
         if disturbed:
