@@ -453,11 +453,7 @@ class AutoTuner(Remeasuring):
             return incumbent
         own = holder[1]
         cap = self.max_batch_size if self.max_batch_size is not None else own * 4
-        sizes = []
-        size = own * 2
-        while size <= cap:
-            sizes.append(size)
-            size *= 2
+        sizes = [own * 2**k for k in range(1, cap.bit_length() + 1) if own * 2**k <= cap]  # 2x, 4x... up to cap
         if not sizes:
             self._skip(incumbent[0].with_("batch_size", "batch_size"), f"max_batch_size={cap} leaves no larger size")
             return incumbent
