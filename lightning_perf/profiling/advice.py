@@ -257,11 +257,9 @@ def _oversubscribed(b: StepBreakdown) -> Recommendation | None:
     loader = b.loader
     if loader is None or loader.num_workers * b.processes_per_node <= b.cpu_count:
         return None
-    per_node = (
-        f"{loader.num_workers} workers x {b.processes_per_node} processes"
-        if b.processes_per_node > 1
-        else (f"num_workers={loader.num_workers}")
-    )
+    per_node = f"num_workers={loader.num_workers}"
+    if b.processes_per_node > 1:
+        per_node = f"{loader.num_workers} workers x {b.processes_per_node} processes"
     return Recommendation(
         "num_workers_above_cpus",
         "medium",

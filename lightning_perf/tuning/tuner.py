@@ -323,8 +323,7 @@ class AutoTuner(Remeasuring):
         if not result.ok:
             raise ModelError(
                 f"The model failed its baseline trial, its {self.stage} run as given (fp32, its own batch size and "
-                "loaders), so "
-                "there is nothing to tune. This is the model's own error:\n\n"
+                "loaders), so there is nothing to tune. This is the model's own error:\n\n"
                 + (result.traceback or result.error or "no traceback")
             )
         trial.verdict = "baseline"
@@ -414,8 +413,7 @@ class AutoTuner(Remeasuring):
             self._skip(incumbent[0].with_("num_workers", "data"), NO_DATA_STAGE)
             return incumbent
         share = incumbent[1].data_wait_share
-        cpus = os.cpu_count() or 1
-        limit = self.max_num_workers if self.max_num_workers is not None else cpus
+        limit = self.max_num_workers if self.max_num_workers is not None else (os.cpu_count() or 1)
         if share is None or share < DATA_WAIT_THRESHOLD:
             self._skip(
                 incumbent[0].with_("num_workers", "data"),
