@@ -94,14 +94,7 @@ class LoaderSettings:
 
     def describe(self) -> str:
         """``"DataLoader(num_workers=0, pin_memory=False, ...)"``."""
-        return (
-            f"DataLoader(num_workers={self.num_workers}, pin_memory={self.pin_memory}, "
-            f"persistent_workers={self.persistent_workers}, batch_size={self.batch_size}, "
-            f"prefetch_factor={self.prefetch_factor})"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return f"DataLoader({', '.join(f'{name}={value}' for name, value in asdict(self).items())})"
 
 
 @dataclass(frozen=True)
@@ -198,9 +191,6 @@ class Recommendation:
     actions: tuple[str, ...] = ()
     callbacks: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     def format(self) -> str:
         """The recommendation as a few lines of text."""
         lines = [f"[{self.severity}] {self.title}", f"    evidence: {self.evidence}"]
@@ -267,11 +257,9 @@ def _oversubscribed(b: StepBreakdown) -> Recommendation | None:
     loader = b.loader
     if loader is None or loader.num_workers * b.processes_per_node <= b.cpu_count:
         return None
-    per_node = (
-        f"{loader.num_workers} workers x {b.processes_per_node} processes"
-        if b.processes_per_node > 1
-        else (f"num_workers={loader.num_workers}")
-    )
+    per_node = f"num_workers={loader.num_workers}"
+    if b.processes_per_node > 1:
+        per_node = f"{loader.num_workers} workers x {b.processes_per_node} processes"
     return Recommendation(
         "num_workers_above_cpus",
         "medium",
@@ -444,18 +432,9 @@ def _registered_advice(b: StepBreakdown, symptom: str) -> tuple[list[str], list[
     return actions, callbacks
 
 
-_RULES = (
-    _data_wait,
-    _host_syncs,
-    _device_idle,
-    _oversubscribed,
-    _persistent_workers,
-    _transfer,
-    _pin_memory,
-    _optimizer,
-    _other,
-    _compute_bound,
-)
+# In the order their findings are listed within one severity.
+_RULES = (_data_wait, _host_syncs, _device_idle, _oversubscribed, _persistent_workers, _transfer, _pin_memory,
+          _optimizer, _other, _compute_bound)  # fmt: skip
 
 
 def recommend(breakdown: StepBreakdown) -> list[Recommendation]:

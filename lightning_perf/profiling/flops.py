@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lightning_perf._io import DecisionCache
-from lightning_perf._validation import check_bool, check_instance, check_int, check_number
+from lightning_perf._validation import check_bool, check_choice, check_instance, check_int, check_number, is_number
 from lightning_perf.profiling.stats import median as median_of
 
 __all__ = [
@@ -96,14 +96,11 @@ def flop_mapping() -> dict[Any, Callable[..., int]]:
 
     Pass it as ``FlopCounterMode(custom_mapping=flop_mapping())`` to count the same way elsewhere.
     """
-    mapping: dict[Any, Callable[..., int]] = {}
-    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-    if forward is not None:
-        mapping[forward] = cpu_sdpa_flops
-    if backward is not None:
-        mapping[backward] = cpu_sdpa_backward_flops
-    return mapping
+    formulas: dict[str, Callable[..., int]] = {
+        "_scaled_dot_product_flash_attention_for_cpu": cpu_sdpa_flops,
+        "_scaled_dot_product_flash_attention_for_cpu_backward": cpu_sdpa_backward_flops,
+    }
+    return {op: formula for name, formula in formulas.items() if (op := getattr(aten, name, None)) is not None}
 
 
 @dataclass(frozen=True)
@@ -159,12 +156,7 @@ class PeakFlops:
     causes: tuple[str, ...] = ()
 
 
-_SHORT_DTYPE = {
-    torch.float64: "fp64",
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-}
+_SHORT_DTYPE = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 # Dense (no 2:4 sparsity) peak FLOP/s per GPU, as NVIDIA's datasheets give them; "tf32" is fp32 matmuls on tensor
 # cores (torch.set_float32_matmul_precision("high"/"medium")). Datasheets print the sparse figure, marked with an
@@ -303,10 +295,7 @@ def measure_cpu_peak_flops(
     check_int("measure_cpu_peak_flops", "size", size, 1)
     check_int("measure_cpu_peak_flops", "repeats", repeats, 1)
     check_number("measure_cpu_peak_flops", "max_matmul_s", max_matmul_s, 0.0, exclusive=True)
-    if dtype not in _SHORT_DTYPE:
-        raise ValueError(
-            f"`measure_cpu_peak_flops(dtype={dtype!r})` is not valid. Expected one of {list(_SHORT_DTYPE)}."
-        )
+    check_choice("measure_cpu_peak_flops", "dtype", dtype, tuple(_SHORT_DTYPE))
     from lightning_perf.profiling.reliability import ConditionMonitor, assess
 
     monitor = ConditionMonitor(_probes())
@@ -335,17 +324,12 @@ def _probes() -> Any:
     return Probes.system()
 
 
-def _valid_entry(entry: dict[str, Any]) -> bool:
-    value = entry.get("flops_per_second")
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
 def _cpu_peak(
     dtype: torch.dtype, threads: int, size: int, repeats: int, max_matmul_s: float, cache_path: Path, refresh: bool
 ) -> PeakFlops:
     key = machine_key(dtype, threads, size)
     entry = {} if refresh else _CACHE.entry(cache_path, key)
-    if _valid_entry(entry):
+    if is_number(entry.get("flops_per_second")) and entry["flops_per_second"] > 0:
         source = entry.get("source") if isinstance(entry.get("source"), str) else _label(size, dtype, threads)
         return PeakFlops(float(entry["flops_per_second"]), f"{source} (cached)")
     peak = measure_cpu_peak_flops(dtype, threads, size, repeats, max_matmul_s)

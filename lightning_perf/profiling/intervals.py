@@ -41,6 +41,9 @@ from typing import Any
 
 import numpy as np
 
+from lightning_perf._validation import check_int, check_number
+from lightning_perf.profiling.report import format_ratio
+
 __all__ = [
     "BOOTSTRAP_RESAMPLES",
     "METHOD_BOOTSTRAP",
@@ -81,8 +84,7 @@ def t_critical_95(df: int) -> float:
     Raises:
         ValueError: if ``df`` is not a positive integer.
     """
-    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
-        raise ValueError(f"`t_critical_95(df={df!r})` is not valid. Expected a positive integer.")
+    check_int("t_critical_95", "df", df, 1)
     if df <= len(_T_975):
         return _T_975[df - 1]
     z = 1.959964
@@ -129,8 +131,7 @@ class RatioEstimate:
 
     def format(self, digits: int = 2) -> str:
         """``"1.52x [1.40-1.65]"`` (or ``"1.52x"`` without an interval)."""
-        text = f"{self.ratio:.{digits}f}x"
-        return text + (f" [{self.low:.{digits}f}-{self.high:.{digits}f}]" if self.has_interval else "")
+        return format_ratio(self.ratio, [self.low, self.high] if self.has_interval else None, digits=digits)
 
 
 def _as_repeats(samples: Samples, name: str, owner: str = "paired_ratio") -> list[np.ndarray]:
@@ -194,10 +195,8 @@ def paired_ratio(
             f"`paired_ratio` got {len(num)} numerator and {len(den)} denominator repeats. "
             "Expected the same positive number of repeats on both sides (repeat i pairs with repeat i)."
         )
-    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 100:
-        raise ValueError(f"`paired_ratio(resamples={resamples!r})` is not valid. Expected an integer >= 100.")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < math.inf:
-        raise ValueError(f"`paired_ratio(threshold={threshold!r})` is not valid. Expected a finite fraction >= 0.")
+    check_int("paired_ratio", "resamples", resamples, 100)
+    check_number("paired_ratio", "threshold", threshold, 0.0)
     n = len(num)
     logs = np.array([math.log(np.median(a) / np.median(b)) for a, b in zip(num, den)])
     ratio = float(math.exp(logs.mean()))

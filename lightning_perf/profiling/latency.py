@@ -16,7 +16,8 @@ from typing import Any
 from lightning_perf._device import synchronize
 from lightning_perf._validation import check_int
 from lightning_perf.profiling.intervals import METHOD_SINGLE, NO_CLEAR_DIFFERENCE, RatioEstimate, paired_ratio
-from lightning_perf.profiling.stats import Stats, summarize
+from lightning_perf.profiling.report import format_ratio
+from lightning_perf.profiling.stats import summarize
 
 __all__ = ["LatencyRow", "measure_latency", "paired_blocks", "speedup_estimate"]
 
@@ -63,41 +64,6 @@ class LatencyRow:
     candidate_blocks_s: Blocks | None = None
 
     @classmethod
-    def from_stats(
-        cls,
-        batch_size: int,
-        baseline: Stats,
-        candidate: Stats,
-        names: tuple[str, str] = ("baseline", "candidate"),
-        warmup_s: tuple[float | None, float | None] = (None, None),
-        estimate: RatioEstimate | None = None,
-    ) -> LatencyRow:
-        """The row of two samples of per-call seconds. ``speedup`` and its interval are ``estimate``'s; without one
-        (no paired blocks), the baseline median over the candidate's, with no interval."""
-        if estimate is None:
-            ratio = baseline.median / candidate.median if candidate.median > 0 else math.inf
-            estimate = RatioEstimate(ratio, ratio, ratio, METHOD_SINGLE, NO_CLEAR_DIFFERENCE, 1)
-        return cls(
-            batch_size=batch_size,
-            baseline=names[0],
-            candidate=names[1],
-            baseline_median_s=baseline.median,
-            baseline_p90_s=baseline.p90,
-            candidate_median_s=candidate.median,
-            candidate_p90_s=candidate.p90,
-            speedup=estimate.ratio,
-            baseline_throughput=batch_size / baseline.median if baseline.median > 0 else math.inf,
-            candidate_throughput=batch_size / candidate.median if candidate.median > 0 else math.inf,
-            iterations=candidate.count,
-            baseline_warmup_s=warmup_s[0],
-            candidate_warmup_s=warmup_s[1],
-            speedup_ci95=[estimate.low, estimate.high] if _has_interval(estimate) else None,
-            speedup_verdict=estimate.verdict,
-            speedup_method=estimate.method,
-            speedup_n=estimate.n,
-        )
-
-    @classmethod
     def from_blocks(
         cls,
         batch_size: int,
@@ -108,25 +74,34 @@ class LatencyRow:
     ) -> LatencyRow:
         """The row of paired blocks of per-call seconds (block ``i`` of each side is one pair, see
         :func:`paired_blocks`): medians and percentiles over all calls, the speed-up with its interval and verdict."""
-        row = cls.from_stats(
-            batch_size,
-            summarize([t for block in baseline for t in block]),
-            summarize([t for block in candidate for t in block]),
-            names=names,
-            warmup_s=warmup_s,
-            estimate=speedup_estimate(baseline, candidate),
+        base = summarize([t for block in baseline for t in block])
+        cand = summarize([t for block in candidate for t in block])
+        estimate = speedup_estimate(baseline, candidate)
+        return cls(
+            batch_size=batch_size,
+            baseline=names[0],
+            candidate=names[1],
+            baseline_median_s=base.median,
+            baseline_p90_s=base.p90,
+            candidate_median_s=cand.median,
+            candidate_p90_s=cand.p90,
+            speedup=estimate.ratio,
+            baseline_throughput=batch_size / base.median if base.median > 0 else math.inf,
+            candidate_throughput=batch_size / cand.median if cand.median > 0 else math.inf,
+            iterations=cand.count,
+            baseline_warmup_s=warmup_s[0],
+            candidate_warmup_s=warmup_s[1],
+            speedup_ci95=[estimate.low, estimate.high] if _has_interval(estimate) else None,
+            speedup_verdict=estimate.verdict,
+            speedup_method=estimate.method,
+            speedup_n=estimate.n,
+            baseline_blocks_s=[list(block) for block in baseline],
+            candidate_blocks_s=[list(block) for block in candidate],
         )
-        row.baseline_blocks_s = [list(block) for block in baseline]
-        row.candidate_blocks_s = [list(block) for block in candidate]
-        return row
 
     def format_speedup(self, digits: int = 2) -> str:
         """``"3.10x [2.95-3.22], faster"`` (the interval left out when there is none)."""
-        interval = ""
-        if self.speedup_ci95 is not None:
-            low, high = self.speedup_ci95
-            interval = f" [{low:.{digits}f}-{high:.{digits}f}]"
-        return f"{self.speedup:.{digits}f}x{interval}, {self.speedup_verdict}"
+        return format_ratio(self.speedup, self.speedup_ci95, self.speedup_verdict, digits, sep=", ")
 
     def __getattr__(self, name: str) -> Any:
         # Called only for names that are not fields: the side-named spellings (eager_median_s, float_compile_s...).

@@ -10,6 +10,7 @@ fails a run.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shlex
@@ -26,6 +27,7 @@ __all__ = [
     "decision_key",
     "describe_machine",
     "finish_run",
+    "fixed_environment",
     "git_state",
     "has_cpu_bf16_instructions",
     "installed_version",
@@ -33,18 +35,8 @@ __all__ = [
     "usable_cpu_count",
 ]
 
-CPU_FLAGS: tuple[str, ...] = (
-    "avx2",
-    "avx512f",
-    "avx512_vnni",
-    "avx_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "amx_fp16",
-)
+CPU_FLAGS: tuple[str, ...] = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
+                              "amx_tile", "amx_bf16", "amx_int8", "amx_fp16")  # fmt: skip
 """The x86 flags that decide which oneDNN kernels a CPU gets: fp32 vector width, int8 dot products (VNNI, AMX-INT8),
 bf16 and fp16 math."""
 
@@ -126,11 +118,33 @@ def installed_version(*distributions: str) -> str | None:
     return None
 
 
+@functools.cache
+def fixed_environment() -> dict[str, Any]:
+    """What cannot change within a process (versions, the platform, the CPU model, the libc), read once: it costs tens
+    of milliseconds (package metadata, the libc's version from the interpreter's binary)."""
+    import torch
+
+    from lightning_perf import __version__
+
+    return {
+        "lightning_perf": __version__,
+        "torch": torch.__version__,
+        "lightning": installed_version("lightning", "pytorch-lightning"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": _cpu_model(_read_cpuinfo()),
+        "cpu_count": os.cpu_count(),
+        "libc": " ".join(part for part in platform.libc_ver() if part) or None,
+        "cuda": torch.version.cuda,
+    }
+
+
 def _gpu() -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
-        return {"gpu": None, "gpu_count": 0, "gpu_driver": None, "gpu_bf16": None, "cuda": torch.version.cuda}
+        return {"gpu": None, "gpu_count": 0, "gpu_driver": None, "gpu_bf16": None}
     driver = None
     try:
         done = subprocess.run(
@@ -148,7 +162,6 @@ def _gpu() -> dict[str, Any]:
         "gpu_count": torch.cuda.device_count(),
         "gpu_driver": driver,
         "gpu_bf16": bool(torch.cuda.is_bf16_supported()),
-        "cuda": torch.version.cuda,
     }
 
 
@@ -164,30 +177,21 @@ def describe_machine() -> dict[str, Any]:
     """The hardware and software of this machine, for the ``machine`` key of a results file.
 
     Returns:
-        ``cpu`` (model name), ``cpu_count`` (logical CPUs), ``cpu_count_usable`` (this process's affinity),
-        ``torch_threads``, ``cpu_flags`` (:data:`CPU_FLAGS` -> bool, or ``None`` where unknown),
-        ``cpu_bf16_instructions``, ``gpu``, ``gpu_count``, ``gpu_driver``, ``gpu_bf16``, ``platform``, ``python`` and
-        the versions ``lightning_perf``, ``torch``, ``lightning``.
+        :func:`fixed_environment` (versions, ``platform``, ``machine``, ``cpu`` model, ``cpu_count``, ``libc``,
+        ``cuda``), ``cpu_count_usable`` (this process's affinity), ``torch_threads``, ``cpu_flags`` (:data:`CPU_FLAGS`
+        -> bool, or ``None`` where unknown), ``cpu_bf16_instructions``, ``gpu``, ``gpu_count``, ``gpu_driver`` and
+        ``gpu_bf16``.
     """
     import torch
 
-    from lightning_perf import __version__
-
-    cpuinfo = _read_cpuinfo()
-    flags = cpu_flags(cpuinfo) if cpuinfo else None
+    flags = cpu_flags()
     return {
-        "cpu": _cpu_model(cpuinfo),
-        "cpu_count": os.cpu_count(),
+        **fixed_environment(),
         "cpu_count_usable": usable_cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_flags": flags,
         "cpu_bf16_instructions": has_cpu_bf16_instructions(flags),
         **_gpu(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "lightning_perf": __version__,
-        "torch": torch.__version__,
-        "lightning": installed_version("lightning", "pytorch-lightning"),
     }
 
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
-import functools
 import importlib
 import json
 import math
 import numbers
 import os
-import platform
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePath
@@ -24,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_perf._imports import require
 from lightning_perf._io import atomic_path, atomic_write_text
-from lightning_perf.profiling.machine import _cpu_model, _read_cpuinfo, installed_version
+from lightning_perf.profiling.machine import fixed_environment
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 __all__ = [
     "SCHEMA_VERSION",
-    "bar_figure",
     "environment_info",
     "format_bytes",
     "format_number",
+    "format_ratio",
     "format_seconds",
     "markdown_table",
     "plot_bars",
@@ -73,7 +71,7 @@ def environment_info() -> dict[str, Any]:
     from lightning_perf.profiling.machine import usable_cpu_count
 
     info: dict[str, Any] = {
-        **_fixed_environment(),
+        **fixed_environment(),
         "cpu_count_usable": usable_cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
@@ -90,26 +88,6 @@ def environment_info() -> dict[str, Any]:
             cuda_device_count=torch.cuda.device_count(),
         )
     return info
-
-
-@functools.cache
-def _fixed_environment() -> dict[str, Any]:
-    import torch
-
-    from lightning_perf import __version__
-
-    return {
-        "lightning_perf": __version__,
-        "torch": torch.__version__,
-        "lightning": installed_version("lightning", "pytorch-lightning"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu": _cpu_model(_read_cpuinfo()),
-        "cpu_count": os.cpu_count(),
-        "libc": " ".join(part for part in platform.libc_ver() if part) or None,
-        "cuda": torch.version.cuda,
-    }
 
 
 # ------------------------------------------------------------------------------------------------------------- JSON
@@ -247,6 +225,19 @@ def format_number(value: float | None, spec: str, suffix: str = "") -> str:
     return "n/a" if value is None else f"{format(value, spec)}{suffix}"
 
 
+def format_ratio(
+    ratio: float | None, ci95: Sequence[float] | None, verdict: str | None = None, digits: int = 2, sep: str = " "
+) -> str:
+    """``"1.52x [1.40-1.65] faster"``: a ratio, its 95% interval (left out when there is none) and its verdict after
+    ``sep``; ``"n/a"`` without a ratio. The one way every report writes a ratio."""
+    if ratio is None:
+        return "n/a"
+    text = f"{ratio:.{digits}f}x"
+    if ci95 is not None and ci95[0] != ci95[1]:
+        text += f" [{ci95[0]:.{digits}f}-{ci95[1]:.{digits}f}]"
+    return f"{text}{sep}{verdict}" if verdict else text
+
+
 # ----------------------------------------------------------------------------------------------------------- tables
 
 
@@ -337,13 +328,6 @@ def wrap_lines(text: str, width: int = CONSOLE_WIDTH, indent: str = "  ") -> lis
     return lines
 
 
-def _wrap_cell(text: str, width: int) -> list[str]:
-    lines = []
-    for part in text.splitlines() or [""]:
-        lines += textwrap.wrap(part, width, break_on_hyphens=False, break_long_words=True) or [""]
-    return lines
-
-
 def _words_width(text: str) -> int:
     return max((len(word) for word in text.split()), default=0)
 
@@ -384,7 +368,7 @@ def text_table(
         widths[j] -= 1
 
     def render(row: Sequence[str], align: Sequence[bool]) -> list[str]:
-        wrapped = [_wrap_cell(cell, w) for cell, w in zip(row, widths)]
+        wrapped = [wrap_lines(cell, w, indent="") for cell, w in zip(row, widths)]
         height = max(len(w) for w in wrapped)
         out = []
         for i in range(height):
@@ -475,34 +459,6 @@ def plot_bars(
         ModuleNotFoundError: if matplotlib is not installed (the ``plot`` extra).
         ValueError: if the inputs are empty or of different lengths.
     """
-    return _save_png(bar_figure(labels, values, errors, title=title, ylabel=ylabel, reference=reference, marks=marks),
-                     path)  # fmt: skip
-
-
-_HATCHES = ("//", "xx", "..", "\\\\", "++")
-
-
-def _wrap_label(label: str, width: int) -> str:
-    """A tick label on several lines (after ``+`` and spaces), whole."""
-    return "\n".join(textwrap.wrap(label.replace("+", "+ "), width, break_long_words=False)).replace("+ ", "+")
-
-
-def bar_figure(
-    labels: Sequence[str],
-    values: Sequence[float | None],
-    errors: Sequence[float | tuple[float, float] | None] | None = None,
-    *,
-    title: str = "",
-    ylabel: str = "",
-    reference: float | None = None,
-    marks: Sequence[str | None] | None = None,
-) -> Any:
-    """The figure :func:`plot_bars` saves (a matplotlib ``Figure``), for a caller that adds to it or a test.
-
-    Raises:
-        ModuleNotFoundError: if matplotlib is not installed (the ``plot`` extra).
-        ValueError: if the inputs are empty or of different lengths.
-    """
     if not labels:
         raise ValueError("`plot_bars()` got no bars: `labels` is empty.")
     if (
@@ -528,18 +484,7 @@ def bar_figure(
         yerr = [below, above]
     positions = list(range(len(labels)))
     bars = ax.bar(positions, heights, yerr=yerr, capsize=4, color="tab:blue", alpha=0.85)
-    words = list(dict.fromkeys(m for m in (marks or ()) if m))
-    for bar, mark in zip(bars, marks or ()):
-        if mark:
-            bar.set_hatch(_HATCHES[words.index(mark) % len(_HATCHES)])
-            bar.set_edgecolor("black")
-    if words:
-        patch = importlib.import_module("matplotlib.patches").Patch
-        handles = [
-            patch(facecolor="tab:blue", alpha=0.85, edgecolor="black", hatch=_HATCHES[i % len(_HATCHES)], label=word)
-            for i, word in enumerate(words)
-        ]
-        ax.legend(handles=handles, fontsize="small", loc="best")
+    _hatch(ax, bars, marks or ())
     ax.bar_label(
         bars, labels=["" if math.isnan(h) else _signed_three_digits(h) for h in heights], padding=2, fontsize=8
     )
@@ -559,7 +504,31 @@ def bar_figure(
         ax.axhline(reference, color="gray", linestyle="--", linewidth=1)
     ax.set_title("\n".join(textwrap.wrap(title, max(30, int(fig.get_figwidth() * 11)))), fontsize=10)
     ax.set_ylabel("\n".join(textwrap.wrap(ylabel, 40)), fontsize=9)
-    return fig
+    return _save_png(fig, path)
+
+
+_HATCHES = ("//", "xx", "..", "\\\\", "++")
+
+
+def _hatch(ax: Any, bars: Any, marks: Sequence[str | None]) -> None:
+    """Each distinct mark word its hatch pattern on the bars it marks, and a legend entry."""
+    words = list(dict.fromkeys(m for m in marks if m))
+    for bar, mark in zip(bars, marks):
+        if mark:
+            bar.set_hatch(_HATCHES[words.index(mark) % len(_HATCHES)])
+            bar.set_edgecolor("black")
+    if words:
+        patch = importlib.import_module("matplotlib.patches").Patch
+        handles = [
+            patch(facecolor="tab:blue", alpha=0.85, edgecolor="black", hatch=_HATCHES[i % len(_HATCHES)], label=word)
+            for i, word in enumerate(words)
+        ]
+        ax.legend(handles=handles, fontsize="small", loc="best")
+
+
+def _wrap_label(label: str, width: int) -> str:
+    """A tick label on several lines (after ``+`` and spaces), whole."""
+    return "\n".join(textwrap.wrap(label.replace("+", "+ "), width, break_long_words=False)).replace("+ ", "+")
 
 
 def plot_stacked_steps(
@@ -594,9 +563,7 @@ def plot_stacked_steps(
     heights = [[record.get(name, 0.0) * 1e3 for record in step_records] for name in phases]
     if heights:
         ax.stackplot(range(len(step_records)), *heights, labels=[str(n) for n in phases], step="mid", linewidth=0)
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel("time (ms)")
+    ax.set(title=title, xlabel="step", ylabel="time (ms)")
     if phases:
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     return _save_png(fig, path)
@@ -631,8 +598,6 @@ def plot_lines(
     ax = fig.add_subplot()
     for name, values in series.items():
         ax.plot(range(len(values)), [_number(v) for v in values], label=str(name), linewidth=1.2)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     return _save_png(fig, path)

@@ -17,13 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_perf.profiling.advice import (
-    PHASES,
-    LoaderSettings,
-    StepBreakdown,
-    recommend,
-    validate_thresholds,
-)
+from lightning_perf.profiling.advice import PHASES, LoaderSettings, StepBreakdown, recommend, validate_thresholds
 from lightning_perf.profiling.intervals import t_critical_95
 from lightning_perf.profiling.report import format_seconds, plot_stacked_steps, text_table
 from lightning_perf.profiling.stats import Stats, summarize
@@ -612,13 +606,10 @@ def report_lines(report: Mapping[str, Any]) -> list[str]:
     throughput, overhead, validation = report["throughput"], report["overhead"], report["validation"]
     sampling = report.get("sampling") or {}
     every = sampling.get("sample_every", 1)
-    sampled = (
-        f" ({sampling['steps_measured']} timed steps of {sampling['steps_run']}, one in {every}"
-        + (f" after the first {dense} steady" if (dense := sampling.get("dense_steps")) else "")
-        + ")"
-        if every > 1
-        else ""
-    )
+    sampled = ""
+    if every > 1:
+        dense = f" after the first {n} steady" if (n := sampling.get("dense_steps")) else ""
+        sampled = f" ({sampling['steps_measured']} timed steps of {sampling['steps_run']}, one in {every}{dense})"
     lines = [
         f"throughput{sampled}: {throughput['samples_per_s']:.1f} samples/s per process, {throughput['steps_per_s']:.2f}"
         f" steps/s; observer cost {100 * overhead['share_of_step']:.2g}% of the mean step",

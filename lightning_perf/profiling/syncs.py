@@ -65,22 +65,11 @@ class SyncSite:
 
 
 def _sync_kinds() -> dict[Any, str]:
-    kinds: dict[Any, str] = {
-        torch.Tensor.item: "item",
-        torch.Tensor.tolist: "tolist",
-        torch.Tensor.cpu: "cpu",
-        torch.Tensor.numpy: "numpy",
-        torch.Tensor.__bool__: "__bool__",
-        torch.Tensor.__int__: "__int__",
-        torch.Tensor.__float__: "__float__",
-        torch.Tensor.nonzero: "nonzero",
-        torch.nonzero: "nonzero",
-        torch.Tensor.unique: "unique",
-        torch.unique: "unique",
-        torch.masked_select: "masked_select",
-        torch.Tensor.masked_select: "masked_select",
-    }
-    return kinds
+    """The calls that synchronize on a GPU, each with its kind: the call's own name."""
+    t = torch.Tensor
+    calls = (t.item, t.tolist, t.cpu, t.numpy, t.__bool__, t.__int__, t.__float__, t.nonzero, torch.nonzero, t.unique,
+             torch.unique, t.masked_select, torch.masked_select)  # fmt: skip
+    return {call: call.__name__ for call in calls}
 
 
 def _call_site() -> tuple[str, int, str] | None:

@@ -1,7 +1,7 @@
 """Tuning for inference: what ``AutoTuner(stage="predict")`` (or ``"validate"``, ``"test"``) searches, and how.
 
 Entry points: :func:`search_plan` (a :class:`SearchPlan` derived from :mod:`lightning_perf.optimizations`),
-:func:`check_stage`, :func:`trial_skip_reason`, :func:`inference_notes`. The search stages and why candidates are
+:func:`trial_skip_reason`, :func:`inference_notes`. The search stages and why candidates are
 compared on speed only: docs/architecture.md, Module notes.
 """
 
@@ -10,14 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning_perf.optimizations import (
-    COMPILE,
-    COMPILE_REGIONAL,
-    INFERENCE_STAGES,
-    STAGES,
-    optimizations,
-    tuner_search_list,
-)
+from lightning_perf.optimizations import COMPILE, COMPILE_REGIONAL, INFERENCE_STAGES, optimizations, tuner_search_list
 
 if TYPE_CHECKING:
     from lightning_perf.benchmark.structure import ModelStructure
@@ -26,7 +19,6 @@ __all__ = [
     "MIN_TIMED_BATCHES",
     "NO_DATA_STAGE",
     "SearchPlan",
-    "check_stage",
     "inference_notes",
     "precision_names",
     "search_plan",
@@ -39,17 +31,6 @@ NO_DATA_STAGE = (
     "loader workers are not tried"
 )
 """Why an inference search has no data-loading stage."""
-
-
-def check_stage(stage: Any) -> str:
-    """``stage`` if it is a Trainer stage the tuner can tune for.
-
-    Raises:
-        ValueError: naming the value and the stages expected.
-    """
-    if not isinstance(stage, str) or stage not in STAGES:
-        raise ValueError(f"`AutoTuner(stage={stage!r})` is not valid. Expected one of: {', '.join(STAGES)}.")
-    return stage
 
 
 def precision_names(stage: str = "fit") -> tuple[str, ...]:

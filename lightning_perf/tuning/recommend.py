@@ -33,17 +33,7 @@ def recommend(
     from lightning_perf.tuning.inference import inference_notes
 
     if causes:
-        return Recommendation(
-            configs=(),
-            callback_specs=[],
-            trainer_kwargs={},
-            batch_size=None,
-            loader={},
-            speedup=None,
-            reliable=False,
-            causes=list(causes),
-            stage=stage,
-        )
+        return Recommendation(reliable=False, causes=list(causes), stage=stage)
     config = get_config(candidate.config_name)
     specs = [(path, dict(args)) for path, args in (config.callback_specs or ())]
     notes = []

@@ -11,6 +11,7 @@ A trial the watcher finds disturbed is set aside and measured again while the bu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from lightning_perf.benchmark.settle import Settling
@@ -33,18 +34,11 @@ class Remeasuring:
     _stretch: Settling | None
     _tries: int
     _watch: TrialWatch
-
-    def _measure(self, candidate: Any, timeout: float) -> Any:
-        raise NotImplementedError
-
-    def _usable(self, result: Any) -> Any:
-        raise NotImplementedError
-
-    def _record(self, candidate: Any, result: Any, disturbed: Any = (), remeasured: Any = ()) -> Trial:
-        raise NotImplementedError
-
-    def _say(self, text: str, end: str = "\n") -> None:
-        raise NotImplementedError
+    # AutoTuner's methods, named here for the type checker.
+    _measure: Callable[[Any, float], Any]
+    _usable: Callable[[Any], Any]
+    _record: Callable[..., Trial]
+    _say: Callable[[str], None]
 
     def _trial(self, candidate: Any, timeout: float) -> tuple[Any, list[str], list[str]]:
         """Measure ``candidate`` with the machine watched: ``(result, set-aside causes, causes)``.

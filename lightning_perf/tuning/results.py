@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf._io import numbered_path
+from lightning_perf.profiling.report import format_ratio
 
-__all__ = ["Recommendation", "Trial", "TuningResult", "ratio_text", "unused_output"]
+__all__ = ["Recommendation", "Trial", "TuningResult", "unused_output"]
 
 
 @dataclass
@@ -81,24 +82,24 @@ class Trial:
     @property
     def speedup_text(self) -> str:
         """The speed-up vs baseline as the table prints it (and the reason quotes it)."""
-        return ratio_text(self.speedup, self.speedup_ci95, self.speedup_verdict)
+        return format_ratio(self.speedup, self.speedup_ci95, self.speedup_verdict)
 
     @property
     def gain_text(self) -> str:
         """The gain vs the incumbent, as the reasons quote it."""
-        return ratio_text(self.gain, self.gain_ci95, self.gain_verdict)
+        return format_ratio(self.gain, self.gain_ci95, self.gain_verdict)
 
 
 @dataclass
 class Recommendation:
     """The configuration the tuner recommends: callbacks, Trainer and data settings, and how it measured."""
 
-    configs: tuple[str, ...]
-    callback_specs: list[tuple[str, dict[str, Any]]]
-    trainer_kwargs: dict[str, Any]
-    batch_size: int | None  # None: keep the model's own
-    loader: dict[str, Any]
-    speedup: float | None  # per-sample speed vs baseline, as the tuner measured it; None: nothing to change
+    configs: tuple[str, ...] = ()
+    callback_specs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    batch_size: int | None = None  # None: keep the model's own
+    loader: dict[str, Any] = field(default_factory=dict)
+    speedup: float | None = None  # per-sample speed vs baseline, as the tuner measured it; None: nothing to change
     speedup_ci95: list[float] | None = None
     speedup_verdict: str | None = None
     speedup_method: str | None = None
@@ -119,7 +120,7 @@ class Recommendation:
             return f"Recommended: nothing: unreliable: {'; '.join(self.causes)}"
         if self.changes_nothing or self.speedup is None:
             return "Recommended: no change (no candidate was measurably faster than the model as given)"
-        ratio = ratio_text(self.speedup, self.speedup_ci95, self.speedup_verdict)
+        ratio = format_ratio(self.speedup, self.speedup_ci95, self.speedup_verdict)
         return f"Recommended ({ratio} vs the baseline's per-sample speed, 95% interval):"
 
     def callbacks(self) -> list[Any]:
@@ -157,11 +158,8 @@ class TuningResult:
     def undecided(self) -> list[str]:
         """Why this run could not decide all it set out to (empty: it decided): a disturbed reference, trials disturbed
         every time they ran, trials the budget did not reach or could not confirm."""
-        why = (
-            []
-            if self.recommendation.reliable
-            else [f"the reference was disturbed ({'; '.join(self.recommendation.causes)})"]
-        )
+        rec = self.recommendation
+        why = [] if rec.reliable else [f"the reference was disturbed ({'; '.join(rec.causes)})"]
         disturbed = [t.label for t in self.trials if t.verdict == "unreliable"]
         late = [t.label for t in self.trials if "out of budget" in t.reason or "no budget left" in t.reason]
         if disturbed:
@@ -185,58 +183,31 @@ class TuningResult:
     def table_rows(self) -> list[list[str]]:
         from lightning_perf.profiling import format_bytes, format_number
 
-        rows = []
-        for t in self.ranked():
-            rows.append(
-                [
-                    t.label,
-                    t.stage,
-                    t.verdict,
-                    _ms(t.step_median_s, t.step_p25_s, t.step_p75_s),
-                    format_number(t.throughput, ".1f"),
-                    "reference" if t.verdict == "baseline" else t.speedup_text,
-                    format_number(t.p_faster, ".2f"),
-                    format_number(None if t.data_wait_share is None else 100 * t.data_wait_share, ".1f", "%"),
-                    format_number(t.loss_deviation, ".3f"),
-                    format_bytes(t.step_memory_bytes) if t.step_memory_bytes is not None else "n/a",
-                    format_number(t.wall_s, ".1f"),
-                ]
-            )
-        return rows
+        return [
+            [
+                t.label,
+                t.stage,
+                t.verdict,
+                _ms(t.step_median_s, t.step_p25_s, t.step_p75_s),
+                format_number(t.throughput, ".1f"),
+                "reference" if t.verdict == "baseline" else t.speedup_text,
+                format_number(t.p_faster, ".2f"),
+                format_number(None if t.data_wait_share is None else 100 * t.data_wait_share, ".1f", "%"),
+                format_number(t.loss_deviation, ".3f"),
+                format_bytes(t.step_memory_bytes),
+                format_number(t.wall_s, ".1f"),
+            ]
+            for t in self.ranked()
+        ]
 
-    TABLE_COLUMNS = (
-        "trial",
-        "stage",
-        "verdict",
-        "step ms (IQR)",
-        "samples/s",
-        "vs baseline [95% CI]",
-        "P(faster)",
-        "data wait",
-        "loss dev",
-        "step memory",
-        "trial s",
-    )
+    TABLE_COLUMNS = ("trial", "stage", "verdict", "step ms (IQR)", "samples/s", "vs baseline [95% CI]", "P(faster)",
+                     "data wait", "loss dev", "step memory", "trial s")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
-        rec = asdict(self.recommendation)
-        rec["datamodule_kwargs"] = self.recommendation.datamodule_kwargs
-        return {
-            "kind": "lightning-perf-autotune",
-            "source": self.source,
-            "device": self.device,
-            "stage": self.stage,
-            "time_budget_s": self.time_budget_s,
-            "elapsed_s": self.elapsed_s,
-            "reliability": dict(self.reliability),
-            "recommendation": rec,
-            "lightning_cli": self.lightning_cli_config(),
-            "bench_command": self.bench_command,
-            "threads": self.threads,
-            "undecided": self.undecided,
-            "retry_command": self.retry_command,
-            "trials": [asdict(t) for t in self.trials],
-        }
+        """Every field (trials and recommendation as dicts), the LightningCLI config and what is left undecided."""
+        data = {"kind": "lightning-perf-autotune", **asdict(self)}
+        data["recommendation"]["datamodule_kwargs"] = self.recommendation.datamodule_kwargs
+        return data | {"lightning_cli": self.lightning_cli_config(), "undecided": self.undecided}
 
     def lightning_cli_config(self) -> dict[str, Any]:
         """The recommendation as a LightningCLI config: ``trainer`` callbacks and precision, ``data``/``model`` args.
@@ -352,16 +323,6 @@ class TuningResult:
         if self.bench_command:
             lines.append(f"  check it with: {self.bench_command}")
         print("\n".join(lines), flush=True)
-
-
-def ratio_text(ratio: float | None, ci95: list[float] | None, verdict: str | None) -> str:
-    """``"1.52x [1.40-1.65] faster"``: a ratio, its 95% interval and verdict (``n/a`` without a ratio)."""
-    if ratio is None:
-        return "n/a"
-    text = f"{ratio:.2f}x"
-    if ci95 is not None and ci95[0] != ci95[1]:
-        text += f" [{ci95[0]:.2f}-{ci95[1]:.2f}]"
-    return f"{text} {verdict}" if verdict else text
 
 
 def unused_output(yaml_path: str | os.PathLike[str], force: bool = False) -> Path:

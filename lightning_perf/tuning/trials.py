@@ -24,12 +24,11 @@ def check_search_lists(precisions: Any, optimizations: Any, stage: str = "fit") 
     from lightning_perf.tuning.inference import precision_names
 
     searchable = precision_names(stage)
+    lists = {"precisions": f"names from {', '.join(searchable)}", "optimizations": "bench configuration names"}
+    for name, value in (("precisions", precisions), ("optimizations", optimizations)):
+        if value is not None and (isinstance(value, str) or not isinstance(value, Sequence)):
+            raise TypeError(f"`AutoTuner({name}={value!r})` is not valid. Expected a list of {lists[name]}, or None.")
     if precisions is not None:
-        if isinstance(precisions, str) or not isinstance(precisions, Sequence):
-            raise TypeError(
-                f"`AutoTuner(precisions={precisions!r})` is not valid. Expected a list of names from "
-                f"{', '.join(searchable)}, or None."
-            )
         bad = [p for p in precisions if p not in searchable]
         if bad:
             known = bad[0] in precision_names("predict") + precision_names("fit")
@@ -40,11 +39,6 @@ def check_search_lists(precisions: Any, optimizations: Any, stage: str = "fit") 
             )
     if optimizations is None:
         optimizations = tuner_search_list("optimization")
-    elif isinstance(optimizations, str) or not isinstance(optimizations, Sequence):
-        raise TypeError(
-            f"`AutoTuner(optimizations={optimizations!r})` is not valid. Expected a list of bench configuration "
-            "names, or None."
-        )
     for name in optimizations:
         try:
             config = get_config(name)

@@ -29,11 +29,11 @@ from lightning_perf.benchmark.sources import (
 from lightning_perf.benchmark.spec import RunSpec, check_preset, check_workload, resolve_device
 from lightning_perf.benchmark.structure import ModelStructure, structure_of
 from lightning_perf.benchmark.threads import ThreadChoice, choose_threads, start_load_note
-from lightning_perf.optimizations import tuner_alternatives
+from lightning_perf.optimizations import STAGES, tuner_alternatives
 from lightning_perf.profiling.machine import describe_machine
 from lightning_perf.profiling.stats import median
 from lightning_perf.tuning.conditions import TrialWatch
-from lightning_perf.tuning.inference import NO_DATA_STAGE, check_stage, search_plan, too_few_batches, trial_skip_reason
+from lightning_perf.tuning.inference import NO_DATA_STAGE, search_plan, too_few_batches, trial_skip_reason
 from lightning_perf.tuning.recommend import bench_command, long_warmup, recommend
 from lightning_perf.tuning.remeasure import Remeasuring
 from lightning_perf.tuning.results import Trial, TuningResult
@@ -201,7 +201,7 @@ class AutoTuner(Remeasuring):
         device, self.device_reason = resolve_device(device, "AutoTuner", "the tuner")
         self.source, self.preset = _model_source(model, datamodule, workload, source, preset, device, seed)
         _check_settings(locals())
-        self.stage = check_stage(stage)
+        self.stage = check_choice("AutoTuner", "stage", stage, STAGES)
         optimizations = check_search_lists(precisions, optimizations, self.stage)
         self.device = str(device)
         self.time_budget_s = float(time_budget_s)
@@ -322,8 +322,7 @@ class AutoTuner(Remeasuring):
         if not result.ok:
             raise ModelError(
                 f"The model failed its baseline trial, its {self.stage} run as given (fp32, its own batch size and "
-                "loaders), so "
-                "there is nothing to tune. This is the model's own error:\n\n"
+                "loaders), so there is nothing to tune. This is the model's own error:\n\n"
                 + (result.traceback or result.error or "no traceback")
             )
         trial.verdict = "baseline"
@@ -413,8 +412,7 @@ class AutoTuner(Remeasuring):
             self._skip(incumbent[0].with_("num_workers", "data"), NO_DATA_STAGE)
             return incumbent
         share = incumbent[1].data_wait_share
-        cpus = os.cpu_count() or 1
-        limit = self.max_num_workers if self.max_num_workers is not None else cpus
+        limit = self.max_num_workers if self.max_num_workers is not None else (os.cpu_count() or 1)
         if share is None or share < DATA_WAIT_THRESHOLD:
             self._skip(
                 incumbent[0].with_("num_workers", "data"),
@@ -427,8 +425,7 @@ class AutoTuner(Remeasuring):
         if not counts:
             self._skip(incumbent[0].with_("num_workers", "data"), f"already {current} workers (limit {limit})")
             return incumbent
-        start = incumbent
-        best = incumbent
+        start = best = incumbent
         cuda = self.device.startswith("cuda")
         for n in counts:
             loader = dict(start[0].loader) | {"num_workers": n, "persistent_workers": True}
@@ -453,16 +450,11 @@ class AutoTuner(Remeasuring):
             return incumbent
         own = holder[1]
         cap = self.max_batch_size if self.max_batch_size is not None else own * 4
-        sizes = []
-        size = own * 2
-        while size <= cap:
-            sizes.append(size)
-            size *= 2
+        sizes = [own * 2**k for k in range(1, cap.bit_length() + 1) if own * 2**k <= cap]  # 2x, 4x... up to cap
         if not sizes:
             self._skip(incumbent[0].with_("batch_size", "batch_size"), f"max_batch_size={cap} leaves no larger size")
             return incumbent
-        start = incumbent
-        best = incumbent
+        start = best = incumbent
         for size in sizes:
             candidate = start[0].with_(f"batch_size={size}", "batch_size", batch_size=size)
             fits = memory_problem(self.device, start[2], own, size)
@@ -674,7 +666,7 @@ class AutoTuner(Remeasuring):
         self._say(f"[{self._count}] {candidate.label} ({candidate.stage}) ...", end="")
         started = time.monotonic()
         if self._isolation == "in-process":
-            result = self._measure_in_process(spec)
+            result = run_in_process(spec, self.source.build)
         else:
             result = self._measure_in_subprocess(spec, timeout)
         if result is not None:
@@ -687,22 +679,11 @@ class AutoTuner(Remeasuring):
         assert self._tmp is not None
         return run_isolated(spec, self._tmp, timeout, source=self.source, name=f"lightning-perf-autotune-{self._count}")
 
-    def _measure_in_process(self, spec: Any) -> Any:
-        return run_in_process(spec, self.source.build)
-
     def _record(
         self, candidate: Candidate, result: Any, disturbed: Sequence[str] = (), remeasured: Sequence[str] = ()
     ) -> Trial:
-        trial = Trial(
-            label=candidate.label,
-            stage=candidate.stage,
-            config=candidate.config_name,
-            batch_size=candidate.batch_size if result is None else result.batch_size,
-            loader=dict(candidate.loader),
-            verdict="failed",
-            disturbed=list(disturbed),
-            remeasured_because=list(remeasured),
-        )
+        batch_size = candidate.batch_size if result is None else result.batch_size
+        trial = self._row(candidate, "failed", batch_size, disturbed=[*disturbed], remeasured_because=[*remeasured])
         if result is not None:
             trial.wall_s = result.wall_s
             trial.error = result.error
@@ -711,7 +692,6 @@ class AutoTuner(Remeasuring):
                 if self._base_runs and candidate.stage != "baseline":
                     estimate = speedup_estimate(self._base_runs, [per_sample_times(result)], paired=False)
                     trial.set_ratio("speedup", estimate)
-        self._trials.append(trial)
         if result is None:
             self._say(" out of time")
         elif not result.ok:
@@ -722,18 +702,22 @@ class AutoTuner(Remeasuring):
             self._say(f" {trial.step_median_s * 1e3:.1f} ms/{unit}{vs} ({trial.wall_s:.1f} s)")  # type: ignore[operator]
         return trial
 
-    def _skip(self, candidate: Candidate, reason: str) -> None:
-        self._trials.append(
-            Trial(
-                label=candidate.label,
-                stage=candidate.stage,
-                config=candidate.config_name,
-                batch_size=candidate.batch_size,
-                loader=dict(candidate.loader),
-                verdict="skipped",
-                reason=reason,
-            )
+    def _row(self, candidate: Candidate, verdict: str, batch_size: int | None, **fields: Any) -> Trial:
+        """A new row of the trial list, for ``candidate``."""
+        trial = Trial(
+            label=candidate.label,
+            stage=candidate.stage,
+            config=candidate.config_name,
+            batch_size=batch_size,
+            loader=dict(candidate.loader),
+            verdict=verdict,
+            **fields,
         )
+        self._trials.append(trial)
+        return trial
+
+    def _skip(self, candidate: Candidate, reason: str) -> None:
+        self._row(candidate, "skipped", candidate.batch_size, reason=reason)
         self._say(f"[-] {candidate.label} ({candidate.stage}): skipped, {reason}")
 
     def _say(self, text: str, end: str = "\n") -> None:

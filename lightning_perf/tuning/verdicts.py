@@ -9,13 +9,7 @@ from typing import Any
 from lightning_perf.profiling.intervals import RatioEstimate, paired_ratio
 from lightning_perf.profiling.stats import median, percentile
 
-__all__ = [
-    "compare",
-    "loss_deviation",
-    "per_sample_times",
-    "quartiles",
-    "speedup_estimate",
-]
+__all__ = ["compare", "loss_deviation", "per_sample_times", "quartiles", "speedup_estimate"]
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float]:

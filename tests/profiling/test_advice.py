@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import pytest
@@ -152,7 +152,7 @@ def test_loader_settings_are_read_from_a_dataloader() -> None:
     settings = LoaderSettings.from_dataloader(loader)
     assert settings == LoaderSettings(2, False, True, 4, 2)
     assert LoaderSettings.from_dataloader([1, 2, 3]) is None
-    assert settings is not None and settings.to_dict()["num_workers"] == 2
+    assert settings is not None and asdict(settings)["num_workers"] == 2
 
 
 def test_validate_thresholds() -> None:

@@ -129,7 +129,7 @@ def test_bad_arguments_are_refused() -> None:
         t_critical_95(0)
     with pytest.raises(ValueError, match=r"resamples=10"):
         paired_ratio([[1.0, 2.0]], [[1.0, 2.0]], resamples=10)
-    with pytest.raises(ValueError, match=r"threshold=-0.1.*fraction >= 0"):
+    with pytest.raises(ValueError, match=r"threshold=-0.1.*number >= 0"):
         paired_ratio([1.0, 2.0], [1.0, 2.0], threshold=-0.1)
 
 

@@ -7,9 +7,14 @@ import math
 import pytest
 
 from lightning_perf.profiling import latency
-from lightning_perf.profiling.intervals import METHOD_BOOTSTRAP, METHOD_SINGLE, NO_CLEAR_DIFFERENCE
-from lightning_perf.profiling.latency import LatencyRow, measure_latency, paired_blocks, speedup_estimate
-from lightning_perf.profiling.stats import summarize
+from lightning_perf.profiling.intervals import METHOD_BOOTSTRAP, NO_CLEAR_DIFFERENCE
+from lightning_perf.profiling.latency import (
+    METHOD_NO_TIME,
+    LatencyRow,
+    measure_latency,
+    paired_blocks,
+    speedup_estimate,
+)
 
 
 class _Clock:
@@ -65,13 +70,12 @@ def test_row_statistics_come_from_the_stats_module(monkeypatch: pytest.MonkeyPat
 
 
 def test_compile_time_alias_and_zero_median() -> None:
-    zero = summarize([0.0, 0.0])
-    row = LatencyRow.from_stats(2, summarize([1.0, 1.0]), zero, names=("float", "quantized"), warmup_s=(3.0, 5.0))
+    row = LatencyRow.from_blocks(2, [[1.0, 1.0]], [[0.0, 0.0]], names=("float", "quantized"), warmup_s=(3.0, 5.0))
     assert row.speedup == math.inf and row.candidate_throughput == math.inf
     assert row.float_compile_s == 3.0 and row.quantized_compile_s == 5.0
     assert row.to_dict()["quantized_compile_s"] == 5.0
-    # Without paired blocks there is no interval: said so, never a verdict.
-    assert row.speedup_ci95 is None and row.speedup_method == METHOD_SINGLE
+    # A call timed at zero leaves no interval: said so, never a verdict.
+    assert row.speedup_ci95 is None and row.speedup_method == METHOD_NO_TIME
     assert row.speedup_verdict == NO_CLEAR_DIFFERENCE and row.format_speedup() == "infx, no clear difference"
 
 

@@ -281,13 +281,16 @@ def test_wrap_lines_keeps_every_word_within_80_columns() -> None:
 
 
 @needs_matplotlib
-def test_bar_chart_labels_whole_and_marked_bars_hatched() -> None:
-    from lightning_perf.profiling.report import bar_figure
+def test_bar_chart_labels_whole_and_marked_bars_hatched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_perf.profiling import report
 
+    saved = []
+    monkeypatch.setattr(report, "_save_png", lambda fig, path: saved.append(fig))
     labels = ["baseline", "channels_last+fused_optimizer", "fused_optimizer", "compile"]
     ylabel = "baseline step time / configuration's step time (95% interval)"
-    fig = bar_figure(labels, [1.0, 1.7, 0.95, 1.2], ylabel=ylabel, marks=[None, "unsettled", "disturbed", None])
-    ax = fig.axes[0]
+    marks = [None, "unsettled", "disturbed", None]
+    report.plot_bars(labels, [1.0, 1.7, 0.95, 1.2], path=tmp_path / "bars.png", ylabel=ylabel, marks=marks)
+    ax = saved[0].axes[0]
     ticks = [t.get_text().replace("\n", "") for t in ax.get_xticklabels()]
     assert ticks == labels
     assert ax.get_ylabel().replace("\n", " ") == ylabel and max(map(len, ax.get_ylabel().splitlines())) <= 40

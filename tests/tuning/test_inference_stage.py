@@ -99,7 +99,7 @@ def test_bf16_weights_on_a_cpu_without_bf16_are_skipped_as_training_bf16_is(monk
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"stage": "train"}, r"`AutoTuner\(stage='train'\)` is not valid\. Expected one of: fit, predict"),
+        ({"stage": "train"}, r"`AutoTuner\(stage='train'\)` is not valid\. Expected one of 'fit', 'predict'"),
         ({"stage": None}, r"`AutoTuner\(stage=None\)` is not valid"),
         ({"precisions": ["bf16-true"]}, r"'bf16-true' is not searched for stage='fit'"),
         ({"stage": "predict", "precisions": ["fp8"]}, r"'fp8' is unknown\. Expected names from bf16-true"),
