@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from lightning_perf._device import as_device, cuda_capability, is_sm_at_least
-from lightning_perf._imports import is_flash_attn_available, require
+from lightning_perf._imports import is_available, require
 
 __all__ = [
     "ACTIONS",
@@ -221,7 +221,7 @@ def choose_kernel(head_dim: int, device: torch.device | str, compute_dtype: torc
     """
     dev = as_device(device)
     dtype = compute_dtype or torch.float32
-    if not is_flash_attn_available():
+    if not is_available("flash_attn"):
         why = "flash-attn is not installed (`pip install 'lightning-perf[flash]'`, CUDA only)"
     elif dev.type != "cuda":
         why = f"flash-attn needs a CUDA GPU, the model runs on {dev.type}"
