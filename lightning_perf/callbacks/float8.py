@@ -15,7 +15,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_perf._imports import require
-from lightning_perf._validation import check_bool, check_int
+from lightning_perf._validation import check_bool, check_choice, check_int
 from lightning_perf._warnings import LightningPerfWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.callbacks._undo import UndoOnExit
@@ -102,8 +102,7 @@ class Float8TrainingCallback(UndoOnExit):
         refresh: bool = False,
     ) -> None:
         owner = type(self).__name__
-        if recipe not in RECIPES:
-            raise ValueError(f"`{owner}(recipe={recipe!r})` is not valid. Expected one of {', '.join(RECIPES)}.")
+        check_choice(owner, "recipe", recipe, RECIPES)
         if not callable(filter) and filter not in FILTERS:
             raise ValueError(
                 f"`{owner}(filter={filter!r})` is not valid. Expected 'auto', 'all' or a callable "
