@@ -108,19 +108,10 @@ class TensorRTExportCallback(Callback):
         use_best_checkpoint: bool = True,
         strict: bool = False,
     ) -> None:
-        self.export_kwargs: dict[str, Any] = {
-            "backends": backends,
-            "precision": precision,
-            "batch_range": batch_range,
-            "dynamic_dims": dynamic_dims,
-            "validation_batch_sizes": validation_batch_sizes,
-            "tolerance": tolerance,
-            "latency_iterations": latency_iterations,
-            "latency_warmup": latency_warmup,
-            "onnx_providers": onnx_providers,
-            "opset": opset,
-            "strict": strict,
-        }
+        arguments = dict(locals())  # first, while the arguments are all it holds
+        # Every argument but these is an option of export_model, checked by validate_options.
+        own = ("self", "dirpath", "filename", "input_shapes", "input_key", "device", "use_best_checkpoint")
+        self.export_kwargs: dict[str, Any] = {name: value for name, value in arguments.items() if name not in own}
         checked = validate_options(**self.export_kwargs, device=device, owner=type(self).__name__)
         batch = checked.batch_range
         self.export_kwargs["backends"] = list(checked.backends)

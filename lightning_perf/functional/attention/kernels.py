@@ -158,16 +158,10 @@ def _sdpa_in_float32(
     if attn_mask is not None and attn_mask.is_floating_point():
         attn_mask = attn_mask.float()
     with torch.autocast("cpu", enabled=False):
-        out = F.scaled_dot_product_attention(
-            q.float().transpose(1, 2),
-            k.float().transpose(1, 2),
-            v.float().transpose(1, 2),
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
+        out = attention(
+            q.float(), k.float(), v.float(), attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale
         )
-    return out.to(dtype).transpose(1, 2)
+    return out.to(dtype)
 
 
 @cache
