@@ -134,12 +134,10 @@ class FlashAttentionCallback(UndoOnExit):
             )
         self.adapters = [_resolve_adapter(a) for a in adapters]
         check_instance("FlashAttentionCallback", "filter_fn", filter_fn, (type(None), Callable), FILTER_FN)
-        check_bool("FlashAttentionCallback", "parity_check", parity_check)
-        check_bool("FlashAttentionCallback", "strict", strict)
+        self.parity_check = check_bool("FlashAttentionCallback", "parity_check", parity_check)
+        self.strict = check_bool("FlashAttentionCallback", "strict", strict)
         self.time_first_batch = check_bool("FlashAttentionCallback", "time_first_batch", time_first_batch)
         self.filter_fn = filter_fn
-        self.parity_check = parity_check
-        self.strict = strict
         self.decisions: dict[str, AttentionDecision] = {}
         self.fallbacks: dict[str, dict[str, int]] = {}
         self._result = SwapResult()

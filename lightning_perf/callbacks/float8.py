@@ -108,15 +108,12 @@ class Float8TrainingCallback(UndoOnExit):
                 f"`{owner}(filter={filter!r})` is not valid. Expected 'auto', 'all' or a callable "
                 "`filter(module, fqn) -> bool`."
             )
-        check_bool(owner, "skip_last", skip_last)
-        check_bool(owner, "refresh", refresh)
-        check_int(owner, "rows", rows, 16)
+        self.skip_last = check_bool(owner, "skip_last", skip_last)
+        self.refresh = check_bool(owner, "refresh", refresh)
+        self.rows = check_int(owner, "rows", rows, 16)
         require("torchao", owner)
         self.recipe = recipe
         self.filter = filter
-        self.skip_last = skip_last
-        self.rows = rows
-        self.refresh = refresh
         self.plan: Float8Plan | None = None
         """The decisions of the last ``fit`` setup (per layer, and per shape with its measured ratio)."""
         self._conversion = Float8Conversion()

@@ -140,7 +140,6 @@ class GradCheckpointCallback(UndoOnExit):
             except (TypeError, ValueError) as err:
                 raise type(err)(f"`GradCheckpointCallback(modules={modules!r})` is not valid. {err}") from err
         validate_portion(every_n, fraction, "GradCheckpointCallback")
-        check_bool("GradCheckpointCallback", "preserve_rng_state", preserve_rng_state)
         if memory_budget is not None:
             validate_memory_budget("GradCheckpointCallback", memory_budget)
             if every_n is not None or fraction is not None:
@@ -155,7 +154,7 @@ class GradCheckpointCallback(UndoOnExit):
         self.filter_fn = filter_fn
         self.every_n = every_n
         self.fraction = fraction
-        self.preserve_rng_state = preserve_rng_state
+        self.preserve_rng_state = check_bool("GradCheckpointCallback", "preserve_rng_state", preserve_rng_state)
         self.wrapped: list[str] = []
         self._patched: list[nn.Module] = []  # the blocks to unpatch, held by object (a name may be rebound meanwhile)
         self._budget_state: _BudgetState | None = None
