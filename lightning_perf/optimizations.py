@@ -1,8 +1,8 @@
 """The one list of optimizations: what each adds to a Trainer, where the tuner tries it, and which symptom it answers.
 
-Plain data (standard library only): the bench configurations, the tuner's search list and the advice derive from it.
-Entry points: :class:`Optimization`, :class:`AdviceRule`, :func:`register`. Design notes and an example:
-docs/architecture.md, Module notes.
+Plain data (standard library and `_validation` only): the bench configurations, the tuner's search list and the
+advice derive from it. Entry points: :class:`Optimization`, :class:`AdviceRule`, :func:`register`. Design notes and an
+example: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations
