@@ -10,33 +10,20 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
 
-
-@dataclass(frozen=True)
-class OptionalDependency:
-    """An optional package: its import name, its distribution name and the extra that installs it."""
-
-    module: str
-    distribution: str
-    extra: str
-
-
-OPTIONAL_DEPENDENCIES: dict[str, OptionalDependency] = {
-    dep.module: dep
-    for dep in (
-        OptionalDependency("torchao", "torchao", "qat"),
-        OptionalDependency("onnx", "onnx", "onnx"),
-        OptionalDependency("onnxscript", "onnxscript", "onnx"),
-        OptionalDependency("onnxruntime", "onnxruntime", "onnx"),
-        OptionalDependency("tensorrt", "tensorrt", "tensorrt"),
-        OptionalDependency("torch_tensorrt", "torch-tensorrt", "tensorrt"),
-        OptionalDependency("flash_attn", "flash-attn", "flash"),
-        OptionalDependency("matplotlib", "matplotlib", "plot"),
-        OptionalDependency("monai", "monai", "monai"),
-    )
+OPTIONAL_DEPENDENCIES: dict[str, tuple[str, str]] = {
+    # import name: (distribution name, the extra that installs it)
+    "torchao": ("torchao", "qat"),
+    "onnx": ("onnx", "onnx"),
+    "onnxscript": ("onnxscript", "onnx"),
+    "onnxruntime": ("onnxruntime", "onnx"),
+    "tensorrt": ("tensorrt", "tensorrt"),
+    "torch_tensorrt": ("torch-tensorrt", "tensorrt"),
+    "flash_attn": ("flash-attn", "flash"),
+    "matplotlib": ("matplotlib", "plot"),
+    "monai": ("monai", "monai"),
 }
 
 # onnxruntime ships under several distribution names (GPU builds among them).
@@ -50,10 +37,10 @@ def is_available(module: str) -> bool:
     Raises:
         KeyError: if ``module`` is not one of :data:`OPTIONAL_DEPENDENCIES`.
     """
-    dep = OPTIONAL_DEPENDENCIES[module]
-    if importlib.util.find_spec(dep.module) is None:
+    distribution, _ = OPTIONAL_DEPENDENCIES[module]
+    if importlib.util.find_spec(module) is None:
         return False
-    for dist in _ALTERNATIVE_DISTRIBUTIONS.get(dep.module, (dep.distribution,)):
+    for dist in _ALTERNATIVE_DISTRIBUTIONS.get(module, (distribution,)):
         try:
             importlib.metadata.version(dist)
             return True
@@ -64,10 +51,10 @@ def is_available(module: str) -> bool:
 
 def install_hint(module: str) -> str:
     """The sentence that tells a user how to install ``module``."""
-    dep = OPTIONAL_DEPENDENCIES[module]
+    distribution, extra = OPTIONAL_DEPENDENCIES[module]
     return (
-        f"`{dep.distribution}` is not installed. It is part of the `{dep.extra}` extra: "
-        f"`pip install 'lightning-perf[{dep.extra}]'` (or `pip install {dep.distribution}`)."
+        f"`{distribution}` is not installed. It is part of the `{extra}` extra: "
+        f"`pip install 'lightning-perf[{extra}]'` (or `pip install {distribution}`)."
     )
 
 
@@ -85,19 +72,3 @@ def require(module: str, purpose: str | None = None) -> ModuleType:
         prefix = f"{purpose} needs `{module}`. " if purpose else ""
         raise ModuleNotFoundError(prefix + install_hint(module), name=module)
     return importlib.import_module(module)
-
-
-def is_onnx_available() -> bool:
-    return is_available("onnx") and is_available("onnxscript")
-
-
-def is_onnxruntime_available() -> bool:
-    return is_available("onnxruntime")
-
-
-def is_flash_attn_available() -> bool:
-    return is_available("flash_attn")
-
-
-def is_matplotlib_available() -> bool:
-    return is_available("matplotlib")

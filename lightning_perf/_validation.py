@@ -75,7 +75,11 @@ def check_choice(owner: str, name: str, value: Any, choices: tuple[Any, ...]) ->
     return value
 
 
-def check_instance(owner: str, name: str, value: Any, types: type | tuple[type, ...], expected: str) -> Any:
+FILTER_FN = "None or a function `filter_fn(module, name) -> bool`"
+"""What a ``filter_fn`` argument takes, for :func:`check_instance`."""
+
+
+def check_instance(owner: str, name: str, value: Any, types: type | tuple[Any, ...], expected: str) -> Any:
     """Return ``value`` if it is an instance of ``types``, else raise ``TypeError`` saying ``expected``."""
     if not isinstance(value, types):
         raise TypeError(f"`{owner}({name}={_short_repr(value)})` is not valid. Expected {expected}.")

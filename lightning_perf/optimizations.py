@@ -1,17 +1,18 @@
 """The one list of optimizations: what each adds to a Trainer, where the tuner tries it, and which symptom it answers.
 
-Plain data (standard library only): the bench configurations, the tuner's search list and the advice derive from it.
-Entry points: :class:`Optimization`, :class:`AdviceRule`, :func:`register`. Design notes and an example:
-docs/architecture.md, Module notes.
+Plain data (standard library and `_validation` only): the bench configurations, the tuner's search list and the
+advice derive from it. Entry points: :class:`Optimization`, :class:`AdviceRule`, :func:`register`. Design notes and an
+example: docs/architecture.md, Module notes.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from lightning_perf._validation import check_bool, check_choice, check_instance, is_number
 
 __all__ = [
     "ADVICE_FACTS",
@@ -134,6 +135,11 @@ def _condition(owner: str, when: object, facts: Mapping[str, str]) -> Condition:
     )
 
 
+def _check_text(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected a non-empty string.")
+
+
 def holds(condition: Condition | str, facts: Mapping[str, bool | None]) -> bool:
     """Whether every fact of ``condition`` has its value in ``facts`` (an unknown fact, ``None``, does not hold); a
     string is ``"always"`` or one fact that must be true, as :class:`AdviceRule` and :class:`SlowdownCause` take it."""
@@ -160,8 +166,7 @@ class AdviceRule:
     def __post_init__(self) -> None:
         if self.symptom not in SYMPTOMS:
             raise ValueError(f"`AdviceRule(symptom={self.symptom!r})` is not valid. Expected one of: {SYMPTOMS}.")
-        if not isinstance(self.action, str) or not self.action.strip():
-            raise ValueError(f"`AdviceRule(action={self.action!r})` is not valid. Expected a non-empty string.")
+        _check_text("AdviceRule", "action", self.action)
         object.__setattr__(self, "when", _condition("AdviceRule", self.when, ADVICE_FACTS))
 
 
@@ -180,8 +185,7 @@ class SlowdownCause:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "when", _condition("SlowdownCause", self.when, RUN_FACTS))
-        if not isinstance(self.text, str) or not self.text.strip():
-            raise ValueError(f"`SlowdownCause(text={self.text!r})` is not valid. Expected a non-empty string.")
+        _check_text("SlowdownCause", "text", self.text)
 
 
 @dataclass(frozen=True)
@@ -252,31 +256,25 @@ class Optimization:
             raise ValueError(f"`{owner}` is not a valid name. Expected a non-empty word without '+', ',' or spaces.")
         if self.name == BASELINE:
             raise ValueError(f"`{owner}` is not a valid name. Expected another: {BASELINE!r} is the bench's reference.")
-        if not isinstance(self.description, str) or not self.description.strip():
-            raise ValueError(f"`{owner}`: description={self.description!r} is not valid. Expected a non-empty string.")
+        owner = f"Optimization[{self.name!r}]"  # the messages read "`Optimization['x'](arg=value)` is not valid"
+        _check_text(owner, "description", self.description)
         if self.callback is not None and (not isinstance(self.callback, str) or "." not in self.callback.strip(".")):
             raise ValueError(
-                f"`{owner}`: callback={self.callback!r} is not valid. Expected an import path 'package.module.Class'."
+                f"`{owner}(callback={self.callback!r})` is not valid. Expected an import path 'package.module.Class'."
             )
         for arg in ("callback_kwargs", "trainer_kwargs"):
-            value = getattr(self, arg)
-            if not isinstance(value, Mapping):
-                raise TypeError(f"`{owner}`: {arg}={value!r} is not valid. Expected a dict.")
+            value = check_instance(owner, arg, getattr(self, arg), Mapping, "a dict")
             object.__setattr__(self, arg, MappingProxyType(dict(value)))
         if self.callback_kwargs and self.callback is None:
-            raise ValueError(f"`{owner}`: callback_kwargs={dict(self.callback_kwargs)!r} given without a callback.")
-        for arg, kind in (("changes_numerics", bool), ("fast_fp32_matmul", bool), ("long_warmup", bool),
-                          ("left_out_because", str), ("mfu_note", str)):  # fmt: skip
-            if not isinstance(getattr(self, arg), kind):
-                expected = "a bool" if kind is bool else "a string"
-                raise TypeError(f"`{owner}`: {arg}={getattr(self, arg)!r} is not valid. Expected {expected}.")
-        if self.tuner_stage is not None and self.tuner_stage not in TUNER_STAGES:
-            raise ValueError(
-                f"`{owner}`: tuner_stage={self.tuner_stage!r} is not valid. Expected None or one of {TUNER_STAGES}."
-            )
-        order = self.tuner_order
-        if isinstance(order, bool) or not isinstance(order, (int, float)) or not math.isfinite(order):
-            raise ValueError(f"`{owner}`: tuner_order={order!r} is not valid. Expected a finite number.")
+            raise ValueError(f"`{owner}(callback_kwargs={dict(self.callback_kwargs)!r})` given without a callback.")
+        for arg in ("changes_numerics", "fast_fp32_matmul", "long_warmup"):
+            check_bool(owner, arg, getattr(self, arg))
+        for arg in ("left_out_because", "mfu_note"):
+            check_instance(owner, arg, getattr(self, arg), str, "a string")
+        if self.tuner_stage is not None:
+            check_choice(owner, "tuner_stage", self.tuner_stage, TUNER_STAGES)
+        if not is_number(self.tuner_order):
+            raise ValueError(f"`{owner}(tuner_order={self.tuner_order!r})` is not valid. Expected a finite number.")
         for arg, allowed in (("requires", REQUIREMENTS), ("bench_default_on", BENCH_CAPABILITIES), ("stages", STAGES),
                              ("model_needs", MODEL_FEATURES), ("packages", None)):  # fmt: skip
             value = getattr(self, arg)
@@ -287,12 +285,12 @@ class Optimization:
             ):
                 expected = f"names from {tuple(allowed)}" if allowed else "importable module names, e.g. ('torchao',)"
                 empty = "non-empty " if arg == "stages" else ""
-                raise ValueError(f"`{owner}`: {arg}={value!r} is not valid. Expected a {empty}tuple of {expected}.")
+                raise ValueError(f"`{owner}({arg}={value!r})` is not valid. Expected a {empty}tuple of {expected}.")
             object.__setattr__(self, arg, tuple(value))
         for arg, cls in (("advice", AdviceRule), ("slowdown_causes", SlowdownCause)):
             value = getattr(self, arg)
             if isinstance(value, cls) or any(not isinstance(v, cls) for v in value):
-                raise TypeError(f"`{owner}`: {arg}={value!r} is not valid. Expected a tuple of {cls.__name__}.")
+                raise TypeError(f"`{owner}({arg}={value!r})` is not valid. Expected a tuple of {cls.__name__}.")
             object.__setattr__(self, arg, tuple(value))
         extra = self.with_callbacks
         if isinstance(extra, (str, Mapping)) or any(
@@ -300,7 +298,7 @@ class Optimization:
             or not isinstance(item[1], Mapping) for item in extra
         ):  # fmt: skip
             raise ValueError(
-                f"`{owner}`: with_callbacks={extra!r} is not valid. Expected a tuple of ('package.module.Class', dict)."
+                f"`{owner}(with_callbacks={extra!r})` is not valid. Expected a tuple of ('package.module.Class', dict)."
             )
         object.__setattr__(self, "with_callbacks", tuple((p, MappingProxyType(dict(k))) for p, k in extra))
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_perf._imports import is_onnx_available, is_onnxruntime_available
+from lightning_perf._imports import is_available
 from lightning_perf.benchmark.spec import RunSpec
 from lightning_perf.benchmark.worker import run as run_worker
 from lightning_perf.callbacks import QATCallback, TensorRTExportCallback
@@ -17,7 +17,9 @@ from tests import _real_clients as clients
 from tests._models import trainer as make_trainer
 
 pytestmark = [
-    pytest.mark.skipif(not (is_onnx_available() and is_onnxruntime_available()), reason="needs the `onnx` extra"),
+    pytest.mark.skipif(
+        not all(map(is_available, ("onnx", "onnxscript", "onnxruntime"))), reason="needs the `onnx` extra"
+    ),
     pytest.mark.filterwarnings("ignore:.*(does not have many workers|LeafSpec|Seed set|litlogger|GPU available).*"),
 ]
 

@@ -79,7 +79,7 @@ def test_wheel_installed_without_the_source_tree_runs_the_cli_and_exports_every_
     assert "License-Expression: Apache-2.0" in metadata
     # Every extra that an install hint names exists (plus `test` and `all`).
     extras = set(re.findall(r"^Provides-Extra: (\S+)$", metadata, re.MULTILINE))
-    assert {dep.extra for dep in OPTIONAL_DEPENDENCIES.values()} | {"test", "all"} <= extras
+    assert {extra for _, extra in OPTIONAL_DEPENDENCIES.values()} | {"test", "all"} <= extras
 
     site = tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--disable-pip-version-check"]

@@ -394,9 +394,9 @@ def write_outputs(report: BenchReport, output: Path) -> list[Path]:
     atomic_write_text(md, markdown_report(report))
     written.append(md)
     measured = [s for s in report.summaries if s.speedup is not None]
-    from lightning_perf._imports import is_matplotlib_available
+    from lightning_perf._imports import is_available
 
-    if measured and is_matplotlib_available():
+    if measured and is_available("matplotlib"):
         png = output.with_suffix(".png")
         errors = []
         for s in measured:

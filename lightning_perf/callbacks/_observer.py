@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_perf._device import has_fast_cpu_bf16, is_sm_at_least, supports_tf32
-from lightning_perf._imports import install_hint, is_matplotlib_available
+from lightning_perf._imports import install_hint, is_available
 from lightning_perf._validation import check_instance
 from lightning_perf.profiling.machine import usable_cpu_count
 from lightning_perf.profiling.report import write_json
@@ -123,7 +123,7 @@ def draw_chart(draw: Callable[[Path], Path], path: Path, owner: str) -> tuple[st
 
     Without matplotlib the note says how to get charts, and is shown once on rank zero instead of failing the run.
     """
-    if not is_matplotlib_available():
+    if not is_available("matplotlib"):
         note = f"{owner}: no chart was drawn. " + install_hint("matplotlib")
         rank_zero_info(note)
         return None, note

@@ -204,20 +204,15 @@ class CompileCallback(UndoOnExit):
         self.stages = check_str_sequence(owner, "stages", stages, STAGES)
         self.strict = check_bool(owner, "strict", strict)
         self.warmup_steps = check_int(owner, "warmup_steps", warmup_steps, 1)  # the first steps: compilation
-        if cache is not None and (not isinstance(cache, (str, os.PathLike)) or not os.fspath(cache)):
-            raise TypeError(
-                f"`{owner}(cache={cache!r})` is not valid. Expected None or a file or folder path (str or "
-                "os.PathLike) to keep the compiled code in between runs."
-            )
-        self.cache = cache
-        if inductor_cache_dir is not None and (
-            not isinstance(inductor_cache_dir, (str, os.PathLike)) or not os.fspath(inductor_cache_dir)
+        for name, path, expected in (
+            ("cache", cache, "a file or folder path to keep the compiled code in between runs"),
+            ("inductor_cache_dir", inductor_cache_dir, "a folder path for torch's own compile cache, private to you"),
         ):
-            raise TypeError(
-                f"`{owner}(inductor_cache_dir={inductor_cache_dir!r})` is not valid. Expected None or a folder path "
-                "(str or os.PathLike) for torch's own compile cache, private to you."
-            )
-        self.inductor_cache_dir = inductor_cache_dir
+            if path is not None and (not isinstance(path, (str, os.PathLike)) or not os.fspath(path)):
+                raise TypeError(
+                    f"`{owner}({name}={path!r})` is not valid. Expected None or {expected}: a str or PathLike."
+                )
+        self.cache, self.inductor_cache_dir = cache, inductor_cache_dir
         self.trust_cache = check_bool(owner, "trust_cache", trust_cache)
         self._cache_dir_stack = contextlib.ExitStack()
         self.report: dict[str, Any] = {}

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_perf._validation import check_bool
+from lightning_perf._validation import FILTER_FN, check_bool, check_instance
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.callbacks._undo import UndoOnExit
@@ -133,17 +133,11 @@ class FlashAttentionCallback(UndoOnExit):
                 "instances or class paths such as 'my_project.attention.MyAttentionAdapter'."
             )
         self.adapters = [_resolve_adapter(a) for a in adapters]
-        if filter_fn is not None and not callable(filter_fn):
-            raise TypeError(
-                f"`FlashAttentionCallback(filter_fn={filter_fn!r})` is not valid: it is not callable. Expected a "
-                "function `filter_fn(module, name) -> bool`."
-            )
-        check_bool("FlashAttentionCallback", "parity_check", parity_check)
-        check_bool("FlashAttentionCallback", "strict", strict)
+        check_instance("FlashAttentionCallback", "filter_fn", filter_fn, (type(None), Callable), FILTER_FN)
+        self.parity_check = check_bool("FlashAttentionCallback", "parity_check", parity_check)
+        self.strict = check_bool("FlashAttentionCallback", "strict", strict)
         self.time_first_batch = check_bool("FlashAttentionCallback", "time_first_batch", time_first_batch)
         self.filter_fn = filter_fn
-        self.parity_check = parity_check
-        self.strict = strict
         self.decisions: dict[str, AttentionDecision] = {}
         self.fallbacks: dict[str, dict[str, int]] = {}
         self._result = SwapResult()

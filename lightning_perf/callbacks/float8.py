@@ -15,7 +15,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_perf._imports import require
-from lightning_perf._validation import check_bool, check_int
+from lightning_perf._validation import check_bool, check_choice, check_int
 from lightning_perf._warnings import LightningPerfWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.callbacks._undo import UndoOnExit
@@ -102,22 +102,18 @@ class Float8TrainingCallback(UndoOnExit):
         refresh: bool = False,
     ) -> None:
         owner = type(self).__name__
-        if recipe not in RECIPES:
-            raise ValueError(f"`{owner}(recipe={recipe!r})` is not valid. Expected one of {', '.join(RECIPES)}.")
+        check_choice(owner, "recipe", recipe, RECIPES)
         if not callable(filter) and filter not in FILTERS:
             raise ValueError(
                 f"`{owner}(filter={filter!r})` is not valid. Expected 'auto', 'all' or a callable "
                 "`filter(module, fqn) -> bool`."
             )
-        check_bool(owner, "skip_last", skip_last)
-        check_bool(owner, "refresh", refresh)
-        check_int(owner, "rows", rows, 16)
+        self.skip_last = check_bool(owner, "skip_last", skip_last)
+        self.refresh = check_bool(owner, "refresh", refresh)
+        self.rows = check_int(owner, "rows", rows, 16)
         require("torchao", owner)
         self.recipe = recipe
         self.filter = filter
-        self.skip_last = skip_last
-        self.rows = rows
-        self.refresh = refresh
         self.plan: Float8Plan | None = None
         """The decisions of the last ``fit`` setup (per layer, and per shape with its measured ratio)."""
         self._conversion = Float8Conversion()

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_perf._validation import check_bool
+from lightning_perf._validation import FILTER_FN, check_bool, check_instance
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.callbacks._undo import UndoOnExit
@@ -127,11 +127,7 @@ class GradCheckpointCallback(UndoOnExit):
         preserve_rng_state: bool = True,
         memory_budget: float | None = None,
     ) -> None:
-        if filter_fn is not None and not callable(filter_fn):
-            raise TypeError(
-                f"`GradCheckpointCallback(filter_fn={filter_fn!r})` is not valid: it is not callable. Expected a "
-                "function `filter_fn(module, name) -> bool`."
-            )
+        check_instance("GradCheckpointCallback", "filter_fn", filter_fn, (type(None), Callable), FILTER_FN)
         if filter_fn is not None and not (isinstance(modules, str) and modules == "auto"):
             raise ValueError(
                 f"`GradCheckpointCallback(modules={modules!r}, filter_fn=...)`: give either `modules` or `filter_fn`."
@@ -144,7 +140,6 @@ class GradCheckpointCallback(UndoOnExit):
             except (TypeError, ValueError) as err:
                 raise type(err)(f"`GradCheckpointCallback(modules={modules!r})` is not valid. {err}") from err
         validate_portion(every_n, fraction, "GradCheckpointCallback")
-        check_bool("GradCheckpointCallback", "preserve_rng_state", preserve_rng_state)
         if memory_budget is not None:
             validate_memory_budget("GradCheckpointCallback", memory_budget)
             if every_n is not None or fraction is not None:
@@ -159,7 +154,7 @@ class GradCheckpointCallback(UndoOnExit):
         self.filter_fn = filter_fn
         self.every_n = every_n
         self.fraction = fraction
-        self.preserve_rng_state = preserve_rng_state
+        self.preserve_rng_state = check_bool("GradCheckpointCallback", "preserve_rng_state", preserve_rng_state)
         self.wrapped: list[str] = []
         self._patched: list[nn.Module] = []  # the blocks to unpatch, held by object (a name may be rebound meanwhile)
         self._budget_state: _BudgetState | None = None

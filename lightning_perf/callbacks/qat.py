@@ -143,11 +143,8 @@ class QATCallback(Callback):
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.disable_observers_after, self.freeze_bn_after = disable_observers_after, freeze_bn_after
         self.fake_quant_after, self.calibration_batches = fake_quant_after, calibration_batches
-        self.validation_batches, self.min_cosine, self.min_agreement = (
-            validation_batches,
-            float(min_cosine),
-            min_agreement,
-        )
+        self.validation_batches, self.min_cosine = validation_batches, float(min_cosine)
+        self.min_agreement = min_agreement
         self.benchmark, self.benchmark_batch_sizes = benchmark, options.benchmark_batch_sizes
         self.latency_iterations, self.latency_warmup = latency_iterations, latency_warmup
         self.filename, self.onnx = filename, onnx

@@ -112,23 +112,9 @@ class SlidingWindowInferenceCallback(UndoOnExit):
         buffer_dim: int = -1,
         stages: str | Iterable[str] = SLIDING_WINDOW_STAGES,
     ) -> None:
-        self.settings = validate_sliding_window(
-            _OWNER,
-            roi_size=roi_size,
-            sw_batch_size=sw_batch_size,
-            overlap=overlap,
-            mode=mode,
-            sigma_scale=sigma_scale,
-            padding_mode=padding_mode,
-            cval=cval,
-            sw_device=sw_device,
-            device=device,
-            progress=progress,
-            roi_weight_map=roi_weight_map,
-            process_fn=process_fn,
-            buffer_steps=buffer_steps,
-            buffer_dim=buffer_dim,
-        )
+        # Every argument but `stages` is a field of SlidingWindowSettings (first statement: locals() holds only them).
+        fields = {name: value for name, value in locals().items() if name not in ("self", "stages")}
+        self.settings = validate_sliding_window(_OWNER, **fields)
         self.stages = check_str_sequence(_OWNER, "stages", stages, SLIDING_WINDOW_STAGES)
         self.choice: SwBatchSizeChoice | None = None
         self._patched: pl.LightningModule | None = None

@@ -108,19 +108,10 @@ class TensorRTExportCallback(Callback):
         use_best_checkpoint: bool = True,
         strict: bool = False,
     ) -> None:
-        self.export_kwargs: dict[str, Any] = {
-            "backends": backends,
-            "precision": precision,
-            "batch_range": batch_range,
-            "dynamic_dims": dynamic_dims,
-            "validation_batch_sizes": validation_batch_sizes,
-            "tolerance": tolerance,
-            "latency_iterations": latency_iterations,
-            "latency_warmup": latency_warmup,
-            "onnx_providers": onnx_providers,
-            "opset": opset,
-            "strict": strict,
-        }
+        arguments = dict(locals())  # first, while the arguments are all it holds
+        # Every argument but these is an option of export_model, checked by validate_options.
+        own = ("self", "dirpath", "filename", "input_shapes", "input_key", "device", "use_best_checkpoint")
+        self.export_kwargs: dict[str, Any] = {name: value for name, value in arguments.items() if name not in own}
         checked = validate_options(**self.export_kwargs, device=device, owner=type(self).__name__)
         batch = checked.batch_range
         self.export_kwargs["backends"] = list(checked.backends)
@@ -130,7 +121,6 @@ class TensorRTExportCallback(Callback):
             example_inputs_from_shapes(input_shapes)  # raises on a bad shape, now rather than after training
         owner = type(self).__name__
         check_file_stem(owner, "filename", filename)
-        check_bool(owner, "use_best_checkpoint", use_best_checkpoint)
         check_instance(owner, "dirpath", dirpath, (type(None), str, os.PathLike), "None or a directory path")
         check_instance(owner, "input_key", input_key, (type(None), str), "None or the input's key in dict batches")
         if input_key == "":
@@ -140,7 +130,7 @@ class TensorRTExportCallback(Callback):
         self.input_shapes = None if input_shapes is None else [tuple(s) for s in input_shapes]
         self.input_key = input_key
         self.device = device
-        self.use_best_checkpoint = use_best_checkpoint
+        self.use_best_checkpoint = check_bool(owner, "use_best_checkpoint", use_best_checkpoint)
         self.report: ExportReport | None = None
         """The report of the last export (rank zero), ``None`` before one ran or when it could not start."""
         self._refused = False  # this fit trains sharded (FSDP2): nothing is exported at its end

@@ -138,8 +138,8 @@ def make_workload(
     check_choice("make_workload", "preset", preset, PRESETS)
     workload = WORKLOADS[name]
     shape = {key: model_overrides[key] for key in workload.datamodule_cls.SHAPE_KEYS if key in model_overrides}
-    datamodule = workload.datamodule_cls(  # type: ignore[call-arg]  # the base reads its subclass's own arguments
-        preset,
+    datamodule = workload.datamodule_cls(  # type: ignore[call-arg]  # preset: an argument of each subclass
+        preset=preset,
         batch_size=batch_size,
         num_workers=num_workers,
         pin_memory=pin_memory,

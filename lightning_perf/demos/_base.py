@@ -162,10 +162,10 @@ class SyntheticDataModule(pl.LightningDataModule):
     """Base of the workloads' data modules: synthetic splits sized by a preset, loaders with a seeded order.
 
     A subclass sets :attr:`SIZES` (per preset: ``batch_size``, the ``train``/``val``/``test``/``predict`` sample
-    counts and its shape settings), implements :meth:`make_dataset`, and spells out its constructor's arguments (those
-    below, then each shape setting as ``None`` = "the preset's"; LightningCLI reads them) and calls
-    ``super().__init__()`` from it: this constructor saves them as hyperparameters, checks them and resolves the
-    shape settings into attributes of the same names.
+    counts and its shape settings), implements :meth:`make_dataset`, and spells out its constructor's own arguments
+    (``preset``, then each shape setting as ``None`` = "the preset's"; LightningCLI reads them) and passes the rest on
+    with ``super().__init__(**kwargs)``: this constructor saves them all as hyperparameters, checks them and resolves
+    the shape settings into attributes of the same names.
 
     The data seed is saved in checkpoints (:meth:`state_dict`) so that a resumed run continues on the data it
     started with, whatever seed the fresh data module was built with.
@@ -186,11 +186,16 @@ class SyntheticDataModule(pl.LightningDataModule):
     SHAPE_KEYS: ClassVar[tuple[str, ...]] = ()
     """Constructor arguments the model must agree on (e.g. ``image_size``); ``make_workload`` passes them to both."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        batch_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
-        caller = inspect.currentframe()
-        # The subclass's constructor holds the arguments to save (Lightning walks on up through further subclasses).
-        self.save_hyperparameters(frame=caller.f_back if caller is not None else None)
+        self.save_hyperparameters()  # these and the subclasses' arguments (Lightning walks up their constructors)
         owner, preset, batch_size = type(self).__name__, self.hparams["preset"], self.hparams["batch_size"]
         num_workers, seed = self.hparams["num_workers"], self.hparams["seed"]
         sizes = self.SIZES[check_choice(owner, "preset", preset, PRESETS)]
@@ -285,8 +290,9 @@ class DemoModule(pl.LightningModule):
     """Base of the workloads' modules: one network in ``self.net``, metrics per stage, AdamW with a cosine schedule.
 
     A subclass names its preset table in :attr:`MODEL_PRESETS`, spells out its constructor's arguments (``preset``
-    first, then every setting as ``None`` = "the preset's"; Lightning saves them as hyperparameters and LightningCLI
-    reads them) and calls ``super().__init__()`` from it: this constructor saves the hyperparameters, resolves the
+    first, then every network setting as ``None`` = "the preset's"; Lightning saves them as hyperparameters and
+    LightningCLI reads them) and passes the optimizer's on with ``super().__init__(**kwargs)``: this constructor
+    saves the hyperparameters, resolves the
     preset with the given values on top (:meth:`resolve_hparams`), lets :meth:`check_config` refuse a combination,
     takes the optimizer settings, and builds the network, the metrics and ``example_input_array`` with :meth:`build`.
     A subclass may override :meth:`split_batch` and :meth:`compute` when its batch or loss differ from
@@ -294,6 +300,9 @@ class DemoModule(pl.LightningModule):
 
     Every preset sets ``lr`` and ``weight_decay`` (AdamW's) and ``schedule_epochs``: the cosine schedule, stepped once
     per epoch, takes the learning rate from ``lr`` to 0 over that many epochs (see :data:`SCHEDULE_EPOCHS`).
+
+    Args:
+        lr, weight_decay, schedule_epochs: AdamW's settings and its schedule's length; ``None`` takes the preset's.
     """
 
     metric_name: ClassVar[str] = "acc"
@@ -307,11 +316,11 @@ class DemoModule(pl.LightningModule):
     weight_decay: float
     schedule_epochs: int
 
-    def __init__(self) -> None:
+    def __init__(
+        self, lr: float | None = None, weight_decay: float | None = None, schedule_epochs: int | None = None
+    ) -> None:
         super().__init__()
-        caller = inspect.currentframe()
-        # The subclass's constructor holds the arguments to save (Lightning walks on up through further subclasses).
-        self.save_hyperparameters(frame=caller.f_back if caller is not None else None)
+        self.save_hyperparameters()  # these and the subclass's arguments (Lightning walks up the constructors)
         config = self.resolve_hparams(self.MODEL_PRESETS)
         self.check_config(config)
         self.lr, self.weight_decay = float(config["lr"]), float(config["weight_decay"])

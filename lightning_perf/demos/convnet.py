@@ -100,7 +100,9 @@ class TemplateImageDataModule(SyntheticDataModule):
     """Data module of the template-image classification task; :class:`ConvNetDataModule` and the ViT's share it.
 
     Args:
-        preset, batch_size, num_workers, pin_memory, persistent_workers, seed: as for :class:`SyntheticDataModule`.
+        preset: one of :data:`~lightning_perf.demos._base.PRESETS`.
+        **kwargs: ``batch_size``, ``num_workers``, ``pin_memory``, ``persistent_workers``, ``seed``: as for
+            :class:`SyntheticDataModule`.
         image_size: side of the square images; ``None`` takes the preset's.
         num_classes: number of classes; ``None`` takes the preset's.
     """
@@ -113,15 +115,11 @@ class TemplateImageDataModule(SyntheticDataModule):
     def __init__(
         self,
         preset: str = "default",
-        batch_size: int | None = None,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        seed: int = 0,
         image_size: int | None = None,
         num_classes: int | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(**kwargs)
 
     @override
     def make_dataset(self, split: str, num_samples: int) -> Dataset:
@@ -266,7 +264,8 @@ class ConvNetModule(DemoModule):
         blocks_per_stage: basic blocks per stage.
         image_size: input side length (sets ``example_input_array``; the network itself takes any size).
         num_classes: number of classes.
-        lr, weight_decay, schedule_epochs: AdamW's settings and its schedule's length (see :class:`DemoModule`).
+        **kwargs: ``lr``, ``weight_decay``, ``schedule_epochs``: AdamW's settings and its schedule's length (see
+            :class:`DemoModule`).
         stem_stride: one of :data:`STEM_STRIDES` (1: small-image stem; 4: ImageNet stem).
 
     Raises:
@@ -288,12 +287,10 @@ class ConvNetModule(DemoModule):
         blocks_per_stage: int | None = None,
         image_size: int | None = None,
         num_classes: int | None = None,
-        lr: float | None = None,
-        weight_decay: float | None = None,
-        schedule_epochs: int | None = None,
         stem_stride: int | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(**kwargs)
 
     @override
     def check_config(self, config: Mapping[str, Any]) -> None:

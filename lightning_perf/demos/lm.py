@@ -113,7 +113,9 @@ class LMDataModule(SyntheticDataModule):
     ``{"input_ids": LongTensor[B, T], "labels": LongTensor[B, T]}`` with ``labels`` the next tokens.
 
     Args:
-        preset, batch_size, num_workers, pin_memory, persistent_workers, seed: as for :class:`SyntheticDataModule`.
+        preset: one of :data:`~lightning_perf.demos._base.PRESETS`.
+        **kwargs: ``batch_size``, ``num_workers``, ``pin_memory``, ``persistent_workers``, ``seed``: as for
+            :class:`SyntheticDataModule`.
         seq_len: tokens per sequence; ``None`` takes the preset's.
         vocab_size: vocabulary size; ``None`` takes the preset's.
 
@@ -132,15 +134,11 @@ class LMDataModule(SyntheticDataModule):
     def __init__(
         self,
         preset: str = "default",
-        batch_size: int | None = None,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        seed: int = 0,
         seq_len: int | None = None,
         vocab_size: int | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(**kwargs)
 
     @override
     def make_dataset(self, split: str, num_samples: int) -> Dataset:
@@ -259,7 +257,8 @@ class LMModule(DemoModule):
         depth: number of blocks.
         num_heads: attention heads (must divide ``dim``).
         mlp_ratio: MLP hidden width as a multiple of ``dim``.
-        lr, weight_decay, schedule_epochs: AdamW's settings and its schedule's length (see :class:`DemoModule`).
+        **kwargs: ``lr``, ``weight_decay``, ``schedule_epochs``: AdamW's settings and its schedule's length (see
+            :class:`DemoModule`).
 
     Raises:
         ValueError: if the preset is unknown, a value out of range or ``num_heads`` does not divide ``dim``.
@@ -281,11 +280,9 @@ class LMModule(DemoModule):
         depth: int | None = None,
         num_heads: int | None = None,
         mlp_ratio: int | None = None,
-        lr: float | None = None,
-        weight_decay: float | None = None,
-        schedule_epochs: int | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(**kwargs)
 
     @override
     def check_config(self, config: Mapping[str, Any]) -> None:

@@ -113,7 +113,9 @@ class UNet3DDataModule(SyntheticDataModule):
     training (their number grows with the volume's cross-section), for sliding-window inference.
 
     Args:
-        preset, batch_size, num_workers, pin_memory, persistent_workers, seed: as for :class:`SyntheticDataModule`.
+        preset: one of :data:`~lightning_perf.demos._base.PRESETS`.
+        **kwargs: ``batch_size``, ``num_workers``, ``pin_memory``, ``persistent_workers``, ``seed``: as for
+            :class:`SyntheticDataModule`.
         volume_size: side of the cubic volumes of the train, validation and test splits; ``None`` takes the preset's.
         predict_volume_size: side of the predict split's whole volumes; ``None`` takes the preset's.
     """
@@ -126,15 +128,11 @@ class UNet3DDataModule(SyntheticDataModule):
     def __init__(
         self,
         preset: str = "default",
-        batch_size: int | None = None,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        seed: int = 0,
         volume_size: int | None = None,
         predict_volume_size: int | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(**kwargs)
 
     @override
     def make_dataset(self, split: str, num_samples: int) -> Dataset:
@@ -235,7 +233,8 @@ class UNet3DModule(DemoModule):
         width: channels at full resolution (doubled per level).
         levels: resolution levels.
         volume_size: input side length (sets ``example_input_array``).
-        lr, weight_decay, schedule_epochs: AdamW's settings and its schedule's length (see :class:`DemoModule`).
+        **kwargs: ``lr``, ``weight_decay``, ``schedule_epochs``: AdamW's settings and its schedule's length (see
+            :class:`DemoModule`).
 
     Raises:
         ValueError: if the preset is unknown, a value out of range or ``volume_size`` not divisible by
@@ -257,11 +256,9 @@ class UNet3DModule(DemoModule):
         width: int | None = None,
         levels: int | None = None,
         volume_size: int | None = None,
-        lr: float | None = None,
-        weight_decay: float | None = None,
-        schedule_epochs: int | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(**kwargs)
 
     @override
     def check_config(self, config: Mapping[str, Any]) -> None:

@@ -138,7 +138,8 @@ class ViTModule(DemoModule):
         num_heads: attention heads (must divide ``dim``).
         mlp_ratio: MLP hidden width as a multiple of ``dim``.
         num_classes: number of classes.
-        lr, weight_decay, schedule_epochs: AdamW's settings and its schedule's length (see :class:`DemoModule`).
+        **kwargs: ``lr``, ``weight_decay``, ``schedule_epochs``: AdamW's settings and its schedule's length (see
+            :class:`DemoModule`).
 
     Raises:
         ValueError: if the preset is unknown, a value out of range, ``patch_size`` does not divide ``image_size`` or
@@ -162,11 +163,9 @@ class ViTModule(DemoModule):
         num_heads: int | None = None,
         mlp_ratio: int | None = None,
         num_classes: int | None = None,
-        lr: float | None = None,
-        weight_decay: float | None = None,
-        schedule_epochs: int | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
+        super().__init__(**kwargs)
 
     @override
     def check_config(self, config: Mapping[str, Any]) -> None:

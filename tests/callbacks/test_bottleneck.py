@@ -267,7 +267,7 @@ def test_overwrite_true_writes_over_the_earlier_report(tmp_path: Path, caplog: p
 
 
 def test_without_matplotlib_a_note_replaces_the_chart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("lightning_perf.callbacks._observer.is_matplotlib_available", lambda: False)
+    monkeypatch.setattr("lightning_perf.callbacks._observer.is_available", lambda module: False)
     callback = scripted_fit(tmp_path, callback_kwargs={"plot": True})
     assert not (tmp_path / "bottleneck.png").exists()
     assert callback.report["plot"] is None

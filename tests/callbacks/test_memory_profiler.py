@@ -122,7 +122,7 @@ def test_reports_go_to_the_default_root_dir_and_peaks_to_the_logger(tmp_path: Pa
 
 
 def test_without_matplotlib_a_note_replaces_the_chart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("lightning_perf.callbacks._observer.is_matplotlib_available", lambda: False)
+    monkeypatch.setattr("lightning_perf.callbacks._observer.is_available", lambda module: False)
     callback = MemoryProfilerCallback(every_n_steps=1, verbose=False, plot=True)
     fit_convnet(tmp_path, callback, max_steps=3)
     assert (tmp_path / "memory_profile.json").exists() and not (tmp_path / "memory_profile.png").exists()

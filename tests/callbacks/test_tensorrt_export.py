@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_perf import FallbackWarning, NoEffectWarning
-from lightning_perf._imports import is_onnx_available, is_onnxruntime_available
+from lightning_perf._imports import is_available
 from lightning_perf.callbacks import TensorRTExportCallback
 from lightning_perf.callbacks import tensorrt_export as callback_module
 from lightning_perf.demos import ConvNetModule, make_workload
@@ -24,7 +24,7 @@ from tests.callbacks._sharded import ShardsItself, one_process_group  # noqa: F4
 from tests.deploy._sets import visible_files
 
 needs_onnx = pytest.mark.skipif(
-    not (is_onnx_available() and is_onnxruntime_available()), reason="needs the `onnx` extra"
+    not all(map(is_available, ("onnx", "onnxscript", "onnxruntime"))), reason="needs the `onnx` extra"
 )
 QUICK = {"batch_range": (1, 2, 4), "latency_iterations": 2, "latency_warmup": 1, "device": "cpu"}
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_perf import FallbackWarning
-from lightning_perf._imports import is_onnx_available, is_onnxruntime_available
+from lightning_perf._imports import is_available
 from lightning_perf.cli import export as export_command
 from lightning_perf.cli import main
 from lightning_perf.demos import ConvNetModule, make_workload
@@ -33,7 +33,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (is_onnx_available() and is_onnxruntime_available()), reason="needs the `onnx` extra")
+@pytest.mark.skipif(not all(map(is_available, ("onnx", "onnxscript", "onnxruntime"))), reason="needs the `onnx` extra")
 def test_export_a_checkpoint_with_its_datamodule(checkpoint: Path, tmp_path: Path, capsys) -> None:
     options = ["--batch-range", "1,2,4", "--latency-iterations", "2", "--latency-warmup", "1", "--device", "cpu"]
     argv = ["export", str(checkpoint), "--module-class", CONVNET, "--datamodule-class", CONVNET_DATA, *options]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_perf import FallbackWarning
-from lightning_perf._imports import is_onnx_available, is_onnxruntime_available
+from lightning_perf._imports import is_available
 from lightning_perf.demos import make_workload
 from lightning_perf.deploy.artifacts import committed_set, write_set
 from lightning_perf.deploy.backend import BackendUnavailable, validate_options
@@ -26,7 +26,7 @@ from lightning_perf.deploy.validate import DEFAULT_TOLERANCES, Tolerance, compar
 from lightning_perf.functional.inputs import as_input_tuple, split_inputs
 
 needs_onnx = pytest.mark.skipif(
-    not (is_onnx_available() and is_onnxruntime_available()), reason="needs the `onnx` extra"
+    not all(map(is_available, ("onnx", "onnxscript", "onnxruntime"))), reason="needs the `onnx` extra"
 )
 SMALL = {"batch_range": (1, 2, 4), "latency_iterations": 2, "latency_warmup": 1, "device": "cpu"}
 

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_perf._imports import is_onnx_available, is_onnxruntime_available
+from lightning_perf._imports import is_available
 from lightning_perf.demos import make_workload
 from lightning_perf.deploy import onnx
 from lightning_perf.deploy.export import export_model
 
 pytestmark = pytest.mark.skipif(
-    not (is_onnx_available() and is_onnxruntime_available()), reason="needs onnx, onnxscript and onnxruntime"
+    not all(map(is_available, ("onnx", "onnxscript", "onnxruntime"))), reason="needs onnx, onnxscript and onnxruntime"
 )
 
 

@@ -123,7 +123,7 @@ def test_export_quantized_writes_artifact_and_report(
     assert _visible(tmp_path) == ["model_int8/model_int8.json", "model_int8/model_int8.pt2"]
 
 
-@pytest.mark.skipif(not _imports.is_onnxruntime_available() or not _imports.is_onnx_available(), reason="needs onnx")
+@pytest.mark.skipif(not all(map(_imports.is_available, ("onnx", "onnxscript", "onnxruntime"))), reason="needs onnx")
 def test_export_quantized_to_onnx_too(prepared_conv: tuple[nn.Module, nn.Module], tmp_path: Path) -> None:
     import onnxruntime
 

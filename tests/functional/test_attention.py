@@ -377,7 +377,7 @@ def test_kernel_choice(
     kernel: str,
     reason: str,
 ) -> None:
-    monkeypatch.setattr(kernels_mod, "is_flash_attn_available", lambda: "installed" not in reason)
+    monkeypatch.setattr(kernels_mod, "is_available", lambda module: "installed" not in reason)
     monkeypatch.setattr(kernels_mod, "cuda_capability", lambda dev=None: capability)
     monkeypatch.setattr(
         kernels_mod, "is_sm_at_least", lambda major, minor=0, dev=None: (capability or (0, 0)) >= (8, 0)
@@ -445,7 +445,7 @@ def fake_flash_attn(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     fake = types.ModuleType("flash_attn")
     fake.flash_attn_func = flash_attn_func  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    monkeypatch.setattr(kernels_mod, "is_flash_attn_available", lambda: True)
+    monkeypatch.setattr(kernels_mod, "is_available", lambda module: True)
     monkeypatch.setattr(kernels_mod, "is_sm_at_least", lambda *a, **k: True)
     monkeypatch.setattr(kernels_mod, "_flash_attn_func", lambda: flash_attn_func)
     real_applies = kernels_mod._flash_attn_applies

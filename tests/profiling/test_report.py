@@ -34,7 +34,7 @@ from lightning_perf.profiling import (
 from lightning_perf.profiling import report as report_module
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-needs_matplotlib = pytest.mark.skipif(not _imports.is_matplotlib_available(), reason="matplotlib is not installed")
+needs_matplotlib = pytest.mark.skipif(not _imports.is_available("matplotlib"), reason="matplotlib is not installed")
 
 
 class Precision(enum.Enum):

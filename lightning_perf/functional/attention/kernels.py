@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from lightning_perf._device import as_device, cuda_capability, is_sm_at_least
-from lightning_perf._imports import is_flash_attn_available, require
+from lightning_perf._imports import is_available, require
 
 __all__ = [
     "ACTIONS",
@@ -158,16 +158,10 @@ def _sdpa_in_float32(
     if attn_mask is not None and attn_mask.is_floating_point():
         attn_mask = attn_mask.float()
     with torch.autocast("cpu", enabled=False):
-        out = F.scaled_dot_product_attention(
-            q.float().transpose(1, 2),
-            k.float().transpose(1, 2),
-            v.float().transpose(1, 2),
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
+        out = attention(
+            q.float(), k.float(), v.float(), attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale
         )
-    return out.to(dtype).transpose(1, 2)
+    return out.to(dtype)
 
 
 @cache
@@ -221,7 +215,7 @@ def choose_kernel(head_dim: int, device: torch.device | str, compute_dtype: torc
     """
     dev = as_device(device)
     dtype = compute_dtype or torch.float32
-    if not is_flash_attn_available():
+    if not is_available("flash_attn"):
         why = "flash-attn is not installed (`pip install 'lightning-perf[flash]'`, CUDA only)"
     elif dev.type != "cuda":
         why = f"flash-attn needs a CUDA GPU, the model runs on {dev.type}"

@@ -95,19 +95,13 @@ def _one_of(options: tuple[str, ...]) -> Callable[[Any], bool]:
 
 def _per_dim(owner: str, name: str, value: Any, check: Callable[[Any], bool], expected: str) -> Any:
     """``value`` as a number or a tuple of numbers, each passing ``check``; else ``ValueError``."""
-    if isinstance(value, (list, tuple)):
-        if not value or not all(check(v) for v in value):
-            raise ValueError(
-                f"`{owner}({name}={value!r})` is not valid. Expected {expected}, or a non-empty sequence of them "
-                "(one per spatial dimension)."
-            )
-        return tuple(value)
-    if not check(value):
+    items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    if not items or not all(check(v) for v in items):
         raise ValueError(
-            f"`{owner}({name}={value!r})` is not valid. Expected {expected}, or a sequence of them (one per spatial "
-            "dimension)."
+            f"`{owner}({name}={value!r})` is not valid. Expected {expected}, or a non-empty sequence of them "
+            "(one per spatial dimension)."
         )
-    return value
+    return items if isinstance(value, (list, tuple)) else value
 
 
 def _check_device(owner: str, name: str, value: Any) -> torch.device | None:

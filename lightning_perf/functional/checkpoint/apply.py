@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_perf._validation import check_int, check_number
+from lightning_perf._validation import check_instance, check_int, check_number
 from lightning_perf.functional.checkpoint.blocks import find_checkpoint_blocks
 from lightning_perf.functional.surgery import (
     FilterFn,
@@ -160,11 +160,8 @@ class CheckpointedForward(ForwardPatch):
 
     def __init__(self, module: nn.Module, preserve_rng_state: bool = True, context_fn: Any = None) -> None:
         super().__init__(module)
-        if context_fn is not None and not callable(context_fn):
-            raise TypeError(
-                f"`context_fn={context_fn!r}` is not valid. Expected None or a zero-argument callable returning "
-                "(forward_context, recompute_context)."
-            )
+        expected = "None or a zero-argument callable returning (forward_context, recompute_context)"
+        check_instance(type(self).__name__, "context_fn", context_fn, (type(None), Callable), expected)
         self.preserve_rng_state = preserve_rng_state
         self.context_fn = context_fn
 
