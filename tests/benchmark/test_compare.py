@@ -291,11 +291,8 @@ def test_reports_as_markdown_and_json(tmp_path: Path) -> None:
 
 def test_a_disturbed_run_is_warned_about_and_its_rows_marked(tmp_path: Path) -> None:
     data = bench_results()
-    data["reliability"] = {
-        "reliable": False,
-        "causes": ["other processes took 40% of the CPU"],
-        "disturbed_configs": ["channels_last"],
-    }
+    causes = ["other processes took 40% of the CPU"]
+    data["reliability"] = {"reliable": False, "causes": causes, "disturbed_configs": ["channels_last"]}
     comparison = _compare(tmp_path, data, bench_results())
     assert "other processes took 40% of the CPU" in format_table(comparison).replace("\n  ", " ")
     notes = {row.config: row.note for row in comparison.rows if row.metric == "step time"}

@@ -152,10 +152,5 @@ def test_outside_a_repository_the_working_tree_has_no_commit(tmp_path: Path) -> 
 
 
 def test_file_labels() -> None:
-    assert [file_label(r) for r in (".", "main", "feature/x y", "v1.2", "~^")] == [
-        "working-tree",
-        "main",
-        "feature-x-y",
-        "v1.2",
-        "ref",
-    ]
+    labels = [file_label(r) for r in (".", "main", "feature/x y", "v1.2", "~^")]
+    assert labels == ["working-tree", "main", "feature-x-y", "v1.2", "ref"]
