@@ -26,14 +26,9 @@ def breakdown(**shares: float) -> StepBreakdown:
     full = {name: 0.0 for name in PHASES}
     full.update(shares)
     step = 0.1
-    kwargs: dict[str, Any] = {
-        "shares": full,
-        "medians": {name: share * step for name, share in full.items()},
-        "step_median_s": step,
-        "steps": 50,
-        "loader": LOADER,
-        "cpu_count": 8,
-    }
+    medians = {name: share * step for name, share in full.items()}
+    kwargs: dict[str, Any] = {"shares": full, "medians": medians, "step_median_s": step, "steps": 50, "loader": LOADER}
+    kwargs["cpu_count"] = 8
     return StepBreakdown(**kwargs)
 
 
@@ -132,7 +127,7 @@ def test_compute_bound_suggestions_depend_on_model_device_and_what_is_in_use() -
         "BackendFlagsCallback",
         "GradCheckpointCallback",
     )
-    in_use = frozenset({"ChannelsLastCallback", "CompileCallback", "BackendFlagsCallback", "GradCheckpointCallback"})
+    in_use = frozenset(rec.callbacks)
     mixed = replace(b, precision="bf16-mixed", active_callbacks=in_use)
     assert "compute_bound" not in rules(mixed)
     cpu = rules(replace(b, device_type="cpu", fast_bf16=False, tf32_capable=False, has_convolutions=False))
