@@ -47,13 +47,9 @@ def known_configs(gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_the_wrapper_finds_a_python_with_torch_and_answers_help() -> None:
+    env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
-        ["bash", str(SCRIPT), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHON": sys.executable},
-        check=False,
+        ["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60, env=env, check=False
     )
     assert proc.returncode == 0, proc.stderr
     assert "OUTDIR" in proc.stdout.upper() and "--dry-run" in proc.stdout and "--sections" in proc.stdout

@@ -23,13 +23,8 @@ pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
 
 def git(repo: Path, *args: str) -> str:
-    done = subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "commit.gpgsign=false", *args],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    config = ["-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "commit.gpgsign=false"]
+    done = subprocess.run(["git", *config, *args], cwd=repo, capture_output=True, text=True, check=True)
     return done.stdout.strip()
 
 

@@ -112,13 +112,8 @@ def test_an_idle_gpu_suggests_a_larger_batch_and_compile() -> None:
 
 
 def test_compute_bound_suggestions_depend_on_model_device_and_what_is_in_use() -> None:
-    b = replace(
-        breakdown(forward=0.5, backward=0.5),
-        device_type="cuda",
-        has_convolutions=True,
-        fast_bf16=True,
-        tf32_capable=True,
-    )
+    cuda = {"device_type": "cuda", "has_convolutions": True, "fast_bf16": True, "tf32_capable": True}
+    b = replace(breakdown(forward=0.5, backward=0.5), **cuda)
     rec = rules(b)["compute_bound"]
     assert rec.actions[0] == "train in mixed precision: Trainer(precision='bf16-mixed')"
     assert rec.callbacks == (
