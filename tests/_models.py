@@ -206,15 +206,9 @@ class ConvBNDropout(nn.Module):
 
     def __init__(self, classes: int = 4, p: float = 0.2, width: int = 32) -> None:
         super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1, bias=False),
-            nn.BatchNorm2d(8),
-            nn.ReLU(),
-            nn.Dropout2d(p),
-            nn.Conv2d(8, width, 3, padding=1, bias=False),
-            nn.BatchNorm2d(width),
-            nn.ReLU(),
-        )
+        first = [nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout2d(p)]
+        second = [nn.Conv2d(8, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+        self.features = nn.Sequential(*first, *second)
         self.dropout = nn.Dropout(p)
         self.head = nn.Linear(width, classes)
 

@@ -116,10 +116,8 @@ _RATIO_WITH_INTERVAL = re.compile(r"\d+\.\d+x \[\d+\.\d+-\d+\.\d+\]")
 # Figures of scripts whose output was never committed, kept with this mark until measured again (the machine they
 # ran on is shared, so they were not): keep this list short, and add no script without a reason.
 _NO_FILE = "no result file; not re-measured"
-_NO_FILE_SCRIPTS = (
-    "examples/compile_warm_start.py",
-    "examples/dynamic_int8_warm_start.py",
-    "examples/powersgd_bandwidth.py",
+_NO_FILE_SCRIPTS = tuple(
+    f"examples/{name}.py" for name in ("compile_warm_start", "dynamic_int8_warm_start", "powersgd_bandwidth")
 )
 
 

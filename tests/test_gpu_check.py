@@ -47,13 +47,9 @@ def known_configs(gpu_check: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_the_wrapper_finds_a_python_with_torch_and_answers_help() -> None:
+    env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
-        ["bash", str(SCRIPT), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHON": sys.executable},
-        check=False,
+        ["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60, env=env, check=False
     )
     assert proc.returncode == 0, proc.stderr
     assert "OUTDIR" in proc.stdout.upper() and "--dry-run" in proc.stdout and "--sections" in proc.stdout
@@ -158,11 +154,8 @@ def _junit(path: Path, cases: str, tests: int, failures: int = 0, errors: int = 
 
 def test_pytest_results_are_read_from_junit(gpu_check: ModuleType, tmp_path: Path) -> None:
     ok = _junit(tmp_path / "ok.xml", '<testcase classname="t" name="a"/>', tests=3, skipped=1)
-    assert gpu_check.pytest_result(0, False, ok) == (
-        "passed",
-        "2 passed, 0 failed, 0 errors, 1 skipped",
-        {"tests": 3, "failures": 0, "errors": 0, "skipped": 1},
-    )
+    counts = {"tests": 3, "failures": 0, "errors": 0, "skipped": 1}
+    assert gpu_check.pytest_result(0, False, ok) == ("passed", "2 passed, 0 failed, 0 errors, 1 skipped", counts)
     failing = (
         '<testcase classname="tests.test_trust" name="x[PowerSGD]"><failure message="RuntimeError: boom&#10;more"/>'
     )

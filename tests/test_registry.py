@@ -110,13 +110,9 @@ def test_duplicate_and_bad_advice_rules() -> None:
 def test_a_predict_only_optimization_is_one_entry() -> None:
     from lightning_perf.benchmark.configs import get_config, split_by_stage
 
+    callback, stages = f"{__name__}.DummySpeedupCallback", optimizations.INFERENCE_STAGES
     entry = optimizations.register(
-        Optimization(
-            "dummy_int8",
-            "a predict-only stand-in",
-            callback=f"{__name__}.DummySpeedupCallback",
-            stages=optimizations.INFERENCE_STAGES,
-        )
+        Optimization("dummy_int8", "a predict-only stand-in", callback=callback, stages=stages)
     )
     try:
         assert get_config("dummy_int8").stages == ("predict", "validate", "test")

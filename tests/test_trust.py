@@ -35,6 +35,7 @@ from lightning_perf.functional.backend_flags import capture
 from tests import _device
 from tests._models import BranchesOnTraining, ConvBNDropout, EncoderWithDropout, FusedQKVTransformer
 from tests.callback_settings import CLOSE, LOSSY_BAND, SETTINGS, Setting, params
+from tests.callbacks._interrupt import _HOOK_DICTS
 
 pytestmark = pytest.mark.filterwarnings("ignore::lightning_perf.NoEffectWarning")
 
@@ -292,17 +293,6 @@ def test_training_unchanged(setting: Setting, model_name: str, tmp_path: Path) -
 
 # ---------------------------------------------------------------------------------------------- undo on every exit
 
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
-
 
 def _global_hooks() -> dict[str, list[int]]:
     from torch.nn.modules import module as torch_module
@@ -364,12 +354,8 @@ def _acts_in(setting: Setting, loop: str) -> bool:
 
 
 # The fit exits first, the first with a fresh instance; each later exit reuses the instance the earlier ones left.
-EXITS: list[tuple[str, type[BaseException]]] = [
-    ("fit", RuntimeError),
-    ("fit", KeyboardInterrupt),
-    ("validate", RuntimeError),
-    ("predict", RuntimeError),
-]
+EXITS: list[tuple[str, type[BaseException]]] = [("fit", RuntimeError), ("fit", KeyboardInterrupt)]
+EXITS += [("validate", RuntimeError), ("predict", RuntimeError)]
 
 
 @pytest.mark.parametrize("setting", params())

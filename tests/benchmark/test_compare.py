@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,11 @@ from lightning_perf.benchmark.compare_text import format_table, markdown_report
 from tests.benchmark._compare_files import bench_results, pytest_benchmark_results, scaled, write
 
 DOCS_BENCH = Path(__file__).resolve().parents[2] / "docs" / "bench" / "convnet-cpu.json"
+
+
+def _compare(tmp_path: Path, old: dict, new: dict, **kwargs: Any):
+    """Write ``old`` and ``new`` as a.json and b.json and compare them."""
+    return compare_files(write(tmp_path / "a.json", old), write(tmp_path / "b.json", new), **kwargs)
 
 
 def _verdicts(comparison, metric: str = "step time") -> dict[str, str]:
@@ -42,11 +48,7 @@ def test_bench_file_gives_every_figure_per_configuration(tmp_path: Path, new_for
     assert loaded.identity["workload"] == "convnet"
     assert loaded.identity["batch size"] == 32
     assert loaded.machine["CPU"] == "Test CPU"
-
-
-def test_new_format_run_metadata_is_described(tmp_path: Path) -> None:
-    loaded = load_results(write(tmp_path / "a.json", bench_results()))
-    assert "commit 0123456789 (dirty)" in loaded.description
+    assert ("commit 0123456789 (dirty)" in loaded.description) is new_format  # the new format's run metadata
 
 
 def test_a_real_old_format_file_from_the_docs() -> None:
@@ -74,7 +76,7 @@ def test_a_failed_or_skipped_configuration_is_named_not_compared(tmp_path: Path)
         if run["spec"]["config"] == "channels_last":
             run.update(ok=False, error="RuntimeError: boom", step_times_s=[], throughput=None, step_memory_bytes=None)
             run.update(predict_step_times_s=[], step_median_s=None, predict_step_median_s=None)
-    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", broken))
+    comparison = _compare(tmp_path, data, broken)
     assert {row.config for row in comparison.rows} == {"baseline"}
     assert any("channels_last" in note and "failed: RuntimeError: boom" in note for note in comparison.notes)
 
@@ -82,7 +84,7 @@ def test_a_failed_or_skipped_configuration_is_named_not_compared(tmp_path: Path)
 def test_summary_without_runs_gives_a_ratio_but_no_verdict(tmp_path: Path) -> None:
     data = bench_results()
     data["runs"] = []
-    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 2.0)))
+    comparison = _compare(tmp_path, data, scaled(data, 2.0))
     step = [row for row in comparison.rows if row.metric == "step time"]
     assert [row.ratio for row in step] == pytest.approx([2.0, 2.0])
     assert all(row.verdict == "no clear difference" and row.note for row in step)
@@ -102,8 +104,7 @@ def test_a_file_against_itself_finds_no_regression(tmp_path: Path) -> None:
 
 
 def test_doubled_step_times_are_a_regression_of_every_configuration(tmp_path: Path) -> None:
-    data = bench_results()
-    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 2.0)))
+    comparison = _compare(tmp_path, bench_results(), scaled(bench_results(), 2.0))
     assert _verdicts(comparison) == {"baseline": "slower", "channels_last": "slower"}
     assert _verdicts(comparison, "throughput") == {"baseline": "slower", "channels_last": "slower"}
     assert {row.config for row in comparison.regressions} == {"baseline", "channels_last"}
@@ -115,47 +116,44 @@ def test_doubled_step_times_are_a_regression_of_every_configuration(tmp_path: Pa
 def test_only_the_slowed_configuration_is_named(tmp_path: Path) -> None:
     data = bench_results()
     new = scaled(data, 2.0, configs=("channels_last",))
-    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", new))
+    comparison = _compare(tmp_path, data, new)
     assert {row.config for row in comparison.regressions} == {"channels_last"}
     assert _verdicts(comparison)["baseline"] == "no clear difference"
 
 
 def test_halved_step_times_are_faster_not_a_regression(tmp_path: Path) -> None:
-    data = bench_results()
-    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 0.5)))
+    comparison = _compare(tmp_path, bench_results(), scaled(bench_results(), 0.5))
     assert set(_verdicts(comparison).values()) == {"faster"}
     assert not comparison.regressions
 
 
 def test_a_rerun_with_fresh_noise_is_no_clear_difference(tmp_path: Path) -> None:
-    old = write(tmp_path / "a.json", bench_results(seed=1))
-    new = write(tmp_path / "b.json", bench_results(seed=2))
-    comparison = compare_files(old, new)
+    comparison = _compare(tmp_path, bench_results(seed=1), bench_results(seed=2))
     assert set(_verdicts(comparison).values()) == {"no clear difference"}
     assert not comparison.regressions
 
 
 def test_a_small_slowdown_inside_the_threshold_is_no_clear_difference(tmp_path: Path) -> None:
-    data = bench_results()
-    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 1.03)))
+    comparison = _compare(tmp_path, bench_results(), scaled(bench_results(), 1.03))
     assert not comparison.regressions
     tight = compare_files(tmp_path / "a.json", tmp_path / "b.json", threshold=0.0)
     assert tight.regressions  # the same 3% is called once no threshold shields it
 
 
 def test_configurations_in_one_file_only_are_listed(tmp_path: Path) -> None:
-    old = write(tmp_path / "a.json", bench_results({"baseline": 0.1, "compile": 0.07}))
-    new = write(tmp_path / "b.json", bench_results({"baseline": 0.1, "channels_last": 0.08}))
-    comparison = compare_files(old, new)
+    comparison = _compare(
+        tmp_path,
+        bench_results({"baseline": 0.1, "compile": 0.07}),
+        bench_results({"baseline": 0.1, "channels_last": 0.08}),
+    )
     assert comparison.only_in_old == ["compile"] and comparison.only_in_new == ["channels_last"]
     assert {row.config for row in comparison.rows} == {"baseline"}
 
 
 def test_one_process_a_side_gives_an_indicative_interval_and_no_verdict(tmp_path: Path) -> None:
     # Every round of a pytest-benchmark file ran in one process: its steps cannot show the swing between processes.
-    old = write(tmp_path / "a.json", pytest_benchmark_results())
-    new = write(tmp_path / "b.json", pytest_benchmark_results({"test_steps[baseline]": 0.02}, seed=5))
-    comparison = compare_files(old, new)
+    new = pytest_benchmark_results({"test_steps[baseline]": 0.02}, seed=5)
+    comparison = _compare(tmp_path, pytest_benchmark_results(), new)
     (row,) = comparison.rows
     assert row.verdict == "no clear difference" and not comparison.regressions
     assert row.ratio == pytest.approx(2.0, rel=0.05) and row.ratio_ci95 is None and (row.n_old, row.n_new) == (1, 1)
@@ -164,26 +162,20 @@ def test_one_process_a_side_gives_an_indicative_interval_and_no_verdict(tmp_path
 
 
 def test_bench_file_with_one_repeat_against_three_gets_no_verdict(tmp_path: Path) -> None:
-    data = bench_results()
-    comparison = compare_files(
-        write(tmp_path / "a.json", bench_results(repeats=1)), write(tmp_path / "b.json", scaled(data, 2.0))
-    )
+    comparison = _compare(tmp_path, bench_results(repeats=1), scaled(bench_results(), 2.0))
     assert _verdicts(comparison) == {"baseline": "no clear difference", "channels_last": "no clear difference"}
     assert all(row.ratio_ci95 is None and row.n_old == 1 and row.n_new == 3 for row in comparison.rows)
 
 
 def test_pytest_benchmark_statistics_only(tmp_path: Path) -> None:
-    old = write(tmp_path / "a.json", pytest_benchmark_results(save_data=False))
-    new = write(tmp_path / "b.json", pytest_benchmark_results({"test_steps[baseline]": 0.02}, save_data=False))
-    (row,) = compare_files(old, new).rows
+    new = pytest_benchmark_results({"test_steps[baseline]": 0.02}, save_data=False)
+    (row,) = _compare(tmp_path, pytest_benchmark_results(save_data=False), new).rows
     assert row.ratio == pytest.approx(2.0, rel=0.05) and row.verdict == "no clear difference"
     assert row.ratio_ci95 is None and row.within_process_ci95 is None and "statistics only" in row.note
 
 
 def test_mixed_raw_and_statistics_only_files_use_the_statistics(tmp_path: Path) -> None:
-    old = write(tmp_path / "a.json", pytest_benchmark_results())
-    new = write(tmp_path / "b.json", pytest_benchmark_results(save_data=False))
-    rows = compare_files(old, new).rows
+    rows = _compare(tmp_path, pytest_benchmark_results(), pytest_benchmark_results(save_data=False)).rows
     assert rows and all(row.ratio_ci95 is None and row.verdict == "no clear difference" for row in rows)
 
 
@@ -200,33 +192,29 @@ def test_mixed_raw_and_statistics_only_files_use_the_statistics(tmp_path: Path) 
     ],
 )
 def test_incompatible_bench_files_are_refused_naming_the_difference(tmp_path: Path, change: dict, named: str) -> None:
-    old = write(tmp_path / "a.json", bench_results())
-    new = write(tmp_path / "b.json", bench_results(**change))
     with pytest.raises(IncompatibleResultsError) as info:
-        compare_files(old, new)
+        _compare(tmp_path, bench_results(), bench_results(**change))
     assert named in str(info.value)
     assert "\n" not in str(info.value)
 
 
 def test_a_bench_file_and_a_pytest_benchmark_file_are_refused(tmp_path: Path) -> None:
-    old = write(tmp_path / "a.json", bench_results())
-    new = write(tmp_path / "b.json", pytest_benchmark_results())
     with pytest.raises(IncompatibleResultsError, match="lightning-perf-bench file with a pytest-benchmark file"):
-        compare_files(old, new)
+        _compare(tmp_path, bench_results(), pytest_benchmark_results())
 
 
 def test_pytest_benchmark_files_from_different_cpus_are_refused(tmp_path: Path) -> None:
     other = pytest_benchmark_results()
     other["machine_info"]["cpu"]["brand_raw"] = "Other CPU"
     with pytest.raises(IncompatibleResultsError, match="CPU"):
-        compare_files(write(tmp_path / "a.json", pytest_benchmark_results()), write(tmp_path / "b.json", other))
+        _compare(tmp_path, pytest_benchmark_results(), other)
 
 
 def test_a_machine_recorded_by_one_file_only_is_not_a_difference(tmp_path: Path) -> None:
     data = bench_results()
     bare = json.loads(json.dumps(data))
     del bare["machine"], bare["environment"]
-    assert compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", bare)).rows
+    assert _compare(tmp_path, data, bare).rows
 
 
 @pytest.mark.parametrize(
@@ -280,7 +268,7 @@ def test_bad_threshold_is_refused(tmp_path: Path, threshold: float) -> None:
 
 def test_table_fits_80_columns_and_names_the_regression(tmp_path: Path) -> None:
     data = bench_results({"baseline": 0.1, "channels_last+compile+fused_optimizer+a_very_long_name_indeed": 0.08})
-    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 2.0)))
+    comparison = _compare(tmp_path, data, scaled(data, 2.0))
     text = format_table(comparison)
     assert max(len(line) for line in text.splitlines()) <= 80
     assert "REGRESSION beyond 5% and the noise: baseline (step time +100%)" in text.replace("\n  ", " ")
@@ -288,8 +276,7 @@ def test_table_fits_80_columns_and_names_the_regression(tmp_path: Path) -> None:
 
 
 def test_reports_as_markdown_and_json(tmp_path: Path) -> None:
-    data = bench_results()
-    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", scaled(data, 2.0)))
+    comparison = _compare(tmp_path, bench_results(), scaled(bench_results(), 2.0))
     md = markdown_report(comparison)
     assert "| baseline | step time |" in md and "**slower**" in md
     report = comparison.to_dict()
@@ -304,12 +291,9 @@ def test_reports_as_markdown_and_json(tmp_path: Path) -> None:
 
 def test_a_disturbed_run_is_warned_about_and_its_rows_marked(tmp_path: Path) -> None:
     data = bench_results()
-    data["reliability"] = {
-        "reliable": False,
-        "causes": ["other processes took 40% of the CPU"],
-        "disturbed_configs": ["channels_last"],
-    }
-    comparison = compare_files(write(tmp_path / "a.json", data), write(tmp_path / "b.json", bench_results()))
+    causes = ["other processes took 40% of the CPU"]
+    data["reliability"] = {"reliable": False, "causes": causes, "disturbed_configs": ["channels_last"]}
+    comparison = _compare(tmp_path, data, bench_results())
     assert "other processes took 40% of the CPU" in format_table(comparison).replace("\n  ", " ")
     notes = {row.config: row.note for row in comparison.rows if row.metric == "step time"}
     assert notes == {"baseline": None, "channels_last": "disturbed in the old run: read with care"}

@@ -23,13 +23,8 @@ pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
 
 def git(repo: Path, *args: str) -> str:
-    done = subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "commit.gpgsign=false", *args],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    config = ["-c", "user.name=t", "-c", "user.email=t@example.invalid", "-c", "commit.gpgsign=false"]
+    done = subprocess.run(["git", *config, *args], cwd=repo, capture_output=True, text=True, check=True)
     return done.stdout.strip()
 
 
@@ -152,10 +147,5 @@ def test_outside_a_repository_the_working_tree_has_no_commit(tmp_path: Path) -> 
 
 
 def test_file_labels() -> None:
-    assert [file_label(r) for r in (".", "main", "feature/x y", "v1.2", "~^")] == [
-        "working-tree",
-        "main",
-        "feature-x-y",
-        "v1.2",
-        "ref",
-    ]
+    labels = [file_label(r) for r in (".", "main", "feature/x y", "v1.2", "~^")]
+    assert labels == ["working-tree", "main", "feature-x-y", "v1.2", "ref"]

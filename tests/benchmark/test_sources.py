@@ -72,12 +72,8 @@ def test_import_class_errors_are_one_line_value_errors(spec: object, base: type 
 
 
 def test_sources_build_models() -> None:
-    model, data = ImportSource(
-        "tests.tuning._user_models:SmallConvNet",
-        "tests.tuning._user_models:PlainDataModule",
-        {"lr": 0.1},
-        {"batch_size": 3},
-    ).load()
+    user = "tests.tuning._user_models"
+    model, data = ImportSource(f"{user}:SmallConvNet", f"{user}:PlainDataModule", {"lr": 0.1}, {"batch_size": 3}).load()
     assert isinstance(model, SmallConvNet) and model.hparams.lr == 0.1 and data.batch_size == 3
     model, data = WorkloadSource("convnet", "tiny").load()
     assert isinstance(model, LightningModule) and isinstance(data, LightningDataModule)

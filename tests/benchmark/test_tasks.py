@@ -39,27 +39,15 @@ def test_a_valid_file_gives_its_tasks(tmp_path: Path) -> None:
     assert first.batch_size is None and first.repeats is None and first.refs == ()
     assert own.model == "pkg.mod:Net" and own.datamodule == "pkg.data:Data"
     assert json.loads(own.model_args) == {"depth": 2} and own.datamodule_args is None
-    assert (own.batch_size, own.precision, own.repeats, own.warmup_steps, own.refs) == (
-        64,
-        "bf16-mixed",
-        3,
-        2,
-        ("main", "."),
-    )
+    expected_own = (64, "bf16-mixed", 3, 2, ("main", "."))
+    assert (own.batch_size, own.precision, own.repeats, own.warmup_steps, own.refs) == expected_own
     assert workload.workload == "convnet" and workload.columns_set() == {"workload", "configs"}
     argv = first.argv(config_path=lambda p: Path("/tree") / p.name)
     expected = ["--config", "/tree/cli.yaml", "--configs", "baseline,channels_last+compile"]
     assert argv == [*expected, "--steps", "5", "--stage", "predict"]
     assert own.argv()[:4] == ["--batch-size", "64", "--model", "pkg.mod:Net"]
-    assert own.columns_set() == {
-        "batch_size",
-        "model",
-        "datamodule",
-        "model_args",
-        "precision",
-        "repeats",
-        "warmup_steps",
-    }
+    columns = {"batch_size", "model", "datamodule", "model_args", "precision", "repeats", "warmup_steps"}
+    assert own.columns_set() == columns
 
 
 def test_absolute_config_paths_stay_and_several_are_merged_in_order(tmp_path: Path) -> None:

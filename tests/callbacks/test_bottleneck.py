@@ -138,10 +138,8 @@ def steady_records(callback: BottleneckCallback) -> list[dict[str, float]]:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"warmup_steps": -1}, "warmup_steps=-1"),
-        ({"log_every_n_steps": 0}, "log_every_n_steps=0"),
+        # (test_bad_inputs.py names every argument's bad values; these rows check the kind and the explanation)
         ({"sync_check_steps": 3, "warmup_steps": 2}, "at most warmup_steps"),
-        ({"sync_check_steps": -1}, "sync_check_steps=-1"),
         ({"thresholds": {"forward": 0.5}}, r"thresholds=\{'forward': 0.5\}\)` is not valid: 'forward' not a phase"),
         ({"thresholds": {"data": 1.5}}, "strictly between 0 and 1"),
         ({"thresholds": {"data": 0}}, "strictly between 0 and 1"),
@@ -160,8 +158,16 @@ def test_bad_arguments_are_refused_at_construction(kwargs: dict[str, Any], match
 # ------------------------------------------------------------------------------------------------- attribution
 
 
-def test_each_phase_gets_exactly_its_time(tmp_path: Path) -> None:
-    callback = scripted_fit(tmp_path)
+def test_each_phase_gets_exactly_its_time_and_sample_every_one_times_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, list[int]] = {}
+    _spy(monkeypatch, seen)
+    callback = scripted_fit(tmp_path)  # sample_every=1
+    assert all(seen[name] == list(range(6)) for name in _SILENCEABLE)
+    assert callback.report["steps_run"] == 6
+    assert not callback.report["per_step"]["sampled"] and callback.report["overhead"]["quiet_calls"] == 0
+    assert BottleneckCallback().sample_every == 100  # the default
     records = steady_records(callback)
     assert len(records) == 5  # 6 steps, 1 warm-up
     for record in records:
@@ -266,20 +272,18 @@ def test_overwrite_true_writes_over_the_earlier_report(tmp_path: Path, caplog: p
     assert caplog.text.count("BottleneckCallback: wrote") == 1  # no chart this time: one file, one line
 
 
-def test_without_matplotlib_a_note_replaces_the_chart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("lightning_perf.callbacks._observer.is_available", lambda module: False)
-    callback = scripted_fit(tmp_path, callback_kwargs={"plot": True})
-    assert not (tmp_path / "bottleneck.png").exists()
-    assert callback.report["plot"] is None
-    assert "pip install 'lightning-perf[plot]'" in callback.report["plot_note"]
-
-
-def test_the_chart_is_opt_in_and_the_report_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_chart_is_opt_in_and_without_matplotlib_a_note_replaces_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with caplog.at_level(logging.INFO):
         callback = scripted_fit(tmp_path, callback_kwargs={"verbose": True})
     assert callback.report["plot"] is None and not (tmp_path / "bottleneck.png").exists()
     assert "pass plot=True for bottleneck.png" in callback.report["plot_note"]
     assert "pass plot=True" in caplog.text and "forward" in caplog.text  # the note and the table, in the log
+    monkeypatch.setattr("lightning_perf.callbacks._observer.is_available", lambda module: False)
+    callback = scripted_fit(tmp_path, callback_kwargs={"plot": True, "overwrite": True})
+    assert callback.report["plot"] is None and not (tmp_path / "bottleneck.png").exists()
+    assert "pip install 'lightning-perf[plot]'" in callback.report["plot_note"]
 
 
 def test_the_self_report_counts_every_hook_call_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -605,16 +609,6 @@ def test_skipped_steps_do_not_even_chain_the_transfer_hooks(tmp_path: Path) -> N
     assert callback.report["per_step"]["records"]  # and the timed steps still have their transfer phase
     assert all(r["transfer"] > 0 for r in steady_records(callback))
     assert "on_after_batch_transfer" not in seen[0].__dict__ and "on_before_batch_transfer" not in seen[0].__dict__
-
-
-def test_sample_every_one_times_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: dict[str, list[int]] = {}
-    _spy(monkeypatch, seen)
-    callback = scripted_fit(tmp_path, max_steps=10, callback_kwargs={"sample_every": 1})
-    assert all(seen[name] == list(range(10)) for name in _SILENCEABLE)
-    assert callback.report["steps"]["total"] == callback.report["steps_run"] == 10
-    assert not callback.report["per_step"]["sampled"] and callback.report["overhead"]["quiet_calls"] == 0
-    assert BottleneckCallback().sample_every == 100  # the default
 
 
 def test_a_sampled_step_after_validation_or_an_epoch_boundary_is_interrupted(tmp_path: Path) -> None:

@@ -105,34 +105,23 @@ def _trainer(root: Path, *callbacks: pl.Callback, **overrides: Any) -> pl.Traine
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
+        # (test_bad_inputs.py names every argument's bad values; these rows check the kind and the explanation)
         ({"mode": "turbo"}, ValueError, r"CompileCallback\(mode='turbo'\).*max-autotune"),
         ({"fullgraph": 1}, TypeError, r"CompileCallback\(fullgraph=1\).*True or False"),
-        ({"dynamic": "auto"}, TypeError, r"CompileCallback\(dynamic='auto'\)"),
         ({"backend": "nope"}, ValueError, r"CompileCallback\(backend='nope'\).*registered"),
-        ({"backend": 1.5}, TypeError, r"CompileCallback\(backend=1.5\)"),
-        ({"options": "fast"}, TypeError, r"CompileCallback\(options='fast'\)"),
         ({"mode": "max-autotune", "options": {"max_autotune": True}}, ValueError, r"a mode or options, not both"),
-        (
-            {"options": {"no_such_inductor_option": 1}},
-            ValueError,
-            r"CompileCallback\(options=\{'no_such_inductor_option': 1\}\).*not an inductor option. Nearest valid",
-        ),
         (
             {"options": {"epilogue_fusin": False}},
             ValueError,
             r"'epilogue_fusin'.*Nearest valid ones: 'epilogue_fusion'",
         ),
         ({"regions": []}, ValueError, r"CompileCallback\(regions=\[\]\)"),
-        ({"regions": 4}, TypeError, r"CompileCallback\(regions=4\)"),
         ({"regions": "all"}, ValueError, r"CompileCallback\(regions='all'\)` is not valid: 'all' is not a class name"),
         ({"regions": [3]}, TypeError, r"CompileCallback\(regions=\[3\]\)`: item 3 is not an nn.Module class or class"),
         ({"regions": ["torch.nn.NotALayer"]}, ValueError, r"Cannot import the module class 'torch.nn.NotALayer'"),
         ({"stages": ["fit", "train"]}, ValueError, r"'train' is not one of them.*'fit', 'validate', 'test', 'predict'"),
         ({"stages": []}, ValueError, r"stages=\[\]\)` is not valid. Expected a non-empty list"),
-        ({"stages": 3}, ValueError, r"CompileCallback\(stages=3\)"),
-        ({"strict": "yes"}, TypeError, r"CompileCallback\(strict='yes'\)"),
         ({"warmup_steps": 0}, ValueError, r"CompileCallback\(warmup_steps=0\).*>= 1"),
-        ({"warmup_steps": True}, ValueError, r"warmup_steps=True"),
         ({"cache": 3}, TypeError, r"CompileCallback\(cache=3\)` is not valid. Expected None or a file or folder"),
         ({"inductor_cache_dir": ""}, TypeError, r"CompileCallback\(inductor_cache_dir=''\)` is not valid.*folder"),
         ({"trust_cache": "yes"}, TypeError, r"CompileCallback\(trust_cache='yes'\)` is not valid. Expected True"),
@@ -156,11 +145,17 @@ def test_valid_arguments_are_kept() -> None:
 # ---------------------------------------------------------------------------------------------------------- fitting
 
 
-def test_fit_runs_the_forward_compiled_and_reports(tmp_path: Path) -> None:
-    backend, model = CountingBackend(), TinyModule()
+def test_fit_runs_the_forward_compiled_and_reports(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    backend, model, logger = CountingBackend(), TinyModule(), RecordingLogger()
     keys = list(model.state_dict())
     callback = CompileCallback(backend=backend, warmup_steps=2)
-    _trainer(tmp_path, callback).fit(model)
+    with caplog.at_level(logging.INFO):
+        _trainer(tmp_path, callback, logger=logger).fit(model)
+    assert "CompileCallback: compiled the LightningModule's forward with backend='counting'" in caplog.text
+    assert "steady state: median" in caplog.text  # printed and logged
+    for key in ("compile_time_s", "recompiles", "unique_graphs", "graph_breaks", "warmup_time_s"):
+        assert f"compile/{key}" in logger.metrics
+    assert logger.metrics["compile/steady_step_time_s"] > 0
 
     assert backend.graphs, "the compiled forward never ran"
     report = callback.report
@@ -367,17 +362,6 @@ class RecordingLogger(DummyLogger):
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.metrics.update(metrics)
-
-
-def test_report_is_printed_and_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    logger = RecordingLogger()
-    with caplog.at_level(logging.INFO):
-        _trainer(tmp_path, CompileCallback(backend=CountingBackend()), logger=logger).fit(TinyModule())
-    assert "CompileCallback: compiled the LightningModule's forward with backend='counting'" in caplog.text
-    assert "steady state: median" in caplog.text
-    for key in ("compile_time_s", "recompiles", "unique_graphs", "graph_breaks", "warmup_time_s"):
-        assert f"compile/{key}" in logger.metrics
-    assert logger.metrics["compile/steady_step_time_s"] > 0
 
 
 @pytest.mark.parametrize("compile_first", [True, False], ids=["compile-first", "channels-last-first"])

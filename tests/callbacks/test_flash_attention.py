@@ -145,11 +145,7 @@ class NeedsArguments(AttentionAdapter):
         ({"adapters": [""]}, ValueError, r"adapters=\[''\]\)` is not valid. Expected AttentionAdapter"),
         ({"adapters": ["MyAdapter"]}, ValueError, r"'MyAdapter'.*Expected AttentionAdapter instances or class paths"),
         ({"adapters": [AttentionAdapter]}, ValueError, r"Expected AttentionAdapter instances"),
-        (
-            {"adapters": ["tests.callbacks.test_flash_attention.NeedsArguments"]},
-            ValueError,
-            "cannot be built without arguments",
-        ),
+        ({"adapters": [f"{__name__}.NeedsArguments"]}, ValueError, "cannot be built without arguments"),
         ({"adapters": None}, TypeError, r"adapters=None\)` is not valid. Expected a list of AttentionAdapter"),
         ({"adapters": 3}, TypeError, r"adapters=3\)` is not valid. Expected a list"),
         ({"adapters": {"a": 1}}, TypeError, r"adapters=\{'a': 1\}\)` is not valid. Expected a list"),

@@ -181,16 +181,10 @@ def test_inputs_smaller_than_the_window_are_padded_like_monai() -> None:
     assert out.shape == expected.shape == (1, 2, 5, 8, 8)
     assert (out - expected).abs().max() < 1e-4
     assert model.seen[0][2:] == ROI[3]  # the network saw the padded window
-
-
-def test_one_window_input_is_the_plain_forward() -> None:
-    model = _model(3)
-    model.eval()
+    apply_sliding_window(model, settings)
     x = torch.randn(2, 1, *ROI[3])
-    apply_sliding_window(model, validate_sliding_window(roi_size=ROI[3]))
     with torch.no_grad():
-        out = model(x)
-        assert torch.equal(out, model.net(x))
+        assert torch.equal(model(x), model.net(x))  # one window: the plain forward
     remove_sliding_window(model)
 
 
@@ -373,31 +367,24 @@ def test_stacks_with_compile_of_the_blocks() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
+        # (test_bad_inputs.py names every argument's bad values; these rows check the kind and the explanation)
         ({"roi_size": ()}, ValueError, r"roi_size=\(\)"),
         ({"roi_size": 0}, ValueError, r"roi_size=0.*positive integer"),
-        ({"roi_size": (8, -1)}, ValueError, r"roi_size=\(8, -1\)"),
         ({"roi_size": 8.0}, ValueError, r"roi_size=8.0"),
         ({"roi_size": True}, ValueError, r"roi_size=True"),
         ({"roi_size": "patch"}, ValueError, r"roi_size='patch'.*'model'"),
         ({"roi_size": 8, "overlap": 1.0}, ValueError, r"overlap=1.0.*\[0, 1\)"),
-        ({"roi_size": 8, "overlap": -0.1}, ValueError, r"overlap=-0.1"),
-        ({"roi_size": 8, "overlap": float("nan")}, ValueError, r"overlap=nan"),
         ({"roi_size": 8, "sw_batch_size": 0}, ValueError, r"sw_batch_size=0.*>= 1 or 'auto'"),
-        ({"roi_size": 8, "sw_batch_size": -2}, ValueError, r"sw_batch_size=-2"),
         ({"roi_size": 8, "sw_batch_size": "fast"}, ValueError, r"sw_batch_size='fast'"),
         ({"roi_size": 8, "sw_batch_size": 2.0}, ValueError, r"sw_batch_size=2.0"),
         ({"roi_size": 8, "mode": "linear"}, ValueError, r"mode='linear'.*'constant', 'gaussian'"),
-        ({"roi_size": 8, "padding_mode": "zeros"}, ValueError, r"padding_mode='zeros'"),
         ({"roi_size": 8, "sigma_scale": 0}, ValueError, r"sigma_scale=0.*> 0"),
         ({"roi_size": 8, "sigma_scale": (0.1, -1)}, ValueError, r"sigma_scale=\(0.1, -1\)"),
-        ({"roi_size": 8, "cval": float("inf")}, ValueError, r"cval=inf"),
         ({"roi_size": 8, "progress": "yes"}, TypeError, r"progress='yes'"),
         ({"roi_size": 8, "roi_weight_map": [1.0]}, TypeError, r"roi_weight_map=\[1.0\]"),
         ({"roi_size": 8, "roi_weight_map": -torch.ones(8, 8)}, ValueError, r"roi_weight_map=.*non-negative"),
         ({"roi_size": 8, "process_fn": 3}, TypeError, r"process_fn=3"),
-        ({"roi_size": 8, "buffer_steps": 0}, ValueError, r"buffer_steps=0"),
         ({"roi_size": 8, "buffer_dim": 1.0}, TypeError, r"buffer_dim=1.0"),
-        ({"roi_size": 8, "sw_device": "gpu0"}, ValueError, r"sw_device='gpu0'"),
         ({"roi_size": 8, "device": 3}, TypeError, r"device=3"),
         ({"roi_size": 8, "stages": ["fit"]}, ValueError, r"stages=\['fit'\].*'fit' is not one of them"),
         ({"roi_size": 8, "stages": []}, ValueError, r"stages=\[\].*non-empty list"),

@@ -40,11 +40,7 @@ def test_export_a_checkpoint_with_its_datamodule(checkpoint: Path, tmp_path: Pat
     argv += ["--dirpath", str(tmp_path)]
     with pytest.warns(FallbackWarning, match="'tensorrt' is unavailable"):
         assert main(argv) == 0
-    assert visible_files(tmp_path) == [
-        "convnet/convnet.export.json",
-        "convnet/convnet.onnx",
-        "convnet/convnet.onnx.data",
-    ]
+    assert visible_files(tmp_path) == [f"convnet/convnet.{ext}" for ext in ("export.json", "onnx", "onnx.data")]
     report = json.loads((tmp_path / "convnet" / "convnet.export.json").read_text())
     assert report["ok"] and report["backend"] == "onnx" and report["validation_source"] == "validation_data"
     assert report["metadata"] == {"checkpoint": str(checkpoint), "module_class": CONVNET}

@@ -16,13 +16,8 @@ HEAVY = ("torch", "lightning", "pytorch_lightning")
     ids=["top", "bench", "autotune", "export", "compare"],
 )
 def test_help_imports_neither_torch_nor_lightning(command: list[str]) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "lightning_perf", *command, "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    argv = [sys.executable, "-X", "importtime", "-m", "lightning_perf", *command, "--help"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage: lightning-perf" in proc.stdout
     # importtime writes one line per module: "import time: self | cumulative | <indent>name"

@@ -38,11 +38,7 @@ def _read(dirpath: Path, name: str = "model") -> dict[str, bytes] | None:
 
 # Every step of the write path a kill or an error can hit: directory and file creation, writes, flushes, renames.
 _STEPS: list[tuple[Any, str]] = [
-    (os, "replace"),
-    (os, "fsync"),
-    (os, "symlink"),
-    (os, "open"),
-    (os, "mkdir"),
+    *((os, f) for f in ("replace", "fsync", "symlink", "open", "mkdir")),
     (pathlib.Path, "write_bytes"),
 ]
 

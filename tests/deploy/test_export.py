@@ -116,15 +116,8 @@ def test_convnet_falls_back_from_tensorrt_to_a_validated_onnx_export(tmp_path: P
     saved = json.loads((tmp_path / "model" / "model.export.json").read_text())
     assert saved["ok"] is True and saved["backend"] == "onnx" and saved["precision"] == "fp32"
     assert saved["validation_source"] == "validation_data"
-    assert saved["inputs"] == [
-        {
-            "name": "input",
-            "dtype": "float32",
-            "min_shape": [1, 3, 16, 16],
-            "opt_shape": [2, 3, 16, 16],
-            "max_shape": [4, 3, 16, 16],
-        }
-    ]
+    shapes = {f"{kind}_shape": [n, 3, 16, 16] for kind, n in (("min", 1), ("opt", 2), ("max", 4))}
+    assert saved["inputs"] == [{"name": "input", "dtype": "float32", **shapes}]
     assert saved["attempts"][0]["reason"] and saved["attempts"][1]["latency"][0]["eager_median_s"] > 0
     saved_row = saved["attempts"][1]["latency"][0]
     assert saved_row["speedup_ci95"] == onnx_attempt.latency[0].speedup_ci95 and saved_row["speedup_verdict"]
@@ -139,15 +132,8 @@ def test_convnet_falls_back_from_tensorrt_to_a_validated_onnx_export(tmp_path: P
 def test_onnx_export_of_reference_workloads_passes_validation(workload: str, tmp_path: Path) -> None:
     model, data = make_workload(workload, "tiny", seed=0)
     data.setup("validate")
-    report = export_model(
-        model,
-        model.example_input_array,
-        backends=["onnx"],
-        dirpath=tmp_path,
-        validation_data=data.val_dataloader(),
-        filename=workload,
-        **SMALL,
-    )
+    options = {**SMALL, "backends": ["onnx"], "dirpath": tmp_path, "filename": workload}
+    report = export_model(model, model.example_input_array, validation_data=data.val_dataloader(), **options)
     assert report.ok, report.attempts[0].reason
     assert _files(tmp_path) == [f"{workload}/{workload}.{ext}" for ext in ("export.json", "onnx", "onnx.data")]
     assert all(v.passed for v in report.attempts[0].validation)
@@ -209,14 +195,8 @@ def test_extra_dynamic_dimension_and_integer_inputs(tmp_path: Path) -> None:
 
     model = Tokens()
     example = torch.randint(0, 11, (2, 6))
-    report = export_model(
-        model,
-        example,
-        backends=["onnx"],
-        dirpath=tmp_path,
-        dynamic_dims={1: (3, 6, 9)},
-        **{**SMALL, "latency_iterations": 0},
-    )
+    options = {**SMALL, "latency_iterations": 0, "backends": ["onnx"], "dirpath": tmp_path}
+    report = export_model(model, example, dynamic_dims={1: (3, 6, 9)}, **options)
     assert report.ok and report.attempts[0].latency == []
     assert report.inputs[0].dtype == torch.int64
     assert report.inputs[0].min_shape == (1, 3) and report.inputs[0].max_shape == (4, 9)
@@ -239,17 +219,9 @@ def test_tensorrt_export_is_saved_reloaded_validated_and_timed(precision: str, t
     torch_tensorrt = pytest.importorskip("torch_tensorrt", reason="needs the `tensorrt` extra (GPU machines only)")
     model, data = make_workload("convnet", "tiny", seed=0)
     data.setup("validate")
-    report = export_model(
-        model,
-        model.example_input_array,
-        backends=["tensorrt", "onnx"],
-        precision=precision,
-        dirpath=tmp_path,
-        validation_data=data.val_dataloader(),
-        batch_range=(1, 8, 32),
-        latency_iterations=10,
-        device="cuda",
-    )
+    options = {"backends": ["tensorrt", "onnx"], "batch_range": (1, 8, 32), "latency_iterations": 10, "device": "cuda"}
+    options.update(precision=precision, dirpath=tmp_path, validation_data=data.val_dataloader())
+    report = export_model(model, model.example_input_array, **options)
     attempt = report.attempts[0]
     assert report.ok and report.backend == "tensorrt", attempt.reason
     assert report.artifact == tmp_path / "model" / "model.trt.pt2"
@@ -276,17 +248,9 @@ def test_onnx_on_the_cuda_execution_provider(tmp_path: Path) -> None:
     model, data = make_workload("vit", "tiny", seed=0)
     data.setup("validate")
     for precision in ("fp32", "fp16"):
-        report = export_model(
-            model,
-            model.example_input_array,
-            backends=["onnx"],
-            precision=precision,
-            dirpath=tmp_path / precision,
-            validation_data=data.val_dataloader(),
-            batch_range=(1, 8, 32),
-            latency_iterations=10,
-            device="cuda",
-        )
+        options = {"backends": ["onnx"], "batch_range": (1, 8, 32), "latency_iterations": 10, "device": "cuda"}
+        options.update(precision=precision, dirpath=tmp_path / precision, validation_data=data.val_dataloader())
+        report = export_model(model, model.example_input_array, **options)
         assert report.ok, report.attempts[0].reason
         assert "CUDAExecutionProvider" in (report.attempts[0].runtime or "")
 
@@ -331,20 +295,10 @@ def test_tensorrt_unavailable_without_an_export_runs_nothing(tmp_path: Path) -> 
 
 
 def test_a_precision_no_listed_backend_computes_here_is_refused_before_any_export(tmp_path: Path) -> None:
-    for precision, backends, device in (
-        ("fp16", ["onnx"], "cpu"),
-        ("bf16", ["onnx"], "cpu"),
-        ("bf16", ["onnx"], "cuda"),
-    ):
+    for precision, device in (("fp16", "cpu"), ("bf16", "cpu"), ("bf16", "cuda")):
+        options = {**SMALL, "device": device, "backends": ["onnx"], "precision": precision, "dirpath": tmp_path}
         with pytest.raises(ValueError, match=rf"precision='{precision}'\)` cannot be exported.*fp32 exports"):
-            export_model(
-                nn.Linear(3, 2),
-                torch.randn(2, 3),
-                backends=backends,
-                precision=precision,
-                dirpath=tmp_path,
-                **{**SMALL, "device": device},
-            )
+            export_model(nn.Linear(3, 2), torch.randn(2, 3), **options)
     assert not tmp_path.exists() or _files(tmp_path) == []
 
 

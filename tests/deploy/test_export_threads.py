@@ -44,16 +44,8 @@ def test_report_records_equal_threads_for_both_timed_sessions(
 
     monkeypatch.setattr(onnx.OnnxRunner, "__init__", recording)
     model, _ = make_workload("convnet", "tiny", seed=0)
-    report = export_model(
-        model.eval(),
-        model.example_input_array,
-        backends=["onnx"],
-        dirpath=tmp_path,
-        batch_range=(1, 2, 4),
-        latency_iterations=2,
-        latency_warmup=1,
-        device="cpu",
-    )
+    options = {"batch_range": (1, 2, 4), "latency_iterations": 2, "latency_warmup": 1, "device": "cpu"}
+    report = export_model(model.eval(), model.example_input_array, backends=["onnx"], dirpath=tmp_path, **options)
     assert report.ok and report.attempt is not None and report.attempt.latency  # the table was timed
     assert sessions, "the export timed no onnxruntime session"
     for session in sessions:  # the session the table timed, as onnxruntime itself reports it

@@ -9,10 +9,7 @@ import pytest
 from tests._probes import Probes
 
 LIGHTNING_FREE = [
-    "lightning_perf.deploy",
-    "lightning_perf.deploy.quantize.recipes",
-    "lightning_perf.profiling.latency",
-    "lightning_perf.cli.export",
+    f"lightning_perf.{m}" for m in ("deploy", "deploy.quantize.recipes", "profiling.latency", "cli.export")
 ]
 _FUNCTIONAL = "import sys, lightning_perf.functional, lightning_perf.functional.quantization.qat; " + (
     "print('lightning_perf.deploy' in sys.modules)"

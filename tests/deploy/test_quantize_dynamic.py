@@ -137,17 +137,8 @@ def test_export_writes_the_set_with_its_report(tmp_path: Path) -> None:
     model, x = _mlp(), _input()
     labels = model(x).argmax(-1)
     choice = quantize_dynamic(model, x, "eager")
-    report = export_dynamic(
-        model,
-        choice,
-        example_inputs=x,
-        validation_data=[(x, labels)],
-        dirpath=tmp_path,
-        filename="mlp_int8",
-        batch_sizes=(8,),
-        latency_iterations=2,
-        latency_warmup=0,
-    )
+    options = {"dirpath": tmp_path, "filename": "mlp_int8", "batch_sizes": (8,), "latency_iterations": 2}
+    report = export_dynamic(model, choice, example_inputs=x, validation_data=[(x, labels)], latency_warmup=0, **options)
     assert report.ok and report.artifact == tmp_path / "mlp_int8" / "mlp_int8.pt"
     data = json.loads((tmp_path / "mlp_int8" / "mlp_int8.json").read_text())
     assert data["backend"] == "eager" and data["mode"] == "dynamic"

@@ -152,13 +152,8 @@ def test_multihead_attention_it_cannot_swap_stays_with_a_reason() -> None:
     class MyMHA(nn.MultiheadAttention):
         pass
 
-    model = nn.ModuleDict(
-        {
-            "kv": nn.MultiheadAttention(8, 2, kdim=4, vdim=4),
-            "bias_kv": nn.MultiheadAttention(8, 2, add_bias_kv=True),
-            "subclass": MyMHA(8, 2),
-        }
-    )
+    kv, bias_kv = nn.MultiheadAttention(8, 2, kdim=4, vdim=4), nn.MultiheadAttention(8, 2, add_bias_kv=True)
+    model = nn.ModuleDict({"kv": kv, "bias_kv": bias_kv, "subclass": MyMHA(8, 2)})
     result = swap_attention(model)
     assert result.swapped == []
     assert result.decisions["kv"].kernel == UNCHANGED and "kdim/vdim" in result.decisions["kv"].reason
@@ -292,12 +287,8 @@ def test_state_dict_loads_both_ways_and_restore_brings_back_the_trained_original
     with torch.no_grad():
         model.gpt.blocks[0].attn.c_attn.weight.add_(1.0)  # "training" the swapped module
     model.double()  # casts the swapped modules' own tensors (the causal `bias` buffer)
-    assert restore_attention(model) == [
-        "gpt.blocks.0.attn",
-        "gpt.blocks.1.attn",
-        "enc.layers.0.self_attn",
-        "enc.layers.1.self_attn",
-    ]
+    restored = ["gpt.blocks.0.attn", "gpt.blocks.1.attn", "enc.layers.0.self_attn", "enc.layers.1.self_attn"]
+    assert restore_attention(model) == restored
     original = model.gpt.blocks[0].attn
     assert type(original) is NanoGPTAttention and original.bias.dtype == torch.float64
     torch.testing.assert_close(original.c_attn.weight, plain.gpt.blocks[0].attn.c_attn.weight.double() + 1.0)
@@ -432,14 +423,8 @@ def fake_flash_attn(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 
     def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):  # type: ignore[no-untyped-def]
         calls.append({"shape": tuple(q.shape), "causal": causal, "dropout_p": dropout_p, "dtype": q.dtype})
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            dropout_p=dropout_p,
-            is_causal=causal,
-            scale=softmax_scale,
-        )
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=softmax_scale)
         return out.transpose(1, 2)
 
     fake = types.ModuleType("flash_attn")
@@ -475,12 +460,8 @@ def test_the_flash_attn_path_layout_causal_and_fallbacks(
     idx = torch.randint(0, 11, (2, 6))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert_same(plain, model, idx, tol=5e-2)
-    assert fake_flash_attn and fake_flash_attn[0] == {
-        "shape": (2, 6, 2, 8),
-        "causal": True,
-        "dropout_p": 0.0,
-        "dtype": torch.bfloat16,
-    }
+    expected = {"shape": (2, 6, 2, 8), "causal": True, "dropout_p": 0.0, "dtype": torch.bfloat16}
+    assert fake_flash_attn and fake_flash_attn[0] == expected
     fake_flash_attn.clear()
     model(idx)  # fp32 outside autocast: SDPA
     assert fake_flash_attn == []

@@ -113,11 +113,8 @@ class Pair(NamedTuple):
 def test_batch_conversion_reaches_nested_tensors_and_leaves_the_rest() -> None:
     image, volume = torch.randn(2, 3, 4, 5), torch.randn(2, 1, 3, 4, 5)
     int_image = torch.randint(0, 3, (2, 1, 4, 5))
-    batch = {
-        "pair": Pair(image, int_image),
-        "list": [image, (volume, torch.randn(2, 3))],
-        "sample": Sample(image, volume, torch.tensor([1, 0]), "x"),
-    }
+    sample = Sample(image, volume, torch.tensor([1, 0]), "x")
+    batch = {"pair": Pair(image, int_image), "list": [image, (volume, torch.randn(2, 3))], "sample": sample}
     out = batch_to_channels_last(batch)
     assert out["pair"].image.is_contiguous(memory_format=CL) and isinstance(out["pair"], Pair)
     assert out["pair"].mask is int_image  # integer tensors are labels or masks: untouched
@@ -136,16 +133,8 @@ def test_batch_conversion_reaches_nested_tensors_and_leaves_the_rest() -> None:
 
 
 def _net2d() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.ConvTranspose2d(8, 8, 2, stride=2),
-        nn.Conv2d(8, 4, 3, stride=2),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(4, 3),
-    )
+    convs = [nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.ConvTranspose2d(8, 8, 2, stride=2)]
+    return nn.Sequential(*convs, nn.Conv2d(8, 4, 3, stride=2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
 
 
 def _net3d() -> nn.Module:

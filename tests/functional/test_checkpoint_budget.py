@@ -280,14 +280,9 @@ def test_identical_blocks_are_planned_with_their_median_times() -> None:
     twins = [block(f"b.{i}", s) for i, s in enumerate((1.0, 5.0, 2.0))]
     pooled = pool_identical_blocks([*twins, block("other", 9.0, fingerprint=8), block("unknown", 9.0, None)])
     for original, planned in zip(twins, pooled):
-        assert planned == replace(
-            original,
-            forward_s=2.0,
-            recompute_s={"attention": 1.0},
-            parts={f"{original.name}.mlp": (600, 100, 0.5)},
-            cheap={f"{original.name}.act": (f"{original.name}.mlp", 300, 0.2)},
-            full_recompute_s=2.0,
-        )
+        name, times = original.name, {"forward_s": 2.0, "recompute_s": {"attention": 1.0}, "full_recompute_s": 2.0}
+        parts = {"parts": {f"{name}.mlp": (600, 100, 0.5)}, "cheap": {f"{name}.act": (f"{name}.mlp", 300, 0.2)}}
+        assert planned == replace(original, **times, **parts)
     assert pooled[3].forward_s == 9.0 and pooled[4].forward_s == 9.0  # other ops, or unknown ones: left alone
     plan = plan_checkpointing(ActivationProfile(3000, 0, tuple(twins)), 0.7)
     assert {c.mode for c in plan.choices} == {"cheap"}

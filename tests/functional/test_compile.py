@@ -97,11 +97,8 @@ def test_validate_regions_rejects(regions, error, match) -> None:
 def test_validate_regions_resolves_class_paths_and_keeps_names() -> None:
     assert validate_regions(None) is None
     assert validate_regions("auto") == "auto"
-    assert validate_regions(["torch.nn.TransformerEncoderLayer", "Block", Block]) == (
-        nn.TransformerEncoderLayer,
-        "Block",
-        Block,
-    )
+    resolved = validate_regions(["torch.nn.TransformerEncoderLayer", "Block", Block])
+    assert resolved == (nn.TransformerEncoderLayer, "Block", Block)
     assert validate_regions(nn.Linear) == (nn.Linear,)
 
 

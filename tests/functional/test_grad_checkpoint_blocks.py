@@ -195,16 +195,9 @@ NESTED_UNET_BLOCKS = ["model.0", "model.1.submodule.0", "model.1.submodule.1.sub
 
 def gpt2(attn_implementation: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(  # dropout 0.1 everywhere (the defaults): the recompute replays the RNG
-        n_layer=2,
-        n_embd=32,
-        n_head=2,
-        vocab_size=50,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        attn_implementation=attn_implementation,
-    )
+    sizes = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 50, "n_positions": 64}
+    # dropout 0.1 everywhere (the defaults): the recompute replays the RNG
+    config = transformers.GPT2Config(**sizes, bos_token_id=0, eos_token_id=0, attn_implementation=attn_implementation)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).train()
 
@@ -228,11 +221,24 @@ def grads(model: nn.Module, loss: Callable[[nn.Module], Tensor]) -> dict[str, Te
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_same_grads(plain: nn.Module, wrapped: nn.Module, loss: Callable[[nn.Module], Tensor]) -> None:
+def plain_and_wrapped(build: Callable[[], nn.Module], **kwargs: object) -> tuple[nn.Module, nn.Module, list[str]]:
+    """A model built under seed 0, a copy of it with activation checkpointing applied, and the blocks it wrapped."""
+    torch.manual_seed(0)
+    plain = build()
+    wrapped = copy.deepcopy(plain)
+    return plain, wrapped, apply_activation_checkpointing(wrapped, **kwargs)
+
+
+def assert_same_grads(
+    plain: nn.Module, wrapped: nn.Module, loss: Callable[[nn.Module], Tensor], state: bool = False
+) -> None:
+    """The same gradients bit for bit; with ``state``, the same state_dict too (BatchNorm statistics updated once)."""
     expected, actual = grads(plain, loss), grads(wrapped, loss)
     assert expected.keys() == actual.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], atol=0, rtol=0, msg=name)
+    for key, value in plain.state_dict().items() if state else ():
+        torch.testing.assert_close(wrapped.state_dict()[key], value, atol=0, rtol=0, msg=key)
 
 
 # ----------------------------------------------------------------------------------------------------- block choice
@@ -255,19 +261,13 @@ def test_nested_unet_picks_its_levels_encoder_and_decoder_parts_and_bottleneck()
     assert all(count_layers(m) < MIN_LAYERS for _, m in find_repeated_blocks(model))  # no sibling group to pick
     assert names(select_blocks(model)) == NESTED_UNET_BLOCKS
     inner = [f"model.1.submodule.1.submodule.{part}" for part in ("0", "1.submodule", "2")]
-    assert names(select_blocks(NestedUNet((4, 8, 16, 32)))) == [
-        "model.0",
-        "model.1.submodule.0",
-        *inner,
-        "model.1.submodule.2",
-    ]
+    expected = ["model.0", "model.1.submodule.0", *inner, "model.1.submodule.2"]
+    assert names(select_blocks(NestedUNet((4, 8, 16, 32)))) == expected
 
 
 def test_nested_unet_recomputes_each_level_part_once_with_the_same_gradients() -> None:
-    torch.manual_seed(0)
-    plain = NestedUNet()
-    wrapped = copy.deepcopy(plain)
-    assert apply_activation_checkpointing(wrapped) == NESTED_UNET_BLOCKS
+    plain, wrapped, chosen = plain_and_wrapped(NestedUNet)
+    assert chosen == NESTED_UNET_BLOCKS
     bottleneck, head = count_calls(wrapped.model[1].submodule[1].submodule[0]), count_calls(wrapped.model[2][0])
     x = torch.randn(2, 1, 8, 8, 8)
     assert_same_grads(plain, wrapped, lambda m: m(x).square().mean())
@@ -329,10 +329,7 @@ def test_only_tiny_repeated_sub_blocks_means_nothing_to_checkpoint() -> None:
 
 
 def test_swin_like_recomputes_each_block_once_with_the_same_gradients() -> None:
-    torch.manual_seed(0)
-    plain = SwinUNetLike()
-    wrapped = copy.deepcopy(plain)
-    apply_activation_checkpointing(wrapped)
+    plain, wrapped, _ = plain_and_wrapped(SwinUNetLike)
     qkv_calls, stem_calls = count_calls(wrapped.stages[0].blocks[0].attn.qkv), count_calls(wrapped.stem[0][0])
     x = torch.randn(2, 3, 8, 8)
     assert_same_grads(plain, wrapped, lambda m: m(x).square().mean())
@@ -340,16 +337,11 @@ def test_swin_like_recomputes_each_block_once_with_the_same_gradients() -> None:
 
 
 def test_unet_like_recomputes_with_skip_arguments_and_batchnorm_updated_once() -> None:
-    torch.manual_seed(0)
-    plain = UNetLike()
-    wrapped = copy.deepcopy(plain)
-    apply_activation_checkpointing(wrapped)
+    plain, wrapped, _ = plain_and_wrapped(UNetLike)
     calls = count_calls(wrapped.up[1].conv1)
     x = torch.randn(2, 1, 8, 8)
-    assert_same_grads(plain, wrapped, lambda m: m(x).square().mean())
+    assert_same_grads(plain, wrapped, lambda m: m(x).square().mean(), state=True)
     assert calls[0] == 2
-    for key, value in plain.state_dict().items():
-        torch.testing.assert_close(wrapped.state_dict()[key], value, atol=0, rtol=0, msg=key)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -416,10 +408,8 @@ class MaskedStack(nn.Module):
 
 
 def test_keyword_arguments_masks_and_dataclass_or_tuple_outputs() -> None:
-    torch.manual_seed(0)
-    plain = MaskedStack()
-    wrapped = copy.deepcopy(plain)
-    assert apply_activation_checkpointing(wrapped) == ["blocks.0", "blocks.1"]
+    plain, wrapped, chosen = plain_and_wrapped(MaskedStack)
+    assert chosen == ["blocks.0", "blocks.1"]
     calls = count_calls(wrapped.blocks[1].qkv)
     x, mask = torch.randn(2, 5, 8), torch.ones(5, 5, dtype=torch.bool).tril()
     assert_same_grads(plain, wrapped, lambda m: m(x, mask))
@@ -430,24 +420,16 @@ def test_keyword_arguments_masks_and_dataclass_or_tuple_outputs() -> None:
 
 
 def test_context_fn_for_selective_checkpointing_keeps_batchnorm_updated_once() -> None:
-    torch.manual_seed(0)
-    plain = UNetLike()
-    wrapped = copy.deepcopy(plain)
-
     def policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-        return (
-            CheckpointPolicy.MUST_SAVE
-            if op is torch.ops.aten.convolution.default
-            else CheckpointPolicy.PREFER_RECOMPUTE
-        )
+        save = op is torch.ops.aten.convolution.default
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
-    apply_activation_checkpointing(wrapped, context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    plain, wrapped, _ = plain_and_wrapped(UNetLike, context_fn=context_fn)
     convs = count_calls(wrapped.down[0].conv1)
     x = torch.randn(2, 1, 8, 8)
-    assert_same_grads(plain, wrapped, lambda m: m(x).square().mean())
+    assert_same_grads(plain, wrapped, lambda m: m(x).square().mean(), state=True)
     assert convs[0] == 2  # the module runs again; its convolution's output comes from what was saved
-    for key, value in plain.state_dict().items():
-        torch.testing.assert_close(wrapped.state_dict()[key], value, atol=0, rtol=0, msg=key)
 
 
 def test_context_fn_must_be_callable() -> None:

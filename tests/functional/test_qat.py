@@ -116,13 +116,8 @@ def test_recipe_from_garbage_is_a_value_error() -> None:
 def test_base_config_from_yaml_spec() -> None:
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, MappingType, PerAxis, PerGroup
 
-    spec = {
-        "Int8DynamicActivationIntxWeightConfig": {
-            "weight_dtype": "int4",
-            "weight_granularity": {"PerGroup": 16},
-            "weight_mapping_type": "symmetric",
-        }
-    }
+    options = {"weight_dtype": "int4", "weight_granularity": {"PerGroup": 16}, "weight_mapping_type": "symmetric"}
+    spec = {"Int8DynamicActivationIntxWeightConfig": options}
     config = qat.resolve_base_config(spec)
     assert isinstance(config, Int8DynamicActivationIntxWeightConfig)
     assert config.weight_dtype is torch.int4

@@ -124,17 +124,11 @@ def test_transformer_layers_in_a_module_list() -> None:
 
 def test_resnet_blocks_across_sequential_stages_not_the_stages_or_convs() -> None:
     assert names(find_repeated_blocks(ResNet(blocks_per_stage=2))) == [
-        "stages.0.0",
-        "stages.0.1",
-        "stages.1.0",
-        "stages.1.1",
+        f"stages.{s}.{b}" for s in (0, 1) for b in (0, 1)
     ]
     # One block per stage: the blocks are still siblings through the plain containers.
-    assert names(find_repeated_blocks(ResNet(blocks_per_stage=1, widths=(4, 8, 8)))) == [
-        "stages.0.0",
-        "stages.1.0",
-        "stages.2.0",
-    ]
+    one_each = ResNet(blocks_per_stage=1, widths=(4, 8, 8))
+    assert names(find_repeated_blocks(one_each)) == ["stages.0.0", "stages.1.0", "stages.2.0"]
 
 
 def test_blocks_win_over_custom_stage_modules_that_contain_them() -> None:

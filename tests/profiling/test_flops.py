@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -64,21 +65,16 @@ def test_mlp_training_step_matches_the_hand_formula() -> None:
     assert set(count.by_operator) == {"aten.addmm", "aten.mm"}
 
 
-def test_forward_only_counts_the_forward() -> None:
-    model = nn.Linear(64, 32)
-    x = torch.randn(8, 64)
-
-    def forward() -> None:
-        with torch.no_grad():
-            model(x)
-
-    assert count_flops(forward).total == 2 * 8 * 64 * 32
-
-
-def test_arguments_are_passed_to_the_step() -> None:
+def test_forward_only_arguments_an_empty_step_and_a_non_callable() -> None:
     model = nn.Linear(10, 5, bias=False)
-    assert count_flops(model, torch.randn(3, 10)).total == 2 * 3 * 10 * 5
+    with torch.no_grad():
+        assert count_flops(lambda: model(torch.randn(8, 10))).total == 2 * 8 * 10 * 5  # the forward alone
+    assert count_flops(model, torch.randn(3, 10)).total == 2 * 3 * 10 * 5  # arguments are passed to the step
     assert count_flops(lambda *, x: model(x), x=torch.randn(4, 10)).total == 2 * 4 * 10 * 5
+    count = count_flops(lambda: torch.randn(4, 4).relu().sum())
+    assert count.total == 0 and count.by_operator == {}
+    with pytest.raises(TypeError, match=r"count_flops\(fn=3\)"):
+        count_flops(3)
 
 
 def test_conv_training_step_matches_the_hand_formula() -> None:
@@ -89,16 +85,6 @@ def test_conv_training_step_matches_the_hand_formula() -> None:
     assert count_flops(_train_step(model, x)).total == 2 * forward  # forward + dW (the input needs no dX)
     x.requires_grad_(True)
     assert count_flops(_train_step(model, x)).total == 3 * forward  # forward + dW + dX
-
-
-def test_a_step_without_matmuls_counts_zero() -> None:
-    count = count_flops(lambda: torch.randn(4, 4).relu().sum())
-    assert count.total == 0 and count.by_operator == {}
-
-
-def test_count_flops_rejects_a_non_callable() -> None:
-    with pytest.raises(TypeError, match=r"count_flops\(fn=3\)"):
-        count_flops(3)
 
 
 def _qkv(b: int = 2, h: int = 3, s: int = 8, d: int = 4, s_kv: int | None = None) -> list[torch.Tensor]:
@@ -228,6 +214,8 @@ def test_unknown_gpu_or_dtype_gives_no_peak() -> None:
     no_fp64 = gpu_peak_flops("NVIDIA L4", torch.float64)
     assert no_fp64.flops_per_second is None and "L4" in no_fp64.source
     assert gpu_peak_flops("NVIDIA L40S", torch.bfloat16).flops_per_second is None  # not mistaken for an L4
+    other = peak_flops("meta", torch.float32)  # another device
+    assert other.flops_per_second is None and other.source.startswith("unknown:")
 
 
 def test_peak_on_cuda_reads_the_device_name_and_matmul_precision(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,30 +226,14 @@ def test_peak_on_cuda_reads_the_device_name_and_matmul_precision(monkeypatch: py
     assert peak_flops("cuda", torch.float32).source == "table: H100 SXM tf32 dense"
 
 
-def test_peak_on_another_device_is_unknown() -> None:
-    peak = peak_flops("meta", torch.float32)
-    assert peak.flops_per_second is None and peak.source.startswith("unknown:")
-
-
-@pytest.mark.parametrize(
-    ("precision", "dtype"),
-    [
-        ("32-true", torch.float32),
-        ("32", torch.float32),
-        ("bf16-mixed", torch.bfloat16),
-        ("bf16-true", torch.bfloat16),
-        ("16-mixed", torch.float16),
-        ("64-true", torch.float64),
-    ],
-)
-def test_dtype_of_precision(precision: str, dtype: torch.dtype) -> None:
-    assert dtype_of_precision(precision) is dtype
-
-
-@pytest.mark.parametrize("precision", ["bf16-fast", "8-true", "", "transformer-engine"])
-def test_dtype_of_an_unknown_precision_is_refused(precision: str) -> None:
-    with pytest.raises(ValueError, match="dtype_of_precision"):
-        dtype_of_precision(precision)
+def test_dtype_of_precision_and_an_unknown_one_refused() -> None:
+    f32, bf16 = torch.float32, torch.bfloat16
+    known = {"32-true": f32, "32": f32, "bf16-mixed": bf16, "bf16-true": bf16, "16-mixed": torch.float16}
+    for precision, dtype in {**known, "64-true": torch.float64}.items():
+        assert dtype_of_precision(precision) is dtype, precision
+    for precision in ("bf16-fast", "8-true", "", "transformer-engine"):
+        with pytest.raises(ValueError, match="dtype_of_precision"):
+            dtype_of_precision(precision)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -380,15 +352,10 @@ def test_a_disturbed_measurement_says_so_and_is_not_cached(
     assert len(fake_timer.measurements) == 2
 
 
-def test_refresh_measures_again(tmp_path: Path, fake_timer: FakeTimer) -> None:
-    cache = tmp_path / "peak_flops.json"
-    peak_flops("cpu", torch.float32, threads=1, cache_path=cache)
-    again = peak_flops("cpu", torch.float32, threads=1, cache_path=cache, refresh=True)
-    assert len(fake_timer.measurements) == 2 and not again.source.endswith("(cached)")
-
-
-def test_default_threads_are_torch_s_own(tmp_path: Path, fake_timer: FakeTimer) -> None:
+def test_refresh_measures_again_with_torch_s_threads_by_default(tmp_path: Path, fake_timer: FakeTimer) -> None:
     peak_flops("cpu", torch.float32, cache_path=tmp_path / "p.json")
+    again = peak_flops("cpu", torch.float32, cache_path=tmp_path / "p.json", refresh=True)
+    assert len(fake_timer.measurements) == 2 and not again.source.endswith("(cached)")
     assert {call[2] for call in fake_timer.calls} == {torch.get_num_threads()}
 
 
@@ -451,26 +418,16 @@ def test_machine_key_names_what_decides_the_peak() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [
-        ({"threads": 0}, "threads=0"),
-        ({"size": 0}, "size=0"),
-        ({"repeats": 0}, "repeats=0"),
-        ({"refresh": "yes"}, "refresh='yes'"),
-        ({"max_matmul_s": 0.0}, "max_matmul_s=0.0"),
-        ({"threads": 2.0}, "threads=2.0"),
-    ],
-)
+    [({"threads": 0}, "threads=0"), ({"size": 0}, "size=0"), ({"repeats": 0}, "repeats=0"),
+     ({"refresh": "yes"}, "refresh='yes'"), ({"max_matmul_s": 0.0}, "max_matmul_s=0.0"),
+     ({"threads": 2.0}, "threads=2.0"), ({"device": "nonsense"}, "ValueError: .*device='nonsense'"),
+     ({"dtype": "float32"}, "TypeError: .*dtype='float32'")],
+)  # fmt: skip
 def test_peak_flops_rejects_bad_arguments(kwargs: dict, match: str) -> None:
-    with pytest.raises((ValueError, TypeError), match=match):
-        peak_flops("cpu", torch.float32, **kwargs)
-
-
-def test_peak_flops_rejects_a_bad_device_or_dtype() -> None:
-    with pytest.raises(ValueError, match="device='nonsense'"):
-        peak_flops("nonsense", torch.float32)
-    with pytest.raises(TypeError, match="dtype='float32'"):
-        peak_flops("cpu", "float32")  # type: ignore[arg-type]
-    assert peak_flops("cpu", torch.int8).flops_per_second is None
+    with pytest.raises((ValueError, TypeError)) as caught:
+        peak_flops(**{"device": "cpu", "dtype": torch.float32, **kwargs})
+    assert re.search(match, f"{caught.typename}: {caught.value}")
+    assert peak_flops("cpu", torch.int8).flops_per_second is None  # a dtype without a peak is no error
 
 
 def test_a_real_tiny_matmul_measures_a_positive_rate_and_restores_threads() -> None:

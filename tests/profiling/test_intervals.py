@@ -99,13 +99,8 @@ def test_t_interval_matches_the_textbook() -> None:
 
 def test_to_dict_uses_the_prefix() -> None:
     est = RatioEstimate(1.5, 1.2, 1.8, METHOD_T, "faster", 5)
-    assert est.to_dict("speedup") == {
-        "speedup": 1.5,
-        "speedup_ci95": [1.2, 1.8],
-        "speedup_verdict": "faster",
-        "speedup_method": METHOD_T,
-        "speedup_n": 5,
-    }
+    expected = {"ci95": [1.2, 1.8], "verdict": "faster", "method": METHOD_T, "n": 5}
+    assert est.to_dict("speedup") == {"speedup": 1.5, **{f"speedup_{key}": value for key, value in expected.items()}}
     assert est.format() == "1.50x [1.20-1.80]"
 
 

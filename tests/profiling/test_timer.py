@@ -140,18 +140,10 @@ def test_misuse_is_a_clear_error_and_end_step_with_a_running_phase_changes_nothi
     assert timer.steps == [{"forward": pytest.approx(0.002)}]
 
 
-@pytest.mark.parametrize(
-    ("name", "bad"),
-    [
-        (n, v)
-        for n, vs in {
-            "warmup_steps": (-1, 1.5, True, "2", None),
-            "max_pending_steps": (0, -3, 2.0),
-            "clock": (123,),
-        }.items()
-        for v in vs
-    ],
-)
+_BAD = {"warmup_steps": (-1, 1.5, True, "2", None), "max_pending_steps": (0, -3, 2.0), "clock": (123,)}
+
+
+@pytest.mark.parametrize(("name", "bad"), [(name, value) for name, values in _BAD.items() for value in values])
 def test_bad_arguments_are_named(name: str, bad: object) -> None:
     """warmup_steps: an int >= 0; max_pending_steps: an int >= 1; clock: a callable (TypeError)."""
     with pytest.raises(TypeError if name == "clock" else ValueError, match=rf"PhaseTimer\({name}={bad!r}\)"):
@@ -282,11 +274,7 @@ def test_cuda_steps_stay_pending_without_any_synchronize(fake_cuda: FakeDevice) 
     assert fake_cuda.device_syncs == 0
     assert fake_cuda.event_waits == 0
     # Asking for results resolves everything with a single synchronize.
-    assert timer.steps == [
-        {"forward": 0.002, "backward": 0.004},
-        {"forward": 0.004, "backward": 0.008},
-        {"forward": 0.006, "backward": 0.012},
-    ]
+    assert timer.steps == [{"forward": 0.002 * i, "backward": 0.004 * i} for i in (1, 2, 3)]
     assert timer.warmup_steps_records == [{"forward": 0.05, "backward": 0.1}]
     assert fake_cuda.device_syncs == 1
     timer.finalize()

@@ -28,14 +28,8 @@ class SmallConvNet(pl.LightningModule):
     def __init__(self, lr: float = 0.05, fail_at_step: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1),
-            nn.BatchNorm2d(8),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(8, 4),
-        )
+        conv = [nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()]
+        self.net = nn.Sequential(*conv, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

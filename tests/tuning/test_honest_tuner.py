@@ -26,12 +26,8 @@ LOAD = "other processes' load: they kept 2.00 cores busy"
 
 
 def _tuner(model: Any = None, **kwargs: Any) -> AutoTuner:
-    options: dict[str, Any] = {
-        "precisions": [],
-        "tune_data_loading": False,
-        "tune_batch_size": False,
-        "progress": False,
-    }
+    options: dict[str, Any] = {"tune_data_loading": False, "tune_batch_size": False, "progress": False}
+    options["precisions"] = []
     return AutoTuner(model if model is not None else SmallConvNet(), PlainDataModule(), **(options | kwargs))
 
 

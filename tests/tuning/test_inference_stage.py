@@ -63,16 +63,10 @@ def test_predict_search_leaves_out_training_only_optimizations_with_the_reason()
 
 @pytest.fixture
 def inference_only() -> Iterator[Optimization]:
-    entry = optimizations.register(
-        Optimization(
-            "dummy_int8",
-            "an inference-only stand-in (as dynamic int8 will be)",
-            callback="lightning_perf.callbacks.ChannelsLastCallback",
-            tuner_stage="optimization",
-            tuner_order=60,
-            stages=INFERENCE_STAGES,
-        )
-    )
+    options = {"tuner_stage": "optimization", "tuner_order": 60, "stages": INFERENCE_STAGES}
+    callback = "lightning_perf.callbacks.ChannelsLastCallback"
+    description = "an inference-only stand-in (as dynamic int8 will be)"
+    entry = optimizations.register(Optimization("dummy_int8", description, callback=callback, **options))
     yield entry
     optimizations.unregister(entry.name)
 
