@@ -54,21 +54,6 @@ class CliParser(argparse.ArgumentParser):
         raise SystemExit(status)
 
 
-def add_command(
-    subparsers: Any,
-    name: str,
-    run: Callable[[argparse.Namespace, argparse.ArgumentParser], int],
-    help: str,
-    description: str,
-) -> argparse.ArgumentParser:
-    """The parser of the sub-command ``name`` (never abbreviating), whose ``args.run(args, parser)`` is ``run``."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        name, help=help, description=description, allow_abbrev=False
-    )
-    parser.set_defaults(run=run, subparser=parser)
-    return parser
-
-
 def fail(parser: argparse.ArgumentParser, option: str, value: Any, expected: str) -> NoReturn:
     """Exit 2 with one line naming ``option``, ``value`` and what is expected (for checks made after parsing)."""
     parser.error(f"argument {option}: {value!r} is not valid. Expected {one_line(expected)}.")
