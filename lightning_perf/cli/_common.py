@@ -141,15 +141,21 @@ def load_user_source(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return source, model, datamodule
 
 
-def positive_int_list(text: str) -> list[int]:
-    """A comma-separated list of distinct integers >= 1, e.g. ``1,8,32`` (kept in the order given)."""
+def positive_ints(text: str, expected: str, separator: str = ",", distinct: bool = False) -> list[int]:
+    """The integers >= 1 that ``separator`` separates in ``text``, in the order given (with ``distinct``, each once);
+    :func:`invalid` with ``expected`` otherwise."""
     try:
-        values = [int(item) for item in text.split(",") if item.strip()]
+        values = [int(item) for item in text.split(separator)]
     except ValueError:
         values = []
-    if not values or min(values) < 1 or len(set(values)) < len(values):
-        raise invalid(text, "comma-separated distinct integers >= 1, e.g. 1,8,32")
+    if not values or min(values) < 1 or (distinct and len(set(values)) < len(values)):
+        raise invalid(text, expected)
     return values
+
+
+def positive_int_list(text: str) -> list[int]:
+    """A comma-separated list of distinct integers >= 1, e.g. ``1,8,32`` (kept in the order given)."""
+    return positive_ints(text, "comma-separated distinct integers >= 1, e.g. 1,8,32", distinct=True)
 
 
 def setting(name: str) -> Callable[[str], Any]:

@@ -221,18 +221,9 @@ def _run_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     ]
     try:
         tasks = read_tasks(args.tasks, check_names=True) if args.tasks is not None else [task_from_options(vars(args))]
-        spec = TaskSpec(
-            tuple(tasks),
-            tuple(args.ref or ()),
-            tuple(passed_on),
-            args.output,
-            args.tasks,
-            args.force,
-            args.quiet,
-            args.fail_fast,
-            ("lightning-perf", *command),
-        )
-        return run_tasks(spec)
+        flags = {name: getattr(args, name) for name in ("output", "force", "quiet", "fail_fast")}
+        flags |= {"tasks_file": args.tasks, "command": ("lightning-perf", *command)}
+        return run_tasks(TaskSpec(tuple(tasks), tuple(args.ref or ()), tuple(passed_on), **flags))
     except (TaskFileError, TaskSetupError) as exc:
         parser.error(str(exc))
 

@@ -23,6 +23,7 @@ from lightning_perf.cli._common import (
     module_class_spec,
     non_negative_int,
     one_line,
+    positive_ints,
 )
 
 __all__ = ["EXPORT_BACKENDS", "EXPORT_PRECISIONS", "add_arguments", "run"]
@@ -35,20 +36,9 @@ EXPORT_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 """The keys of ``lightning_perf.deploy.PRECISIONS``."""
 
 
-def _positive_ints(text: str, separator: str, expected: str) -> list[int]:
-    parts = [part.strip() for part in text.split(separator)]
-    try:
-        values = [int(part) for part in parts]
-    except ValueError:
-        raise invalid(text, expected) from None
-    if not values or any(v < 1 for v in values):
-        raise invalid(text, expected)
-    return values
-
-
 def _range(text: str) -> tuple[int, int, int]:
     expected = "MIN,OPT,MAX: three positive integers with min <= opt <= max, e.g. 1,8,32"
-    values = _positive_ints(text, ",", expected)
+    values = positive_ints(text, expected)
     if len(values) != 3 or not values[0] <= values[1] <= values[2]:
         raise invalid(text, expected)
     return values[0], values[1], values[2]
@@ -57,13 +47,13 @@ def _range(text: str) -> tuple[int, int, int]:
 def _shape(text: str) -> list[int]:
     expected = "D1xD2...: positive integer sizes, e.g. 3x224x224"
     try:
-        return _positive_ints(text.replace(",", "x"), "x", expected)
+        return positive_ints(text.replace(",", "x"), expected, "x")
     except argparse.ArgumentTypeError:
         raise invalid(text, expected) from None  # the value as typed ('3,x'), not as rewritten
 
 
 def _sizes(text: str) -> list[int]:
-    return _positive_ints(text, ",", "B1,B2...: positive integer batch sizes, e.g. 1,8,32")
+    return positive_ints(text, "B1,B2...: positive integer batch sizes, e.g. 1,8,32")
 
 
 def _dynamic_dim(text: str) -> tuple[int, int, tuple[int, int, int]]:
