@@ -114,10 +114,10 @@ def recommendation_record(
     row = by_name.get(stack.name)
     estimate = row.estimate(RATIO) if row is not None else None
     notes = [] if row is None else [row.unsettled, "measured while the machine was disturbed" if row.disturbed else ""]
+    note = "; ".join(filter(None, notes))
     lines = recommendation_lines(
-        stack, estimate if len(stack.names) > 1 else None, singles, settled_note="; ".join(filter(None, notes)),
-        config_file=config_file,
-    )  # fmt: skip
+        stack, estimate if len(stack.names) > 1 else None, singles, settled_note=note, config_file=config_file
+    )
     measured = [e for e in singles.values() if e is not None]
     if not stack.names and measured and not any(e.has_interval for e in measured):
         lines = [

@@ -156,6 +156,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from lightning_perf.benchmark.session import list_configs
 
         return list_configs()
+    # The spec's settings under their own names (each option's dest is the setting less its unit suffix).
     settings: dict[str, Any] = {name: getattr(args, name.removesuffix("_s")) for name, _, _ in _SETTINGS}
     settings |= {name: getattr(args, name) for name in ("configs", "preset", "device", "seed", "stage")}
     settings |= {"workload": args.workload or "convnet", "precision": args.precision or "32-true"}
