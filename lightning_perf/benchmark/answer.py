@@ -16,8 +16,7 @@ from lightning_perf.benchmark.settle import (
     Settling,
     Unsettled,
     is_settled,
-    relative_half_width,
-    repeats_to_settle,
+    unsettled_item,
     unsettled_text,
 )
 from lightning_perf.benchmark.stack import Stack, is_winner, recommendation_lines, recommended_names
@@ -51,11 +50,7 @@ def mark_settled(
         if s.settled:
             s.unsettled = None
             continue
-        needed = repeats_to_settle(estimate, target)
-        seconds = None
-        if needed is not None and settling is not None:
-            seconds = max(needed - estimate.n, 0) * settling.round_s([BASELINE, s.config])
-        item = Unsettled(s.config, estimate.n, relative_half_width(estimate), needed, seconds)
+        item = unsettled_item(s.config, estimate, target, settling)
         s.unsettled = unsettled_text(item, target)
         out.append(item)
     return out
@@ -116,19 +111,12 @@ def recommendation_record(
     """The report's ``recommendation``: the stack, what was dropped from it, its speed-up and the lines to add."""
     by_name = {s.config: s for s in summaries}
     singles = estimates_from(summaries)
-    row = by_name.get(stack.name) if len(stack.names) > 1 else by_name.get(stack.name or "")
+    row = by_name.get(stack.name)
     estimate = row.estimate(RATIO) if row is not None else None
-    note = ""
-    if row is not None and row.unsettled:
-        note = row.unsettled
-    if row is not None and row.disturbed:
-        note = "; ".join(filter(None, [note, "measured while the machine was disturbed"]))
+    notes = [] if row is None else [row.unsettled, "measured while the machine was disturbed" if row.disturbed else ""]
+    note = "; ".join(filter(None, notes))
     lines = recommendation_lines(
-        stack,
-        estimate if len(stack.names) > 1 else None,
-        singles,
-        settled_note=note,
-        config_file=config_file,
+        stack, estimate if len(stack.names) > 1 else None, singles, settled_note=note, config_file=config_file
     )
     measured = [e for e in singles.values() if e is not None]
     if not stack.names and measured and not any(e.has_interval for e in measured):

@@ -37,10 +37,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_perf._validation import check_number, is_number
 from lightning_perf.profiling.intervals import NO_CLEAR_DIFFERENCE, paired_ratio, unpaired_ratio
 from lightning_perf.profiling.stats import median_of_repeats
 
@@ -75,6 +76,8 @@ METHOD = (
 )
 ONE_REPEAT = "one repeat: no interval between processes, no verdict; (in brackets) within one process, indicative"
 FASTER, SLOWER = "faster", "slower"
+UNIT_SUFFIX = {"s": "_s", "bytes": "_bytes", "samples/s": "_samples_per_s"}
+"""The suffix of a figure's keys in the JSON rows, per unit (``old_median_s``)."""
 
 
 class ResultsFileError(ValueError):
@@ -151,22 +154,10 @@ class MetricRow:
     note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        suffix = {"s": "_s", "bytes": "_bytes", "samples/s": "_samples_per_s"}[self.unit]
-        return {
-            "config": self.config,
-            "metric": self.metric,
-            "unit": self.unit,
-            f"old_median{suffix}": self.old_median,
-            f"new_median{suffix}": self.new_median,
-            "n_old": self.n_old,
-            "n_new": self.n_new,
-            "ratio": self.ratio,
-            "ratio_ci95": list(self.ratio_ci95) if self.ratio_ci95 else None,
-            "within_process_ci95": list(self.within_process_ci95) if self.within_process_ci95 else None,
-            "verdict": self.verdict,
-            "regression": self.regression,
-            "note": self.note,
-        }
+        data = asdict(self)
+        suffix = UNIT_SUFFIX[self.unit]
+        data[f"old_median{suffix}"], data[f"new_median{suffix}"] = data.pop("old_median"), data.pop("new_median")
+        return data
 
 
 @dataclass
@@ -187,10 +178,10 @@ class FileComparison:
         return [row for row in self.rows if row.regression]
 
     def to_dict(self) -> dict[str, Any]:
+        sides = (("old", self.old), ("new", self.new))
         return {
             "kind": "lightning-perf-compare",
-            "old": {"path": self.old.path, "kind": self.old.kind, "description": self.old.description},
-            "new": {"path": self.new.path, "kind": self.new.kind, "description": self.new.description},
+            **{side: {"path": f.path, "kind": f.kind, "description": f.description} for side, f in sides},
             "threshold": self.threshold,
             "method": METHOD,
             "rows": [row.to_dict() for row in self.rows],
@@ -272,19 +263,13 @@ def _numbers(value: Any, where: str, path: str) -> list[float]:
     raise _fail(path, f"{where} is a JSON {type(value).__name__}, not a number or a list of numbers")
 
 
-def _mapping(value: Any, where: str, path: str) -> Mapping[str, Any]:
+def _expect(value: Any, where: str, path: str, kind: type = dict) -> Any:
+    """``value`` when it is a JSON object (``kind`` list: a list); ``None`` gives an empty one."""
     if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise _fail(path, f"{where} is a JSON {type(value).__name__}, expected an object")
-    return value
-
-
-def _list(value: Any, where: str, path: str) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise _fail(path, f"{where} is a JSON {type(value).__name__}, expected a list")
+        return kind()
+    if not isinstance(value, kind):
+        expected = "a list" if kind is list else "an object"
+        raise _fail(path, f"{where} is a JSON {type(value).__name__}, expected {expected}")
     return value
 
 
@@ -332,20 +317,20 @@ def _run_description(run: Mapping[str, Any], environment: Mapping[str, Any]) -> 
 
 
 def _load_bench(path: str, data: Mapping[str, Any]) -> ResultFile:
-    options = _mapping(data.get("options"), "options", path)
-    environment = _mapping(data.get("environment"), "environment", path)
-    machine = _mapping(data.get("machine"), "machine", path)
-    run = _mapping(data.get("run"), "run", path)
-    summary = _list(data.get("summary"), "summary", path)
-    runs = _list(data.get("runs"), "runs", path)
+    options = _expect(data.get("options"), "options", path)
+    environment = _expect(data.get("environment"), "environment", path)
+    machine = _expect(data.get("machine"), "machine", path)
+    run = _expect(data.get("run"), "run", path)
+    summary = _expect(data.get("summary"), "summary", path, list)
+    runs = _expect(data.get("runs"), "runs", path, list)
     entries: dict[str, Entry] = {}
     stage = str(options.get("stage") or "fit")  # files before --stage measured training
     inference = stage != "fit"
     by_config: dict[str, list[Mapping[str, Any]]] = {}
     batch_sizes: set[int] = set()
     for i, item in enumerate(runs):
-        record = _mapping(item, f"runs[{i}]", path)
-        spec = _mapping(record.get("spec"), f"runs[{i}].spec", path)
+        record = _expect(item, f"runs[{i}]", path)
+        spec = _expect(record.get("spec"), f"runs[{i}].spec", path)
         config = spec.get("config")
         if not isinstance(config, str):
             raise _fail(path, f"runs[{i}].spec.config is {config!r}, expected a configuration name")
@@ -353,7 +338,7 @@ def _load_bench(path: str, data: Mapping[str, Any]) -> ResultFile:
         if record.get("ok", True) and isinstance(record.get("batch_size"), int):
             batch_sizes.add(record["batch_size"])
     for i, item in enumerate(summary):
-        row = _mapping(item, f"summary[{i}]", path)
+        row = _expect(item, f"summary[{i}]", path)
         config = row.get("config")
         if not isinstance(config, str):
             raise _fail(path, f"summary[{i}].config is {config!r}, expected a configuration name")
@@ -361,17 +346,9 @@ def _load_bench(path: str, data: Mapping[str, Any]) -> ResultFile:
     for config, records in by_config.items():  # runs of a configuration missing from the summary
         if config not in entries:
             entries[config] = _bench_entry(path, config, {}, records, inference)
-    batch = options.get("batch_size")
-    if len(batch_sizes) == 1:
-        batch = next(iter(batch_sizes))
-    identity = {
-        "workload": options.get("workload"),
-        "preset": options.get("preset"),
-        "batch size": batch,
-        "device": options.get("device"),
-        "precision": options.get("precision"),
-        "stage": stage,
-    }
+    batch = next(iter(batch_sizes)) if len(batch_sizes) == 1 else options.get("batch_size")
+    identity = {key: options.get(key) for key in ("workload", "preset", "device", "precision")}
+    identity |= {"batch size": batch, "stage": stage}
     warnings = []
     reliability = data.get("reliability")
     if isinstance(reliability, dict) and reliability.get("reliable") is False:
@@ -394,12 +371,12 @@ def _load_bench(path: str, data: Mapping[str, Any]) -> ResultFile:
 
 def _load_sweep(path: str, data: Mapping[str, Any]) -> ResultFile:
     """A ``--batch-sizes`` file: every size's configurations, named ``config @ batch N``."""
-    reports = _list(data.get("by_batch_size"), "by_batch_size", path)
+    reports = _expect(data.get("by_batch_size"), "by_batch_size", path, list)
     if not reports:
         raise _fail(path, "by_batch_size is empty, expected one bench report per batch size")
     files = []
     for i, item in enumerate(reports):
-        report = _mapping(item, f"by_batch_size[{i}]", path)
+        report = _expect(item, f"by_batch_size[{i}]", path)
         files.append((report.get("batch_size"), _load_bench(path, report)))
     merged = files[0][1]
     merged.entries = {
@@ -427,10 +404,10 @@ def _bench_entry(
     memory: list[float] = []
     for record in ok:
         step.append(_numbers(record.get("step_times_s"), f"{where}: step_times_s", path))
-        old_stats = _mapping(record.get("step_s"), f"{where}: step_s", path)  # the older files' Stats dict
+        old_stats = _expect(record.get("step_s"), f"{where}: step_s", path)  # the older files' Stats dict
         step_medians += _numbers(_first(record, "step_median_s") or old_stats.get("median"), where, path)
         predict.append(_numbers(record.get("predict_step_times_s"), f"{where}: predict_step_times_s", path))
-        old_predict = _mapping(record.get("predict_step_s"), f"{where}: predict_step_s", path)
+        old_predict = _expect(record.get("predict_step_s"), f"{where}: predict_step_s", path)
         predict_medians += _numbers(_first(record, "predict_step_median_s") or old_predict.get("median"), where, path)
         throughput += _numbers(record.get("throughput"), f"{where}: throughput", path)
         memory += _numbers(record.get("step_memory_bytes"), f"{where}: step_memory_bytes", path)
@@ -454,10 +431,7 @@ def _bench_entry(
     if not entry.repeats:
         skipped = row.get("skipped") or next((r.get("skipped") for r in records if r.get("skipped")), None)
         error = row.get("error") or next((r.get("error") for r in records if r.get("error")), None)
-        if skipped:
-            entry.status = f"skipped: {skipped}"
-        else:
-            entry.status = f"failed: {error}" if error else "no measurement"
+        entry.status = f"skipped: {skipped}" if skipped else f"failed: {error}" if error else "no measurement"
     return entry
 
 
@@ -468,20 +442,20 @@ def _per_repeat(raw: Any, where: str, path: str) -> list[list[float]]:
 
 
 def _load_pytest_benchmark(path: str, data: Mapping[str, Any]) -> ResultFile:
-    machine_info = _mapping(data.get("machine_info"), "machine_info", path)
-    cpu = _mapping(machine_info.get("cpu"), "machine_info.cpu", path)
-    commit = _mapping(data.get("commit_info"), "commit_info", path)
+    machine_info = _expect(data.get("machine_info"), "machine_info", path)
+    cpu = _expect(machine_info.get("cpu"), "machine_info.cpu", path)
+    commit = _expect(data.get("commit_info"), "commit_info", path)
     entries: dict[str, Entry] = {}
     names: list[tuple[str, str]] = []
-    for i, item in enumerate(_list(data.get("benchmarks"), "benchmarks", path)):
-        bench = _mapping(item, f"benchmarks[{i}]", path)
+    for i, item in enumerate(_expect(data.get("benchmarks"), "benchmarks", path, list)):
+        bench = _expect(item, f"benchmarks[{i}]", path)
         name, fullname = bench.get("name"), bench.get("fullname")
         if not isinstance(name, str) or not name:
             raise _fail(path, f"benchmarks[{i}].name is {name!r}, expected a benchmark name")
         group = bench.get("group")
         key = f"{group}/{name}" if isinstance(group, str) and group else name
         names.append((key, fullname if isinstance(fullname, str) else key))
-        stats = _mapping(bench.get("stats"), f"benchmarks[{i}].stats", path)
+        stats = _expect(bench.get("stats"), f"benchmarks[{i}].stats", path)
         entry = Entry(key)
         where = f"benchmarks[{i}].stats"
         data_points = _numbers(stats.get("data") if "data" in stats else bench.get("data"), f"{where}.data", path)
@@ -489,7 +463,7 @@ def _load_pytest_benchmark(path: str, data: Mapping[str, Any]) -> ResultFile:
             entry.repeats[ROUND_TIME.key] = [data_points]  # every round in one process: one repeat
         else:
             value = stats.get("median")
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            if not is_number(value) or value <= 0:
                 raise _fail(path, f"{where}.median is {value!r}, expected a positive number")
             entry.stats_only[ROUND_TIME.key] = float(value)
         if key in entries:
@@ -545,15 +519,9 @@ def compare_results(old: ResultFile, new: ResultFile, threshold: float = DEFAULT
         new: the candidate.
         threshold: the smallest change worth a verdict, a fraction >= 0 (0.05 is 5%).
     """
-    if (
-        isinstance(threshold, bool)
-        or not isinstance(threshold, (int, float))
-        or not math.isfinite(threshold)
-        or threshold < 0
-    ):
-        raise ValueError(f"`compare_results(threshold={threshold!r})` is not valid. Expected a finite number >= 0.")
+    threshold = check_number("compare_results", "threshold", threshold)
     check_compatible(old, new)
-    result = FileComparison(old=old, new=new, threshold=float(threshold))
+    result = FileComparison(old=old, new=new, threshold=threshold)
     result.only_in_old = [name for name in old.entries if name not in new.entries]
     result.only_in_new = [name for name in new.entries if name not in old.entries]
     for name, before in old.entries.items():
@@ -567,7 +535,7 @@ def compare_results(old: ResultFile, new: ResultFile, threshold: float = DEFAULT
         compared = False
         sides = [side for side, file in (("old", old), ("new", new)) if name in file.disturbed]
         for metric in METRICS:
-            row = _compare_metric(name, metric, before, after, float(threshold))
+            row = _compare_metric(name, metric, before, after, threshold)
             if row is not None:
                 if sides:
                     row.note = f"disturbed in the {' and '.join(sides)} run: read with care"

@@ -3,11 +3,10 @@ the Markdown report."""
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Sequence
 
 from lightning_perf.benchmark.compare import METHOD, FileComparison, MetricRow
-from lightning_perf.profiling.report import format_bytes, format_seconds, text_table
+from lightning_perf.profiling.report import format_bytes, format_seconds, text_table, wrap_lines
 
 __all__ = ["format_table", "format_value", "interval_text", "markdown_report", "percent_change"]
 
@@ -70,19 +69,13 @@ def format_table(comparison: FileComparison, width: int = 80) -> str:
         lines.append(f"REGRESSION beyond {pct} and the noise: {named}")
     else:
         lines.append(f"no regression beyond {pct} and the noise")
-    return "\n".join(_wrap(line, width) for line in lines)
+    return "\n".join(part for line in lines for part in wrap_lines(line, width))
 
 
 def _unmatched(comparison: FileComparison) -> list[str]:
     """What was not compared: the configurations of one file only, and the comparison's notes."""
     sides = (("old", comparison.only_in_old), ("new", comparison.only_in_new))
     return [f"only in {side}: {', '.join(names)}" for side, names in sides if names] + comparison.notes
-
-
-def _wrap(line: str, width: int) -> str:
-    if len(line) <= width:
-        return line
-    return "\n".join(textwrap.wrap(line, width, subsequent_indent="  ", break_on_hyphens=False))
 
 
 def markdown_report(comparison: FileComparison) -> str:

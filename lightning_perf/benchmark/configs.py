@@ -38,13 +38,9 @@ def _no_callbacks() -> list[Any]:
 
 def instantiate_callbacks(specs: Iterable[CallbackSpec]) -> list[Any]:
     """Build callbacks from ``(class_path, init_args)`` pairs, importing each class."""
-    import importlib
+    from lightning_perf.benchmark.sources import import_object
 
-    callbacks = []
-    for class_path, init_args in specs:
-        module, _, name = class_path.rpartition(".")
-        callbacks.append(getattr(importlib.import_module(module), name)(**dict(init_args)))
-    return callbacks
+    return [import_object(class_path, "callback")(**dict(init_args)) for class_path, init_args in specs]
 
 
 @dataclass(frozen=True)
@@ -204,14 +200,12 @@ def config_from_optimization(optimization: Optimization) -> BenchConfig:
     def applies_to(device: torch.device) -> str | None:
         return _missing(optimization, device)
 
-    specs: tuple[CallbackSpec, ...] = ()
-    if optimization.callback is not None:
-        specs = ((optimization.callback, optimization.callback_kwargs),)
-    specs += tuple(optimization.with_callbacks)
+    from lightning_perf.benchmark.stack import callbacks_of
+
     return BenchConfig(
         optimization.name,
         optimization.description,
-        callback_specs=specs,
+        callback_specs=tuple(callbacks_of(optimization)),
         trainer_kwargs=optimization.trainer_kwargs,
         applies_to=applies_to if optimization.requires or optimization.packages else None,
         stages=optimization.stages,
@@ -233,14 +227,8 @@ def _missing(optimization: Optimization, device: torch.device) -> str | None:
 
 def split_by_stage(names: Iterable[str], stage: str) -> tuple[list[str], list[tuple[str, str]]]:
     """``(names that apply to stage, [(name, why)] for the others)``, order kept (``baseline`` applies to all)."""
-    kept, left_out = [], []
-    for name in names:
-        why = get_config(name).why_not_stage(stage)
-        if why is None:
-            kept.append(name)
-        else:
-            left_out.append((name, why))
-    return kept, left_out
+    whys = [(name, get_config(name).why_not_stage(stage)) for name in names]
+    return [name for name, why in whys if why is None], [(name, why) for name, why in whys if why is not None]
 
 
 def device_capabilities(device: torch.device) -> dict[str, bool]:

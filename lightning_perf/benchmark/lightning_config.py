@@ -52,11 +52,6 @@ class LightningConfig:
     ignored: dict[str, Any] = field(default_factory=dict)
 
 
-def _dotted(spec: str) -> str:
-    """``pkg.mod:Class`` as jsonargparse spells a class path, ``pkg.mod.Class``."""
-    return spec.replace(":", ".")
-
-
 def _trainer_defaults() -> dict[str, Any]:
     from lightning.pytorch import Trainer
 
@@ -108,7 +103,8 @@ def load_lightning_config(
     args: list[str] = []
     for key, spec, init_args in (("model", model, model_args), ("data", datamodule, datamodule_args)):
         if spec is not None:
-            args.append(f"--{key}=" + json.dumps({"class_path": _dotted(spec), "init_args": dict(init_args or {})}))
+            class_path = spec.replace(":", ".")  # jsonargparse spells pkg.mod:Class as pkg.mod.Class
+            args.append(f"--{key}=" + json.dumps({"class_path": class_path, "init_args": dict(init_args or {})}))
     for path in paths:
         args += ["--config", str(path)]
     cli = _parse(_Capture, args, paths, seed)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning_perf.optimizations as optimizations
+from lightning_perf._validation import check_number
 from lightning_perf.optimizations import BASELINE
 from lightning_perf.profiling.stats import median
 
@@ -36,8 +37,7 @@ def break_even_steps(cold_first_step_s: float, baseline_step_s: float, step_s: f
     """
     for name, value in (("cold_first_step_s", cold_first_step_s), ("baseline_step_s", baseline_step_s),
                         ("step_s", step_s)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"`break_even_steps({name}={value!r})` is not valid. Expected seconds > 0.")
+        check_number("break_even_steps", name, value, 0.0, exclusive=True)
     saved = baseline_step_s - step_s
     if saved <= 0:
         return None
@@ -72,9 +72,6 @@ class CompileCost:
         if self.break_even_steps is None:
             return f"{head}; {self.why}"
         return f"{head}; {payback_phrase(self.break_even_steps)}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def payback_phrase(steps: float) -> str:

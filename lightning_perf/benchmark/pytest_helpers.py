@@ -15,6 +15,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_perf._validation import check_int
+
 __all__ = ["benchmark_training_steps"]
 
 _process_warmed_up = False
@@ -49,8 +51,7 @@ class _StepTimes(Callback):
 
 def _check(steps: Any, warmup_steps: Any, rounds: Any, compare_with: Any, name: Any) -> None:
     for arg, value, minimum in (("steps", steps, 2), ("rounds", rounds, 1), ("warmup_steps", warmup_steps, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"`benchmark_training_steps({arg}={value!r})` is not valid. Expected an int >= {minimum}.")
+        check_int("benchmark_training_steps", arg, value, minimum)
     if compare_with is not None:
         if not isinstance(compare_with, Mapping) or not all(
             isinstance(k, str) and k and not isinstance(v, (str, Callback)) and isinstance(v, Sequence)

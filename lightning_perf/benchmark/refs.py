@@ -180,12 +180,6 @@ def working_tree(cwd: str | Path | None = None, exclude: Sequence[str | Path] = 
     return Checkout(WORKING_TREE, commit, repo, repo, is_dirty(repo, exclude))
 
 
-def _remove_worktree(repo: Path, tree: Path, holder: Path) -> None:
-    _git(repo, "worktree", "remove", "--force", str(tree))
-    _git(repo, "worktree", "prune")
-    shutil.rmtree(holder, ignore_errors=True)
-
-
 @contextlib.contextmanager
 def ref_checkout(ref: str, cwd: str | Path | None = None, commit: str | None = None) -> Iterator[Checkout]:
     """Check ``ref`` out in a temporary worktree of the repository containing ``cwd``; yield its :class:`Checkout`.
@@ -210,8 +204,7 @@ def ref_checkout(ref: str, cwd: str | Path | None = None, commit: str | None = N
     if repo is None:
         raise GitRefError(f"{str(here)!r} is not inside a git repository (needed to benchmark the ref {ref!r})")
     commit = commit or resolve_ref(ref, repo)
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", ref).strip("-.")[:40] or "ref"
-    holder = Path(tempfile.mkdtemp(prefix=f"lightning-perf-{slug}-"))
+    holder = Path(tempfile.mkdtemp(prefix=f"lightning-perf-{file_label(ref)[:40]}-"))
     tree = holder / repo.name
     try:
         done = _git(repo, "worktree", "add", "--detach", str(tree), commit)
@@ -219,7 +212,9 @@ def ref_checkout(ref: str, cwd: str | Path | None = None, commit: str | None = N
             raise GitRefError(f"git worktree add for {ref!r} failed: {_last_line(done.stderr) or done.returncode}")
         yield Checkout(ref, commit, tree.resolve(), repo, False)
     finally:
-        _remove_worktree(repo, tree, holder)
+        _git(repo, "worktree", "remove", "--force", str(tree))
+        _git(repo, "worktree", "prune")
+        shutil.rmtree(holder, ignore_errors=True)
 
 
 def file_label(ref: str) -> str:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_perf._io import numbered_path
+from lightning_perf._io import atomic_write_text, numbered_path
 from lightning_perf.benchmark.payback import compile_costs
 from lightning_perf.benchmark.results import ONE_REPEAT
 from lightning_perf.benchmark.utilization import MFU_LEGEND, mfu_cell, utilization_lines, utilization_markdown
@@ -77,14 +77,13 @@ def _estimate_cell(s: ConfigSummary, name: str, multiline: bool = False) -> str:
 
 
 def _verdict_cell(s: ConfigSummary, multiline: bool = False, name: str = "speedup") -> str:
+    sep = "\n" if multiline else " "
     if s.config == BASELINE:
-        return "reference" + ((" " if not multiline else "\n") + DISTURBED if s.disturbed else "")
-    if s.get(f"{name}_verdict") is None:
-        return "n/a"
+        return "reference" + (sep + DISTURBED if s.disturbed else "")
     text = s.get(f"{name}_verdict")
-    if s.disturbed:
-        text = f"? {text}" + ("\n" if multiline else " ") + DISTURBED
-    return text
+    if text is None:
+        return "n/a"
+    return f"? {text}{sep}{DISTURBED}" if s.disturbed else text
 
 
 def _compact_ratio(s: ConfigSummary, name: str) -> str:
@@ -387,25 +386,21 @@ def write_outputs(report: BenchReport, output: Path) -> list[Path]:
     The caller picks ``output`` (see :func:`unused_output`: files are never overwritten unless asked).
     """
     output = Path(output)
-    written = [write_json(report.to_dict(), output)]
-    md = output.with_suffix(".md")
-    from lightning_perf._io import atomic_write_text
-
-    atomic_write_text(md, markdown_report(report))
-    written.append(md)
+    written = [
+        write_json(report.to_dict(), output),
+        atomic_write_text(output.with_suffix(".md"), markdown_report(report)),
+    ]
     measured = [s for s in report.summaries if s.speedup is not None]
     from lightning_perf._imports import is_available
 
     if measured and is_available("matplotlib"):
         png = output.with_suffix(".png")
-        errors = []
-        for s in measured:
-            low, high = s.speedup_ci95 or (s.speedup, s.speedup)
-            errors.append((s.speedup - low, high - s.speedup))  # type: ignore[operator]
+        speedups = [float(s.speedup) for s in measured]  # type: ignore[arg-type]  # measured: not None
+        bounds = [s.speedup_ci95 or (ratio, ratio) for s, ratio in zip(measured, speedups)]
         plot_bars(
             [s.config for s in measured],
-            [s.speedup for s in measured],  # type: ignore[misc]
-            errors=errors,
+            speedups,
+            errors=[(ratio - low, high - ratio) for ratio, (low, high) in zip(speedups, bounds)],
             marks=["disturbed" if s.disturbed else "unsettled" if s.settled is False else None for s in measured],
             title=f"{report.options['workload']}: "
             f"{'training' if report.stage == 'fit' else report.stage + ' latency'} speed-up vs baseline "
@@ -423,8 +418,6 @@ def write_sweep_outputs(reports: list[tuple[int, BenchReport]], output: Path) ->
     """A ``--batch-sizes`` sweep: one JSON at ``output`` (``kind: lightning-perf-bench-sweep``, ``by_batch_size``: one
     bench report per size, each with its ``batch_size``) and one Markdown beside it (a section per size, then the
     batch-scaling table). Returns the paths."""
-    from lightning_perf._io import atomic_write_text
-
     output = Path(output)
     data = {
         "kind": "lightning-perf-bench-sweep",
@@ -436,7 +429,4 @@ def write_sweep_outputs(reports: list[tuple[int, BenchReport]], output: Path) ->
     first = reports[0][1] if reports else None
     heading = f"## Batch sizes {', '.join(str(size) for size, _ in reports)}" + (f": {title(first)}" if first else "")
     text = "\n".join([heading, "", *scaling_markdown(reports), *sections])
-    md = output.with_suffix(".md")
-    atomic_write_text(md, text)
-    written.append(md)
-    return written
+    return [*written, atomic_write_text(output.with_suffix(".md"), text)]

@@ -8,7 +8,7 @@ the keys are described in the runner's module notes (docs/architecture.md).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from lightning_perf.profiling.intervals import RatioEstimate
@@ -137,21 +137,8 @@ class BenchReport:
         return bool(self.reliability.get("reliable", True))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": "lightning-perf-bench",
-            "command": self.command,
-            "options": self.options,
-            "wall_s": self.wall_s,
-            "machine": self.machine,
-            "run": self.run,
-            "reliability": self.reliability,
-            "left_out": self.left_out,
-            "notes": self.notes,
-            "settling": self.settling,
-            "recommendation": self.recommendation,
-            "summary": [s.to_dict() for s in self.summaries],
-            "runs": self.runs,
-        }
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "summaries"}
+        return {"kind": "lightning-perf-bench", **data, "summary": [s.to_dict() for s in self.summaries]}
 
 
 ProgressFn = Callable[[int, int, str], None]

@@ -260,14 +260,18 @@ class _Runs:
             self.on_run(self._event(name, repeat, result))
         return result
 
-    def _judge(self, conditions: Any) -> str | None:
-        """Why other processes disturbed this one run (the cause's name), judged by itself as it ends; None if not."""
+    @property
+    def cores_used(self) -> int:
+        """The cores a run keeps busy: one on CUDA, else its threads."""
         import torch
 
+        return 1 if self.spec.device.startswith("cuda") else self.spec.threads or torch.get_num_threads()
+
+    def _judge(self, conditions: Any) -> str | None:
+        """Why other processes disturbed this one run (the cause's name), judged by itself as it ends; None if not."""
         from lightning_perf.profiling.machine import usable_cpu_count
 
-        cores = 1 if self.spec.device.startswith("cuda") else self.spec.threads or torch.get_num_threads()
-        verdict = assess([conditions], {}, cores_used=cores, cpu_count=usable_cpu_count(), **self.started)
+        verdict = assess([conditions], {}, cores_used=self.cores_used, cpu_count=usable_cpu_count(), **self.started)
         return verdict.causes[0].split(":")[0] if verdict.disturbed_runs else None
 
     def why_disturbed(self, result: RunResult) -> str | None:
@@ -327,13 +331,11 @@ def _measure(runs: _Runs, order: list[str], stack_phase: bool) -> tuple[Stack, l
 
 def _judged_summaries(runs: _Runs, machine: dict[str, Any]) -> tuple[list[ConfigSummary], Reliability]:
     """The runs summarized, with the machine's conditions judged and every slower row's likely cause named."""
-    import torch
-
     summaries = summarize_runs(runs.results)
     reliability = assess(
         runs.watched,
         {s.config: s.step_times_s for s in summaries if s.step_times_s},
-        cores_used=1 if runs.spec.device.startswith("cuda") else runs.spec.threads or torch.get_num_threads(),
+        cores_used=runs.cores_used,
         cpu_count=int(machine.get("cpu_count_usable") or machine.get("cpu_count") or 1),
         **runs.started,
     )
@@ -458,9 +460,8 @@ def summarize_runs(results: dict[str, list[RunResult]]) -> list[ConfigSummary]:
         ok = sorted((r for r in runs if r.ok), key=lambda r: r.spec.get("repeat", 0))
         summary.runs = len(ok)
         if not ok:
-            skipped = next((r.skipped for r in runs if r.skipped), None)
-            summary.skipped = skipped
-            if skipped is None:
+            summary.skipped = next((r.skipped for r in runs if r.skipped), None)
+            if summary.skipped is None:
                 summary.error = next((r.error for r in runs if r.error), "no result")
             summaries.append(summary)
             continue

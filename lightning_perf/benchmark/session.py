@@ -123,18 +123,11 @@ def _measure(spec: BenchSpec, command: str, argv: list[str], console: Any, quiet
 
         report = run_benchmark(spec, command=command, argv=argv, on_run=line)
     else:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from rich import progress as rp
 
-        columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
-        with Progress(TextColumn("[bold]bench[/bold] {task.description}"), *columns, console=console,
-                      transient=True) as bar:  # fmt: skip
+        columns = (rp.BarColumn(), rp.MofNCompleteColumn(), rp.TimeElapsedColumn(), rp.TimeRemainingColumn())
+        with rp.Progress(rp.TextColumn("[bold]bench[/bold] {task.description}"), *columns, console=console,
+                         transient=True) as bar:  # fmt: skip
             task = bar.add_task("starting", total=len(spec.names) * (spec.repeats or 2))
 
             def progress(done: int, total: int, what: str) -> None:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lightning_perf._validation import check_int, check_number, is_number
 from lightning_perf.benchmark.stack import MIN_EVIDENCE_REPEATS
 from lightning_perf.optimizations import BASELINE
 from lightning_perf.profiling.intervals import RatioEstimate, t_critical_95
@@ -42,6 +43,7 @@ __all__ = [
     "is_settled",
     "relative_half_width",
     "repeats_to_settle",
+    "unsettled_item",
     "unsettled_text",
 ]
 
@@ -164,6 +166,17 @@ def unsettled_text(item: Unsettled, target: float = DEFAULT_TARGET) -> str:
     return text + f": about {item.repeats_needed} repeats{more} would settle it to +-{target:.0%}"
 
 
+def unsettled_item(
+    config: str, estimate: RatioEstimate, target: float = DEFAULT_TARGET, settling: Settling | None = None
+) -> Unsettled:
+    """What would settle ``config``'s ratio: the repeats, and with ``settling`` the further seconds they would take."""
+    needed = repeats_to_settle(estimate, target)
+    seconds = None
+    if needed is not None and settling is not None:
+        seconds = max(needed - estimate.n, 0) * settling.round_s([BASELINE, config])
+    return Unsettled(config, estimate.n, relative_half_width(estimate), needed, seconds)
+
+
 @dataclass
 class Settling:
     """Adds repeats until every ratio settles or the time runs out (``--repeats auto``).
@@ -201,15 +214,11 @@ class Settling:
     _durations: dict[str, list[float]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0 < self.target < 1:
+        if not is_number(self.target) or not 0 < self.target < 1:
             raise ValueError(f"`Settling(target={self.target!r})` is not valid. Expected a fraction in (0, 1).")
-        budget = self.time_budget_s
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-            raise ValueError(f"`Settling(time_budget_s={budget!r})` is not valid. Expected a positive number.")
+        check_number("Settling", "time_budget_s", self.time_budget_s, 0.0, exclusive=True)
         for name in ("min_repeats", "max_repeats"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`Settling({name}={value!r})` is not valid. Expected a positive integer.")
+            check_int("Settling", name, getattr(self, name), 1)
         if self.max_repeats < self.min_repeats:
             raise ValueError(
                 f"`Settling(max_repeats={self.max_repeats!r})` is not valid. Expected at least min_repeats "
@@ -273,14 +282,6 @@ class Settling:
             return steps
         return max(min(MIN_STEPS, steps), steps - math.ceil(over / (rounds_left * len(configs) * step_s)))
 
-    def _unsettled(self, config: str, estimate: RatioEstimate) -> Unsettled:
-        needed = repeats_to_settle(estimate, self.target)
-        seconds = None
-        if needed is not None:
-            per_repeat = self.round_s([BASELINE, config])
-            seconds = max(needed - estimate.n, 0) * per_repeat
-        return Unsettled(config, estimate.n, relative_half_width(estimate), needed, seconds)
-
     def decide(
         self, estimates: Mapping[str, RatioEstimate | None], repeats: int, *, reserve_s: float = 0.0
     ) -> Decision:
@@ -294,7 +295,7 @@ class Settling:
                 into them is not started.
         """
         unsettled = tuple(
-            self._unsettled(name, est)
+            unsettled_item(name, est, self.target, self)
             for name, est in estimates.items()
             if est is not None and not is_settled(est, self.target)
         )

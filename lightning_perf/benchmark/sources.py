@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from lightning_perf._validation import is_int
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
@@ -57,7 +59,7 @@ class DataSettings(Protocol):
 
 
 def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
+    return " ".join(str(text).split())  # benchmark.tasks.one_line, which this module cannot import (a cycle)
 
 
 def import_object(path: str, what: str) -> Any:
@@ -191,14 +193,8 @@ class ConfigSource(ModelSource):
     def load(self) -> tuple[pl.LightningModule, pl.LightningDataModule]:
         from lightning_perf.benchmark.lightning_config import load_lightning_config
 
-        loaded = load_lightning_config(
-            self.configs,
-            model=self.model,
-            model_args=self.model_args,
-            datamodule=self.datamodule,
-            datamodule_args=self.datamodule_args,
-            seed=self.seed,
-        )
+        given = {name: getattr(self, name) for name in ("model", "model_args", "datamodule", "datamodule_args", "seed")}
+        loaded = load_lightning_config(self.configs, **given)
         if loaded.datamodule is None:
             raise ValueError(
                 f"{', '.join(self.configs)} builds no data module: expected a `data:` section with a class_path, "
@@ -285,9 +281,6 @@ def batch_size_holder(model: pl.LightningModule, datamodule: pl.LightningDataMod
     last of them wins); ``None`` when none holds an integer ``batch_size``."""
     from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr
 
-    def integer(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
     def where(value: Any) -> tuple[str, int] | None:
         # Lightning's holders, last first (the last one wins, as in lightning_getattr).
         dm_hparams = getattr(datamodule, "hparams", {}) if datamodule is not None else {}
@@ -298,14 +291,14 @@ def batch_size_holder(model: pl.LightningModule, datamodule: pl.LightningDataMod
             ("hparams", model_hparams.get("batch_size") if "batch_size" in model_hparams else None),
             ("model", getattr(model, "batch_size", None)),
         ):
-            if integer(held) and (value is None or held == value):
-                return name, int(held)  # type: ignore[arg-type]  # integer() checked it
+            if is_int(held) and (value is None or held == value):
+                return name, int(held)  # type: ignore[arg-type]  # is_int() checked it
         return None
 
     with _datamodule_attached(model, datamodule):
         value = lightning_getattr(model, "batch_size") if lightning_hasattr(model, "batch_size") else None
     # A holder left at None (e.g. a `batch_size=None` init argument saved in hparams) yields to one with a value.
-    return where(value if integer(value) else None)
+    return where(value if is_int(value) else None)
 
 
 def init_parameters(obj: Any) -> set[str]:
@@ -365,15 +358,8 @@ def rebuild_loader(loader: DataLoader, **overrides: Any) -> DataLoader:
             f"train_dataloader() returned a {type(loader).__name__}; the tuner can only change the loader settings "
             f"of a torch DataLoader (or of a data module with `num_workers`/`pin_memory` attributes)."
         )
-    kwargs: dict[str, Any] = {
-        "num_workers": loader.num_workers,
-        "collate_fn": loader.collate_fn,
-        "pin_memory": loader.pin_memory,
-        "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
-        "generator": loader.generator,
-        "persistent_workers": loader.persistent_workers,
-    }
+    kept = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "generator", "persistent_workers")
+    kwargs: dict[str, Any] = {name: getattr(loader, name) for name in kept}
     if isinstance(loader.dataset, IterableDataset):
         kwargs.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
     elif loader.batch_size is None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from lightning_perf._validation import is_int, is_number
 from lightning_perf.optimizations import BASELINE, COMPILE_REGIONAL, STAGES
 
 __all__ = [
@@ -77,11 +77,11 @@ def check_setting(name: str, value: Any, as_given: Any = None) -> Any:
     """``value`` when it is valid for the bench setting ``name``, else :class:`SpecError` (echoing ``as_given``, the
     text it was parsed from, when given). The one check of each number and name a bench takes."""
     if name in _AT_LEAST:
-        valid = isinstance(value, int) and not isinstance(value, bool) and value >= _AT_LEAST[name]
+        valid = is_int(value, _AT_LEAST[name])
     elif name in _CHOICES:
         valid = value in _CHOICES[name]
     else:  # seconds, or the target: a fraction
-        valid = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+        valid = is_number(value) and value > 0
         valid = valid and (name != "target" or value < 1)
     if not valid:
         raise SpecError(name, value if as_given is None else as_given, _EXPECTED[name])
@@ -293,7 +293,7 @@ class BenchSpec(RunSettings):
             if name not in ("repeats", "threads", "batch_size") or getattr(self, name) is not None:
                 check_setting(name, getattr(self, name))
         sizes = tuple(self.batch_sizes)
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or len(set(sizes)) < len(sizes):
+        if not all(is_int(n, 1) for n in sizes) or len(set(sizes)) < len(sizes):
             raise SpecError("batch_sizes", self.batch_sizes, "distinct integers >= 1, e.g. (1, 8, 32)")
         if sizes and self.batch_size is not None:
             raise SpecError("batch_sizes", sizes, "no batch_sizes together with batch_size")
@@ -453,11 +453,9 @@ def _resolve_configs(
                 raise SpecError("structure", structure, f"ModelStructure.to_dict() fields ({exc})") from None
         names, out = registry.default_configs(torch.device(device), stage=stage, structure=facts)
         return tuple(names), tuple(out)
-    if isinstance(configs, str) and configs.strip() == "all":
+    if (configs.strip() if isinstance(configs, str) else list(configs)) in ("all", ["all"]):
         names, out = registry.split_by_stage(registry.available_configs(), stage)
         return tuple(names), tuple((name, why) for name, why in out if name != BASELINE)
-    if isinstance(configs, (list, tuple)) and list(configs) == ["all"]:
-        return _resolve_configs("all", device, stage, left_out)
     resolved = list(check_config_names(configs))
     if BASELINE not in resolved:  # every ratio is taken against a baseline measured in the same session
         resolved.insert(0, BASELINE)

@@ -72,13 +72,8 @@ def evidence_line(name: str, estimate: RatioEstimate) -> str:
 
 def callbacks_of(optimization: Optimization) -> list[CallbackSpec]:
     """The callbacks an optimization adds, as ``(class path, keyword arguments)``, in order."""
-    specs: list[CallbackSpec] = []
-    if optimization.callback is not None:
-        specs.append((optimization.callback, dict(optimization.callback_kwargs)))
-    for extra in getattr(optimization, "with_callbacks", ()) or ():  # entries that bring a second callback (fp8)
-        path, kwargs = extra
-        specs.append((path, dict(kwargs)))
-    return specs
+    own = [(optimization.callback, optimization.callback_kwargs)] if optimization.callback is not None else []
+    return [(path, dict(kwargs)) for path, kwargs in [*own, *optimization.with_callbacks]]  # fp8 brings a second
 
 
 @dataclass(frozen=True)
@@ -145,12 +140,8 @@ def choose_stack(estimates: Mapping[str, RatioEstimate | None], lookup: Lookup =
     return Stack(tuple(o.name for o in chosen), tuple(dropped))
 
 
-def _python_value(value: Any) -> str:
-    return repr(value)
-
-
 def _call(path: str, kwargs: Mapping[str, Any]) -> str:
-    args = ", ".join(f"{k}={_python_value(v)}" for k, v in kwargs.items())
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     return f"{path.rsplit('.', 1)[-1]}({args})"
 
 
@@ -175,7 +166,7 @@ def trainer_python(names: Sequence[str], lookup: Lookup = optimizations.get, wid
         line = f"from {module} import {', '.join(classes)}"
         lines += [line] if len(line) <= width else [f"from {module} import (", *(f"    {c}," for c in classes), ")"]
     lines += [""] if lines else []
-    args = [f"{k}={_python_value(v)}" for k, v in _merged_trainer_kwargs(chosen).items()]
+    args = [f"{k}={v!r}" for k, v in _merged_trainer_kwargs(chosen).items()]
     calls = [_call(path, kwargs) for path, kwargs in specs]
     if calls:
         args.append(f"callbacks=[{', '.join(calls)}]")

@@ -219,7 +219,8 @@ def _flops_by_operator(model: pl.LightningModule, datamodule: pl.LightningDataMo
     try:
         count = training_step_flops(copy.deepcopy(model), datamodule, torch.device("meta"))
     except Exception as exc:
-        return {}, f"its FLOPs could not be counted on the meta device ({_short(exc)})"
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        return {}, f"its FLOPs could not be counted on the meta device ({why})"
     if count.total <= 0:
         return {}, "its training step counted 0 FLOPs"
     return dict(count.by_operator), ""
@@ -267,7 +268,3 @@ def training_step_flops(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return count_flops(step)
-
-
-def _short(exc: BaseException) -> str:
-    return " ".join(f"{type(exc).__name__}: {exc}".split())[:200]

@@ -22,6 +22,7 @@ from lightning_perf._io import atomic_write_text
 from lightning_perf.benchmark.compare import (
     DEFAULT_THRESHOLD,
     METHOD,
+    UNIT_SUFFIX,
     IncompatibleResultsError,
     ResultsFileError,
     compare_files,
@@ -441,8 +442,7 @@ def _comparison_table(comparisons: Sequence[dict[str, Any]]) -> str | None:
     rows = []
     for entry in comparisons:
         for row in entry["rows"]:
-            unit = row["unit"]
-            suffix = {"s": "_s", "bytes": "_bytes", "samples/s": "_samples_per_s"}[unit]
+            unit, suffix = row["unit"], UNIT_SUFFIX[row["unit"]]
             rows.append(
                 [
                     entry["task"],

@@ -110,24 +110,22 @@ def _invalid(value: str, expected: str) -> str:
 
 def _parse_cell(column: str, text: str, path: Path, check_names: bool) -> Any:
     """The cell's value (:class:`SpecError` when it is not valid)."""
+    items = tuple(item.strip() for item in text.split(";") if item.strip())  # the list columns' items
     if column == "config":
-        files = [item.strip() for item in text.split(";") if item.strip()]
-        if not files:
+        if not items:
             raise SpecError(column, text, "the path of a LightningCLI YAML file (several separated by ';')")
-        return tuple(p if p.is_absolute() else (path.parent / p).absolute() for p in map(Path, files))
+        return tuple(p if p.is_absolute() else (path.parent / p).absolute() for p in map(Path, items))
     if column == "configs":
-        items = tuple(item.strip() for item in text.split(";") if item.strip())
         if not items or any("," in item for item in items):
             raise SpecError(column, text, "configuration names separated by ';', not ',' ('+' stacks them)")
         if check_names:
             parse_setting(column, ",".join(items))
         return items
     if column == "ref":
-        refs = tuple(item.strip() for item in text.split(";") if item.strip())
-        if not refs or any(r.startswith("-") or any(c.isspace() for c in r) for r in refs):
+        if not items or any(r.startswith("-") or any(c.isspace() for c in r) for r in items):
             expected = "git refs separated by ';' (a branch, tag or commit; '.' is the working tree)"
             raise SpecError(column, text, expected)
-        return refs
+        return items
     if column in ("workload", "precision") and not check_names:
         return text
     value = parse_setting(column, text)

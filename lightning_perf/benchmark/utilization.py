@@ -40,23 +40,23 @@ def matmul_setting(config: str, options_precision: str) -> tuple[str, bool]:
     whether a part lets float32 matmuls run in the device's faster mode (its entry's ``fast_fp32_matmul``: TF32 on
     CUDA, bf16 on a bf16 CPU), the peak its MFU is then taken against."""
     from lightning_perf.benchmark.configs import get_config
-    from lightning_perf.optimizations import find
 
-    config_obj = get_config(config)
-    precision = str(config_obj.trainer_kwargs.get("precision", options_precision))
-    parts = [find(part) for part in config_obj.parts or (config_obj.name,)]
-    return precision, any(part is not None and part.fast_fp32_matmul for part in parts)
+    precision = str(get_config(config).trainer_kwargs.get("precision", options_precision))
+    return precision, any(part.fast_fp32_matmul for part in _parts(config))
 
 
 def mfu_note(config: str) -> str:
     """What a configuration's MFU is taken against when that is not its own dtype (its entries' ``mfu_note``: an fp8
     run's MFU is against the bf16 peak), or ``""``."""
+    return "; ".join(part.mfu_note for part in _parts(config) if part.mfu_note)
+
+
+def _parts(config: str) -> list[Any]:
+    """The optimization-list entries of a configuration's parts (``baseline`` and bench-only ones have none)."""
     from lightning_perf.benchmark.configs import get_config
     from lightning_perf.optimizations import find
 
-    config_obj = get_config(config)
-    parts = [find(part) for part in config_obj.parts or (config_obj.name,)]
-    return "; ".join(part.mfu_note for part in parts if part is not None and part.mfu_note)
+    return [o for part in get_config(config).parts if (o := find(part)) is not None]
 
 
 def machine_peak(

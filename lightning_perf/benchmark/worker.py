@@ -7,14 +7,10 @@ source, memory measurement, FLOP counting): docs/architecture.md, Module notes.
 from __future__ import annotations
 
 import contextlib
-import json
-import sys
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -226,20 +222,11 @@ Builder = Callable[[RunSpec], "tuple[pl.LightningModule, pl.LightningDataModule]
 
 def build_reference_workload(spec: RunSpec) -> tuple[pl.LightningModule, pl.LightningDataModule]:
     """The default builder: the reference workload ``spec.workload`` with the spec's data settings."""
+    from lightning_perf.benchmark.sources import LOADER_SETTINGS
     from lightning_perf.demos import make_workload
 
-    return make_workload(
-        spec.workload,
-        spec.preset,
-        batch_size=spec.batch_size,
-        seed=spec.seed,
-        **{
-            "num_workers": spec.num_workers,
-            "pin_memory": spec.pin_memory,
-            "persistent_workers": spec.persistent_workers,
-            **spec.loader_overrides,
-        },
-    )
+    loader = {name: getattr(spec, name) for name in LOADER_SETTINGS} | spec.loader_overrides
+    return make_workload(spec.workload, spec.preset, batch_size=spec.batch_size, seed=spec.seed, **loader)
 
 
 def _count_flops(spec: RunSpec, build: Builder, device: torch.device, result: RunResult) -> None:
@@ -428,24 +415,3 @@ def _time_predict(spec: RunSpec, model: Any, datamodule: Any, trainer_kwargs: di
         result.predict_step_median_s = predict_stats.median
         result.predict_step_times_s = [record["predict"] for record in predict_clock.timer.steps]
         result.predict_throughput = result.batch_size / predict_stats.median if result.batch_size else None
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m lightning_perf.benchmark.worker SPEC.json RESULT.json", file=sys.stderr)
-        return 2
-    spec = RunSpec(**json.loads(Path(args[0]).read_text()))
-    try:
-        result = run(spec)
-    except Exception as exc:  # the runner reports the failure of one configuration and goes on with the others
-        result = RunResult(
-            spec=asdict(spec), ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()
-        )
-        traceback.print_exc()
-    Path(args[1]).write_text(json.dumps(asdict(result), default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

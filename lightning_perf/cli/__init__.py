@@ -6,8 +6,9 @@ the user's own classes) and recommends its fastest safe configuration; ``lightni
 for deployment; ``lightning-perf compare`` compares two results files and exits 1 on a regression. Bad arguments exit
 with status 2 and one line on stderr that says what is valid.
 
-One module per command (``lightning_perf.cli.<command>``), each with ``add_parser(subparsers)`` and
-``run(args, parser)``; building the parsers imports neither torch nor Lightning, so ``--help`` answers at once.
+One module per command (``lightning_perf.cli.<command>``), each with ``HELP``, ``DESCRIPTION``,
+``add_arguments(parser)`` and ``run(args, parser)``; building the parsers imports neither torch nor Lightning, so
+``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="lightning-perf", description=__doc__.splitlines()[0], allow_abbrev=False)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"lightning_perf.cli.{name}").add_parser(subparsers)
+        command = importlib.import_module(f"lightning_perf.cli.{name}")
+        sub = subparsers.add_parser(name, help=command.HELP, description=command.DESCRIPTION, allow_abbrev=False)
+        sub.set_defaults(run=command.run, subparser=sub)
+        command.add_arguments(sub)
     return parser
 
 

@@ -54,21 +54,6 @@ class CliParser(argparse.ArgumentParser):
         raise SystemExit(status)
 
 
-def add_command(
-    subparsers: Any,
-    name: str,
-    run: Callable[[argparse.Namespace, argparse.ArgumentParser], int],
-    help: str,
-    description: str,
-) -> argparse.ArgumentParser:
-    """The parser of the sub-command ``name`` (never abbreviating), whose ``args.run(args, parser)`` is ``run``."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
-        name, help=help, description=description, allow_abbrev=False
-    )
-    parser.set_defaults(run=run, subparser=parser)
-    return parser
-
-
 def fail(parser: argparse.ArgumentParser, option: str, value: Any, expected: str) -> NoReturn:
     """Exit 2 with one line naming ``option``, ``value`` and what is expected (for checks made after parsing)."""
     parser.error(f"argument {option}: {value!r} is not valid. Expected {one_line(expected)}.")
@@ -156,15 +141,21 @@ def load_user_source(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return source, model, datamodule
 
 
-def positive_int_list(text: str) -> list[int]:
-    """A comma-separated list of distinct integers >= 1, e.g. ``1,8,32`` (kept in the order given)."""
+def positive_ints(text: str, expected: str, separator: str = ",", distinct: bool = False) -> list[int]:
+    """The integers >= 1 that ``separator`` separates in ``text``, in the order given (with ``distinct``, each once);
+    :func:`invalid` with ``expected`` otherwise."""
     try:
-        values = [int(item) for item in text.split(",") if item.strip()]
+        values = [int(item) for item in text.split(separator)]
     except ValueError:
         values = []
-    if not values or min(values) < 1 or len(set(values)) < len(values):
-        raise invalid(text, "comma-separated distinct integers >= 1, e.g. 1,8,32")
+    if not values or min(values) < 1 or (distinct and len(set(values)) < len(values)):
+        raise invalid(text, expected)
     return values
+
+
+def positive_int_list(text: str) -> list[int]:
+    """A comma-separated list of distinct integers >= 1, e.g. ``1,8,32`` (kept in the order given)."""
+    return positive_ints(text, "comma-separated distinct integers >= 1, e.g. 1,8,32", distinct=True)
 
 
 def setting(name: str) -> Callable[[str], Any]:

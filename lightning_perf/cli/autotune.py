@@ -13,7 +13,6 @@ from typing import Any
 
 from lightning_perf.cli._common import (
     UsageError,
-    add_command,
     add_device_argument,
     add_preset_argument,
     add_source_arguments,
@@ -39,21 +38,20 @@ def _search_lists() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return precisions, stackable
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``autotune`` on the ``lightning-perf`` sub-parsers."""
+HELP = "measure a model and recommend its fastest safe configuration"
+DESCRIPTION = (
+    "Try precision, channels-last, compile, backend flags, fused optimizer, DataLoader workers and batch size on a "
+    "model, each trial in a fresh process, and keep only what measurably helps without changing the losses. Writes "
+    "the recommendation as a LightningCLI YAML and as JSON."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``autotune``."""
     precisions, stackable = _search_lists()
     from lightning_perf.optimizations import tuner_search_list
 
     default_search = tuner_search_list("optimization")
-    parser = add_command(
-        subparsers,
-        "autotune",
-        run,
-        "measure a model and recommend its fastest safe configuration",
-        "Try precision, channels-last, compile, backend flags, fused optimizer, DataLoader workers and batch size on a "
-        "model, each trial in a fresh process, and keep only what measurably helps without changing the losses. "
-        "Writes the recommendation as a LightningCLI YAML and as JSON.",
-    )
     add_source_arguments(parser, "trial", "a reference workload")
     add_preset_argument(parser)
     add_device_argument(parser)
@@ -109,7 +107,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="overwrite the output files if they exist (default: the new ones get a run number, NAME-2.yaml)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    return parser
 
 
 def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -122,6 +119,11 @@ def _check_combinations(args: argparse.Namespace, parser: argparse.ArgumentParse
         fail(parser, "--max-batch-size", args.max_batch_size, "no --max-batch-size with --no-batch-size")
     if args.no_data_loading and args.max_num_workers is not None:
         fail(parser, "--max-num-workers", args.max_num_workers, "no --max-num-workers with --no-data-loading")
+
+
+# The options passed to AutoTuner under their own names.
+_TUNER_OPTIONS = ("device", "stage", "steps", "warmup_steps", "precisions", "optimizations", "max_batch_size",
+                  "max_num_workers", "min_gain", "seed", "threads")  # fmt: skip
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -140,21 +142,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         tuner = AutoTuner(
             **kwargs,
-            device=args.device,
-            stage=args.stage,
+            **{name: getattr(args, name) for name in _TUNER_OPTIONS},
             time_budget_s=args.time_budget,
-            steps=args.steps,
-            warmup_steps=args.warmup_steps,
-            precisions=args.precisions,
-            optimizations=args.optimizations,
             tune_batch_size=not args.no_batch_size,
-            max_batch_size=args.max_batch_size,
             tune_data_loading=not args.no_data_loading,
-            max_num_workers=args.max_num_workers,
-            min_gain=args.min_gain,
-            seed=args.seed,
             progress=not args.quiet,
-            threads=args.threads,
         )
     except SpecError as exc:
         spec_error(parser, exc)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning_perf.cli._common import (
-    add_command,
     add_device_argument,
     add_preset_argument,
     add_source_arguments,
@@ -39,22 +38,20 @@ DEFAULT_TIME_BUDGET_S = 150.0  # benchmark.settle's default (not imported: --hel
 DEFAULT_PREDICT_BATCHES = 5
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``bench`` on the ``lightning-perf`` sub-parsers."""
-    parser = add_command(
-        subparsers,
-        "bench",
-        run,
-        "measure configurations side by side on a reference workload or your own model",
-        "Train a reference workload or your own model (--model/--datamodule, --config) under each configuration "
-        "(fresh process per run, repeats interleaved) and print step time, throughput, warm-up, memory and inference "
-        "speed against baseline; --stage predict measures per-batch inference latency instead.",
-    )
+HELP = "measure configurations side by side on a reference workload or your own model"
+DESCRIPTION = (
+    "Train a reference workload or your own model (--model/--datamodule, --config) under each configuration (fresh "
+    "process per run, repeats interleaved) and print step time, throughput, warm-up, memory and inference speed "
+    "against baseline; --stage predict measures per-batch inference latency instead."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``bench``."""
     add_source_arguments(parser, "configuration", "a reference workload (default: convnet)")
     _add_what_arguments(parser)
     _add_run_arguments(parser)
     _add_output_arguments(parser)
-    return parser
 
 
 def _add_what_arguments(parser: argparse.ArgumentParser) -> None:
@@ -159,31 +156,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from lightning_perf.benchmark.session import list_configs
 
         return list_configs()
-    settings: dict[str, Any] = {"workload": args.workload or "convnet", "precision": args.precision or "32-true"}
+    # The spec's settings under their own names (each option's dest is the setting less its unit suffix).
+    settings: dict[str, Any] = {name: getattr(args, name.removesuffix("_s")) for name, _, _ in _SETTINGS}
+    settings |= {name: getattr(args, name) for name in ("configs", "preset", "device", "seed", "stage")}
+    settings |= {"workload": args.workload or "convnet", "precision": args.precision or "32-true"}
     if args.model is not None or args.config:
         settings.update(_own_model_settings(args, parser))
     from lightning_perf.benchmark.session import run_bench
     from lightning_perf.benchmark.spec import BenchSpec, SpecError
 
     try:
-        spec = BenchSpec(
-            configs=args.configs,
-            preset=args.preset,
-            steps=args.steps,
-            warmup_steps=args.warmup_steps,
-            repeats=args.repeats,
-            target=args.target,
-            time_budget_s=args.time_budget,
-            batch_size=args.batch_size,
-            batch_sizes=tuple(args.batch_sizes or ()),
-            device=args.device,
-            seed=args.seed,
-            threads=args.threads,
-            predict_batches=args.predict_batches,
-            num_workers=args.num_workers,
-            stage=args.stage,
-            **settings,
-        )
+        spec = BenchSpec(batch_sizes=tuple(args.batch_sizes or ()), **settings)
     except SpecError as exc:
         spec_error(parser, exc)
     argv = ["lightning-perf", *getattr(args, "argv", ["bench"])]
@@ -239,18 +222,9 @@ def _run_tasks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     ]
     try:
         tasks = read_tasks(args.tasks, check_names=True) if args.tasks is not None else [task_from_options(vars(args))]
-        spec = TaskSpec(
-            tuple(tasks),
-            tuple(args.ref or ()),
-            tuple(passed_on),
-            args.output,
-            args.tasks,
-            args.force,
-            args.quiet,
-            args.fail_fast,
-            ("lightning-perf", *command),
-        )
-        return run_tasks(spec)
+        flags = {name: getattr(args, name) for name in ("output", "force", "quiet", "fail_fast")}
+        flags |= {"tasks_file": args.tasks, "command": ("lightning-perf", *command)}
+        return run_tasks(TaskSpec(tuple(tasks), tuple(args.ref or ()), tuple(passed_on), **flags))
     except (TaskFileError, TaskSetupError) as exc:
         parser.error(str(exc))
 

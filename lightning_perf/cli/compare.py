@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
-from lightning_perf.cli._common import UsageError, add_command, at_least, existing_file, fail, invalid
+from lightning_perf.cli._common import UsageError, at_least, existing_file, fail, invalid
 
 DEFAULT_THRESHOLD = "5%"
 OUTPUT_SUFFIXES = (".json", ".md")
@@ -42,20 +41,19 @@ def output_path(text: str) -> Path:
     return path
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``compare`` on the ``lightning-perf`` sub-parsers."""
-    parser = add_command(
-        subparsers,
-        "compare",
-        run,
-        "compare two results files and fail on a regression",
-        "Compare two results files of `lightning-perf bench --output` (or of pytest --benchmark-json) configuration "
-        "by configuration: old and new medians of step time, throughput, step memory and predict time, the change with "
-        "its 95%% interval between processes (Welch t over the repeats) and a verdict (faster, slower, no clear "
-        "difference). A change is called only when it is beyond the threshold and its interval excludes no change; one "
-        "repeat on a side gives no verdict. Exit status: 1 when something is slower, 0 otherwise, 2 for bad arguments "
-        "or files that cannot be read or compared.",
-    )
+HELP = "compare two results files and fail on a regression"
+DESCRIPTION = (
+    "Compare two results files of `lightning-perf bench --output` (or of pytest --benchmark-json) configuration by "
+    "configuration: old and new medians of step time, throughput, step memory and predict time, the change with its "
+    "95% interval between processes (Welch t over the repeats) and a verdict (faster, slower, no clear difference). "
+    "A change is called only when it is beyond the threshold and its interval excludes no change; one repeat on a "
+    "side gives no verdict. Exit status: 1 when something is slower, 0 otherwise, 2 for bad arguments or files that "
+    "cannot be read or compared."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``compare``."""
     parser.add_argument("old", type=existing_file, metavar="OLD.json", help="the reference results file")
     parser.add_argument("new", type=existing_file, metavar="NEW.json", help="the results file to check")
     parser.add_argument(
@@ -70,7 +68,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="also write the comparison to this file: .json (every figure and interval) or .md",
     )
     parser.add_argument("--force", action="store_true", help="overwrite --output when it exists")
-    return parser
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

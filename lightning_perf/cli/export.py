@@ -13,7 +13,6 @@ from typing import Any
 
 from lightning_perf.cli._common import (
     UsageError,
-    add_command,
     at_least,
     choice_list,
     comma_names,
@@ -24,9 +23,10 @@ from lightning_perf.cli._common import (
     module_class_spec,
     non_negative_int,
     one_line,
+    positive_ints,
 )
 
-__all__ = ["EXPORT_BACKENDS", "EXPORT_PRECISIONS", "add_parser", "run"]
+__all__ = ["EXPORT_BACKENDS", "EXPORT_PRECISIONS", "add_arguments", "run"]
 
 # Plain data, so the parser needs no torch; tests/cli/test_export.py checks them against lightning_perf.deploy.
 EXPORT_BACKENDS: tuple[str, ...] = ("tensorrt", "onnx")
@@ -36,20 +36,9 @@ EXPORT_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 """The keys of ``lightning_perf.deploy.PRECISIONS``."""
 
 
-def _positive_ints(text: str, separator: str, expected: str) -> list[int]:
-    parts = [part.strip() for part in text.split(separator)]
-    try:
-        values = [int(part) for part in parts]
-    except ValueError:
-        raise invalid(text, expected) from None
-    if not values or any(v < 1 for v in values):
-        raise invalid(text, expected)
-    return values
-
-
 def _range(text: str) -> tuple[int, int, int]:
     expected = "MIN,OPT,MAX: three positive integers with min <= opt <= max, e.g. 1,8,32"
-    values = _positive_ints(text, ",", expected)
+    values = positive_ints(text, expected)
     if len(values) != 3 or not values[0] <= values[1] <= values[2]:
         raise invalid(text, expected)
     return values[0], values[1], values[2]
@@ -58,13 +47,13 @@ def _range(text: str) -> tuple[int, int, int]:
 def _shape(text: str) -> list[int]:
     expected = "D1xD2...: positive integer sizes, e.g. 3x224x224"
     try:
-        return _positive_ints(text.replace(",", "x"), "x", expected)
+        return positive_ints(text.replace(",", "x"), expected, "x")
     except argparse.ArgumentTypeError:
         raise invalid(text, expected) from None  # the value as typed ('3,x'), not as rewritten
 
 
 def _sizes(text: str) -> list[int]:
-    return _positive_ints(text, ",", "B1,B2...: positive integer batch sizes, e.g. 1,8,32")
+    return positive_ints(text, "B1,B2...: positive integer batch sizes, e.g. 1,8,32")
 
 
 def _dynamic_dim(text: str) -> tuple[int, int, tuple[int, int, int]]:
@@ -88,18 +77,17 @@ def _stem(text: str) -> str:
     return text
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``export`` on the ``lightning-perf`` sub-parsers."""
-    parser = add_command(
-        subparsers,
-        "export",
-        run,
-        "export a checkpoint for deployment (TensorRT or ONNX), validated against the model and timed",
-        "Load a checkpoint into the LightningModule class named, export it (TensorRT, else ONNX), validate the export "
-        "against the model on held-out batches at several batch sizes, time it against eager PyTorch, and write the "
-        "artifact and a JSON report next to the checkpoint. Exit status 0 when an export passed validation, 1 when "
-        "none did.",
-    )
+HELP = "export a checkpoint for deployment (TensorRT or ONNX), validated against the model and timed"
+DESCRIPTION = (
+    "Load a checkpoint into the LightningModule class named, export it (TensorRT, else ONNX), validate the export "
+    "against the model on held-out batches at several batch sizes, time it against eager PyTorch, and write the "
+    "artifact and a JSON report next to the checkpoint. Exit status 0 when an export passed validation, 1 when none "
+    "did."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``export``."""
     parser.add_argument("checkpoint", type=existing_file, help="a checkpoint written by Lightning")
     parser.add_argument(
         "--module-class",
@@ -159,7 +147,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--dirpath", type=Path, help="output directory (default: the checkpoint's)")
     parser.add_argument("--filename", type=_stem, help="artifact stem (default: the checkpoint's stem)")
     parser.add_argument("--strict", action="store_true", help="stop at the first backend that fails, no fallback")
-    return parser
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -229,25 +216,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0 if report.ok else 1
 
 
+# The options passed to export_model under their own names.
+_EXPORT_OPTIONS = ("precision", "batch_range", "validation_batch_sizes", "latency_iterations", "latency_warmup",
+                   "device", "onnx_providers", "opset", "strict")  # fmt: skip
+
+
 def _export_options(args: argparse.Namespace) -> dict[str, Any]:
     """The options of :func:`~lightning_perf.deploy.export.export_model` given on the command line."""
     dynamic_dims: list[dict[int, tuple[int, ...]]] = []
     for input_index, dim, rng in args.dynamic_dim:
         dynamic_dims.extend({} for _ in range(input_index + 1 - len(dynamic_dims)))
         dynamic_dims[input_index][dim] = rng
-    return {
-        "backends": list(args.backends),
-        "precision": args.precision,
-        "batch_range": args.batch_range,
-        "dynamic_dims": dynamic_dims or None,
-        "validation_batch_sizes": args.validation_batch_sizes,
-        "latency_iterations": args.latency_iterations,
-        "latency_warmup": args.latency_warmup,
-        "device": args.device,
-        "onnx_providers": args.onnx_providers,
-        "opset": args.opset,
-        "strict": args.strict,
-    }
+    options = {name: getattr(args, name) for name in _EXPORT_OPTIONS}
+    return {**options, "backends": list(args.backends), "dynamic_dims": dynamic_dims or None}
 
 
 def _classes(args: argparse.Namespace) -> tuple[Any, Any]:

@@ -26,7 +26,7 @@ def test_break_even_is_the_extra_first_step_over_the_saving_per_step() -> None:
     assert break_even_steps(0.4, 0.5, 0.3) == 0.0  # a first step shorter than baseline's steps: repaid at once
     assert break_even_steps(26.3, 0.5, 0.5) is None and break_even_steps(26.3, 0.5, 0.6) is None  # never repaid
     for bad in (0.0, -1.0, float("nan"), True):
-        with pytest.raises(ValueError, match=r"break_even_steps\(step_s=.*Expected seconds > 0"):
+        with pytest.raises(ValueError, match=r"break_even_steps\(step_s=.*Expected a finite number > 0"):
             break_even_steps(26.3, 0.5, bad)  # type: ignore[arg-type]
 
 

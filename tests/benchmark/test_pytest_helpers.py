@@ -159,7 +159,7 @@ def test_a_single_configuration_has_no_verdict(monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"steps": 1}, r"steps=1\)` is not valid. Expected an int >= 2"),
+        ({"steps": 1}, r"steps=1\)` is not valid. Expected an integer >= 2"),
         ({"rounds": 0}, r"rounds=0\)` is not valid"),
         ({"warmup_steps": -1}, r"warmup_steps=-1\)` is not valid"),
         ({"steps": True}, r"steps=True\)` is not valid"),
