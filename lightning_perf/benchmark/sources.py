@@ -302,12 +302,20 @@ def batch_size_holder(model: pl.LightningModule, datamodule: pl.LightningDataMod
 
 
 def init_parameters(obj: Any) -> set[str]:
-    """The keyword parameters of ``type(obj).__init__`` (what a LightningCLI config can set)."""
-    try:
-        params = inspect.signature(type(obj).__init__).parameters
-    except (TypeError, ValueError):
-        return set()
-    return {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"}
+    """The keyword parameters of ``type(obj).__init__`` (what a LightningCLI config can set), following ``**kwargs``
+    up the class hierarchy to the parents' parameters (as jsonargparse does for ``super().__init__(**kwargs)``)."""
+    names: set[str] = set()
+    for cls in type(obj).__mro__:
+        if "__init__" not in cls.__dict__:
+            continue
+        try:
+            params = inspect.signature(cls.__dict__["__init__"]).parameters.values()
+        except (TypeError, ValueError):
+            break
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
 
 
 def apply_data_settings(

@@ -95,8 +95,8 @@ def test_every_builtin_slowdown_cause_is_well_formed() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"bench_default_on": ("tpu",)}, ValueError, r"bench_default_on=\('tpu',\) is not valid"),
-        ({"bench_default_on": "cpu"}, ValueError, r"bench_default_on='cpu' is not valid"),
+        ({"bench_default_on": ("tpu",)}, ValueError, r"bench_default_on=\('tpu',\)\)` is not valid"),
+        ({"bench_default_on": "cpu"}, ValueError, r"bench_default_on='cpu'\)` is not valid"),
         ({"slowdown_causes": SlowdownCause("always", "x")}, TypeError, "Expected a tuple of SlowdownCause"),
         ({"slowdown_causes": ("slow",)}, TypeError, "Expected a tuple of SlowdownCause"),
     ],

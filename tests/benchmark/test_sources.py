@@ -13,6 +13,7 @@ from lightning_perf.benchmark.sources import (
     apply_data_settings,
     batch_size_holder,
     import_class,
+    init_parameters,
 )
 from tests.tuning._user_models import PlainDataModule, SmallConvNet
 
@@ -79,3 +80,23 @@ def test_sources_build_models() -> None:
     assert isinstance(model, LightningModule) and isinstance(data, LightningDataModule)
     with pytest.raises(ImportClassError, match="is not a subclass of LightningModule"):
         ImportSource("tests.tuning._user_models:PlainDataModule", "tests.tuning._user_models:PlainDataModule").load()
+
+
+def test_init_parameters_follow_kwargs_to_the_parents_like_lightning_cli() -> None:
+    """A data module that passes ``**kwargs`` to its parent can set the parent's arguments from a CLI config; one
+    without ``**kwargs`` cannot, so the parent's names are not its own."""
+
+    class Base(LightningDataModule):
+        def __init__(self, batch_size: int = 8, num_workers: int = 0) -> None:
+            super().__init__()
+
+    class Forwards(Base):
+        def __init__(self, size: int = 4, **kwargs: int) -> None:
+            super().__init__(**kwargs)
+
+    class Closed(Base):
+        def __init__(self, size: int = 4) -> None:
+            super().__init__()
+
+    assert init_parameters(Forwards()) == {"size", "batch_size", "num_workers"}
+    assert init_parameters(Closed()) == {"size"}
