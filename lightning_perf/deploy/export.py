@@ -38,13 +38,13 @@ from lightning_perf.deploy.inputs import (
     build_input_specs,
     cast_inputs,
     collect_inputs,
-    take_batch,
 )
 from lightning_perf.deploy.onnx import OnnxBackend
 from lightning_perf.deploy.tensorrt import TensorRTBackend
 from lightning_perf.deploy.validate import Tolerance, ValidationResult, flat_outputs, full_fp32, validate_runner
 from lightning_perf.functional.inputs import CapturedCall, as_input_tuple
 from lightning_perf.functional.quantization.device import disable_cache
+from lightning_perf.functional.quantization.qat import with_batch
 from lightning_perf.profiling.latency import LatencyRow, measure_latency
 from lightning_perf.profiling.machine import installed_version
 from lightning_perf.profiling.report import to_jsonable
@@ -262,7 +262,7 @@ def _real_batches(
                 f"{list(spec.min_shape)} to {list(spec.max_shape)}, dtype {str(spec.dtype).removeprefix('torch.')}). "
                 "Mark differing dimensions in dynamic_dims or give a matching example."
             )
-    return source, {b: take_batch(tuple(t.to(opts.device) for t in pool), b) for b in sizes}
+    return source, {b: with_batch(tuple(t.to(opts.device) for t in pool), b) for b in sizes}
 
 
 def _reference(
@@ -280,7 +280,7 @@ def _reference(
 def _trace_example(example: tuple[Tensor, ...], opts: ExportOptions) -> tuple[Tensor, ...]:
     # Trace at the optimized batch size: an example batch of 1 would make torch.export specialize the batch dim.
     trace_batch = opts.batch_range.opt if opts.batch_range.opt > 1 else min(2, opts.batch_range.max)
-    return cast_inputs(take_batch(tuple(t.to(opts.device) for t in example), trace_batch), opts.dtype, opts.device)
+    return cast_inputs(with_batch(tuple(t.to(opts.device) for t in example), trace_batch), opts.dtype, opts.device)
 
 
 class _Sets:

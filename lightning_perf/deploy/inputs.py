@@ -30,7 +30,6 @@ __all__ = [
     "input_names",
     "model_inputs",
     "submodule_inputs",
-    "take_batch",
     "through_batch_hooks",
 ]
 
@@ -171,12 +170,6 @@ def build_input_specs(
             )
         )
     return specs
-
-
-def take_batch(inputs: tuple[Tensor, ...], batch_size: int) -> tuple[Tensor, ...]:
-    # Cycle through the samples available, so a small pool still fills a large batch with real samples.
-    index = torch.arange(batch_size) % inputs[0].shape[0]
-    return tuple(t[index.to(t.device)] for t in inputs)
 
 
 def collect_inputs(batches: Iterable[Any], needed: int, input_key: str | None) -> tuple[Tensor, ...] | None:

@@ -23,6 +23,7 @@ from torch import nn
 from lightning_perf._device import as_device, cuda_capability, is_sm_at_least
 from lightning_perf._imports import require
 from lightning_perf._io import DecisionCache
+from lightning_perf._validation import check_choice
 from lightning_perf.functional.surgery import restore_modules
 from lightning_perf.profiling.intervals import RatioEstimate
 from lightning_perf.profiling.latency import Blocks, paired_blocks, speedup_estimate
@@ -323,8 +324,7 @@ def float8_config(recipe: str = "tensorwise", *, emulate: bool = False, fsdp_flo
         ValueError: for an unknown recipe, or float8 all-gather with a recipe other than ``"tensorwise"``.
         ModuleNotFoundError: if torchao is not installed (the ``qat`` extra).
     """
-    if recipe not in RECIPES:
-        raise ValueError(f"`recipe={recipe!r}` is not valid. Expected one of {RECIPES}.")
+    check_choice("float8_config", "recipe", recipe, RECIPES)
     if fsdp_float8_all_gather and recipe != "tensorwise":
         raise ValueError(f"float8 all-gather under FSDP2 needs recipe='tensorwise', not {recipe!r}.")
     float8 = require("torchao", "Float8 training").float8

@@ -23,7 +23,7 @@ from lightning_perf._imports import require
 from lightning_perf._io import failure_reason
 from lightning_perf._validation import check_choice
 from lightning_perf.functional.inputs import as_input_tuple
-from lightning_perf.functional.quantization.config import SUPPORTED_BASE_CONFIGS, base_config_spec, resolve_base_config
+from lightning_perf.functional.quantization.config import base_config_spec, resolve_base_config
 from lightning_perf.functional.quantization.device import cache_off, cpu_copy, parameter_device, take_tensors_of
 from lightning_perf.profiling.machine import installed_version
 
@@ -31,15 +31,12 @@ __all__ = [
     "BACKENDS",
     "INFO_KEY",
     "MODES",
-    "SUPPORTED_BASE_CONFIGS",
     "NothingToQuantizeError",
     "PreparedGraphModule",
     "QuantizationError",
     "QuantizationRecipe",
     "allow_train_eval",
-    "base_config_spec",
     "batchnorm_modules",
-    "cache_off",
     "capture_module",
     "counts_batches",
     "export_dynamic_batch",
@@ -51,7 +48,6 @@ __all__ = [
     "quantization_state_keys",
     "quiet_deepcopy",
     "recipe_of",
-    "resolve_base_config",
     "set_fake_quant",
     "set_observers",
     "set_quantization_info",
