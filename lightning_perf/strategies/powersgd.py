@@ -68,7 +68,7 @@ def _check_arguments(owner: str, arguments: dict[str, Any], kwargs: dict[str, An
             f"`{owner}({given[0]}=...)` is not supported: this strategy registers its own PowerSGD communication "
             "hook. Use `lightning.pytorch.strategies.DDPStrategy` for another hook."
         )
-    validate_powersgd_options(owner, hook=arguments["hook"], **{name: arguments[name] for name in POWERSGD_OPTIONS})
+    validate_powersgd_options(owner, arguments["hook"], arguments)
     for name in ("log_stats", "gradient_as_bucket_view", "static_graph", "find_unused_parameters"):
         check_bool(owner, name, arguments[name])
     for name in _COMM_HOOK_ARGUMENTS:
@@ -236,11 +236,7 @@ class PowerSGDDDPStrategy(DDPStrategy):
         # Lightning's forward redirection (each DDP step) puts the module's own bound `forward` back as an instance
         # attribute; drop it so the module is the plain one again (after a fit, and after one that failed).
         own = vars(module).get("forward") if module is not None else None
-        if (
-            module is not None
-            and own is not None
-            and getattr(own, "__func__", None) is getattr(type(module).forward, "__func__", type(module).forward)
-        ):
+        if module is not None and getattr(own, "__func__", None) is type(module).forward:
             del module.forward
 
     @override

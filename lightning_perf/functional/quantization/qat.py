@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_perf._device import module_device
 from lightning_perf._imports import require
 from lightning_perf._io import failure_reason
 from lightning_perf._validation import check_choice
 from lightning_perf.functional.inputs import as_input_tuple
 from lightning_perf.functional.quantization.config import base_config_spec, resolve_base_config
-from lightning_perf.functional.quantization.device import cache_off, cpu_copy, parameter_device, take_tensors_of
+from lightning_perf.functional.quantization.device import cache_off, cpu_copy, take_tensors_of
 from lightning_perf.profiling.machine import installed_version
 
 __all__ = [
@@ -608,7 +609,7 @@ def _prepare_x86(
     qat = recipe.mode == "qat"
     # X86InductorQuantizer annotates the graph of a CPU model: capture a CPU copy when the parameters live
     # elsewhere (CUDA, meta), and give the prepared graph the module's own tensors afterwards.
-    device = parameter_device(module)
+    device = module_device(module)
     source = module if device.type == "cpu" else cpu_copy(module)
     with cache_off(source):
         captured = capture_module(source, tuple(t.cpu() for t in example), training=qat)
