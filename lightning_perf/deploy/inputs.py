@@ -7,7 +7,7 @@ The model inputs of a batch come from :mod:`lightning_perf.functional.inputs`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -96,13 +96,7 @@ class InputSpec:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "min_shape": list(self.min_shape),
-            "opt_shape": list(self.opt_shape),
-            "max_shape": list(self.max_shape),
-        }
+        return {**asdict(self), "dtype": str(self.dtype).removeprefix("torch.")}  # shapes: lists in JSON
 
 
 def example_inputs_from_shapes(

@@ -13,7 +13,7 @@ import contextlib
 import copy
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -101,14 +101,7 @@ class QuantizationRecipe:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": _RECIPE_VERSION,
-            "backend": self.backend,
-            "mode": self.mode,
-            "base_config": None if self.base_config is None else copy.deepcopy(dict(self.base_config)),
-            "input_shapes": [list(s) for s in self.input_shapes],
-            "input_dtypes": list(self.input_dtypes),
-        }
+        return {"version": _RECIPE_VERSION, **asdict(self)}  # copies: the base config's spec too
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizationRecipe:
