@@ -17,7 +17,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -387,17 +387,8 @@ class DynamicQuantization:
     threads: int = field(default_factory=torch.get_num_threads)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "requested": self.requested,
-            "cached": self.cached,
-            "rule": TIE_RULE if self.requested == "auto" else None,
-            "threads": self.threads,
-            "cpu_flags": self.cpu_flags,
-            "measured": [dict(f) for f in self.measured],
-            "candidates": to_jsonable(self.candidates),
-            "skipped": dict(self.skipped),
-        }
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "module"}
+        return to_jsonable({**data, "rule": TIE_RULE if self.requested == "auto" else None})  # type: ignore[no-any-return]
 
     def describe(self) -> str:
         """What was chosen and why, in a few lines."""
@@ -557,19 +548,11 @@ def quantize_dynamic(
     names, skipped = dynamic_candidates(flags)
     result = DynamicQuantization(None, None, "auto", skipped=skipped, cpu_flags=flags)
     built = _try(result, names, *checks, refresh)
+    size = [int(example[0].shape[0])]
     for candidate in result.candidates:
-        if candidate.backend in built:
-            size = [int(example[0].shape[0])]
-            rows = eager_latency(
-                reference,
-                built[candidate.backend],
-                example,
-                size,
-                iterations=iterations,
-                warmup=warmup,
-                name=candidate.backend,
-            )
-            candidate.latency = rows[0]
+        if (quantized := built.get(candidate.backend)) is not None:
+            timing: dict[str, Any] = {"iterations": iterations, "warmup": warmup, "name": candidate.backend}
+            candidate.latency = eager_latency(reference, quantized, example, size, **timing)[0]
     best = choose(result.candidates)
     if best is not None:
         result.backend, result.module = best.backend, built[best.backend]
