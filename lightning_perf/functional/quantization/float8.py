@@ -8,6 +8,7 @@ rules per layer and the order under FSDP2: docs/architecture.md, Module notes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib
 import logging
@@ -352,11 +353,8 @@ def time_linear_shape(
 
     dev = as_device(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
-    base = nn.Linear(shape.in_features, shape.out_features, bias=shape.bias)
-    base = base.to(device=dev, dtype=torch.bfloat16)
-    fp8 = nn.Linear(shape.in_features, shape.out_features, bias=shape.bias).to(device=dev, dtype=torch.bfloat16)
-    fp8.load_state_dict(base.state_dict())
-    fp8 = Float8Linear.from_float(fp8, config=float8_config(recipe, emulate=emulate))
+    base = nn.Linear(shape.in_features, shape.out_features, bias=shape.bias).to(device=dev, dtype=torch.bfloat16)
+    fp8 = Float8Linear.from_float(copy.deepcopy(base), config=float8_config(recipe, emulate=emulate))
     x = torch.randn(shape.rows, shape.in_features, generator=generator).to(device=dev, dtype=torch.bfloat16)
     grad = torch.randn(shape.rows, shape.out_features, generator=generator).to(device=dev, dtype=torch.bfloat16)
     x.requires_grad_(True)

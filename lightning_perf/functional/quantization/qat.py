@@ -235,17 +235,9 @@ _aten = torch.ops.aten
 # Index of the `training`/`train` flag in the schema of each op whose behaviour depends on it.
 _BATCH_NORM_FLAG = {_aten.batch_norm.default: 5}
 _DROPOUT_FLAG = {
-    op: 2
-    for op in (
-        _aten.dropout.default,
-        _aten.dropout_.default,
-        _aten.feature_dropout.default,
-        _aten.feature_dropout_.default,
-        _aten.alpha_dropout.default,
-        _aten.alpha_dropout_.default,
-        _aten.feature_alpha_dropout.default,
-        _aten.feature_alpha_dropout_.default,
-    )
+    getattr(_aten, f"{kind}{inplace}").default: 2
+    for kind in ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
+    for inplace in ("", "_")
 }
 # Batch norm in other IR forms; the flag rewrite does not know these and leaves it to torchao's pattern rewrite.
 _OTHER_BATCH_NORMS = {
