@@ -387,18 +387,10 @@ def _attempts(
 def _measure(
     eager_model: nn.Module, runner: Runner, batches: Mapping[int, tuple[Tensor, ...]], opts: ExportOptions
 ) -> list[LatencyRow]:
+    timing: dict[str, Any] = {"iterations": opts.latency_iterations, "warmup": opts.latency_warmup}
     rows = []
     for b, inputs in batches.items():
         cast = cast_inputs(inputs, opts.dtype, opts.device)
-        rows.append(
-            measure_latency(
-                functools.partial(eager_model, *cast),
-                functools.partial(runner.run, cast),
-                batch_size=b,
-                iterations=opts.latency_iterations,
-                warmup=opts.latency_warmup,
-                device=opts.device,
-                names=("eager", "export"),
-            )
-        )
+        calls = (functools.partial(eager_model, *cast), functools.partial(runner.run, cast))
+        rows.append(measure_latency(*calls, batch_size=b, device=opts.device, names=("eager", "export"), **timing))
     return rows
