@@ -340,19 +340,18 @@ class DynamicCandidate:
     def figures(self) -> dict[str, Any]:
         """What the choice rests on, as cached and reported: times, speed-up, its 95% interval, verdict, problem."""
         row = self.latency
-        timed = (
-            {}
-            if row is None
-            else {
-                "batch_size": row.batch_size,
-                "float_median_s": row.baseline_median_s,
-                "int8_median_s": row.candidate_median_s,
-                "speedup": row.speedup,
-                "speedup_ci95": row.speedup_ci95,
-                "speedup_verdict": row.speedup_verdict,
-            }
-        )
-        return {"backend": self.backend, **timed, "problem": self.problem}
+        if row is None:
+            return {"backend": self.backend, "problem": self.problem}
+        return {
+            "backend": self.backend,
+            "batch_size": row.batch_size,
+            "float_median_s": row.baseline_median_s,
+            "int8_median_s": row.candidate_median_s,
+            "speedup": row.speedup,
+            "speedup_ci95": row.speedup_ci95,
+            "speedup_verdict": row.speedup_verdict,
+            "problem": self.problem,
+        }
 
 
 def figure_line(figures: dict[str, Any]) -> str:

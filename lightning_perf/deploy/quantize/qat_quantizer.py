@@ -344,14 +344,8 @@ class QATQuantizer(Quantizer):
     def __getstate__(self) -> dict[str, Any]:
         # The float module, the layer list and the graphs belong to this process's model (an exported model does not
         # pickle: torch.export's guard module holds a local function).
-        return {
-            **self.__dict__,
-            "_float_module": None,
-            "_eager_batchnorms": [],
-            "_prepared_module": None,
-            "_kept_graph": None,
-            "_before_fit": None,
-        }
+        dropped = dict.fromkeys(("_float_module", "_prepared_module", "_kept_graph", "_before_fit"))
+        return {**self.__dict__, **dropped, "_eager_batchnorms": []}
 
 
 def export_with_options(

@@ -114,12 +114,9 @@ class QuantizationRecipe:
             version = int(data.get("version", 0))
             if version > _RECIPE_VERSION:
                 raise ValueError(f"recipe version {version} is newer than this lightning_perf's ({_RECIPE_VERSION})")
+            shapes, dtypes = data["input_shapes"], data["input_dtypes"]
             return make_recipe(
-                backend=data["backend"],
-                mode=data["mode"],
-                base_config=data.get("base_config"),
-                input_shapes=data["input_shapes"],
-                input_dtypes=data["input_dtypes"],
+                data["backend"], data["mode"], data.get("base_config"), input_shapes=shapes, input_dtypes=dtypes
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"Not a quantization recipe: {dict(data)!r} ({type(exc).__name__}: {exc}).") from None
