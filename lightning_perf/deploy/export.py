@@ -41,7 +41,8 @@ from lightning_perf.deploy.inputs import (
 )
 from lightning_perf.deploy.onnx import OnnxBackend
 from lightning_perf.deploy.tensorrt import TensorRTBackend
-from lightning_perf.deploy.validate import Tolerance, ValidationResult, flat_outputs, full_fp32, validate_runner
+from lightning_perf.deploy.validate import Tolerance, ValidationResult, flat_outputs, validate_runner
+from lightning_perf.functional.backend_flags import BackendFlags, backend_flags
 from lightning_perf.functional.inputs import CapturedCall, as_input_tuple
 from lightning_perf.functional.quantization.device import disable_cache
 from lightning_perf.functional.quantization.qat import with_batch
@@ -271,7 +272,7 @@ def _reference(
     """The copy to export (in the export's dtype) and the fp32 outputs it must reproduce; sets ``opts.output_names``."""
     reference = copy.deepcopy(model).eval().to(device=opts.device, dtype=torch.float32)
     disable_cache(reference)  # a Hugging Face model exports and validates without its key/value cache
-    with full_fp32(opts.device):
+    with backend_flags(BackendFlags(matmul_tf32=False, cudnn_tf32=False)):  # a TF32 callback may still be on
         outputs = {b: flat_outputs(reference(*cast_inputs(x, torch.float32, opts.device))) for b, x in batches.items()}
     opts.output_names = next(iter(outputs.values()))[1]
     return reference.to(opts.dtype), outputs  # in place: the fp32 outputs are all the fp32 copy was needed for
