@@ -153,16 +153,9 @@ def build_input_specs(
                     f"its range {rng.min}..{rng.max}."
                 )
             ranges[dim] = rng
-        shape = tuple(tensor.shape)
-        specs.append(
-            InputSpec(
-                name=name,
-                dtype=tensor.dtype,
-                min_shape=tuple(ranges[d].min if d in ranges else s for d, s in enumerate(shape)),
-                opt_shape=tuple(ranges[d].opt if d in ranges else s for d, s in enumerate(shape)),
-                max_shape=tuple(ranges[d].max if d in ranges else s for d, s in enumerate(shape)),
-            )
-        )
+        shape, ends = tuple(tensor.shape), ("min", "opt", "max")
+        sizes = [tuple(getattr(ranges[d], end) if d in ranges else s for d, s in enumerate(shape)) for end in ends]
+        specs.append(InputSpec(name, tensor.dtype, *sizes))  # its min, opt and max shapes
     return specs
 
 
