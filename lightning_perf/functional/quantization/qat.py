@@ -647,18 +647,17 @@ def _prepare_torchao(
 # ---------------------------------------------------------------------------------------------------- schedules
 
 
-def _fake_quantizers(module: nn.Module) -> Iterator[nn.Module]:
+def _fake_quantizers(module: nn.Module) -> list[nn.Module]:
     from torchao.quantization.pt2e import FakeQuantizeBase
 
-    return (m for m in module.modules() if isinstance(m, FakeQuantizeBase))
+    return [m for m in module.modules() if isinstance(m, FakeQuantizeBase)]
 
 
 def _switch_observers(module: nn.Module, enabled: bool) -> int:
-    count = 0
-    for m in _fake_quantizers(module):
+    quantizers = _fake_quantizers(module)
+    for m in quantizers:
         m.enable_observer(enabled)  # type: ignore[operator]
-        count += 1
-    return count
+    return len(quantizers)
 
 
 def set_observers(module: nn.Module, enabled: bool) -> int:
@@ -670,22 +669,21 @@ def set_observers(module: nn.Module, enabled: bool) -> int:
     if isinstance(module, PreparedGraphModule):
         set_quantization_info(module, observers=enabled)
         _sync_mode(module)
-        return sum(1 for _ in _fake_quantizers(module))
+        return len(_fake_quantizers(module))
     return _switch_observers(module, enabled)
 
 
 def set_fake_quant(module: nn.Module, enabled: bool) -> int:
     """Enable or disable fake quantization (disabled, the model trains in float while observers keep collecting
     ranges); returns how many fake quantizers it switched."""
-    count = 0
-    for m in _fake_quantizers(module):
+    quantizers = _fake_quantizers(module)
+    for m in quantizers:
         m.enable_fake_quant(enabled)  # type: ignore[operator]
-        count += 1
-    if is_prepared(module) and recipe_of(module).backend == "torchao":  # type: ignore[union-attr]
-        for m in torchao_fake_quantizers(module):
-            m.enabled = enabled  # type: ignore[assignment]
-            count += 1
-    return count
+    torchao = is_prepared(module) and recipe_of(module).backend == "torchao"  # type: ignore[union-attr]
+    swapped = torchao_fake_quantizers(module) if torchao else []
+    for m in swapped:
+        m.enabled = enabled  # type: ignore[assignment]
+    return len(quantizers) + len(swapped)
 
 
 def batchnorm_modules(module: nn.Module) -> list[nn.Module]:
