@@ -86,9 +86,7 @@ _EAGER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.LSTM, nn.GRU, nn.LSTM
 
 def has_int8_dot_product(flags: dict[str, bool] | None) -> bool:
     """Whether the CPU has VNNI or AMX int8 dot products (``False`` when the flags are unknown)."""
-    if not flags:
-        return False
-    return bool(flags.get("avx512_vnni") or flags.get("amx_int8") or flags.get("avx_vnni"))
+    return any((flags or {}).get(name) for name in ("avx512_vnni", "amx_int8", "avx_vnni"))
 
 
 def dynamic_candidates(flags: dict[str, bool] | None = None) -> tuple[list[str], dict[str, str]]:
