@@ -9,7 +9,7 @@ each holds: docs/architecture.md, Module notes.
 
 from __future__ import annotations
 
-from lightning_perf.deploy.artifacts import ArtifactWriteError, committed_set, stage_set, write_set
+from lightning_perf.deploy.artifacts import ArtifactWriteError, StagedSet, committed_set, write_set
 from lightning_perf.deploy.backend import BACKENDS, PRECISIONS, validate_options
 from lightning_perf.deploy.export import BackendAttempt, ExportError, ExportReport, export_model
 from lightning_perf.deploy.inputs import (
@@ -36,6 +36,7 @@ __all__ = [
     "InputSpec",
     "OutputCheck",
     "QuantizationReport",
+    "StagedSet",
     "Tolerance",
     "ValidationResult",
     "build_input_specs",
@@ -46,7 +47,6 @@ __all__ = [
     "model_inputs",
     "quantize_dynamic",
     "save_quantized",
-    "stage_set",
     "through_batch_hooks",
     "validate_options",
     "write_set",

@@ -1,7 +1,7 @@
 """The one atomic writer of artifact sets: a model file, its external weights, engine, JSON report and sidecars become
 visible together, in one atomic step, or not at all.
 
-Entry points: :func:`stage_set` (a :class:`StagedSet`, committed with :meth:`StagedSet.commit`), :func:`write_set`,
+Entry points: :class:`StagedSet` (committed with :meth:`StagedSet.commit`), :func:`write_set`,
 :func:`committed_set`; a failed write raises :class:`ArtifactWriteError` and leaves the old set as it was. POSIX only.
 The on-disk layout and the commit protocol: docs/architecture.md, Module notes.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning_perf._validation import check_file_stem
 
-__all__ = ["ArtifactWriteError", "StagedSet", "committed_set", "stage_set", "write_set"]
+__all__ = ["ArtifactWriteError", "StagedSet", "committed_set", "write_set"]
 
 _STAGING_PREFIX = ".staging-"
 _SPACE_ERRORS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -92,7 +92,7 @@ class StagedSet:
 
     Example::
 
-        with stage_set("deploy") as staged:
+        with StagedSet("deploy") as staged:
             torch.save(state, staged.file("model.pt"))
             staged.write_json("model.json", {"ok": True})
             staged.commit("model")  # deploy/model/model.pt and deploy/model/model.json, together
@@ -206,13 +206,9 @@ def _clean(dirpath: Path, name: str, keep: set[str]) -> None:
                     shutil.rmtree(entry, ignore_errors=True)
 
 
-stage_set = StagedSet
-"""A :class:`StagedSet` in ``dirpath``, removed unless committed (the name the writers use)."""
-
-
 def write_set(dirpath: str | os.PathLike[str], name: str, files: Mapping[str, bytes | str]) -> Path:
     """Write ``files`` (file name -> content; text is UTF-8) as the set ``name`` in ``dirpath``; returns its pointer."""
-    with stage_set(dirpath) as staged:
+    with StagedSet(dirpath) as staged:
         for filename, content in files.items():
             staged.write_bytes(filename, content.encode() if isinstance(content, str) else content)
         return staged.commit(name)

@@ -38,13 +38,14 @@ from lightning_perf.deploy.inputs import (
     build_input_specs,
     cast_inputs,
     collect_inputs,
-    take_batch,
 )
 from lightning_perf.deploy.onnx import OnnxBackend
 from lightning_perf.deploy.tensorrt import TensorRTBackend
-from lightning_perf.deploy.validate import Tolerance, ValidationResult, flat_outputs, full_fp32, validate_runner
+from lightning_perf.deploy.validate import Tolerance, ValidationResult, flat_outputs, validate_runner
+from lightning_perf.functional.backend_flags import BackendFlags, backend_flags
 from lightning_perf.functional.inputs import CapturedCall, as_input_tuple
 from lightning_perf.functional.quantization.device import disable_cache
+from lightning_perf.functional.quantization.qat import with_batch
 from lightning_perf.profiling.latency import LatencyRow, measure_latency
 from lightning_perf.profiling.machine import installed_version
 from lightning_perf.profiling.report import to_jsonable
@@ -262,7 +263,7 @@ def _real_batches(
                 f"{list(spec.min_shape)} to {list(spec.max_shape)}, dtype {str(spec.dtype).removeprefix('torch.')}). "
                 "Mark differing dimensions in dynamic_dims or give a matching example."
             )
-    return source, {b: take_batch(tuple(t.to(opts.device) for t in pool), b) for b in sizes}
+    return source, {b: with_batch(tuple(t.to(opts.device) for t in pool), b) for b in sizes}
 
 
 def _reference(
@@ -271,7 +272,7 @@ def _reference(
     """The copy to export (in the export's dtype) and the fp32 outputs it must reproduce; sets ``opts.output_names``."""
     reference = copy.deepcopy(model).eval().to(device=opts.device, dtype=torch.float32)
     disable_cache(reference)  # a Hugging Face model exports and validates without its key/value cache
-    with full_fp32(opts.device):
+    with backend_flags(BackendFlags(matmul_tf32=False, cudnn_tf32=False)):  # a TF32 callback may still be on
         outputs = {b: flat_outputs(reference(*cast_inputs(x, torch.float32, opts.device))) for b, x in batches.items()}
     opts.output_names = next(iter(outputs.values()))[1]
     return reference.to(opts.dtype), outputs  # in place: the fp32 outputs are all the fp32 copy was needed for
@@ -280,7 +281,7 @@ def _reference(
 def _trace_example(example: tuple[Tensor, ...], opts: ExportOptions) -> tuple[Tensor, ...]:
     # Trace at the optimized batch size: an example batch of 1 would make torch.export specialize the batch dim.
     trace_batch = opts.batch_range.opt if opts.batch_range.opt > 1 else min(2, opts.batch_range.max)
-    return cast_inputs(take_batch(tuple(t.to(opts.device) for t in example), trace_batch), opts.dtype, opts.device)
+    return cast_inputs(with_batch(tuple(t.to(opts.device) for t in example), trace_batch), opts.dtype, opts.device)
 
 
 class _Sets:
@@ -387,18 +388,10 @@ def _attempts(
 def _measure(
     eager_model: nn.Module, runner: Runner, batches: Mapping[int, tuple[Tensor, ...]], opts: ExportOptions
 ) -> list[LatencyRow]:
+    timing: dict[str, Any] = {"iterations": opts.latency_iterations, "warmup": opts.latency_warmup}
     rows = []
     for b, inputs in batches.items():
         cast = cast_inputs(inputs, opts.dtype, opts.device)
-        rows.append(
-            measure_latency(
-                functools.partial(eager_model, *cast),
-                functools.partial(runner.run, cast),
-                batch_size=b,
-                iterations=opts.latency_iterations,
-                warmup=opts.latency_warmup,
-                device=opts.device,
-                names=("eager", "export"),
-            )
-        )
+        calls = (functools.partial(eager_model, *cast), functools.partial(runner.run, cast))
+        rows.append(measure_latency(*calls, batch_size=b, device=opts.device, names=("eager", "export"), **timing))
     return rows

@@ -7,7 +7,7 @@ The model inputs of a batch come from :mod:`lightning_perf.functional.inputs`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -30,7 +30,6 @@ __all__ = [
     "input_names",
     "model_inputs",
     "submodule_inputs",
-    "take_batch",
     "through_batch_hooks",
 ]
 
@@ -97,13 +96,7 @@ class InputSpec:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "min_shape": list(self.min_shape),
-            "opt_shape": list(self.opt_shape),
-            "max_shape": list(self.max_shape),
-        }
+        return {**asdict(self), "dtype": str(self.dtype).removeprefix("torch.")}  # shapes: lists in JSON
 
 
 def example_inputs_from_shapes(
@@ -160,23 +153,10 @@ def build_input_specs(
                     f"its range {rng.min}..{rng.max}."
                 )
             ranges[dim] = rng
-        shape = tuple(tensor.shape)
-        specs.append(
-            InputSpec(
-                name=name,
-                dtype=tensor.dtype,
-                min_shape=tuple(ranges[d].min if d in ranges else s for d, s in enumerate(shape)),
-                opt_shape=tuple(ranges[d].opt if d in ranges else s for d, s in enumerate(shape)),
-                max_shape=tuple(ranges[d].max if d in ranges else s for d, s in enumerate(shape)),
-            )
-        )
+        shape, ends = tuple(tensor.shape), ("min", "opt", "max")
+        sizes = [tuple(getattr(ranges[d], end) if d in ranges else s for d, s in enumerate(shape)) for end in ends]
+        specs.append(InputSpec(name, tensor.dtype, *sizes))  # its min, opt and max shapes
     return specs
-
-
-def take_batch(inputs: tuple[Tensor, ...], batch_size: int) -> tuple[Tensor, ...]:
-    # Cycle through the samples available, so a small pool still fills a large batch with real samples.
-    index = torch.arange(batch_size) % inputs[0].shape[0]
-    return tuple(t[index.to(t.device)] for t in inputs)
 
 
 def collect_inputs(batches: Iterable[Any], needed: int, input_key: str | None) -> tuple[Tensor, ...] | None:

@@ -35,7 +35,6 @@ __all__ = [
     "compare_outputs",
     "eval_mode",
     "flat_outputs",
-    "full_fp32",
     "validate_runner",
 ]
 
@@ -162,20 +161,6 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
     finally:
         for module, mode in modes:
             module.train(mode)
-
-
-@contextlib.contextmanager
-def full_fp32(device: torch.device) -> Iterator[None]:
-    """Compute the fp32 reference without TF32 (a TF32 callback may still be active at fit end), then restore."""
-    if device.type != "cuda":
-        yield
-        return
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 def validate_runner(

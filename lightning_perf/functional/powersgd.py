@@ -84,37 +84,28 @@ class CommunicationStats:
         return self.numel_before / self.numel_after if self.numel_after else math.nan
 
 
-def validate_powersgd_options(
-    owner: str,
-    *,
-    hook: Any,
-    matrix_approximation_rank: Any,
-    start_powerSGD_iter: Any,
-    min_compression_rate: Any,
-    use_error_feedback: Any,
-    warm_start: Any,
-    orthogonalization_epsilon: Any,
-    random_seed: Any,
-) -> None:
-    """Check PowerSGD's options; ``ValueError``/``TypeError`` naming ``owner``, the argument and the value.
+def validate_powersgd_options(owner: str, hook: Any, options: Mapping[str, Any]) -> None:
+    """Check ``hook`` and the :data:`POWERSGD_OPTIONS` in ``options``; ``ValueError``/``TypeError`` naming ``owner``,
+    the argument and the value.
 
     ``start_powerSGD_iter`` may be ``None`` (chosen later from the run's length).
     """
     check_choice(owner, "hook", hook, HOOK_VARIANTS)
-    check_int(owner, "matrix_approximation_rank", matrix_approximation_rank, 1)
-    check_bool(owner, "use_error_feedback", use_error_feedback)
-    check_bool(owner, "warm_start", warm_start)
-    if start_powerSGD_iter is not None:
-        check_int(owner, "start_powerSGD_iter", start_powerSGD_iter, 0)
-        if start_powerSGD_iter < 2 and (use_error_feedback or warm_start):
+    check_int(owner, "matrix_approximation_rank", options["matrix_approximation_rank"], 1)
+    for name in ("use_error_feedback", "warm_start"):
+        check_bool(owner, name, options[name])
+    start = options["start_powerSGD_iter"]
+    if start is not None:
+        check_int(owner, "start_powerSGD_iter", start, 0)
+        if start < 2 and (options["use_error_feedback"] or options["warm_start"]):
             raise ValueError(
-                f"`{owner}(start_powerSGD_iter={start_powerSGD_iter!r})` is not valid with error feedback or warm "
+                f"`{owner}(start_powerSGD_iter={start!r})` is not valid with error feedback or warm "
                 "start: expected >= 2, because DDP rebuilds its buckets after the first iteration (torch's "
                 "PowerSGDState refuses less). Use a larger value, or turn both off."
             )
-    check_number(owner, "min_compression_rate", min_compression_rate)
-    check_number(owner, "orthogonalization_epsilon", orthogonalization_epsilon)
-    check_int(owner, "random_seed", random_seed, 0)
+    for name in ("min_compression_rate", "orthogonalization_epsilon"):
+        check_number(owner, name, options[name])
+    check_int(owner, "random_seed", options["random_seed"], 0)
 
 
 def waits_each_bucket(backend: str, device_type: str) -> bool:
@@ -570,7 +561,7 @@ def register_powersgd_hook(
     """
     owner = "register_powersgd_hook"
     options = {name: value for name, value in locals().items() if name in POWERSGD_OPTIONS}
-    validate_powersgd_options(owner, hook=hook, **options)
+    validate_powersgd_options(owner, hook, options)
     check_optional_bool(owner, "synchronous", synchronous)
     check_instance(owner, "model", model, DistributedDataParallel, "a DistributedDataParallel model")
     group = process_group if process_group is not None else dist.group.WORLD

@@ -23,11 +23,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_perf._validation import check_bool, check_choice, check_number
+from lightning_perf._validation import check_bool, check_choice, check_instance, check_number
 from lightning_perf._warnings import FallbackWarning, warn_once
 from lightning_perf.functional.powersgd import (
     POWERSGD_OPTIONS,
     CommunicationStats,
+    HookVariant,
     PowerSGDHook,
     gather_state_dict,
     register_powersgd_hook,
@@ -39,6 +40,7 @@ CHECKPOINT_KEY = "powersgd"
 # DDPStrategy arguments that would install another communication hook or a post-local-SGD averager.
 _COMM_HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_POWERSGD_ARGUMENTS = (*POWERSGD_OPTIONS, "hook", "log_stats")  # kept as attributes of the strategy
 
 
 def _check_ddp_kwargs(owner: str, kwargs: dict[str, Any]) -> None:
@@ -66,18 +68,14 @@ def _check_arguments(owner: str, arguments: dict[str, Any], kwargs: dict[str, An
             f"`{owner}({given[0]}=...)` is not supported: this strategy registers its own PowerSGD communication "
             "hook. Use `lightning.pytorch.strategies.DDPStrategy` for another hook."
         )
-    validate_powersgd_options(owner, hook=arguments["hook"], **{name: arguments[name] for name in POWERSGD_OPTIONS})
+    validate_powersgd_options(owner, arguments["hook"], arguments)
     for name in ("log_stats", "gradient_as_bucket_view", "static_graph", "find_unused_parameters"):
         check_bool(owner, name, arguments[name])
     for name in _COMM_HOOK_ARGUMENTS:
         kwargs.pop(name, None)
     _check_ddp_kwargs(owner, kwargs)
-    timeout = arguments["timeout"]
-    if timeout is not None and not isinstance(timeout, timedelta):
-        raise TypeError(
-            f"`{owner}(timeout={timeout!r})` is not valid. Expected a datetime.timedelta (e.g. "
-            "`timedelta(minutes=30)`, the time a collective may wait) or None."
-        )
+    expected = "a datetime.timedelta (e.g. `timedelta(minutes=30)`, the time a collective may wait) or None"
+    check_instance(owner, "timeout", arguments["timeout"], (timedelta, type(None)), expected)
     check_choice(owner, "start_method", arguments["start_method"], _START_METHODS)
     if arguments["bucket_cap_mb"] is not None:
         check_number(owner, "bucket_cap_mb", arguments["bucket_cap_mb"], exclusive=True)
@@ -170,6 +168,10 @@ class PowerSGDDDPStrategy(DDPStrategy):
         trainer = Trainer(accelerator="gpu", devices=8, strategy=PowerSGDDDPStrategy(matrix_approximation_rank=2))
     """
 
+    hook: HookVariant
+    start_powerSGD_iter: int | None
+    log_stats: bool
+
     def __init__(
         self,
         matrix_approximation_rank: int = 2,
@@ -178,7 +180,7 @@ class PowerSGDDDPStrategy(DDPStrategy):
         use_error_feedback: bool = True,
         warm_start: bool = True,
         orthogonalization_epsilon: float = 1e-8,
-        hook: Literal["powersgd", "batched"] = "powersgd",
+        hook: HookVariant = "powersgd",
         random_seed: int = 0,
         log_stats: bool = True,
         gradient_as_bucket_view: bool = False,
@@ -195,33 +197,15 @@ class PowerSGDDDPStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        owner = type(self).__name__
-        _check_arguments(owner, {name: value for name, value in locals().items() if name in _OWN_ARGUMENTS}, kwargs)
+        arguments = {name: value for name, value in locals().items() if name in _OWN_ARGUMENTS}
+        _check_arguments(type(self).__name__, arguments, kwargs)
         if bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = bucket_cap_mb
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph,
-            find_unused_parameters=find_unused_parameters,
-            **kwargs,
-        )
-        self.matrix_approximation_rank = matrix_approximation_rank
-        self.start_powerSGD_iter = start_powerSGD_iter
+        super().__init__(**{name: arguments[name] for name in _DDP_ARGUMENTS}, **kwargs)
+        for name in _POWERSGD_ARGUMENTS:
+            setattr(self, name, arguments[name])
         self.min_compression_rate = float(min_compression_rate)
-        self.use_error_feedback = use_error_feedback
-        self.warm_start = warm_start
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
-        self.hook = hook
-        self.random_seed = random_seed
-        self.log_stats = log_stats
         self._powersgd: PowerSGDHook | None = None
         self._loaded_state: dict[str, Any] | None = None
 
@@ -252,11 +236,7 @@ class PowerSGDDDPStrategy(DDPStrategy):
         # Lightning's forward redirection (each DDP step) puts the module's own bound `forward` back as an instance
         # attribute; drop it so the module is the plain one again (after a fit, and after one that failed).
         own = vars(module).get("forward") if module is not None else None
-        if (
-            module is not None
-            and own is not None
-            and getattr(own, "__func__", None) is getattr(type(module).forward, "__func__", type(module).forward)
-        ):
+        if module is not None and getattr(own, "__func__", None) is type(module).forward:
             del module.forward
 
     @override
@@ -338,6 +318,8 @@ class PowerSGDDDPStrategy(DDPStrategy):
 
 # The strategy's own argument names, for "did you mean" suggestions on a misspelled keyword.
 _OWN_ARGUMENTS = frozenset(inspect.signature(PowerSGDDDPStrategy.__init__).parameters) - {"self", "kwargs"}
+# Those handed to DDPStrategy as they are (bucket_cap_mb only when given, so that DDP keeps its own default).
+_DDP_ARGUMENTS = _OWN_ARGUMENTS - {*_POWERSGD_ARGUMENTS, "bucket_cap_mb"}
 
 # `Trainer(strategy="ddp_powersgd")` once `lightning_perf.strategies` (or `.callbacks`, which imports it) is imported.
 PowerSGDDDPStrategy.register_strategies(StrategyRegistry)

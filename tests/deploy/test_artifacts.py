@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_perf.deploy import artifacts
-from lightning_perf.deploy.artifacts import ArtifactWriteError, StagedSet, committed_set, stage_set, write_set
+from lightning_perf.deploy.artifacts import ArtifactWriteError, StagedSet, committed_set, write_set
 from lightning_perf.deploy.backend import Runner
 from lightning_perf.deploy.export import export_model
 from lightning_perf.deploy.onnx import OnnxBackend
@@ -140,7 +140,7 @@ def test_a_pointer_name_taken_by_a_real_file_is_never_overwritten(tmp_path: Path
 
 
 def test_staged_set_is_discarded_without_a_commit_and_names_are_checked(tmp_path: Path) -> None:
-    with stage_set(tmp_path) as staged:
+    with StagedSet(tmp_path) as staged:
         staged.write_bytes("a.bin", b"x")
         staging = staged.path
     assert not staging.exists() and _read(tmp_path) is None

@@ -15,6 +15,7 @@ from lightning_perf import _imports
 from lightning_perf.deploy.quantize.convert import calibrate, convert, float_copy, restore_float
 from lightning_perf.deploy.validate import compare_models
 from lightning_perf.functional.quantization import qat
+from lightning_perf.functional.quantization.config import base_config_spec, resolve_base_config
 
 BATCH_NORM = torch.ops.aten.batch_norm.default
 
@@ -118,24 +119,24 @@ def test_base_config_from_yaml_spec() -> None:
 
     options = {"weight_dtype": "int4", "weight_granularity": {"PerGroup": 16}, "weight_mapping_type": "symmetric"}
     spec = {"Int8DynamicActivationIntxWeightConfig": options}
-    config = qat.resolve_base_config(spec)
+    config = resolve_base_config(spec)
     assert isinstance(config, Int8DynamicActivationIntxWeightConfig)
     assert config.weight_dtype is torch.int4
     assert config.weight_granularity == PerGroup(16)
     assert config.weight_mapping_type is MappingType.SYMMETRIC
     # The normalized spec names only what differs from the defaults, in plain YAML-able values.
-    normalized = qat.base_config_spec(config)
+    normalized = base_config_spec(config)
     assert normalized == {
         "Int8DynamicActivationIntxWeightConfig": {
             "weight_dtype": "int4",
             "weight_granularity": {"PerGroup": {"group_size": 16}},
         }
     }
-    assert qat.base_config_spec(qat.resolve_base_config(normalized)) == normalized
-    assert qat.base_config_spec(qat.resolve_base_config(None)) == {"Int8DynamicActivationIntxWeightConfig": {}}
-    by_name = qat.resolve_base_config({"IntxWeightOnlyConfig": {"granularity": {"PerAxis": {"axis": 0}}}})
+    assert base_config_spec(resolve_base_config(normalized)) == normalized
+    assert base_config_spec(resolve_base_config(None)) == {"Int8DynamicActivationIntxWeightConfig": {}}
+    by_name = resolve_base_config({"IntxWeightOnlyConfig": {"granularity": {"PerAxis": {"axis": 0}}}})
     assert by_name.granularity == PerAxis(0)
-    assert qat.resolve_base_config(config) is config
+    assert resolve_base_config(config) is config
 
 
 @pytest.mark.parametrize(
@@ -152,7 +153,7 @@ def test_base_config_from_yaml_spec() -> None:
 )
 def test_bad_base_configs_are_rejected_with_the_reason(spec: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        qat.resolve_base_config(spec)
+        resolve_base_config(spec)
 
 
 def test_torchao_missing_names_the_qat_extra(monkeypatch: pytest.MonkeyPatch) -> None:

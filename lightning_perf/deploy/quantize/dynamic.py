@@ -17,7 +17,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +86,7 @@ _EAGER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.LSTM, nn.GRU, nn.LSTM
 
 def has_int8_dot_product(flags: dict[str, bool] | None) -> bool:
     """Whether the CPU has VNNI or AMX int8 dot products (``False`` when the flags are unknown)."""
-    if not flags:
-        return False
-    return bool(flags.get("avx512_vnni") or flags.get("amx_int8") or flags.get("avx_vnni"))
+    return any((flags or {}).get(name) for name in ("avx512_vnni", "amx_int8", "avx_vnni"))
 
 
 def dynamic_candidates(flags: dict[str, bool] | None = None) -> tuple[list[str], dict[str, str]]:
@@ -340,19 +338,18 @@ class DynamicCandidate:
     def figures(self) -> dict[str, Any]:
         """What the choice rests on, as cached and reported: times, speed-up, its 95% interval, verdict, problem."""
         row = self.latency
-        timed = (
-            {}
-            if row is None
-            else {
-                "batch_size": row.batch_size,
-                "float_median_s": row.baseline_median_s,
-                "int8_median_s": row.candidate_median_s,
-                "speedup": row.speedup,
-                "speedup_ci95": row.speedup_ci95,
-                "speedup_verdict": row.speedup_verdict,
-            }
-        )
-        return {"backend": self.backend, **timed, "problem": self.problem}
+        if row is None:
+            return {"backend": self.backend, "problem": self.problem}
+        return {
+            "backend": self.backend,
+            "batch_size": row.batch_size,
+            "float_median_s": row.baseline_median_s,
+            "int8_median_s": row.candidate_median_s,
+            "speedup": row.speedup,
+            "speedup_ci95": row.speedup_ci95,
+            "speedup_verdict": row.speedup_verdict,
+            "problem": self.problem,
+        }
 
 
 def figure_line(figures: dict[str, Any]) -> str:
@@ -387,17 +384,8 @@ class DynamicQuantization:
     threads: int = field(default_factory=torch.get_num_threads)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "requested": self.requested,
-            "cached": self.cached,
-            "rule": TIE_RULE if self.requested == "auto" else None,
-            "threads": self.threads,
-            "cpu_flags": self.cpu_flags,
-            "measured": [dict(f) for f in self.measured],
-            "candidates": to_jsonable(self.candidates),
-            "skipped": dict(self.skipped),
-        }
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "module"}
+        return to_jsonable({**data, "rule": TIE_RULE if self.requested == "auto" else None})  # type: ignore[no-any-return]
 
     def describe(self) -> str:
         """What was chosen and why, in a few lines."""
@@ -557,19 +545,11 @@ def quantize_dynamic(
     names, skipped = dynamic_candidates(flags)
     result = DynamicQuantization(None, None, "auto", skipped=skipped, cpu_flags=flags)
     built = _try(result, names, *checks, refresh)
+    size = [int(example[0].shape[0])]
     for candidate in result.candidates:
-        if candidate.backend in built:
-            size = [int(example[0].shape[0])]
-            rows = eager_latency(
-                reference,
-                built[candidate.backend],
-                example,
-                size,
-                iterations=iterations,
-                warmup=warmup,
-                name=candidate.backend,
-            )
-            candidate.latency = rows[0]
+        if (quantized := built.get(candidate.backend)) is not None:
+            timing: dict[str, Any] = {"iterations": iterations, "warmup": warmup, "name": candidate.backend}
+            candidate.latency = eager_latency(reference, quantized, example, size, **timing)[0]
     best = choose(result.candidates)
     if best is not None:
         result.backend, result.module = best.backend, built[best.backend]

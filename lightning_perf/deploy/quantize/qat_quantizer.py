@@ -145,11 +145,8 @@ class QATQuantizer(Quantizer):
         prepared = prepare(module, recipe, example, owner=self.owner)
         if prepared is not module:
             _replace(root, name, prepared)
-        self._float_module = module if recipe.backend == "x86" else None
-        self.recipe_used, self.name = recipe, name
-        self._applied = None
-        self._prepared_here, self._prepared_module = True, prepared
-        self._collect_batchnorms(prepared)
+        self.name = name
+        self._in_place(prepared, module if recipe.backend == "x86" else None, recipe)
         if recipe.backend == "torchao" and self.options.disable_observers_after is not None:
             warn_once(
                 f"`{self.owner}(backend='torchao', disable_observers_after=...)` has no effect: torchao's QAT "
@@ -169,10 +166,7 @@ class QATQuantizer(Quantizer):
         if graph is not None and recipe_of(graph) == recipe and holds_tensors_of(graph, module):
             graph.train(module.training)
             _replace(root, name, graph)
-            self._float_module, self.recipe_used = module, recipe
-            self._applied = None
-            self._prepared_here, self._prepared_module = True, graph
-            self._collect_batchnorms(graph)
+            self._in_place(graph, module, recipe)
             return
         self._install(root, name, module, recipe, None)
         prepared = root.get_submodule(name)
@@ -201,6 +195,13 @@ class QATQuantizer(Quantizer):
                 _replace(root, name, plain)
             self._float_module = plain if self._kept_graph is not None else None
         self._prepared_here, self._prepared_module, self._eager_batchnorms = False, None, []
+
+    def _in_place(self, prepared: nn.Module, float_module: nn.Module | None, recipe: QuantizationRecipe) -> None:
+        """Record that ``prepared`` (made from ``float_module`` with ``recipe``) now stands in the model."""
+        self._float_module, self.recipe_used = float_module, recipe
+        self._applied = None
+        self._prepared_here, self._prepared_module = True, prepared
+        self._collect_batchnorms(prepared)
 
     def _collect_batchnorms(self, prepared: nn.Module) -> None:
         eager = self.options.freeze_bn_after is not None and not isinstance(prepared, torch.fx.GraphModule)
@@ -343,14 +344,8 @@ class QATQuantizer(Quantizer):
     def __getstate__(self) -> dict[str, Any]:
         # The float module, the layer list and the graphs belong to this process's model (an exported model does not
         # pickle: torch.export's guard module holds a local function).
-        return {
-            **self.__dict__,
-            "_float_module": None,
-            "_eager_batchnorms": [],
-            "_prepared_module": None,
-            "_kept_graph": None,
-            "_before_fit": None,
-        }
+        dropped = dict.fromkeys(("_float_module", "_prepared_module", "_kept_graph", "_before_fit"))
+        return {**self.__dict__, **dropped, "_eager_batchnorms": []}
 
 
 def export_with_options(

@@ -164,16 +164,9 @@ class DynamicInt8Quantizer(Quantizer):
         if self._built is not None and self._built[0] == signature:
             return self._built[1], False
         o = self.options
-        choice = quantize_dynamic(
-            module,
-            example,
-            self.recipe.backend,
-            min_cosine=o.min_cosine,
-            min_agreement=o.min_agreement,
-            iterations=o.latency_iterations,
-            warmup=o.latency_warmup,
-            refresh=o.refresh,
-        )
+        same: dict[str, Any] = {name: getattr(o, name) for name in ("min_cosine", "min_agreement", "refresh")}
+        timing = {"iterations": o.latency_iterations, "warmup": o.latency_warmup}
+        choice = quantize_dynamic(module, example, self.recipe.backend, **same | timing)
         self.choice, self._built = choice, (signature, choice)
         return choice, True
 

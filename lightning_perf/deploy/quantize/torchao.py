@@ -6,7 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_perf._imports import require
-from lightning_perf.functional.quantization.qat import QuantizationRecipe, resolve_base_config
+from lightning_perf.functional.quantization.config import resolve_base_config
+from lightning_perf.functional.quantization.qat import QuantizationRecipe
 
 __all__ = ["convert_torchao", "float_linear_layers"]
 

@@ -17,12 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["cache_off", "cpu_copy", "disable_cache", "parameter_device", "retarget_graph", "take_tensors_of"]
-
-
-def parameter_device(module: nn.Module) -> torch.device:
-    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
-    return torch.device("cpu") if tensor is None else tensor.device
+__all__ = ["cache_off", "cpu_copy", "disable_cache", "retarget_graph", "take_tensors_of"]
 
 
 def cpu_copy(module: nn.Module) -> nn.Module:

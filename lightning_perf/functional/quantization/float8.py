@@ -8,6 +8,7 @@ rules per layer and the order under FSDP2: docs/architecture.md, Module notes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib
 import logging
@@ -23,6 +24,7 @@ from torch import nn
 from lightning_perf._device import as_device, cuda_capability, is_sm_at_least
 from lightning_perf._imports import require
 from lightning_perf._io import DecisionCache
+from lightning_perf._validation import check_choice
 from lightning_perf.functional.surgery import restore_modules
 from lightning_perf.profiling.intervals import RatioEstimate
 from lightning_perf.profiling.latency import Blocks, paired_blocks, speedup_estimate
@@ -323,8 +325,7 @@ def float8_config(recipe: str = "tensorwise", *, emulate: bool = False, fsdp_flo
         ValueError: for an unknown recipe, or float8 all-gather with a recipe other than ``"tensorwise"``.
         ModuleNotFoundError: if torchao is not installed (the ``qat`` extra).
     """
-    if recipe not in RECIPES:
-        raise ValueError(f"`recipe={recipe!r}` is not valid. Expected one of {RECIPES}.")
+    check_choice("float8_config", "recipe", recipe, RECIPES)
     if fsdp_float8_all_gather and recipe != "tensorwise":
         raise ValueError(f"float8 all-gather under FSDP2 needs recipe='tensorwise', not {recipe!r}.")
     float8 = require("torchao", "Float8 training").float8
@@ -352,11 +353,8 @@ def time_linear_shape(
 
     dev = as_device(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
-    base = nn.Linear(shape.in_features, shape.out_features, bias=shape.bias)
-    base = base.to(device=dev, dtype=torch.bfloat16)
-    fp8 = nn.Linear(shape.in_features, shape.out_features, bias=shape.bias).to(device=dev, dtype=torch.bfloat16)
-    fp8.load_state_dict(base.state_dict())
-    fp8 = Float8Linear.from_float(fp8, config=float8_config(recipe, emulate=emulate))
+    base = nn.Linear(shape.in_features, shape.out_features, bias=shape.bias).to(device=dev, dtype=torch.bfloat16)
+    fp8 = Float8Linear.from_float(copy.deepcopy(base), config=float8_config(recipe, emulate=emulate))
     x = torch.randn(shape.rows, shape.in_features, generator=generator).to(device=dev, dtype=torch.bfloat16)
     grad = torch.randn(shape.rows, shape.out_features, generator=generator).to(device=dev, dtype=torch.bfloat16)
     x.requires_grad_(True)

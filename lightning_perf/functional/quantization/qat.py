@@ -13,33 +13,31 @@ import contextlib
 import copy
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_perf._device import module_device
 from lightning_perf._imports import require
 from lightning_perf._io import failure_reason
 from lightning_perf._validation import check_choice
 from lightning_perf.functional.inputs import as_input_tuple
-from lightning_perf.functional.quantization.config import SUPPORTED_BASE_CONFIGS, base_config_spec, resolve_base_config
-from lightning_perf.functional.quantization.device import cache_off, cpu_copy, parameter_device, take_tensors_of
+from lightning_perf.functional.quantization.config import base_config_spec, resolve_base_config
+from lightning_perf.functional.quantization.device import cache_off, cpu_copy, take_tensors_of
 from lightning_perf.profiling.machine import installed_version
 
 __all__ = [
     "BACKENDS",
     "INFO_KEY",
     "MODES",
-    "SUPPORTED_BASE_CONFIGS",
     "NothingToQuantizeError",
     "PreparedGraphModule",
     "QuantizationError",
     "QuantizationRecipe",
     "allow_train_eval",
-    "base_config_spec",
     "batchnorm_modules",
-    "cache_off",
     "capture_module",
     "counts_batches",
     "export_dynamic_batch",
@@ -51,7 +49,6 @@ __all__ = [
     "quantization_state_keys",
     "quiet_deepcopy",
     "recipe_of",
-    "resolve_base_config",
     "set_fake_quant",
     "set_observers",
     "set_quantization_info",
@@ -104,14 +101,7 @@ class QuantizationRecipe:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": _RECIPE_VERSION,
-            "backend": self.backend,
-            "mode": self.mode,
-            "base_config": None if self.base_config is None else copy.deepcopy(dict(self.base_config)),
-            "input_shapes": [list(s) for s in self.input_shapes],
-            "input_dtypes": list(self.input_dtypes),
-        }
+        return {"version": _RECIPE_VERSION, **asdict(self)}  # copies: the base config's spec too
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizationRecipe:
@@ -124,12 +114,9 @@ class QuantizationRecipe:
             version = int(data.get("version", 0))
             if version > _RECIPE_VERSION:
                 raise ValueError(f"recipe version {version} is newer than this lightning_perf's ({_RECIPE_VERSION})")
+            shapes, dtypes = data["input_shapes"], data["input_dtypes"]
             return make_recipe(
-                backend=data["backend"],
-                mode=data["mode"],
-                base_config=data.get("base_config"),
-                input_shapes=data["input_shapes"],
-                input_dtypes=data["input_dtypes"],
+                data["backend"], data["mode"], data.get("base_config"), input_shapes=shapes, input_dtypes=dtypes
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"Not a quantization recipe: {dict(data)!r} ({type(exc).__name__}: {exc}).") from None
@@ -245,17 +232,9 @@ _aten = torch.ops.aten
 # Index of the `training`/`train` flag in the schema of each op whose behaviour depends on it.
 _BATCH_NORM_FLAG = {_aten.batch_norm.default: 5}
 _DROPOUT_FLAG = {
-    op: 2
-    for op in (
-        _aten.dropout.default,
-        _aten.dropout_.default,
-        _aten.feature_dropout.default,
-        _aten.feature_dropout_.default,
-        _aten.alpha_dropout.default,
-        _aten.alpha_dropout_.default,
-        _aten.feature_alpha_dropout.default,
-        _aten.feature_alpha_dropout_.default,
-    )
+    getattr(_aten, f"{kind}{inplace}").default: 2
+    for kind in ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout")
+    for inplace in ("", "_")
 }
 # Batch norm in other IR forms; the flag rewrite does not know these and leaves it to torchao's pattern rewrite.
 _OTHER_BATCH_NORMS = {
@@ -612,7 +591,7 @@ def _prepare_x86(
     qat = recipe.mode == "qat"
     # X86InductorQuantizer annotates the graph of a CPU model: capture a CPU copy when the parameters live
     # elsewhere (CUDA, meta), and give the prepared graph the module's own tensors afterwards.
-    device = parameter_device(module)
+    device = module_device(module)
     source = module if device.type == "cpu" else cpu_copy(module)
     with cache_off(source):
         captured = capture_module(source, tuple(t.cpu() for t in example), training=qat)
@@ -668,18 +647,17 @@ def _prepare_torchao(
 # ---------------------------------------------------------------------------------------------------- schedules
 
 
-def _fake_quantizers(module: nn.Module) -> Iterator[nn.Module]:
+def _fake_quantizers(module: nn.Module) -> list[nn.Module]:
     from torchao.quantization.pt2e import FakeQuantizeBase
 
-    return (m for m in module.modules() if isinstance(m, FakeQuantizeBase))
+    return [m for m in module.modules() if isinstance(m, FakeQuantizeBase)]
 
 
 def _switch_observers(module: nn.Module, enabled: bool) -> int:
-    count = 0
-    for m in _fake_quantizers(module):
+    quantizers = _fake_quantizers(module)
+    for m in quantizers:
         m.enable_observer(enabled)  # type: ignore[operator]
-        count += 1
-    return count
+    return len(quantizers)
 
 
 def set_observers(module: nn.Module, enabled: bool) -> int:
@@ -691,22 +669,21 @@ def set_observers(module: nn.Module, enabled: bool) -> int:
     if isinstance(module, PreparedGraphModule):
         set_quantization_info(module, observers=enabled)
         _sync_mode(module)
-        return sum(1 for _ in _fake_quantizers(module))
+        return len(_fake_quantizers(module))
     return _switch_observers(module, enabled)
 
 
 def set_fake_quant(module: nn.Module, enabled: bool) -> int:
     """Enable or disable fake quantization (disabled, the model trains in float while observers keep collecting
     ranges); returns how many fake quantizers it switched."""
-    count = 0
-    for m in _fake_quantizers(module):
+    quantizers = _fake_quantizers(module)
+    for m in quantizers:
         m.enable_fake_quant(enabled)  # type: ignore[operator]
-        count += 1
-    if is_prepared(module) and recipe_of(module).backend == "torchao":  # type: ignore[union-attr]
-        for m in torchao_fake_quantizers(module):
-            m.enabled = enabled  # type: ignore[assignment]
-            count += 1
-    return count
+    torchao = is_prepared(module) and recipe_of(module).backend == "torchao"  # type: ignore[union-attr]
+    swapped = torchao_fake_quantizers(module) if torchao else []
+    for m in swapped:
+        m.enabled = enabled  # type: ignore[assignment]
+    return len(quantizers) + len(swapped)
 
 
 def batchnorm_modules(module: nn.Module) -> list[nn.Module]:
