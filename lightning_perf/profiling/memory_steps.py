@@ -23,6 +23,8 @@ from lightning_perf.profiling.leaks import (
     ResidentSeries,
     could_leak,
     detect_leaks,
+    noise_floor,
+    sen_slope_interval,
     trend_of,
 )
 from lightning_perf.profiling.memory import MemoryProbe, MemorySample
@@ -263,19 +265,17 @@ class MemorySteps:
         self._screen_at = index + max(SCREEN_GAP, index // 4)
         # The later half of the run, at least 36 readings of it where there are.
         steps, values = cheap.series(max(first, min(index // 2, index - 2 * MIN_LEAK_SAMPLES * cheap.stride)))
-        # A trigger, not the verdict: the full rule on the resident set (its noise floor keeps out a clean process's
-        # creep of a page every few dozen steps), and faster than the last rise memory in use refused (a false
-        # trigger costs a confirmation: ~30 woken steps, ~8 ms on a 2 ms step; it is not paid again for the same creep).
+        # A trigger, not the verdict: the full rule on the resident set, cheapest test first (its noise floor keeps out
+        # a clean process's creep of a page every few dozen steps), and a rise faster than the fastest that memory in
+        # use refused (a false trigger costs a confirmation, ~30 woken steps: not paid twice for the same creep).
         if not could_leak(values, MIN_LEAK_SAMPLES):
             return False
-        if (
-            not (trend := trend_of("resident", steps, values, MIN_LEAK_SAMPLES)).leaking
-            or trend.slope_low <= self._refused
-        ):
+        rise = sen_slope_interval(steps, values)
+        if rise.low <= self._refused or rise.slope * NOISE_FLOOR_STEPS < noise_floor(steps, values, rise.slope):
             return False
         self._confirm = (index + 1, index + 1 + self.leak_min_samples)
         self.series = LeakSeries(self.points)
-        self.screens.append({"step": index, "rate_bytes_per_step": trend.slope})
+        self.screens.append({"step": index, "rate_bytes_per_step": rise.slope})
         return True
 
     def begin_step(self, epoch: int) -> None:
