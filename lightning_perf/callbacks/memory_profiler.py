@@ -217,11 +217,10 @@ class MemoryProfilerCallback(UndoOnExit):
     def _plan(self, memory: MemorySteps) -> None:
         """Set ``_calm``: the countdown's value down to which the quiet steps have nothing to do but count (the next
         log or read, else the countdown's last step, takes the slow path)."""
-        index = memory.step_index + self._skipped - self._quiet  # the next quiet step's
-        due = index + (-index) % self._stride
-        if self._every:
-            due = min(due, index + (-index - 1) % self._every)
-        self._calm = max(1, memory.step_index + self._skipped - due)
+        end = memory.step_index + self._skipped  # the countdown's end; the next quiet step is end - _quiet
+        index = end - self._quiet
+        due = min(index + (-index) % self._stride, index + (-index - 1) % self._every if self._every else end)
+        self._calm = max(1, end - due)
 
     def _bill(self, memory: MemorySteps, index: int) -> None:
         """Bill the steady quiet steps counted on the fast path since the last slow one, up to step ``index``."""
