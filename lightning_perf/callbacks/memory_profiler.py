@@ -52,9 +52,11 @@ class MemoryProfilerCallback(UndoOnExit):
     with its 95% interval, once per fit. ``leak_threshold`` (bytes per step) is an optional extra bound, off by default.
 
     Its own cost, on CPU: a step that reads nothing runs no hook of it, only an optimizer post-hook that counts down
-    and, one step in 4, reads the resident set (the batch's start hook instead, where the optimizer does not step once a
-    batch). Self-report (``overhead``, :class:`~lightning_perf.profiling.timer.HookCost`) from step 50: reading steps
-    timed whole, quiet steps' counters sampled, their resident-set readings timed whole, Lightning's dispatch timed.
+    (a compare and a decrement: no clock read, no call) and, one step in 4 (sparser on long runs), reads the resident
+    set, or, at the logging interval, the figures for the loggers (the batch's start hook instead, where the optimizer
+    does not step once a batch). Self-report (``overhead``, :class:`~lightning_perf.profiling.timer.HookCost`) from step
+    50: reading steps timed whole, quiet steps that read timed whole, the others billed as counters or flag checks,
+    Lightning's dispatch timed.
 
     On CUDA, with ``record_history=True``, every allocation is recorded with its stack from the start of fit, and the
     history is written at the end of fit as ``<filename>_history_rank<R>.pickle``; with ``oom_snapshot=True`` a
@@ -144,6 +146,8 @@ class MemoryProfilerCallback(UndoOnExit):
         self._done: Any = None
         self._counted, self._handles = -1, list[RemovableHandle]()  # the step count last counted down
         self._stride = 1 << 62  # (CPU) the leak screen reads one step in this many
+        # (CPU) the countdown's value down to which a quiet step only counts; the last quiet step with more to do
+        self._calm, self._slow_at = 1, -1
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -177,35 +181,51 @@ class MemoryProfilerCallback(UndoOnExit):
             warn_once(msg + " No history is written.", NoEffectWarning)
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        # A quiet step: counted down once (a step() calling super().step() runs post-hooks twice), billed; the leak
-        # screen's reading where it falls (inlined: this runs on every step).
-        if self._quiet and (memory := self._memory) is not None and (done := self._done.completed) != self._counted:
-            entry = time.perf_counter_ns()
+        # A quiet step, counted once (a step() calling super().step() runs post-hooks twice). Most only count down
+        # (billed in bulk, as flag checks): no clock, no call; from `_calm` on, one logs, reads or ends the countdown.
+        if (quiet := self._quiet) and (done := self._done.completed) != self._counted:
             self._counted = done
-            steady, reads = self._count_down(memory)
-            if not self._quiet:  # the last step of the countdown: wake the next one's start
-                obs.silence_hooks(self, ("on_train_batch_start",), False)
-            memory.cost.quiet_step(entry, steady, reads)
+            if quiet > self._calm:
+                self._quiet = quiet - 1
+            elif (memory := self._memory) is not None:
+                entry = time.perf_counter_ns()
+                steady, reads = self._count_down(memory)
+                if not self._quiet:  # the last step of the countdown: wake the next one's start
+                    obs.silence_hooks(self, ("on_train_batch_start",), False)
+                memory.cost.quiet_step(entry, steady, reads)
 
     def _count_down(self, memory: MemorySteps) -> tuple[bool, bool]:
-        """A quiet step: counted down, its memory read where the leak screen reads (when that opens a confirmation,
-        the countdown ends). Returns whether the step is past the observer's warm-up, and whether it read."""
-        quiet = self._quiet
+        """A quiet step with something to do: counted down, the loggers' figures or the resident set read where due
+        (when that opens a confirmation, the countdown ends). Returns whether the step is past the observer's warm-up,
+        and whether it read."""
+        quiet, reads = self._quiet, False
         index = memory.step_index + self._skipped - quiet
+        self._bill(memory, index)
         if self._every and not (index + 1) % self._every and self._trainer is not None:  # the loggers' figures
             obs.log_metrics(self._trainer, memory.log_figures(None), index + 1)  # the step count once it ends
-            if index % self._stride:
-                self._quiet = quiet - 1
+            reads = True
+        if not index % self._stride:
+            reads, opened = True, memory.read_cheap(index, self._epoch)
+            self._stride = memory.cheap.stride if memory.cheap is not None else 1 << 62  # doubles on long runs
+            if opened:  # the steps run quietly, this one included
+                self._skipped, self._quiet = self._skipped - quiet + 1, 0
                 return index >= memory.cost.first, True
-        if index % self._stride:
-            self._quiet = quiet - 1
-            return index >= memory.cost.first, False
-        if memory.read_cheap(index, self._epoch):
-            self._skipped, self._quiet = self._skipped - quiet + 1, 0  # the steps run quietly, this one included
-        else:
-            self._quiet = quiet - 1
-        self._stride = memory.cheap.stride if memory.cheap is not None else 1 << 62  # doubles on long runs
-        return index >= memory.cost.first, True
+        self._quiet = quiet - 1
+        self._plan(memory)
+        return index >= memory.cost.first, reads
+
+    def _plan(self, memory: MemorySteps) -> None:
+        """Set ``_calm``: the countdown's value down to which the quiet steps have nothing to do but count (the next
+        log or read, else the countdown's last step, takes the slow path)."""
+        end = memory.step_index + self._skipped  # the countdown's end; the next quiet step is end - _quiet
+        index = end - self._quiet
+        due = min(index + (-index) % self._stride, index + (-index - 1) % self._every if self._every else end)
+        self._calm = max(1, end - due)
+
+    def _bill(self, memory: MemorySteps, index: int) -> None:
+        """Bill the steady quiet steps counted on the fast path since the last slow one, up to step ``index``."""
+        memory.cost.quiet_calls += max(0, index - max(self._slow_at + 1, memory.cost.first))
+        self._slow_at = index
 
     def _undo(self, pl_module: pl.LightningModule) -> None:
         """Stop the OOM listener and the history recording, give the hooks back (teardown, and on an exception)."""
@@ -266,6 +286,8 @@ class MemoryProfilerCallback(UndoOnExit):
             if self._done is not None:  # the post-hook counts down (the running step's too)
                 self._quiet, self._counted = self._quiet + running, -1
                 obs.silence_hooks(self, ("on_train_batch_start",), True)
+            self._slow_at = memory.step_index + self._skipped - self._quiet - 1
+            self._plan(memory)
 
     def _sample(self, point: str, overwrite: bool = False) -> None:
         """Every hook inside the step: read ``point`` if the step reads memory; counted and timed."""
@@ -308,6 +330,8 @@ class MemoryProfilerCallback(UndoOnExit):
         memory, cuda = self._memory, self._cuda
         if memory is None or cuda is None:
             return
+        if self._quiet:  # a countdown under way: its fast steps since the last slow one
+            self._bill(memory, memory.step_index + self._skipped - self._quiet)
         memory.skip(self._skipped - self._quiet, counted=True)  # since the last reading step
         self._skipped = self._quiet
         memory.cost.dispatch_ns = self._dispatch.median(memory.cost.dispatch_ns)  # timed in the loop (CPU)

@@ -23,8 +23,8 @@ from lightning_perf.profiling.leaks import (
     ResidentSeries,
     could_leak,
     detect_leaks,
+    noise_floor,
     sen_slope_interval,
-    theil_sen_slope,
     trend_of,
 )
 from lightning_perf.profiling.memory import MemoryProbe, MemorySample
@@ -111,18 +111,20 @@ class MemorySteps:
       ``/proc/self/statm``, :meth:`MemoryProbe.resident`) is read at the end of one step in
       :data:`SCREEN_READ_EVERY_N_STEPS_CPU` (sparser on long runs; :meth:`read_cheap`; where the optimizer does not
       step once a batch, at its start) into a series of its own. A **screen** of that series (once it holds 18
-      readings past warm-up, then every quarter of the steps so far, at least :data:`SCREEN_GAP` apart) asks whether
-      it rises steadily in each third of the later half of the run (:func:`~lightning_perf.profiling.leaks.
-      could_leak`) and significantly (Sen's interval above zero). The resident set is too coarse to judge a leak by
+      readings past warm-up, then every quarter of the steps so far, at least :data:`SCREEN_GAP` apart) judges the
+      later half of the run with the full rule (:func:`~lightning_perf.profiling.leaks.trend_of`: a steady rise in
+      each third, Sen's interval above zero, four steps of growth above the readings' noise floor, which keeps out a
+      clean process's creep of a page every few dozen steps) and asks for a rise faster than any that memory in use
+      refused before (the same creep is not confirmed twice). The resident set is too coarse to judge a leak by
       itself (glibc trims and grows the heap by megabytes, and a leak pins pages around it), so a screen that passes
       opens a **confirmation**: the next ``leak_min_samples`` steps read memory in use (glibc ``mallinfo2``, a heap
-      walk) at every point, and :func:`~lightning_perf.profiling.detect_leaks` judges those readings with the full
-      rule. A confirmed leak is reported once; a refused one (memory in use is flat: the resident set grew for
-      another reason) pushes the next screen back (50, 100, 200... steps). Delay, by default: a leak present from the
-      start is screened at the first reading from step ``warmup_steps + 18 x 4`` (124) and reported
-      ``leak_min_samples + 1`` steps later (155)
-      when the resident set shows it by then (`benchmarks/leak_detection.py`); one that starts late, once it spans
-      the later half of the run.
+      walk) at every point (~8 ms over 30 steps of 2 ms), and :func:`~lightning_perf.profiling.detect_leaks` judges
+      those readings with the full rule. A confirmed leak is reported once; a refused one (memory in use is flat: the
+      resident set grew for another reason) pushes the next screen back (50, 100, 200... steps). Delay, by default: a
+      leak present from the start is screened at the first reading from step ``warmup_steps + 18 x 4`` (124) and
+      reported ``leak_min_samples + 1`` steps later (155) when the resident set shows it by then
+      (`benchmarks/leak_detection.py`); one that starts late, once it fills most of the screened window (the later
+      half of the run, at least 36 readings).
 
     On both, warm-up is left out of the verdict: the first epoch when it is shorter than ``warmup_steps`` steps, else
     the first ``warmup_steps`` steps (lazily built optimizer state, allocator arenas, the first validation run's
@@ -174,6 +176,7 @@ class MemorySteps:
         self.cheap_at_start = False  # the loop reads the cheap signal at the step's start (not its end)
         self._screen_at = MIN_LEAK_SAMPLES * SCREEN_READ_EVERY_N_STEPS_CPU  # the next screen, at the earliest
         self._backoff = LEAK_CHECK_EVERY_N_STEPS
+        self._refused = 0.0  # (CPU) the fastest rise of the resident set that memory in use did not confirm, bytes/step
         self._confirm: tuple[int, int] | None = None  # (CPU) the confirmation's steps [first, end)
         self.screens: list[dict[str, Any]] = []  # (CPU) each screen that opened a confirmation, and its outcome
         self.step_index = 0  # steps begun (the running step's index is one less)
@@ -262,12 +265,17 @@ class MemorySteps:
         self._screen_at = index + max(SCREEN_GAP, index // 4)
         # The later half of the run, at least 36 readings of it where there are.
         steps, values = cheap.series(max(first, min(index // 2, index - 2 * MIN_LEAK_SAMPLES * cheap.stride)))
-        # A trigger, not the verdict: the slope's interval on at most 64 medians (2,016 pairs, not 32,640).
-        if not could_leak(values, MIN_LEAK_SAMPLES) or not sen_slope_interval(steps, values, 64).grows:
+        # A trigger, not the verdict: the full rule on the resident set, cheapest test first (its noise floor keeps out
+        # a clean process's creep of a page every few dozen steps), and a rise faster than the fastest that memory in
+        # use refused (a false trigger costs a confirmation, ~30 woken steps: not paid twice for the same creep).
+        if not could_leak(values, MIN_LEAK_SAMPLES):
+            return False
+        rise = sen_slope_interval(steps, values)
+        if rise.low <= self._refused or rise.slope * NOISE_FLOOR_STEPS < noise_floor(steps, values, rise.slope):
             return False
         self._confirm = (index + 1, index + 1 + self.leak_min_samples)
         self.series = LeakSeries(self.points)
-        self.screens.append({"step": index, "rate_bytes_per_step": theil_sen_slope(steps, values)})
+        self.screens.append({"step": index, "rate_bytes_per_step": rise.slope})
         return True
 
     def begin_step(self, epoch: int) -> None:
@@ -399,6 +407,7 @@ class MemorySteps:
             self._confirm = None
             if not leaking:
                 self._screen_at, self._backoff = self.step_index + self._backoff, 2 * self._backoff
+                self._refused = max(self._refused, self.screens[-1]["rate_bytes_per_step"])
         if not leaking or self.leak_found:
             return []
         self.leak_found = True

@@ -96,19 +96,20 @@ def test_the_optional_threshold_can_only_silence() -> None:
 
 
 class FragmentingProbe(ScriptedProbe):
-    """The resident set grows a page per step, memory in use does not: what glibc's heap does to a clean run."""
+    """The resident set grows a page per reading (four from the 45th on), memory in use does not: what glibc's heap
+    does to a clean run."""
 
     def resident(self) -> int:
         self.calls["resident"] += 1
-        self.pages = getattr(self, "pages", 0) + 1
+        self.pages = getattr(self, "pages", 0) + (1 if self.calls["resident"] < 45 else 4)
         return self.bytes + 4096 * self.pages
 
 
-def test_a_resident_set_that_grows_while_memory_in_use_is_flat_is_refused_and_screened_later() -> None:
+def test_a_resident_set_that_grows_while_memory_in_use_is_flat_is_refused_and_screened_again_only_faster() -> None:
     probe = FragmentingProbe(leak=0)
     memory = MemorySteps(probe, every_n_steps=10, warmup_steps=20)  # type: ignore[arg-type]
     checked = []
-    for _ in range(400):
+    for _ in range(520):
         memory.begin_step(epoch=0)
         memory.sample("after_forward")
         memory.sample("after_backward", overwrite=True)
@@ -119,9 +120,11 @@ def test_a_resident_set_that_grows_while_memory_in_use_is_flat_is_refused_and_sc
             assert memory.check_leaks(every_point=False) == []
     memory.check_leaks()
     screens = memory.summary()["leaks"]["screen"]["confirmations"]
-    assert [s["step"] for s in screens] == [SCREEN, 176, 312] and not any(s["confirmed"] for s in screens)
-    # Each refusal pushes the next screen back: 50, then 100 steps (to the next reading: one step in 4, 8 from 256).
-    assert checked == [SCREEN + 31, 207, 343]
+    # The creep (1 KiB/step) is confirmed once, and refused; the same creep opens no second confirmation (each costs
+    # 30 woken steps), a faster one (from step 176) does once it fills the screened window, and is refused in turn.
+    assert [s["step"] for s in screens] == [SCREEN, 480] and not any(s["confirmed"] for s in screens)
+    assert screens[0]["rate_bytes_per_step"] == 1024 < 2 * 1024 < screens[1]["rate_bytes_per_step"]
+    assert checked == [SCREEN + 31, 511]
     assert memory.summary()["leaks"]["leaking"] == [] and memory.summary()["leaks"]["screen"]["trend"].significant
 
 
