@@ -52,6 +52,18 @@ class Rounds:
     set_aside: list[tuple[str, int, str]] = field(default_factory=list)
 
 
+def _start_again(
+    out: Rounds, kept: list[tuple[str, int, float]], settling: Settling | None, before: Mapping[str, int], why: str
+) -> None:
+    """Set aside the runs kept so far (``rethink`` said why they no longer count), their time counted lost."""
+    out.set_aside += [(name, repeat, why) for name, repeat, _ in kept]
+    if settling is not None:
+        settling.lose(sum(seconds for *_, seconds in kept), pace=True)
+    for name, count in before.items():
+        del out.results[name][count:]
+    kept.clear()
+
+
 def run_rounds(
     names: Sequence[str],
     run_one: RunOne,
@@ -78,9 +90,8 @@ def run_rounds(
         reserve_s: seconds the rule keeps for later phases (asked after each round).
         results: results to add to (a later phase's configurations join the earlier ones').
         disturbed: result -> why its run was disturbed (None: it was not). A disturbed run is set aside and its
-            repeat measured once more at the end of the round (a transient load may have passed), the settling
-            budget stretching by the time lost up to its cap; the second run is kept, disturbed or not (its row says
-            so), so every repeat keeps its pair.
+            repeat measured again at the round's end (a transient load may have passed), the budget stretching by the
+            time lost up to its cap; the second run is kept, disturbed or not, so every repeat keeps its pair.
         rethink: rounds done -> why the runs so far no longer count (None: they do), asked after each round while
             the budget may stretch. Those runs are set aside and their time counted lost (as a disturbed run's), and
             the rounds start again from ``first_repeat``.
@@ -119,12 +130,7 @@ def run_rounds(
         out.rounds += 1
         why = rethink(out.rounds) if rethink is not None and (settling is None or settling.can_stretch) else None
         if why is not None:
-            out.set_aside += [(name, repeat, why) for name, repeat, _ in kept]
-            if settling is not None:
-                settling.lose(sum(seconds for *_, seconds in kept), pace=True)
-            for name in names:
-                del out.results[name][before[name] :]
-            kept.clear()
+            _start_again(out, kept, settling, before, why)
             out.rounds, active = 0, list(names)
             continue
         if settling is None:
