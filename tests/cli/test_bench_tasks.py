@@ -334,7 +334,7 @@ def test_a_real_tiny_bench_per_task(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     tasks = _tasks_file(tmp_path, "tiny,,baseline,2,4,convnet", "broken,,baseline,2,4,convnet")
-    argv = ["bench", "--tasks", str(tasks), "--preset", "tiny", "--warmup-steps", "1", "--repeats", "1"]
+    argv = ["bench", "--tasks", str(tasks), "--preset", "tiny", "--warmup-steps", "1", "--repeats", "1", "--threads=1"]
     real = _tasks.run_bench_subprocess
 
     def runner(call: BenchCall) -> BenchOutcome:
