@@ -10,6 +10,11 @@ import torch
 from lightning_perf._warnings import reset_warn_once
 from tests import _device
 
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    # `pytest -n 2` on 2 cores: one intra-op thread per worker (and in the processes it starts), or each oversubscribes.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -51,8 +51,13 @@ def _seen(result: Any) -> dict[str, str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is used on Linux only")
-def test_runs_fork_from_the_server_each_with_its_own_compile_cache(tmp_path: Path) -> None:
+def test_runs_fork_from_the_server_each_with_its_own_compile_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     threads = _threads()
+    if isolation._server_env:  # started by an earlier test file's bench (`pytest -n 2`): from its directory, path
+        monkeypatch.chdir(isolation._server_env[0]["cwd"])
+        monkeypatch.setattr(sys, "path", list(isolation._server_env[0]["sys.path"]))
     first = _seen(
         isolation.run_isolated(RunSpec(config="compile", threads=threads), tmp_path, 60.0, source=EnvReport())
     )

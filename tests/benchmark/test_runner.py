@@ -205,6 +205,7 @@ def test_the_attention_swap_is_decided_by_a_configurations_first_run_and_replaye
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a statistical guarantee of separate processes' timings: a busy neighbour makes false verdicts
 def test_baseline_against_the_a_a_control_end_to_end_finds_no_clear_difference() -> None:
     """``--configs baseline,aa_control`` on the tiny preset: the control runs as any configuration does (a fresh
     process per repeat, interleaved with baseline) and its speed-up's interval holds 1. Two repeats, so the rotation

@@ -26,6 +26,11 @@ from lightning_perf.profiling.reliability import ConditionMonitor
 from tests.benchmark.test_auto_bench import Quiet
 
 
+@pytest.fixture(autouse=True)
+def _threads_not_set_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # `pytest -n 2` sets 1 per worker (tests/conftest.py)
+
+
 @pytest.mark.parametrize(
     ("cores", "load", "threads"),
     [
@@ -90,7 +95,6 @@ def test_the_worker_environment_carries_the_threads_before_torch_starts(
 
     context = type("Context", (), {"Process": Process})
     monkeypatch.setattr(multiprocessing, "get_context", lambda method: context())
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     result = run_isolated(RunSpec(config="baseline", threads=1), tmp_path, 10.0)
     assert seen == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": None}  # OpenMP's own wait policy: none of ours
@@ -111,7 +115,6 @@ def test_a_run_uses_and_records_its_threads_and_puts_torch_back() -> None:
 
 def test_every_run_of_a_bench_gets_the_same_threads_recorded_in_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(thread_rules, "load_average", lambda: 1.4)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     import lightning_perf.profiling.machine as machine
 
     described = machine.describe_machine()
@@ -185,7 +188,6 @@ def _bench_beside(monkeypatch: pytest.MonkeyPatch, others: Callable[[int], float
     from tests.profiling.test_reliability_start import Machine
 
     monkeypatch.setattr(thread_rules, "load_average", lambda: 0.2)  # lagging: the load began seconds ago
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     described = machine_module.describe_machine()
     monkeypatch.setattr(machine_module, "describe_machine", lambda: {**described, "cpu_count_usable": 2})
     monkeypatch.setattr(machine_module, "usable_cpu_count", lambda: 2)
@@ -245,7 +247,6 @@ class ScriptedLoad(Quiet):
 @pytest.fixture
 def watching(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(thread_rules, "START_WATCH_S", 60.0)  # the bench tests' conftest turns watching off
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
 
 
 @pytest.mark.usefixtures("watching")

@@ -145,7 +145,6 @@ def test_fit_prepares_before_optimizers_and_exports_at_the_end(tmp_path: Path) -
     model, data = _convnet()
     float_net = model.net
     callback = QATCallback(**QUICK)
-    trainer = _trainer(tmp_path, [callback])
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     probe = _Prepared()
     trainer = _trainer(tmp_path, [callback, probe])

@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -334,14 +335,12 @@ def test_a_real_tiny_bench_per_task(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     tasks = _tasks_file(tmp_path, "tiny,,baseline,2,4,convnet", "broken,,baseline,2,4,convnet")
-    argv = ["bench", "--tasks", str(tasks), "--preset", "tiny", "--warmup-steps", "1", "--repeats", "1"]
+    argv = ["bench", "--tasks", str(tasks), "--preset", "tiny", "--warmup-steps", "1", "--repeats", "1", "--threads=1"]
     real = _tasks.run_bench_subprocess
 
     def runner(call: BenchCall) -> BenchOutcome:
         if call.task == "broken":  # a bench that cannot start: a real subprocess failing with one line
-            call = BenchCall(
-                call.task, call.label, [*call.argv, "--device", "cuda:99"], call.cwd, call.env, call.output
-            )
+            call = replace(call, argv=[*call.argv, "--device", "cuda:99"])
         return real(call)
 
     monkeypatch.setattr(_tasks, "run_bench_subprocess", runner)

@@ -311,6 +311,8 @@ def test_sharded_layers_are_refused_and_convert_then_shard_trains(monkeypatch: p
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    if dist.is_initialized():  # left by an in-process DDP fit of another test file (the same `pytest -n 2` worker)
+        dist.destroy_process_group()
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         model = Tiny()
