@@ -16,6 +16,7 @@ from lightning_perf._validation import FILTER_FN, check_bool, check_instance
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.callbacks._undo import UndoOnExit
+from lightning_perf.callbacks.compile import runs_compiled
 from lightning_perf.functional.checkpoint.apply import (
     CheckpointedForward,
     apply_activation_checkpointing,
@@ -193,7 +194,7 @@ class GradCheckpointCallback(UndoOnExit):
                 "memory of training without it)."
             )
             return
-        if _runs_compiled(trainer, pl_module):
+        if runs_compiled(trainer, pl_module):
             state = self._budget_state = _BudgetState(blocks=[], compile_check_next=True)
             state.compiler_previous = set_compiler_memory_budget(budget)
             state.compiler_patched = apply_compiler_budget(pl_module, budget)
@@ -440,14 +441,6 @@ def _probe(pl_module: pl.LightningModule) -> MemoryProbe | None:
 
 def _grad_bytes(module: nn.Module) -> int:
     return sum(p.grad.nbytes for p in module.parameters() if p.grad is not None)
-
-
-def _runs_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    from lightning_perf.callbacks.compile import CompileCallback
-
-    if any(isinstance(c, CompileCallback) for c in getattr(trainer, "callbacks", ())):
-        return True
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules())
 
 
 def _check_class_names(names: list[str]) -> None:
