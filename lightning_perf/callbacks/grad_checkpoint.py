@@ -32,6 +32,7 @@ from lightning_perf.functional.checkpoint.budget import (
     plan_checkpointing,
     validate_memory_budget,
 )
+from lightning_perf.functional.checkpoint.plan import _abbreviate
 from lightning_perf.functional.compile.budget import (
     CompilerBudgetForward,
     aot_compilations,
@@ -467,9 +468,3 @@ def _module_class_names() -> set[str]:
                 seen.add(sub)
                 pending.append(sub)
     return {cls.__name__ for cls in seen}
-
-
-def _abbreviate(names: list[str], keep: int = 6) -> str:
-    if len(names) <= keep:
-        return ", ".join(names)
-    return ", ".join(names[: keep - 2]) + f", ... ({len(names) - keep + 2} more), " + ", ".join(names[-2:])
