@@ -3,7 +3,8 @@
 One helper per kind of argument, so that the same mistake gets the same message everywhere: a number
 (:func:`check_int`, :func:`check_number`), a flag, a choice, a list of ints (:func:`check_int_sequence`: a bare int
 is refused), a list of names (:func:`check_str_sequence`: unknown names get a did-you-mean), a mapping
-(:func:`check_mapping`: the first bad entry is named), a file stem (:func:`check_file_stem`).
+(:func:`check_mapping`: the first bad entry is named), a file stem (:func:`check_file_stem`), a device
+(:func:`check_device`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,22 @@ def check_instance(owner: str, name: str, value: Any, types: type | tuple[Any, .
     if not isinstance(value, types):
         raise TypeError(f"`{owner}({name}={_short_repr(value)})` is not valid. Expected {expected}.")
     return value
+
+
+def check_device(owner: str, name: str, value: Any, allow_none: bool = False) -> Any:
+    """Return ``value`` as a ``torch.device`` (or None when allowed), else raise ``TypeError`` for another type or
+    ``ValueError`` for a string torch does not read as a device."""
+    import torch  # not at the top: importing lightning_perf does not import torch
+
+    if (value is None and allow_none) or isinstance(value, torch.device):
+        return value
+    expected = ("None, " if allow_none else "") + "a torch.device or a device string such as 'cpu' or 'cuda:0'"
+    if not isinstance(value, str):
+        raise TypeError(f"`{owner}({name}={_short_repr(value)})` is not valid. Expected {expected}.")
+    try:
+        return torch.device(value)
+    except RuntimeError as err:
+        raise ValueError(f"`{owner}({name}={value!r})` is not valid: {err}. Expected {expected}.") from None
 
 
 def _short_repr(value: Any) -> str:

@@ -35,6 +35,7 @@ from lightning_perf.functional.compile.regions import (
 )
 from lightning_perf.functional.compile.startup import startup_options
 from lightning_perf.profiling import PhaseTimer, format_seconds
+from lightning_perf.profiling.step_phases import is_compiled
 
 # The loop whose first batch shows whether the step method calls the compiled forward, per trainer entry point.
 _MAIN_LOOP = {"fit": "train", "validate": "validation", "test": "test", "predict": "predict"}
@@ -439,3 +440,8 @@ class CompileCallback(UndoOnExit):
         state.update(_compiled=None, _timer=None, _entry_check=None, _cudagraph_steps=False, _monitor=CompileMonitor())
         state.update(_cache_key=None, _cache_tried=False, _cache_loaded=False, _cache_dir_stack=contextlib.ExitStack())
         return state
+
+
+def runs_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether the model will run compiled: a CompileCallback in the Trainer, or a module compiled in place."""
+    return any(isinstance(c, CompileCallback) for c in getattr(trainer, "callbacks", ())) or is_compiled(pl_module)

@@ -19,6 +19,7 @@ from lightning_perf._validation import check_bool, check_choice, check_int
 from lightning_perf._warnings import LightningPerfWarning, NoEffectWarning, warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.callbacks._undo import UndoOnExit
+from lightning_perf.callbacks.compile import runs_compiled
 from lightning_perf.functional.quantization.float8 import (
     DEFAULT_ROWS,
     FILTERS,
@@ -35,7 +36,6 @@ from lightning_perf.functional.quantization.float8 import (
     sharded_linears,
     time_linear_shape,
 )
-from lightning_perf.profiling.step_phases import is_compiled
 
 __all__ = ["Float8TrainingCallback"]
 
@@ -157,7 +157,7 @@ class Float8TrainingCallback(UndoOnExit):
                 NoEffectWarning,
             )
             return
-        compiled = _has_compile(trainer, pl_module)
+        compiled = runs_compiled(trainer, pl_module)
 
         def timer(shape: LinearShape) -> tuple[Blocks, Blocks]:
             return time_linear_shape(shape, device=device, recipe=self.recipe, compiled=compiled)
@@ -212,15 +212,6 @@ class Float8TrainingCallback(UndoOnExit):
     def _undo(self, pl_module: pl.LightningModule) -> None:
         discard_pending_surgery(pl_module)
         self._conversion.undo(pl_module)
-
-
-def _has_compile(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    """Whether the model will run compiled: a CompileCallback in the Trainer, or a module compiled in place."""
-    from lightning_perf.callbacks.compile import CompileCallback
-
-    if any(isinstance(cb, CompileCallback) for cb in getattr(trainer, "callbacks", ())):
-        return True
-    return is_compiled(pl_module)
 
 
 def _why_none(plan: Float8Plan) -> str:

@@ -16,6 +16,7 @@ from lightning_perf._validation import FILTER_FN, check_bool, check_instance
 from lightning_perf._warnings import warn_once
 from lightning_perf.callbacks._model_hooks import discard_pending_surgery, run_after_configure_model
 from lightning_perf.callbacks._undo import UndoOnExit
+from lightning_perf.callbacks.compile import runs_compiled
 from lightning_perf.functional.checkpoint.apply import (
     CheckpointedForward,
     apply_activation_checkpointing,
@@ -31,6 +32,7 @@ from lightning_perf.functional.checkpoint.budget import (
     plan_checkpointing,
     validate_memory_budget,
 )
+from lightning_perf.functional.checkpoint.plan import _abbreviate
 from lightning_perf.functional.compile.budget import (
     CompilerBudgetForward,
     aot_compilations,
@@ -193,7 +195,7 @@ class GradCheckpointCallback(UndoOnExit):
                 "memory of training without it)."
             )
             return
-        if _runs_compiled(trainer, pl_module):
+        if runs_compiled(trainer, pl_module):
             state = self._budget_state = _BudgetState(blocks=[], compile_check_next=True)
             state.compiler_previous = set_compiler_memory_budget(budget)
             state.compiler_patched = apply_compiler_budget(pl_module, budget)
@@ -442,14 +444,6 @@ def _grad_bytes(module: nn.Module) -> int:
     return sum(p.grad.nbytes for p in module.parameters() if p.grad is not None)
 
 
-def _runs_compiled(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    from lightning_perf.callbacks.compile import CompileCallback
-
-    if any(isinstance(c, CompileCallback) for c in getattr(trainer, "callbacks", ())):
-        return True
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in pl_module.modules())
-
-
 def _check_class_names(names: list[str]) -> None:
     """Refuse a bare name that cannot be a module class: lower-case and no ``nn.Module`` subclass defined has it.
 
@@ -474,9 +468,3 @@ def _module_class_names() -> set[str]:
                 seen.add(sub)
                 pending.append(sub)
     return {cls.__name__ for cls in seen}
-
-
-def _abbreviate(names: list[str], keep: int = 6) -> str:
-    if len(names) <= keep:
-        return ", ".join(names)
-    return ", ".join(names[: keep - 2]) + f", ... ({len(names) - keep + 2} more), " + ", ".join(names[-2:])

@@ -261,7 +261,11 @@ def _check_input_shapes(owner: str, shapes: Any) -> None:
         "Expected a list of shapes, one per model input, each without the batch dimension: e.g. [(3, 32)] for one "
         "input of 3x32 samples, [(3, 224, 224), (10,)] for two inputs"
     )
-    if isinstance(shapes, (str, bytes, Mapping)) or not isinstance(shapes, Sequence) or not shapes:
+
+    def is_list(value: Any) -> bool:
+        return isinstance(value, Sequence) and not isinstance(value, (str, bytes, Mapping)) and bool(value)
+
+    if not is_list(shapes):
         raise ValueError(f"`{owner}(input_shapes={shapes!r})` is not valid. {expected}.")
     if all(is_int(size, 1) for size in shapes):  # one shape given flat, the commonest slip
         raise ValueError(
@@ -269,12 +273,7 @@ def _check_input_shapes(owner: str, shapes: Any) -> None:
             f"did you mean input_shapes=[{tuple(shapes)!r}]?"
         )
     for i, shape in enumerate(shapes):
-        if (
-            isinstance(shape, (str, bytes, Mapping))
-            or not isinstance(shape, Sequence)
-            or not shape
-            or not all(is_int(size, 1) for size in shape)
-        ):
+        if not is_list(shape) or not all(is_int(size, 1) for size in shape):
             raise ValueError(
                 f"`{owner}(input_shapes={shapes!r})` is not valid: input {i}'s shape {shape!r} is not a sequence of "
                 f"positive sizes. {expected}."

@@ -94,15 +94,13 @@ def validate_powersgd_options(owner: str, hook: Any, options: Mapping[str, Any])
     check_int(owner, "matrix_approximation_rank", options["matrix_approximation_rank"], 1)
     for name in ("use_error_feedback", "warm_start"):
         check_bool(owner, name, options[name])
-    start = options["start_powerSGD_iter"]
-    if start is not None:
-        check_int(owner, "start_powerSGD_iter", start, 0)
-        if start < 2 and (options["use_error_feedback"] or options["warm_start"]):
-            raise ValueError(
-                f"`{owner}(start_powerSGD_iter={start!r})` is not valid with error feedback or warm "
-                "start: expected >= 2, because DDP rebuilds its buckets after the first iteration (torch's "
-                "PowerSGDState refuses less). Use a larger value, or turn both off."
-            )
+    start = check_int(owner, "start_powerSGD_iter", options["start_powerSGD_iter"], 0, allow_none=True)
+    if start is not None and start < 2 and (options["use_error_feedback"] or options["warm_start"]):
+        raise ValueError(
+            f"`{owner}(start_powerSGD_iter={start!r})` is not valid with error feedback or warm "
+            "start: expected >= 2, because DDP rebuilds its buckets after the first iteration (torch's "
+            "PowerSGDState refuses less). Use a larger value, or turn both off."
+        )
     for name in ("min_compression_rate", "orthogonalization_epsilon"):
         check_number(owner, name, options[name])
     check_int(owner, "random_seed", options["random_seed"], 0)

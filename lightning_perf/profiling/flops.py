@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lightning_perf import _validation
 from lightning_perf._io import DecisionCache
 from lightning_perf._validation import check_bool, check_choice, check_instance, check_int, check_number, is_number
 from lightning_perf.profiling.stats import median as median_of
@@ -385,14 +386,7 @@ def peak_flops(
         peak = peak_flops("cpu", torch.float32)
         peak.source  # 'measured matmul 2048^3 fp32, 2 threads'
     """
-    if isinstance(device, str):
-        try:
-            device = torch.device(device)
-        except RuntimeError:
-            raise ValueError(
-                f"`peak_flops(device={device!r})` is not valid. Expected a torch.device or a device string ('cpu')."
-            ) from None
-    check_instance("peak_flops", "device", device, torch.device, "a torch.device or a device string")
+    device = torch.device(_validation.check_device("peak_flops", "device", device))
     check_instance("peak_flops", "dtype", dtype, torch.dtype, "a torch.dtype")
     if not isinstance(given_source, str) or not given_source.strip():
         raise ValueError(f"`peak_flops(given_source={given_source!r})` is not valid. Expected a non-empty string.")

@@ -206,14 +206,9 @@ def format_seconds(s: float | None) -> str:
         return f"{sign}inf"
     if value == 0:
         return "0 s"
-    if value < 1e-6:
-        return f"{sign}{_three_digits(value * 1e9)} ns"
-    if value < 1e-3:
-        return f"{sign}{_three_digits(value * 1e6)} us"
-    if value < 1:
-        return f"{sign}{_three_digits(value * 1e3)} ms"
-    if value < 60:
-        return f"{sign}{_three_digits(value)} s"
+    for limit, scale, unit in ((1e-6, 1e9, "ns"), (1e-3, 1e6, "us"), (1, 1e3, "ms"), (60, 1, "s")):
+        if value < limit:
+            return f"{sign}{_three_digits(value * scale)} {unit}"
     total = round(value)
     if total < 3600:
         return f"{sign}{total // 60} min {total % 60:02d} s"

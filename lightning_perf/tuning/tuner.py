@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_perf._validation import check_bool, check_choice, check_int, check_number
+from lightning_perf._validation import check_bool, check_choice, check_instance, check_int, check_number
 from lightning_perf.benchmark.settle import Settling
 from lightning_perf.benchmark.sources import (
     LOADER_SETTINGS,
@@ -90,19 +90,14 @@ def _model_source(
             f"source={source!r})."
         )
     if given[0]:
-        if not isinstance(model, pl.LightningModule):
-            raise ValueError(f"model={type(model).__name__} is not valid. Expected a LightningModule.")
-        if not isinstance(datamodule, pl.LightningDataModule):
-            raise ValueError(
-                f"datamodule={type(datamodule).__name__} is not valid. Expected a LightningDataModule "
-                "(wrap plain DataLoaders with `LightningDataModule.from_datasets`)."
-            )
+        check_instance("AutoTuner", "model", model, pl.LightningModule, "a LightningModule")
+        expected = "a LightningDataModule (wrap plain DataLoaders with `LightningDataModule.from_datasets`)"
+        check_instance("AutoTuner", "datamodule", datamodule, pl.LightningDataModule, expected)
         return ObjectSource.from_objects(model, datamodule), preset
     if workload is not None:
         size = check_preset(preset, device.split(":")[0], "AutoTuner")
         return WorkloadSource(check_workload(workload, "AutoTuner"), size, seed), size
-    if not isinstance(source, ModelSource):
-        raise ValueError(f"source={source!r} is not valid. Expected a lightning_perf.benchmark.sources.ModelSource.")
+    check_instance("AutoTuner", "source", source, ModelSource, "a lightning_perf.benchmark.sources.ModelSource")
     return source, preset
 
 

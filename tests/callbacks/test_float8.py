@@ -19,6 +19,7 @@ from torch import nn
 from lightning_perf import LightningPerfWarning, NoEffectWarning
 from lightning_perf.callbacks import CompileCallback, Float8TrainingCallback
 from lightning_perf.callbacks import float8 as float8_callback
+from lightning_perf.callbacks.compile import runs_compiled
 from lightning_perf.demos import make_workload
 from lightning_perf.functional.quantization.float8 import LinearShape, is_sm_at_least_89
 from tests._models import trainer
@@ -133,10 +134,10 @@ def test_validate_test_and_predict_are_left_alone(tmp_path: Path) -> None:
 
 def test_compile_is_found_as_a_callback_or_a_compiled_module(tmp_path: Path) -> None:
     model, _ = _lm()
-    assert not float8_callback._has_compile(trainer(tmp_path), model)
-    assert float8_callback._has_compile(trainer(tmp_path, callbacks=[CompileCallback()]), model)
+    assert not runs_compiled(trainer(tmp_path), model)
+    assert runs_compiled(trainer(tmp_path, callbacks=[CompileCallback()]), model)
     model.net.blocks[0].compile()
-    assert float8_callback._has_compile(trainer(tmp_path), model)
+    assert runs_compiled(trainer(tmp_path), model)
 
 
 # ------------------------------------------------------------------------------------------- conversion and undo

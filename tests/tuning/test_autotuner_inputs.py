@@ -52,16 +52,16 @@ def test_bad_argument_is_named(kwargs: dict, names: str, expected: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "names"),
+    ("kwargs", "error", "names"),
     [
-        ({}, "exactly one of"),
-        ({"model": SmallConvNet()}, "datamodule=NoneType"),
-        ({"model": object(), "datamodule": PlainDataModule()}, "model=object is not valid. Expected a LightningModule"),
-        ({"source": "tests:X"}, "source='tests:X'"),
-        ({"workload": "convnet", "model": SmallConvNet(), "datamodule": PlainDataModule()}, "exactly one of"),
+        ({}, ValueError, "exactly one of"),
+        ({"model": SmallConvNet()}, TypeError, "datamodule=None)` is not valid. Expected a LightningDataModule"),
+        ({"model": object(), "datamodule": PlainDataModule()}, TypeError, "Expected a LightningModule"),
+        ({"source": "tests:X"}, TypeError, "source='tests:X')` is not valid"),
+        ({"workload": "convnet", "model": SmallConvNet(), "datamodule": PlainDataModule()}, ValueError, "exactly one"),
     ],
 )
-def test_what_to_tune_is_checked(kwargs: dict, names: str) -> None:
-    with pytest.raises(ValueError) as info:
+def test_what_to_tune_is_checked(kwargs: dict, error: type[Exception], names: str) -> None:
+    with pytest.raises(error) as info:
         AutoTuner(**kwargs)
     assert names in str(info.value)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_perf._imports import require
-from lightning_perf._validation import is_int, is_number
+from lightning_perf._validation import check_device, is_int, is_number
 from lightning_perf.functional.surgery import ForwardPatch, find_forward_patch, patch_forward, unpatch_forward
 from lightning_perf.profiling.latency import LatencyRow, paired_blocks
 from lightning_perf.profiling.machine import installed_version
@@ -104,22 +104,6 @@ def _per_dim(owner: str, name: str, value: Any, check: Callable[[Any], bool], ex
     return items if isinstance(value, (list, tuple)) else value
 
 
-def _check_device(owner: str, name: str, value: Any) -> torch.device | None:
-    if value is None or isinstance(value, torch.device):
-        return value
-    if isinstance(value, str):
-        try:
-            return torch.device(value)
-        except RuntimeError as err:
-            raise ValueError(
-                f"`{owner}({name}={value!r})` is not valid: {err}. Expected None, a torch.device or a device string "
-                "such as 'cpu' or 'cuda:0'."
-            ) from err
-    raise TypeError(
-        f"`{owner}({name}={value!r})` is not valid. Expected None, a torch.device or a device string such as 'cpu'."
-    )
-
-
 def validate_sliding_window(owner: str = "sliding_window_inference", **kwargs: Any) -> SlidingWindowSettings:
     """Check the arguments of :class:`SlidingWindowSettings` and return them normalized (sequences as tuples).
 
@@ -155,7 +139,7 @@ def validate_sliding_window(owner: str = "sliding_window_inference", **kwargs: A
             f"`{owner}(roi_weight_map=<tensor {tuple(weight_map.shape)}>)` is not valid. Expected a non-empty, "
             "non-negative tensor."
         )
-    devices = {name: _check_device(owner, name, args[name]) for name in ("sw_device", "device")}
+    devices = {name: check_device(owner, name, args[name], allow_none=True) for name in ("sw_device", "device")}
     return SlidingWindowSettings(**{**args, **devices, "cval": float(args["cval"])})
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from statistics import median
 from typing import Any
 
 from lightning_perf._validation import check_number
@@ -361,21 +361,17 @@ def pool_identical_blocks(blocks: Sequence[BlockProfile]) -> list[BlockProfile]:
             block = blocks[i]
             pooled[i] = replace(
                 block,
-                forward_s=_median([b.forward_s for b in twins]),
-                recompute_s={k: _median([b.recompute_s[k] for b in twins]) for k in block.recompute_s},
+                forward_s=median([b.forward_s for b in twins]),
+                recompute_s={k: median([b.recompute_s[k] for b in twins]) for k in block.recompute_s},
                 parts={
-                    p: (v[0], v[1], _median([t[j][2] for t in parts])) for j, (p, v) in enumerate(block.parts.items())
+                    p: (v[0], v[1], median([t[j][2] for t in parts])) for j, (p, v) in enumerate(block.parts.items())
                 },
                 cheap={
-                    m: (v[0], v[1], _median([t[j][2] for t in cheap])) for j, (m, v) in enumerate(block.cheap.items())
+                    m: (v[0], v[1], median([t[j][2] for t in cheap])) for j, (m, v) in enumerate(block.cheap.items())
                 },
-                full_recompute_s=_median(full),
+                full_recompute_s=median(full),
             )
     return pooled
-
-
-def _median(values: list[float]) -> float:
-    return float(statistics.median(values))
 
 
 def plan_checkpointing(profile: ActivationProfile, budget: float, resolution: int = 2000) -> CheckpointPlan:

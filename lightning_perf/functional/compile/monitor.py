@@ -10,7 +10,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,15 +43,7 @@ class CompileStats:
     cudagraph_recordings: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "compile_time_s": self.compile_time_s,
-            "compilations": self.compilations,
-            "recompiles": self.recompiles,
-            "unique_graphs": self.unique_graphs,
-            "graph_breaks": self.graph_breaks,
-            "graph_break_reasons": dict(self.graph_break_reasons),
-            "cudagraph_recordings": self.cudagraph_recordings,
-        }
+        return {**asdict(self), "graph_break_reasons": dict(self.graph_break_reasons)}
 
 
 def _counters() -> dict[str, Counter[str]]:

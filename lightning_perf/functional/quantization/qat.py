@@ -305,9 +305,7 @@ class PreparedGraphModule(torch.fx.GraphModule):
     """
 
     def train(self, mode: bool = True) -> PreparedGraphModule:
-        if not isinstance(mode, bool):
-            raise ValueError("training mode is expected to be boolean")
-        super().train(mode)
+        super().train(mode)  # refuses a non-bool mode itself
         _sync_mode(self)
         return self
 
