@@ -85,16 +85,13 @@ def run_rounds(
         repeats: a fixed number of rounds (``--repeats N``); give this or ``settling``.
         settling: the rule that decides after each round (``--repeats auto``), with ``estimates_of``.
         estimates_of: the ratios against baseline from the results so far.
-        first_repeat: the repeat number of the first round (a later phase continues the numbering, so its runs pair
-            only with baseline's runs of the same phase).
+        first_repeat: the first round's repeat number (a later phase continues it: its runs pair with its own).
         reserve_s: seconds the rule keeps for later phases (asked after each round).
         results: results to add to (a later phase's configurations join the earlier ones').
-        disturbed: result -> why its run was disturbed (None: it was not). A disturbed run is set aside and its
-            repeat measured again at the round's end (a transient load may have passed), the budget stretching by the
-            time lost up to its cap; the second run is kept, disturbed or not, so every repeat keeps its pair.
-        rethink: rounds done -> why the runs so far no longer count (None: they do), asked after each round while
-            the budget may stretch. Those runs are set aside and their time counted lost (as a disturbed run's), and
-            the rounds start again from ``first_repeat``.
+        disturbed: result -> why its run was disturbed (None: it was not); such a run is measured again at the round's
+            end, the budget stretching by the time lost, and the second run kept: every repeat keeps its pair.
+        rethink: round (from 1) -> why the runs so far no longer count (None: they do), asked after each run while the
+            budget may stretch: they are set aside, their time counted lost, and the rounds start again.
     """
     if (repeats is None) == (settling is None):
         raise ValueError("`run_rounds` needs either `repeats` or `settling`, not both.")
@@ -123,16 +120,20 @@ def run_rounds(
         return None
 
     while True:
-        repeat = first_repeat + out.rounds
-        again = [name for name in rotated(active, out.rounds) if measure(name, repeat, False) is not None]
-        for name in again:  # at the round's end: a transient load may have passed
-            measure(name, repeat, True)
-        out.rounds += 1
-        why = rethink(out.rounds) if rethink is not None and (settling is None or settling.can_stretch) else None
+        repeat, again, why = first_repeat + out.rounds, [], None
+        for name in rotated(active, out.rounds):
+            if measure(name, repeat, False) is not None:
+                again.append(name)
+            can = settling is None or settling.can_stretch  # asked after each run: a load that ends mid-round
+            if rethink is not None and can and (why := rethink(out.rounds + 1)) is not None:  # costs no more runs
+                break
         if why is not None:
             _start_again(out, kept, settling, before, why)
             out.rounds, active = 0, list(names)
             continue
+        for name in again:  # at the round's end: a transient load may have passed
+            measure(name, repeat, True)
+        out.rounds += 1
         if settling is None:
             if out.rounds >= repeats:  # type: ignore[operator]
                 return out

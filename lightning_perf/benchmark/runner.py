@@ -221,8 +221,9 @@ class _Runs:
         self.steps, self.decided = None, {}  # the pace and the per-model decisions are measured at this count
 
     def rethink(self, rounds: int) -> str | None:
-        """After a round: the threads chosen again where the load present at the start that cost them is gone (once
-        per run, :func:`~lightning_perf.benchmark.threads.recheck_threads`); why the runs so far no longer count."""
+        """After each run of round ``rounds``: the threads chosen again where the load present at the start that cost
+        them is gone (once per bench run, :func:`~lightning_perf.benchmark.threads.recheck_threads`); why the runs so
+        far no longer count."""
         if (choice := recheck_threads(self.choice, self.monitor, self.machine, rounds, self.say)) is not None:
             self.use(choice)
         return None if choice is None else choice.switch["why"]  # type: ignore[index]

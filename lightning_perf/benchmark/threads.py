@@ -4,7 +4,7 @@
 sampled over a second when the run starts (:func:`sample_other_cores`), else the 1-minute load average. A load present
 at the start is watched (:func:`choose_threads`: every :data:`RECHECK_S` s for up to :data:`START_WATCH_S` s, saying
 :data:`WATCH_LINE`) and the count chosen from the last sample. Where it still cost the run threads, the bench samples
-again after each round and, once that load is gone, chooses again (:func:`recheck_threads`, once per run; the rounds
+again after each run and, once that load is gone, chooses again (:func:`recheck_threads`, once per bench run; the runs
 measured before are set aside; the tuner keeps its first choice). :func:`start_load_note` says for how many threads the
 answer holds. A count set by hand (``--threads``, ``BenchSpec(threads=...)``, ``OMP_NUM_THREADS``) wins. Workers get
 the count and the wait policy in their environment (:func:`thread_env`). Why and the figures: docs/guide.md, "Worker
@@ -70,7 +70,7 @@ class ThreadChoice:
             average decided).
         start_other_cores: other processes' busy cores in the first sample, before any watching.
         watched_s: seconds the load present at the start was watched before the choice (0: none was).
-        switch: ``{"from", "to", "after_round", "why"}`` where the bench chose again once that load was gone.
+        switch: ``{"from", "to", "in_round", "why"}`` where the bench chose again once that load was gone.
     """
 
     threads: int
@@ -215,20 +215,21 @@ def choose_threads(
 
 
 def recheck_threads(
-    choice: ThreadChoice, monitor: Any, machine: Mapping[str, Any], after_round: int, say: Callable[[str], None] | None
+    choice: ThreadChoice, monitor: Any, machine: Mapping[str, Any], in_round: int, say: Callable[[str], None] | None
 ) -> ThreadChoice | None:
-    """After round ``after_round``: where ``choice`` left cores out for a load present at the start and a fresh sample
-    finds it gone (the rule that ends the watch), the count chosen again from that sample, with its :attr:`switch`
-    said in one line; ``None`` otherwise: a count set by hand, every core used, a load still there, a second switch."""
+    """After a run of round ``in_round``: where ``choice`` left cores out for a load present at the start and a fresh
+    sample finds it gone (the rule that ends the watch), the count chosen again from that sample, with its
+    :attr:`switch` said in one line; ``None`` otherwise: a count set by hand, every core used, a load still there, a
+    second switch."""
     if choice.set_by_hand or choice.switch or choice.threads >= choice.cores or not _busy(choice.other_cores):
         return None
     if (now := sample_other_cores(monitor)) is None or _busy(now):
         return None
     new = decide_for_run(None, machine, other_cores=now)  # every core: none is busy now
     why = f"measured at {choice.threads} thread{'s' * (choice.threads > 1)} while the load present at the start lasted"
-    gone = f"the load present at the start is gone after round {after_round}: threads {choice.threads} -> {new.threads}"
+    gone = f"the load present at the start is gone in round {in_round}: threads {choice.threads} -> {new.threads}"
     (say or _stderr)(f"{gone}, the rounds so far are measured again")
-    switch = {"from": choice.threads, "to": new.threads, "after_round": after_round, "why": why}
+    switch = {"from": choice.threads, "to": new.threads, "in_round": in_round, "why": why}
     return replace(new, start_other_cores=choice.start_other_cores, watched_s=choice.watched_s, switch=switch)
 
 
@@ -248,9 +249,7 @@ def start_load_note(choice: ThreadChoice, monitor: Any) -> str | None:
         f"{choice.threads} thread{'s' if choice.threads != 1 else ''} per worker"
     )
     if switch := choice.switch:
-        text += (
-            f" (from {switch['from']} after round {switch['after_round']}, when it was gone: those rounds set aside)"
-        )
+        text += f" (from {switch['from']} in round {switch['in_round']}, when it was gone: the runs before set aside)"
     elif choice.threads < choice.cores and not _busy(end := sample_other_cores(monitor)) and end is not None:
         text += f"; that load was gone by the end: a quiet re-run would use {choice.cores} threads and may differ"
     return text

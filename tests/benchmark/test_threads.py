@@ -278,7 +278,7 @@ def test_a_count_set_by_hand_is_not_watched_for() -> None:
     assert (choice.threads, choice.watched_s, choice.other_cores, said) == (2, 0.0, 2.0, [])
 
 
-GONE = "the load present at the start is gone after round 1: threads 1 -> 2, the rounds so far are measured again"
+GONE = "the load present at the start is gone in round 1: threads 1 -> 2, the rounds so far are measured again"
 WHY = "measured at 1 thread while the load present at the start lasted"
 
 
@@ -298,8 +298,16 @@ WHY = "measured at 1 thread while the load present at the start lasted"
             lambda t: 2.0 if t < 75 else 0.0,
             None,
             [1] * 2 + [2] * 4,
-            "(2.0 cores busy, watched 60 s): the figures hold for 2 threads per worker (from 1 after round 1, when it "
-            "was gone: those rounds set aside)",
+            "(2.0 cores busy, watched 60 s): the figures hold for 2 threads per worker (from 1 in round 1, when it "
+            "was gone: the runs before set aside)",
+        ),
+        # One that ends at 68 s, during round 1's first run: chosen again after that run, not after the round.
+        (
+            lambda t: 2.0 if t < 68 else 0.0,
+            None,
+            [1] + [2] * 4,
+            "(2.0 cores busy, watched 60 s): the figures hold for 2 threads per worker (from 1 in round 1, when it "
+            "was gone: the runs before set aside)",
         ),
         (lambda t: 2.0, None, [1] * 4, "(2.0 cores busy, watched 60 s): the figures hold for 1 thread per worker"),
         (lambda t: 2.0 if t < 5 else 0.0, 1, [1] * 4, None),  # set by hand: never watched nor chosen again
@@ -336,14 +344,16 @@ def test_the_bench_chooses_its_threads_again_once_when_the_start_load_is_gone(
     assert said == [thread_rules.WATCH_LINE] * (asked is None) + [GONE] * switched
     record = data["machine"]["threads"]
     assert record["threads"] == used[-1] and data["options"]["threads"] == used[-1]
-    assert record["switch"] == ({"from": 1, "to": 2, "after_round": 1, "why": WHY} if switched else None)
+    assert record["switch"] == ({"from": 1, "to": 2, "in_round": 1, "why": WHY} if switched else None)
     # Only the fresh rounds are in the figures, numbered from 0 again; the set-aside ones are named in the notes.
     assert [(r["spec"]["config"], r["spec"]["repeat"], r["threads"]) for r in data["runs"]] == [
         (c, r, used[-1]) for c in ("baseline", "channels_last") for r in (0, 1)
     ]
     row = next(s for s in report.summaries if s.config == "channels_last")
     assert row.speedup == pytest.approx(4.0 / used[-1])
-    assert any(n == f"2 repeats re-run (disturbed, kept out of the figures): {WHY}" for n in data["notes"]) == switched
+    again = used.count(1) if switched else 0  # the runs measured at one thread before the switch
+    assert any(n.endswith(f"re-run (disturbed, kept out of the figures): {WHY}") for n in data["notes"]) == switched
+    assert any(n.startswith(f"{again} repeat{'s' * (again > 1)} re-run") for n in data["notes"]) == switched
     # Idle OpenMP threads sleep while the load is there; the quiet rounds run OpenMP's default, as training does.
     assert {p for t, p in ran[-4:]} == {"PASSIVE" if used[-1] == 1 and asked is None else None}
     assert [n.removeprefix("other load at start ") for n in data["notes"] if n.startswith("other load at start")] == (
